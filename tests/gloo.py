@@ -1,0 +1,39 @@
+"""Run a function on W CPU processes joined by a gloo process group (torchtitan-style tests)."""
+
+import os
+import socket
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, world_size, port, result_dir, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world_size, *args):
+    """`fn(rank, world_size, *args)` on every rank; returns the list of per-rank results.
+
+    `fn` must be importable (a module-level function) because the processes are spawned.
+    """
+    with tempfile.TemporaryDirectory() as result_dir:
+        mp.start_processes(_worker, args=(world_size, free_port(), result_dir, fn, args), nprocs=world_size,
+                           start_method="spawn", join=True)
+        return [torch.load(os.path.join(result_dir, f"{rank}.pt")) for rank in range(world_size)]
