@@ -84,3 +84,25 @@ def sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
         values = values.clone()
         dist.all_reduce(values)
     return values
+
+
+def reconcile_deepspeed_config(accelerator: Accelerator, **recipe_values):
+    """Fill the DeepSpeed config's "auto" entries from the recipe; reject numbers that disagree.
+
+    Without this an integer in the JSON silently wins at `prepare` (accelerate only warns), e.g.
+    a different gradient_accumulation_steps than the loop and the loss normalisation assume.
+    A no-op without DeepSpeed. Call it before `accelerator.prepare`.
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    config = plugin.deepspeed_config
+    conflicts = []
+    for key, value in recipe_values.items():
+        if config.get(key, "auto") == "auto":
+            config[key] = value
+        elif config[key] != value:
+            conflicts.append(f"{key}={config[key]} (the recipe uses {value})")
+    if conflicts:
+        raise ValueError(f"The DeepSpeed config disagrees with the recipe: {', '.join(conflicts)}. Write \"auto\" "
+                         "for these keys in the DeepSpeed JSON (the recipe fills them), or pass matching recipe flags.")

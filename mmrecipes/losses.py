@@ -29,7 +29,7 @@ def _group_rank_world(group):
 def gather_sizes(num_rows: int, device, group) -> list[int]:
     """Every rank's row count, in rank order (a collective)."""
     size = torch.tensor([num_rows], device=device, dtype=torch.long)
-    return funcol.all_gather_tensor(size, 0, group).tolist()
+    return funcol.all_gather_single(size, 0, group).tolist()
 
 
 def all_gather_with_grad(rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""Streamed image-caption data: load, split by data rank, decode + transform + tokenise, collate.
+
+Every rank runs the same deterministic preprocessing (the image processor and tokenizer the
+model is saved with), so ranks differ only in which rows they read. Bad rows never crash the
+run: unusual image modes are converted to RGB, and undecodable, oversized or captionless rows
+are dropped inside the stream and counted (the counts ride along with the next good row, so
+they survive DataLoader workers and reach the log).
+"""
+
+import io
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import datasets
+import torch
+from datasets.distributed import split_dataset_by_node
+from PIL import Image
+
+from .models import REPO_ROOT
+
+logger = logging.getLogger(__name__)
+
+SHAPES_DATA = REPO_ROOT / "data" / "shapes"
+COUNTED = ("converted", "undecodable", "too_large", "no_caption")  # what the log reports
+
+
+@dataclass
+class DataArgs:
+    dataset_name: str = str(SHAPES_DATA)  # hub id, local dataset dir, or a builder ('parquet', 'imagefolder')
+    dataset_config_name: str | None = None
+    data_files: str | None = None  # training files for a builder (a glob); the eval files go in eval_data_files
+    eval_data_files: str | None = None
+    train_split: str = "train"
+    eval_split: str | None = "test"  # None (or an empty eval set) turns evaluation off
+    image_column: str = "image"
+    caption_column: str = "text"
+    max_caption_length: int = 32
+    max_image_pixels: int = 50_000_000  # larger images are skipped before they are decoded
+    shuffle_buffer_size: int = 1000
+    # Shards feeding the shuffle buffer at once. datasets reads several on threads and then waits
+    # 5 s at the end of every pass (a pyarrow workaround): raise it when shards are sorted by source.
+    shuffle_buffer_input_shards: int = 1
+    dataloader_num_workers: int = 0
+
+
+def load_image_text_stream(args: DataArgs, split: str, data_files, data_rank: int, data_world: int):
+    """This data rank's share of a split, streamed, with images left undecoded."""
+    stream = datasets.load_dataset(
+        args.dataset_name, args.dataset_config_name, data_files={split: data_files} if data_files else None,
+        split=split, streaming=True,
+    )
+    missing = {args.image_column, args.caption_column} - set(stream.column_names or ())
+    if stream.column_names is not None and missing:
+        raise ValueError(f"{args.dataset_name} has columns {stream.column_names}; set --image_column/--caption_column "
+                         f"(missing {sorted(missing)})")
+    stream = split_dataset_by_node(stream, rank=data_rank, world_size=data_world)
+    if isinstance(stream.features[args.image_column], datasets.Image):
+        stream = stream.cast_column(args.image_column, datasets.Image(decode=False))  # we decode, and count failures
+    return stream
+
+
+class ImageTextPreprocessor:
+    """Batched `datasets.map` function: rows in, model-ready rows out, bad rows dropped and counted."""
+
+    def __init__(self, args: DataArgs, tokenizer, image_processor):
+        self.args, self.tokenizer, self.image_processor = args, tokenizer, image_processor
+        self.pending = Counter()  # drops not yet attached to an emitted row
+
+    def __call__(self, batch):
+        images, captions, counts = [], [], []
+        for raw_image, caption in zip(batch[self.args.image_column], batch[self.args.caption_column]):
+            if not isinstance(caption, str) or not caption.strip():
+                self.pending["no_caption"] += 1
+                continue
+            image, problem = self.decode(raw_image)
+            if problem in ("undecodable", "too_large"):
+                self.pending[problem] += 1
+                continue
+            row_counts = self.pending + Counter({problem: 1} if problem else {})
+            self.pending = Counter()
+            images.append(image)
+            captions.append(caption.strip())
+            counts.append(row_counts)
+        out = {"pixel_values": [], "input_ids": []} | {name: [] for name in COUNTED}
+        if images:
+            out["pixel_values"] = list(self.image_processor(images=images, return_tensors="pt")["pixel_values"])
+            out["input_ids"] = self.tokenizer(captions, truncation=True, max_length=self.args.max_caption_length)["input_ids"]
+            for name in COUNTED:
+                out[name] = [row[name] for row in counts]
+        return out
+
+    def decode(self, raw_image):
+        """(RGB image or None, problem or None)."""
+        try:
+            if isinstance(raw_image, dict):  # datasets.Image(decode=False): {"bytes", "path"}
+                raw_image = io.BytesIO(raw_image["bytes"]) if raw_image.get("bytes") else raw_image["path"]
+            image = raw_image if isinstance(raw_image, Image.Image) else Image.open(raw_image)
+            if image.width * image.height > self.args.max_image_pixels:  # header only: nothing decoded yet
+                return None, "too_large"
+            image.load()
+        except Exception as error:  # PIL raises many types for corrupt or truncated files
+            logger.debug("undecodable image: %s", error)
+            return None, "undecodable"
+        if image.mode == "RGB":
+            return image, None
+        if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+            rgba = image.convert("RGBA")
+            background = Image.new("RGB", rgba.size, (255, 255, 255))
+            background.paste(rgba, mask=rgba.getchannel("A"))
+            return background, "converted"
+        return image.convert("RGB"), "converted"  # L, P, CMYK, I;16, ...
+
+
+def preprocess_stream(stream, args: DataArgs, tokenizer, image_processor, *, batch_size: int):
+    return stream.map(
+        ImageTextPreprocessor(args, tokenizer, image_processor), batched=True, batch_size=batch_size,
+        remove_columns=stream.column_names,
+    )
+
+
+class ImageTextCollator:
+    """Rows -> {pixel_values, input_ids, attention_mask, data_counts}; pads captions to the batch max."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, rows):
+        text = self.tokenizer.pad([{"input_ids": row["input_ids"]} for row in rows], return_tensors="pt")
+        return {
+            "pixel_values": torch.stack([row["pixel_values"] for row in rows]),
+            "input_ids": text["input_ids"],
+            "attention_mask": text["attention_mask"],
+            "data_counts": torch.tensor([sum(row[name] for row in rows) for name in COUNTED]),
+        }
+
+
+def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_processor, *, batch_size, data_rank,
+                     data_world, shuffle_seed=None):
+    """A DataLoader over this data rank's rows. Pass it to `accelerator.prepare`? No: it is
+    already split by data rank, and accelerate would shard a datasets stream a second time."""
+    stream = load_image_text_stream(args, split, data_files, data_rank, data_world)
+    if shuffle_seed is not None:  # same seed on every rank; each rank shuffles its own rows
+        stream = stream.shuffle(seed=shuffle_seed, buffer_size=args.shuffle_buffer_size,
+                                max_buffer_input_shards=args.shuffle_buffer_input_shards)
+    stream = preprocess_stream(stream, args, tokenizer, image_processor, batch_size=batch_size)
+    return torch.utils.data.DataLoader(
+        stream, batch_size=batch_size, collate_fn=ImageTextCollator(tokenizer),
+        num_workers=args.dataloader_num_workers, pin_memory=torch.cuda.is_available(),
+    )
+
+
+def model_inputs(batch, device):
+    """The model's tensors of a collated batch, on `device`."""
+    return {key: batch[key].to(device, non_blocking=True) for key in ("input_ids", "attention_mask", "pixel_values")}
+
+
+def batches_forever(dataloader, start_epoch: int = 0):
+    """Yield (epoch, batch) over epochs of this rank's stream; (epoch, None) after an empty epoch.
+
+    Each rank loops over its own rows, so a rank never runs dry while others train: every
+    rank stops at the same optimizer step. The recipe all-reduces "got a batch" each
+    micro-step, so an empty shard stops every rank with one clear error instead of a hang.
+    """
+    epoch = start_epoch
+    while True:
+        dataloader.dataset.set_epoch(epoch)  # a new shuffle order per epoch
+        empty = True
+        for batch in dataloader:
+            empty = False
+            yield epoch, batch
+        if empty:
+            yield epoch, None
+        epoch += 1
