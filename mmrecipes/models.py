@@ -32,13 +32,10 @@ class CLIPForContrastiveTraining(CLIPModel):
     `forward` returns (image_embeds, text_embeds, logit_scale.exp()): the scale must be read
     inside the forward, where FSDP2 and ZeRO-3 have the parameter unsharded. Two changes make
     it acceptable to every engine (CPU_ENGINES.md): FSDP and DeepSpeed reject 0-dim parameters,
-    so `logit_scale` has shape [1] (`save_clip` writes it back as []), and accelerate's FSDP2
-    path calls `get_input_embeddings()`, which CLIPModel does not implement.
+    so `build_clip` reshapes `logit_scale` to [1] once the weights are loaded (`save_clip` writes
+    it back as []), and accelerate's FSDP2 path calls `get_input_embeddings()`, which CLIPModel
+    does not implement.
     """
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.logit_scale = torch.nn.Parameter(torch.tensor([config.logit_scale_init_value]))
 
     def forward(self, input_ids, attention_mask, pixel_values):
         image_embeds = self.get_image_features(pixel_values=pixel_values).pooler_output
@@ -47,12 +44,6 @@ class CLIPForContrastiveTraining(CLIPModel):
 
     def get_input_embeddings(self):
         return self.text_model.embeddings.token_embedding
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        key = prefix + "logit_scale"
-        if key in state_dict and state_dict[key].dim() == 0:  # a plain CLIPModel checkpoint
-            state_dict[key] = state_dict[key].reshape(1)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 def build_clip(args: ModelArgs):
@@ -66,7 +57,14 @@ def build_clip(args: ModelArgs):
         model = CLIPForContrastiveTraining.from_pretrained(args.model_name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
         image_processor = AutoImageProcessor.from_pretrained(args.model_name_or_path)
-        return model, tokenizer, image_processor
+    else:
+        model, tokenizer, image_processor = _tiny_clip(args)
+    # After loading: the checkpoint's logit_scale is 0-dim, which FSDP and DeepSpeed reject.
+    model.logit_scale = torch.nn.Parameter(model.logit_scale.detach().reshape(1))
+    return model, tokenizer, image_processor
+
+
+def _tiny_clip(args: ModelArgs):
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name)
     tower = dict(hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
                  num_hidden_layers=args.num_layers, num_attention_heads=max(1, args.hidden_size // 32))
@@ -93,7 +91,8 @@ def clamp_logit_scale_(accelerator, model, max_value: float = MAX_LOGIT_SCALE):
     Clamping is elementwise, so each rank clamping the part it holds is exact. DDP: the
     parameter. FSDP2: this rank's DTensor shard. DeepSpeed keeps an fp32 master copy in the
     optimizer that the next step starts from: clamp it too (ZeRO-1/2: partitioned master, full
-    model copy; ZeRO-3: both partitioned, plus a full copy of small parameters). Call it on every rank: under ZeRO-1/2 it runs collectives.
+    model copy; ZeRO-3: both partitioned, plus a full copy of small parameters).
+    Call it on every rank: under ZeRO-1/2 it runs collectives.
     """
     param = accelerator.unwrap_model(model).logit_scale
     if accelerator.distributed_type != DistributedType.DEEPSPEED:

@@ -1,0 +1,49 @@
+"""Run the recipe as a user does: `accelerate launch --config_file ... recipes/clip_pretrain.py ...`."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from gloo import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "clip_pretrain.py"
+# Short, fast runs; a collective that waits longer than ddp_timeout fails the run instead of hanging.
+QUICK = ["--report_to", "none", "--ddp_timeout", "120", "--per_device_eval_batch_size", "256"]
+
+
+def accelerate_launch(config: str | Path, *recipe_args, num_processes=2, timeout=600) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
+               "--num_processes", str(num_processes), "--main_process_port", str(free_port()),
+               str(RECIPE), *QUICK, *map(str, recipe_args)]
+    return _run(command, timeout)
+
+
+def run_recipe(*recipe_args, timeout=600) -> subprocess.CompletedProcess:
+    """One process, no launcher (what `accelerate launch` with no config does)."""
+    return _run([sys.executable, str(RECIPE), *QUICK, *map(str, recipe_args)], timeout)
+
+
+def _run(command, timeout):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    result.log = (result.stdout + result.stderr).replace("\r", "\n")
+    return result
+
+
+def losses(log: str) -> dict[int, float]:
+    return {int(step): float(loss) for step, loss in re.findall(r"^step (\d+)/\d+ \| loss ([\d.]+)", log, re.M)}
+
+
+def engine_line(log: str) -> str:
+    return re.search(r"^\[engine\] .*$", log, re.M).group(0)
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("clip_pretrain", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,131 @@
+"""clip_pretrain.py behaviour: accumulation communication, exact resume, config rejection, real-data path."""
+
+import json
+import re
+
+import pytest
+import yaml
+from PIL import Image
+from transformers import CLIPModel
+
+from mmrecipes.models import ModelArgs, build_clip
+from gloo import run_on_ranks
+from launch import REPO, accelerate_launch, load_recipe, losses, run_recipe
+
+pytestmark = pytest.mark.launch
+
+
+def _count_gradient_allreduces(rank, world_size, argv):
+    """Run the recipe in this gloo process, counting DDP's gradient all-reduces (one per bucket)."""
+    import accelerate
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    calls = []
+    prepare = accelerate.Accelerator.prepare
+
+    def counting_hook(state, bucket):
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(None, bucket)
+
+    def counting_prepare(self, *objects):
+        prepared = prepare(self, *objects)
+        prepared[0].register_comm_hook(None, counting_hook)
+        return prepared
+
+    accelerate.Accelerator.prepare = counting_prepare
+    load_recipe().main(argv)
+    return len(calls)
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_gradients_all_reduced_once_per_optimizer_step(tmp_path, accumulation):
+    """seed-002: with `accelerator.accumulate` the all-reduce count per optimizer step does not
+    grow with the accumulation window (it would be x4 if every micro-batch synchronised)."""
+    steps = 3
+    argv = ["--report_to", "none", "--max_steps", str(steps), "--gradient_accumulation_steps", str(accumulation),
+            "--per_device_train_batch_size", "8", "--eval_split", "", "--output_dir", str(tmp_path)]
+    counts = run_on_ranks(_count_gradient_allreduces, 2, argv)
+    # The tiny model fits one 25 MB DDP bucket: one all-reduce per optimizer step, whatever the window.
+    assert counts == [steps, steps]
+
+
+def test_resume_continues_exactly(tmp_path):
+    common = ["--max_steps", 4, "--logging_steps", 1, "--per_device_train_batch_size", 16,
+              "--gradient_accumulation_steps", 2, "--eval_split", "", "--output_dir", tmp_path]
+    straight = run_recipe(*common, "--save_steps", 2)
+    assert straight.returncode == 0, straight.log[-3000:]
+    assert (tmp_path / "checkpoints" / "checkpoint-2").is_dir()
+    resumed = run_recipe(*common, "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert "resumed from" in resumed.log and "at step 2" in resumed.log
+    # Same weights, optimizer, schedule and data position: steps 3 and 4 repeat to float precision.
+    assert set(losses(resumed.log)) == {3, 4}
+    for step in (3, 4):
+        assert losses(resumed.log)[step] == pytest.approx(losses(straight.log)[step], abs=1e-6)
+
+
+def test_deepspeed_accumulation_mismatch_rejected_before_first_step(tmp_path):
+    ds_config = json.loads((REPO / "accelerate_configs" / "zero2.json").read_text())
+    ds_config["gradient_accumulation_steps"] = 4
+    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
+    launch_config = yaml.safe_load((REPO / "accelerate_configs" / "zero2.yaml").read_text())
+    launch_config["deepspeed_config"]["deepspeed_config_file"] = str(tmp_path / "ds.json")
+    (tmp_path / "zero2.yaml").write_text(yaml.safe_dump(launch_config))
+    result = accelerate_launch(tmp_path / "zero2.yaml", "--gradient_accumulation_steps", 2, "--max_steps", 2,
+                               "--output_dir", tmp_path / "out")
+    assert result.returncode != 0
+    assert "gradient_accumulation_steps=4 (the recipe uses 2)" in result.log
+    assert not losses(result.log)  # rejected before the first step
+
+
+def test_indivisible_global_batch_rejected(tmp_path):
+    result = run_recipe("--global_batch_size", 30, "--gradient_accumulation_steps", 4, "--output_dir", tmp_path)
+    assert result.returncode != 0
+    assert "--global_batch_size 30 is not divisible" in result.log and "e.g. 32" in result.log
+
+
+@pytest.mark.parametrize("text, message", [
+    ("learning_rate: 2e-5\n", "YAML read learning_rate: 2e-5 as a string"),
+    ("mixed_precision: no\n", "quote it (e.g. 'no')"),
+    ("max_step: 10\n", "unknown key 'max_step' (did you mean 'max_steps'?)"),
+    ("max_steps: '10'\n", "'max_steps' must be int"),
+])
+def test_bad_yaml_rejected_with_a_fix(tmp_path, text, message):
+    recipe = load_recipe()
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        recipe.parse_args((recipe.ModelArgs, recipe.DataArgs, recipe.TrainArgs), [str(config)])
+
+
+def test_yaml_defaults_and_cli_overrides():
+    recipe = load_recipe()
+    model_args, data_args, args = recipe.parse_args(
+        (recipe.ModelArgs, recipe.DataArgs, recipe.TrainArgs),
+        [str(REPO / "recipes" / "configs" / "clip_tiny.yaml"), "--max_steps", "7"])
+    assert args.max_steps == 7
+    assert args.learning_rate == yaml.safe_load((REPO / "recipes" / "configs" / "clip_tiny.yaml").read_text())["learning_rate"]
+
+
+def test_pretrained_model_and_local_imagefolder(tmp_path):
+    """The real-data path: --model_name_or_path (a saved CLIP dir) and an imagefolder dataset."""
+    first = run_recipe("--max_steps", 1, "--eval_split", "", "--logit_scale_init_value", 3.3,
+                       "--output_dir", tmp_path / "model")
+    assert first.returncode == 0, first.log[-3000:]
+    loaded, _, _ = build_clip(ModelArgs(model_name_or_path=str(tmp_path / "model")))
+    assert loaded.logit_scale.shape == (1,)  # reshaped for FSDP/DeepSpeed, but not re-initialised
+    assert loaded.logit_scale.item() == pytest.approx(CLIPModel.from_pretrained(tmp_path / "model").logit_scale.item())
+    assert loaded.logit_scale.item() == pytest.approx(3.3, abs=0.01)
+    for split, count in (("train", 24), ("test", 8)):
+        folder = tmp_path / "folder" / split
+        folder.mkdir(parents=True)
+        rows = []
+        for i in range(count):
+            Image.new("RGB", (40, 48), (10 * i, 100, 200 - 5 * i)).save(folder / f"{i}.png")
+            rows.append(f"{i}.png,a picture number {i}")
+        (folder / "metadata.csv").write_text("file_name,caption\n" + "\n".join(rows) + "\n")
+    result = run_recipe("--model_name_or_path", tmp_path / "model", "--dataset_name", tmp_path / "folder",
+                        "--caption_column", "caption", "--max_steps", 3, "--logging_steps", 1,
+                        "--per_device_train_batch_size", 8, "--output_dir", tmp_path / "finetuned")
+    assert result.returncode == 0, result.log[-3000:]
+    assert "eval_pairs 8" in result.log and sorted(losses(result.log)) == [1, 2, 3]
