@@ -60,14 +60,24 @@ def clip_loss(image_features, text_features, logit_scale, *, tile_size=None, gro
     group, rank, world = _group_rank_world(group)
     num_local = image_features.shape[0]
     if world == 1:
-        sizes, all_images, all_texts = [num_local], image_features, text_features
-    else:
-        sizes = gather_sizes(num_local, image_features.device, group)
-        all_images = all_gather_with_grad(image_features, sizes, group)
-        all_texts = all_gather_with_grad(text_features, sizes, group)
+        return local_clip_loss(image_features, text_features, image_features, text_features, logit_scale,
+                               offset=0, world=1, tile_size=tile_size)
+    sizes = gather_sizes(num_local, image_features.device, group)
+    all_images = all_gather_with_grad(image_features, sizes, group)
+    all_texts = all_gather_with_grad(text_features, sizes, group)
+    return local_clip_loss(image_features, text_features, all_images, all_texts, logit_scale,
+                           offset=sum(sizes[:rank]), world=world, tile_size=tile_size)
+
+
+def local_clip_loss(image_features, text_features, all_images, all_texts, logit_scale, *, offset, world,
+                    tile_size=None):
+    """This rank's share of InfoNCE given every rank's rows (`all_*`, N rows, this rank's at `offset`).
+
+    Scaled by W/(2N) so that the mean over the W ranks is the global loss.
+    """
     scale = logit_scale.reshape(())
     if tile_size is None:
-        labels = torch.arange(num_local, device=image_features.device) + sum(sizes[:rank])
+        labels = torch.arange(image_features.shape[0], device=image_features.device) + offset
         total = F.cross_entropy(scale * image_features @ all_texts.T, labels, reduction="sum")
         total = total + F.cross_entropy(scale * text_features @ all_images.T, labels, reduction="sum")
     else:
@@ -78,7 +88,7 @@ def clip_loss(image_features, text_features, logit_scale, *, tile_size=None, gro
             + tiled_logsumexp(text_features, all_images, scale, tile_size).sum()
             - 2 * positives
         )
-    return total * world / (2 * sum(sizes))
+    return total * world / (2 * all_images.shape[0])
 
 
 def tiled_logsumexp(queries, keys, scale, tile_size):

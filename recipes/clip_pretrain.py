@@ -13,7 +13,8 @@ Tested on a 2-core CPU (1 and 2 processes, gloo).
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from mmrecipes.data import COUNTED, DataArgs, batches_forever, build_dataloader,
 from mmrecipes.distributed import (all_ranks_true, data_parallel_rank_and_world, engine_line, make_accelerator,
                                    reconcile_deepspeed_config, sum_over_ranks)
 from mmrecipes.evaluation import evaluate_retrieval
+from mmrecipes.feature_cache import feature_cache_backward
 from mmrecipes.losses import clip_loss
 from mmrecipes.models import ModelArgs, build_clip, clamp_logit_scale_, save_clip
 from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
@@ -43,6 +45,9 @@ class TrainArgs:
     warmup_steps: int = 20
     lr_scheduler_type: str = "cosine"
     max_grad_norm: float = 1.0
+    # plain: each micro-batch is its own contrastive batch (b negatives per row); feature_cache: the
+    # accumulation window is ONE batch of k*b negatives (GradCache: one extra forward per micro-batch)
+    contrastive_accumulation: str = field(default="plain", metadata={"choices": ["plain", "feature_cache"]})
     loss_tile_size: int | None = None  # compute the loss in tiles: no [b, N] logits matrix
     mixed_precision: str = "auto"  # auto: bf16 on GPUs that support it, else fp32; or no / bf16 / fp16
     seed: int = 42
@@ -109,29 +114,39 @@ def main(argv=None):
     peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
-    loss_sum, micro_steps, samples, window_start = torch.zeros((), device=accelerator.device), 0, 0, time.perf_counter()
+    loss_sum, logged_steps, samples, window_start = torch.zeros((), device=accelerator.device), 0, 0, time.perf_counter()
     data_counts = torch.zeros(len(COUNTED), dtype=torch.long)
     filler_batch = None
+    loss_fn = partial(clip_loss, tile_size=args.loss_tile_size)
     for step in progress:
+        window = []
         for _ in range(args.gradient_accumulation_steps):
             epoch, batch = next(train_batches)
             if not all_ranks_true(batch is not None, accelerator.device):
                 raise RuntimeError(f"A data rank has no training rows ({data_world} data ranks): use more data "
                                    "shards/rows or fewer processes.")
-            filler_batch = batch
-            # Gradients are all-reduced only on the last micro-batch of the window (no_sync before it).
-            with accelerator.accumulate(model):
-                image_embeds, text_embeds, logit_scale = model(**model_inputs(batch, accelerator.device))
-                loss = clip_loss(image_embeds, text_embeds, logit_scale, tile_size=args.loss_tile_size)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            loss_sum += loss.detach()
-            micro_steps += 1
-            samples += len(batch["input_ids"])
-            data_counts = data_counts + batch["data_counts"]
+            window.append(batch)
+        if args.contrastive_accumulation == "feature_cache":
+            # The window's micro-batches act as ONE contrastive batch (k*b negatives per row).
+            window_losses = [feature_cache_backward(accelerator, model, window, loss_fn)]
+        else:
+            # Each micro-batch is its own contrastive batch (b negatives); the gradients add up.
+            window_losses = []
+            for batch in window:
+                # Gradients are all-reduced only on the last micro-batch of the window (no_sync before it).
+                with accelerator.accumulate(model):
+                    image_embeds, text_embeds, logit_scale = model(**model_inputs(batch, accelerator.device))
+                    loss = loss_fn(image_embeds, text_embeds, logit_scale)
+                    accelerator.backward(loss)
+                window_losses.append(loss.detach())
+        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
+        optimizer.zero_grad()
+        loss_sum += torch.stack(window_losses).mean()
+        logged_steps += 1
+        samples += sum(len(batch["input_ids"]) for batch in window)
+        data_counts = data_counts + sum(batch["data_counts"] for batch in window)
+        filler_batch = window[-1]
         scheduler.step()
         clamp_logit_scale_(accelerator, model)
 
@@ -141,7 +156,7 @@ def main(argv=None):
             totals = sum_over_ranks(torch.stack([loss_sum, torch.tensor(float(samples), device=loss_sum.device)]))
             counts = sum_over_ranks(data_counts.to(accelerator.device))
             samples_per_s = totals[1].item() / (time.perf_counter() - window_start)
-            metrics = {"loss": totals[0].item() / accelerator.num_processes / micro_steps, "epoch": epoch,
+            metrics = {"loss": totals[0].item() / accelerator.num_processes / logged_steps, "epoch": epoch,
                        "lr": scheduler.get_last_lr()[0], "samples_per_s": samples_per_s}
             if peak:
                 metrics["mfu"] = samples_per_s * flops_per_sample / (peak * accelerator.num_processes)
@@ -150,7 +165,7 @@ def main(argv=None):
             log(f"step {done}/{args.max_steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.2e} | "
                               f"samples/s {samples_per_s:.1f} | MFU " + (f"{metrics['mfu']:.2%}" if peak else "n/a") +
                               " | " + " ".join(f"{name} {metrics[name]}" for name in COUNTED))
-            loss_sum, micro_steps, samples, window_start = torch.zeros_like(loss_sum), 0, 0, time.perf_counter()
+            loss_sum, logged_steps, samples, window_start = torch.zeros_like(loss_sum), 0, 0, time.perf_counter()
         if eval_loader is not None and (done % args.eval_steps == 0 or done == args.max_steps):
             eval_start = time.perf_counter()
             recall = evaluate_retrieval(model, eval_loader, filler_batch, accelerator.device)

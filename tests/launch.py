@@ -15,10 +15,11 @@ RECIPE = REPO / "recipes" / "clip_pretrain.py"
 QUICK = ["--report_to", "none", "--ddp_timeout", "120", "--per_device_eval_batch_size", "256"]
 
 
-def accelerate_launch(config: str | Path, *recipe_args, num_processes=2, timeout=600) -> subprocess.CompletedProcess:
+def accelerate_launch(config: str | Path, *recipe_args, num_processes=2, launcher_args=(), port=None,
+                      timeout=600) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
-               "--num_processes", str(num_processes), "--main_process_port", str(free_port()),
-               str(RECIPE), *QUICK, *map(str, recipe_args)]
+               "--num_processes", str(num_processes), "--main_process_port", str(port or free_port()),
+               *map(str, launcher_args), str(RECIPE), *QUICK, *map(str, recipe_args)]
     return _run(command, timeout)
 
 

@@ -5,11 +5,13 @@ copy each engine updates (DeepSpeed's fp32 master included) for the saved value 
 """
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from transformers import CLIPModel, pipeline
 
+from gloo import free_port
 from launch import accelerate_launch, engine_line, losses
 
 pytestmark = pytest.mark.launch
@@ -74,3 +76,22 @@ def test_output_dir_works_in_zero_shot_pipeline(runs):
     scores = classify(Image.new("RGB", (64, 64), (200, 30, 30)), candidate_labels=["a large red square", "a small blue circle"])
     assert {s["label"] for s in scores} == {"a large red square", "a small blue circle"}
     assert sum(s["score"] for s in scores) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_multi_node_template_rendezvous(runs, tmp_path):
+    """multi_node.yaml as two 'nodes' on this machine (one process each, loopback): same losses as DDP."""
+    port = free_port()
+
+    def node(rank):
+        return accelerate_launch("multi_node.yaml", "--max_steps", 2, "--logging_steps", 1, "--eval_steps", 2,
+                                 "--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 2,
+                                 "--logit_scale_init_value", 5.0, "--output_dir", tmp_path / f"node{rank}",
+                                 launcher_args=["--num_machines", 2, "--machine_rank", rank,
+                                                "--main_process_ip", "127.0.0.1"], port=port)
+
+    with ThreadPoolExecutor(2) as pool:
+        main_node, other_node = pool.map(node, [0, 1])
+    assert main_node.returncode == 0 and other_node.returncode == 0, main_node.log[-2000:] + other_node.log[-2000:]
+    assert EXPECTED_ENGINE["ddp.yaml"] in engine_line(main_node.log)
+    ddp_loss = losses(runs["ddp.yaml"][0].log)
+    assert losses(main_node.log) == pytest.approx({1: ddp_loss[1], 2: ddp_loss[2]}, rel=1e-4)

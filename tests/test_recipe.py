@@ -129,3 +129,17 @@ def test_pretrained_model_and_local_imagefolder(tmp_path):
                         "--per_device_train_batch_size", 8, "--output_dir", tmp_path / "finetuned")
     assert result.returncode == 0, result.log[-3000:]
     assert "eval_pairs 8" in result.log and sorted(losses(result.log)) == [1, 2, 3]
+
+
+def test_feature_cache_window_trains_like_one_big_batch(tmp_path):
+    """--contrastive_accumulation feature_cache with 2 micro-batches of 16 reads the same rows as
+    one batch of 32 and must give the same gradients, hence the same loss curve."""
+    common = ["--max_steps", 3, "--logging_steps", 1, "--eval_split", ""]
+    cached = run_recipe(*common, "--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 2,
+                        "--contrastive_accumulation", "feature_cache", "--output_dir", tmp_path / "cached")
+    big = run_recipe(*common, "--per_device_train_batch_size", 32, "--output_dir", tmp_path / "big")
+    assert cached.returncode == 0 and big.returncode == 0, cached.log[-2000:] + big.log[-2000:]
+    assert losses(cached.log) == pytest.approx(losses(big.log), rel=1e-4)
+    plain = run_recipe(*common, "--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 2,
+                       "--output_dir", tmp_path / "plain")
+    assert losses(plain.log)[1] < losses(big.log)[1] - 0.3  # 16 negatives per row, not 32: a different objective

@@ -1,0 +1,125 @@
+"""Per-rank peak memory and forward+backward time of the contrastive loss: mmrecipes vs open_clip's
+local loss (materialised [b, N] logits), for b rows per rank and N = W*b gathered rows.
+
+    python bench/contrastive_loss.py                  # CPU here; CUDA when a GPU is present
+    python bench/contrastive_loss.py --quick          # a smaller grid
+
+W ranks are simulated in one process: the rank's own rows plus random rows standing in for the
+other ranks' gathered features (the gather itself costs the same in every method). Memory is
+measured from the inputs' allocation to the end of backward, gathered rows included: CPU peak
+RSS in a fresh subprocess per point, CUDA `max_memory_allocated`. Ratios are against the local
+loss in the same run.
+"""
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mmrecipes.losses import local_clip_loss
+
+DIM = 512  # ViT-B embedding width
+
+
+def open_clip_local_loss(images, texts, all_images, all_texts, scale, offset):
+    """open_clip ClipLoss(local_loss=True, gather_with_grad=True): logits of this rank's rows vs all."""
+    labels = torch.arange(len(images), device=images.device) + offset
+    return (F.cross_entropy(scale * images @ all_texts.T, labels) + F.cross_entropy(scale * texts @ all_images.T, labels)) / 2
+
+
+METHODS = {
+    "local": lambda *a, offset, world, tile: open_clip_local_loss(*a, offset),
+    "mmrecipes": lambda *a, offset, world, tile: local_clip_loss(*a, offset=offset, world=world),
+    "mmrecipes_tiled": lambda *a, offset, world, tile: local_clip_loss(*a, offset=offset, world=world, tile_size=tile),
+}
+
+
+def inputs(rows, world, device):
+    generator = torch.Generator(device).manual_seed(0)
+    make = lambda n: F.normalize(torch.randn(n, DIM, device=device, generator=generator), dim=-1)  # noqa: E731
+    images, texts = make(rows).requires_grad_(), make(rows).requires_grad_()
+    others = [make(rows * (world - 1)), make(rows * (world - 1))]
+    return images, texts, others, torch.tensor([14.3], device=device, requires_grad=True)
+
+
+def run(method, rows, world, tile, images, texts, others, scale):
+    """Gather (as torch.cat: the same buffer the collective returns) then loss forward + backward."""
+    all_images, all_texts = torch.cat([images, others[0]]), torch.cat([texts, others[1]])
+    loss = METHODS[method](images, texts, all_images, all_texts, scale, offset=0, world=world, tile=tile)
+    loss.backward()
+    images.grad = texts.grad = scale.grad = None
+
+
+def peak_bytes(method, rows, world, tile, device):
+    if device.type == "cuda":
+        tensors = inputs(rows, world, device)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run(method, rows, world, tile, *tensors)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    # CPU: a fresh process, so the high-water mark belongs to this point alone.
+    out = subprocess.run([sys.executable, __file__, "--child", method, str(rows), str(world), str(tile)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
+
+
+def child(method, rows, world, tile):
+    tensors = inputs(rows, world, torch.device("cpu"))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run(method, rows, world, tile, *tensors)
+    print(json.dumps({"peak_bytes": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024}))
+
+
+def seconds(method, rows, world, tile, device, repeats=3):
+    tensors = inputs(rows, world, device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first is a warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run(method, rows, world, tile, *tensors)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tile_size", type=int, default=1024)
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        method, rows, world, tile = args.child
+        return child(method, int(rows), int(world), int(tile))
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    grid = [(1024, 8), (4096, 8)] if args.quick else [(1024, 8), (2048, 8), (4096, 2), (4096, 4), (4096, 8), (8192, 8)]
+    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), D={DIM}, "
+          f"tile_size={args.tile_size}, threads={torch.get_num_threads()}")
+    print("\npeak memory per rank (MB), loss forward+backward incl. gathered rows")
+    print(f"{'b':>6} {'W':>3} {'N':>7} | {'local':>9} {'mmrecipes':>10} {'tiled':>9} | {'ours/local':>10} {'tiled/local':>11}")
+    for rows, world in grid:
+        peak = {m: peak_bytes(m, rows, world, args.tile_size, device) / 2**20 for m in METHODS}
+        print(f"{rows:>6} {world:>3} {rows * world:>7} | {peak['local']:>9.1f} {peak['mmrecipes']:>10.1f} "
+              f"{peak['mmrecipes_tiled']:>9.1f} | {peak['mmrecipes'] / peak['local']:>10.3f} "
+              f"{peak['mmrecipes_tiled'] / peak['local']:>11.3f}")
+    print("\nforward+backward time per rank (s, best of 3)")
+    print(f"{'b':>6} {'W':>3} {'N':>7} | {'local':>9} {'mmrecipes':>10} {'tiled':>9} | {'ours/local':>10} {'tiled/local':>11}")
+    for rows, world in grid[:-1] if device.type == "cpu" else grid:  # the largest CPU point takes minutes
+        took = {m: seconds(m, rows, world, args.tile_size, device) for m in METHODS}
+        print(f"{rows:>6} {world:>3} {rows * world:>7} | {took['local']:>9.3f} {took['mmrecipes']:>10.3f} "
+              f"{took['mmrecipes_tiled']:>9.3f} | {took['mmrecipes'] / took['local']:>10.3f} "
+              f"{took['mmrecipes_tiled'] / took['local']:>11.3f}")
+
+
+if __name__ == "__main__":
+    main()
