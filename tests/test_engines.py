@@ -23,6 +23,8 @@ EXPECTED_ENGINE = {
     "zero3.yaml": "distributed_type=DEEPSPEED num_processes=2 backend=gloo world_size=2 model=DeepSpeedEngine",
 }
 STEPS = 6
+RUN_ARGS = ["--max_steps", STEPS, "--logging_steps", 1, "--eval_steps", STEPS, "--per_device_train_batch_size", 16,
+            "--gradient_accumulation_steps", 2, "--logit_scale_init_value", 5.0, "--save_steps", 3]
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +32,7 @@ def runs(tmp_path_factory):
     results = {}
     for config in EXPECTED_ENGINE:
         output_dir = tmp_path_factory.mktemp(config.split(".")[0])
-        result = accelerate_launch(config, "--max_steps", STEPS, "--logging_steps", 1, "--eval_steps", STEPS,
-                                   "--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 2,
-                                   "--logit_scale_init_value", 5.0, "--output_dir", output_dir)
+        result = accelerate_launch(config, *RUN_ARGS, "--output_dir", output_dir)
         results[config] = (result, output_dir)
     return results
 
@@ -66,6 +66,19 @@ def test_engines_agree_with_ddp(runs, config):
             # rounding noise into +-lr steps, so these differ by ~1e-5 while everything else matches.
             continue
         torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("config", list(EXPECTED_ENGINE))
+def test_resume_from_engine_checkpoint(runs, config, tmp_path):
+    """save_state at step 3 (sharded under FSDP2/ZeRO), resume: steps 4-6 repeat the straight run."""
+    straight, output_dir = runs[config]
+    checkpoint = output_dir / "checkpoints" / "checkpoint-3"
+    assert checkpoint.is_dir()
+    resumed = accelerate_launch(config, *RUN_ARGS, "--output_dir", tmp_path, "--resume_from_checkpoint", checkpoint)
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert sorted(losses(resumed.log)) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert losses(resumed.log)[step] == pytest.approx(losses(straight.log)[step], abs=1e-5), f"step {step}"
 
 
 def test_output_dir_works_in_zero_shot_pipeline(runs):
