@@ -26,16 +26,18 @@ from mmrecipes.losses import local_clip_loss
 DIM = 512  # ViT-B embedding width
 
 
-def open_clip_local_loss(images, texts, all_images, all_texts, scale, offset):
-    """open_clip ClipLoss(local_loss=True, gather_with_grad=True): logits of this rank's rows vs all."""
+def open_clip_local_loss(images, texts, scale, *, gather, offset):
+    """open_clip ClipLoss(local_loss=True, gather_with_grad=True): gather both, logits of this rank's rows vs all."""
+    all_images, all_texts = gather(images), gather(texts)
     labels = torch.arange(len(images), device=images.device) + offset
     return (F.cross_entropy(scale * images @ all_texts.T, labels) + F.cross_entropy(scale * texts @ all_images.T, labels)) / 2
 
 
 METHODS = {
-    "local": lambda *a, offset, world, tile: open_clip_local_loss(*a, offset),
-    "mmrecipes": lambda *a, offset, world, tile: local_clip_loss(*a, offset=offset, world=world),
-    "mmrecipes_tiled": lambda *a, offset, world, tile: local_clip_loss(*a, offset=offset, world=world, tile_size=tile),
+    "local": lambda *a, gather, world, tile: open_clip_local_loss(*a, gather=gather, offset=0),
+    "mmrecipes": lambda *a, gather, world, tile: local_clip_loss(*a, gather=gather, offset=0, world=world),
+    "mmrecipes_tiled": lambda *a, gather, world, tile: local_clip_loss(*a, gather=gather, offset=0, world=world,
+                                                                       tile_size=tile),
 }
 
 
@@ -48,9 +50,12 @@ def inputs(rows, world, device):
 
 
 def run(method, rows, world, tile, images, texts, others, scale):
-    """Gather (as torch.cat: the same buffer the collective returns) then loss forward + backward."""
-    all_images, all_texts = torch.cat([images, others[0]]), torch.cat([texts, others[1]])
-    loss = METHODS[method](images, texts, all_images, all_texts, scale, offset=0, world=world, tile=tile)
+    """Loss forward + backward; the gather is torch.cat with the other ranks' rows (the same buffer
+    and autograd shape as the collective, whose backward would reduce-scatter instead of slice)."""
+    def gather(local):
+        return torch.cat([local, others[0] if local is images else others[1]])
+
+    loss = METHODS[method](images, texts, scale, gather=gather, world=world, tile=tile)
     loss.backward()
     images.grad = texts.grad = scale.grad = None
 

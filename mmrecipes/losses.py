@@ -58,36 +58,34 @@ def clip_loss(image_features, text_features, logit_scale, *, tile_size=None, gro
         group: the process group to gather over (default: the world group, if initialised).
     """
     group, rank, world = _group_rank_world(group)
-    num_local = image_features.shape[0]
     if world == 1:
-        return local_clip_loss(image_features, text_features, image_features, text_features, logit_scale,
-                               offset=0, world=1, tile_size=tile_size)
-    sizes = gather_sizes(num_local, image_features.device, group)
-    all_images = all_gather_with_grad(image_features, sizes, group)
-    all_texts = all_gather_with_grad(text_features, sizes, group)
-    return local_clip_loss(image_features, text_features, all_images, all_texts, logit_scale,
-                           offset=sum(sizes[:rank]), world=world, tile_size=tile_size)
+        return local_clip_loss(image_features, text_features, logit_scale, gather=lambda rows: rows, offset=0,
+                               world=1, tile_size=tile_size)
+    sizes = gather_sizes(image_features.shape[0], image_features.device, group)
+    return local_clip_loss(image_features, text_features, logit_scale,
+                           gather=lambda rows: all_gather_with_grad(rows, sizes, group), offset=sum(sizes[:rank]),
+                           world=world, tile_size=tile_size)
 
 
-def local_clip_loss(image_features, text_features, all_images, all_texts, logit_scale, *, offset, world,
-                    tile_size=None):
-    """This rank's share of InfoNCE given every rank's rows (`all_*`, N rows, this rank's at `offset`).
+def local_clip_loss(image_features, text_features, logit_scale, *, gather, offset, world, tile_size=None):
+    """This rank's share of InfoNCE: `gather` maps this rank's rows to every rank's (N rows, this
+    rank's at `offset`); the result is scaled by W/(2N) so that the mean over ranks is the global loss.
 
-    Scaled by W/(2N) so that the mean over the W ranks is the global loss.
+    Each direction gathers its keys just before using them, so in the backward each gathered
+    gradient ([N, D]) is reduce-scattered before the other direction's is computed.
     """
     scale = logit_scale.reshape(())
     if tile_size is None:
         labels = torch.arange(image_features.shape[0], device=image_features.device) + offset
-        total = F.cross_entropy(scale * image_features @ all_texts.T, labels, reduction="sum")
+        total = F.cross_entropy(scale * image_features @ gather(text_features).T, labels, reduction="sum")
+        all_images = gather(image_features)
         total = total + F.cross_entropy(scale * text_features @ all_images.T, labels, reduction="sum")
     else:
         # CE_i = logsumexp_j(s x_i.y_j) - s x_i.y_i; the positive dot product is the same both ways.
-        positives = scale * (image_features * text_features).sum()
-        total = (
-            tiled_logsumexp(image_features, all_texts, scale, tile_size).sum()
-            + tiled_logsumexp(text_features, all_images, scale, tile_size).sum()
-            - 2 * positives
-        )
+        total = tiled_logsumexp(image_features, gather(text_features), scale, tile_size).sum()
+        all_images = gather(image_features)
+        total = total + tiled_logsumexp(text_features, all_images, scale, tile_size).sum()
+        total = total - 2 * scale * (image_features * text_features).sum()
     return total * world / (2 * all_images.shape[0])
 
 
@@ -113,12 +111,12 @@ class _TiledLogSumExp(torch.autograd.Function):
         grad_scale = torch.zeros((), device=queries.device, dtype=torch.float64)
         for rows, cols in _tiles(queries.shape[0], keys.shape[0], ctx.tile_size):
             dots = queries[rows] @ keys[cols].T
-            # d lse_i / d logit_ij = softmax_ij, recomputed from the saved row lse.
-            weights = torch.exp(scale * dots - lse[rows, None]) * grad_lse[rows, None]
-            grad_queries[rows] += scale * weights @ keys[cols]
-            grad_keys[cols] += scale * weights.T @ queries[rows]
-            grad_scale += (weights * dots).sum(dtype=torch.float64)
-        return grad_queries, grad_keys, grad_scale.to(scale.dtype), None
+            # d lse_i / d logit_ij = softmax_ij, recomputed from the saved row lse (in place: one extra tile).
+            weights = (dots * scale).sub_(lse[rows, None]).exp_().mul_(grad_lse[rows, None])
+            grad_queries[rows].addmm_(weights, keys[cols])
+            grad_keys[cols].addmm_(weights.T, queries[rows])
+            grad_scale += torch.dot(weights.view(-1), dots.view(-1)).double()
+        return grad_queries.mul_(scale), grad_keys.mul_(scale), grad_scale.to(scale.dtype), None
 
 
 def _tiles(num_rows, num_cols, tile_size):
