@@ -116,7 +116,6 @@ def main(argv=None):
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
     loss_sum, logged_steps, samples, window_start = torch.zeros((), device=accelerator.device), 0, 0, time.perf_counter()
     data_counts = torch.zeros(len(COUNTED), dtype=torch.long)
-    filler_batch = None
     loss_fn = partial(clip_loss, tile_size=args.loss_tile_size)
     for step in progress:
         window = []
@@ -146,7 +145,7 @@ def main(argv=None):
         logged_steps += 1
         samples += sum(len(batch["input_ids"]) for batch in window)
         data_counts = data_counts + sum(batch["data_counts"] for batch in window)
-        filler_batch = window[-1]
+        filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
         scheduler.step()
         clamp_logit_scale_(accelerator, model)
 
@@ -162,9 +161,9 @@ def main(argv=None):
                 metrics["mfu"] = samples_per_s * flops_per_sample / (peak * accelerator.num_processes)
             metrics |= {name: int(count) for name, count in zip(COUNTED, counts.tolist())}
             accelerator.log(metrics, step=done)
+            mfu = f"{metrics['mfu']:.2%}" if peak else "n/a"
             log(f"step {done}/{args.max_steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.2e} | "
-                              f"samples/s {samples_per_s:.1f} | MFU " + (f"{metrics['mfu']:.2%}" if peak else "n/a") +
-                              " | " + " ".join(f"{name} {metrics[name]}" for name in COUNTED))
+                f"samples/s {samples_per_s:.1f} | MFU {mfu} | " + " ".join(f"{name} {metrics[name]}" for name in COUNTED))
             loss_sum, logged_steps, samples, window_start = torch.zeros_like(loss_sum), 0, 0, time.perf_counter()
         if eval_loader is not None and (done % args.eval_steps == 0 or done == args.max_steps):
             eval_start = time.perf_counter()
@@ -172,8 +171,8 @@ def main(argv=None):
             window_start += time.perf_counter() - eval_start  # samples/s measures training only
             if recall:
                 accelerator.log(recall, step=done)
-                log(f"eval step {done} | " + " | ".join(f"{k} {v:.4f}" if isinstance(v, float)
-                                                                     else f"{k} {v}" for k, v in recall.items()))
+                log(f"eval step {done} | " + " | ".join(
+                    f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}" for name, value in recall.items()))
         if args.save_steps and done % args.save_steps == 0 and done < args.max_steps:
             accelerator.save_state(Path(args.output_dir) / "checkpoints" / f"checkpoint-{done}")
 

@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from gloo import run_on_ranks
 from mmrecipes import losses
@@ -62,6 +64,44 @@ def reference_loss_and_grads(variant, images, texts, scale, bias):
     loss = reference_siglip(*leaves) if variant == "siglip" else reference_clip(*leaves[:3])
     loss.backward()
     return loss.detach(), [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+
+
+class ShapeRecorder(TorchDispatchMode):
+    """Records the shape of every tensor any op produces (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+def _siglip_shapes(rank, world_size, sizes):
+    images, texts, scale, bias = make_batch(sum(sizes))
+    rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    leaves = [t.clone().requires_grad_(True) for t in (images[rows], texts[rows], scale, bias)]
+    with ShapeRecorder() as recorder:
+        losses.siglip_loss(*leaves).backward()
+    return recorder.shapes
+
+
+def test_siglip_ring_never_holds_gathered_or_full_matrices():
+    sizes = (3, 5, 1)  # N = 9 rows in all, D = 8
+    for shapes in run_on_ranks(_siglip_shapes, 3, sizes):
+        assert max(max(shape, default=0) for shape in shapes) <= max(D, max(sizes))  # blocks [5, 8], logits [b, 5]
+        assert not any(sum(sizes) in shape for shape in shapes)
+
+
+def test_tiled_clip_loss_never_materialises_the_logits():
+    images, texts, scale, _ = make_batch(32)
+    leaves = [t.clone().requires_grad_(True) for t in (images, texts, scale)]
+    with ShapeRecorder() as recorder:
+        losses.clip_loss(*leaves, tile_size=4).backward()
+    matrices = [shape for shape in recorder.shapes if len(shape) == 2 and D not in shape]
+    assert matrices and max(a * b for a, b in matrices) <= 4 * 4  # only [4, 4] tiles, never [32, 32]
 
 
 def _rank_results(rank, world_size, sizes_list, detached_gather):
