@@ -143,3 +143,17 @@ def test_feature_cache_window_trains_like_one_big_batch(tmp_path):
     plain = run_recipe(*common, "--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 2,
                        "--output_dir", tmp_path / "plain")
     assert losses(plain.log)[1] < losses(big.log)[1] - 0.3  # 16 negatives per row, not 32: a different objective
+
+
+def test_empty_data_shard_stops_every_rank_with_one_error(tmp_path):
+    """One row, two data ranks: rank 1 has nothing to read. Both ranks must stop at the first
+    step with the same clear error (an all-reduced flag), not hang in the next collective."""
+    (tmp_path / "data").mkdir()
+    image = Image.new("RGB", (16, 16), (255, 0, 0))
+    image.save(tmp_path / "data" / "0.png")
+    (tmp_path / "data" / "metadata.csv").write_text("file_name,text\n0.png,a red square\n")
+    result = accelerate_launch("ddp.yaml", "--dataset_name", tmp_path / "data", "--eval_split", "", "--max_steps", 2,
+                               "--output_dir", tmp_path / "out", timeout=300)
+    assert result.returncode != 0
+    assert result.log.count("RuntimeError: A data rank has no training rows (2 data ranks)") == 2  # both ranks
+    assert not losses(result.log)
