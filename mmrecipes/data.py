@@ -55,7 +55,7 @@ def load_image_text_stream(args: DataArgs, split: str, data_files, data_rank: in
         raise ValueError(f"{args.dataset_name} has columns {stream.column_names}; set --image_column/--caption_column "
                          f"(missing {sorted(missing)})")
     stream = split_dataset_by_node(stream, rank=data_rank, world_size=data_world)
-    if isinstance(stream.features[args.image_column], datasets.Image):
+    if stream.features is not None and isinstance(stream.features[args.image_column], datasets.Image):
         stream = stream.cast_column(args.image_column, datasets.Image(decode=False))  # we decode, and count failures
     return stream
 
@@ -99,6 +99,8 @@ class ImageTextPreprocessor:
             if image.width * image.height > self.args.max_image_pixels:  # header only: nothing decoded yet
                 return None, "too_large"
             image.load()
+        except Image.DecompressionBombError:  # PIL refuses at open() beyond twice its own pixel limit
+            return None, "too_large"
         except Exception as error:  # PIL raises many types for corrupt or truncated files
             logger.debug("undecodable image: %s", error)
             return None, "undecodable"
@@ -110,13 +112,6 @@ class ImageTextPreprocessor:
             background.paste(rgba, mask=rgba.getchannel("A"))
             return background, "converted"
         return image.convert("RGB"), "converted"  # L, P, CMYK, I;16, ...
-
-
-def preprocess_stream(stream, args: DataArgs, tokenizer, image_processor, *, batch_size: int):
-    return stream.map(
-        ImageTextPreprocessor(args, tokenizer, image_processor), batched=True, batch_size=batch_size,
-        remove_columns=stream.column_names,
-    )
 
 
 class ImageTextCollator:
@@ -143,7 +138,8 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_process
     if shuffle_seed is not None:  # same seed on every rank; each rank shuffles its own rows
         stream = stream.shuffle(seed=shuffle_seed, buffer_size=args.shuffle_buffer_size,
                                 max_buffer_input_shards=args.shuffle_buffer_input_shards)
-    stream = preprocess_stream(stream, args, tokenizer, image_processor, batch_size=batch_size)
+    stream = stream.map(ImageTextPreprocessor(args, tokenizer, image_processor), batched=True, batch_size=batch_size,
+                        remove_columns=stream.column_names)
     return torch.utils.data.DataLoader(
         stream, batch_size=batch_size, collate_fn=ImageTextCollator(tokenizer),
         num_workers=args.dataloader_num_workers, pin_memory=torch.cuda.is_available(),

@@ -46,6 +46,7 @@ def test_bad_rows_are_converted_or_skipped_and_counted(tmp_path, tiny):
         (png(rgb), ""),
         (png(rgb), None),
         (png(Image.new("L", (9000, 6000))), "huge"),
+        (png(Image.new("1", (20000, 20000))), "decompression bomb: 48 kB of PNG, 400M pixels"),
         (png(rgb), "good two"),
     ]
     write_parquet(tmp_path / "train.parquet", rows)
@@ -55,7 +56,7 @@ def test_bad_rows_are_converted_or_skipped_and_counted(tmp_path, tiny):
     kept = sum(len(b["input_ids"]) for b in batches)
     counts = dict(zip(COUNTED, sum(b["data_counts"] for b in batches).tolist()))
     assert kept == 6  # good one, grayscale, transparent, palette, cmyk, good two
-    assert counts == {"converted": 4, "undecodable": 2, "too_large": 1, "no_caption": 2}
+    assert counts == {"converted": 4, "undecodable": 2, "too_large": 2, "no_caption": 2}
     for batch in batches:
         assert batch["pixel_values"].shape[1:] == (3, 32, 32) and torch.isfinite(batch["pixel_values"]).all()
         assert (batch["input_ids"][batch["attention_mask"].bool()] == 0).sum() == len(batch["input_ids"])  # one EOS each
