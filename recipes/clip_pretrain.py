@@ -66,6 +66,8 @@ def main(argv=None):
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     model, tokenizer, image_processor = build_clip(model_args)
+    # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
+    flops_per_sample = clip_train_flops_per_sample(model, data_args.max_caption_length)
     accelerator = make_accelerator(
         timeout_s=args.ddp_timeout,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -110,7 +112,6 @@ def main(argv=None):
         next(train_batches)
 
     accelerator.init_trackers("clip_pretrain", config=asdict(model_args) | asdict(data_args) | asdict(args))
-    flops_per_sample = clip_train_flops_per_sample(accelerator.unwrap_model(model), data_args.max_caption_length)
     peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
