@@ -43,7 +43,10 @@ METHODS = {
 
 def inputs(rows, world, device):
     generator = torch.Generator(device).manual_seed(0)
-    make = lambda n: F.normalize(torch.randn(n, DIM, device=device, generator=generator), dim=-1)  # noqa: E731
+
+    def make(n):
+        return F.normalize(torch.randn(n, DIM, device=device, generator=generator), dim=-1)
+
     images, texts = make(rows).requires_grad_(), make(rows).requires_grad_()
     others = [make(rows * (world - 1)), make(rows * (world - 1))]
     return images, texts, others, torch.tensor([14.3], device=device, requires_grad=True)

@@ -151,14 +151,14 @@ def model_inputs(batch, device):
     return {key: batch[key].to(device, non_blocking=True) for key in ("input_ids", "attention_mask", "pixel_values")}
 
 
-def batches_forever(dataloader, start_epoch: int = 0):
+def batches_forever(dataloader):
     """Yield (epoch, batch) over epochs of this rank's stream; (epoch, None) after an empty epoch.
 
     Each rank loops over its own rows, so a rank never runs dry while others train: every
     rank stops at the same optimizer step. The recipe all-reduces "got a batch" each
     micro-step, so an empty shard stops every rank with one clear error instead of a hang.
     """
-    epoch = start_epoch
+    epoch = 0
     while True:
         dataloader.dataset.set_epoch(epoch)  # a new shuffle order per epoch
         empty = True

@@ -46,9 +46,10 @@ def feature_cache_backward(accelerator, model, micro_batches, loss_fn) -> torch.
         _set_rng_state(rng_state, device)
         with accelerator.accumulate(model):
             image_embeds, text_embeds, logit_scale = model(**model_inputs(batch, device))
-            surrogate = ((image_embeds * images.grad[rows]).sum() + (text_embeds * texts.grad[rows]).sum()
-                         + (logit_scale * scale.grad).sum() / steps)
-            accelerator.backward(surrogate * steps)  # accelerate and DeepSpeed divide by the window length
+            feature_terms = (image_embeds * images.grad[rows]).sum() + (text_embeds * texts.grad[rows]).sum()
+            # accelerate and DeepSpeed divide each backward by the window length k: the feature terms
+            # are multiplied back by k, the scale term is not, so its k passes add up to one gradient.
+            accelerator.backward(steps * feature_terms + (logit_scale * scale.grad).sum())
     return loss.detach()
 
 

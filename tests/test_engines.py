@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from PIL import Image
 from transformers import CLIPModel, pipeline
 
 from gloo import free_port
@@ -84,8 +85,6 @@ def test_resume_from_engine_checkpoint(runs, config, tmp_path):
 def test_output_dir_works_in_zero_shot_pipeline(runs):
     _, output_dir = runs["ddp.yaml"]
     classify = pipeline("zero-shot-image-classification", model=str(output_dir))
-    from PIL import Image
-
     scores = classify(Image.new("RGB", (64, 64), (200, 30, 30)), candidate_labels=["a large red square", "a small blue circle"])
     assert {s["label"] for s in scores} == {"a large red square", "a small blue circle"}
     assert sum(s["score"] for s in scores) == pytest.approx(1.0, abs=1e-4)
