@@ -64,7 +64,8 @@ def centers_for(relation, rng):
     return first, second
 
 
-def make_example(rng):
+def make_scene(rng):
+    """(image, objects, relation): one or two (size, colour, shape) objects; relation None for one."""
     background = tuple(rng.randint(0, 60) for _ in range(3))
     image = Image.new("RGB", (CANVAS, CANVAS), background)
     draw = ImageDraw.Draw(image)
@@ -73,14 +74,21 @@ def make_example(rng):
         size, color, shape = obj_a
         center = (rng.randint(22, 42), rng.randint(22, 42))
         draw_shape(draw, shape, center, SIZES[size], COLORS[color])
-        return image, f"a {size} {color} {shape}"
+        return image, [obj_a], None
     obj_b = random_object(rng)
     relation = rng.choice(RELATIONS)
     center_a, center_b = centers_for(relation, rng)
     # small shapes drawn last so a large neighbour never hides them
     for (size, color, shape), center in sorted([(obj_a, center_a), (obj_b, center_b)], key=lambda o: -SIZES[o[0][0]]):
         draw_shape(draw, shape, center, SIZES[size] // 2 + 4, COLORS[color])
-    return image, f"a {' '.join(obj_a)} {relation} a {' '.join(obj_b)}"
+    return image, [obj_a, obj_b], relation
+
+
+def make_example(rng):
+    image, objects, relation = make_scene(rng)
+    if relation is None:
+        return image, f"a {' '.join(objects[0])}"
+    return image, f"a {' '.join(objects[0])} {relation} a {' '.join(objects[1])}"
 
 
 def encode(image, fmt="PNG"):

@@ -65,23 +65,21 @@ class ImageTextPreprocessor:
 
     def __init__(self, args: DataArgs, tokenizer, image_processor):
         self.args, self.tokenizer, self.image_processor = args, tokenizer, image_processor
-        self.pending = Counter()  # drops not yet attached to an emitted row
+        self.drops = DropCounter()
 
     def __call__(self, batch):
         images, captions, counts = [], [], []
         for raw_image, caption in zip(batch[self.args.image_column], batch[self.args.caption_column]):
             if not isinstance(caption, str) or not caption.strip():
-                self.pending["no_caption"] += 1
+                self.drops.drop("no_caption")
                 continue
-            image, problem = self.decode(raw_image)
+            image, problem = decode_image(raw_image, self.args.max_image_pixels)
             if problem in ("undecodable", "too_large"):
-                self.pending[problem] += 1
+                self.drops.drop(problem)
                 continue
-            row_counts = self.pending + Counter({problem: 1} if problem else {})
-            self.pending = Counter()
             images.append(image)
             captions.append(caption.strip())
-            counts.append(row_counts)
+            counts.append(self.drops.keep(problem))
         out = {"pixel_values": [], "input_ids": []} | {name: [] for name in COUNTED}
         if images:
             out["pixel_values"] = list(self.image_processor(images=images, return_tensors="pt")["pixel_values"])
@@ -90,28 +88,49 @@ class ImageTextPreprocessor:
                 out[name] = [row[name] for row in counts]
         return out
 
-    def decode(self, raw_image):
-        """(RGB image or None, problem or None)."""
-        try:
-            if isinstance(raw_image, dict):  # datasets.Image(decode=False): {"bytes", "path"}
-                raw_image = io.BytesIO(raw_image["bytes"]) if raw_image.get("bytes") else raw_image["path"]
-            image = raw_image if isinstance(raw_image, Image.Image) else Image.open(raw_image)
-            if image.width * image.height > self.args.max_image_pixels:  # header only: nothing decoded yet
-                return None, "too_large"
-            image.load()
-        except Image.DecompressionBombError:  # PIL refuses at open() beyond twice its own pixel limit
+
+class DropCounter:
+    """Counts of dropped rows, attached to the next kept row: they ride along inside the stream,
+    so they survive DataLoader workers and reach the log."""
+
+    def __init__(self):
+        self.pending = Counter()
+
+    def drop(self, reason: str):
+        self.pending[reason] += 1
+
+    def keep(self, note: str | None = None) -> Counter:
+        """The counts to attach to a kept row (`note`: what was done to it, e.g. "converted")."""
+        counts = self.pending + Counter({note: 1} if note else {})
+        self.pending = Counter()
+        return counts
+
+
+def decode_image(raw_image, max_pixels: int):
+    """(RGB image or None, problem or None); problem is "converted", "undecodable" or "too_large".
+
+    `raw_image`: a PIL image, a path, or a datasets.Image(decode=False) dict {"bytes", "path"}.
+    """
+    try:
+        if isinstance(raw_image, dict):
+            raw_image = io.BytesIO(raw_image["bytes"]) if raw_image.get("bytes") else raw_image["path"]
+        image = raw_image if isinstance(raw_image, Image.Image) else Image.open(raw_image)
+        if image.width * image.height > max_pixels:  # header only: nothing decoded yet
             return None, "too_large"
-        except Exception as error:  # PIL raises many types for corrupt or truncated files
-            logger.debug("undecodable image: %s", error)
-            return None, "undecodable"
-        if image.mode == "RGB":
-            return image, None
-        if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
-            rgba = image.convert("RGBA")
-            background = Image.new("RGB", rgba.size, (255, 255, 255))
-            background.paste(rgba, mask=rgba.getchannel("A"))
-            return background, "converted"
-        return image.convert("RGB"), "converted"  # L, P, CMYK, I;16, ...
+        image.load()
+    except Image.DecompressionBombError:  # PIL refuses at open() beyond twice its own pixel limit
+        return None, "too_large"
+    except Exception as error:  # missing files; PIL raises many types for corrupt or truncated ones
+        logger.debug("undecodable image: %s", error)
+        return None, "undecodable"
+    if image.mode == "RGB":
+        return image, None
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGB", rgba.size, (255, 255, 255))
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background, "converted"
+    return image.convert("RGB"), "converted"  # L, P, CMYK, I;16, ...
 
 
 class ImageTextCollator:

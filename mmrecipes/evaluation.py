@@ -1,10 +1,12 @@
-"""Zero-shot retrieval R@1 over the gathered eval set: every rank computes the same number."""
+"""Evaluation that every rank agrees on: retrieval R@1 (contrastive) and answer exact match (VLM)."""
 
 import torch
 import torch.distributed as dist
 
+from .chat_data import chat_model_inputs
 from .data import model_inputs
-from .distributed import all_ranks_true
+from .distributed import all_ranks_true, sum_over_ranks
+from .losses import IGNORE_INDEX
 from .losses import all_gather_with_grad, gather_sizes
 
 
@@ -46,3 +48,31 @@ def evaluate_retrieval(model, eval_loader, filler_batch, device) -> dict:
         images = all_gather_with_grad(images, sizes, dist.group.WORLD)
         texts = all_gather_with_grad(texts, sizes, dist.group.WORLD)
     return retrieval_recall_at_1(images, texts)
+
+
+@torch.no_grad()
+def evaluate_answers(model, eval_loader, filler_batch, device) -> dict:
+    """Exact-match accuracy of the answers (the labelled tokens, up to and including the
+    end-of-turn token), summed over every rank's share of the eval set ({} if it is empty).
+
+    Scored in one teacher-forced forward per batch: greedy decoding reproduces an answer exactly
+    when the argmax at every answer position is the answer's next token, which is what this
+    checks. One forward per batch keeps every rank's collectives (FSDP2, ZeRO-3) in step, where
+    `generate` would stop after a different number of tokens on each rank. A rank that has run
+    out forwards `filler_batch` and discards the result, as in `evaluate_retrieval`.
+    """
+    model.eval()
+    totals = torch.zeros(2, device=device)  # correct answers, answers
+    batches = iter(eval_loader)
+    while not all_ranks_true((batch := next(batches, None)) is None, device):
+        inputs = chat_model_inputs(batch or filler_batch, device)
+        _, logits = model(**inputs)
+        if batch is not None:
+            targets = inputs["labels"][:, 1:]
+            scored = targets != IGNORE_INDEX
+            correct = ((logits[:, :-1].argmax(-1) == targets) | ~scored).all(dim=1) & scored.any(dim=1)
+            totals += torch.stack([correct.sum(), scored.any(dim=1).sum()]).float()
+    model.train()
+    correct, answers = sum_over_ranks(totals).tolist()
+    return {"answer_accuracy": correct / answers, "eval_answers": int(answers)} if answers else {}
+

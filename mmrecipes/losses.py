@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+IGNORE_INDEX = -100  # label of positions that are not trained on (prompt, image tokens, padding)
+
 
 def _group_rank_world(group):
     if not (dist.is_available() and dist.is_initialized()):
@@ -162,3 +164,32 @@ def _ring_shift(block, rank, world, group):
     send[(rank + 1) % world] = block.shape[0]
     receive[(rank - 1) % world] = block.shape[0]
     return funcol.all_to_all_single_autograd(block.contiguous(), receive, send, group)
+
+
+# Token-level losses (captioning, SFT) under accumulation and data parallelism (FIELD_NOTES §3).
+# The right gradient is (1/N) * grad(sum of CE over every target token of the window on all ranks),
+# N = the window's target tokens on all data ranks. A per-micro-batch mean weights a micro-batch of
+# 3 target tokens like one of 300. Count N once per window (one all-reduce), then back-propagate
+# each micro-batch's *summed* CE times `token_loss_scale`.
+
+
+def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token CE over the positions whose (shifted) label is not IGNORE_INDEX, in fp32."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def count_target_tokens(labels: torch.Tensor) -> int:
+    """Target tokens of a batch after the shift (what `token_cross_entropy_sum` sums over)."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def token_loss_scale(window_tokens: torch.Tensor, accumulation_steps: int, data_world: int) -> torch.Tensor:
+    """Multiplier for a micro-batch's summed CE so that the engine's gradient is the exact
+    token mean over the window: GA cancels `accelerator.backward`'s (or DeepSpeed's) division by
+    the accumulation steps, W cancels the gradient averaging over data ranks, N normalises.
+
+    `window_tokens`: N, the window's target tokens summed over data ranks (count each data replica
+    once: tensor-parallel peers hold the same batch). A window with none gives 0 (no update).
+    """
+    return accumulation_steps * data_world / window_tokens.clamp_min(1)

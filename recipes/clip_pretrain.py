@@ -11,11 +11,9 @@ engine in accelerate_configs/ (DDP, FSDP2, ZeRO-2, ZeRO-3, multi-node) and on re
 Tested on a 2-core CPU (1 and 2 processes, gloo).
 """
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
@@ -31,34 +29,17 @@ from mmrecipes.feature_cache import feature_cache_backward
 from mmrecipes.losses import clip_loss
 from mmrecipes.models import ModelArgs, build_clip, clamp_logit_scale_, save_clip
 from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
+from mmrecipes.training import (TrainingArgs, checkpoint_step, find_checkpoint, per_device_batch_size,
+                                resolve_mixed_precision, resolve_report_to, save_checkpoint)
 
 
 @dataclass
-class TrainArgs:
+class TrainArgs(TrainingArgs):
     output_dir: str = "outputs/clip_pretrain"
-    max_steps: int = 300  # optimizer steps
-    per_device_train_batch_size: int = 64
-    global_batch_size: int | None = None  # if set: per-device batch = global / (data ranks * accumulation)
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 2.0e-3
-    weight_decay: float = 0.1
-    warmup_steps: int = 20
-    lr_scheduler_type: str = "cosine"
-    max_grad_norm: float = 1.0
     # plain: each micro-batch is its own contrastive batch (b negatives per row); feature_cache: the
     # accumulation window is ONE batch of k*b negatives (GradCache: one extra forward per micro-batch)
     contrastive_accumulation: str = field(default="plain", metadata={"choices": ["plain", "feature_cache"]})
     loss_tile_size: int | None = None  # compute the loss in tiles: no [b, N] logits matrix
-    mixed_precision: str = "auto"  # auto: bf16 on GPUs that support it, else fp32; or no / bf16 / fp16
-    seed: int = 42
-    per_device_eval_batch_size: int = 128
-    eval_steps: int = 100
-    logging_steps: int = 20
-    save_steps: int = 0  # 0: save only the final model
-    resume_from_checkpoint: str | None = None  # "latest" or a checkpoint directory
-    report_to: str = "auto"  # tensorboard when installed; or wandb, none
-    peak_tflops: float | None = None  # per-device peak for the MFU estimate; default: known GPUs
-    ddp_timeout: int = 1800  # seconds a collective may wait before the run fails instead of hanging
 
 
 def main(argv=None):
@@ -105,7 +86,7 @@ def main(argv=None):
     if args.resume_from_checkpoint:
         checkpoint = find_checkpoint(args.output_dir, args.resume_from_checkpoint)
         accelerator.load_state(checkpoint)
-        start_step = int(checkpoint.name.split("-")[-1])
+        start_step = checkpoint_step(checkpoint)
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
     train_batches = batches_forever(train_loader)
     for _ in range(start_step * args.gradient_accumulation_steps):  # exact data position: re-read, discard
@@ -175,47 +156,11 @@ def main(argv=None):
                 log(f"eval step {done} | " + " | ".join(
                     f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}" for name, value in recall.items()))
         if args.save_steps and done % args.save_steps == 0 and done < args.max_steps:
-            accelerator.save_state(Path(args.output_dir) / "checkpoints" / f"checkpoint-{done}")
+            save_checkpoint(accelerator, args.output_dir, done)
 
     save_clip(accelerator, model, tokenizer, image_processor, args.output_dir)
     accelerator.print(f"saved model to {args.output_dir}")
     accelerator.end_training()
-
-
-def per_device_batch_size(args: TrainArgs, data_world: int) -> int:
-    if args.global_batch_size is None:
-        return args.per_device_train_batch_size
-    per_step = data_world * args.gradient_accumulation_steps
-    if args.global_batch_size % per_step:
-        raise ValueError(f"--global_batch_size {args.global_batch_size} is not divisible by data ranks ({data_world}) x "
-                         f"--gradient_accumulation_steps ({args.gradient_accumulation_steps}); use a multiple of "
-                         f"{per_step}, e.g. {math.ceil(args.global_batch_size / per_step) * per_step}.")
-    return args.global_batch_size // per_step
-
-
-def resolve_mixed_precision(choice: str) -> str:
-    if choice != "auto":
-        return choice
-    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-
-
-def resolve_report_to(choice: str):
-    if choice == "auto":
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError:
-            return None
-        return "tensorboard"
-    return None if choice == "none" else choice
-
-
-def find_checkpoint(output_dir: str, which: str) -> Path:
-    if which != "latest":
-        return Path(which)
-    checkpoints = sorted((Path(output_dir) / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-    if not checkpoints:
-        raise FileNotFoundError(f"--resume_from_checkpoint latest: no checkpoint-* under {output_dir}/checkpoints")
-    return checkpoints[-1]
 
 
 if __name__ == "__main__":

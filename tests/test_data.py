@@ -62,10 +62,10 @@ def test_bad_rows_are_converted_or_skipped_and_counted(tmp_path, tiny):
         assert (batch["input_ids"][batch["attention_mask"].bool()] == 0).sum() == len(batch["input_ids"])  # one EOS each
 
 
-def test_transparent_pixels_become_white_not_black(tiny):
-    from mmrecipes.data import ImageTextPreprocessor
+def test_transparent_pixels_become_white_not_black():
+    from mmrecipes.data import decode_image
 
-    image, problem = ImageTextPreprocessor(DataArgs(), *tiny).decode(Image.new("RGBA", (4, 4), (0, 0, 0, 0)))
+    image, problem = decode_image(Image.new("RGBA", (4, 4), (0, 0, 0, 0)), max_pixels=100)
     assert problem == "converted" and image.mode == "RGB" and image.getpixel((0, 0)) == (255, 255, 255)
 
 

@@ -1,0 +1,191 @@
+"""LLaVA-style fine-tuning on mixed image-text / text-only conversations with Hugging Face Accelerate.
+
+    accelerate launch recipes/vlm_finetune.py
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/vlm_finetune.py recipes/configs/vlm_tiny.yaml
+
+With no arguments it fine-tunes a tiny `LlavaForConditionalGeneration` on the embedded shapes
+conversations (75% image questions, 25% text-only) on a CPU and writes a directory that
+`AutoProcessor`, `LlavaForConditionalGeneration` and `pipeline("image-text-to-text")` load.
+Two things make it safe at any scale, on every engine in accelerate_configs/:
+- every micro-batch runs the vision step once on every rank (a text-only batch gets a tiny dummy
+  image whose features are sliced out of the loss): ranks never disagree on which modules run;
+- the loss is the exact token mean over the whole accumulation window on all ranks: each
+  micro-batch back-propagates its summed CE times GA * W / N, N counted once per window.
+Real data: `--dataset_name json --data_files llava.json --image_folder images/` (LLaVA format)
+or chat-format datasets (`messages` + `images`); several comma-separated sources mix with
+`--dataset_weights`. Tested on a 2-core CPU (1 and 2 processes, gloo).
+"""
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from mmrecipes.chat_data import (CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader,
+                                 chat_model_inputs)
+from mmrecipes.config import parse_args
+from mmrecipes.data import batches_forever
+from mmrecipes.distributed import (data_parallel_rank_and_world, engine_line, make_accelerator,
+                                   reconcile_deepspeed_config, sum_over_ranks)
+from mmrecipes.evaluation import evaluate_answers
+from mmrecipes.losses import count_target_tokens, token_loss_scale
+from mmrecipes.throughput import peak_flops, vlm_train_flops
+from mmrecipes.training import (TrainingArgs, checkpoint_step, find_checkpoint, per_device_batch_size,
+                                resolve_mixed_precision, resolve_report_to, save_checkpoint)
+from mmrecipes.vlm import (VLMForTraining, VLMModelArgs, apply_train_modules, build_llava, dummy_image_inputs,
+                           freeze_unreached_parameters, save_vlm)
+
+
+@dataclass
+class TrainArgs(TrainingArgs):
+    output_dir: str = "outputs/vlm_finetune"
+    max_steps: int = 500
+    per_device_train_batch_size: int = 16
+    learning_rate: float = 1.0e-3  # the tiny default from scratch; LLaVA stage 2 uses 2e-5, stage 1 1e-3
+    vision_tower_learning_rate: float = 2.0e-6  # used when --train_modules all
+    # 0 keeps AdamW from decaying the tower on steps where it only saw a dummy image (zero gradient)
+    vision_tower_weight_decay: float = 0.0
+    weight_decay: float = 0.0
+    per_device_eval_batch_size: int = 64
+    eval_steps: int = 200
+
+
+def main(argv=None):
+    model_args, data_args, args = parse_args((VLMModelArgs, ChatDataArgs, TrainArgs), argv)
+    set_seed(args.seed)
+    # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
+    model, processor = build_llava(model_args)
+    trainable = apply_train_modules(model, model_args.train_modules)
+    dummy_inputs = dummy_image_inputs(model)
+    unreached = freeze_unreached_parameters(model, dummy_inputs)  # DDP would wait for their gradients forever
+    if model_args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()  # a frozen embedding would leave checkpointed layers without grads
+    seq_len = data_args.max_length // 2  # a typical length for the attention term of the MFU estimate
+    flops = lambda tokens, images: vlm_train_flops(model, text_tokens=tokens, images=images, seq_len=seq_len,  # noqa: E731
+                                                   vision_trains="vision_tower" in trainable)
+    accelerator = make_accelerator(
+        timeout_s=args.ddp_timeout,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=resolve_mixed_precision(args.mixed_precision),
+        log_with=resolve_report_to(args.report_to),
+        project_dir=args.output_dir,
+    )
+    data_rank, data_world = data_parallel_rank_and_world(accelerator)
+    batch_size = per_device_batch_size(args, data_world)
+    if unreached:
+        accelerator.print(f"froze {len(unreached)} parameters no forward path reaches: {', '.join(unreached)}")
+
+    # Frozen parameters are not in the optimizer (no state); the tower, if it trains, has its own lr.
+    param_groups = []
+    for name, params in trainable.items():
+        params = [p for p in params if p.requires_grad]
+        tower = name == "vision_tower"
+        lr = args.vision_tower_learning_rate if tower else args.learning_rate
+        decay = args.vision_tower_weight_decay if tower else args.weight_decay
+        param_groups += [{"params": [p for p in params if p.ndim >= 2], "lr": lr, "weight_decay": decay},
+                         {"params": [p for p in params if p.ndim < 2], "lr": lr, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([group for group in param_groups if group["params"]])
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
+    reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=batch_size,
+                               gradient_accumulation_steps=args.gradient_accumulation_steps,
+                               gradient_clipping=args.max_grad_norm)
+    # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
+    model, optimizer = accelerator.prepare(VLMForTraining(model), optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    accelerator.print(engine_line(accelerator, model))
+
+    # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare.
+    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs)
+    loader_kwargs = dict(processor=processor, collator=collator, data_rank=data_rank, data_world=data_world)
+    train_loader = build_chat_dataloader(data_args, batch_size=batch_size, shuffle_seed=args.seed, **loader_kwargs)
+    eval_loader = None
+    if data_args.eval_dataset_name:
+        eval_loader = build_chat_dataloader(data_args, batch_size=args.per_device_eval_batch_size, eval_split=True,
+                                            **loader_kwargs)
+
+    start_step = 0
+    if args.resume_from_checkpoint:
+        checkpoint = find_checkpoint(args.output_dir, args.resume_from_checkpoint)
+        accelerator.load_state(checkpoint)
+        start_step = checkpoint_step(checkpoint)
+        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+    train_batches = batches_forever(train_loader)
+    for _ in range(start_step * args.gradient_accumulation_steps):  # exact data position: re-read, discard
+        next(train_batches)
+
+    accelerator.init_trackers("vlm_finetune", config=asdict(model_args) | asdict(data_args) | asdict(args))
+    peak = peak_flops(args.peak_tflops)
+    progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
+    log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
+    # Summed over the logging window on this rank. On the device: CE. From the CPU batches: target
+    # tokens, samples, LM tokens, images, dummy-image batches (no host-device sync per micro-step).
+    ce_sum, counts, window_start = torch.zeros((), device=accelerator.device), torch.zeros(5), time.perf_counter()
+    data_counts = torch.zeros(len(CHAT_COUNTED), dtype=torch.long)
+    for step in progress:
+        window = [next(train_batches)[1] for _ in range(args.gradient_accumulation_steps)]
+        targets = [count_target_tokens(batch["labels"]) if batch is not None else 0 for batch in window]
+        # One collective per optimizer step: the window's target tokens N on all ranks, and whether
+        # any rank ran out of data (then every rank stops here with the same error, not a hang).
+        local = torch.tensor([sum(targets), sum(batch is None for batch in window)], device=accelerator.device)
+        window_tokens, empty = sum_over_ranks(local.float())
+        if empty:
+            raise RuntimeError(f"A data rank has no training rows ({data_world} data ranks): use more data "
+                               "shards/rows or fewer processes.")
+        loss_scale = token_loss_scale(window_tokens, args.gradient_accumulation_steps, data_world)
+        for batch, batch_targets in zip(window, targets):
+            # Gradients are all-reduced only on the last micro-batch of the window (no_sync before it).
+            with accelerator.accumulate(model):
+                loss_sum, _ = model(**chat_model_inputs(batch, accelerator.device))
+                accelerator.backward(loss_sum * loss_scale)
+            ce_sum += loss_sum.detach()
+            images = 0 if batch["dummy_image"] else len(batch["pixel_values"])
+            counts += torch.tensor([batch_targets, len(batch["input_ids"]), batch["attention_mask"].sum(), images,
+                                    batch["dummy_image"]])
+            data_counts += batch["data_counts"]
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
+        optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
+        optimizer.zero_grad()
+        scheduler.step()
+        filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
+
+        done = step + 1
+        if done % args.logging_steps == 0 or done == args.max_steps:
+            ce, targets, samples, tokens, images, dummies = sum_over_ranks(
+                torch.cat([ce_sum.reshape(1).double(), counts.double().to(accelerator.device)])).tolist()
+            problems = sum_over_ranks(data_counts.to(accelerator.device)).tolist()
+            elapsed = time.perf_counter() - window_start
+            metrics = {"loss": ce / max(targets, 1), "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                       "samples_per_s": samples / elapsed,
+                       "tokens_per_s": tokens / elapsed, "dummy_image_batches": int(dummies)}
+            if peak:
+                metrics["mfu"] = flops(tokens, images) / elapsed / (peak * accelerator.num_processes)
+            metrics |= dict(zip(CHAT_COUNTED, map(int, problems)))
+            accelerator.log(metrics, step=done)
+            mfu = f"{metrics['mfu']:.2%}" if peak else "n/a"
+            log(f"step {done}/{args.max_steps} | loss {metrics['loss']:.6f} | grad_norm {metrics['grad_norm']:.6f} | "
+                f"lr {metrics['lr']:.2e} | "
+                f"samples/s {metrics['samples_per_s']:.1f} | tokens/s {metrics['tokens_per_s']:.0f} | MFU {mfu} | "
+                f"dummy_image_batches {int(dummies)} | " + " ".join(f"{name} {metrics[name]}" for name in CHAT_COUNTED))
+            ce_sum, counts, window_start = torch.zeros_like(ce_sum), torch.zeros_like(counts), time.perf_counter()
+        if eval_loader is not None and (done % args.eval_steps == 0 or done == args.max_steps):
+            eval_start = time.perf_counter()
+            accuracy = evaluate_answers(model, eval_loader, filler_batch, accelerator.device)
+            window_start += time.perf_counter() - eval_start  # samples/s measures training only
+            if accuracy:
+                accelerator.log(accuracy, step=done)
+                log(f"eval step {done} | answer_accuracy {accuracy['answer_accuracy']:.4f} | "
+                    f"eval_answers {accuracy['eval_answers']}")
+        if args.save_steps and done % args.save_steps == 0 and done < args.max_steps:
+            save_checkpoint(accelerator, args.output_dir, done)
+
+    save_vlm(accelerator, model, processor, args.output_dir)
+    accelerator.print(f"saved model to {args.output_dir}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
