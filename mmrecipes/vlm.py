@@ -78,6 +78,13 @@ class VLMForTraining(torch.nn.Module):
     def get_input_embeddings(self):  # accelerate's FSDP2 path asks the root module for it
         return self.model.get_input_embeddings()
 
+    @property
+    def _no_split_modules(self):
+        """The model's transformer blocks that exist in it: what FSDP2 wraps when the accelerate
+        config names no classes (Llava's list also names CLIP's text embeddings, absent here)."""
+        present = {type(module).__name__ for module in self.model.modules()}
+        return sorted(name for name in self.model._no_split_modules if name in present)
+
 
 def dummy_image_inputs(model) -> dict:
     """The smallest image input the model's vision step accepts, as `get_image_features` kwargs.

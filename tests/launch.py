@@ -11,21 +11,22 @@ from gloo import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "clip_pretrain.py"
+VLM_RECIPE = REPO / "recipes" / "vlm_finetune.py"
 # Short, fast runs; a collective that waits longer than ddp_timeout fails the run instead of hanging.
 QUICK = ["--report_to", "none", "--ddp_timeout", "120", "--per_device_eval_batch_size", "256"]
 
 
 def accelerate_launch(config: str | Path, *recipe_args, num_processes=2, launcher_args=(), port=None,
-                      timeout=600) -> subprocess.CompletedProcess:
+                      timeout=600, recipe=RECIPE) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
                "--num_processes", str(num_processes), "--main_process_port", str(port or free_port()),
-               *map(str, launcher_args), str(RECIPE), *QUICK, *map(str, recipe_args)]
+               *map(str, launcher_args), str(recipe), *QUICK, *map(str, recipe_args)]
     return _run(command, timeout)
 
 
-def run_recipe(*recipe_args, timeout=600) -> subprocess.CompletedProcess:
+def run_recipe(*recipe_args, timeout=600, recipe=RECIPE) -> subprocess.CompletedProcess:
     """One process, no launcher (what `accelerate launch` with no config does)."""
-    return _run([sys.executable, str(RECIPE), *QUICK, *map(str, recipe_args)], timeout)
+    return _run([sys.executable, str(recipe), *QUICK, *map(str, recipe_args)], timeout)
 
 
 def _run(command, timeout):
@@ -37,6 +38,10 @@ def _run(command, timeout):
 
 def losses(log: str) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in re.findall(r"^step (\d+)/\d+ \| loss ([\d.]+)", log, re.M)}
+
+
+def grad_norms(log: str) -> dict[int, float]:
+    return {int(step): float(norm) for step, norm in re.findall(r"^step (\d+)/\d+ \|.*\| grad_norm ([\d.]+)", log, re.M)}
 
 
 def engine_line(log: str) -> str:
