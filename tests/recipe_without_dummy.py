@@ -2,7 +2,7 @@
 
     accelerate launch --config_file ... tests/recipe_without_dummy.py [recipe args]
 
-The tests launch this to show that their mixed-modality scenario really fails without the dummy
+The tests run this to show that their mixed-modality scenarios really fail without the dummy
 image (so the passing runs prove something).
 """
 
@@ -12,15 +12,16 @@ from pathlib import Path
 from mmrecipes.losses import token_cross_entropy_sum
 from mmrecipes.vlm import VLMForTraining
 
-with_dummy = VLMForTraining.forward
 
-
-def forward_skipping_the_tower(self, input_ids, attention_mask, labels, dummy_image, **image_inputs):
-    if dummy_image:
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+class SkipsTowerOnTextOnly(VLMForTraining):
+    def forward(self, input_ids, attention_mask, labels, dummy_image, **image_inputs):
+        if not dummy_image:
+            return super().forward(input_ids, attention_mask, labels, dummy_image, **image_inputs)
+        text_inputs = {name: value for name, value in image_inputs.items() if name not in self.vision_input_names}
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **text_inputs).logits
         return token_cross_entropy_sum(logits, labels), logits
-    return with_dummy(self, input_ids, attention_mask, labels, dummy_image, **image_inputs)
 
 
-VLMForTraining.forward = forward_skipping_the_tower
-runpy.run_path(str(Path(__file__).resolve().parents[1] / "recipes" / "vlm_finetune.py"), run_name="__main__")
+if __name__ == "__main__":
+    VLMForTraining.forward = SkipsTowerOnTextOnly.forward
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "recipes" / "vlm_finetune.py"), run_name="__main__")
