@@ -8,7 +8,9 @@ run on GPUs run for real on CPU. On GPUs and in a single process it is plain `Ac
 """
 
 import os
+import zlib
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -106,3 +108,53 @@ def reconcile_deepspeed_config(accelerator: Accelerator, **recipe_values):
     if conflicts:
         raise ValueError(f"The DeepSpeed config disagrees with the recipe: {', '.join(conflicts)}. Write \"auto\" "
                          "for these keys in the DeepSpeed JSON (the recipe fills them), or pass matching recipe flags.")
+
+
+class DivergenceGuard:
+    """Debug mode: before any module runs, every rank agrees on which module it is about to run.
+
+    Ranks that run different module sequences (a vision tower on some ranks only) hang or abort in
+    the engine's collectives; under FSDP2 and ZeRO-3 that happens *inside* the forward, at a
+    parameter all-gather, with at best a bare size-mismatch error. With the guard, a pre-forward
+    hook on every module (run before the engine's own hooks) all-gathers a hash of the module's
+    name, and on a mismatch every rank raises an error naming each rank's module. It uses its own
+    gloo group with its own timeout: a rank that stops calling modules altogether is reported
+    after `timeout_s` instead of hanging. One small collective per module call: off by default
+    (`--debug_divergence`, or the environment variable MMRECIPES_DEBUG_DIVERGENCE=1).
+    """
+
+    ENV = "MMRECIPES_DEBUG_DIVERGENCE"
+
+    def __init__(self, module: torch.nn.Module, timeout_s: int = 60):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.timeout_s, self.calls = timeout_s, 0
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.names = {zlib.crc32(name.encode()): name or "<root>" for name, _ in module.named_modules()}
+        self.handles = [submodule.register_forward_pre_hook(partial(self.check, name or "<root>"), prepend=True)
+                        for name, submodule in module.named_modules()]
+
+    @classmethod
+    def requested(cls, flag: bool) -> bool:
+        return (flag or os.environ.get(cls.ENV, "0") not in ("", "0", "false")) and dist.is_initialized()
+
+    def check(self, name, module, args):
+        self.calls += 1
+        mine = torch.tensor([zlib.crc32(name.encode())], dtype=torch.long)
+        everyone = [torch.zeros_like(mine) for _ in range(self.world)]
+        try:
+            dist.all_gather(everyone, mine, group=self.group)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"divergence guard: rank {self.rank} waited {self.timeout_s} s to run '{name}' (module call "
+                f"{self.calls}) and another rank never ran a module: it left the forward early or runs fewer "
+                "modules (a branch skipped on some ranks?)") from error
+        if any(int(other) != int(mine) for other in everyone):
+            calls = ", ".join(f"rank {rank} is about to run '{self.names.get(int(h), '?')}'" for rank, h in enumerate(everyone))
+            raise RuntimeError(
+                f"divergence guard: ranks run different modules at module call {self.calls}: {calls}. Every rank must "
+                "call the same modules in the same order, or the engine's collectives hang or abort (for a VLM: give "
+                "text-only batches the dummy image, mmrecipes.vlm).")
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()

@@ -28,7 +28,7 @@ from mmrecipes.chat_data import (CHAT_COUNTED, ChatDataArgs, DummyImageCollator,
                                  chat_model_inputs)
 from mmrecipes.config import parse_args
 from mmrecipes.data import batches_forever
-from mmrecipes.distributed import (data_parallel_rank_and_world, engine_line, make_accelerator,
+from mmrecipes.distributed import (DivergenceGuard, data_parallel_rank_and_world, engine_line, make_accelerator,
                                    reconcile_deepspeed_config, sum_over_ranks)
 from mmrecipes.evaluation import evaluate_answers
 from mmrecipes.losses import count_target_tokens, token_loss_scale
@@ -51,6 +51,9 @@ class TrainArgs(TrainingArgs):
     weight_decay: float = 0.0
     per_device_eval_batch_size: int = 64
     eval_steps: int = 200
+    # Before each module runs, ranks check they run the same one (one collective per module call);
+    # or set MMRECIPES_DEBUG_DIVERGENCE=1
+    debug_divergence: bool = False
 
 
 def main(argv=None):
@@ -97,6 +100,8 @@ def main(argv=None):
     model, optimizer = accelerator.prepare(VLMForTraining(model), optimizer)
     accelerator.register_for_checkpointing(scheduler)
     accelerator.print(engine_line(accelerator, model))
+    if DivergenceGuard.requested(args.debug_divergence):  # after prepare: it runs before the engine's hooks
+        DivergenceGuard(accelerator.unwrap_model(model), timeout_s=args.ddp_timeout)
 
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare.
     collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs)

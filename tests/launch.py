@@ -17,11 +17,11 @@ QUICK = ["--report_to", "none", "--ddp_timeout", "120", "--per_device_eval_batch
 
 
 def accelerate_launch(config: str | Path, *recipe_args, num_processes=2, launcher_args=(), port=None,
-                      timeout=600, recipe=RECIPE) -> subprocess.CompletedProcess:
+                      timeout=600, recipe=RECIPE, env=None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
                "--num_processes", str(num_processes), "--main_process_port", str(port or free_port()),
                *map(str, launcher_args), str(recipe), *QUICK, *map(str, recipe_args)]
-    return _run(command, timeout)
+    return _run(command, timeout, env)
 
 
 def run_recipe(*recipe_args, timeout=600, recipe=RECIPE) -> subprocess.CompletedProcess:
@@ -29,8 +29,8 @@ def run_recipe(*recipe_args, timeout=600, recipe=RECIPE) -> subprocess.Completed
     return _run([sys.executable, str(recipe), *QUICK, *map(str, recipe_args)], timeout)
 
 
-def _run(command, timeout):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+def _run(command, timeout, env=None):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     result.log = (result.stdout + result.stderr).replace("\r", "\n")
     return result

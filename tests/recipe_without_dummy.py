@@ -12,16 +12,21 @@ from pathlib import Path
 from mmrecipes.losses import token_cross_entropy_sum
 from mmrecipes.vlm import VLMForTraining
 
+with_dummy = VLMForTraining.forward
+
+
+def skip_tower_on_text_only(self, input_ids, attention_mask, labels, dummy_image, **image_inputs):
+    if not dummy_image:
+        return with_dummy(self, input_ids, attention_mask, labels, dummy_image, **image_inputs)
+    text_inputs = {name: value for name, value in image_inputs.items() if name not in self.vision_input_names}
+    logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **text_inputs).logits
+    return token_cross_entropy_sum(logits, labels), logits
+
 
 class SkipsTowerOnTextOnly(VLMForTraining):
-    def forward(self, input_ids, attention_mask, labels, dummy_image, **image_inputs):
-        if not dummy_image:
-            return super().forward(input_ids, attention_mask, labels, dummy_image, **image_inputs)
-        text_inputs = {name: value for name, value in image_inputs.items() if name not in self.vision_input_names}
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **text_inputs).logits
-        return token_cross_entropy_sum(logits, labels), logits
+    forward = skip_tower_on_text_only
 
 
 if __name__ == "__main__":
-    VLMForTraining.forward = SkipsTowerOnTextOnly.forward
+    VLMForTraining.forward = skip_tower_on_text_only
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "recipes" / "vlm_finetune.py"), run_name="__main__")

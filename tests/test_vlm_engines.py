@@ -2,7 +2,7 @@
 a rank, the token-mean loss is exact, engines agree, resume repeats the straight run.
 
 Scenario data (one parquet shard per data rank, read in order): per-device batch 1 and
-accumulation 2, so rank 1's whole first window is text-only while rank 0's has images, the
+accumulation 2, so one rank's whole first window is text-only while the other's has images, the
 second window is the reverse, and the third mixes both within each rank. Text answers are 6x
 longer than image answers: a per-micro-batch mean would weight the ranks' tokens unequally.
 """
@@ -100,3 +100,26 @@ def test_same_scenario_without_the_dummy_fails(scenario, config, tmp_path):
     assert result.returncode != 0
     assert f"step {STEPS}/{STEPS}" not in result.log
     assert "Received data size doesn't match expected size" in result.log or "Expected to have finished reduction" in result.log
+
+
+@pytest.mark.parametrize("config", ["ddp.yaml", "fsdp2.yaml"])
+def test_divergence_guard_names_the_diverging_modules(scenario, config, tmp_path):
+    """--debug_divergence turns the same failure into one clear error on every rank, raised before
+    the engine's collective (FSDP2 would all-gather the tower's parameters on one rank only)."""
+    result = accelerate_launch(config, *SCENARIO, "--data_files", scenario / "rank*.parquet", "--output_dir", tmp_path,
+                               "--ddp_timeout", 30, "--debug_divergence", "true", recipe=WITHOUT_DUMMY, timeout=300)
+    assert result.returncode != 0
+    message = ("RuntimeError: divergence guard: ranks run different modules at module call 2: rank 0 is about to "
+               "run 'model', rank 1 is about to run 'model.model.vision_tower'")
+    for rank in (0, 1):  # the same error on every rank, naming each rank's module
+        assert f"[rank{rank}]: {message}" in result.log
+    assert "Received data size doesn't match" not in result.log
+
+
+def test_divergence_guard_passes_the_dummy_runs(scenario, scenario_runs, tmp_path):
+    """Switched on by the environment variable, the guard finds nothing to stop in runs that are
+    right, and changes no number."""
+    result = accelerate_launch("fsdp2.yaml", *SCENARIO, "--data_files", scenario / "rank*.parquet",
+                               "--output_dir", tmp_path, recipe=VLM_RECIPE, env={"MMRECIPES_DEBUG_DIVERGENCE": "1"})
+    assert result.returncode == 0, result.log[-3000:]
+    assert losses(result.log) == losses(scenario_runs["fsdp2.yaml"][0].log)
