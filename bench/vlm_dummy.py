@@ -1,0 +1,123 @@
+"""What the VLM safety features cost, as ratios measured in one run at the recipe's default sizes.
+
+    python bench/vlm_dummy.py            # CPU here; the same code runs on a GPU
+    python bench/vlm_dummy.py --quick
+
+1. Dummy image: forward+backward of a text-only micro-batch through `VLMForTraining` (the
+   vision step runs on the dummy and is sliced out) vs the plain LM on the same batch with no
+   vision call at all (what skipping the tower would cost, if it did not hang other ranks).
+2. Divergence guard (2 gloo processes, DDP): training step time with `DivergenceGuard` on vs off.
+Timings alternate between the two sides and report the median and the spread (min-max) of
+repeats, so drift of the machine hits both sides alike.
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from mmrecipes.chat_data import VLM_SHAPES, ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
+from mmrecipes.losses import token_cross_entropy_sum
+from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, build_llava, dummy_image_inputs
+
+
+def setup(batch_size, dataset):
+    torch.manual_seed(0)
+    model, processor = build_llava(VLMModelArgs())
+    apply_train_modules(model, "projector,language_model")  # the recipe's default (LLaVA stage 2)
+    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model))
+    args = ChatDataArgs(dataset_name=dataset, dataset_weights=None, dataloader_num_workers=0)
+    loader = build_chat_dataloader(args, processor, collator, batch_size=batch_size, data_rank=0, data_world=1,
+                                   shuffle_seed=0)
+    return model, loader
+
+
+def timed(step, repeats):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def dummy_overhead(batch_size, repeats):
+    model, loader = setup(batch_size, str(VLM_SHAPES / "text_chat"))
+    batch = next(iter(loader))
+    assert batch["dummy_image"]
+    wrapper, inputs = VLMForTraining(model), chat_model_inputs(batch, "cpu")
+
+    def with_dummy():
+        wrapper(**inputs)[0].backward()
+
+    def without_vision():
+        logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        token_cross_entropy_sum(logits, inputs["labels"]).backward()
+
+    for step in (with_dummy, without_vision):  # warm-up
+        timed(step, 3)
+    dummy, plain = [], []
+    for _ in range(repeats):  # alternate, 5 steps a side at a time
+        dummy += timed(with_dummy, 5)
+        plain += timed(without_vision, 5)
+    return dummy, plain
+
+
+def _guard_worker(rank, world, port, batch_size, repeats, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from mmrecipes.distributed import DivergenceGuard
+
+    model, loader = setup(batch_size, ChatDataArgs.dataset_name)
+    wrapper = VLMForTraining(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(wrapper)
+    batches = [chat_model_inputs(batch, "cpu") for _, batch in zip(range(10), loader)]
+
+    def step():
+        for batch in batches:
+            ddp(**batch)[0].backward()
+
+    timed(step, 1)
+    off, on = [], []
+    for _ in range(repeats):
+        off += timed(step, 1)
+        guard = DivergenceGuard(wrapper)
+        on += timed(step, 1)
+        guard.remove()
+    torch.save((off, on), os.path.join(out_dir, f"{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def guard_cost(batch_size, repeats):
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_guard_worker, args=(2, 29731, batch_size, repeats, out_dir), nprocs=2, start_method="spawn")
+        return torch.load(os.path.join(out_dir, "0.pt"))
+
+
+def summary(name, test, base):
+    ratios = sorted(t / b for t, b in zip(test, base))
+    median = statistics.median(test) / statistics.median(base)
+    print(f"{name:<44} {statistics.median(base) * 1e3:9.2f} ms {statistics.median(test) * 1e3:9.2f} ms "
+          f"{median:7.3f}  ({ratios[0]:.3f}-{ratios[-1]:.3f})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--batch_size", type=int, default=16)  # the recipe's per-device default
+    args = parser.parse_args()
+    repeats = 4 if args.quick else 20
+    print(f"{'what (test vs base)':<44} {'base':>12} {'test':>12} {'ratio':>7}  (spread of paired ratios)")
+    dummy, plain = dummy_overhead(args.batch_size, repeats)
+    summary("text-only step: dummy image vs no vision call", dummy, plain)
+    off, on = guard_cost(args.batch_size, max(2, repeats // 4))
+    summary("DDP x2, 10 micro-steps: guard on vs off", on, off)
+
+
+if __name__ == "__main__":
+    main()
