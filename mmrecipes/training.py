@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from .data import batches_forever
+
 
 @dataclass
 class TrainingArgs:
@@ -70,8 +72,20 @@ def find_checkpoint(output_dir: str, which: str) -> Path:
     return checkpoints[-1]
 
 
-def checkpoint_step(checkpoint: Path) -> int:
-    return int(checkpoint.name.split("-")[-1])
+def resume_training(accelerator, args: TrainingArgs, train_loader):
+    """(start_step, batches): `--resume_from_checkpoint` restored (model, optimizer, scheduler, RNG)
+    and the training stream at the same position, so the run repeats the uninterrupted one exactly.
+    Each rank re-reads and discards the micro-batches it had consumed (exact; costs reading time)."""
+    start_step = 0
+    if args.resume_from_checkpoint:
+        checkpoint = find_checkpoint(args.output_dir, args.resume_from_checkpoint)
+        accelerator.load_state(checkpoint)
+        start_step = int(checkpoint.name.split("-")[-1])
+        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+    batches = batches_forever(train_loader)
+    for _ in range(start_step * args.gradient_accumulation_steps):
+        next(batches)
+    return start_step, batches
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int):

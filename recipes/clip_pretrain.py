@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from mmrecipes.config import parse_args
-from mmrecipes.data import COUNTED, DataArgs, batches_forever, build_dataloader, model_inputs
+from mmrecipes.data import COUNTED, DataArgs, build_dataloader, model_inputs
 from mmrecipes.distributed import (all_ranks_true, data_parallel_rank_and_world, engine_line, make_accelerator,
                                    reconcile_deepspeed_config, sum_over_ranks)
 from mmrecipes.evaluation import evaluate_retrieval
@@ -29,8 +29,8 @@ from mmrecipes.feature_cache import feature_cache_backward
 from mmrecipes.losses import clip_loss
 from mmrecipes.models import ModelArgs, build_clip, clamp_logit_scale_, save_clip
 from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
-from mmrecipes.training import (TrainingArgs, checkpoint_step, find_checkpoint, per_device_batch_size,
-                                resolve_mixed_precision, resolve_report_to, save_checkpoint)
+from mmrecipes.training import (TrainingArgs, per_device_batch_size, resolve_mixed_precision, resolve_report_to,
+                                resume_training, save_checkpoint)
 
 
 @dataclass
@@ -82,15 +82,7 @@ def main(argv=None):
         eval_loader = build_dataloader(data_args, data_args.eval_split, data_args.eval_data_files,
                                        batch_size=args.per_device_eval_batch_size, **loader_kwargs)
 
-    start_step = 0
-    if args.resume_from_checkpoint:
-        checkpoint = find_checkpoint(args.output_dir, args.resume_from_checkpoint)
-        accelerator.load_state(checkpoint)
-        start_step = checkpoint_step(checkpoint)
-        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
-    train_batches = batches_forever(train_loader)
-    for _ in range(start_step * args.gradient_accumulation_steps):  # exact data position: re-read, discard
-        next(train_batches)
+    start_step, train_batches = resume_training(accelerator, args, train_loader)
 
     accelerator.init_trackers("clip_pretrain", config=asdict(model_args) | asdict(data_args) | asdict(args))
     peak = peak_flops(args.peak_tflops)

@@ -27,14 +27,13 @@ from transformers import get_scheduler
 from mmrecipes.chat_data import (CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader,
                                  chat_model_inputs)
 from mmrecipes.config import parse_args
-from mmrecipes.data import batches_forever
 from mmrecipes.distributed import (DivergenceGuard, data_parallel_rank_and_world, engine_line, make_accelerator,
                                    reconcile_deepspeed_config, sum_over_ranks)
 from mmrecipes.evaluation import evaluate_answers
 from mmrecipes.losses import count_target_tokens, token_loss_scale
 from mmrecipes.throughput import peak_flops, vlm_train_flops
-from mmrecipes.training import (TrainingArgs, checkpoint_step, find_checkpoint, per_device_batch_size,
-                                resolve_mixed_precision, resolve_report_to, save_checkpoint)
+from mmrecipes.training import (TrainingArgs, per_device_batch_size, resolve_mixed_precision, resolve_report_to,
+                                resume_training, save_checkpoint)
 from mmrecipes.vlm import (VLMForTraining, VLMModelArgs, apply_train_modules, build_llava, dummy_image_inputs,
                            freeze_unreached_parameters, save_vlm)
 
@@ -112,15 +111,7 @@ def main(argv=None):
         eval_loader = build_chat_dataloader(data_args, batch_size=args.per_device_eval_batch_size, eval_split=True,
                                             **loader_kwargs)
 
-    start_step = 0
-    if args.resume_from_checkpoint:
-        checkpoint = find_checkpoint(args.output_dir, args.resume_from_checkpoint)
-        accelerator.load_state(checkpoint)
-        start_step = checkpoint_step(checkpoint)
-        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
-    train_batches = batches_forever(train_loader)
-    for _ in range(start_step * args.gradient_accumulation_steps):  # exact data position: re-read, discard
-        next(train_batches)
+    start_step, train_batches = resume_training(accelerator, args, train_loader)
 
     accelerator.init_trackers("vlm_finetune", config=asdict(model_args) | asdict(data_args) | asdict(args))
     peak = peak_flops(args.peak_tflops)
