@@ -48,6 +48,24 @@ def engine_line(accelerator: Accelerator, prepared_model) -> str:
     )
 
 
+def fsdp_block_classes(model) -> list[str]:
+    """The block classes FSDP2 wraps: accelerate reads them from `model._no_split_modules` when the
+    config names none (accelerate_configs/fsdp2.yaml), so one file serves every model.
+
+    transformers' list, less classes absent from this model (Llava's list names CLIP's text
+    embeddings), less any block holding the input embedding: accelerate shards that one on its
+    own, and a second `fully_shard` of it inside a wrapped block fails.
+    """
+    embedding = model.get_input_embeddings()
+    present, holding_embedding = set(), set()
+    for module in model.modules():
+        name = type(module).__name__
+        present.add(name)
+        if any(sub is embedding for sub in module.modules()):
+            holding_embedding.add(name)
+    return sorted(name for name in model._no_split_modules if name in present and name not in holding_embedding)
+
+
 def data_parallel_rank_and_world(accelerator: Accelerator) -> tuple[int, int]:
     """The rank and world size that data must be split over (see `mesh_data_rank_and_world`)."""
     mesh = accelerator.torch_device_mesh

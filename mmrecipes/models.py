@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from accelerate.utils import DistributedType
 from transformers import AutoImageProcessor, AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
 
+from .distributed import fsdp_block_classes
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_TOKENIZER = REPO_ROOT / "data" / "tokenizer"
 MAX_LOGIT_SCALE = math.log(100)  # CLIP clamps the temperature at 100
@@ -61,6 +63,7 @@ def build_clip(args: ModelArgs):
         model, tokenizer, image_processor = _tiny_clip(args)
     # After loading: the checkpoint's logit_scale is 0-dim, which FSDP and DeepSpeed reject.
     model.logit_scale = torch.nn.Parameter(model.logit_scale.detach().reshape(1))
+    model._no_split_modules = fsdp_block_classes(model)  # what fsdp2.yaml wraps
     return model, tokenizer, image_processor
 
 

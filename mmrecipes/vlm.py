@@ -24,6 +24,7 @@ import torch
 from transformers import (AutoProcessor, AutoTokenizer, CLIPImageProcessor, LlavaConfig,
                           LlavaForConditionalGeneration, LlavaProcessor)
 
+from .distributed import fsdp_block_classes
 from .losses import token_cross_entropy_sum
 from .models import REPO_ROOT
 
@@ -79,11 +80,8 @@ class VLMForTraining(torch.nn.Module):
         return self.model.get_input_embeddings()
 
     @property
-    def _no_split_modules(self):
-        """The model's transformer blocks that exist in it: what FSDP2 wraps when the accelerate
-        config names no classes (Llava's list also names CLIP's text embeddings, absent here)."""
-        present = {type(module).__name__ for module in self.model.modules()}
-        return sorted(name for name in self.model._no_split_modules if name in present)
+    def _no_split_modules(self):  # what accelerate_configs/fsdp2.yaml wraps
+        return fsdp_block_classes(self.model)
 
 
 def dummy_image_inputs(model) -> dict:

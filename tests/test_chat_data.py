@@ -1,6 +1,7 @@
 """Chat data for the VLM recipe: both formats to tokens + labels, counted skips, the dummy image,
 the mixture of sources on every rank."""
 
+import itertools
 import json
 
 import datasets
@@ -20,11 +21,11 @@ def tiny():
     return model, processor, DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model))
 
 
-def load_all(args, tiny, batch_size=64, **kwargs):
+def load_all(args, tiny, batch_size=64, max_batches=None, **kwargs):
     _, processor, collator = tiny
     loader = build_chat_dataloader(args, processor, collator, batch_size=batch_size, data_rank=kwargs.pop("rank", 0),
                                    data_world=kwargs.pop("world", 1), **kwargs)
-    return list(loader)
+    return list(itertools.islice(loader, max_batches))
 
 
 def answers(batch, tokenizer):
@@ -110,7 +111,7 @@ def test_every_rank_sees_the_weighted_mixture(tiny):
     _, processor, _ = tiny
     image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     for rank in (0, 1):
-        batches = load_all(ChatDataArgs(), tiny, batch_size=100, rank=rank, world=2, shuffle_seed=0)[:10]
+        batches = load_all(ChatDataArgs(), tiny, batch_size=100, max_batches=10, rank=rank, world=2, shuffle_seed=0)
         rows = torch.cat([(b["input_ids"] == image_token).any(dim=1) for b in batches])
         assert len(rows) == 1000
         assert 0.20 < (~rows).float().mean().item() < 0.30, rank
