@@ -13,6 +13,10 @@ vision step exactly once, in the same module order on every rank:
    (`features[:0].sum()`): the vision parameters get an exact-zero gradient and the loss and LM
    gradients stay bitwise unchanged. Slicing, not `0 * features`, because `0 * inf = nan`.
 
+The wrapper reads no parameter itself: under ZeRO-3, reading a sub-module's parameter (its dtype,
+say) in a parent's forward gathers it on that rank only and breaks the next collective
+(CPU_ENGINES.md §3); each tower casts its inputs inside its own forward.
+
 A dummy's zero gradient still lets AdamW apply weight decay and momentum to those parameters on
 that step; train the tower with `weight_decay=0` (the recipe's default for it) if that matters.
 """
