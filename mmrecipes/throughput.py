@@ -38,21 +38,19 @@ def peak_flops(peak_tflops: float | None = None) -> float | None:
     return None
 
 
-def vlm_train_flops(model, *, text_tokens: int, images: int, seq_len: int, vision_trains: bool) -> float:
-    """Training FLOPs of a Llava model for a number of LM tokens and images.
+def vlm_train_flops(model, *, seq_len: int, vision_trains: bool) -> tuple[float, float]:
+    """(training FLOPs per LM token, per image) of a Llava model.
 
-    LM: 6 N per token (the backward runs through the LM whenever anything trains) plus attention.
-    Vision tower: 6 N per patch when it trains, 2 N (forward only) when frozen. Count before
-    `prepare` (ZeRO-3 partitioned parameters report numel 0).
+    LM: 6 N per token (the backward runs through the LM whenever anything trains) plus attention
+    at `seq_len`. Vision tower: 6 N per patch when it trains, 2 N (forward only) when frozen.
+    Count before `prepare` (ZeRO-3 partitioned parameters report numel 0).
     """
-    vision = model.config.vision_config
+    vision, text = model.config.vision_config, model.config.text_config
     tower = model.model.vision_tower  # Llava's layout
     patches = (vision.image_size // vision.patch_size) ** 2 + 1
-    tower_params = sum(p.numel() for p in tower.parameters())
-    tower_flops = (6 if vision_trains else 2) * tower_params * patches
-    text = model.config.text_config
+    per_image = (6 if vision_trains else 2) * sum(p.numel() for p in tower.parameters()) * patches
     decoder = model.get_decoder()
     lm_params = sum(p.numel() for p in decoder.parameters()) - decoder.get_input_embeddings().weight.numel()
     lm_params += model.get_output_embeddings().weight.numel()
-    lm_flops = transformer_train_flops(lm_params, text.num_hidden_layers, text.hidden_size, seq_len) / seq_len
-    return lm_flops * text_tokens + tower_flops * images
+    per_token = transformer_train_flops(lm_params, text.num_hidden_layers, text.hidden_size, seq_len) / seq_len
+    return per_token, per_image

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .data import batches_forever
+from .distributed import make_accelerator
 
 
 @dataclass
@@ -45,6 +46,17 @@ def per_device_batch_size(args: TrainingArgs, data_world: int) -> int:
                          f"--gradient_accumulation_steps ({args.gradient_accumulation_steps}); use a multiple of "
                          f"{per_step}, e.g. {math.ceil(args.global_batch_size / per_step) * per_step}.")
     return args.global_batch_size // per_step
+
+
+def accelerator_from_args(args: TrainingArgs):
+    """The recipe's Accelerator (`mmrecipes.distributed.make_accelerator`: real on multi-process CPU too)."""
+    return make_accelerator(
+        timeout_s=args.ddp_timeout,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=resolve_mixed_precision(args.mixed_precision),
+        log_with=resolve_report_to(args.report_to),
+        project_dir=args.output_dir,
+    )
 
 
 def resolve_mixed_precision(choice: str) -> str:

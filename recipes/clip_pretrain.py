@@ -22,15 +22,15 @@ from transformers import get_scheduler
 
 from mmrecipes.config import parse_args
 from mmrecipes.data import COUNTED, DataArgs, build_dataloader, model_inputs
-from mmrecipes.distributed import (all_ranks_true, data_parallel_rank_and_world, engine_line, make_accelerator,
+from mmrecipes.distributed import (all_ranks_true, data_parallel_rank_and_world, engine_line,
                                    reconcile_deepspeed_config, sum_over_ranks)
 from mmrecipes.evaluation import evaluate_retrieval
 from mmrecipes.feature_cache import feature_cache_backward
 from mmrecipes.losses import clip_loss
 from mmrecipes.models import ModelArgs, build_clip, clamp_logit_scale_, save_clip
 from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
-from mmrecipes.training import (TrainingArgs, per_device_batch_size, resolve_mixed_precision, resolve_report_to,
-                                resume_training, save_checkpoint)
+from mmrecipes.training import (TrainingArgs, accelerator_from_args, per_device_batch_size, resume_training,
+                                save_checkpoint)
 
 
 @dataclass
@@ -49,13 +49,7 @@ def main(argv=None):
     model, tokenizer, image_processor = build_clip(model_args)
     # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
     flops_per_sample = clip_train_flops_per_sample(model, data_args.max_caption_length)
-    accelerator = make_accelerator(
-        timeout_s=args.ddp_timeout,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        mixed_precision=resolve_mixed_precision(args.mixed_precision),
-        log_with=resolve_report_to(args.report_to),
-        project_dir=args.output_dir,
-    )
+    accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
 

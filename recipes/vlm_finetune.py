@@ -27,13 +27,13 @@ from transformers import get_scheduler
 from mmrecipes.chat_data import (CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader,
                                  chat_model_inputs)
 from mmrecipes.config import parse_args
-from mmrecipes.distributed import (DivergenceGuard, data_parallel_rank_and_world, engine_line, make_accelerator,
+from mmrecipes.distributed import (DivergenceGuard, data_parallel_rank_and_world, engine_line,
                                    reconcile_deepspeed_config, sum_over_ranks)
 from mmrecipes.evaluation import evaluate_answers
 from mmrecipes.losses import count_target_tokens, token_loss_scale
 from mmrecipes.throughput import peak_flops, vlm_train_flops
-from mmrecipes.training import (TrainingArgs, per_device_batch_size, resolve_mixed_precision, resolve_report_to,
-                                resume_training, save_checkpoint)
+from mmrecipes.training import (TrainingArgs, accelerator_from_args, per_device_batch_size, resume_training,
+                                save_checkpoint)
 from mmrecipes.vlm import (VLMForTraining, VLMModelArgs, apply_train_modules, build_llava, dummy_image_inputs,
                            freeze_unreached_parameters, save_vlm)
 
@@ -66,16 +66,10 @@ def main(argv=None):
     if model_args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.enable_input_require_grads()  # a frozen embedding would leave checkpointed layers without grads
-    seq_len = data_args.max_length // 2  # a typical length for the attention term of the MFU estimate
-    flops = lambda tokens, images: vlm_train_flops(model, text_tokens=tokens, images=images, seq_len=seq_len,  # noqa: E731
-                                                   vision_trains="vision_tower" in trainable)
-    accelerator = make_accelerator(
-        timeout_s=args.ddp_timeout,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        mixed_precision=resolve_mixed_precision(args.mixed_precision),
-        log_with=resolve_report_to(args.report_to),
-        project_dir=args.output_dir,
-    )
+    # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
+    flops_per_token, flops_per_image = vlm_train_flops(model, seq_len=data_args.max_length // 2,
+                                                       vision_trains="vision_tower" in trainable)
+    accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
     if unreached:
@@ -158,7 +152,8 @@ def main(argv=None):
                        "samples_per_s": samples / elapsed,
                        "tokens_per_s": tokens / elapsed, "dummy_image_batches": int(dummies)}
             if peak:
-                metrics["mfu"] = flops(tokens, images) / elapsed / (peak * accelerator.num_processes)
+                flops = tokens * flops_per_token + images * flops_per_image
+                metrics["mfu"] = flops / elapsed / (peak * accelerator.num_processes)
             metrics |= dict(zip(CHAT_COUNTED, map(int, problems)))
             accelerator.log(metrics, step=done)
             mfu = f"{metrics['mfu']:.2%}" if peak else "n/a"

@@ -71,9 +71,10 @@ def test_output_answers_through_the_pipeline_as_the_eval_scores_it(default_run):
 def test_model_name_or_path_continues_from_a_saved_llava(default_run, tmp_path):
     _, output_dir = default_run
     result = run_recipe("--model_name_or_path", output_dir, "--max_steps", 2, "--logging_steps", 1,
-                        "--eval_dataset_name", "", "--output_dir", tmp_path, recipe=VLM_RECIPE)
+                        "--eval_dataset_name", "", "--peak_tflops", 0.001, "--output_dir", tmp_path, recipe=VLM_RECIPE)
     assert result.returncode == 0, result.log[-3000:]
     assert losses(result.log)[1] < 0.6  # trained weights, not a fresh init (about 6 at step 1)
+    assert re.search(r"^step 2/2 .*\| MFU \d+\.\d+% \|", result.log, re.M)  # FLOPs counted before prepare
 
 
 def initial_weights():
