@@ -1,13 +1,11 @@
 """What every recipe's loop needs around it: the common arguments, batch size from a global
-batch, mixed precision and tracker choice, finding a checkpoint. The loop itself stays in the recipe."""
+batch, mixed precision and tracker choice. The loop itself stays in the recipe."""
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from .data import batches_forever
 from .distributed import make_accelerator
 
 
@@ -30,8 +28,13 @@ class TrainingArgs:
     per_device_eval_batch_size: int = 128
     eval_steps: int = 100
     logging_steps: int = 20
-    save_steps: int = 0  # 0: save only the final model
-    resume_from_checkpoint: str | None = None  # "latest" or a checkpoint directory
+    save_steps: int = 0  # 0: save only the final model (and a checkpoint on preemption)
+    save_total_limit: int | None = None  # keep only the newest K complete checkpoints
+    # "latest" (the newest complete checkpoint; none yet: start fresh) or a checkpoint directory
+    resume_from_checkpoint: str | None = None
+    # On these signals: checkpoint at the next optimizer step, exit 75 (mmrecipes.step_guard); "" for none
+    preemption_signals: str = "SIGTERM,SIGUSR1"
+    max_skipped_steps: int = 5  # non-finite steps in a row (each skipped) before the run stops
     report_to: str = "auto"  # tensorboard when installed; or wandb, none
     peak_tflops: float | None = None  # per-device peak for the MFU estimate; default: known GPUs
     ddp_timeout: int = 1800  # seconds a collective may wait before the run fails instead of hanging
@@ -73,32 +76,3 @@ def resolve_report_to(choice: str):
             return None
         return "tensorboard"
     return None if choice == "none" else choice
-
-
-def find_checkpoint(output_dir: str, which: str) -> Path:
-    if which != "latest":
-        return Path(which)
-    checkpoints = sorted((Path(output_dir) / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-    if not checkpoints:
-        raise FileNotFoundError(f"--resume_from_checkpoint latest: no checkpoint-* under {output_dir}/checkpoints")
-    return checkpoints[-1]
-
-
-def resume_training(accelerator, args: TrainingArgs, train_loader):
-    """(start_step, batches): `--resume_from_checkpoint` restored (model, optimizer, scheduler, RNG)
-    and the training stream at the same position, so the run repeats the uninterrupted one exactly.
-    Each rank re-reads and discards the micro-batches it had consumed (exact; costs reading time)."""
-    start_step = 0
-    if args.resume_from_checkpoint:
-        checkpoint = find_checkpoint(args.output_dir, args.resume_from_checkpoint)
-        accelerator.load_state(checkpoint)
-        start_step = int(checkpoint.name.split("-")[-1])
-        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
-    batches = batches_forever(train_loader)
-    for _ in range(start_step * args.gradient_accumulation_steps):
-        next(batches)
-    return start_step, batches
-
-
-def save_checkpoint(accelerator, output_dir: str, step: int):
-    accelerator.save_state(Path(output_dir) / "checkpoints" / f"checkpoint-{step}")

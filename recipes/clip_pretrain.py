@@ -11,6 +11,7 @@ engine in accelerate_configs/ (DDP, FSDP2, ZeRO-2, ZeRO-3, multi-node) and on re
 Tested on a 2-core CPU (1 and 2 processes, gloo).
 """
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -20,6 +21,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from mmrecipes.checkpointing import Checkpointer
 from mmrecipes.config import parse_args
 from mmrecipes.data import COUNTED, DataArgs, build_dataloader, model_inputs
 from mmrecipes.distributed import (all_ranks_true, data_parallel_rank_and_world, engine_line,
@@ -28,9 +30,9 @@ from mmrecipes.evaluation import evaluate_retrieval
 from mmrecipes.feature_cache import feature_cache_backward
 from mmrecipes.losses import clip_loss
 from mmrecipes.models import ModelArgs, build_clip, clamp_logit_scale_, save_clip
+from mmrecipes.step_guard import PREEMPTED_EXIT_CODE, StepGuard
 from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
-from mmrecipes.training import (TrainingArgs, accelerator_from_args, per_device_batch_size, resume_training,
-                                save_checkpoint)
+from mmrecipes.training import TrainingArgs, accelerator_from_args, per_device_batch_size
 
 
 @dataclass
@@ -76,7 +78,13 @@ def main(argv=None):
         eval_loader = build_dataloader(data_args, data_args.eval_split, data_args.eval_data_files,
                                        batch_size=args.per_device_eval_batch_size, **loader_kwargs)
 
-    start_step, train_batches = resume_training(accelerator, args, train_loader)
+    checkpoints = Checkpointer(accelerator, args.output_dir, total_limit=args.save_total_limit,
+                               data_world=data_world, batch_size=batch_size)
+    # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
+    # whether a preemption signal arrived (then: checkpoint and exit).
+    guard = StepGuard(accelerator, model, checkpoints, signals=args.preemption_signals,
+                      max_skipped_steps=args.max_skipped_steps)
+    start_step, train_batches = checkpoints.resume(args.resume_from_checkpoint, train_loader)
 
     accelerator.init_trackers("clip_pretrain", config=asdict(model_args) | asdict(data_args) | asdict(args))
     peak = peak_flops(args.peak_tflops)
@@ -106,32 +114,35 @@ def main(argv=None):
                     loss = loss_fn(image_embeds, text_embeds, logit_scale)
                     accelerator.backward(loss)
                 window_losses.append(loss.detach())
-        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        done = step + 1
+        if guard.step_is_finite(torch.stack(window_losses), grad_norm, done):
+            optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
+            scheduler.step()
+            clamp_logit_scale_(accelerator, model)
+            loss_sum += torch.stack(window_losses).mean()
+            logged_steps += 1
         optimizer.zero_grad()
-        loss_sum += torch.stack(window_losses).mean()
-        logged_steps += 1
         samples += sum(len(batch["input_ids"]) for batch in window)
         data_counts = data_counts + sum(batch["data_counts"] for batch in window)
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
-        scheduler.step()
-        clamp_logit_scale_(accelerator, model)
 
-        done = step + 1
         if done % args.logging_steps == 0 or done == args.max_steps:
             # Mean over ranks of the local losses is the global-batch loss (mmrecipes.losses).
             totals = sum_over_ranks(torch.stack([loss_sum, torch.tensor(float(samples), device=loss_sum.device)]))
             counts = sum_over_ranks(data_counts.to(accelerator.device))
             samples_per_s = totals[1].item() / (time.perf_counter() - window_start)
-            metrics = {"loss": totals[0].item() / accelerator.num_processes / logged_steps, "epoch": epoch,
-                       "lr": scheduler.get_last_lr()[0], "samples_per_s": samples_per_s}
+            loss = totals[0].item() / accelerator.num_processes / logged_steps if logged_steps else float("nan")
+            metrics = {"loss": loss, "epoch": epoch, "lr": scheduler.get_last_lr()[0], "samples_per_s": samples_per_s,
+                       "skipped_steps": guard.skipped_steps}
             if peak:
                 metrics["mfu"] = samples_per_s * flops_per_sample / (peak * accelerator.num_processes)
             metrics |= {name: int(count) for name, count in zip(COUNTED, counts.tolist())}
             accelerator.log(metrics, step=done)
             mfu = f"{metrics['mfu']:.2%}" if peak else "n/a"
             log(f"step {done}/{args.max_steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.2e} | "
-                f"samples/s {samples_per_s:.1f} | MFU {mfu} | " + " ".join(f"{name} {metrics[name]}" for name in COUNTED))
+                f"samples/s {samples_per_s:.1f} | MFU {mfu} | skipped_steps {guard.skipped_steps} | "
+                + " ".join(f"{name} {metrics[name]}" for name in COUNTED))
             loss_sum, logged_steps, samples, window_start = torch.zeros_like(loss_sum), 0, 0, time.perf_counter()
         if eval_loader is not None and (done % args.eval_steps == 0 or done == args.max_steps):
             eval_start = time.perf_counter()
@@ -141,8 +152,13 @@ def main(argv=None):
                 accelerator.log(recall, step=done)
                 log(f"eval step {done} | " + " | ".join(
                     f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}" for name, value in recall.items()))
-        if args.save_steps and done % args.save_steps == 0 and done < args.max_steps:
-            save_checkpoint(accelerator, args.output_dir, done)
+        if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
+            checkpoint = checkpoints.save(done)
+            if guard.stop_requested:
+                accelerator.print(f"preemption signal: saved {checkpoint}; exiting with {PREEMPTED_EXIT_CODE}. "
+                                  "Run the same command with --resume_from_checkpoint latest to continue.")
+                accelerator.end_training()
+                sys.exit(PREEMPTED_EXIT_CODE)
 
     save_clip(accelerator, model, tokenizer, image_processor, args.output_dir)
     accelerator.print(f"saved model to {args.output_dir}")

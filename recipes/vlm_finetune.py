@@ -16,6 +16,7 @@ or chat-format datasets (`messages` + `images`); several comma-separated sources
 `--dataset_weights`. Tested on a 2-core CPU (1 and 2 processes, gloo).
 """
 
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -26,14 +27,15 @@ from transformers import get_scheduler
 
 from mmrecipes.chat_data import (CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader,
                                  chat_model_inputs)
+from mmrecipes.checkpointing import Checkpointer
 from mmrecipes.config import parse_args
 from mmrecipes.distributed import (DivergenceGuard, data_parallel_rank_and_world, engine_line,
                                    reconcile_deepspeed_config, sum_over_ranks)
 from mmrecipes.evaluation import evaluate_answers
 from mmrecipes.losses import count_target_tokens, token_loss_scale
+from mmrecipes.step_guard import PREEMPTED_EXIT_CODE, StepGuard
 from mmrecipes.throughput import peak_flops, vlm_train_flops
-from mmrecipes.training import (TrainingArgs, accelerator_from_args, per_device_batch_size, resume_training,
-                                save_checkpoint)
+from mmrecipes.training import TrainingArgs, accelerator_from_args, per_device_batch_size
 from mmrecipes.vlm import (VLMForTraining, VLMModelArgs, apply_train_modules, build_llava, dummy_image_inputs,
                            freeze_unreached_parameters, save_vlm)
 
@@ -105,14 +107,20 @@ def main(argv=None):
         eval_loader = build_chat_dataloader(data_args, batch_size=args.per_device_eval_batch_size, eval_split=True,
                                             **loader_kwargs)
 
-    start_step, train_batches = resume_training(accelerator, args, train_loader)
+    checkpoints = Checkpointer(accelerator, args.output_dir, total_limit=args.save_total_limit,
+                               data_world=data_world, batch_size=batch_size)
+    # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
+    # whether a preemption signal arrived (then: checkpoint and exit).
+    guard = StepGuard(accelerator, model, checkpoints, signals=args.preemption_signals,
+                      max_skipped_steps=args.max_skipped_steps)
+    start_step, train_batches = checkpoints.resume(args.resume_from_checkpoint, train_loader)
 
     accelerator.init_trackers("vlm_finetune", config=asdict(model_args) | asdict(data_args) | asdict(args))
     peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
-    # Summed over the logging window on this rank. On the device: CE. From the CPU batches: target
-    # tokens, samples, LM tokens, images, dummy-image batches (no host-device sync per micro-step).
+    # Summed over the logging window on this rank. On the device: CE of applied steps. From the CPU
+    # batches: their target tokens; samples, LM tokens, images, dummy-image batches of all steps.
     ce_sum, counts, window_start = torch.zeros((), device=accelerator.device), torch.zeros(5), time.perf_counter()
     data_counts = torch.zeros(len(CHAT_COUNTED), dtype=torch.long)
     for step in progress:
@@ -126,31 +134,36 @@ def main(argv=None):
             raise RuntimeError(f"A data rank has no training rows ({data_world} data ranks): use more data "
                                "shards/rows or fewer processes.")
         loss_scale = token_loss_scale(window_tokens, args.gradient_accumulation_steps, data_world)
-        for batch, batch_targets in zip(window, targets):
+        window_ce = []
+        for batch in window:
             # Gradients are all-reduced only on the last micro-batch of the window (no_sync before it).
             with accelerator.accumulate(model):
                 loss_sum, _ = model(**chat_model_inputs(batch, accelerator.device))
                 accelerator.backward(loss_sum * loss_scale)
-            ce_sum += loss_sum.detach()
+            window_ce.append(loss_sum.detach())
             images = 0 if batch["dummy_image"] else len(batch["pixel_values"])
-            counts += torch.tensor([batch_targets, len(batch["input_ids"]), batch["attention_mask"].sum(), images,
+            counts += torch.tensor([0, len(batch["input_ids"]), batch["attention_mask"].sum(), images,
                                     batch["dummy_image"]])
             data_counts += batch["data_counts"]
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
-        optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
+        done = step + 1
+        if guard.step_is_finite(torch.stack(window_ce), grad_norm, done):
+            optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
+            scheduler.step()
+            ce_sum += sum(window_ce)
+            counts[0] += sum(targets)
         optimizer.zero_grad()
-        scheduler.step()
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
-        done = step + 1
         if done % args.logging_steps == 0 or done == args.max_steps:
-            ce, targets, samples, tokens, images, dummies = sum_over_ranks(
+            ce, target_tokens, samples, tokens, images, dummies = sum_over_ranks(
                 torch.cat([ce_sum.reshape(1).double(), counts.double().to(accelerator.device)])).tolist()
             problems = sum_over_ranks(data_counts.to(accelerator.device)).tolist()
             elapsed = time.perf_counter() - window_start
-            metrics = {"loss": ce / max(targets, 1), "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
-                       "samples_per_s": samples / elapsed,
-                       "tokens_per_s": tokens / elapsed, "dummy_image_batches": int(dummies)}
+            metrics = {"loss": ce / target_tokens if target_tokens else float("nan"), "grad_norm": float(grad_norm),
+                       "lr": scheduler.get_last_lr()[0], "samples_per_s": samples / elapsed,
+                       "tokens_per_s": tokens / elapsed, "dummy_image_batches": int(dummies),
+                       "skipped_steps": guard.skipped_steps}
             if peak:
                 flops = tokens * flops_per_token + images * flops_per_image
                 metrics["mfu"] = flops / elapsed / (peak * accelerator.num_processes)
@@ -160,7 +173,8 @@ def main(argv=None):
             log(f"step {done}/{args.max_steps} | loss {metrics['loss']:.6f} | grad_norm {metrics['grad_norm']:.6f} | "
                 f"lr {metrics['lr']:.2e} | "
                 f"samples/s {metrics['samples_per_s']:.1f} | tokens/s {metrics['tokens_per_s']:.0f} | MFU {mfu} | "
-                f"dummy_image_batches {int(dummies)} | " + " ".join(f"{name} {metrics[name]}" for name in CHAT_COUNTED))
+                f"dummy_image_batches {int(dummies)} | skipped_steps {guard.skipped_steps} | "
+                + " ".join(f"{name} {metrics[name]}" for name in CHAT_COUNTED))
             ce_sum, counts, window_start = torch.zeros_like(ce_sum), torch.zeros_like(counts), time.perf_counter()
         if eval_loader is not None and (done % args.eval_steps == 0 or done == args.max_steps):
             eval_start = time.perf_counter()
@@ -170,8 +184,13 @@ def main(argv=None):
                 accelerator.log(accuracy, step=done)
                 log(f"eval step {done} | answer_accuracy {accuracy['answer_accuracy']:.4f} | "
                     f"eval_answers {accuracy['eval_answers']}")
-        if args.save_steps and done % args.save_steps == 0 and done < args.max_steps:
-            save_checkpoint(accelerator, args.output_dir, done)
+        if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
+            checkpoint = checkpoints.save(done)
+            if guard.stop_requested:
+                accelerator.print(f"preemption signal: saved {checkpoint}; exiting with {PREEMPTED_EXIT_CODE}. "
+                                  "Run the same command with --resume_from_checkpoint latest to continue.")
+                accelerator.end_training()
+                sys.exit(PREEMPTED_EXIT_CODE)
 
     save_vlm(accelerator, model, processor, args.output_dir)
     accelerator.print(f"saved model to {args.output_dir}")

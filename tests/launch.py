@@ -12,26 +12,35 @@ from gloo import free_port
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "clip_pretrain.py"
 VLM_RECIPE = REPO / "recipes" / "vlm_finetune.py"
+WITH_FAULTS = REPO / "tests" / "recipe_with_faults.py"  # the recipe with faults injected (see its docstring)
 # Short, fast runs; a collective that waits longer than ddp_timeout fails the run instead of hanging.
 QUICK = ["--report_to", "none", "--ddp_timeout", "120", "--per_device_eval_batch_size", "256"]
 
 
 def accelerate_launch(config: str | Path, *recipe_args, num_processes=2, launcher_args=(), port=None,
                       timeout=600, recipe=RECIPE, env=None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
-               "--num_processes", str(num_processes), "--main_process_port", str(port or free_port()),
-               *map(str, launcher_args), str(recipe), *QUICK, *map(str, recipe_args)]
+    command = launch_command(config, *recipe_args, num_processes=num_processes, launcher_args=launcher_args,
+                             port=port, recipe=recipe)
     return _run(command, timeout, env)
 
 
-def run_recipe(*recipe_args, timeout=600, recipe=RECIPE) -> subprocess.CompletedProcess:
+def launch_command(config: str | Path, *recipe_args, num_processes=2, launcher_args=(), port=None, recipe=RECIPE):
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
+            "--num_processes", str(num_processes), "--main_process_port", str(port or free_port()),
+            *map(str, launcher_args), str(recipe), *QUICK, *map(str, recipe_args)]
+
+
+def run_recipe(*recipe_args, timeout=600, recipe=RECIPE, env=None) -> subprocess.CompletedProcess:
     """One process, no launcher (what `accelerate launch` with no config does)."""
-    return _run([sys.executable, str(recipe), *QUICK, *map(str, recipe_args)], timeout)
+    return _run([sys.executable, str(recipe), *QUICK, *map(str, recipe_args)], timeout, env)
+
+
+def run_env(extra=None) -> dict:
+    return dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(extra or {}))
 
 
 def _run(command, timeout, env=None):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(command, cwd=REPO, env=run_env(env), capture_output=True, text=True, timeout=timeout)
     result.log = (result.stdout + result.stderr).replace("\r", "\n")
     return result
 

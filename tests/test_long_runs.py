@@ -1,0 +1,126 @@
+"""Runs that survive what clusters do to them (mmrecipes.checkpointing, mmrecipes.step_guard):
+a kill inside a save, a preemption signal on one rank, a non-finite batch on one rank."""
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import CLIPModel
+
+from launch import (REPO, WITH_FAULTS, accelerate_launch, launch_command, losses, run_env, run_recipe)
+from mmrecipes.step_guard import PREEMPTED_EXIT_CODE
+
+pytestmark = pytest.mark.launch
+
+# One command line for the first start and every restart (what a requeued Slurm job runs).
+RUN = ["--logging_steps", 1, "--per_device_train_batch_size", 16, "--eval_split", "",
+       "--resume_from_checkpoint", "latest"]
+
+
+def fingerprints(log: str) -> dict[tuple[int, int], str]:
+    """(rank, step) -> fingerprint of that rank's local weights after the step (FAULT_WEIGHTS_LOG)."""
+    return {(int(rank), int(step)): value for rank, step, value in
+            re.findall(r"^weights rank (\d+) after step (\d+): (.+)$", log, re.M)}
+
+
+def kill_process_tree(pid: int):
+    """SIGKILL a process and every descendant (the launcher starts its workers in their own sessions)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, stack = [], [pid]
+    while stack:
+        tree.append(stack.pop())
+        stack += children.get(tree[-1], [])
+    for member in tree:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_kill_inside_save_resumes_from_previous_complete_checkpoint(tmp_path):
+    """SIGKILL every process while checkpoint-4 is being written: `latest` then skips the partial
+    directory (removed at start), resumes from checkpoint-2 and repeats steps 3-4 exactly."""
+    args = [*RUN, "--max_steps", 8, "--save_steps", 2, "--save_total_limit", 2, "--output_dir", tmp_path]
+    job = subprocess.Popen(launch_command("ddp.yaml", *args, recipe=WITH_FAULTS), cwd=REPO,
+                           env=run_env({"FAULT_PAUSE_IN_SAVE": "4"}), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "paused-in-save-0").exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    kill_process_tree(job.pid)
+    killed_log = job.communicate()[0].replace("\r", "\n")
+    assert (tmp_path / "paused-in-save-0").exists(), killed_log[-3000:]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [".partial-checkpoint-4", "checkpoint-2"]
+
+    resumed = accelerate_launch("ddp.yaml", *args)
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert "a checkpoint save that did not finish" in resumed.log
+    assert re.search(r"resumed from \S+checkpoint-2 at step 2", resumed.log)
+    for step in (3, 4):
+        assert losses(resumed.log)[step] == pytest.approx(losses(killed_log)[step], abs=1e-6)
+    # --save_total_limit 2: of checkpoints 2, 4 and 6 the newest two remain.
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint-4", "checkpoint-6"]
+
+
+def test_sigterm_on_one_rank_saves_exits_and_resumes_exactly(tmp_path):
+    straight = accelerate_launch("ddp.yaml", *RUN, "--max_steps", 6, "--output_dir", tmp_path / "straight")
+    assert straight.returncode == 0, straight.log[-3000:]
+    assert "no complete checkpoint under" in straight.log and "starting from step 0" in straight.log
+
+    args = [*RUN, "--max_steps", 6, "--output_dir", tmp_path / "preempted"]
+    preempted = accelerate_launch("ddp.yaml", *args, recipe=WITH_FAULTS, env={"FAULT_SIGTERM_AT": "1:3"})
+    # Only rank 1 got the signal; both ranks stop after step 3 with the documented exit code.
+    assert preempted.returncode != 0
+    assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in preempted.log, preempted.log[-3000:]
+    assert "preemption signal: saved" in preempted.log
+    assert sorted(losses(preempted.log)) == [1, 2, 3]
+    assert (tmp_path / "preempted" / "checkpoints" / "checkpoint-3" / "checkpoint.json").is_file()
+
+    # Fewer data ranks than the checkpoint's: refused before any step.
+    fewer = run_recipe(*args)
+    assert fewer.returncode != 0 and "data_ranks=2" in fewer.log and not losses(fewer.log)
+
+    resumed = accelerate_launch("ddp.yaml", *args)
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert sorted(losses(resumed.log)) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert losses(resumed.log)[step] == pytest.approx(losses(straight.log)[step], abs=1e-6)
+    reference = CLIPModel.from_pretrained(tmp_path / "straight").state_dict()
+    for name, tensor in CLIPModel.from_pretrained(tmp_path / "preempted").state_dict().items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("config", ["ddp.yaml", "fsdp2.yaml", "zero2.yaml", "zero3.yaml"])
+def test_nonfinite_batch_on_one_rank_is_skipped_everywhere(tmp_path, config):
+    """NaN pixels on rank 1 in step 2: no rank's weights change in step 2, and training goes on."""
+    result = accelerate_launch(config, *RUN, "--max_steps", 4, "--warmup_steps", 0, "--output_dir", tmp_path,
+                               recipe=WITH_FAULTS,
+                               env={"FAULT_NAN_AT": "1:2", "FAULT_WEIGHTS_LOG": "1"})
+    assert result.returncode == 0, result.log[-3000:]
+    assert "step 2: loss or gradient norm not finite; step skipped (1 in a row, 1 in all)" in result.log
+    weights = fingerprints(result.log)
+    for rank in (0, 1):
+        assert weights[rank, 2] == weights[rank, 1], f"rank {rank} changed its weights in the skipped step"
+        assert weights[rank, 1] != weights[rank, 0] and weights[rank, 3] != weights[rank, 2]
+    assert sorted(losses(result.log)) == [1, 3, 4]  # step 2 logs loss nan: no step was applied
+    assert "skipped_steps 1" in result.log
+
+
+def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path):
+    result = run_recipe("--logging_steps", 1, "--per_device_train_batch_size", 16, "--eval_split", "",
+                        "--max_steps", 8, "--save_steps", 2, "--max_skipped_steps", 2, "--output_dir", tmp_path,
+                        recipe=WITH_FAULTS, env={"FAULT_NAN_AT": "0:3-8"})
+    assert result.returncode != 0
+    assert ("step 5: 3 optimizer steps in a row had a non-finite loss or gradient norm (--max_skipped_steps 2). "
+            f"The last complete checkpoint is {tmp_path}/checkpoints/checkpoint-4") in result.log
