@@ -16,13 +16,13 @@
 #SBATCH --signal=B:USR1@120
 #SBATCH --open-mode=append
 set -euo pipefail
-GPUS_PER_NODE=8
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 export MAIN_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export NUM_PROCESSES=$((SLURM_NNODES * GPUS_PER_NODE))
 # Single quotes: SLURM_NODEID must be read inside each node's task, not here.
 srun bash -c 'accelerate launch --config_file accelerate_configs/multi_node.yaml \
     --num_machines "$SLURM_NNODES" --num_processes "$NUM_PROCESSES" --machine_rank "$SLURM_NODEID" \
-    --main_process_ip "$MAIN_NODE" --main_process_port 29500 \
+    --main_process_ip "$MAIN_NODE" --main_process_port "${MAIN_PROCESS_PORT:-29500}" \
     recipes/clip_pretrain.py "$@" --resume_from_checkpoint latest' _ "$@" &
 TRAINING=$!
 

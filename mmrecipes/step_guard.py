@@ -9,9 +9,10 @@ takes the same decision at the same step:
   no optimizer update, no scheduler step, gradients zeroed. After `max_skipped_steps` such steps
   in a row the run stops with an error naming the step and the last complete checkpoint.
   DeepSpeed steps inside `accelerator.backward`, before this check: there the engine's own
-  overflow check decides (ZeRO-3 skips any step whose gradient norm is not finite; ZeRO-2 does so
-  in fp32 and fp16, and in bf16 with `"check_grad_overflow": true`, set in our zero2.json), and
-  the guard reads `engine.was_step_applied()` to count it and hold the scheduler back.
+  overflow check decides (ZeRO-2 and ZeRO-3 skip any step whose gradients are not finite, in bf16
+  too while `bf16.check_grad_overflow` keeps its default, true), and the guard reads
+  `engine.was_step_applied()` to count the skip and hold the scheduler back. A non-finite loss
+  with finite gradients is applied by DeepSpeed; the guard says so in the log.
 """
 
 import math

@@ -5,6 +5,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 from transformers import CLIPModel
 
-from launch import (REPO, WITH_FAULTS, accelerate_launch, launch_command, losses, run_env, run_recipe)
+from gloo import free_port
+from launch import REPO, WITH_FAULTS, accelerate_launch, launch_command, losses, run_env, run_recipe
 from mmrecipes.step_guard import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.launch
@@ -124,3 +126,56 @@ def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path):
     assert result.returncode != 0
     assert ("step 5: 3 optimizer steps in a row had a non-finite loss or gradient norm (--max_skipped_steps 2). "
             f"The last complete checkpoint is {tmp_path}/checkpoints/checkpoint-4") in result.log
+
+
+FAKE_SRUN = """#!/bin/bash
+# srun on one node: runs the task and passes SIGTERM on to it, as srun does.
+"$@" &
+task=$!
+trap 'kill -TERM "$task"' TERM
+while kill -0 "$task" 2>/dev/null; do wait "$task"; done
+"""
+FAKE_SCONTROL = """#!/bin/bash
+case "$1" in
+    show) echo localhost ;;
+    requeue) echo "requeue $2" >> "$REQUEUE_LOG" ;;
+esac
+"""
+
+
+def test_slurm_template_checkpoints_and_requeues_on_signal(tmp_path):
+    """accelerate_configs/slurm_multi_node.sh on one 'node' with 2 processes, srun and scontrol
+    stood in for: USR1 to the batch shell (what --signal=B:USR1@120 sends) makes the run save and
+    exit, the job requeues itself, and the same script then resumes and finishes."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    # `accelerate` from this interpreter's environment, as in an activated one
+    env = run_env({"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1",
+                   "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242", "GPUS_PER_NODE": "2",
+                   "MAIN_PROCESS_PORT": str(free_port()), "REQUEUE_LOG": str(tmp_path / "requeued")})
+    args = ["--max_steps", 60, "--logging_steps", 1, "--per_device_train_batch_size", 16, "--eval_split", "",
+            "--report_to", "none", "--ddp_timeout", 120, "--output_dir", tmp_path / "run"]
+    command = ["bash", str(REPO / "accelerate_configs" / "slurm_multi_node.sh"), *map(str, args)]
+
+    with open(tmp_path / "first.log", "w") as log:
+        job = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while not re.search(r"^step 2/", (tmp_path / "first.log").read_text().replace("\r", "\n"), re.M):
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+            time.sleep(0.2)
+        job.send_signal(signal.SIGUSR1)
+        job.wait(timeout=300)
+    first = (tmp_path / "first.log").read_text().replace("\r", "\n")
+    assert "no complete checkpoint under" in first
+    assert "preemption signal: saved" in first, first[-3000:]
+    assert (tmp_path / "requeued").read_text() == "requeue 4242\n"
+    stopped_at = max(losses(first))
+    assert 2 <= stopped_at < 60
+
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    log = (again.stdout + again.stderr).replace("\r", "\n")
+    assert again.returncode == 0, log[-3000:]
+    assert f"at step {stopped_at}" in log and sorted(losses(log)) == list(range(stopped_at + 1, 61))
