@@ -23,7 +23,7 @@ import datasets
 import torch
 from datasets.distributed import split_dataset_by_node
 
-from .data import DropCounter, decode_image
+from .data import DropCounter, ResumableShuffle, decode_image
 from .losses import IGNORE_INDEX
 from .models import REPO_ROOT
 
@@ -159,6 +159,7 @@ class DummyImageCollator:
         if not with_images:
             batch |= self.dummy_inputs
         batch["data_counts"] = torch.tensor([sum(row[name] for row in rows) for name in CHAT_COUNTED])
+        batch["data_position"] = rows[-1].get("data_position")  # where the stream stands after this batch
         return batch
 
 
@@ -199,9 +200,9 @@ def build_chat_dataloader(args: ChatDataArgs, processor, collator, *, batch_size
                           shuffle_seed=None, eval_split=False):
     """A DataLoader over this data rank's rows: the training mixture, or (eval_split) the held-out set.
 
-    Each source is shuffled on its own, then the sources are mixed with `interleave_datasets` at
-    `dataset_weights` (every rank sees the same mixture in expectation) and tokenised. An epoch
-    ends once every source has been read once.
+    The sources are mixed with `interleave_datasets` at `dataset_weights` (every rank sees the same
+    mixture in expectation), then the mixture is shuffled in blocks and tokenised (`ResumableShuffle`:
+    a checkpoint resumes it exactly). An epoch ends once every source has been read once.
     """
     if eval_split:
         sources = [(args.eval_dataset_name, args.eval_split, args.eval_data_files)]
@@ -217,14 +218,17 @@ def build_chat_dataloader(args: ChatDataArgs, processor, collator, *, batch_size
     streams, columns = [], []
     for name, split, data_files in sources:
         stream, source_columns = load_chat_stream(args, name, split, data_files, data_rank, data_world)
-        if shuffle_seed is not None:  # same seed on every rank; each rank shuffles its own rows
-            stream = stream.shuffle(seed=shuffle_seed, buffer_size=args.shuffle_buffer_size)
         streams.append(stream)
         columns += [column for column in source_columns if column not in columns]
     stream = streams[0]
     if len(streams) > 1:  # columns a source lacks are filled with None (so formats may differ)
         stream = datasets.interleave_datasets(streams, probabilities=[w / sum(weights) for w in weights],
                                               seed=shuffle_seed or 0, stopping_strategy="all_exhausted")
-    stream = stream.map(ChatPreprocessor(args, processor), batched=True, batch_size=batch_size, remove_columns=columns)
+    preprocess = ChatPreprocessor(args, processor)
+    if shuffle_seed is None:
+        stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=columns)
+    else:  # same seed on every rank; each rank shuffles its own rows
+        stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
+                                  batch_size=batch_size)
     return torch.utils.data.DataLoader(stream, batch_size=batch_size, collate_fn=collator,
                                        num_workers=args.dataloader_num_workers, pin_memory=torch.cuda.is_available())

@@ -6,6 +6,11 @@ main process writes the completeness marker `checkpoint.json` and renames the di
 marker, so a job killed inside a save resumes from the previous complete checkpoint; leftover
 partial directories are removed at the next start. Checkpoints and the resuming run must live
 on a filesystem every rank sees (as for `accelerator.save_state`).
+
+Each process also saves where its training stream stands (`data_position_<process>.json`, from
+`mmrecipes.data.ResumableShuffle`), so a resume costs the same at step 10 and at step 100k. With
+more than one DataLoader worker there is no single position: the resume then re-reads and
+discards the micro-batches consumed so far (exact too, but its time grows with the step).
 """
 
 import json
@@ -13,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .data import batches_forever
+from .data import ResumableShuffle, batches_forever
 
 MARKER = "checkpoint.json"
 PARTIAL = ".partial-"
@@ -34,6 +39,7 @@ class Checkpointer:
         self.accelerator = accelerator
         self.root = Path(output_dir) / "checkpoints"
         self.total_limit = total_limit
+        self.data_position = None  # of the last batch the loop took (tracked by `resume`'s iterator)
         self.layout = {"data_ranks": data_world, "per_device_train_batch_size": batch_size,
                        "gradient_accumulation_steps": accelerator.gradient_accumulation_steps}
 
@@ -49,6 +55,9 @@ class Checkpointer:
             shutil.rmtree(partial)
         accelerator.wait_for_everyone()
         accelerator.save_state(partial)
+        if self.data_position is not None:
+            position_file = partial / f"data_position_{accelerator.process_index}.json"
+            position_file.write_text(json.dumps(self.data_position))
         accelerator.wait_for_everyone()  # every rank's files are written
         if accelerator.is_main_process:
             (partial / MARKER).write_text(json.dumps({"step": step, **self.layout}, indent=1))
@@ -87,7 +96,7 @@ class Checkpointer:
     def resume(self, which: str | None, train_loader):
         """(start_step, batches): the run restored from `which` (model, optimizer, scheduler, RNG)
         and the training stream at the same position, so it repeats the uninterrupted run exactly.
-        Each rank re-reads and discards the micro-batches it had consumed (exact; costs reading time)."""
+        `batches` yields (epoch, batch) and notes each batch's data position for the next save."""
         self.remove_partial()
         start_step = 0
         checkpoint = self.find(which) if which else None
@@ -105,7 +114,23 @@ class Checkpointer:
             self.accelerator.load_state(checkpoint)
             start_step = step_of(checkpoint)
             self.accelerator.print(f"resumed from {checkpoint} at step {start_step}")
-        batches = batches_forever(train_loader)
-        for _ in range(start_step * self.accelerator.gradient_accumulation_steps):
-            next(batches)
-        return start_step, batches
+        positioned = isinstance(train_loader.dataset, ResumableShuffle) and train_loader.num_workers <= 1
+        position_file = checkpoint / f"data_position_{self.accelerator.process_index}.json" if checkpoint else None
+        if positioned and position_file and position_file.is_file():
+            position = json.loads(position_file.read_text())
+            train_loader.dataset.resume_from(position)
+            batches = batches_forever(train_loader, first_epoch=position["epoch"], resumed=True)
+        else:
+            batches = batches_forever(train_loader)
+            skipped = start_step * self.accelerator.gradient_accumulation_steps
+            if skipped:
+                self.accelerator.print(f"no saved data position: re-reading {skipped} micro-batches per rank")
+            for _ in range(skipped):
+                next(batches)
+        return start_step, self._noting_positions(batches, positioned)
+
+    def _noting_positions(self, batches, positioned: bool):
+        for epoch, batch in batches:
+            if positioned and batch is not None:
+                self.data_position = batch["data_position"]
+            yield epoch, batch

@@ -8,6 +8,7 @@ they survive DataLoader workers and reach the log).
 """
 
 import io
+import itertools
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -37,10 +38,7 @@ class DataArgs:
     caption_column: str = "text"
     max_caption_length: int = 32
     max_image_pixels: int = 50_000_000  # larger images are skipped before they are decoded
-    shuffle_buffer_size: int = 1000
-    # Shards feeding the shuffle buffer at once. datasets reads several on threads and then waits
-    # 5 s at the end of every pass (a pyarrow workaround): raise it when shards are sorted by source.
-    shuffle_buffer_input_shards: int = 1
+    shuffle_buffer_size: int = 1000  # rows per shuffled block (ResumableShuffle)
     dataloader_num_workers: int = 0
 
 
@@ -133,8 +131,62 @@ def decode_image(raw_image, max_pixels: int):
     return image.convert("RGB"), "converted"  # L, P, CMYK, I;16, ...
 
 
+class ResumableShuffle(torch.utils.data.IterableDataset):
+    """This rank's training rows, shuffled and preprocessed, each carrying the stream position
+    after it, so a checkpoint resumes the data exactly where it stood at the cost of re-reading one
+    block (a shuffle buffer cannot resume: `datasets` drops its content on `load_state_dict`).
+
+    `source` (a `datasets` stream, unshuffled, whose own `state_dict` resumes exactly) is read in
+    blocks of `block_size` rows; each block is permuted by a generator seeded with (seed, epoch,
+    block) and handed to `preprocess` (a batched `datasets.map` function) `batch_size` rows at a
+    time. Every row is read once per epoch, as with a shuffle buffer of the same size; a row moves
+    at most `block_size` places (a buffer moves a few further), and the block order is the file
+    order in every epoch. The position is exact with 0 or 1 DataLoader workers; with more, each
+    worker reads its own shards and positions interleave (the checkpoint then re-reads instead).
+    """
+
+    def __init__(self, source, preprocess, *, block_size: int, seed: int, batch_size: int):
+        self.source, self.preprocess = source, preprocess
+        self.block_size, self.seed, self.batch_size = block_size, seed, batch_size
+        self.initial_state = source.state_dict()
+        self.epoch, self.start = 0, None
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+        if self.start is not None and self.start["epoch"] != epoch:
+            self.start = None  # a resumed epoch is finished: later ones start from the beginning
+
+    def resume_from(self, position: dict):
+        """Continue after the row whose `position` a checkpoint saved (call before iterating)."""
+        self.start, self.epoch = position, position["epoch"]
+
+    def __iter__(self):
+        start = self.start or {"block": 0, "source_state": self.initial_state, "rows_done": 0, "kept": 0}
+        self.source.load_state_dict(start["source_state"])
+        rows = iter(self.source)
+        block, rows_done, kept_done = start["block"], start["rows_done"], start["kept"]
+        source_state = start["source_state"]  # state_dict() reads the previous pass until a row is read
+        while True:
+            raw = list(itertools.islice(rows, self.block_size))
+            if not raw:
+                return
+            generator = torch.Generator().manual_seed(hash((self.seed, self.epoch, block)) % 2**63)
+            raw = [raw[i] for i in torch.randperm(len(raw), generator=generator).tolist()]
+            for chunk_start in range(rows_done, len(raw), self.batch_size):
+                chunk = raw[chunk_start:chunk_start + self.batch_size]
+                out = self.preprocess({column: [row[column] for row in chunk] for column in chunk[0]})
+                for kept, values in enumerate(zip(*out.values()), start=1):
+                    if kept > kept_done:
+                        position = {"epoch": self.epoch, "block": block, "source_state": source_state,
+                                    "rows_done": chunk_start, "kept": kept}
+                        yield dict(zip(out, values), data_position=position)
+                kept_done = 0
+            block, rows_done, source_state = block + 1, 0, self.source.state_dict()
+
+
 class ImageTextCollator:
-    """Rows -> {pixel_values, input_ids, attention_mask, data_counts}; pads captions to the batch max."""
+    """Rows -> {pixel_values, input_ids, attention_mask, data_counts, data_position}; pads captions
+    to the batch max. `data_position`: where the stream stands after this batch (training rows)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -146,6 +198,7 @@ class ImageTextCollator:
             "input_ids": text["input_ids"],
             "attention_mask": text["attention_mask"],
             "data_counts": torch.tensor([sum(row[name] for row in rows) for name in COUNTED]),
+            "data_position": rows[-1].get("data_position"),
         }
 
 
@@ -154,11 +207,12 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_process
     """A DataLoader over this data rank's rows. Pass it to `accelerator.prepare`? No: it is
     already split by data rank, and accelerate would shard a datasets stream a second time."""
     stream = load_image_text_stream(args, split, data_files, data_rank, data_world)
-    if shuffle_seed is not None:  # same seed on every rank; each rank shuffles its own rows
-        stream = stream.shuffle(seed=shuffle_seed, buffer_size=args.shuffle_buffer_size,
-                                max_buffer_input_shards=args.shuffle_buffer_input_shards)
-    stream = stream.map(ImageTextPreprocessor(args, tokenizer, image_processor), batched=True, batch_size=batch_size,
-                        remove_columns=stream.column_names)
+    preprocess = ImageTextPreprocessor(args, tokenizer, image_processor)
+    if shuffle_seed is None:
+        stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=stream.column_names)
+    else:  # same seed on every rank; each rank shuffles its own rows
+        stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
+                                  batch_size=batch_size)
     return torch.utils.data.DataLoader(
         stream, batch_size=batch_size, collate_fn=ImageTextCollator(tokenizer),
         num_workers=args.dataloader_num_workers, pin_memory=torch.cuda.is_available(),
@@ -170,20 +224,21 @@ def model_inputs(batch, device):
     return {key: batch[key].to(device, non_blocking=True) for key in ("input_ids", "attention_mask", "pixel_values")}
 
 
-def batches_forever(dataloader):
+def batches_forever(dataloader, first_epoch=0, resumed=False):
     """Yield (epoch, batch) over epochs of this rank's stream; (epoch, None) after an empty epoch.
 
     Each rank loops over its own rows, so a rank never runs dry while others train: every
     rank stops at the same optimizer step. The recipe all-reduces "got a batch" each
     micro-step, so an empty shard stops every rank with one clear error instead of a hang.
+    `resumed`: the first epoch continues a saved position (and may have nothing left).
     """
-    epoch = 0
+    epoch = first_epoch
     while True:
         dataloader.dataset.set_epoch(epoch)  # a new shuffle order per epoch
         empty = True
         for batch in dataloader:
             empty = False
             yield epoch, batch
-        if empty:
+        if empty and not resumed:
             yield epoch, None
-        epoch += 1
+        epoch, resumed = epoch + 1, False

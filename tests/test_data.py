@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from gloo import run_on_ranks
-from mmrecipes.data import COUNTED, DataArgs, batches_forever, build_dataloader
+from mmrecipes.data import COUNTED, DataArgs, batches_forever, build_dataloader, model_inputs
 from mmrecipes.evaluation import evaluate_retrieval, retrieval_recall_at_1
 from mmrecipes.models import ModelArgs, build_clip
 
@@ -73,7 +73,8 @@ def captions_of_rank(rank, world, tiny, shuffle_seed=None):
     args = DataArgs()
     loader = build_dataloader(args, "train", None, *tiny, batch_size=64, data_rank=rank, data_world=world,
                               shuffle_seed=shuffle_seed)
-    return [tuple(ids) for batch in loader for ids in batch["input_ids"].tolist()]
+    return [tuple(ids[mask.bool()].tolist()) for batch in loader
+            for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]  # without the batch's padding
 
 
 @pytest.mark.parametrize("world", [2, 3])  # 4 shards: split by shard for 2, by row for 3
@@ -130,5 +131,5 @@ def test_eval_with_unequal_shares_stops_together_and_matches_one_process(tmp_pat
     args = DataArgs(dataset_name="parquet", data_files=files)
     loader = build_dataloader(args, "train", files, tokenizer, image_processor, batch_size=14, data_rank=0, data_world=1)
     with torch.no_grad():
-        image_embeds, text_embeds, _ = model(**{k: v for k, v in next(iter(loader)).items() if k != "data_counts"})
+        image_embeds, text_embeds, _ = model(**model_inputs(next(iter(loader)), torch.device("cpu")))
     assert recall0 == retrieval_recall_at_1(image_embeds, text_embeds)

@@ -179,3 +179,18 @@ def test_slurm_template_checkpoints_and_requeues_on_signal(tmp_path):
     log = (again.stdout + again.stderr).replace("\r", "\n")
     assert again.returncode == 0, log[-3000:]
     assert f"at step {stopped_at}" in log and sorted(losses(log)) == list(range(stopped_at + 1, 61))
+
+
+def test_resume_continues_from_saved_data_position_across_an_epoch(tmp_path):
+    """Checkpoint 70 (64 rows a step: into the second epoch of 4096 rows) holds the stream position;
+    the resume loads it instead of re-reading 70 steps of data, and steps 71-80 repeat exactly."""
+    args = ["--max_steps", 80, "--logging_steps", 1, "--eval_split", "", "--output_dir", tmp_path]
+    straight = run_recipe(*args, "--save_steps", 70)
+    assert straight.returncode == 0, straight.log[-3000:]
+    assert '"epoch": 1' in (tmp_path / "checkpoints" / "checkpoint-70" / "data_position_0.json").read_text()
+    resumed = run_recipe(*args, "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert "at step 70" in resumed.log and "re-reading" not in resumed.log
+    assert sorted(losses(resumed.log)) == list(range(71, 81))
+    for step in range(71, 81):
+        assert losses(resumed.log)[step] == pytest.approx(losses(straight.log)[step], abs=1e-6)
