@@ -113,7 +113,7 @@ def test_ddp_with_text_only_rank_runs_with_the_dummy_and_fails_without(family):
     for name, grad in grads[0].items():
         assert grad is not None and torch.isfinite(grad).all(), name
         torch.testing.assert_close(grad, grads[1][name], msg=name)  # DDP averaged every parameter
-    with pytest.raises(Exception, match="Expected to have finished reduction|Connection closed by peer|doesn't match"):
+    with pytest.raises(Exception, match="Expected to have finished reduction|Connection (closed|reset) by peer|doesn't match"):
         run_on_ranks(_ddp_mixed_steps, 2, family, SkipsTowerOnTextOnly)
 
 
