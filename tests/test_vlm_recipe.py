@@ -162,6 +162,7 @@ def test_default_mixture_at_batch_size_1_and_exact_resume(mixture_runs, config, 
     resumed = accelerate_launch(config, *RESUME_RUN, "--output_dir", tmp_path, "--resume_from_checkpoint",
                                 output_dir / "checkpoints" / "checkpoint-3", recipe=VLM_RECIPE)
     assert resumed.returncode == 0, resumed.log[-3000:]
+    assert "re-reading" not in resumed.log  # the saved data position, through the DataLoader worker
     assert sorted(losses(resumed.log)) == [4, 5, 6]
     for step in (4, 5, 6):
         assert losses(resumed.log)[step] == pytest.approx(losses(straight.log)[step], abs=1e-5), f"step {step}"

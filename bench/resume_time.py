@@ -1,0 +1,105 @@
+"""How long a resume takes to deliver its first batch, at an early and a late step, as ratios measured in one run.
+
+    python bench/resume_time.py               # 160k rows, steps 10 and 2000 (a few minutes on 2 cores)
+    python bench/resume_time.py --quick       # 16k rows, steps 10 and 200
+
+The CLIP training stream (`mmrecipes.data.build_dataloader`, batch 64, shuffled) over a parquet
+stream of small rows (8x8 PNG + caption) written to a temporary directory:
+- saved position (what the recipes do): a new loader, `resume_from` the position the checkpoint
+  saved after step S, until the first batch arrives;
+- re-read (what they did before, and still do with more than one DataLoader worker): a new
+  loader, reading and discarding S batches, until batch S+1 arrives.
+Goal: saved-position resume at step 2000 within 1.2x of step 10. Each timing is the median of
+--repeats; the spread (min-max) is printed beside it. Appends a JSON line to bench/results/.
+"""
+
+import argparse
+import io
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+
+from mmrecipes.data import DataArgs, build_dataloader
+from mmrecipes.models import ModelArgs, build_clip
+
+RESULTS = Path(__file__).resolve().parent / "results" / "resume_time.jsonl"
+
+
+def write_stream(directory: Path, rows: int, shards: int):
+    colours = [(i * 37 % 256, i * 91 % 256, i * 53 % 256) for i in range(256)]
+    pngs = []
+    for colour in colours:
+        buffer = io.BytesIO()
+        Image.new("RGB", (8, 8), colour).save(buffer, format="PNG")
+        pngs.append(buffer.getvalue())
+    per_shard = rows // shards
+    for shard in range(shards):
+        ids = range(shard * per_shard, (shard + 1) * per_shard)
+        table = pa.table({"image": [{"bytes": pngs[i % 256], "path": None} for i in ids],
+                          "text": [f"row {i} a colour {i % 256}" for i in ids]})
+        pq.write_table(table, directory / f"train-{shard:05d}.parquet")
+
+
+def first_batch_seconds(make_loader, position=None, skip=0):
+    start = time.perf_counter()
+    loader = make_loader()
+    if position is not None:
+        loader.dataset.resume_from(position)
+        loader.dataset.set_epoch(position["epoch"])
+    batches = iter(loader)
+    for _ in range(skip + 1):
+        next(batches)
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    options = parser.parse_args()
+    rows, steps = (16_000, (10, 200)) if options.quick else (160_000, (10, 2000))
+    _, tokenizer, image_processor = build_clip(ModelArgs())
+    with tempfile.TemporaryDirectory() as directory:
+        write_stream(Path(directory), rows, shards=10)
+        args = DataArgs(dataset_name="parquet", data_files=f"{directory}/*.parquet")
+
+        def make_loader():
+            return build_dataloader(args, "train", args.data_files, tokenizer, image_processor, batch_size=64,
+                                    data_rank=0, data_world=1, shuffle_seed=0)
+
+        positions = {}
+        for step, batch in enumerate(make_loader(), start=1):
+            if step in steps:
+                positions[step] = batch["data_position"]
+            if step == max(steps):
+                break
+        table = {}
+        for step in steps:
+            for method, kwargs in (("saved position", {"position": positions[step]}), ("re-read", {"skip": step})):
+                times = [first_batch_seconds(make_loader, **kwargs) for _ in range(options.repeats)]
+                table[method, step] = (statistics.median(times), min(times), max(times))
+    early, late = steps
+    print(f"resume to the first batch, {rows} rows of 8x8 PNG + caption, batch 64 (seconds: median [min-max])")
+    print(f"{'method':<16}" + "".join(f"{'step ' + str(step):>24}" for step in steps) + f"{'late/early':>12}")
+    record = {"bench": "resume_time", "rows": rows, "steps": list(steps), "machine": platform.node(),
+              "processor": platform.processor() or platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M")}
+    for method in ("saved position", "re-read"):
+        cells = "".join(f"{table[method, step][0]:>9.2f} [{table[method, step][1]:.2f}-{table[method, step][2]:.2f}]"
+                        .rjust(24) for step in steps)
+        ratio = table[method, late][0] / table[method, early][0]
+        print(f"{method:<16}{cells}{ratio:>12.2f}")
+        record[method.replace(" ", "_")] = {"seconds": [table[method, step][0] for step in steps], "ratio": ratio}
+    RESULTS.parent.mkdir(exist_ok=True)
+    with RESULTS.open("a") as results:
+        results.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
