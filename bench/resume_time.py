@@ -1,7 +1,7 @@
 """How long a resume takes to deliver its first batch, at an early and a late step, as ratios measured in one run.
 
-    python bench/resume_time.py               # 160k rows, steps 10 and 2000 (a few minutes on 2 cores)
-    python bench/resume_time.py --quick       # 16k rows, steps 10 and 200
+    python bench/resume_time.py               # 160k rows, up to step 2000 (about 2 minutes on 2 cores)
+    python bench/resume_time.py --quick       # 16k rows, up to step 200
 
 The CLIP training stream (`mmrecipes.data.build_dataloader`, batch 64, shuffled) over a parquet
 stream of small rows (8x8 PNG + caption) written to a temporary directory:
@@ -9,8 +9,10 @@ stream of small rows (8x8 PNG + caption) written to a temporary directory:
   saved after step S, until the first batch arrives;
 - re-read (what they did before, and still do with more than one DataLoader worker): a new
   loader, reading and discarding S batches, until batch S+1 arrives.
-Goal: saved-position resume at step 2000 within 1.2x of step 10. Each timing is the median of
---repeats; the spread (min-max) is printed beside it. Appends a JSON line to bench/results/.
+Goal: saved-position resume at step 2000 within 1.2x of step 10. Saved-position timings are the
+median of --repeats taken round-robin over the steps (so drift hits every step alike), with the
+spread (min-max) beside it; re-read, 100x slower at step 2000, runs once. Appends a JSON line to
+bench/results/.
 """
 
 import argparse
@@ -62,9 +64,9 @@ def first_batch_seconds(make_loader, position=None, skip=0):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=9)
     options = parser.parse_args()
-    rows, steps = (16_000, (10, 200)) if options.quick else (160_000, (10, 2000))
+    rows, steps = (16_000, (10, 100, 200)) if options.quick else (160_000, (10, 500, 1000, 2000))
     _, tokenizer, image_processor = build_clip(ModelArgs())
     with tempfile.TemporaryDirectory() as directory:
         write_stream(Path(directory), rows, shards=10)
@@ -80,12 +82,14 @@ def main():
                 positions[step] = batch["data_position"]
             if step == max(steps):
                 break
-        table = {}
+        times = {("saved position", step): [] for step in steps}
+        for _ in range(options.repeats):
+            for step in steps:
+                times["saved position", step].append(first_batch_seconds(make_loader, position=positions[step]))
         for step in steps:
-            for method, kwargs in (("saved position", {"position": positions[step]}), ("re-read", {"skip": step})):
-                times = [first_batch_seconds(make_loader, **kwargs) for _ in range(options.repeats)]
-                table[method, step] = (statistics.median(times), min(times), max(times))
-    early, late = steps
+            times["re-read", step] = [first_batch_seconds(make_loader, skip=step)]
+        table = {key: (statistics.median(values), min(values), max(values)) for key, values in times.items()}
+    early, late = steps[0], steps[-1]
     print(f"resume to the first batch, {rows} rows of 8x8 PNG + caption, batch 64 (seconds: median [min-max])")
     print(f"{'method':<16}" + "".join(f"{'step ' + str(step):>24}" for step in steps) + f"{'late/early':>12}")
     record = {"bench": "resume_time", "rows": rows, "steps": list(steps), "machine": platform.node(),
