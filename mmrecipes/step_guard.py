@@ -17,6 +17,7 @@ takes the same decision at the same step:
 
 import math
 import signal
+import sys
 
 import torch
 
@@ -73,3 +74,10 @@ class StepGuard:
                 f"{last_checkpoint or 'none (no save yet)'}: resume from it with a lower --learning_rate, "
                 "or find the bad rows in the data.")
         return False
+
+    def exit_preempted(self, checkpoint):
+        """After the checkpoint of a preempted run: leave with `PREEMPTED_EXIT_CODE` (every rank)."""
+        self.accelerator.print(f"preemption signal: saved {checkpoint}; exiting with {PREEMPTED_EXIT_CODE}. "
+                               "Run the same command with --resume_from_checkpoint latest to continue.")
+        self.accelerator.end_training()
+        sys.exit(PREEMPTED_EXIT_CODE)

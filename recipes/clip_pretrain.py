@@ -11,7 +11,6 @@ engine in accelerate_configs/ (DDP, FSDP2, ZeRO-2, ZeRO-3, multi-node) and on re
 Tested on a 2-core CPU (1 and 2 processes, gloo).
 """
 
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -30,7 +29,7 @@ from mmrecipes.evaluation import evaluate_retrieval
 from mmrecipes.feature_cache import feature_cache_backward
 from mmrecipes.losses import clip_loss
 from mmrecipes.models import ModelArgs, build_clip, clamp_logit_scale_, save_clip
-from mmrecipes.step_guard import PREEMPTED_EXIT_CODE, StepGuard
+from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
 from mmrecipes.training import TrainingArgs, accelerator_from_args, per_device_batch_size
 
@@ -155,10 +154,7 @@ def main(argv=None):
         if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
             checkpoint = checkpoints.save(done)
             if guard.stop_requested:
-                accelerator.print(f"preemption signal: saved {checkpoint}; exiting with {PREEMPTED_EXIT_CODE}. "
-                                  "Run the same command with --resume_from_checkpoint latest to continue.")
-                accelerator.end_training()
-                sys.exit(PREEMPTED_EXIT_CODE)
+                guard.exit_preempted(checkpoint)  # exit code 75 on every rank: run the same command again
 
     save_clip(accelerator, model, tokenizer, image_processor, args.output_dir)
     accelerator.print(f"saved model to {args.output_dir}")

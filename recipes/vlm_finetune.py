@@ -16,7 +16,6 @@ or chat-format datasets (`messages` + `images`); several comma-separated sources
 `--dataset_weights`. Tested on a 2-core CPU (1 and 2 processes, gloo).
 """
 
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -33,7 +32,7 @@ from mmrecipes.distributed import (DivergenceGuard, data_parallel_rank_and_world
                                    reconcile_deepspeed_config, sum_over_ranks)
 from mmrecipes.evaluation import evaluate_answers
 from mmrecipes.losses import count_target_tokens, token_loss_scale
-from mmrecipes.step_guard import PREEMPTED_EXIT_CODE, StepGuard
+from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import peak_flops, vlm_train_flops
 from mmrecipes.training import TrainingArgs, accelerator_from_args, per_device_batch_size
 from mmrecipes.vlm import (VLMForTraining, VLMModelArgs, apply_train_modules, build_llava, dummy_image_inputs,
@@ -187,10 +186,7 @@ def main(argv=None):
         if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
             checkpoint = checkpoints.save(done)
             if guard.stop_requested:
-                accelerator.print(f"preemption signal: saved {checkpoint}; exiting with {PREEMPTED_EXIT_CODE}. "
-                                  "Run the same command with --resume_from_checkpoint latest to continue.")
-                accelerator.end_training()
-                sys.exit(PREEMPTED_EXIT_CODE)
+                guard.exit_preempted(checkpoint)  # exit code 75 on every rank: run the same command again
 
     save_vlm(accelerator, model, processor, args.output_dir)
     accelerator.print(f"saved model to {args.output_dir}")
