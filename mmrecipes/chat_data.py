@@ -23,7 +23,7 @@ import datasets
 import torch
 from datasets.distributed import split_dataset_by_node
 
-from .data import DropCounter, ResumableShuffle, decode_image
+from .data import DropCounter, ResumableShuffle, decode_image, expand_data_files
 from .losses import IGNORE_INDEX
 from .models import REPO_ROOT
 
@@ -182,6 +182,7 @@ def _pad(sequences, length, value):
 
 def load_chat_stream(args: ChatDataArgs, name, split, data_files, data_rank, data_world):
     """(stream, columns): this data rank's share of one source's split, images left undecoded."""
+    data_files = expand_data_files(data_files)
     stream = datasets.load_dataset(name, args.dataset_config_name, data_files={split: data_files} if data_files else None,
                                    split=split, streaming=True)
     # A streamed JSON source knows its columns only once read: peek at the first row.

@@ -10,6 +10,7 @@ they survive DataLoader workers and reach the log).
 import io
 import itertools
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -30,7 +31,9 @@ COUNTED = ("converted", "undecodable", "too_large", "no_caption")  # what the lo
 class DataArgs:
     dataset_name: str = str(SHAPES_DATA)  # hub id, local dataset dir, or a builder ('parquet', 'imagefolder')
     dataset_config_name: str | None = None
-    data_files: str | None = None  # training files for a builder (a glob); the eval files go in eval_data_files
+    # Training files for a builder: globs, brace ranges ({00000..00099}), comma-separated, local or
+    # fsspec URLs (expand_data_files). The eval files go in eval_data_files.
+    data_files: str | None = None
     eval_data_files: str | None = None
     train_split: str = "train"
     eval_split: str | None = "test"  # None (or an empty eval set) turns evaluation off
@@ -42,8 +45,56 @@ class DataArgs:
     dataloader_num_workers: int = 0
 
 
+def expand_data_files(spec: str | None) -> list[str] | None:
+    """`--data_files` as `load_dataset` takes it: comma-separated entries, each with its brace
+    ranges expanded as open_clip/webdataset users write them (`/data/{00000..41455}.tar`, zero
+    padding kept; `{a,b}` alternatives too). Globs and fsspec URLs pass through to `datasets`."""
+    if not spec:
+        return None
+    entries, depth, current = [], 0, ""
+    for char in spec:  # split on commas outside braces
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            entries.append(current)
+            current = ""
+        else:
+            current += char
+    return [path for entry in entries + [current] if entry.strip() for path in _expand_braces(entry.strip())]
+
+
+def _expand_braces(pattern: str) -> list[str]:
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if match is None:
+        return [pattern]
+    head, body, tail = pattern[:match.start()], match.group(1), pattern[match.end():]
+    numeric = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if numeric:
+        first, last = numeric.groups()
+        width = len(first) if first.startswith("0") and len(first) > 1 else 0
+        step = 1 if int(last) >= int(first) else -1
+        choices = [f"{i:0{width}d}" for i in range(int(first), int(last) + step, step)]
+    elif "," in body:
+        choices = body.split(",")
+    else:
+        return [head + "{" + body + "}" + path for path in _expand_braces(tail)]  # a literal brace
+    return [path for choice in choices for path in _expand_braces(head + choice + tail)]
+
+
+def evaluation_off_reason(args: DataArgs) -> str | None:
+    """Why this run has no evaluation, or None. A builder (`parquet`, `webdataset`, `json`, ...)
+    reads only the files it is given: without --eval_data_files it would glob the working
+    directory for the eval split, so evaluation is off instead."""
+    if not args.eval_split:
+        return "--eval_split is empty"
+    if args.dataset_name in datasets.packaged_modules._PACKAGED_DATASETS_MODULES and not args.eval_data_files:
+        return (f"--dataset_name {args.dataset_name} reads only the files it is given and --eval_data_files is not "
+                "set (give it, or --eval_split '' to silence this line)")
+    return None
+
+
 def load_image_text_stream(args: DataArgs, split: str, data_files, data_rank: int, data_world: int):
     """This data rank's share of a split, streamed, with images left undecoded."""
+    data_files = expand_data_files(data_files)
     stream = datasets.load_dataset(
         args.dataset_name, args.dataset_config_name, data_files={split: data_files} if data_files else None,
         split=split, streaming=True,

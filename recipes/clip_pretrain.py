@@ -22,7 +22,7 @@ from transformers import get_scheduler
 
 from mmrecipes.checkpointing import Checkpointer
 from mmrecipes.config import parse_args
-from mmrecipes.data import COUNTED, DataArgs, build_dataloader, model_inputs
+from mmrecipes.data import COUNTED, DataArgs, build_dataloader, evaluation_off_reason, model_inputs
 from mmrecipes.distributed import (all_ranks_true, data_parallel_rank_and_world, engine_line,
                                    reconcile_deepspeed_config, sum_over_ranks)
 from mmrecipes.evaluation import evaluate_retrieval
@@ -72,8 +72,10 @@ def main(argv=None):
     loader_kwargs = dict(tokenizer=tokenizer, image_processor=image_processor, data_rank=data_rank, data_world=data_world)
     train_loader = build_dataloader(data_args, data_args.train_split, data_args.data_files, batch_size=batch_size,
                                     shuffle_seed=args.seed, **loader_kwargs)
-    eval_loader = None
-    if data_args.eval_split:
+    eval_loader, no_eval = None, evaluation_off_reason(data_args)
+    if no_eval:
+        accelerator.print(f"evaluation off: {no_eval}")
+    else:
         eval_loader = build_dataloader(data_args, data_args.eval_split, data_args.eval_data_files,
                                        batch_size=args.per_device_eval_batch_size, **loader_kwargs)
 

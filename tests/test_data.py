@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from gloo import run_on_ranks
-from mmrecipes.data import COUNTED, DataArgs, batches_forever, build_dataloader, model_inputs
+from mmrecipes.data import COUNTED, DataArgs, batches_forever, build_dataloader, expand_data_files, model_inputs
 from mmrecipes.evaluation import evaluate_retrieval, retrieval_recall_at_1
 from mmrecipes.models import ModelArgs, build_clip
 
@@ -133,3 +133,12 @@ def test_eval_with_unequal_shares_stops_together_and_matches_one_process(tmp_pat
     with torch.no_grad():
         image_embeds, text_embeds, _ = model(**model_inputs(next(iter(loader)), torch.device("cpu")))
     assert recall0 == retrieval_recall_at_1(image_embeds, text_embeds)
+
+
+def test_data_files_expand_brace_ranges_lists_and_keep_globs_and_urls():
+    assert expand_data_files("/data/{00000..00002}.tar") == ["/data/00000.tar", "/data/00001.tar", "/data/00002.tar"]
+    assert expand_data_files("a/{9..11}.parquet, b/*.parquet,s3://bucket/{x,y}-{1..2}.tar") == [
+        "a/9.parquet", "a/10.parquet", "a/11.parquet", "b/*.parquet",
+        "s3://bucket/x-1.tar", "s3://bucket/x-2.tar", "s3://bucket/y-1.tar", "s3://bucket/y-2.tar"]
+    assert expand_data_files("literal{brace}.json") == ["literal{brace}.json"]
+    assert expand_data_files(None) is None

@@ -157,3 +157,21 @@ def test_empty_data_shard_stops_every_rank_with_one_error(tmp_path):
     assert result.returncode != 0
     assert result.log.count("RuntimeError: A data rank has no training rows (2 data ranks)") == 2  # both ranks
     assert not losses(result.log)
+
+
+def test_builder_with_only_training_files_never_globs_the_working_directory(tmp_path):
+    """`--dataset_name parquet` with brace-range and comma-listed training files, run from the repo
+    root (whose files a glob for the eval split would try to read): evaluation is off with one line.
+    A missing eval file stops the run before the first step."""
+    for shard in range(4):
+        name = f"train-{shard:05d}-of-00004.parquet"
+        (tmp_path / name).write_bytes((REPO / "data" / "shapes" / name).read_bytes())
+    files = f"{tmp_path}/train-{{00000..00001}}-of-00004.parquet,{tmp_path}/train-00003-of-00004.parquet"
+    args = ["--dataset_name", "parquet", "--data_files", files, "--max_steps", 2, "--logging_steps", 1,
+            "--per_device_train_batch_size", 16]
+    result = run_recipe(*args, "--output_dir", tmp_path / "out")
+    assert result.returncode == 0, result.log[-3000:]
+    assert "evaluation off: --dataset_name parquet reads only the files it is given" in result.log
+    assert sorted(losses(result.log)) == [1, 2]
+    missing = run_recipe(*args, "--eval_data_files", tmp_path / "missing.parquet", "--output_dir", tmp_path / "out2")
+    assert missing.returncode != 0 and "missing.parquet" in missing.log and not losses(missing.log)
