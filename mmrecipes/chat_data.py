@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 import datasets
 import torch
-from datasets.distributed import split_dataset_by_node
 
-from .data import DropCounter, ResumableShuffle, decode_image, expand_data_files
+from .data import DropCounter, ResumableShuffle, decode_image, expand_data_files, split_by_data_rank
 from .losses import IGNORE_INDEX
 from .models import REPO_ROOT
 
@@ -190,7 +189,7 @@ def load_chat_stream(args: ChatDataArgs, name, split, data_files, data_rank, dat
     if columns and not set(columns) & {"messages", "conversations"}:
         raise ValueError(f"{name} has columns {sorted(columns)}: a chat source needs 'messages' (+ 'images') or "
                          "LLaVA's 'conversations' (+ 'image' paths under --image_folder)")
-    stream = split_dataset_by_node(stream, rank=data_rank, world_size=data_world)
+    stream = split_by_data_rank(stream, name, data_rank, data_world)
     features = stream.features or {}
     if isinstance(features.get("images"), datasets.List) and isinstance(features["images"].feature, datasets.Image):
         stream = stream.cast_column("images", datasets.List(datasets.Image(decode=False)))  # decoded by us, counted

@@ -92,6 +92,17 @@ def evaluation_off_reason(args: DataArgs) -> str | None:
     return None
 
 
+def split_by_data_rank(stream, name: str, data_rank: int, data_world: int):
+    """This data rank's share of a stream. Whole shards when their number is a multiple of the data
+    world; otherwise `split_dataset_by_node` has every rank read every shard and keep 1/W of its
+    rows, which multiplies the read traffic by W: said once in the log, with what to do."""
+    if data_world > 1 and stream.num_shards % data_world and data_rank == 0:
+        logger.warning(f"{name}: {stream.num_shards} shards over {data_world} data ranks, not a multiple: every rank "
+                       f"reads every shard and keeps 1/{data_world} of its rows ({data_world}x the read traffic). "
+                       f"Split the data into a multiple of {data_world} files to give each rank whole shards.")
+    return split_dataset_by_node(stream, rank=data_rank, world_size=data_world)
+
+
 def load_image_text_stream(args: DataArgs, split: str, data_files, data_rank: int, data_world: int):
     """This data rank's share of a split, streamed, with images left undecoded."""
     data_files = expand_data_files(data_files)
@@ -103,7 +114,7 @@ def load_image_text_stream(args: DataArgs, split: str, data_files, data_rank: in
     if stream.column_names is not None and missing:
         raise ValueError(f"{args.dataset_name} has columns {stream.column_names}; set --image_column/--caption_column "
                          f"(missing {sorted(missing)})")
-    stream = split_dataset_by_node(stream, rank=data_rank, world_size=data_world)
+    stream = split_by_data_rank(stream, args.dataset_name, data_rank, data_world)
     if stream.features is not None and isinstance(stream.features[args.image_column], datasets.Image):
         stream = stream.cast_column(args.image_column, datasets.Image(decode=False))  # we decode, and count failures
     return stream

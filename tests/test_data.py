@@ -142,3 +142,15 @@ def test_data_files_expand_brace_ranges_lists_and_keep_globs_and_urls():
         "s3://bucket/x-1.tar", "s3://bucket/x-2.tar", "s3://bucket/y-1.tar", "s3://bucket/y-2.tar"]
     assert expand_data_files("literal{brace}.json") == ["literal{brace}.json"]
     assert expand_data_files(None) is None
+
+
+def test_uneven_shard_split_is_reported_once(caplog):
+    """4 shards over 3 data ranks: every rank would read every shard (3x the traffic); rank 0 says so."""
+    from mmrecipes.data import load_image_text_stream
+
+    with caplog.at_level("WARNING", logger="mmrecipes.data"):
+        for rank in range(3):
+            load_image_text_stream(DataArgs(), "train", None, rank, 3)
+        load_image_text_stream(DataArgs(), "train", None, 0, 2)  # 4 shards over 2: whole shards, silent
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and "4 shards over 3 data ranks" in warnings[0] and "3x the read traffic" in warnings[0]
