@@ -45,12 +45,14 @@ class DataArgs:
     dataloader_num_workers: int = 0
 
 
-def expand_data_files(spec: str | None) -> list[str] | None:
-    """`--data_files` as `load_dataset` takes it: comma-separated entries, each with its brace
-    ranges expanded as open_clip/webdataset users write them (`/data/{00000..41455}.tar`, zero
+def expand_data_files(spec: str | list[str] | None) -> list[str] | None:
+    """`--data_files` as `load_dataset` takes it: comma-separated entries (or a list), each with its
+    brace ranges expanded as open_clip/webdataset users write them (`/data/{00000..41455}.tar`, zero
     padding kept; `{a,b}` alternatives too). Globs and fsspec URLs pass through to `datasets`."""
     if not spec:
         return None
+    if not isinstance(spec, str):
+        return [path for entry in spec for path in expand_data_files(entry)]
     entries, depth, current = [], 0, ""
     for char in spec:  # split on commas outside braces
         depth += {"{": 1, "}": -1}.get(char, 0)

@@ -142,6 +142,7 @@ def test_data_files_expand_brace_ranges_lists_and_keep_globs_and_urls():
         "s3://bucket/x-1.tar", "s3://bucket/x-2.tar", "s3://bucket/y-1.tar", "s3://bucket/y-2.tar"]
     assert expand_data_files("literal{brace}.json") == ["literal{brace}.json"]
     assert expand_data_files(None) is None
+    assert expand_data_files(["x/{1..2}.json", "y.json"]) == ["x/1.json", "x/2.json", "y.json"]  # the library API
 
 
 def test_uneven_shard_split_is_reported_once(caplog):
