@@ -1,11 +1,13 @@
-"""Per-rank peak memory and forward+backward time of the contrastive loss: mmrecipes vs open_clip's
-local loss (materialised [b, N] logits), for b rows per rank and N = W*b gathered rows.
+"""Per-rank peak memory and forward+backward time of the contrastive loss: mmrecipes (`clip_loss`,
+tiled, and the SigLIP ring) vs open_clip's local loss (materialised [b, N] logits), for b rows per
+rank and N = W*b rows over all ranks.
 
     python bench/contrastive_loss.py                  # CPU here; CUDA when a GPU is present
     python bench/contrastive_loss.py --quick          # a smaller grid
 
 W ranks are simulated in one process: the rank's own rows plus random rows standing in for the
-other ranks' gathered features (the gather itself costs the same in every method). Memory is
+other ranks' gathered features (the gather itself costs the same in every method; the SigLIP ring
+receives them one [b, D] block per hand-over instead). Memory is
 measured from the inputs' allocation to the end of backward, gathered rows included: CPU peak
 RSS in a fresh subprocess per point, CUDA `max_memory_allocated`. Ratios are against the local
 loss in the same run.
@@ -21,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mmrecipes.losses import local_clip_loss
+from mmrecipes.losses import local_clip_loss, local_siglip_loss
 
 DIM = 512  # ViT-B embedding width
 
@@ -38,6 +40,7 @@ METHODS = {
     "mmrecipes": lambda *a, gather, world, tile: local_clip_loss(*a, gather=gather, offset=0, world=world),
     "mmrecipes_tiled": lambda *a, gather, world, tile: local_clip_loss(*a, gather=gather, offset=0, world=world,
                                                                        tile_size=tile),
+    "siglip": None,  # run() hands it the other ranks' text blocks one at a time, as the ring does
 }
 
 
@@ -58,7 +61,12 @@ def run(method, rows, world, tile, images, texts, others, scale):
     def gather(local):
         return torch.cat([local, others[0] if local is images else others[1]])
 
-    loss = METHODS[method](images, texts, scale, gather=gather, world=world, tile=tile)
+    if method == "siglip":
+        blocks = iter(others[1].split(rows))
+        loss = local_siglip_loss(images, texts, scale, torch.tensor([-10.0], device=scale.device),
+                                 sizes=[rows] * world, rank=0, pass_block=lambda block: next(blocks))
+    else:
+        loss = METHODS[method](images, texts, scale, gather=gather, world=world, tile=tile)
     loss.backward()
     images.grad = texts.grad = scale.grad = None
 
@@ -114,19 +122,25 @@ def main():
     print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), D={DIM}, "
           f"tile_size={args.tile_size}, threads={torch.get_num_threads()}")
     print("\npeak memory per rank (MB), loss forward+backward incl. gathered rows")
-    print(f"{'b':>6} {'W':>3} {'N':>7} | {'local':>9} {'mmrecipes':>10} {'tiled':>9} | {'ours/local':>10} {'tiled/local':>11}")
+    header = (f"{'b':>6} {'W':>3} {'N':>7} | {'local':>9} {'mmrecipes':>10} {'tiled':>9} {'siglip':>9} | "
+              f"{'ours/local':>10} {'tiled/local':>11} {'siglip/ours':>11}")
+    print(header)
     for rows, world in grid:
         peak = {m: peak_bytes(m, rows, world, args.tile_size, device) / 2**20 for m in METHODS}
-        print(f"{rows:>6} {world:>3} {rows * world:>7} | {peak['local']:>9.1f} {peak['mmrecipes']:>10.1f} "
-              f"{peak['mmrecipes_tiled']:>9.1f} | {peak['mmrecipes'] / peak['local']:>10.3f} "
-              f"{peak['mmrecipes_tiled'] / peak['local']:>11.3f}")
+        print(row(rows, world, peak, ".1f"))
     print("\nforward+backward time per rank (s, best of 3)")
-    print(f"{'b':>6} {'W':>3} {'N':>7} | {'local':>9} {'mmrecipes':>10} {'tiled':>9} | {'ours/local':>10} {'tiled/local':>11}")
+    print(header)
     for rows, world in grid[:-1] if device.type == "cpu" else grid:  # the largest CPU point takes minutes
         took = {m: seconds(m, rows, world, args.tile_size, device) for m in METHODS}
-        print(f"{rows:>6} {world:>3} {rows * world:>7} | {took['local']:>9.3f} {took['mmrecipes']:>10.3f} "
-              f"{took['mmrecipes_tiled']:>9.3f} | {took['mmrecipes'] / took['local']:>10.3f} "
-              f"{took['mmrecipes_tiled'] / took['local']:>11.3f}")
+        print(row(rows, world, took, ".3f"))
+
+
+def row(rows, world, value, spec):
+    """One table line: the four methods' values, then the ratios (siglip against `clip_loss`)."""
+    return (f"{rows:>6} {world:>3} {rows * world:>7} | {value['local']:>9{spec}} {value['mmrecipes']:>10{spec}} "
+            f"{value['mmrecipes_tiled']:>9{spec}} {value['siglip']:>9{spec}} | "
+            f"{value['mmrecipes'] / value['local']:>10.3f} {value['mmrecipes_tiled'] / value['local']:>11.3f} "
+            f"{value['siglip'] / value['mmrecipes']:>11.3f}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from mmrecipes.data import DataArgs, build_dataloader
-from mmrecipes.models import ModelArgs, build_clip
+from mmrecipes.models import ModelArgs, build_contrastive
 
 RESULTS = Path(__file__).resolve().parent / "results" / "resume_time.jsonl"
 
@@ -67,7 +67,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=9)
     options = parser.parse_args()
     rows, steps = (16_000, (10, 100, 200)) if options.quick else (160_000, (10, 500, 1000, 2000))
-    _, tokenizer, image_processor = build_clip(ModelArgs())
+    _, tokenizer, image_processor = build_contrastive(ModelArgs())
     with tempfile.TemporaryDirectory() as directory:
         write_stream(Path(directory), rows, shards=10)
         args = DataArgs(dataset_name="parquet", data_files=f"{directory}/*.parquet")

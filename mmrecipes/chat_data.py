@@ -24,9 +24,9 @@ import torch
 
 from .data import DropCounter, ResumableShuffle, decode_image, expand_data_files, split_by_data_rank
 from .losses import IGNORE_INDEX
-from .models import REPO_ROOT
+from .models import EMBEDDED
 
-VLM_SHAPES = REPO_ROOT / "data" / "vlm_shapes"
+VLM_SHAPES = EMBEDDED / "vlm_shapes"
 CHAT_COUNTED = ("converted", "undecodable", "too_large", "image_mismatch", "too_long", "no_target")
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}

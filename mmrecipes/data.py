@@ -19,11 +19,11 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from PIL import Image
 
-from .models import REPO_ROOT
+from .models import EMBEDDED
 
 logger = logging.getLogger(__name__)
 
-SHAPES_DATA = REPO_ROOT / "data" / "shapes"
+SHAPES_DATA = EMBEDDED / "shapes"
 COUNTED = ("converted", "undecodable", "too_large", "no_caption")  # what the log reports
 
 
@@ -39,7 +39,7 @@ class DataArgs:
     eval_split: str | None = "test"  # None (or an empty eval set) turns evaluation off
     image_column: str = "image"
     caption_column: str = "text"
-    max_caption_length: int = 32
+    max_caption_length: int | None = None  # tokens; default the tokenizer's model_max_length
     max_image_pixels: int = 50_000_000  # larger images are skipped before they are decoded
     shuffle_buffer_size: int = 1000  # rows per shuffled block (ResumableShuffle)
     dataloader_num_workers: int = 0
@@ -122,11 +122,24 @@ def load_image_text_stream(args: DataArgs, split: str, data_files, data_rank: in
     return stream
 
 
+def caption_length(args: DataArgs, tokenizer, pad_to_max_length: bool = False) -> int:
+    """Tokens per caption. A model that pads captions to a fixed length (SigLIP pools the last
+    position) must train at the length it is used with: the tokenizer's `model_max_length`."""
+    length = args.max_caption_length or tokenizer.model_max_length
+    if pad_to_max_length and length != tokenizer.model_max_length:
+        raise ValueError(f"--max_caption_length {length}: this model pools its text at the last padded position, so "
+                         f"it must train at the length it is used with, the tokenizer's model_max_length "
+                         f"({tokenizer.model_max_length}; the zero-shot pipeline pads SigLIP to 64). Leave "
+                         "--max_caption_length unset.")
+    return length
+
+
 class ImageTextPreprocessor:
     """Batched `datasets.map` function: rows in, model-ready rows out, bad rows dropped and counted."""
 
-    def __init__(self, args: DataArgs, tokenizer, image_processor):
+    def __init__(self, args: DataArgs, tokenizer, image_processor, max_length: int):
         self.args, self.tokenizer, self.image_processor = args, tokenizer, image_processor
+        self.max_length = max_length
         self.drops = DropCounter()
 
     def __call__(self, batch):
@@ -145,7 +158,7 @@ class ImageTextPreprocessor:
         out = {"pixel_values": [], "input_ids": []} | {name: [] for name in COUNTED}
         if images:
             out["pixel_values"] = list(self.image_processor(images=images, return_tensors="pt")["pixel_values"])
-            out["input_ids"] = self.tokenizer(captions, truncation=True, max_length=self.args.max_caption_length)["input_ids"]
+            out["input_ids"] = self.tokenizer(captions, truncation=True, max_length=self.max_length)["input_ids"]
             for name in COUNTED:
                 out[name] = [row[name] for row in counts]
         return out
@@ -250,13 +263,15 @@ class ResumableShuffle(torch.utils.data.IterableDataset):
 
 class ImageTextCollator:
     """Rows -> {pixel_values, input_ids, attention_mask, data_counts, data_position}; pads captions
-    to the batch max. `data_position`: where the stream stands after this batch (training rows)."""
+    to the batch max, or to `pad_to_length`. `data_position`: where the stream stands after this
+    batch (training rows)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, pad_to_length: int | None = None):
+        self.tokenizer, self.pad_to_length = tokenizer, pad_to_length
 
     def __call__(self, rows):
-        text = self.tokenizer.pad([{"input_ids": row["input_ids"]} for row in rows], return_tensors="pt")
+        text = self.tokenizer.pad([{"input_ids": row["input_ids"]} for row in rows], return_tensors="pt",
+                                  padding="max_length" if self.pad_to_length else True, max_length=self.pad_to_length)
         return {
             "pixel_values": torch.stack([row["pixel_values"] for row in rows]),
             "input_ids": text["input_ids"],
@@ -267,18 +282,20 @@ class ImageTextCollator:
 
 
 def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_processor, *, batch_size, data_rank,
-                     data_world, shuffle_seed=None):
+                     data_world, shuffle_seed=None, pad_to_max_length=False):
     """A DataLoader over this data rank's rows. Pass it to `accelerator.prepare`? No: it is
-    already split by data rank, and accelerate would shard a datasets stream a second time."""
+    already split by data rank, and accelerate would shard a datasets stream a second time.
+    `pad_to_max_length`: pad every caption to `caption_length` (SigLIP), not to the batch max."""
     stream = load_image_text_stream(args, split, data_files, data_rank, data_world)
-    preprocess = ImageTextPreprocessor(args, tokenizer, image_processor)
+    max_length = caption_length(args, tokenizer, pad_to_max_length)
+    preprocess = ImageTextPreprocessor(args, tokenizer, image_processor, max_length)
     if shuffle_seed is None:
         stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=stream.column_names)
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)
     return torch.utils.data.DataLoader(
-        stream, batch_size=batch_size, collate_fn=ImageTextCollator(tokenizer),
+        stream, batch_size=batch_size, collate_fn=ImageTextCollator(tokenizer, max_length if pad_to_max_length else None),
         num_workers=args.dataloader_num_workers, pin_memory=torch.cuda.is_available(),
     )
 

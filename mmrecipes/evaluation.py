@@ -33,7 +33,7 @@ def evaluate_retrieval(model, eval_loader, filler_batch, device) -> dict:
     image_parts, text_parts, width = [], [], None
     batches = iter(eval_loader)
     while not all_ranks_true((batch := next(batches, None)) is None, device):
-        image_embeds, text_embeds, _ = model(**model_inputs(batch or filler_batch, device))
+        image_embeds, text_embeds = model(**model_inputs(batch or filler_batch, device))[:2]
         width = image_embeds.shape[1]
         if batch is not None:
             image_parts.append(image_embeds.float())

@@ -132,20 +132,27 @@ def siglip_loss(image_features, text_features, logit_scale, logit_bias, *, group
 
     loss = -(1/N) sum_i sum_j log sigmoid(z_ij (s x_i.y_j + t)), z = +1 on pairs, -1 elsewhere.
     Each rank scores its images against one text block at a time and hands the block to its
-    neighbour (with autograd: gradients travel the ring backwards), so no `[N, N]` or gathered
+    neighbour (with autograd: gradients travel the ring backwards), so no gathered `[N, D]`
     matrix exists; `logit_scale` and `logit_bias` stay local. Uneven sizes: blocks are padded
     to the largest rank's rows and padded columns masked.
     """
     group, rank, world = _group_rank_world(group)
     num_local = image_features.shape[0]
     sizes = [num_local] if world == 1 else gather_sizes(num_local, image_features.device, group)
-    max_rows = max(sizes)
+    return local_siglip_loss(image_features, text_features, logit_scale, logit_bias, sizes=sizes, rank=rank,
+                             pass_block=lambda block: _ring_shift(block, rank, world, group))
+
+
+def local_siglip_loss(image_features, text_features, logit_scale, logit_bias, *, sizes, rank, pass_block):
+    """This rank's share of the sigmoid loss, scaled by W/N: `pass_block(block)` returns the text
+    block of the previous rank in the ring (`sizes`: every rank's row count, in rank order)."""
+    world, num_local, max_rows = len(sizes), image_features.shape[0], max(sizes)
     block = F.pad(text_features, (0, 0, 0, max_rows - num_local))
     columns = torch.arange(max_rows, device=image_features.device)
     total = image_features.new_zeros(())
     for step in range(world):
         # Start the next hand-over before computing on this block, so the two overlap.
-        next_block = _ring_shift(block, rank, world, group) if step < world - 1 else None
+        next_block = pass_block(block) if step < world - 1 else None
         source = (rank - step) % world
         logits = logit_scale.reshape(()) * image_features @ block.T + logit_bias.reshape(())
         signs = torch.full_like(logits, -1.0)

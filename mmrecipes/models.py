@@ -1,31 +1,40 @@
-"""The tiny default CLIP (built from a config, nothing downloaded) and what every engine needs of it."""
+"""The two-tower models (CLIP, SigLIP): a tiny default built from a config (nothing downloaded),
+or a saved directory, and what every engine needs of them."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from accelerate.utils import DistributedType
-from transformers import AutoImageProcessor, AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+from transformers import (AutoConfig, AutoImageProcessor, AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel,
+                          SiglipConfig, SiglipImageProcessor, SiglipModel)
 
 from .distributed import fsdp_block_classes
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TINY_TOKENIZER = REPO_ROOT / "data" / "tokenizer"
+# The embedded data and tokenizers: data/ of this checkout, or mmrecipes/embedded/ inside a wheel
+# (pyproject.toml packs one as the other), so a recipe copied out of the repo finds them too.
+_PACKAGED = Path(__file__).resolve().parent / "embedded"
+EMBEDDED = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[1] / "data"
+TINY_TOKENIZER = EMBEDDED / "tokenizer"
 MAX_LOGIT_SCALE = math.log(100)  # CLIP clamps the temperature at 100
 
 
 @dataclass
 class ModelArgs:
-    model_name_or_path: str | None = None  # a saved CLIP directory or hub id; None builds the tiny CLIP below
-    tokenizer_name: str = str(TINY_TOKENIZER)  # used only with model_name_or_path=None
+    # clip: CLIPModel with clip_loss (softmax over the batch); siglip: SiglipModel with siglip_loss (sigmoid per pair)
+    loss: str = field(default="clip", metadata={"choices": ["clip", "siglip"]})
+    model_name_or_path: str | None = None  # a saved CLIP/SigLIP directory or hub id; None builds a tiny one
+    # The rest shape the tiny model only (model_name_or_path=None).
+    tokenizer_name: str = str(TINY_TOKENIZER)
     image_size: int = 32
     patch_size: int = 8
     hidden_size: int = 64
     num_layers: int = 2
-    projection_dim: int = 64
-    logit_scale_init_value: float = 2.6592  # ln(1/0.07), as CLIP
+    projection_dim: int = 64  # CLIP only: SigLIP has no projection
+    logit_scale_init_value: float | None = None  # default ln(1/0.07) (CLIP) or ln(10) (SigLIP paper)
+    logit_bias_init_value: float = -10.0  # SigLIP only (paper)
 
 
 class CLIPForContrastiveTraining(CLIPModel):
@@ -39,6 +48,11 @@ class CLIPForContrastiveTraining(CLIPModel):
     does not implement.
     """
 
+    hf_architecture = "CLIPModel"
+    loss = "clip"
+    max_logit_scale = MAX_LOGIT_SCALE  # CLIP clamps the temperature at 100 after every step
+    pads_text_to_max_length = False  # it pools the EOS position, so any padding works
+
     def forward(self, input_ids, attention_mask, pixel_values):
         image_embeds = self.get_image_features(pixel_values=pixel_values).pooler_output
         text_embeds = self.get_text_features(input_ids=input_ids, attention_mask=attention_mask).pooler_output
@@ -48,29 +62,82 @@ class CLIPForContrastiveTraining(CLIPModel):
         return self.text_model.embeddings.token_embedding
 
 
-def build_clip(args: ModelArgs):
-    """(model, tokenizer, image_processor): loaded from `model_name_or_path`, or the tiny default.
+class SiglipForContrastiveTraining(SiglipModel):
+    """HF `SiglipModel` whose forward returns (image_embeds, text_embeds, logit_scale.exp(),
+    logit_bias): what `siglip_loss` takes. Both scalars are [1]-shaped parameters already.
+
+    SigLIP pools the text tower's *last position*, padding or not (FIELD_NOTES §9): the padded
+    length is part of the model, so captions are padded to the tokenizer's `model_max_length`
+    (64 for SigLIP, which the zero-shot pipeline hard-codes), in training as in inference.
+    """
+
+    hf_architecture = "SiglipModel"
+    loss = "siglip"
+    max_logit_scale = None  # SigLIP learns its temperature unclamped
+    pads_text_to_max_length = True
+
+    def forward(self, input_ids, attention_mask, pixel_values):
+        image_embeds = self.get_image_features(pixel_values=pixel_values).pooler_output
+        text_embeds = self.get_text_features(input_ids=input_ids, attention_mask=attention_mask).pooler_output
+        return (F.normalize(image_embeds, dim=-1), F.normalize(text_embeds, dim=-1), self.logit_scale.exp(),
+                self.logit_bias)
+
+
+TRAINING_CLASSES = {"clip": CLIPForContrastiveTraining, "siglip": SiglipForContrastiveTraining}
+
+
+def build_contrastive(args: ModelArgs):
+    """(model, tokenizer, image_processor) for `args.loss`: loaded from `model_name_or_path`, or
+    the tiny default.
 
     Build it *before* `Accelerator()`: under ZeRO-3 accelerate registers the DeepSpeed config
     with transformers, and a model constructed afterwards is partitioned at construction with a
     different random init (CPU_ENGINES.md).
     """
+    model_class = TRAINING_CLASSES[args.loss]
     if args.model_name_or_path:
-        model = CLIPForContrastiveTraining.from_pretrained(args.model_name_or_path)
+        model_type = AutoConfig.from_pretrained(args.model_name_or_path).model_type
+        if model_type != model_class.config_class.model_type:
+            raise ValueError(f"{args.model_name_or_path} is a {model_type!r} model, not {args.loss}: set --loss to "
+                             f"match it ({', '.join(TRAINING_CLASSES)})")
+        model = model_class.from_pretrained(args.model_name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
         image_processor = AutoImageProcessor.from_pretrained(args.model_name_or_path)
     else:
-        model, tokenizer, image_processor = _tiny_clip(args)
-    # After loading: the checkpoint's logit_scale is 0-dim, which FSDP and DeepSpeed reject.
+        model, tokenizer, image_processor = (_tiny_siglip if args.loss == "siglip" else _tiny_clip)(args)
+    # After loading: CLIP's logit_scale is 0-dim, which FSDP and DeepSpeed reject (saved back as it was).
+    model.saved_logit_scale_shape = model.logit_scale.shape
     model.logit_scale = torch.nn.Parameter(model.logit_scale.detach().reshape(1))
     model._no_split_modules = fsdp_block_classes(model)  # what fsdp2.yaml wraps
     return model, tokenizer, image_processor
 
 
+def _tower(args: ModelArgs) -> dict:
+    return dict(hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
+                num_hidden_layers=args.num_layers, num_attention_heads=max(1, args.hidden_size // 32))
+
+
+def _tiny_siglip(args: ModelArgs):
+    # The zero-shot pipeline pads SigLIP captions to 64 tokens: train at that length (FIELD_NOTES §9).
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, model_max_length=64)
+    config = SiglipConfig(
+        text_config=dict(_tower(args), vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id),
+        vision_config=dict(_tower(args), image_size=args.image_size, patch_size=args.patch_size),
+    )
+    model = SiglipForContrastiveTraining(config)
+    # SiglipModel initialises both to 0, which leaves a small model at chance (FIELD_NOTES §9).
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(10) if args.logit_scale_init_value is None else args.logit_scale_init_value)
+        model.logit_bias.fill_(args.logit_bias_init_value)
+    image_processor = SiglipImageProcessor(size={"height": args.image_size, "width": args.image_size})
+    return model, tokenizer, image_processor
+
+
 def _tiny_clip(args: ModelArgs):
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name)
-    tower = dict(hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
-                 num_hidden_layers=args.num_layers, num_attention_heads=max(1, args.hidden_size // 32))
+    tower = _tower(args)
     config = CLIPConfig(
         text_config=dict(
             tower, vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
@@ -79,7 +146,7 @@ def _tiny_clip(args: ModelArgs):
         ),
         vision_config=dict(tower, image_size=args.image_size, patch_size=args.patch_size),
         projection_dim=args.projection_dim,
-        logit_scale_init_value=args.logit_scale_init_value,
+        logit_scale_init_value=2.6592 if args.logit_scale_init_value is None else args.logit_scale_init_value,
     )
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": args.image_size}, crop_size={"height": args.image_size, "width": args.image_size}
@@ -88,8 +155,9 @@ def _tiny_clip(args: ModelArgs):
 
 
 @torch.no_grad()
-def clamp_logit_scale_(accelerator, model, max_value: float = MAX_LOGIT_SCALE):
-    """Clamp the logit scale after the optimizer step, on every copy the engine keeps.
+def clamp_logit_scale_(accelerator, model):
+    """Clamp the logit scale at the model's `max_logit_scale` (CLIP: ln 100; SigLIP: none) after
+    the optimizer step, on every copy the engine keeps.
 
     Clamping is elementwise, so each rank clamping the part it holds is exact. DDP: the
     parameter. FSDP2: this rank's DTensor shard. DeepSpeed keeps an fp32 master copy in the
@@ -97,7 +165,10 @@ def clamp_logit_scale_(accelerator, model, max_value: float = MAX_LOGIT_SCALE):
     model copy; ZeRO-3: both partitioned, plus a full copy of small parameters).
     Call it on every rank: under ZeRO-1/2 it runs collectives.
     """
-    param = accelerator.unwrap_model(model).logit_scale
+    unwrapped = accelerator.unwrap_model(model)
+    param, max_value = unwrapped.logit_scale, unwrapped.max_logit_scale
+    if max_value is None:
+        return
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         param.data.clamp_(max=max_value)
         return
@@ -114,17 +185,18 @@ def clamp_logit_scale_(accelerator, model, max_value: float = MAX_LOGIT_SCALE):
     param.data.clamp_(max=max_value)
 
 
-def save_clip(accelerator, model, tokenizer, image_processor, output_dir):
-    """`save_pretrained` a loadable CLIP directory (model + tokenizer + image processor).
+def save_contrastive(accelerator, model, tokenizer, image_processor, output_dir):
+    """`save_pretrained` a directory that `CLIPModel`/`SiglipModel.from_pretrained` and the
+    zero-shot pipeline load (model + tokenizer + image processor).
 
     `get_state_dict` gathers full weights under FSDP2/ZeRO-3, so every rank must call this.
     """
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        state_dict["logit_scale"] = state_dict["logit_scale"].reshape(())
         unwrapped = accelerator.unwrap_model(model)
+        state_dict["logit_scale"] = state_dict["logit_scale"].reshape(unwrapped.saved_logit_scale_shape)
         unwrapped.save_pretrained(output_dir, state_dict=state_dict, save_function=accelerator.save)
-        unwrapped.config.architectures = ["CLIPModel"]  # a plain CLIP checkpoint: loads without mmrecipes
+        unwrapped.config.architectures = [unwrapped.hf_architecture]  # a plain checkpoint: loads without mmrecipes
         unwrapped.config.save_pretrained(output_dir)
         tokenizer.save_pretrained(output_dir)
         image_processor.save_pretrained(output_dir)

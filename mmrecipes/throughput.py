@@ -14,7 +14,7 @@ def transformer_train_flops(num_params: int, num_layers: int, hidden_size: int, 
 def clip_train_flops_per_sample(model, text_len: int) -> float:
     config = model.config
     vision, text = config.vision_config, config.text_config
-    patches = (vision.image_size // vision.patch_size) ** 2 + 1
+    patches = (vision.image_size // vision.patch_size) ** 2 + hasattr(model.vision_model.embeddings, "class_embedding")
     vision_flops = transformer_train_flops(_encoder_params(model.vision_model), vision.num_hidden_layers,
                                            vision.hidden_size, patches)
     text_flops = transformer_train_flops(_encoder_params(model.text_model), text.num_hidden_layers, text.hidden_size,

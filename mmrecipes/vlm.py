@@ -30,9 +30,9 @@ from transformers import (AutoProcessor, AutoTokenizer, CLIPImageProcessor, Llav
 
 from .distributed import fsdp_block_classes
 from .losses import token_cross_entropy_sum
-from .models import REPO_ROOT
+from .models import EMBEDDED
 
-TINY_VLM_TOKENIZER = REPO_ROOT / "data" / "vlm_tokenizer"
+TINY_VLM_TOKENIZER = EMBEDDED / "vlm_tokenizer"
 TRAIN_MODULE_CHOICES = ("projector", "projector,language_model", "all")
 
 

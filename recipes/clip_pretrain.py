@@ -1,11 +1,13 @@
-"""Contrastive image-text pre-training (CLIP) with Hugging Face Accelerate.
+"""Contrastive image-text pre-training (CLIP or SigLIP) with Hugging Face Accelerate.
 
     accelerate launch recipes/clip_pretrain.py
+    accelerate launch recipes/clip_pretrain.py --loss siglip
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/clip_pretrain.py recipes/configs/clip_tiny.yaml
 
 With no arguments it trains a tiny CLIP on the embedded shapes data in well under a minute on a
 CPU and writes a directory that `CLIPModel.from_pretrained` and
-`pipeline("zero-shot-image-classification", model=...)` load. The same file runs under every
+`pipeline("zero-shot-image-classification", model=...)` load; `--loss siglip` does the same for a
+`SiglipModel` trained with the sigmoid loss. The same file runs under every
 engine in accelerate_configs/ (DDP, FSDP2, ZeRO-2, ZeRO-3, multi-node) and on real data:
 `--model_name_or_path`, `--dataset_name`/`--data_files`, `--image_column`/`--caption_column`.
 Tested on a 2-core CPU (1 and 2 processes, gloo).
@@ -22,13 +24,13 @@ from transformers import get_scheduler
 
 from mmrecipes.checkpointing import Checkpointer
 from mmrecipes.config import parse_args
-from mmrecipes.data import COUNTED, DataArgs, build_dataloader, evaluation_off_reason, model_inputs
+from mmrecipes.data import COUNTED, DataArgs, build_dataloader, caption_length, evaluation_off_reason, model_inputs
 from mmrecipes.distributed import (all_ranks_true, data_parallel_rank_and_world, engine_line,
                                    reconcile_deepspeed_config, sum_over_ranks)
 from mmrecipes.evaluation import evaluate_retrieval
 from mmrecipes.feature_cache import feature_cache_backward
-from mmrecipes.losses import clip_loss
-from mmrecipes.models import ModelArgs, build_clip, clamp_logit_scale_, save_clip
+from mmrecipes.losses import clip_loss, siglip_loss
+from mmrecipes.models import ModelArgs, build_contrastive, clamp_logit_scale_, save_contrastive
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
 from mmrecipes.training import TrainingArgs, accelerator_from_args, per_device_batch_size
@@ -40,16 +42,20 @@ class TrainArgs(TrainingArgs):
     # plain: each micro-batch is its own contrastive batch (b negatives per row); feature_cache: the
     # accumulation window is ONE batch of k*b negatives (GradCache: one extra forward per micro-batch)
     contrastive_accumulation: str = field(default="plain", metadata={"choices": ["plain", "feature_cache"]})
-    loss_tile_size: int | None = None  # compute the loss in tiles: no [b, N] logits matrix
+    loss_tile_size: int | None = None  # clip_loss in tiles: no [b, N] logits matrix (siglip_loss never has one)
 
 
 def main(argv=None):
     model_args, data_args, args = parse_args((ModelArgs, DataArgs, TrainArgs), argv)
+    if model_args.loss == "siglip" and args.loss_tile_size:
+        raise ValueError("--loss_tile_size tiles clip_loss; siglip_loss never holds a [b, N] matrix: drop the flag")
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
-    model, tokenizer, image_processor = build_clip(model_args)
+    model, tokenizer, image_processor = build_contrastive(model_args)
     # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
-    flops_per_sample = clip_train_flops_per_sample(model, data_args.max_caption_length)
+    # SigLIP pads captions to a fixed length: a different --max_caption_length is rejected here.
+    flops_per_sample = clip_train_flops_per_sample(
+        model, caption_length(data_args, tokenizer, model.pads_text_to_max_length))
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
@@ -69,7 +75,8 @@ def main(argv=None):
 
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare
     # (it would split a datasets stream a second time).
-    loader_kwargs = dict(tokenizer=tokenizer, image_processor=image_processor, data_rank=data_rank, data_world=data_world)
+    loader_kwargs = dict(tokenizer=tokenizer, image_processor=image_processor, data_rank=data_rank, data_world=data_world,
+                         pad_to_max_length=accelerator.unwrap_model(model).pads_text_to_max_length)
     train_loader = build_dataloader(data_args, data_args.train_split, data_args.data_files, batch_size=batch_size,
                                     shuffle_seed=args.seed, **loader_kwargs)
     eval_loader, no_eval = None, evaluation_off_reason(data_args)
@@ -87,13 +94,14 @@ def main(argv=None):
                       max_skipped_steps=args.max_skipped_steps)
     start_step, train_batches = checkpoints.resume(args.resume_from_checkpoint, train_loader)
 
-    accelerator.init_trackers("clip_pretrain", config=asdict(model_args) | asdict(data_args) | asdict(args))
+    accelerator.init_trackers(f"{model_args.loss}_pretrain", config=asdict(model_args) | asdict(data_args) | asdict(args))
     peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
     loss_sum, logged_steps, samples, window_start = torch.zeros((), device=accelerator.device), 0, 0, time.perf_counter()
     data_counts = torch.zeros(len(COUNTED), dtype=torch.long)
-    loss_fn = partial(clip_loss, tile_size=args.loss_tile_size)
+    # Both take (image_embeds, text_embeds, *what the model returns after them): scale, and SigLIP's bias.
+    loss_fn = siglip_loss if model_args.loss == "siglip" else partial(clip_loss, tile_size=args.loss_tile_size)
     for step in progress:
         window = []
         for _ in range(args.gradient_accumulation_steps):
@@ -111,8 +119,7 @@ def main(argv=None):
             for batch in window:
                 # Gradients are all-reduced only on the last micro-batch of the window (no_sync before it).
                 with accelerator.accumulate(model):
-                    image_embeds, text_embeds, logit_scale = model(**model_inputs(batch, accelerator.device))
-                    loss = loss_fn(image_embeds, text_embeds, logit_scale)
+                    loss = loss_fn(*model(**model_inputs(batch, accelerator.device)))
                     accelerator.backward(loss)
                 window_losses.append(loss.detach())
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -158,7 +165,7 @@ def main(argv=None):
             if guard.stop_requested:
                 guard.exit_preempted(checkpoint)  # exit code 75 on every rank: run the same command again
 
-    save_clip(accelerator, model, tokenizer, image_processor, args.output_dir)
+    save_contrastive(accelerator, model, tokenizer, image_processor, args.output_dir)
     accelerator.print(f"saved model to {args.output_dir}")
     accelerator.end_training()
 

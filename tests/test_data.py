@@ -10,9 +10,10 @@ import torch
 from PIL import Image
 
 from gloo import run_on_ranks
+from webdataset_shards import make_webdataset
 from mmrecipes.data import COUNTED, DataArgs, batches_forever, build_dataloader, expand_data_files, model_inputs
 from mmrecipes.evaluation import evaluate_retrieval, retrieval_recall_at_1
-from mmrecipes.models import ModelArgs, build_clip
+from mmrecipes.models import ModelArgs, build_contrastive
 
 
 def png(image, fmt="PNG"):
@@ -29,7 +30,7 @@ def write_parquet(path, rows):
 
 @pytest.fixture(scope="module")
 def tiny():
-    _, tokenizer, image_processor = build_clip(ModelArgs())
+    _, tokenizer, image_processor = build_contrastive(ModelArgs())
     return tokenizer, image_processor
 
 
@@ -102,7 +103,7 @@ def test_batches_forever_reshuffles_each_epoch_and_flags_empty_shards(tmp_path, 
 
 def _eval_on_ranks(rank, world, data_files):
     torch.manual_seed(0)
-    model, tokenizer, image_processor = build_clip(ModelArgs())
+    model, tokenizer, image_processor = build_contrastive(ModelArgs())
     args = DataArgs(dataset_name="parquet", data_files=data_files)
     loader = build_dataloader(args, "train", data_files, tokenizer, image_processor, batch_size=4, data_rank=rank,
                               data_world=world)
@@ -127,7 +128,7 @@ def test_eval_with_unequal_shares_stops_together_and_matches_one_process(tmp_pat
     assert forwards0 == forwards1 == 3
 
     torch.manual_seed(0)
-    model, tokenizer, image_processor = build_clip(ModelArgs())
+    model, tokenizer, image_processor = build_contrastive(ModelArgs())
     args = DataArgs(dataset_name="parquet", data_files=files)
     loader = build_dataloader(args, "train", files, tokenizer, image_processor, batch_size=14, data_rank=0, data_world=1)
     with torch.no_grad():
@@ -155,3 +156,17 @@ def test_uneven_shard_split_is_reported_once(caplog):
         load_image_text_stream(DataArgs(), "train", None, 0, 2)  # 4 shards over 2: whole shards, silent
     warnings = [record.getMessage() for record in caplog.records]
     assert len(warnings) == 1 and "4 shards over 3 data ranks" in warnings[0] and "3x the read traffic" in warnings[0]
+
+
+def test_webdataset_shards_with_broken_members_are_skipped_and_counted(tmp_path, tiny):
+    """img2dataset's layout (`{key}.jpg/.txt/.json`) over 4 tars named by a brace range, one given
+    as a file:// URL: every good row arrives once, the corrupt jpg and the missing txt are counted."""
+    written = make_webdataset(tmp_path)
+    args = DataArgs(dataset_name="webdataset", image_column="jpg", caption_column="txt",
+                    data_files=f"{tmp_path}/train-{{00000..00002}}.tar,file://{tmp_path}/train-00003.tar")
+    loader = build_dataloader(args, "train", args.data_files, *tiny, batch_size=16, data_rank=0, data_world=1)
+    assert loader.dataset.n_shards == 4
+    batches = list(loader)
+    counts = dict(zip(COUNTED, sum(b["data_counts"] for b in batches).tolist()))
+    assert sum(len(b["input_ids"]) for b in batches) == written["train"]
+    assert counts["undecodable"] == 1 and counts["no_caption"] == 1

@@ -9,14 +9,14 @@ from gloo import run_on_ranks
 from mmrecipes.distributed import make_accelerator
 from mmrecipes.feature_cache import feature_cache_backward
 from mmrecipes.losses import clip_loss
-from mmrecipes.models import ModelArgs, build_clip
+from mmrecipes.models import ModelArgs, build_contrastive
 
 MICRO_SIZES = {0: [3, 5], 1: [2, 4]}  # rows per micro-batch on each rank: uneven everywhere
 
 
 def tiny_clip(dropout=0.0):
     torch.manual_seed(0)
-    model, tokenizer, _ = build_clip(ModelArgs())
+    model, tokenizer, _ = build_contrastive(ModelArgs())
     model.config.vision_config.attention_dropout = model.config.text_config.attention_dropout = dropout
     for module in model.modules():
         if hasattr(module, "dropout") and isinstance(module.dropout, float):

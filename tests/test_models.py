@@ -2,11 +2,11 @@
 
 import torch
 
-from mmrecipes.models import ModelArgs, build_clip
+from mmrecipes.models import ModelArgs, build_contrastive
 
 
 def test_every_caption_ends_in_eos_even_truncated_and_arbitrary_text():
-    _, tokenizer, _ = build_clip(ModelArgs())
+    _, tokenizer, _ = build_contrastive(ModelArgs())
     captions = ["a small red circle", "Ünïcode 漢字 and emoji 🙂 text", "word " * 100]
     encoded = tokenizer(captions, truncation=True, max_length=16)["input_ids"]
     for ids in encoded:
@@ -18,7 +18,7 @@ def test_every_caption_ends_in_eos_even_truncated_and_arbitrary_text():
 
 def test_text_tower_pools_at_eos_so_captions_embed_differently():
     torch.manual_seed(0)
-    model, tokenizer, _ = build_clip(ModelArgs())
+    model, tokenizer, _ = build_contrastive(ModelArgs())
     batch = tokenizer(["a small red circle", "a large blue square above a small green star"], padding=True,
                       return_tensors="pt")
     with torch.no_grad():

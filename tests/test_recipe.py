@@ -8,9 +8,10 @@ import yaml
 from PIL import Image
 from transformers import CLIPModel
 
-from mmrecipes.models import ModelArgs, build_clip
+from mmrecipes.models import ModelArgs, build_contrastive
 from gloo import run_on_ranks
 from launch import REPO, accelerate_launch, load_recipe, losses, run_recipe
+from webdataset_shards import make_webdataset
 
 pytestmark = pytest.mark.launch
 
@@ -112,7 +113,7 @@ def test_pretrained_model_and_local_imagefolder(tmp_path):
     first = run_recipe("--max_steps", 1, "--eval_split", "", "--logit_scale_init_value", 3.3,
                        "--output_dir", tmp_path / "model")
     assert first.returncode == 0, first.log[-3000:]
-    loaded, _, _ = build_clip(ModelArgs(model_name_or_path=str(tmp_path / "model")))
+    loaded, _, _ = build_contrastive(ModelArgs(model_name_or_path=str(tmp_path / "model")))
     assert loaded.logit_scale.shape == (1,)  # reshaped for FSDP/DeepSpeed, but not re-initialised
     assert loaded.logit_scale.item() == pytest.approx(CLIPModel.from_pretrained(tmp_path / "model").logit_scale.item())
     assert loaded.logit_scale.item() == pytest.approx(3.3, abs=0.01)
@@ -175,3 +176,16 @@ def test_builder_with_only_training_files_never_globs_the_working_directory(tmp_
     assert sorted(losses(result.log)) == [1, 2]
     missing = run_recipe(*args, "--eval_data_files", tmp_path / "missing.parquet", "--output_dir", tmp_path / "out2")
     assert missing.returncode != 0 and "missing.parquet" in missing.log and not losses(missing.log)
+
+
+def test_webdataset_tar_shards_train_and_evaluate(tmp_path):
+    """open_clip users' command line: a brace range of img2dataset tars, `jpg`/`txt` columns, an eval tar."""
+    written = make_webdataset(tmp_path)
+    result = run_recipe("--dataset_name", "webdataset", "--data_files", f"{tmp_path}/train-{{00000..00003}}.tar",
+                        "--eval_data_files", tmp_path / "test-00000.tar", "--image_column", "jpg",
+                        "--caption_column", "txt", "--max_steps", 8, "--logging_steps", 4, "--eval_steps", 8,
+                        "--per_device_train_batch_size", 60, "--output_dir", tmp_path / "out")
+    assert result.returncode == 0, result.log[-3000:]
+    assert sorted(losses(result.log)) == [4, 8] and f"eval_pairs {written['test']}" in result.log
+    last = re.findall(r"^step 8/8 .*$", result.log, re.M)[0]
+    assert re.search(r"undecodable [1-9]", last) and re.search(r"no_caption [1-9]", last)  # 2 epochs of 4 tars

@@ -1,0 +1,234 @@
+"""Streamed chat data for VLM fine-tuning: formats -> tokens + labels, mixed sources, dummy images.
+
+Two row formats, per row (a file may mix image and text-only rows):
+- chat: `messages` = [{"role", "content"}], content a string or parts (`{"type": "text", "text"}`,
+  `{"type": "image"}`), plus an `images` column with one image per image part;
+- LLaVA: `conversations` = [{"from": "human"|"gpt"|"system", "value"}] with `<image>` placeholders in
+  the text, plus `image`: a path relative to `--image_folder` (or a list of them); no `image`
+  means a text-only row.
+
+Tokenisation is the processor's own `apply_chat_template(..., return_assistant_tokens_mask=True)`:
+the processor expands each image placeholder into the model's image tokens, and the template's
+`{% generation %}` span marks the assistant tokens. Labels are the input ids on assistant tokens
+and IGNORE_INDEX everywhere else (prompts, image tokens, padding). Nothing is truncated, so
+truncation can never cut through image tokens: a row longer than `max_length` is skipped and
+counted, as are rows with a missing or undecodable image and rows whose image placeholders do
+not match their images.
+"""
+
+import os
+from dataclasses import dataclass
+
+import datasets
+import torch
+
+from .data import DropCounter, ResumableShuffle, decode_image, expand_data_files, split_by_data_rank
+from .losses import IGNORE_INDEX
+from .models import REPO_ROOT
+
+VLM_SHAPES = REPO_ROOT / "data" / "vlm_shapes"
+CHAT_COUNTED = ("converted", "undecodable", "too_large", "image_mismatch", "too_long", "no_target")
+TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
+LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+
+
+@dataclass
+class ChatDataArgs:
+    # Comma-separated sources (hub ids, local dataset dirs, or one builder name with --data_files)
+    dataset_name: str = f"{VLM_SHAPES / 'image_chat'},{VLM_SHAPES / 'text_chat'}"
+    # Sampling probabilities of the sources (datasets.interleave_datasets); None: equal
+    dataset_weights: str | None = "0.75,0.25"
+    dataset_config_name: str | None = None
+    data_files: str | None = None  # training files of a single builder source ('json', 'parquet'): a glob
+    train_split: str = "train"
+    eval_dataset_name: str | None = str(VLM_SHAPES / "image_chat")  # held-out questions; None turns eval off
+    eval_data_files: str | None = None
+    eval_split: str = "test"
+    image_folder: str | None = None  # LLaVA format: image paths are relative to it
+    max_length: int = 256  # longer rows are skipped and counted, never truncated
+    max_image_pixels: int = 50_000_000
+    shuffle_buffer_size: int = 1000
+    dataloader_num_workers: int = 1  # preprocessing overlaps the step (measured: 150 -> 210 samples/s on 2 cores)
+
+
+def to_chat(row, image_folder=None):
+    """(messages, raw images) of a chat-format or LLaVA-format row."""
+    if row.get("messages") is not None:
+        messages = [{"role": message["role"], "content": _content_parts(message["content"])}
+                    for message in row["messages"]]
+        return messages, list(row.get("images") or [])
+    messages = [{"role": LLAVA_ROLES[turn["from"]], "content": _content_parts(turn["value"])}
+                for turn in row["conversations"]]
+    paths = row.get("image") or []
+    paths = [paths] if isinstance(paths, str) else paths
+    return messages, [os.path.join(image_folder or "", path) for path in paths]
+
+
+def _content_parts(content):
+    """Content parts; a string's `<image>` placeholders become image parts (LLaVA's convention)."""
+    if not isinstance(content, str):
+        return [{"type": part["type"], "text": part.get("text")} for part in content]
+    parts = []
+    for index, text in enumerate(content.split("<image>")):
+        if index:
+            parts.append({"type": "image"})
+        if text.strip():
+            parts.append({"type": "text", "text": text.strip()})
+    return parts
+
+
+class ChatPreprocessor:
+    """Batched `datasets.map` function: chat rows in, {input_ids, labels, image_inputs} rows out,
+    bad rows dropped and counted (the counts ride along with the next kept row)."""
+
+    def __init__(self, args: ChatDataArgs, processor):
+        self.args, self.processor = args, processor
+        self.image_token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+        self.drops = DropCounter()
+
+    def __call__(self, batch):
+        out = {"input_ids": [], "labels": [], "image_inputs": []} | {name: [] for name in CHAT_COUNTED}
+        for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
+            example = self.tokenize(*to_chat(row, self.args.image_folder))
+            if isinstance(example, str):
+                self.drops.drop(example)
+                continue
+            (input_ids, labels, image_inputs), note = example
+            counts = self.drops.keep(note)
+            for key, value in (("input_ids", input_ids), ("labels", labels), ("image_inputs", image_inputs)):
+                out[key].append(value)
+            for name in CHAT_COUNTED:
+                out[name].append(counts[name])
+        return out
+
+    def tokenize(self, messages, raw_images):
+        """((input_ids, labels, image_inputs), note) or the reason the row is dropped."""
+        placeholders = sum(part["type"] == "image" for message in messages for part in message["content"])
+        if placeholders != len(raw_images):
+            return "image_mismatch"
+        images, note = [], None
+        for raw_image in raw_images:
+            image, problem = decode_image(raw_image, self.args.max_image_pixels)
+            if image is None:
+                return problem
+            images.append(image)
+            note = note or problem
+        # Lists, not tensors: the processor's assistant-mask pass iterates over the offsets.
+        encoded = self.processor.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, return_tensors=None,
+            processor_kwargs={"images": images} if images else {},
+        )
+        input_ids = torch.tensor(encoded.pop("input_ids")[0])
+        if len(input_ids) > self.args.max_length:
+            return "too_long"
+        target = torch.tensor(encoded.pop("assistant_masks")[0], dtype=torch.bool) & (input_ids != self.image_token_id)
+        if not target[1:].any():  # the first token is never a target after the shift
+            return "no_target"
+        labels = torch.where(target, input_ids, IGNORE_INDEX)
+        encoded.pop("attention_mask")
+        image_inputs = {key: _as_tensor(value[0] if key in TOKEN_ALIGNED else value) for key, value in encoded.items()}
+        return (input_ids, labels, image_inputs), note
+
+
+class DummyImageCollator:
+    """Rows -> one micro-batch that runs the same graph on every rank (see mmrecipes.vlm).
+
+    Pads token sequences on the right (labels with IGNORE_INDEX), concatenates the rows' image
+    inputs, and gives a batch without any image the model's tiny dummy image
+    (`dummy_image_inputs`) with `dummy_image=True`, so the vision step runs on every micro-batch.
+    """
+
+    def __init__(self, pad_token_id: int, dummy_inputs: dict):
+        self.pad_token_id, self.dummy_inputs = pad_token_id, dummy_inputs
+
+    def __call__(self, rows):
+        length = max(len(row["input_ids"]) for row in rows)
+        batch = {
+            "input_ids": _pad([row["input_ids"] for row in rows], length, self.pad_token_id),
+            "attention_mask": _pad([torch.ones_like(row["input_ids"]) for row in rows], length, 0),
+            "labels": _pad([row["labels"] for row in rows], length, IGNORE_INDEX),
+        }
+        for key in TOKEN_ALIGNED[2:]:
+            if any(key in row["image_inputs"] for row in rows):
+                batch[key] = _pad([row["image_inputs"][key] for row in rows], length, 0)
+        with_images = [row["image_inputs"] for row in rows if "pixel_values" in row["image_inputs"]]
+        image_keys = {key for inputs in with_images for key in inputs} - set(TOKEN_ALIGNED)
+        batch |= {key: torch.cat([inputs[key] for inputs in with_images]) for key in image_keys}
+        batch["dummy_image"] = not with_images
+        if not with_images:
+            batch |= self.dummy_inputs
+        batch["data_counts"] = torch.tensor([sum(row[name] for row in rows) for name in CHAT_COUNTED])
+        batch["data_position"] = rows[-1].get("data_position")  # where the stream stands after this batch
+        return batch
+
+
+def chat_model_inputs(batch: dict, device) -> dict:
+    """A collated batch's model inputs on `device` (the dummy_image flag stays a Python bool)."""
+    return {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            for key, value in batch.items() if key != "data_counts"}
+
+
+def _as_tensor(value):
+    """A processor output (a list of per-image arrays/tensors, or nested lists) as one tensor."""
+    if isinstance(value, (list, tuple)) and value and not isinstance(value[0], (int, float, list)):
+        return torch.stack([torch.as_tensor(item) for item in value])
+    return torch.as_tensor(value)
+
+
+def _pad(sequences, length, value):
+    return torch.stack([torch.nn.functional.pad(seq, (0, length - len(seq)), value=value) for seq in sequences])
+
+
+def load_chat_stream(args: ChatDataArgs, name, split, data_files, data_rank, data_world):
+    """(stream, columns): this data rank's share of one source's split, images left undecoded."""
+    data_files = expand_data_files(data_files)
+    stream = datasets.load_dataset(name, args.dataset_config_name, data_files={split: data_files} if data_files else None,
+                                   split=split, streaming=True)
+    # A streamed JSON source knows its columns only once read: peek at the first row.
+    columns = stream.column_names or list(next(iter(stream.take(1)), {}))
+    if columns and not set(columns) & {"messages", "conversations"}:
+        raise ValueError(f"{name} has columns {sorted(columns)}: a chat source needs 'messages' (+ 'images') or "
+                         "LLaVA's 'conversations' (+ 'image' paths under --image_folder)")
+    stream = split_by_data_rank(stream, name, data_rank, data_world)
+    features = stream.features or {}
+    if isinstance(features.get("images"), datasets.List) and isinstance(features["images"].feature, datasets.Image):
+        stream = stream.cast_column("images", datasets.List(datasets.Image(decode=False)))  # decoded by us, counted
+    return stream, columns
+
+
+def build_chat_dataloader(args: ChatDataArgs, processor, collator, *, batch_size, data_rank, data_world,
+                          shuffle_seed=None, eval_split=False):
+    """A DataLoader over this data rank's rows: the training mixture, or (eval_split) the held-out set.
+
+    The sources are mixed with `interleave_datasets` at `dataset_weights` (every rank sees the same
+    mixture in expectation), then the mixture is shuffled in blocks and tokenised (`ResumableShuffle`:
+    a checkpoint resumes it exactly). An epoch ends once every source has been read once.
+    """
+    if eval_split:
+        sources = [(args.eval_dataset_name, args.eval_split, args.eval_data_files)]
+    else:
+        names = [name.strip() for name in args.dataset_name.split(",")]
+        if args.data_files and len(names) > 1:
+            raise ValueError("--data_files goes with a single --dataset_name source (a builder such as json or parquet)")
+        sources = [(name, args.train_split, args.data_files) for name in names]
+    weights = [float(w) for w in args.dataset_weights.split(",")] if args.dataset_weights else [1.0] * len(sources)
+    if len(sources) > 1 and (len(weights) != len(sources) or min(weights) < 0 or sum(weights) <= 0):
+        raise ValueError(f"--dataset_weights {args.dataset_weights!r}: give one non-negative weight per "
+                         f"--dataset_name source ({len(sources)})")
+    streams, columns = [], []
+    for name, split, data_files in sources:
+        stream, source_columns = load_chat_stream(args, name, split, data_files, data_rank, data_world)
+        streams.append(stream)
+        columns += [column for column in source_columns if column not in columns]
+    stream = streams[0]
+    if len(streams) > 1:  # columns a source lacks are filled with None (so formats may differ)
+        stream = datasets.interleave_datasets(streams, probabilities=[w / sum(weights) for w in weights],
+                                              seed=shuffle_seed or 0, stopping_strategy="all_exhausted")
+    preprocess = ChatPreprocessor(args, processor)
+    if shuffle_seed is None:
+        stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=columns)
+    else:  # same seed on every rank; each rank shuffles its own rows
+        stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
+                                  batch_size=batch_size)
+    return torch.utils.data.DataLoader(stream, batch_size=batch_size, collate_fn=collator,
+                                       num_workers=args.dataloader_num_workers, pin_memory=torch.cuda.is_available())

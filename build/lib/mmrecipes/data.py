@@ -1,0 +1,325 @@
+"""Streamed image-caption data: load, split by data rank, decode + transform + tokenise, collate.
+
+Every rank runs the same deterministic preprocessing (the image processor and tokenizer the
+model is saved with), so ranks differ only in which rows they read. Bad rows never crash the
+run: unusual image modes are converted to RGB, and undecodable, oversized or captionless rows
+are dropped inside the stream and counted (the counts ride along with the next good row, so
+they survive DataLoader workers and reach the log).
+"""
+
+import io
+import itertools
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import datasets
+import torch
+from datasets.distributed import split_dataset_by_node
+from PIL import Image
+
+from .models import REPO_ROOT
+
+logger = logging.getLogger(__name__)
+
+SHAPES_DATA = REPO_ROOT / "data" / "shapes"
+COUNTED = ("converted", "undecodable", "too_large", "no_caption")  # what the log reports
+
+
+@dataclass
+class DataArgs:
+    dataset_name: str = str(SHAPES_DATA)  # hub id, local dataset dir, or a builder ('parquet', 'imagefolder')
+    dataset_config_name: str | None = None
+    # Training files for a builder: globs, brace ranges ({00000..00099}), comma-separated, local or
+    # fsspec URLs (expand_data_files). The eval files go in eval_data_files.
+    data_files: str | None = None
+    eval_data_files: str | None = None
+    train_split: str = "train"
+    eval_split: str | None = "test"  # None (or an empty eval set) turns evaluation off
+    image_column: str = "image"
+    caption_column: str = "text"
+    max_caption_length: int | None = None  # tokens; default the tokenizer's model_max_length
+    max_image_pixels: int = 50_000_000  # larger images are skipped before they are decoded
+    shuffle_buffer_size: int = 1000  # rows per shuffled block (ResumableShuffle)
+    dataloader_num_workers: int = 0
+
+
+def expand_data_files(spec: str | list[str] | None) -> list[str] | None:
+    """`--data_files` as `load_dataset` takes it: comma-separated entries (or a list), each with its
+    brace ranges expanded as open_clip/webdataset users write them (`/data/{00000..41455}.tar`, zero
+    padding kept; `{a,b}` alternatives too). Globs and fsspec URLs pass through to `datasets`."""
+    if not spec:
+        return None
+    if not isinstance(spec, str):
+        return [path for entry in spec for path in expand_data_files(entry)]
+    entries, depth, current = [], 0, ""
+    for char in spec:  # split on commas outside braces
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            entries.append(current)
+            current = ""
+        else:
+            current += char
+    return [path for entry in entries + [current] if entry.strip() for path in _expand_braces(entry.strip())]
+
+
+def _expand_braces(pattern: str) -> list[str]:
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if match is None:
+        return [pattern]
+    head, body, tail = pattern[:match.start()], match.group(1), pattern[match.end():]
+    numeric = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if numeric:
+        first, last = numeric.groups()
+        width = len(first) if first.startswith("0") and len(first) > 1 else 0
+        step = 1 if int(last) >= int(first) else -1
+        choices = [f"{i:0{width}d}" for i in range(int(first), int(last) + step, step)]
+    elif "," in body:
+        choices = body.split(",")
+    else:
+        return [head + "{" + body + "}" + path for path in _expand_braces(tail)]  # a literal brace
+    return [path for choice in choices for path in _expand_braces(head + choice + tail)]
+
+
+def evaluation_off_reason(args: DataArgs) -> str | None:
+    """Why this run has no evaluation, or None. A builder (`parquet`, `webdataset`, `json`, ...)
+    reads only the files it is given: without --eval_data_files it would glob the working
+    directory for the eval split, so evaluation is off instead."""
+    if not args.eval_split:
+        return "--eval_split is empty"
+    if args.dataset_name in datasets.packaged_modules._PACKAGED_DATASETS_MODULES and not args.eval_data_files:
+        return (f"--dataset_name {args.dataset_name} reads only the files it is given and --eval_data_files is not "
+                "set (give it, or --eval_split '' to silence this line)")
+    return None
+
+
+def split_by_data_rank(stream, name: str, data_rank: int, data_world: int):
+    """This data rank's share of a stream. Whole shards when their number is a multiple of the data
+    world; otherwise `split_dataset_by_node` has every rank read every shard and keep 1/W of its
+    rows, which multiplies the read traffic by W: said once in the log, with what to do."""
+    if data_world > 1 and stream.num_shards % data_world and data_rank == 0:
+        logger.warning(f"{name}: {stream.num_shards} shards over {data_world} data ranks, not a multiple: every rank "
+                       f"reads every shard and keeps 1/{data_world} of its rows ({data_world}x the read traffic). "
+                       f"Split the data into a multiple of {data_world} files to give each rank whole shards.")
+    return split_dataset_by_node(stream, rank=data_rank, world_size=data_world)
+
+
+def load_image_text_stream(args: DataArgs, split: str, data_files, data_rank: int, data_world: int):
+    """This data rank's share of a split, streamed, with images left undecoded."""
+    data_files = expand_data_files(data_files)
+    stream = datasets.load_dataset(
+        args.dataset_name, args.dataset_config_name, data_files={split: data_files} if data_files else None,
+        split=split, streaming=True,
+    )
+    missing = {args.image_column, args.caption_column} - set(stream.column_names or ())
+    if stream.column_names is not None and missing:
+        raise ValueError(f"{args.dataset_name} has columns {stream.column_names}; set --image_column/--caption_column "
+                         f"(missing {sorted(missing)})")
+    stream = split_by_data_rank(stream, args.dataset_name, data_rank, data_world)
+    if stream.features is not None and isinstance(stream.features[args.image_column], datasets.Image):
+        stream = stream.cast_column(args.image_column, datasets.Image(decode=False))  # we decode, and count failures
+    return stream
+
+
+def caption_length(args: DataArgs, tokenizer, pad_to_max_length: bool = False) -> int:
+    """Tokens per caption. A model that pads captions to a fixed length (SigLIP pools the last
+    position) must train at the length it is used with: the tokenizer's `model_max_length`."""
+    length = args.max_caption_length or tokenizer.model_max_length
+    if pad_to_max_length and length != tokenizer.model_max_length:
+        raise ValueError(f"--max_caption_length {length}: this model pools its text at the last padded position, so "
+                         f"it must train at the length it is used with, the tokenizer's model_max_length "
+                         f"({tokenizer.model_max_length}; the zero-shot pipeline pads SigLIP to 64). Leave "
+                         "--max_caption_length unset.")
+    return length
+
+
+class ImageTextPreprocessor:
+    """Batched `datasets.map` function: rows in, model-ready rows out, bad rows dropped and counted."""
+
+    def __init__(self, args: DataArgs, tokenizer, image_processor, max_length: int):
+        self.args, self.tokenizer, self.image_processor = args, tokenizer, image_processor
+        self.max_length = max_length
+        self.drops = DropCounter()
+
+    def __call__(self, batch):
+        images, captions, counts = [], [], []
+        for raw_image, caption in zip(batch[self.args.image_column], batch[self.args.caption_column]):
+            if not isinstance(caption, str) or not caption.strip():
+                self.drops.drop("no_caption")
+                continue
+            image, problem = decode_image(raw_image, self.args.max_image_pixels)
+            if problem in ("undecodable", "too_large"):
+                self.drops.drop(problem)
+                continue
+            images.append(image)
+            captions.append(caption.strip())
+            counts.append(self.drops.keep(problem))
+        out = {"pixel_values": [], "input_ids": []} | {name: [] for name in COUNTED}
+        if images:
+            out["pixel_values"] = list(self.image_processor(images=images, return_tensors="pt")["pixel_values"])
+            out["input_ids"] = self.tokenizer(captions, truncation=True, max_length=self.max_length)["input_ids"]
+            for name in COUNTED:
+                out[name] = [row[name] for row in counts]
+        return out
+
+
+class DropCounter:
+    """Counts of dropped rows, attached to the next kept row: they ride along inside the stream,
+    so they survive DataLoader workers and reach the log."""
+
+    def __init__(self):
+        self.pending = Counter()
+
+    def drop(self, reason: str):
+        self.pending[reason] += 1
+
+    def keep(self, note: str | None = None) -> Counter:
+        """The counts to attach to a kept row (`note`: what was done to it, e.g. "converted")."""
+        counts = self.pending + Counter({note: 1} if note else {})
+        self.pending = Counter()
+        return counts
+
+
+def decode_image(raw_image, max_pixels: int):
+    """(RGB image or None, problem or None); problem is "converted", "undecodable" or "too_large".
+
+    `raw_image`: a PIL image, a path, or a datasets.Image(decode=False) dict {"bytes", "path"}.
+    """
+    try:
+        if isinstance(raw_image, dict):
+            raw_image = io.BytesIO(raw_image["bytes"]) if raw_image.get("bytes") else raw_image["path"]
+        image = raw_image if isinstance(raw_image, Image.Image) else Image.open(raw_image)
+        if image.width * image.height > max_pixels:  # header only: nothing decoded yet
+            return None, "too_large"
+        image.load()
+    except Image.DecompressionBombError:  # PIL refuses at open() beyond twice its own pixel limit
+        return None, "too_large"
+    except Exception as error:  # missing files; PIL raises many types for corrupt or truncated ones
+        logger.debug("undecodable image: %s", error)
+        return None, "undecodable"
+    if image.mode == "RGB":
+        return image, None
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGB", rgba.size, (255, 255, 255))
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background, "converted"
+    return image.convert("RGB"), "converted"  # L, P, CMYK, I;16, ...
+
+
+class ResumableShuffle(torch.utils.data.IterableDataset):
+    """This rank's training rows, shuffled and preprocessed, each carrying the stream position
+    after it, so a checkpoint resumes the data exactly where it stood at the cost of re-reading one
+    block (a shuffle buffer cannot resume: `datasets` drops its content on `load_state_dict`).
+
+    `source` (a `datasets` stream, unshuffled, whose own `state_dict` resumes exactly) is read in
+    blocks of `block_size` rows; each block is permuted by a generator seeded with (seed, epoch,
+    block) and handed to `preprocess` (a batched `datasets.map` function) `batch_size` rows at a
+    time. Every row is read once per epoch, as with a shuffle buffer of the same size; a row moves
+    at most `block_size` places (a buffer moves a few further), and the block order is the file
+    order in every epoch. The position is exact with 0 or 1 DataLoader workers; with more, each
+    worker reads its own shards and positions interleave (the checkpoint then re-reads instead).
+    """
+
+    def __init__(self, source, preprocess, *, block_size: int, seed: int, batch_size: int):
+        self.source, self.preprocess = source, preprocess
+        self.block_size, self.seed, self.batch_size = block_size, seed, batch_size
+        self.initial_state = source.state_dict()
+        self.epoch, self.start = 0, None
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+        if self.start is not None and self.start["epoch"] != epoch:
+            self.start = None  # a resumed epoch is finished: later ones start from the beginning
+
+    def resume_from(self, position: dict):
+        """Continue after the row whose `position` a checkpoint saved (call before iterating)."""
+        self.start, self.epoch = position, position["epoch"]
+
+    def __iter__(self):
+        start = self.start or {"block": 0, "source_state": self.initial_state, "rows_done": 0, "kept": 0}
+        self.source.load_state_dict(start["source_state"])
+        rows = iter(self.source)
+        block, rows_done, kept_done = start["block"], start["rows_done"], start["kept"]
+        source_state = start["source_state"]  # state_dict() reads the previous pass until a row is read
+        while True:
+            raw = list(itertools.islice(rows, self.block_size))
+            if not raw:
+                return
+            generator = torch.Generator().manual_seed(hash((self.seed, self.epoch, block)) % 2**63)
+            raw = [raw[i] for i in torch.randperm(len(raw), generator=generator).tolist()]
+            for chunk_start in range(rows_done, len(raw), self.batch_size):
+                chunk = raw[chunk_start:chunk_start + self.batch_size]
+                out = self.preprocess({column: [row[column] for row in chunk] for column in chunk[0]})
+                for kept, values in enumerate(zip(*out.values()), start=1):
+                    if kept > kept_done:
+                        position = {"epoch": self.epoch, "block": block, "source_state": source_state,
+                                    "rows_done": chunk_start, "kept": kept}
+                        yield dict(zip(out, values), data_position=position)
+                kept_done = 0
+            block, rows_done, source_state = block + 1, 0, self.source.state_dict()
+
+
+class ImageTextCollator:
+    """Rows -> {pixel_values, input_ids, attention_mask, data_counts, data_position}; pads captions
+    to the batch max, or to `pad_to_length`. `data_position`: where the stream stands after this
+    batch (training rows)."""
+
+    def __init__(self, tokenizer, pad_to_length: int | None = None):
+        self.tokenizer, self.pad_to_length = tokenizer, pad_to_length
+
+    def __call__(self, rows):
+        text = self.tokenizer.pad([{"input_ids": row["input_ids"]} for row in rows], return_tensors="pt",
+                                  padding="max_length" if self.pad_to_length else True, max_length=self.pad_to_length)
+        return {
+            "pixel_values": torch.stack([row["pixel_values"] for row in rows]),
+            "input_ids": text["input_ids"],
+            "attention_mask": text["attention_mask"],
+            "data_counts": torch.tensor([sum(row[name] for row in rows) for name in COUNTED]),
+            "data_position": rows[-1].get("data_position"),
+        }
+
+
+def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_processor, *, batch_size, data_rank,
+                     data_world, shuffle_seed=None, pad_to_max_length=False):
+    """A DataLoader over this data rank's rows. Pass it to `accelerator.prepare`? No: it is
+    already split by data rank, and accelerate would shard a datasets stream a second time.
+    `pad_to_max_length`: pad every caption to `caption_length` (SigLIP), not to the batch max."""
+    stream = load_image_text_stream(args, split, data_files, data_rank, data_world)
+    max_length = caption_length(args, tokenizer, pad_to_max_length)
+    preprocess = ImageTextPreprocessor(args, tokenizer, image_processor, max_length)
+    if shuffle_seed is None:
+        stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=stream.column_names)
+    else:  # same seed on every rank; each rank shuffles its own rows
+        stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
+                                  batch_size=batch_size)
+    return torch.utils.data.DataLoader(
+        stream, batch_size=batch_size, collate_fn=ImageTextCollator(tokenizer, max_length if pad_to_max_length else None),
+        num_workers=args.dataloader_num_workers, pin_memory=torch.cuda.is_available(),
+    )
+
+
+def model_inputs(batch, device):
+    """The model's tensors of a collated batch, on `device`."""
+    return {key: batch[key].to(device, non_blocking=True) for key in ("input_ids", "attention_mask", "pixel_values")}
+
+
+def batches_forever(dataloader, first_epoch=0, resumed=False):
+    """Yield (epoch, batch) over epochs of this rank's stream; (epoch, None) after an empty epoch.
+
+    Each rank loops over its own rows, so a rank never runs dry while others train: every
+    rank stops at the same optimizer step. The recipe all-reduces "got a batch" each
+    micro-step, so an empty shard stops every rank with one clear error instead of a hang.
+    `resumed`: the first epoch continues a saved position (and may have nothing left).
+    """
+    epoch = first_epoch
+    while True:
+        dataloader.dataset.set_epoch(epoch)  # a new shuffle order per epoch
+        empty = True
+        for batch in dataloader:
+            empty = False
+            yield epoch, batch
+        if empty and not resumed:
+            yield epoch, None
+        epoch, resumed = epoch + 1, False

@@ -1,0 +1,56 @@
+"""Training FLOPs of a two-tower model and the MFU that samples/s implies."""
+
+import torch
+
+# Dense bf16 peak (no sparsity) per device; extend it for your hardware or pass --peak_tflops.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+
+
+def transformer_train_flops(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    """6 N FLOPs per token for the matmuls plus 12 L h T for attention (PaLM appendix B), times T tokens."""
+    return seq_len * (6 * num_params + 12 * num_layers * hidden_size * seq_len)
+
+
+def clip_train_flops_per_sample(model, text_len: int) -> float:
+    config = model.config
+    vision, text = config.vision_config, config.text_config
+    patches = (vision.image_size // vision.patch_size) ** 2 + hasattr(model.vision_model.embeddings, "class_embedding")
+    vision_flops = transformer_train_flops(_encoder_params(model.vision_model), vision.num_hidden_layers,
+                                           vision.hidden_size, patches)
+    text_flops = transformer_train_flops(_encoder_params(model.text_model), text.num_hidden_layers, text.hidden_size,
+                                         text_len)
+    return vision_flops + text_flops
+
+
+def _encoder_params(tower) -> int:
+    return sum(p.numel() for p in tower.encoder.parameters())
+
+
+def peak_flops(peak_tflops: float | None = None) -> float | None:
+    """Per-device peak FLOP/s: the given value, a known GPU's bf16 peak, or None (MFU not reported)."""
+    if peak_tflops:
+        return peak_tflops * 1e12
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, tflops in PEAK_BF16_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12
+    return None
+
+
+def vlm_train_flops(model, *, seq_len: int, vision_trains: bool) -> tuple[float, float]:
+    """(training FLOPs per LM token, per image) of a Llava model.
+
+    LM: 6 N per token (the backward runs through the LM whenever anything trains) plus attention
+    at `seq_len`. Vision tower: 6 N per patch when it trains, 2 N (forward only) when frozen.
+    Count before `prepare` (ZeRO-3 partitioned parameters report numel 0).
+    """
+    vision, text = model.config.vision_config, model.config.text_config
+    tower = model.model.vision_tower  # Llava's layout
+    patches = (vision.image_size // vision.patch_size) ** 2 + 1
+    per_image = (6 if vision_trains else 2) * sum(p.numel() for p in tower.parameters()) * patches
+    decoder = model.get_decoder()
+    lm_params = sum(p.numel() for p in decoder.parameters()) - decoder.get_input_embeddings().weight.numel()
+    lm_params += model.get_output_embeddings().weight.numel()
+    per_token = transformer_train_flops(lm_params, text.num_hidden_layers, text.hidden_size, seq_len) / seq_len
+    return per_token, per_image

@@ -1,0 +1,78 @@
+"""What every recipe's loop needs around it: the common arguments, batch size from a global
+batch, mixed precision and tracker choice. The loop itself stays in the recipe."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .distributed import make_accelerator
+
+
+@dataclass
+class TrainingArgs:
+    """Arguments every recipe shares; a recipe subclasses it to add its own and change defaults."""
+
+    output_dir: str = "outputs/run"
+    max_steps: int = 300  # optimizer steps
+    per_device_train_batch_size: int = 64
+    global_batch_size: int | None = None  # if set: per-device batch = global / (data ranks * accumulation)
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 2.0e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    lr_scheduler_type: str = "cosine"
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "auto"  # auto: bf16 on GPUs that support it, else fp32; or no / bf16 / fp16
+    seed: int = 42
+    per_device_eval_batch_size: int = 128
+    eval_steps: int = 100
+    logging_steps: int = 20
+    save_steps: int = 0  # 0: save only the final model (and a checkpoint on preemption)
+    save_total_limit: int | None = None  # keep only the newest K complete checkpoints
+    # "latest" (the newest complete checkpoint; none yet: start fresh) or a checkpoint directory
+    resume_from_checkpoint: str | None = None
+    # On these signals: checkpoint at the next optimizer step, exit 75 (mmrecipes.step_guard); "" for none
+    preemption_signals: str = "SIGTERM,SIGUSR1"
+    max_skipped_steps: int = 5  # non-finite steps in a row (each skipped) before the run stops
+    report_to: str = "auto"  # tensorboard when installed; or wandb, none
+    peak_tflops: float | None = None  # per-device peak for the MFU estimate; default: known GPUs
+    ddp_timeout: int = 1800  # seconds a collective may wait before the run fails instead of hanging
+
+
+def per_device_batch_size(args: TrainingArgs, data_world: int) -> int:
+    if args.global_batch_size is None:
+        return args.per_device_train_batch_size
+    per_step = data_world * args.gradient_accumulation_steps
+    if args.global_batch_size % per_step:
+        raise ValueError(f"--global_batch_size {args.global_batch_size} is not divisible by data ranks ({data_world}) x "
+                         f"--gradient_accumulation_steps ({args.gradient_accumulation_steps}); use a multiple of "
+                         f"{per_step}, e.g. {math.ceil(args.global_batch_size / per_step) * per_step}.")
+    return args.global_batch_size // per_step
+
+
+def accelerator_from_args(args: TrainingArgs):
+    """The recipe's Accelerator (`mmrecipes.distributed.make_accelerator`: real on multi-process CPU too)."""
+    return make_accelerator(
+        timeout_s=args.ddp_timeout,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=resolve_mixed_precision(args.mixed_precision),
+        log_with=resolve_report_to(args.report_to),
+        project_dir=args.output_dir,
+    )
+
+
+def resolve_mixed_precision(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def resolve_report_to(choice: str):
+    if choice == "auto":
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            return None
+        return "tensorboard"
+    return None if choice == "none" else choice
