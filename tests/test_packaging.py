@@ -17,8 +17,11 @@ pytestmark = pytest.mark.launch
 def installed_wheel(tmp_path_factory):
     """The wheel `pip wheel .` builds, installed into an empty target directory (not editable)."""
     root = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "--quiet",
-                    "--wheel-dir", str(root / "dist")], check=True, cwd=root)
+    # Built from a copy: setuptools builds in the source tree, and a stale build/ would leak into the wheel.
+    shutil.copytree(REPO, root / "source", ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".whl", ".gl", "build", "dist", "outputs", "runs", "*.egg-info", "__pycache__", ".pytest_cache"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(root / "source"), "--no-deps", "--no-build-isolation",
+                    "--quiet", "--wheel-dir", str(root / "dist")], check=True, cwd=root)
     (wheel,) = (root / "dist").glob("mmrecipes-*.whl")
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", str(root / "site"),
                     str(wheel)], check=True, cwd=root)
