@@ -170,3 +170,19 @@ def test_webdataset_shards_with_broken_members_are_skipped_and_counted(tmp_path,
     counts = dict(zip(COUNTED, sum(b["data_counts"] for b in batches).tolist()))
     assert sum(len(b["input_ids"]) for b in batches) == written["train"]
     assert counts["undecodable"] == 1 and counts["no_caption"] == 1
+
+
+def test_jsonl_rows_with_image_paths(tmp_path, tiny):
+    """`--dataset_name json`: one row per line, the image column a file path; a missing file is counted."""
+    lines = []
+    for i in range(6):
+        path = tmp_path / f"{i}.png"
+        if i != 4:
+            Image.new("RGB", (20, 20), (40 * i, 0, 0)).save(path)
+        lines.append(f'{{"image_path": "{path}", "caption": "picture {i}"}}')
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    args = DataArgs(dataset_name="json", data_files=str(tmp_path / "rows.jsonl"), image_column="image_path",
+                    caption_column="caption")
+    batches = list(build_dataloader(args, "train", args.data_files, *tiny, batch_size=4, data_rank=0, data_world=1))
+    assert sum(len(b["input_ids"]) for b in batches) == 5
+    assert dict(zip(COUNTED, sum(b["data_counts"] for b in batches).tolist()))["undecodable"] == 1
