@@ -9,7 +9,9 @@ Environment (RANK:STEP means on global rank RANK during optimizer step STEP of t
   FAULT_PAUSE_IN_SAVE  STEP  every rank stops inside the save of checkpoint STEP, after its
                        files and before the completeness marker, and writes
                        <output_dir>/paused-in-save-RANK
-  FAULT_WEIGHTS_LOG    1: every rank prints a fingerprint of its local weights after each step
+  FAULT_WEIGHTS_LOG    DIR: every rank appends a fingerprint of its local weights after each
+                       step to DIR/weights-rank-RANK.txt (a file per rank: lines two ranks
+                       print to one pipe can interleave with the other's log lines)
 """
 
 import os
@@ -78,9 +80,10 @@ def with_nan_pixels(model_inputs):
 
 
 def log_weights():
-    # One write per line: both ranks share the pipe.
-    sys.stdout.write(f"weights rank {RANK} after step {steps_done}: {local_weights_fingerprint(prepared['model'])}\n")
-    sys.stdout.flush()
+    directory = Path(os.environ["FAULT_WEIGHTS_LOG"])
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f"weights-rank-{RANK}.txt", "a") as log:
+        log.write(f"{steps_done} {local_weights_fingerprint(prepared['model'])}\n")
 
 
 def logging_zero_grad(zero_grad):
