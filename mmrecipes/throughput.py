@@ -1,4 +1,6 @@
-"""Training FLOPs of a two-tower model and the MFU that samples/s implies."""
+"""Training FLOPs of a model, the MFU that samples/s implies, and the time spent waiting for data."""
+
+import time
 
 import torch
 
@@ -54,3 +56,22 @@ def vlm_train_flops(model, *, seq_len: int, vision_trains: bool) -> tuple[float,
     lm_params += model.get_output_embeddings().weight.numel()
     per_token = transformer_train_flops(lm_params, text.num_hidden_layers, text.hidden_size, seq_len) / seq_len
     return per_token, per_image
+
+
+class DataWait:
+    """Wall time the training loop spends waiting for its next batch: `next(batches)` through it,
+    and `take()` the seconds at a logging boundary (data_wait = those seconds / the window's wall
+    time; the recipes average it over ranks in the logging all-reduce)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def next(self, batches):
+        start = time.perf_counter()
+        item = next(batches)
+        self.seconds += time.perf_counter() - start
+        return item
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds

@@ -32,7 +32,7 @@ from mmrecipes.feature_cache import feature_cache_backward
 from mmrecipes.losses import clip_loss, siglip_loss
 from mmrecipes.models import ModelArgs, build_contrastive, clamp_logit_scale_, save_contrastive
 from mmrecipes.step_guard import StepGuard
-from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
+from mmrecipes.throughput import DataWait, clip_train_flops_per_sample, peak_flops
 from mmrecipes.training import TrainingArgs, accelerator_from_args, per_device_batch_size
 
 
@@ -99,14 +99,16 @@ def main(argv=None):
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
     loss_sum, logged_steps, samples, window_start = torch.zeros((), device=accelerator.device), 0, 0, time.perf_counter()
-    data_counts = torch.zeros(len(COUNTED), dtype=torch.long)
+    data_counts, data_wait = torch.zeros(len(COUNTED), dtype=torch.long), DataWait()
     # Both take (image_embeds, text_embeds, *what the model returns after them): scale, and SigLIP's bias.
     loss_fn = siglip_loss if model_args.loss == "siglip" else partial(clip_loss, tile_size=args.loss_tile_size)
     for step in progress:
         window = []
         for _ in range(args.gradient_accumulation_steps):
-            epoch, batch = next(train_batches)
-            if not all_ranks_true(batch is not None, accelerator.device):
+            epoch, batch = data_wait.next(train_batches)
+            # A rank whose share is empty gets None at its first batch (every epoch reads the same
+            # rows): the ranks agree on that once, not with a collective and host sync per micro-step.
+            if step == start_step and not window and not all_ranks_true(batch is not None, accelerator.device):
                 raise RuntimeError(f"A data rank has no training rows ({data_world} data ranks): use more data "
                                    "shards/rows or fewer processes.")
             window.append(batch)
@@ -137,19 +139,22 @@ def main(argv=None):
 
         if done % args.logging_steps == 0 or done == args.max_steps:
             # Mean over ranks of the local losses is the global-batch loss (mmrecipes.losses).
-            totals = sum_over_ranks(torch.stack([loss_sum, torch.tensor(float(samples), device=loss_sum.device)]))
+            elapsed = time.perf_counter() - window_start
+            totals = sum_over_ranks(torch.cat([loss_sum.reshape(1).double(), torch.tensor(
+                [samples, data_wait.take()], dtype=torch.float64, device=loss_sum.device)])).tolist()
             counts = sum_over_ranks(data_counts.to(accelerator.device))
-            samples_per_s = totals[1].item() / (time.perf_counter() - window_start)
-            loss = totals[0].item() / accelerator.num_processes / logged_steps if logged_steps else float("nan")
+            samples_per_s = totals[1] / elapsed
+            loss = totals[0] / accelerator.num_processes / logged_steps if logged_steps else float("nan")
             metrics = {"loss": loss, "epoch": epoch, "lr": scheduler.get_last_lr()[0], "samples_per_s": samples_per_s,
-                       "skipped_steps": guard.skipped_steps}
+                       "data_wait": totals[2] / accelerator.num_processes / elapsed, "skipped_steps": guard.skipped_steps}
             if peak:
                 metrics["mfu"] = samples_per_s * flops_per_sample / (peak * accelerator.num_processes)
             metrics |= {name: int(count) for name, count in zip(COUNTED, counts.tolist())}
             accelerator.log(metrics, step=done)
             mfu = f"{metrics['mfu']:.2%}" if peak else "n/a"
             log(f"step {done}/{args.max_steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.2e} | "
-                f"samples/s {samples_per_s:.1f} | MFU {mfu} | skipped_steps {guard.skipped_steps} | "
+                f"samples/s {samples_per_s:.1f} | MFU {mfu} | data_wait {metrics['data_wait']:.3f} | "
+                f"skipped_steps {guard.skipped_steps} | "
                 + " ".join(f"{name} {metrics[name]}" for name in COUNTED))
             loss_sum, logged_steps, samples, window_start = torch.zeros_like(loss_sum), 0, 0, time.perf_counter()
         if eval_loader is not None and (done % args.eval_steps == 0 or done == args.max_steps):

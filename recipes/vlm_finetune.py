@@ -33,7 +33,7 @@ from mmrecipes.distributed import (DivergenceGuard, data_parallel_rank_and_world
 from mmrecipes.evaluation import evaluate_answers
 from mmrecipes.losses import count_target_tokens, token_loss_scale
 from mmrecipes.step_guard import StepGuard
-from mmrecipes.throughput import peak_flops, vlm_train_flops
+from mmrecipes.throughput import DataWait, peak_flops, vlm_train_flops
 from mmrecipes.training import TrainingArgs, accelerator_from_args, per_device_batch_size
 from mmrecipes.vlm import (VLMForTraining, VLMModelArgs, apply_train_modules, build_llava, dummy_image_inputs,
                            freeze_unreached_parameters, save_vlm)
@@ -121,9 +121,9 @@ def main(argv=None):
     # Summed over the logging window on this rank. On the device: CE of applied steps. From the CPU
     # batches: their target tokens; samples, LM tokens, images, dummy-image batches of all steps.
     ce_sum, counts, window_start = torch.zeros((), device=accelerator.device), torch.zeros(5), time.perf_counter()
-    data_counts = torch.zeros(len(CHAT_COUNTED), dtype=torch.long)
+    data_counts, data_wait = torch.zeros(len(CHAT_COUNTED), dtype=torch.long), DataWait()
     for step in progress:
-        window = [next(train_batches)[1] for _ in range(args.gradient_accumulation_steps)]
+        window = [data_wait.next(train_batches)[1] for _ in range(args.gradient_accumulation_steps)]
         targets = [count_target_tokens(batch["labels"]) if batch is not None else 0 for batch in window]
         # One collective per optimizer step: the window's target tokens N on all ranks, and whether
         # any rank ran out of data (then every rank stops here with the same error, not a hang).
@@ -155,13 +155,15 @@ def main(argv=None):
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
         if done % args.logging_steps == 0 or done == args.max_steps:
-            ce, target_tokens, samples, tokens, images, dummies = sum_over_ranks(
-                torch.cat([ce_sum.reshape(1).double(), counts.double().to(accelerator.device)])).tolist()
-            problems = sum_over_ranks(data_counts.to(accelerator.device)).tolist()
             elapsed = time.perf_counter() - window_start
+            ce, target_tokens, samples, tokens, images, dummies, wait = sum_over_ranks(torch.cat([
+                ce_sum.reshape(1).double(), counts.double().to(accelerator.device),
+                torch.tensor([data_wait.take()], dtype=torch.float64, device=accelerator.device)])).tolist()
+            problems = sum_over_ranks(data_counts.to(accelerator.device)).tolist()
             metrics = {"loss": ce / target_tokens if target_tokens else float("nan"), "grad_norm": float(grad_norm),
                        "lr": scheduler.get_last_lr()[0], "samples_per_s": samples / elapsed,
-                       "tokens_per_s": tokens / elapsed, "dummy_image_batches": int(dummies),
+                       "tokens_per_s": tokens / elapsed, "data_wait": wait / accelerator.num_processes / elapsed,
+                       "dummy_image_batches": int(dummies),
                        "skipped_steps": guard.skipped_steps}
             if peak:
                 flops = tokens * flops_per_token + images * flops_per_image
@@ -172,6 +174,7 @@ def main(argv=None):
             log(f"step {done}/{args.max_steps} | loss {metrics['loss']:.6f} | grad_norm {metrics['grad_norm']:.6f} | "
                 f"lr {metrics['lr']:.2e} | "
                 f"samples/s {metrics['samples_per_s']:.1f} | tokens/s {metrics['tokens_per_s']:.0f} | MFU {mfu} | "
+                f"data_wait {metrics['data_wait']:.3f} | "
                 f"dummy_image_batches {int(dummies)} | skipped_steps {guard.skipped_steps} | "
                 + " ".join(f"{name} {metrics[name]}" for name in CHAT_COUNTED))
             ce_sum, counts, window_start = torch.zeros_like(ce_sum), torch.zeros_like(counts), time.perf_counter()

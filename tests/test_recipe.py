@@ -50,6 +50,40 @@ def test_gradients_all_reduced_once_per_optimizer_step(tmp_path, accumulation):
     assert counts == [steps, steps]
 
 
+CONTROL_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+                       "broadcast_object_list", "barrier", "reduce", "reduce_scatter_tensor", "all_to_all_single")
+
+
+def _count_control_collectives(rank, world_size, argv):
+    """Run the recipe in this gloo process, counting its `torch.distributed` collectives (DDP's
+    gradient buckets and the loss's functional collectives do not go through these)."""
+    import torch.distributed as dist
+
+    calls = []
+    for name in CONTROL_COLLECTIVES:
+        def counted(*args, _name=name, _collective=getattr(dist, name), **kwargs):
+            calls.append(_name)
+            return _collective(*args, **kwargs)
+        setattr(dist, name, counted)
+    load_recipe().main(argv)
+    return len(calls)
+
+
+def test_one_control_collective_per_optimizer_step(tmp_path):
+    """The step boundary's one small all-reduce (StepGuard: finite? stop?) is the only collective a
+    steady-state optimizer step adds, whatever the accumulation window: no per-micro-step "every
+    rank has a batch" agreement, no per-step counters or loss reduction (those wait for logging)."""
+    def collectives(steps):
+        argv = ["--report_to", "none", "--max_steps", str(steps), "--gradient_accumulation_steps", "4",
+                "--per_device_train_batch_size", "4", "--logging_steps", "1000", "--eval_split", "",
+                "--output_dir", str(tmp_path / str(steps))]
+        return run_on_ranks(_count_control_collectives, 2, argv)
+
+    short, long = collectives(2), collectives(5)
+    assert short[0] == short[1] and long[0] == long[1]
+    assert (long[0] - short[0]) / 3 == 1
+
+
 def test_resume_continues_exactly(tmp_path):
     common = ["--max_steps", 4, "--logging_steps", 1, "--per_device_train_batch_size", 16,
               "--gradient_accumulation_steps", 2, "--eval_split", "", "--output_dir", tmp_path]
@@ -189,3 +223,16 @@ def test_webdataset_tar_shards_train_and_evaluate(tmp_path):
     assert sorted(losses(result.log)) == [4, 8] and f"eval_pairs {written['test']}" in result.log
     last = re.findall(r"^step 8/8 .*$", result.log, re.M)[0]
     assert re.search(r"undecodable [1-9]", last) and re.search(r"no_caption [1-9]", last)  # 2 epochs of 4 tars
+
+
+def test_data_wait_is_a_fraction_in_every_log_line_and_the_tracker(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = run_recipe("--report_to", "tensorboard", "--max_steps", 6, "--logging_steps", 2, "--eval_split", "",
+                        "--per_device_train_batch_size", 16, "--output_dir", tmp_path)
+    assert result.returncode == 0, result.log[-3000:]
+    logged = [float(value) for value in re.findall(r"^step \d+/6 \|.*\| data_wait ([\d.]+) \|", result.log, re.M)]
+    assert len(logged) == 3 and all(0 <= value <= 1 for value in logged)
+    tracked = EventAccumulator(str(tmp_path / "clip_pretrain")).Reload().Scalars("data_wait")  # the run's scalars
+    assert [event.step for event in tracked] == [2, 4, 6]
+    assert [round(event.value, 3) for event in tracked] == logged
