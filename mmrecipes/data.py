@@ -42,7 +42,9 @@ class DataArgs:
     max_caption_length: int | None = None  # tokens; default the tokenizer's model_max_length
     max_image_pixels: int = 50_000_000  # larger images are skipped before they are decoded
     shuffle_buffer_size: int = 1000  # rows per shuffled block (ResumableShuffle)
-    dataloader_num_workers: int = 0
+    # One worker overlaps preprocessing with the step (default run: data_wait 0.29 -> 0.06) and keeps the
+    # sample order of 0 workers; more split the shards between workers (see "Long runs").
+    dataloader_num_workers: int = 1
 
 
 def expand_data_files(spec: str | list[str] | None) -> list[str] | None:

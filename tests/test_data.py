@@ -186,3 +186,15 @@ def test_jsonl_rows_with_image_paths(tmp_path, tiny):
     batches = list(build_dataloader(args, "train", args.data_files, *tiny, batch_size=4, data_rank=0, data_world=1))
     assert sum(len(b["input_ids"]) for b in batches) == 5
     assert dict(zip(COUNTED, sum(b["data_counts"] for b in batches).tolist()))["undecodable"] == 1
+
+
+def test_one_worker_reads_the_same_sample_order_as_none(tiny):
+    """The default (1 worker) overlaps preprocessing with the step without changing the data: the
+    shuffled training rows arrive in the same order as with no worker process."""
+    def first_batches(workers):
+        args = DataArgs(dataloader_num_workers=workers, shuffle_buffer_size=256)
+        loader = build_dataloader(args, "train", None, *tiny, batch_size=32, data_rank=0, data_world=1, shuffle_seed=3)
+        return [batch["input_ids"] for _, batch in zip(range(12), loader)]
+
+    for in_process, in_worker in zip(first_batches(0), first_batches(1)):
+        assert torch.equal(in_process, in_worker)
