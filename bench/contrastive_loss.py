@@ -3,27 +3,33 @@ tiled, and the SigLIP ring) vs open_clip's local loss (materialised [b, N] logit
 rank and N = W*b rows over all ranks.
 
     python bench/contrastive_loss.py                  # CPU here; CUDA when a GPU is present
-    python bench/contrastive_loss.py --quick          # a smaller grid
+    python bench/contrastive_loss.py --quick          # a smoke run at toy sizes
 
 W ranks are simulated in one process: the rank's own rows plus random rows standing in for the
 other ranks' gathered features (the gather itself costs the same in every method; the SigLIP ring
 receives them one [b, D] block per hand-over instead). Memory is
 measured from the inputs' allocation to the end of backward, gathered rows included: CPU peak
 RSS in a fresh subprocess per point, CUDA `max_memory_allocated`. Ratios are against the local
-loss in the same run.
+loss in the same run; times are medians over repeats with their spread, because single runs of
+the CPU times moved by 15-30% between runs. Appends a JSON line to bench/results/contrastive_loss.jsonl.
 """
 
 import argparse
 import json
+import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from mmrecipes.losses import local_clip_loss, local_siglip_loss
+
+RESULTS = Path(__file__).resolve().parent / "results" / "contrastive_loss.jsonl"
 
 DIM = 512  # ViT-B embedding width
 
@@ -93,24 +99,27 @@ def child(method, rows, world, tile):
     print(json.dumps({"peak_bytes": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024}))
 
 
-def seconds(method, rows, world, tile, device, repeats=3):
+def seconds(method, rows, world, tile, device, repeats):
+    """Forward+backward times of `repeats` runs after one warm-up."""
     tensors = inputs(rows, world, device)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first is a warm-up
+    times = []
+    for _ in range(repeats + 1):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         run(method, rows, world, tile, *tensors)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return times[1:]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="a smoke run at toy sizes")
     parser.add_argument("--tile_size", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--results", default=str(RESULTS), help="the JSON-lines file to append to")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -118,21 +127,36 @@ def main():
         return child(method, int(rows), int(world), int(tile))
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    grid = [(1024, 8), (4096, 8)] if args.quick else [(1024, 8), (2048, 8), (4096, 2), (4096, 4), (4096, 8), (8192, 8)]
+    grid = [(128, 2), (256, 4)] if args.quick else [(1024, 8), (2048, 8), (4096, 2), (4096, 4), (4096, 8), (8192, 8)]
+    tile = 64 if args.quick else args.tile_size
     print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), D={DIM}, "
-          f"tile_size={args.tile_size}, threads={torch.get_num_threads()}")
-    print("\npeak memory per rank (MB), loss forward+backward incl. gathered rows")
+          f"tile_size={tile}, threads={torch.get_num_threads()}")
     header = (f"{'b':>6} {'W':>3} {'N':>7} | {'local':>9} {'mmrecipes':>10} {'tiled':>9} {'siglip':>9} | "
               f"{'ours/local':>10} {'tiled/local':>11} {'siglip/ours':>11}")
+    print("\npeak memory per rank (MB), loss forward+backward incl. gathered rows")
     print(header)
+    record = {"bench": "contrastive_loss", "quick": args.quick, "device": str(device), "machine": platform.node(),
+              "threads": torch.get_num_threads(), "time": time.strftime("%Y-%m-%d %H:%M"), "dim": DIM,
+              "tile_size": tile, "points": []}
     for rows, world in grid:
-        peak = {m: peak_bytes(m, rows, world, args.tile_size, device) / 2**20 for m in METHODS}
+        peak = {m: peak_bytes(m, rows, world, tile, device) / 2**20 for m in METHODS}
         print(row(rows, world, peak, ".1f"))
-    print("\nforward+backward time per rank (s, best of 3)")
-    print(header)
-    for rows, world in grid[:-1] if device.type == "cpu" else grid:  # the largest CPU point takes minutes
-        took = {m: seconds(m, rows, world, args.tile_size, device) for m in METHODS}
-        print(row(rows, world, took, ".3f"))
+        record["points"].append({"b": rows, "W": world, "peak_mb": peak})
+    print(f"\nforward+backward time per rank (s, median of {args.repeats} after a warm-up, taken round-robin over the "
+          "methods); spread: the largest (max-min)/median of the four")
+    print(header + f" {'spread':>7}")
+    # The largest CPU point takes minutes: not timed there.
+    for point, (rows, world) in zip(record["points"], grid[:-1] if device.type == "cpu" else grid):
+        times = {m: [] for m in METHODS}
+        for _ in range(args.repeats):
+            for method in METHODS:
+                times[method] += seconds(method, rows, world, tile, device, repeats=1)
+        median = {m: statistics.median(values) for m, values in times.items()}
+        spread = max((max(values) - min(values)) / median[m] for m, values in times.items())
+        print(row(rows, world, median, ".3f") + f" {spread:>7.0%}")
+        point |= {"seconds": times, "median_s": median}
+    with open(args.results, "a") as results:
+        results.write(json.dumps(record) + "\n")
 
 
 def row(rows, world, value, spec):

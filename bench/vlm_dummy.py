@@ -12,10 +12,13 @@ repeats, so drift of the machine hits both sides alike.
 """
 
 import argparse
+import json
 import os
+import platform
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -23,6 +26,8 @@ import torch.multiprocessing as mp
 from mmrecipes.chat_data import VLM_SHAPES, ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
 from mmrecipes.losses import token_cross_entropy_sum
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, build_llava, dummy_image_inputs
+
+RESULTS = Path(__file__).resolve().parent / "results" / "vlm_dummy.jsonl"
 
 
 def setup(batch_size, dataset):
@@ -99,24 +104,31 @@ def guard_cost(batch_size, repeats):
         return torch.load(os.path.join(out_dir, "0.pt"))
 
 
-def summary(name, test, base):
+def summary(name, test, base) -> dict:
     ratios = sorted(t / b for t, b in zip(test, base))
     median = statistics.median(test) / statistics.median(base)
     print(f"{name:<44} {statistics.median(base) * 1e3:9.2f} ms {statistics.median(test) * 1e3:9.2f} ms "
           f"{median:7.3f}  ({ratios[0]:.3f}-{ratios[-1]:.3f})")
+    return {"base_s": statistics.median(base), "test_s": statistics.median(test), "ratio": median,
+            "ratio_spread": [ratios[0], ratios[-1]]}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--batch_size", type=int, default=16)  # the recipe's per-device default
+    parser.add_argument("--results", default=str(RESULTS), help="the JSON-lines file to append to")
     args = parser.parse_args()
     repeats = 4 if args.quick else 20
     print(f"{'what (test vs base)':<44} {'base':>12} {'test':>12} {'ratio':>7}  (spread of paired ratios)")
     dummy, plain = dummy_overhead(args.batch_size, repeats)
-    summary("text-only step: dummy image vs no vision call", dummy, plain)
+    record = {"bench": "vlm_dummy", "quick": args.quick, "machine": platform.node(), "threads": torch.get_num_threads(),
+              "time": time.strftime("%Y-%m-%d %H:%M"), "batch_size": args.batch_size,
+              "dummy_vs_no_vision_call": summary("text-only step: dummy image vs no vision call", dummy, plain)}
     off, on = guard_cost(args.batch_size, max(2, repeats // 4))
-    summary("DDP x2, 10 micro-steps: guard on vs off", on, off)
+    record["guard_on_vs_off"] = summary("DDP x2, 10 micro-steps: guard on vs off", on, off)
+    with open(args.results, "a") as results:
+        results.write(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,129 @@
+"""Data loading: the CLIP loader alone against a seed-001-style pipeline, and the default run's data_wait.
+
+    python bench/data_loading.py              # about 3 minutes on 2 cores
+    python bench/data_loading.py --quick      # a smoke run (CI): tiny sizes, nothing to read into
+
+1. Loader alone, samples/s over the embedded training rows (batch 64, 0 workers, median of
+   --repeats, taken round-robin): `mmrecipes.data.build_dataloader` (streamed, batched decode +
+   image processor + tokeniser, collated) against the pipeline the seed-001 script had: a
+   map-style Dataset whose `__getitem__` decodes one PIL image, builds a `transforms.Compose`
+   and tokenises one caption with `padding="max_length"`, under the default collate.
+2. `data_wait` of the default recipe (`recipes/clip_pretrain.py`, mean over its log lines) with
+   `--dataloader_num_workers 0` against the default (1).
+Prints the ratios and appends a JSON line to bench/results/data_loading.jsonl.
+"""
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import datasets
+import torch
+from torchvision import transforms
+
+from mmrecipes.data import SHAPES_DATA, DataArgs, build_dataloader, decode_image
+from mmrecipes.models import ModelArgs, build_contrastive
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "data_loading.jsonl"
+
+
+class Seed001Pipeline(torch.utils.data.Dataset):
+    """One row at a time, as the seed-001 script did it (the baseline, not something to copy)."""
+
+    def __init__(self, rows, tokenizer, image_processor, max_length):
+        self.rows, self.tokenizer, self.max_length = rows, tokenizer, max_length
+        self.size, self.mean, self.std = image_processor.crop_size["height"], image_processor.image_mean, image_processor.image_std
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        row = self.rows[index]
+        transform = transforms.Compose([transforms.Resize(self.size), transforms.CenterCrop(self.size),
+                                        transforms.ToTensor(), transforms.Normalize(self.mean, self.std)])
+        text = self.tokenizer(row["text"] or "", padding="max_length", truncation=True, max_length=self.max_length,
+                              return_tensors="pt")
+        return {"pixel_values": transform(row["image"].convert("RGB")), "input_ids": text["input_ids"][0],
+                "attention_mask": text["attention_mask"][0]}
+
+
+def samples_per_second(loader, limit):
+    start, samples = time.perf_counter(), 0
+    for batch in loader:
+        samples += len(batch["input_ids"])
+        if samples >= limit:
+            break
+    return samples / (time.perf_counter() - start)
+
+
+def recipe_data_wait(workers: int, steps: int, output_dir: str) -> tuple[float, float]:
+    """(mean data_wait over the log lines, wall seconds) of the default recipe with `workers`."""
+    start = time.perf_counter()
+    log = subprocess.run([sys.executable, str(REPO / "recipes" / "clip_pretrain.py"), "--report_to", "none",
+                          "--dataloader_num_workers", str(workers), "--max_steps", str(steps), "--eval_split", "",
+                          "--output_dir", output_dir],
+                         capture_output=True, text=True, check=True).stdout
+    waits = [float(value) for value in re.findall(r"\| data_wait ([\d.]+) \|", log)]
+    return statistics.mean(waits), time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--results", default=str(RESULTS), help="the JSON-lines file to append to")
+    args = parser.parse_args()
+    limit, steps, repeats = (256, 4, 1) if args.quick else (4096, 300, args.repeats)
+
+    _, tokenizer, image_processor = build_contrastive(ModelArgs())
+    data_args = DataArgs(dataloader_num_workers=0)
+    # The same rows less the deliberately broken ones, which the baseline cannot skip.
+    rows = datasets.load_dataset(str(SHAPES_DATA), split="train").cast_column("image", datasets.Image(decode=False))
+    rows = rows.filter(lambda row: bool(row["text"] and row["text"].strip())
+                       and decode_image(row["image"], data_args.max_image_pixels)[0] is not None)
+    rows = rows.cast_column("image", datasets.Image())
+
+    def ours():
+        return build_dataloader(data_args, "train", None, tokenizer, image_processor, batch_size=64, data_rank=0,
+                                data_world=1, shuffle_seed=0)
+
+    def seed_001():
+        return torch.utils.data.DataLoader(Seed001Pipeline(rows, tokenizer, image_processor, tokenizer.model_max_length),
+                                           batch_size=64, shuffle=True)
+
+    measured = {"mmrecipes": [], "seed_001": []}
+    for _ in range(repeats):
+        for name, make in (("mmrecipes", ours), ("seed_001", seed_001)):
+            measured[name].append(samples_per_second(make(), limit))
+    median = {name: statistics.median(values) for name, values in measured.items()}
+    ratio = median["mmrecipes"] / median["seed_001"]
+    print(f"loader alone, samples/s (batch 64, 0 workers, {limit} rows, median of {repeats}; min-max)")
+    for name, values in measured.items():
+        print(f"  {name:<10} {median[name]:8.0f}   ({min(values):.0f}-{max(values):.0f})")
+    print(f"  mmrecipes / seed_001: {ratio:.2f}x")
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        waits = {workers: recipe_data_wait(workers, steps, output_dir) for workers in (0, 1)}
+    print(f"\ndefault recipe, {steps} steps: data_wait (mean over log lines), wall s")
+    for workers, (wait, wall) in waits.items():
+        print(f"  --dataloader_num_workers {workers}: data_wait {wait:.3f}  wall {wall:.1f} s")
+
+    record = {"bench": "data_loading", "quick": args.quick, "machine": platform.node(), "processor": platform.machine(),
+              "cpus": torch.get_num_threads(), "time": time.strftime("%Y-%m-%d %H:%M"),
+              "loader_samples_per_s": {name: {"median": median[name], "all": values} for name, values in measured.items()},
+              "loader_ratio": ratio,
+              "recipe": {f"workers_{workers}": {"data_wait": wait, "wall_s": wall} for workers, (wait, wall) in waits.items()}}
+    with open(args.results, "a") as results:
+        results.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
