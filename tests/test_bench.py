@@ -15,9 +15,11 @@ pytestmark = pytest.mark.launch
 @pytest.mark.parametrize("script, args", [
     ("contrastive_loss.py", ["--quick", "--repeats", "1"]),
     ("grad_comm.py", ["--quick"]),
+    ("recipe_throughput.py", ["--quick"]),
     ("data_loading.py", ["--quick"]),
     ("resume_time.py", ["--quick", "--repeats", "1"]),
     ("vlm_dummy.py", ["--quick"]),
+    ("gpu_clip_throughput.py", ["--toy", "--steps", "2", "--warmup", "1", "--compile", "off"]),
 ])
 def test_bench_script_runs_at_toy_size(script, args, tmp_path):
     results = tmp_path / "results.jsonl"
