@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import datasets
 import torch
 
-from .data import DropCounter, ResumableShuffle, decode_image, expand_data_files, split_by_data_rank
+from .data import (DropCounter, ResumableShuffle, decode_image, detach_from_process_group, expand_data_files,
+                   split_by_data_rank)
 from .losses import IGNORE_INDEX
 from .models import EMBEDDED
 
@@ -231,4 +232,5 @@ def build_chat_dataloader(args: ChatDataArgs, processor, collator, *, batch_size
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)
     return torch.utils.data.DataLoader(stream, batch_size=batch_size, collate_fn=collator,
-                                       num_workers=args.dataloader_num_workers, pin_memory=torch.cuda.is_available())
+                                       num_workers=args.dataloader_num_workers, pin_memory=torch.cuda.is_available(),
+                                       worker_init_fn=detach_from_process_group)

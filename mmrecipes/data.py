@@ -10,6 +10,7 @@ they survive DataLoader workers and reach the log).
 import io
 import itertools
 import logging
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -299,7 +300,19 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_process
     return torch.utils.data.DataLoader(
         stream, batch_size=batch_size, collate_fn=ImageTextCollator(tokenizer, max_length if pad_to_max_length else None),
         num_workers=args.dataloader_num_workers, pin_memory=torch.cuda.is_available(),
+        worker_init_fn=detach_from_process_group,
     )
+
+
+def detach_from_process_group(worker_id: int):
+    """DataLoader `worker_init_fn`: the worker leaves the training process's process group.
+
+    Slurm, srun and the launcher send preemption signals to whole process groups. The training
+    process handles them (StepGuard: checkpoint at the next step boundary, then exit), but a
+    worker would die of SIGTERM at once, and the training process would fail on its next batch
+    before it could save. The worker still ends with its parent (the DataLoader watches it).
+    """
+    os.setsid()
 
 
 def model_inputs(batch, device):
