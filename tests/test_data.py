@@ -189,8 +189,8 @@ def test_jsonl_rows_with_image_paths(tmp_path, tiny):
 
 
 def test_one_worker_reads_the_same_sample_order_as_none(tiny):
-    """The default (1 worker) overlaps preprocessing with the step without changing the data: the
-    shuffled training rows arrive in the same order as with no worker process."""
+    """One DataLoader worker overlaps preprocessing with the step without changing the data: the
+    shuffled training rows arrive in the same order as with none (so resume stays exact too)."""
     def first_batches(workers):
         args = DataArgs(dataloader_num_workers=workers, shuffle_buffer_size=256)
         loader = build_dataloader(args, "train", None, *tiny, batch_size=32, data_rank=0, data_world=1, shuffle_seed=3)
