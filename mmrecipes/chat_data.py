@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import datasets
 import torch
 
-from .data import (DropCounter, ResumableShuffle, decode_image, detach_from_process_group, expand_data_files,
+from .data import (DropCounter, ResumableShuffle, decode_image, expand_data_files, stream_loader,
                    split_by_data_rank)
 from .losses import IGNORE_INDEX
 from .models import EMBEDDED
@@ -231,6 +231,4 @@ def build_chat_dataloader(args: ChatDataArgs, processor, collator, *, batch_size
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)
-    return torch.utils.data.DataLoader(stream, batch_size=batch_size, collate_fn=collator,
-                                       num_workers=args.dataloader_num_workers, pin_memory=torch.cuda.is_available(),
-                                       worker_init_fn=detach_from_process_group)
+    return stream_loader(stream, batch_size, collator, args.dataloader_num_workers)

@@ -10,8 +10,10 @@ they survive DataLoader workers and reach the log).
 import io
 import itertools
 import logging
+import multiprocessing.forkserver
 import os
 import re
+import signal
 from collections import Counter
 from dataclasses import dataclass
 
@@ -298,22 +300,56 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_process
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)
+    collator = ImageTextCollator(tokenizer, max_length if pad_to_max_length else None)
+    return stream_loader(stream, batch_size, collator, args.dataloader_num_workers)
+
+
+def stream_loader(stream, batch_size: int, collate_fn, num_workers: int):
+    """The DataLoader over a rank's stream (never passed to `accelerator.prepare`: already split).
+
+    Workers fork from multiprocessing's fork server, not from the training process: by the first
+    batch that process runs threads (gloo, pyarrow's jemalloc, datasets' readers), and a child
+    forked while one of them holds a lock can hang for good (a CI run lost a rank that way; its
+    peer timed out in an all-reduce). The server imports the recipe once; forking from it is cheap.
+    """
+    if num_workers:
+        start_worker_server()
     return torch.utils.data.DataLoader(
-        stream, batch_size=batch_size, collate_fn=ImageTextCollator(tokenizer, max_length if pad_to_max_length else None),
-        num_workers=args.dataloader_num_workers, pin_memory=torch.cuda.is_available(),
-        worker_init_fn=detach_from_process_group,
+        stream, batch_size=batch_size, collate_fn=collate_fn, num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(), worker_init_fn=leave_signal_group,
+        multiprocessing_context="forkserver" if num_workers else None,
     )
 
 
-def detach_from_process_group(worker_id: int):
-    """DataLoader `worker_init_fn`: the worker leaves the training process's process group.
+# What Slurm, srun and the launchers send to a whole process group on preemption or shutdown.
+GROUP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
-    Slurm, srun and the launcher send preemption signals to whole process groups. The training
-    process handles them (StepGuard: checkpoint at the next step boundary, then exit), but a
-    worker would die of SIGTERM at once, and the training process would fail on its next batch
-    before it could save. The worker still ends with its parent (the DataLoader watches it).
+
+def start_worker_server():
+    """Start the fork server (once per process) ignoring GROUP_SIGNALS, which it inherits.
+
+    The training process handles a preemption signal (StepGuard: checkpoint at the next step
+    boundary, then exit), but the server shares its process group and would die of it, and then
+    the workers, which watch their parent, stop too: the next batch would fail before the save.
+    The server still ends with the training process (it watches a pipe).
     """
+    # What the workers run, imported once in the server (Python 3.11 would re-import the recipe in
+    # every worker otherwise: its preload of '__main__' is a no-op, fixed only in 3.12).
+    multiprocessing.set_forkserver_preload(["mmrecipes.data", "mmrecipes.chat_data"])
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in GROUP_SIGNALS}
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def leave_signal_group(worker_id: int):
+    """DataLoader `worker_init_fn`: the worker leaves the process group that preemption signals
+    reach and takes their default action back (the DataLoader stops its workers with SIGTERM)."""
     os.setsid()
+    for sig in GROUP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def model_inputs(batch, device):

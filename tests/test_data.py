@@ -2,6 +2,10 @@
 complete shares, and ranks with unequal shares stop together."""
 
 import io
+import multiprocessing.forkserver
+import os
+import signal
+import time
 from collections import Counter
 
 import datasets
@@ -198,3 +202,20 @@ def test_one_worker_reads_the_same_sample_order_as_none(tiny):
 
     for in_process, in_worker in zip(first_batches(0), first_batches(1)):
         assert torch.equal(in_process, in_worker)
+
+
+def test_workers_outlive_a_preemption_signal_to_the_process_group(tiny):
+    """Launchers and Slurm signal a rank's whole process group. The worker is in a session of its
+    own, and the fork server it comes from ignores the signal, so the batches keep coming until
+    the recipe's step boundary (where StepGuard saves and exits)."""
+    args = DataArgs(dataloader_num_workers=1)
+    loader = build_dataloader(args, "train", None, *tiny, batch_size=32, data_rank=0, data_world=1, shuffle_seed=0)
+    batches = iter(loader)
+    next(batches)
+    worker, = batches._workers
+    assert os.getpgid(worker.pid) != os.getpgid(0)
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert os.getpgid(server) == os.getpgid(0)  # what the group signal reaches
+    os.kill(server, signal.SIGTERM)
+    time.sleep(6)  # longer than the worker's parent check (torch's MP_STATUS_CHECK_INTERVAL, 5 s)
+    assert len([batch for _, batch in zip(range(40), batches)]) == 40  # more than the prefetched ones
