@@ -13,9 +13,12 @@ import logging
 import multiprocessing.forkserver
 import os
 import re
+import select
 import signal
+import threading
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 
 import datasets
 import torch
@@ -309,14 +312,15 @@ def stream_loader(stream, batch_size: int, collate_fn, num_workers: int):
 
     Workers fork from multiprocessing's fork server, not from the training process: by the first
     batch that process runs threads (gloo, pyarrow's jemalloc, datasets' readers), and a child
-    forked while one of them holds a lock can hang for good (a CI run lost a rank that way; its
-    peer timed out in an all-reduce). The server imports the recipe once; forking from it is cheap.
+    forked while one of them holds a lock can hang for good (our suspect for a CI run in which
+    a rank never reached its first all-reduce). Forking from the server, which imports the data
+    pipeline once, is cheap.
     """
     if num_workers:
         start_worker_server()
     return torch.utils.data.DataLoader(
         stream, batch_size=batch_size, collate_fn=collate_fn, num_workers=num_workers,
-        pin_memory=torch.cuda.is_available(), worker_init_fn=leave_signal_group,
+        pin_memory=torch.cuda.is_available(), worker_init_fn=partial(init_worker, training_pid=os.getpid()),
         multiprocessing_context="forkserver" if num_workers else None,
     )
 
@@ -331,7 +335,6 @@ def start_worker_server():
     The training process handles a preemption signal (StepGuard: checkpoint at the next step
     boundary, then exit), but the server shares its process group and would die of it, and then
     the workers, which watch their parent, stop too: the next batch would fail before the save.
-    The server still ends with the training process (it watches a pipe).
     """
     # What the workers run, imported once in the server (Python 3.11 would re-import the recipe in
     # every worker otherwise: its preload of '__main__' is a no-op, fixed only in 3.12).
@@ -344,12 +347,26 @@ def start_worker_server():
             signal.signal(sig, handler)
 
 
-def leave_signal_group(worker_id: int):
-    """DataLoader `worker_init_fn`: the worker leaves the process group that preemption signals
-    reach and takes their default action back (the DataLoader stops its workers with SIGTERM)."""
+def init_worker(worker_id: int, training_pid: int):
+    """DataLoader `worker_init_fn`. The worker leaves the process group that preemption signals
+    reach, takes their default action back (the DataLoader stops its workers with SIGTERM), and
+    ends when the training process ends, however it ends. torch's own check watches the parent,
+    which here is the fork server, and the server in turn lives while any worker does: a crashed
+    rank would leave both behind, holding the launcher's output pipes open.
+    """
     os.setsid()
     for sig in GROUP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
+    threading.Thread(target=_exit_with, args=(training_pid,), daemon=True).start()
+
+
+def _exit_with(pid: int):
+    try:
+        process = os.pidfd_open(pid)  # readable once the process has ended
+    except ProcessLookupError:
+        os._exit(1)
+    select.select([process], [], [])
+    os._exit(1)
 
 
 def model_inputs(batch, device):

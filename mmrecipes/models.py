@@ -35,6 +35,10 @@ class ModelArgs:
     projection_dim: int = 64  # CLIP only: SigLIP has no projection
     logit_scale_init_value: float | None = None  # default ln(1/0.07) (CLIP) or ln(10) (SigLIP paper)
     logit_bias_init_value: float = -10.0  # SigLIP only (paper)
+    # sdpa: PyTorch's fused attention (flash/memory-efficient kernels on CUDA); eager: the reference
+    # math; flash_attention_2 needs the flash-attn package. Checked when the model is built.
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, ~1/3 more compute
 
 
 class CLIPForContrastiveTraining(CLIPModel):
@@ -109,6 +113,10 @@ def build_contrastive(args: ModelArgs):
     model.saved_logit_scale_shape = model.logit_scale.shape
     model.logit_scale = torch.nn.Parameter(model.logit_scale.detach().reshape(1))
     model._no_split_modules = fsdp_block_classes(model)  # what fsdp2.yaml wraps
+    model.set_attn_implementation(args.attn_implementation)
+    if args.gradient_checkpointing:
+        # Non-reentrant: works when a layer's inputs need no grad, and under DDP's no_sync and FSDP2.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer, image_processor
 
 

@@ -38,6 +38,10 @@ class TrainingArgs:
     report_to: str = "auto"  # tensorboard when installed; or wandb, none
     peak_tflops: float | None = None  # per-device peak for the MFU estimate; default: known GPUs
     ddp_timeout: int = 1800  # seconds a collective may wait before the run fails instead of hanging
+    # torch.compile (inductor) each transformer block in place (compile_blocks); the first steps
+    # are slow while it compiles
+    torch_compile: bool = False
+    fused_adamw: bool | None = None  # one kernel for the whole update; default: on CUDA only
 
 
 def per_device_batch_size(args: TrainingArgs, data_world: int) -> int:
@@ -62,6 +66,12 @@ def accelerator_from_args(args: TrainingArgs):
     )
 
 
+def adamw(param_groups, args: TrainingArgs) -> torch.optim.AdamW:
+    """AdamW at `args.learning_rate` (groups may set their own lr and weight decay), fused where asked."""
+    fused = torch.cuda.is_available() if args.fused_adamw is None else args.fused_adamw
+    return torch.optim.AdamW(param_groups, lr=args.learning_rate, fused=fused or None)  # None: torch picks foreach
+
+
 def resolve_mixed_precision(choice: str) -> str:
     if choice != "auto":
         return choice
@@ -76,3 +86,18 @@ def resolve_report_to(choice: str):
             return None
         return "tensorboard"
     return None if choice == "none" else choice
+
+
+def compile_blocks(model) -> str:
+    """`torch.compile` each of the model's transformer blocks in place (its `_no_split_modules`,
+    the classes FSDP2 wraps): regional compilation, as torchtitan does it. Call it before
+    `accelerator.prepare`. In place, names and classes stay as they are, so every engine wraps,
+    checkpoints and saves the model as it would the eager one; blocks of one class and shape
+    compile once. accelerate's own `dynamo_backend` on the DDP path copies the model and adds
+    `_orig_mod.` to the blocks' names, which the saved checkpoint would carry. Returns a log line.
+    """
+    compiled = [module for module in model.modules() if type(module).__name__ in model._no_split_modules]
+    for module in compiled:
+        module.compile()
+    return f"compiled {len(compiled)} blocks ({', '.join(sorted({type(module).__name__ for module in compiled}))})"
+

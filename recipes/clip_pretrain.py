@@ -33,7 +33,7 @@ from mmrecipes.losses import clip_loss, siglip_loss
 from mmrecipes.models import ModelArgs, build_contrastive, clamp_logit_scale_, save_contrastive
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import DataWait, clip_train_flops_per_sample, peak_flops
-from mmrecipes.training import TrainingArgs, accelerator_from_args, per_device_batch_size
+from mmrecipes.training import TrainingArgs, accelerator_from_args, adamw, compile_blocks, per_device_batch_size
 
 
 @dataclass
@@ -59,11 +59,13 @@ def main(argv=None):
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
+    if args.torch_compile:  # in place, before prepare wraps the model
+        accelerator.print(compile_blocks(model))
 
     decay = [p for p in model.parameters() if p.ndim >= 2]  # no decay on norms, biases, logit scale
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.learning_rate)
+    optimizer = adamw([{"params": decay, "weight_decay": args.weight_decay},
+                       {"params": no_decay, "weight_decay": 0.0}], args)
     # Stepped by hand once per optimizer step (accelerate's prepared scheduler steps per process).
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
     reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=batch_size,

@@ -34,7 +34,7 @@ from mmrecipes.evaluation import evaluate_answers
 from mmrecipes.losses import count_target_tokens, token_loss_scale
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import DataWait, peak_flops, vlm_train_flops
-from mmrecipes.training import TrainingArgs, accelerator_from_args, per_device_batch_size
+from mmrecipes.training import TrainingArgs, accelerator_from_args, adamw, compile_blocks, per_device_batch_size
 from mmrecipes.vlm import (VLMForTraining, VLMModelArgs, apply_train_modules, build_llava, dummy_image_inputs,
                            freeze_unreached_parameters, save_vlm)
 
@@ -73,6 +73,11 @@ def main(argv=None):
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
+    if args.torch_compile:  # in place, before prepare wraps the model
+        if DivergenceGuard.requested(args.debug_divergence):
+            raise ValueError("--debug_divergence checks every module call from Python, which compiled blocks skip: "
+                             "drop --torch_compile while you debug")
+        accelerator.print(compile_blocks(model))
     if unreached:
         accelerator.print(f"froze {len(unreached)} parameters no forward path reaches: {', '.join(unreached)}")
 
@@ -85,7 +90,7 @@ def main(argv=None):
         decay = args.vision_tower_weight_decay if tower else args.weight_decay
         param_groups += [{"params": [p for p in params if p.ndim >= 2], "lr": lr, "weight_decay": decay},
                          {"params": [p for p in params if p.ndim < 2], "lr": lr, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW([group for group in param_groups if group["params"]])
+    optimizer = adamw([group for group in param_groups if group["params"]], args)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
     reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,

@@ -60,7 +60,11 @@ def test_engines_agree_with_ddp(runs, config):
     ddp_loss, loss = losses(ddp_result.log), losses(result.log)
     for step in range(1, STEPS + 1):
         assert loss[step] == pytest.approx(ddp_loss[step], rel=1e-4), f"step {step}"
-    reference = CLIPModel.from_pretrained(ddp_dir).state_dict()
+    assert_same_weights(output_dir, ddp_dir)
+
+
+def assert_same_weights(output_dir, reference_dir):
+    reference = CLIPModel.from_pretrained(reference_dir).state_dict()
     for name, tensor in CLIPModel.from_pretrained(output_dir).state_dict().items():
         if name.endswith("k_proj.bias"):
             # Its true gradient is 0 (softmax ignores a key bias); Adam turns the engines' different
@@ -70,40 +74,30 @@ def test_engines_agree_with_ddp(runs, config):
 
 
 @pytest.mark.parametrize("config", list(EXPECTED_ENGINE))
-def test_resume_from_engine_checkpoint(runs, config, tmp_path):
-    """save_state at step 3 (sharded under FSDP2/ZeRO), resume: steps 4-6 repeat the straight run."""
-    straight, output_dir = runs[config]
-    checkpoint = output_dir / "checkpoints" / "checkpoint-3"
-    assert checkpoint.is_dir()
-    resumed = accelerate_launch(config, *RUN_ARGS, "--output_dir", tmp_path, "--resume_from_checkpoint", checkpoint)
-    assert resumed.returncode == 0, resumed.log[-3000:]
-    assert sorted(losses(resumed.log)) == [4, 5, 6]
-    for step in (4, 5, 6):
-        assert losses(resumed.log)[step] == pytest.approx(losses(straight.log)[step], abs=1e-5), f"step {step}"
+def test_gradient_checkpointing_and_fused_adamw_are_the_same_math(runs, config, tmp_path):
+    """--gradient_checkpointing (activations recomputed in backward) and --fused_adamw (one kernel
+    per update; the default on CUDA) under every engine: losses and weights equal plain DDP's."""
+    result = accelerate_launch(config, *RUN_ARGS, "--gradient_checkpointing", "--fused_adamw", "true",
+                               "--output_dir", tmp_path)
+    assert result.returncode == 0, result.log[-3000:]
+    assert EXPECTED_ENGINE[config] in engine_line(result.log)
+    ddp_result, ddp_dir = runs["ddp.yaml"]
+    ddp_loss, loss = losses(ddp_result.log), losses(result.log)
+    for step in range(1, STEPS + 1):
+        assert loss[step] == pytest.approx(ddp_loss[step], rel=1e-4), f"step {step}"
+    assert_same_weights(tmp_path, ddp_dir)
 
 
-def test_output_dir_works_in_zero_shot_pipeline(runs):
-    _, output_dir = runs["ddp.yaml"]
-    classify = pipeline("zero-shot-image-classification", model=str(output_dir))
-    scores = classify(Image.new("RGB", (64, 64), (200, 30, 30)), candidate_labels=["a large red square", "a small blue circle"])
-    assert {s["label"] for s in scores} == {"a large red square", "a small blue circle"}
-    assert sum(s["score"] for s in scores) == pytest.approx(1.0, abs=1e-4)
-
-
-def test_multi_node_template_rendezvous(runs, tmp_path):
-    """multi_node.yaml as two 'nodes' on this machine (one process each, loopback): same losses as DDP."""
-    port = free_port()
-
-    def node(rank):
-        return accelerate_launch("multi_node.yaml", "--max_steps", 2, "--logging_steps", 1, "--eval_steps", 2,
-                                 "--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 2,
-                                 "--logit_scale_init_value", 5.0, "--output_dir", tmp_path / f"node{rank}",
-                                 launcher_args=["--num_machines", 2, "--machine_rank", rank,
-                                                "--main_process_ip", "127.0.0.1"], port=port)
-
-    with ThreadPoolExecutor(2) as pool:
-        main_node, other_node = pool.map(node, [0, 1])
-    assert main_node.returncode == 0 and other_node.returncode == 0, main_node.log[-2000:] + other_node.log[-2000:]
-    assert EXPECTED_ENGINE["ddp.yaml"] in engine_line(main_node.log)
-    ddp_loss = losses(runs["ddp.yaml"][0].log)
-    assert losses(main_node.log) == pytest.approx({1: ddp_loss[1], 2: ddp_loss[2]}, rel=1e-4)
+@pytest.mark.parametrize("config", ["ddp.yaml", "zero3.yaml"])
+def test_torch_compile_matches_eager(runs, config, tmp_path):
+    """--torch_compile (each transformer block compiled in place, inductor): the same losses and
+    weights. DDP and ZeRO-3, the plainest wrapper and the one with the most hooks; FSDP2 and
+    ZeRO-2 agree as well, by hand (README), and are left out of CI for their compile time."""
+    result = accelerate_launch(config, *RUN_ARGS, "--torch_compile", "--output_dir", tmp_path)
+    assert result.returncode == 0, result.log[-3000:]
+    assert "compiled 5 blocks (CLIPEncoderLayer, CLIPVisionEmbeddings)" in result.log  # 2 + 2 layers, patch embedding
+    ddp_result, ddp_dir = runs["ddp.yaml"]
+    ddp_loss, loss = losses(ddp_result.log), losses(result.log)
+    for step in range(1, STEPS + 1):
+        assert loss[step] == pytest.approx(ddp_loss[step], rel=1e-4), f"step {step}"
+    assert_same_weights(tmp_path, ddp_dir)
