@@ -43,6 +43,7 @@ class VLMModelArgs:
     # What trains: projector (LLaVA stage 1), projector,language_model (stage 2), all (tower too, at its own lr)
     train_modules: str = "projector,language_model"
     gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"  # as for CLIP (mmrecipes.models.ModelArgs)
     image_size: int = 32
     patch_size: int = 8
     vision_hidden_size: int = 64
@@ -123,6 +124,7 @@ def build_llava(args: VLMModelArgs):
         processor = AutoProcessor.from_pretrained(args.model_name_or_path)
     else:
         model, processor = _tiny_llava(args)
+    model.set_attn_implementation(args.attn_implementation)
     return model, processor
 
 

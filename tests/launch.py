@@ -14,7 +14,9 @@ RECIPE = REPO / "recipes" / "clip_pretrain.py"
 VLM_RECIPE = REPO / "recipes" / "vlm_finetune.py"
 WITH_FAULTS = REPO / "tests" / "recipe_with_faults.py"  # the recipe with faults injected (see its docstring)
 # Short, fast runs; a collective that waits longer than ddp_timeout fails the run instead of hanging.
-QUICK = ["--report_to", "none", "--ddp_timeout", "120", "--per_device_eval_batch_size", "256"]
+# No DataLoader workers unless a test asks for them (their fork server costs seconds per rank on 2 cores).
+QUICK = ["--report_to", "none", "--ddp_timeout", "120", "--per_device_eval_batch_size", "256",
+         "--dataloader_num_workers", "0"]
 
 
 def accelerate_launch(config: str | Path, *recipe_args, num_processes=2, launcher_args=(), port=None,

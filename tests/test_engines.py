@@ -88,12 +88,11 @@ def test_gradient_checkpointing_and_fused_adamw_are_the_same_math(runs, config, 
     assert_same_weights(tmp_path, ddp_dir)
 
 
-@pytest.mark.parametrize("config", ["ddp.yaml", "zero3.yaml"])
-def test_torch_compile_matches_eager(runs, config, tmp_path):
-    """--torch_compile (each transformer block compiled in place, inductor): the same losses and
-    weights. DDP and ZeRO-3, the plainest wrapper and the one with the most hooks; FSDP2 and
-    ZeRO-2 agree as well, by hand (README), and are left out of CI for their compile time."""
-    result = accelerate_launch(config, *RUN_ARGS, "--torch_compile", "--output_dir", tmp_path)
+def test_torch_compile_matches_eager(runs, tmp_path):
+    """--torch_compile (each transformer block compiled in place, inductor) under DDP: the same
+    losses and weights. FSDP2, ZeRO-2 and ZeRO-3 agree as well, by hand (README); they are left
+    out of CI for their compile time (ZeRO-3 alone: 80 s on 2 cores)."""
+    result = accelerate_launch("ddp.yaml", *RUN_ARGS, "--torch_compile", "--output_dir", tmp_path)
     assert result.returncode == 0, result.log[-3000:]
     assert "compiled 5 blocks (CLIPEncoderLayer, CLIPVisionEmbeddings)" in result.log  # 2 + 2 layers, patch embedding
     ddp_result, ddp_dir = runs["ddp.yaml"]

@@ -94,9 +94,10 @@ def test_mixed_ranks_match_one_process(scenario_runs, single_process, config):
 def test_same_scenario_without_the_dummy_fails(scenario, config, tmp_path):
     """What most trainers do (a text-only batch skips the tower) fails on the same data: the passing
     runs above prove the dummy is what makes them work. Gloo aborts within seconds (a mismatched
-    collective); on NCCL the same mistake hangs until the timeout."""
+    collective); on NCCL the same mistake hangs until the timeout. With a DataLoader worker, which
+    must end with its crashed rank (or the launcher's output pipe stays open and this test hangs)."""
     result = accelerate_launch(config, *SCENARIO, "--data_files", scenario / "rank*.parquet", "--output_dir", tmp_path,
-                               "--ddp_timeout", 30, recipe=WITHOUT_DUMMY, timeout=300)
+                               "--ddp_timeout", 30, "--dataloader_num_workers", 1, recipe=WITHOUT_DUMMY, timeout=300)
     assert result.returncode != 0
     assert f"step {STEPS}/{STEPS}" not in result.log
     assert "Received data size doesn't match expected size" in result.log or "Expected to have finished reduction" in result.log

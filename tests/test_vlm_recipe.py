@@ -25,7 +25,7 @@ def accuracies(log: str) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("vlm_default")
-    result = run_recipe("--output_dir", output_dir, recipe=VLM_RECIPE)
+    result = run_recipe("--output_dir", output_dir, "--dataloader_num_workers", 1, recipe=VLM_RECIPE)  # the default
     assert result.returncode == 0, result.log[-3000:]
     return result, output_dir
 
@@ -132,7 +132,7 @@ def test_unknown_preset_is_rejected_before_training(tmp_path):
 
 RESUME_RUN = ["--max_steps", 6, "--logging_steps", 1, "--per_device_train_batch_size", 1,
               "--gradient_accumulation_steps", 2, "--eval_steps", 6, "--per_device_eval_batch_size", 256,
-              "--save_steps", 3]
+              "--save_steps", 3, "--dataloader_num_workers", 1]  # the default: the data position comes from a worker
 ENGINE_LINE = {"ddp.yaml": "model=DistributedDataParallel", "fsdp2.yaml": "model=FSDPVLMForTraining",
                "zero2.yaml": "model=DeepSpeedEngine", "zero3.yaml": "model=DeepSpeedEngine"}
 
