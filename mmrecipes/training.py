@@ -100,4 +100,3 @@ def compile_blocks(model) -> str:
     for module in compiled:
         module.compile()
     return f"compiled {len(compiled)} blocks ({', '.join(sorted({type(module).__name__ for module in compiled}))})"
-
