@@ -21,13 +21,19 @@ from dataclasses import dataclass
 from functools import partial
 
 import datasets
+import numpy
 import torch
 from datasets.distributed import split_dataset_by_node
 from PIL import Image
+from transformers.image_processing_backends import TorchvisionBackend
 
 from .models import EMBEDDED
 
 logger = logging.getLogger(__name__)
+
+# The tokenizer's thread pool only competes with torch's for the cores on batches of short captions:
+# tokenising took twice as long with it on the 2-core machine. An explicit setting wins.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SHAPES_DATA = EMBEDDED / "shapes"
 COUNTED = ("converted", "undecodable", "too_large", "no_caption")  # what the log reports
@@ -166,11 +172,43 @@ class ImageTextPreprocessor:
             counts.append(self.drops.keep(problem))
         out = {"pixel_values": [], "input_ids": []} | {name: [] for name in COUNTED}
         if images:
-            out["pixel_values"] = list(self.image_processor(images=images, return_tensors="pt")["pixel_values"])
+            out["pixel_values"] = list(processed_pixels(self.image_processor, images))
             out["input_ids"] = self.tokenizer(captions, truncation=True, max_length=self.max_length)["input_ids"]
             for name in COUNTED:
                 out[name] = [row[name] for row in counts]
         return out
+
+
+def processed_pixels(image_processor, images: list[Image.Image]) -> torch.Tensor:
+    """`image_processor(images)["pixel_values"]` for RGB images, computed a size group at a time.
+
+    A processor that runs transformers' standard torchvision pipeline (CLIP, SigLIP, ...) is applied
+    as its own resize, center crop and rescale-normalise on one uint8 stack per image size: the same
+    operations and output as its __call__, which converts, checks and (on CPU) resizes one image
+    at a time, 3.7x the time on the embedded images. Any other processor is called as it is.
+    """
+    if not (isinstance(image_processor, TorchvisionBackend) and not image_processor.do_pad
+            and type(image_processor)._preprocess is TorchvisionBackend._preprocess):
+        return image_processor(images=images, return_tensors="pt")["pixel_values"]
+    groups = {}
+    for index, image in enumerate(images):
+        groups.setdefault(image.size, []).append(index)
+    pixel_values = [None] * len(images)
+    for indices in groups.values():
+        stack = torch.from_numpy(numpy.stack([numpy.asarray(images[i]) for i in indices])).permute(0, 3, 1, 2)
+        for index, pixels in zip(indices, _standard_pipeline(image_processor, stack)):
+            pixel_values[index] = pixels
+    return torch.stack(pixel_values)
+
+
+def _standard_pipeline(processor, stack):
+    """TorchvisionBackend._preprocess's steps on one stack of equally sized uint8 images."""
+    if processor.do_resize:
+        stack = processor.resize(stack, processor.size, resample=processor.resample)
+    if processor.do_center_crop:
+        stack = processor.center_crop(stack, processor.crop_size)
+    return processor.rescale_and_normalize(stack, processor.do_rescale, processor.rescale_factor,
+                                           processor.do_normalize, processor.image_mean, processor.image_std)
 
 
 class DropCounter:
@@ -276,15 +314,22 @@ class ImageTextCollator:
     batch (training rows)."""
 
     def __init__(self, tokenizer, pad_to_length: int | None = None):
-        self.tokenizer, self.pad_to_length = tokenizer, pad_to_length
+        self.pad_token_id, self.padding_side = tokenizer.pad_token_id, tokenizer.padding_side
+        self.pad_to_length = pad_to_length
 
     def __call__(self, rows):
-        text = self.tokenizer.pad([{"input_ids": row["input_ids"]} for row in rows], return_tensors="pt",
-                                  padding="max_length" if self.pad_to_length else True, max_length=self.pad_to_length)
+        # What tokenizer.pad returns, without its per-row Python (a third of the collate time).
+        lengths = torch.tensor([len(row["input_ids"]) for row in rows])
+        positions = torch.arange(self.pad_to_length or int(lengths.max()))
+        if self.padding_side == "left":
+            positions = positions.flip(0)
+        attention_mask = positions < lengths[:, None]
+        input_ids = torch.full(attention_mask.shape, self.pad_token_id)
+        input_ids[attention_mask] = torch.tensor([token for row in rows for token in row["input_ids"]])
         return {
             "pixel_values": torch.stack([row["pixel_values"] for row in rows]),
-            "input_ids": text["input_ids"],
-            "attention_mask": text["attention_mask"],
+            "input_ids": input_ids,
+            "attention_mask": attention_mask.long(),
             "data_counts": torch.tensor([sum(row[name] for row in rows) for name in COUNTED]),
             "data_position": rows[-1].get("data_position"),
         }

@@ -15,7 +15,8 @@ from PIL import Image
 
 from gloo import run_on_ranks
 from webdataset_shards import make_webdataset
-from mmrecipes.data import COUNTED, DataArgs, batches_forever, build_dataloader, expand_data_files, model_inputs
+from mmrecipes.data import (COUNTED, DataArgs, ImageTextCollator, batches_forever, build_dataloader, expand_data_files,
+                            model_inputs, processed_pixels)
 from mmrecipes.evaluation import evaluate_retrieval, retrieval_recall_at_1
 from mmrecipes.models import ModelArgs, build_contrastive
 
@@ -65,6 +66,35 @@ def test_bad_rows_are_converted_or_skipped_and_counted(tmp_path, tiny):
     for batch in batches:
         assert batch["pixel_values"].shape[1:] == (3, 32, 32) and torch.isfinite(batch["pixel_values"]).all()
         assert (batch["input_ids"][batch["attention_mask"].bool()] == 0).sum() == len(batch["input_ids"])  # one EOS each
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+def test_batched_pixels_equal_the_image_processor(loss):
+    """The loader applies the processor's own steps a size group at a time: its output must be
+    what the saved processor gives at inference, down to the bit (sizes that shrink, grow and
+    crop, mixed in one batch)."""
+    _, _, image_processor = build_contrastive(ModelArgs(loss=loss))
+    generator = torch.Generator().manual_seed(0)
+    sizes = [(64, 64), (50, 80), (64, 64), (20, 30), (33, 17), (50, 80)]
+    images = [Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=generator, dtype=torch.uint8).numpy())
+              for w, h in sizes]
+    expected = image_processor(images=images, return_tensors="pt")["pixel_values"]
+    assert torch.equal(processed_pixels(image_processor, images), expected)
+
+
+def test_collator_pads_as_the_tokenizer_does(tiny):
+    tokenizer, _ = tiny
+    ids = tokenizer(["a red circle", "a small blue square above a large green star", "x"])["input_ids"]
+    rows = [{"input_ids": row, "pixel_values": torch.zeros(3, 2, 2)} | dict.fromkeys(COUNTED, 0) for row in ids]
+    for side in ("right", "left"):
+        tokenizer.padding_side = side
+        for length in (None, 32):
+            batch = ImageTextCollator(tokenizer, pad_to_length=length)(rows)
+            expected = tokenizer.pad({"input_ids": ids}, padding="max_length" if length else True, max_length=length,
+                                     return_tensors="pt")
+            assert torch.equal(batch["input_ids"], expected["input_ids"])
+            assert torch.equal(batch["attention_mask"], expected["attention_mask"])
+    tokenizer.padding_side = "right"
 
 
 def test_transparent_pixels_become_white_not_black():
