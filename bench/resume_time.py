@@ -54,7 +54,6 @@ def first_batch_seconds(make_loader, position=None, skip=0):
     loader = make_loader()
     if position is not None:
         loader.dataset.resume_from(position)
-        loader.dataset.set_epoch(position["epoch"])
     batches = iter(loader)
     for _ in range(skip + 1):
         next(batches)

@@ -54,10 +54,11 @@ class DataArgs:
     max_caption_length: int | None = None  # tokens; default the tokenizer's model_max_length
     max_image_pixels: int = 50_000_000  # larger images are skipped before they are decoded
     shuffle_buffer_size: int = 1000  # rows per shuffled block (ResumableShuffle)
-    # 0 on a CPU, where the step already uses every core: on 2 cores one worker cut data_wait from 0.35
-    # to 0.03 but made the default run slower (22 -> 27 s). With a GPU, use workers: one keeps the
-    # sample order of none; more split the shards between them (see "Long runs").
-    dataloader_num_workers: int = 0
+    # None: chosen per rank (default_num_workers): none on a CPU, where the step already uses every core
+    # (on 2 cores one worker cut data_wait from 0.35 to 0.03 but made the default run slower, 22 -> 27 s);
+    # with CUDA one per spare core, at most one per shard. One worker keeps the sample order of none;
+    # more split the shards between them (and a resume re-reads: see "Long runs").
+    dataloader_num_workers: int | None = None
 
 
 def expand_data_files(spec: str | list[str] | None) -> list[str] | None:
@@ -273,19 +274,30 @@ class ResumableShuffle(torch.utils.data.IterableDataset):
         self.source, self.preprocess = source, preprocess
         self.block_size, self.seed, self.batch_size = block_size, seed, batch_size
         self.initial_state = source.state_dict()
-        self.epoch, self.start = 0, None
+        self.start = None
+        # In shared memory: persistent DataLoader workers hold a copy of this object made at their start.
+        self.shared_epoch = torch.zeros((), dtype=torch.long).share_memory_()
+
+    @property
+    def num_shards(self) -> int:
+        return self.source.num_shards
+
+    @property
+    def epoch(self) -> int:
+        return int(self.shared_epoch)
 
     def set_epoch(self, epoch: int):
-        self.epoch = epoch
-        if self.start is not None and self.start["epoch"] != epoch:
-            self.start = None  # a resumed epoch is finished: later ones start from the beginning
+        self.shared_epoch.fill_(epoch)
 
     def resume_from(self, position: dict):
         """Continue after the row whose `position` a checkpoint saved (call before iterating)."""
-        self.start, self.epoch = position, position["epoch"]
+        self.start = position
+        self.set_epoch(position["epoch"])
 
     def __iter__(self):
-        start = self.start or {"block": 0, "source_state": self.initial_state, "rows_done": 0, "kept": 0}
+        start = {"block": 0, "source_state": self.initial_state, "rows_done": 0, "kept": 0}
+        if self.start is not None and self.start["epoch"] == self.epoch:  # later epochs start from the beginning
+            start = self.start
         self.source.load_state_dict(start["source_state"])
         rows = iter(self.source)
         block, rows_done, kept_done = start["block"], start["rows_done"], start["kept"]
@@ -352,8 +364,22 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_process
     return stream_loader(stream, batch_size, collator, args.dataloader_num_workers)
 
 
-def stream_loader(stream, batch_size: int, collate_fn, num_workers: int):
+def default_num_workers(num_shards: int, cpu_workers: int = 0) -> int:
+    """DataLoader workers for one rank's stream when none are asked for. With CUDA: one per core
+    this rank can spare (its share of the cores, less one for the training loop), at most one per
+    shard (a worker without a shard idles, and torch warns). On a CPU the step itself uses every
+    core, so the pipeline's measured `cpu_workers` (CLIP 0, VLM 1), again at most one per shard."""
+    if not torch.cuda.is_available():
+        return min(cpu_workers, num_shards)
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    spare_cores = len(os.sched_getaffinity(0)) // local_processes - 1
+    return max(0, min(spare_cores, num_shards))
+
+
+def stream_loader(stream, batch_size: int, collate_fn, num_workers: int | None, cpu_workers: int = 0):
     """The DataLoader over a rank's stream (never passed to `accelerator.prepare`: already split).
+    `num_workers` None: `default_num_workers`. Workers persist across epochs (ResumableShuffle
+    keeps its epoch in shared memory), each keeps 2 batches ready, and batches are pinned on CUDA.
 
     Workers fork from multiprocessing's fork server, not from the training process: by the first
     batch that process runs threads (gloo, pyarrow's jemalloc, datasets' readers), and a child
@@ -361,12 +387,15 @@ def stream_loader(stream, batch_size: int, collate_fn, num_workers: int):
     a rank never reached its first all-reduce). Forking from the server, which imports the data
     pipeline once, is cheap.
     """
+    if num_workers is None:
+        num_workers = default_num_workers(stream.num_shards, cpu_workers)
     if num_workers:
         start_worker_server()
     return torch.utils.data.DataLoader(
         stream, batch_size=batch_size, collate_fn=collate_fn, num_workers=num_workers,
         pin_memory=torch.cuda.is_available(), worker_init_fn=partial(init_worker, training_pid=os.getpid()),
         multiprocessing_context="forkserver" if num_workers else None,
+        persistent_workers=num_workers > 0, prefetch_factor=2 if num_workers else None,
     )
 
 
@@ -423,8 +452,8 @@ def batches_forever(dataloader, first_epoch=0, resumed=False):
     """Yield (epoch, batch) over epochs of this rank's stream; (epoch, None) after an empty epoch.
 
     Each rank loops over its own rows, so a rank never runs dry while others train: every
-    rank stops at the same optimizer step. The recipe all-reduces "got a batch" each
-    micro-step, so an empty shard stops every rank with one clear error instead of a hang.
+    rank stops at the same optimizer step. The recipe agrees on "got a batch" once, at the
+    first batch, so an empty shard stops every rank with one clear error instead of a hang.
     `resumed`: the first epoch continues a saved position (and may have nothing left).
     """
     epoch = first_epoch

@@ -222,16 +222,43 @@ def test_jsonl_rows_with_image_paths(tmp_path, tiny):
     assert dict(zip(COUNTED, sum(b["data_counts"] for b in batches).tolist()))["undecodable"] == 1
 
 
-def test_one_worker_reads_the_same_sample_order_as_none(tiny):
+def test_one_persistent_worker_reads_the_same_sample_order_as_none_in_every_epoch(tmp_path, tiny):
     """One DataLoader worker overlaps preprocessing with the step without changing the data: the
-    shuffled training rows arrive in the same order as with none (so resume stays exact too)."""
-    def first_batches(workers):
-        args = DataArgs(dataloader_num_workers=workers, shuffle_buffer_size=256)
-        loader = build_dataloader(args, "train", None, *tiny, batch_size=32, data_rank=0, data_world=1, shuffle_seed=3)
-        return [batch["input_ids"] for _, batch in zip(range(12), loader)]
+    shuffled training rows arrive in the same order as with none (so resume stays exact too), in
+    every epoch, though the worker lives across epochs (the epoch is in shared memory)."""
+    write_parquet(tmp_path / "rows.parquet", [(png(Image.new("RGB", (8, 8), (i, 0, 0))), f"caption {i}")
+                                              for i in range(40)])
 
-    for in_process, in_worker in zip(first_batches(0), first_batches(1)):
-        assert torch.equal(in_process, in_worker)
+    def three_epochs(workers):
+        args = DataArgs(dataset_name="parquet", data_files=str(tmp_path / "rows.parquet"),
+                        dataloader_num_workers=workers, shuffle_buffer_size=16)
+        loader = build_dataloader(args, "train", args.data_files, *tiny, batch_size=8, data_rank=0, data_world=1,
+                                  shuffle_seed=3)
+        assert loader.persistent_workers == bool(workers)
+        batches = [(epoch, batch["input_ids"]) for (epoch, batch), _ in zip(batches_forever(loader), range(15))]
+        return loader, batches
+
+    in_process, in_worker = three_epochs(0)[1], three_epochs(1)[1]
+    assert [epoch for epoch, _ in in_worker] == [0] * 5 + [1] * 5 + [2] * 5
+    for (_, expected), (_, got) in zip(in_process, in_worker):
+        assert torch.equal(expected, got)
+    epochs = [torch.cat([ids for epoch, ids in in_worker if epoch == e]) for e in range(3)]
+    assert not torch.equal(epochs[0], epochs[1]) and not torch.equal(epochs[1], epochs[2])  # reshuffled
+
+
+def test_default_workers_follow_cores_and_shards(monkeypatch):
+    from mmrecipes.data import default_num_workers
+
+    assert default_num_workers(num_shards=4) == 0  # CPU: the step uses every core
+    assert default_num_workers(num_shards=4, cpu_workers=1) == 1
+    assert default_num_workers(num_shards=0, cpu_workers=1) == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(96)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert default_num_workers(num_shards=1024) == 11  # 12 cores per GPU process, one for the loop
+    assert default_num_workers(num_shards=4) == 4  # no idle workers (torch warns about those)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "96")
+    assert default_num_workers(num_shards=1024) == 0
 
 
 def test_workers_outlive_a_preemption_signal_to_the_process_group(tiny):
