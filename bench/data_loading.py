@@ -4,12 +4,13 @@
     python bench/data_loading.py --quick      # a smoke run (CI): tiny sizes, nothing to read into
 
 1. Loader alone, samples/s over the embedded training rows (batch 64, 0 workers, median of
-   --repeats, taken round-robin): `mmrecipes.data.build_dataloader` (streamed, batched decode +
-   image processor + tokeniser, collated) against the pipeline the seed-001 script had: a
-   map-style Dataset whose `__getitem__` decodes one PIL image, builds a `transforms.Compose`
-   and tokenises one caption with `padding="max_length"`, under the default collate.
+   --repeats after a warm-up round, taken round-robin): `mmrecipes.data.build_dataloader`
+   (streamed, batched decode + image processor + tokeniser, collated) against the pipeline the
+   seed-001 script had: a map-style Dataset whose `__getitem__` decodes one PIL image, builds a
+   `transforms.Compose` and tokenises one caption with `padding="max_length"`, under the default
+   collate (and the tokenizers library's default thread pool).
 2. `data_wait` of the default recipe (`recipes/clip_pretrain.py`, mean over its log lines) with
-   `--dataloader_num_workers 0` against the default (1).
+   `--dataloader_num_workers 0` (the CPU default) against 1.
 Prints the ratios and appends a JSON line to bench/results/data_loading.jsonl.
 """
 

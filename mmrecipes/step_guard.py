@@ -13,6 +13,13 @@ takes the same decision at the same step:
   too while `bf16.check_grad_overflow` keeps its default, true), and the guard reads
   `engine.was_step_applied()` to count the skip and hold the scheduler back. A non-finite loss
   with finite gradients is applied by DeepSpeed; the guard says so in the log.
+
+With a fused torch optimizer (`--fused_adamw`, the CUDA default) the host never waits for the
+verdict: the guard hands it to the optimizer as `found_inf`, on the device, as AMP's GradScaler
+does, and the fused kernel skips the update (and its step count) by itself. The host reads the
+verdict one step later from a copy started at once, long finished by then, so the step is not
+a host-device sync. The cost: the learning-rate schedule advances on a skipped step, and a
+preemption signal is acted on one step later. Other optimizers read the verdict at once.
 """
 
 import math
@@ -27,31 +34,71 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on a signal after saving; run t
 
 
 class StepGuard:
-    def __init__(self, accelerator, model, checkpoints, *, signals: str = "SIGTERM,SIGUSR1", max_skipped_steps: int = 5):
+    def __init__(self, accelerator, model, optimizer, checkpoints, *, signals: str = "SIGTERM,SIGUSR1",
+                 max_skipped_steps: int = 5):
         self.accelerator, self.model, self.checkpoints = accelerator, model, checkpoints
         self.max_skipped_steps = max_skipped_steps
         self.signal = None  # the name of the first preemption signal this rank received
         self.stop_requested = False  # on every rank once any rank received a signal
-        self.skipped_in_a_row, self.skipped_steps = 0, 0
+        self.skipped_in_a_row, self._skipped_steps = 0, 0
+        # This step's verdict on the device (True: applied), for sums that must leave skipped steps out.
+        self.applied = torch.ones((), dtype=torch.bool, device=accelerator.device)
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
+        # Not under DeepSpeed (it steps inside backward) or a GradScaler (it sets found_inf itself).
+        device_skip = (isinstance(inner, torch.optim.Optimizer) and inner.defaults.get("fused")
+                       and accelerator.scaler is None and not hasattr(model, "was_step_applied"))
+        self.fused_optimizer = inner if device_skip else None
+        self.pending = None  # (host copy of the reduced flags, its copy event, step): read one step late
         for name in filter(None, (name.strip() for name in signals.split(","))):
             signal.signal(getattr(signal, name), self._on_signal)
 
     def _on_signal(self, signum, frame):
         self.signal = self.signal or signal.Signals(signum).name  # acted on at the next step boundary
 
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far (for the log line; reads a pending verdict)."""
+        self._read_pending()
+        return self._skipped_steps
+
     def step_is_finite(self, losses: torch.Tensor, grad_norm, step: int) -> bool:
-        """Whether to apply this optimizer step (the same answer on every rank). `losses`: this
-        rank's micro-batch losses of the step; `grad_norm`: from `accelerator.clip_grad_norm_`."""
+        """Whether to call the optimizer and scheduler for this step (the same answer on every rank).
+        With a fused optimizer always True: it skips a non-finite step on the device by itself.
+        `losses`: this rank's micro-batch losses of the step; `grad_norm`: from
+        `accelerator.clip_grad_norm_`."""
         device = losses.device
         if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the norm as a replicated DTensor
             grad_norm = grad_norm.full_tensor()
         norm = torch.as_tensor(math.nan if grad_norm is None else grad_norm, dtype=torch.float64, device=device)
         flags = torch.stack([(~torch.isfinite(losses.detach())).sum().double(), norm.reshape(()).double(),
                              torch.tensor(float(self.signal is not None), dtype=torch.float64, device=device)])
-        bad_losses, norm_sum, signals = sum_over_ranks(flags).tolist()  # the step's one collective and host read
+        flags = sum_over_ranks(flags)  # the step's one collective
+        if self.fused_optimizer is not None and grad_norm is not None:
+            self.applied = (flags[0] == 0) & torch.isfinite(flags[1])
+            self.fused_optimizer.found_inf = (~self.applied).float()
+            self._read_pending()  # the previous step's verdict
+            copied = torch.cuda.Event() if device.type == "cuda" else None
+            self.pending = (flags.to("cpu", non_blocking=True, copy=True), copied, step)
+            if copied is not None:
+                copied.record()
+            return True
+        finite = self._account(*flags.tolist(), grad_norm is None, step)  # the host read
+        self.applied = torch.tensor(finite, device=device)
+        return finite
+
+    def _read_pending(self):
+        if self.pending is not None:
+            host_flags, copied, step = self.pending
+            self.pending = None
+            if copied is not None:
+                copied.synchronize()  # finished long ago: the copy was queued a whole step earlier
+            self._account(*host_flags.tolist(), False, step)
+
+    def _account(self, bad_losses: float, norm_sum: float, signals: float, no_norm: bool, step: int) -> bool:
+        """Count a step's verdict and act on it; whether it was applied."""
         # A norm is the same on every rank, so their sum is finite iff it is; DeepSpeed reports
         # none when it does not compute one (then its own overflow check is all there is).
-        finite = bad_losses == 0 and (grad_norm is None or math.isfinite(norm_sum))
+        finite = bad_losses == 0 and (no_norm or math.isfinite(norm_sum))
         engine_applied = getattr(self.model, "was_step_applied", None)
         if engine_applied is not None:  # DeepSpeed already stepped (or skipped) inside backward
             if not finite and engine_applied():
@@ -63,9 +110,9 @@ class StepGuard:
             self.skipped_in_a_row = 0
             return True
         self.skipped_in_a_row += 1
-        self.skipped_steps += 1
+        self._skipped_steps += 1
         self.accelerator.print(f"step {step}: loss or gradient norm not finite; step skipped "
-                               f"({self.skipped_in_a_row} in a row, {self.skipped_steps} in all)")
+                               f"({self.skipped_in_a_row} in a row, {self._skipped_steps} in all)")
         if self.skipped_in_a_row > self.max_skipped_steps:
             last_checkpoint = (self.checkpoints.complete() or [None])[-1]
             raise RuntimeError(

@@ -92,7 +92,7 @@ def main(argv=None):
                                data_world=data_world, batch_size=batch_size)
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
-    guard = StepGuard(accelerator, model, checkpoints, signals=args.preemption_signals,
+    guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,
                       max_skipped_steps=args.max_skipped_steps)
     start_step, train_batches = checkpoints.resume(args.resume_from_checkpoint, train_loader)
 
@@ -100,7 +100,9 @@ def main(argv=None):
     peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
-    loss_sum, logged_steps, samples, window_start = torch.zeros((), device=accelerator.device), 0, 0, time.perf_counter()
+    # Summed over the logging window, on the device: the mean loss of the applied steps, and their number.
+    loss_sum, applied_steps = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
+    samples, window_start = 0, time.perf_counter()
     data_counts, data_wait = torch.zeros(len(COUNTED), dtype=torch.long), DataWait()
     # Both take (image_embeds, text_embeds, *what the model returns after them): scale, and SigLIP's bias.
     loss_fn = siglip_loss if model_args.loss == "siglip" else partial(clip_loss, tile_size=args.loss_tile_size)
@@ -128,12 +130,12 @@ def main(argv=None):
                 window_losses.append(loss.detach())
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         done = step + 1
-        if guard.step_is_finite(torch.stack(window_losses), grad_norm, done):
+        if guard.step_is_finite(torch.stack(window_losses), grad_norm, done):  # fused AdamW: skips on the device
             optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
             scheduler.step()
             clamp_logit_scale_(accelerator, model)
-            loss_sum += torch.stack(window_losses).mean()
-            logged_steps += 1
+        loss_sum += torch.where(guard.applied, torch.stack(window_losses).mean(), 0)  # applied: on the device
+        applied_steps += guard.applied
         optimizer.zero_grad()
         samples += sum(len(batch["input_ids"]) for batch in window)
         data_counts = data_counts + sum(batch["data_counts"] for batch in window)
@@ -142,13 +144,14 @@ def main(argv=None):
         if done % args.logging_steps == 0 or done == args.max_steps:
             # Mean over ranks of the local losses is the global-batch loss (mmrecipes.losses).
             elapsed = time.perf_counter() - window_start
-            totals = sum_over_ranks(torch.cat([loss_sum.reshape(1).double(), torch.tensor(
-                [samples, data_wait.take()], dtype=torch.float64, device=loss_sum.device)])).tolist()
+            totals = sum_over_ranks(torch.cat([loss_sum.reshape(1).double(), applied_steps.reshape(1).double(),
+                                               torch.tensor([samples, data_wait.take()], dtype=torch.float64,
+                                                            device=loss_sum.device)])).tolist()
             counts = sum_over_ranks(data_counts.to(accelerator.device))
-            samples_per_s = totals[1] / elapsed
-            loss = totals[0] / accelerator.num_processes / logged_steps if logged_steps else float("nan")
+            samples_per_s = totals[2] / elapsed
+            loss = totals[0] / totals[1] if totals[1] else float("nan")  # both summed over ranks
             metrics = {"loss": loss, "epoch": epoch, "lr": scheduler.get_last_lr()[0], "samples_per_s": samples_per_s,
-                       "data_wait": totals[2] / accelerator.num_processes / elapsed, "skipped_steps": guard.skipped_steps}
+                       "data_wait": totals[3] / accelerator.num_processes / elapsed, "skipped_steps": guard.skipped_steps}
             if peak:
                 metrics["mfu"] = samples_per_s * flops_per_sample / (peak * accelerator.num_processes)
             metrics |= {name: int(count) for name, count in zip(COUNTED, counts.tolist())}
@@ -158,7 +161,8 @@ def main(argv=None):
                 f"samples/s {samples_per_s:.1f} | MFU {mfu} | data_wait {metrics['data_wait']:.3f} | "
                 f"skipped_steps {guard.skipped_steps} | "
                 + " ".join(f"{name} {metrics[name]}" for name in COUNTED))
-            loss_sum, logged_steps, samples, window_start = torch.zeros_like(loss_sum), 0, 0, time.perf_counter()
+            loss_sum, applied_steps = torch.zeros_like(loss_sum), torch.zeros_like(applied_steps)
+            samples, window_start = 0, time.perf_counter()
         if eval_loader is not None and (done % args.eval_steps == 0 or done == args.max_steps):
             eval_start = time.perf_counter()
             recall = evaluate_retrieval(model, eval_loader, filler_batch, accelerator.device)

@@ -115,7 +115,7 @@ def main(argv=None):
                                data_world=data_world, batch_size=batch_size)
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
-    guard = StepGuard(accelerator, model, checkpoints, signals=args.preemption_signals,
+    guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,
                       max_skipped_steps=args.max_skipped_steps)
     start_step, train_batches = checkpoints.resume(args.resume_from_checkpoint, train_loader)
 
@@ -123,18 +123,19 @@ def main(argv=None):
     peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
-    # Summed over the logging window on this rank. On the device: CE of applied steps. From the CPU
-    # batches: their target tokens; samples, LM tokens, images, dummy-image batches of all steps.
-    ce_sum, counts, window_start = torch.zeros((), device=accelerator.device), torch.zeros(5), time.perf_counter()
+    # Summed over the logging window on this rank. On the device: CE and target tokens of applied
+    # steps. From the CPU batches: samples, LM tokens, images, dummy-image batches of all steps.
+    applied_sums, counts, window_start = torch.zeros(2, device=accelerator.device), torch.zeros(4), time.perf_counter()
     data_counts, data_wait = torch.zeros(len(CHAT_COUNTED), dtype=torch.long), DataWait()
     for step in progress:
         window = [data_wait.next(train_batches)[1] for _ in range(args.gradient_accumulation_steps)]
         targets = [count_target_tokens(batch["labels"]) if batch is not None else 0 for batch in window]
         # One collective per optimizer step: the window's target tokens N on all ranks, and whether
         # any rank ran out of data (then every rank stops here with the same error, not a hang).
+        # Every epoch reads the same rows, so that is read on the host at the first step only.
         local = torch.tensor([sum(targets), sum(batch is None for batch in window)], device=accelerator.device)
         window_tokens, empty = sum_over_ranks(local.float())
-        if empty:
+        if step == start_step and empty:
             raise RuntimeError(f"A data rank has no training rows ({data_world} data ranks): use more data "
                                "shards/rows or fewer processes.")
         loss_scale = token_loss_scale(window_tokens, args.gradient_accumulation_steps, data_world)
@@ -146,23 +147,23 @@ def main(argv=None):
                 accelerator.backward(loss_sum * loss_scale)
             window_ce.append(loss_sum.detach())
             images = 0 if batch["dummy_image"] else len(batch["pixel_values"])
-            counts += torch.tensor([0, len(batch["input_ids"]), batch["attention_mask"].sum(), images,
+            counts += torch.tensor([len(batch["input_ids"]), batch["attention_mask"].sum(), images,
                                     batch["dummy_image"]])
             data_counts += batch["data_counts"]
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
         done = step + 1
-        if guard.step_is_finite(torch.stack(window_ce), grad_norm, done):
+        if guard.step_is_finite(torch.stack(window_ce), grad_norm, done):  # fused AdamW: skips on the device
             optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
             scheduler.step()
-            ce_sum += sum(window_ce)
-            counts[0] += sum(targets)
+        step_sums = torch.stack([sum(window_ce).float(), torch.tensor(float(sum(targets)), device=accelerator.device)])
+        applied_sums += torch.where(guard.applied, step_sums, 0)  # applied: on the device
         optimizer.zero_grad()
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
         if done % args.logging_steps == 0 or done == args.max_steps:
             elapsed = time.perf_counter() - window_start
             ce, target_tokens, samples, tokens, images, dummies, wait = sum_over_ranks(torch.cat([
-                ce_sum.reshape(1).double(), counts.double().to(accelerator.device),
+                applied_sums.double(), counts.double().to(accelerator.device),
                 torch.tensor([data_wait.take()], dtype=torch.float64, device=accelerator.device)])).tolist()
             problems = sum_over_ranks(data_counts.to(accelerator.device)).tolist()
             metrics = {"loss": ce / target_tokens if target_tokens else float("nan"), "grad_norm": float(grad_norm),
@@ -182,7 +183,7 @@ def main(argv=None):
                 f"data_wait {metrics['data_wait']:.3f} | "
                 f"dummy_image_batches {int(dummies)} | skipped_steps {guard.skipped_steps} | "
                 + " ".join(f"{name} {metrics[name]}" for name in CHAT_COUNTED))
-            ce_sum, counts, window_start = torch.zeros_like(ce_sum), torch.zeros_like(counts), time.perf_counter()
+            applied_sums, counts, window_start = torch.zeros_like(applied_sums), torch.zeros_like(counts), time.perf_counter()
         if eval_loader is not None and (done % args.eval_steps == 0 or done == args.max_steps):
             eval_start = time.perf_counter()
             accuracy = evaluate_answers(model, eval_loader, filler_batch, accelerator.device)

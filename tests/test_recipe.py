@@ -4,6 +4,7 @@ import json
 import re
 
 import pytest
+import torch
 import yaml
 from PIL import Image
 from transformers import CLIPModel
@@ -56,32 +57,47 @@ CONTROL_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "al
 
 def _count_control_collectives(rank, world_size, argv):
     """Run the recipe in this gloo process, counting its `torch.distributed` collectives (DDP's
-    gradient buckets and the loss's functional collectives do not go through these)."""
+    gradient buckets and the loss's functional collectives do not go through these) and the host
+    reads (`item`, `tolist`, `bool`, `float`) of their results: on a GPU each is a wait for the
+    device (a host copy started at once and read later is not)."""
     import torch.distributed as dist
 
-    calls = []
+    calls, results, reads = [], {}, []  # results: id -> tensor (kept alive, so no id is reused)
     for name in CONTROL_COLLECTIVES:
         def counted(*args, _name=name, _collective=getattr(dist, name), **kwargs):
             calls.append(_name)
+            if args and isinstance(args[0], torch.Tensor):
+                results[id(args[0])] = args[0]
             return _collective(*args, **kwargs)
         setattr(dist, name, counted)
+    for method in ("item", "tolist", "__bool__", "__float__"):
+        def read(self, *args, _method=getattr(torch.Tensor, method), **kwargs):
+            if id(self) in results or id(self._base) in results:
+                reads.append(self)
+            return _method(self, *args, **kwargs)
+        setattr(torch.Tensor, method, read)
     load_recipe().main(argv)
-    return len(calls)
+    return len(calls), len(reads)
 
 
-def test_one_control_collective_per_optimizer_step(tmp_path):
+@pytest.mark.parametrize("fused", [False, True])
+def test_one_control_collective_per_optimizer_step(tmp_path, fused):
     """The step boundary's one small all-reduce (StepGuard: finite? stop?) is the only collective a
     steady-state optimizer step adds, whatever the accumulation window: no per-micro-step "every
-    rank has a batch" agreement, no per-step counters or loss reduction (those wait for logging)."""
-    def collectives(steps):
+    rank has a batch" agreement, no per-step counters or loss reduction (those wait for logging).
+    With fused AdamW (the CUDA default) the step never waits for its result on the host: the
+    optimizer skips a non-finite step on the device; others read the verdict once per step."""
+    def per_step(steps):
         argv = ["--report_to", "none", "--max_steps", str(steps), "--gradient_accumulation_steps", "4",
                 "--per_device_train_batch_size", "4", "--logging_steps", "1000", "--eval_split", "",
-                "--output_dir", str(tmp_path / str(steps))]
+                "--fused_adamw", str(fused).lower(), "--output_dir", str(tmp_path / str(steps))]
         return run_on_ranks(_count_control_collectives, 2, argv)
 
-    short, long = collectives(2), collectives(5)
+    short, long = per_step(2), per_step(5)
     assert short[0] == short[1] and long[0] == long[1]
-    assert (long[0] - short[0]) / 3 == 1
+    collectives, host_reads = ((after - before) / 3 for after, before in zip(long[0], short[0]))
+    assert collectives == 1
+    assert host_reads == (0 if fused else 1)
 
 
 def test_resume_continues_exactly(tmp_path):
