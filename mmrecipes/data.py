@@ -55,7 +55,7 @@ class DataArgs:
     max_image_pixels: int = 50_000_000  # larger images are skipped before they are decoded
     shuffle_buffer_size: int = 1000  # rows per shuffled block (ResumableShuffle)
     # None: chosen per rank (default_num_workers): none on a CPU, where the step already uses every core
-    # (on 2 cores one worker cut data_wait from 0.35 to 0.03 but made the default run slower, 22 -> 27 s);
+    # (on 2 cores one worker halves data_wait but makes the default run slower: bench/data_loading.py);
     # with CUDA one per spare core, at most one per shard. One worker keeps the sample order of none;
     # more split the shards between them (and a resume re-reads: see "Long runs").
     dataloader_num_workers: int | None = None
@@ -186,7 +186,7 @@ def processed_pixels(image_processor, images: list[Image.Image]) -> torch.Tensor
     A processor that runs transformers' standard torchvision pipeline (CLIP, SigLIP, ...) is applied
     as its own resize, center crop and rescale-normalise on one uint8 stack per image size: the same
     operations and output as its __call__, which converts, checks and (on CPU) resizes one image
-    at a time, 3.7x the time on the embedded images. Any other processor is called as it is.
+    at a time, about 4x the time on the embedded images. Any other processor is called as it is.
     """
     if not (isinstance(image_processor, TorchvisionBackend) and not image_processor.do_pad
             and type(image_processor)._preprocess is TorchvisionBackend._preprocess):
