@@ -326,6 +326,9 @@ class ImageTextCollator:
     batch (training rows)."""
 
     def __init__(self, tokenizer, pad_to_length: int | None = None):
+        if tokenizer.pad_token_id is None:
+            raise ValueError(f"{type(tokenizer).__name__} has no pad token to pad captions with: set "
+                             "tokenizer.pad_token (e.g. to its eos_token) and save it with the model")
         self.pad_token_id, self.padding_side = tokenizer.pad_token_id, tokenizer.padding_side
         self.pad_to_length = pad_to_length
 

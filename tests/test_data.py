@@ -95,6 +95,11 @@ def test_collator_pads_as_the_tokenizer_does(tiny):
             assert torch.equal(batch["input_ids"], expected["input_ids"])
             assert torch.equal(batch["attention_mask"], expected["attention_mask"])
     tokenizer.padding_side = "right"
+    pad_token = tokenizer.pad_token
+    tokenizer.pad_token = None
+    with pytest.raises(ValueError, match="has no pad token"):
+        ImageTextCollator(tokenizer)
+    tokenizer.pad_token = pad_token
 
 
 def test_transparent_pixels_become_white_not_black():
