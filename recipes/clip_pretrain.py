@@ -130,11 +130,12 @@ def main(argv=None):
                 window_losses.append(loss.detach())
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         done = step + 1
-        if guard.step_is_finite(torch.stack(window_losses), grad_norm, done):  # fused AdamW: skips on the device
+        step_losses = torch.stack(window_losses)
+        if guard.step_is_finite(step_losses, grad_norm, done):  # fused AdamW: skips on the device
             optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
             scheduler.step()
             clamp_logit_scale_(accelerator, model)
-        loss_sum += torch.where(guard.applied, torch.stack(window_losses).mean(), 0)  # applied: on the device
+        loss_sum += torch.where(guard.applied, step_losses.mean(), 0)  # applied: on the device
         applied_steps += guard.applied
         optimizer.zero_grad()
         samples += sum(len(batch["input_ids"]) for batch in window)

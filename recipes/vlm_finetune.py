@@ -155,7 +155,7 @@ def main(argv=None):
         if guard.step_is_finite(torch.stack(window_ce), grad_norm, done):  # fused AdamW: skips on the device
             optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
             scheduler.step()
-        step_sums = torch.stack([sum(window_ce).float(), torch.tensor(float(sum(targets)), device=accelerator.device)])
+        step_sums = torch.stack([sum(window_ce).float(), local[0].float()])  # local[0]: this rank's target tokens
         applied_sums += torch.where(guard.applied, step_sums, 0)  # applied: on the device
         optimizer.zero_grad()
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards

@@ -240,10 +240,9 @@ def test_one_persistent_worker_reads_the_same_sample_order_as_none_in_every_epoc
         loader = build_dataloader(args, "train", args.data_files, *tiny, batch_size=8, data_rank=0, data_world=1,
                                   shuffle_seed=3)
         assert loader.persistent_workers == bool(workers)
-        batches = [(epoch, batch["input_ids"]) for (epoch, batch), _ in zip(batches_forever(loader), range(15))]
-        return loader, batches
+        return [(epoch, batch["input_ids"]) for (epoch, batch), _ in zip(batches_forever(loader), range(15))]
 
-    in_process, in_worker = three_epochs(0)[1], three_epochs(1)[1]
+    in_process, in_worker = three_epochs(0), three_epochs(1)
     assert [epoch for epoch, _ in in_worker] == [0] * 5 + [1] * 5 + [2] * 5
     for (_, expected), (_, got) in zip(in_process, in_worker):
         assert torch.equal(expected, got)
