@@ -25,18 +25,22 @@ import torch.multiprocessing as mp
 
 from mmrecipes.chat_data import VLM_SHAPES, ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
 from mmrecipes.losses import token_cross_entropy_sum
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, build_llava, dummy_image_inputs
+from mmrecipes.chat_labels import AnswerLabeller
+from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, stop_token_ids
+from mmrecipes.vlm_families import dummy_image_inputs, module_groups
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vlm_dummy.jsonl"
 
 
 def setup(batch_size, dataset):
     torch.manual_seed(0)
-    model, processor = build_llava(VLMModelArgs())
-    apply_train_modules(model, "projector,language_model")  # the recipe's default (LLaVA stage 2)
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model))
+    model, processor = load_vlm(VLMModelArgs())
+    dummy_inputs = dummy_image_inputs(model, processor)
+    apply_train_modules(module_groups(model, dummy_inputs), "projector,language_model")  # the recipe's default
+    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs)
     args = ChatDataArgs(dataset_name=dataset, dataset_weights=None, dataloader_num_workers=0)
-    loader = build_chat_dataloader(args, processor, collator, batch_size=batch_size, data_rank=0, data_world=1,
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    loader = build_chat_dataloader(args, labeller, collator, batch_size=batch_size, data_rank=0, data_world=1,
                                    shuffle_seed=0)
     return model, loader
 

@@ -7,13 +7,13 @@ Two row formats, per row (a file may mix image and text-only rows):
   the text, plus `image`: a path relative to `--image_folder` (or a list of them); no `image`
   means a text-only row.
 
-Tokenisation is the processor's own `apply_chat_template(..., return_assistant_tokens_mask=True)`:
-the processor expands each image placeholder into the model's image tokens, and the template's
-`{% generation %}` span marks the assistant tokens. Labels are the input ids on assistant tokens
-and IGNORE_INDEX everywhere else (prompts, image tokens, padding). Nothing is truncated, so
-truncation can never cut through image tokens: a row longer than `max_length` is skipped and
-counted, as are rows with a missing or undecodable image and rows whose image placeholders do
-not match their images.
+Both become image content parts, which the checkpoint's own chat template and processor turn into
+that family's image tokens. Labels come from `mmrecipes.chat_labels.AnswerLabeller`: the input ids
+on the assistant turns (each with its end-of-turn token) and IGNORE_INDEX everywhere else
+(prompts, image tokens, padding), found with the template's `{% generation %}` markers or, for
+templates without them, by rendering prefixes. Nothing is truncated, so truncation can never cut
+through image tokens: a row longer than `max_length` is skipped and counted, as are rows with a
+missing or undecodable image and rows whose image placeholders do not match their images.
 """
 
 import os
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import datasets
 import torch
 
+from .chat_labels import TemplateError
 from .data import (DropCounter, ResumableShuffle, decode_image, expand_data_files, stream_loader,
                    split_by_data_rank)
 from .losses import IGNORE_INDEX
@@ -68,9 +69,11 @@ def to_chat(row, image_folder=None):
 
 
 def _content_parts(content):
-    """Content parts; a string's `<image>` placeholders become image parts (LLaVA's convention)."""
+    """Content parts; a string's `<image>` placeholders become image parts (LLaVA's convention).
+    An image part carries no text key: some templates test `'text' in part` before the part's type."""
     if not isinstance(content, str):
-        return [{"type": part["type"], "text": part.get("text")} for part in content]
+        return [{"type": "image"} if part["type"] == "image" else {"type": part["type"], "text": part.get("text")}
+                for part in content]
     parts = []
     for index, text in enumerate(content.split("<image>")):
         if index:
@@ -84,9 +87,8 @@ class ChatPreprocessor:
     """Batched `datasets.map` function: chat rows in, {input_ids, labels, image_inputs} rows out,
     bad rows dropped and counted (the counts ride along with the next kept row)."""
 
-    def __init__(self, args: ChatDataArgs, processor):
-        self.args, self.processor = args, processor
-        self.image_token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    def __init__(self, args: ChatDataArgs, labeller):
+        self.args, self.labeller = args, labeller
         self.drops = DropCounter()
 
     def __call__(self, batch):
@@ -116,15 +118,13 @@ class ChatPreprocessor:
                 return problem
             images.append(image)
             note = note or problem
-        # Lists, not tensors: the processor's assistant-mask pass iterates over the offsets.
-        encoded = self.processor.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, return_tensors=None,
-            processor_kwargs={"images": images} if images else {},
-        )
+        try:
+            encoded, target = self.labeller(messages, images)
+        except TemplateError:  # the template renders this row's turns differently from its prefixes
+            return "no_target"
         input_ids = torch.tensor(encoded.pop("input_ids")[0])
         if len(input_ids) > self.args.max_length:
             return "too_long"
-        target = torch.tensor(encoded.pop("assistant_masks")[0], dtype=torch.bool) & (input_ids != self.image_token_id)
         if not target[1:].any():  # the first token is never a target after the shift
             return "no_target"
         labels = torch.where(target, input_ids, IGNORE_INDEX)
@@ -151,12 +151,13 @@ class DummyImageCollator:
             "attention_mask": _pad([torch.ones_like(row["input_ids"]) for row in rows], length, 0),
             "labels": _pad([row["labels"] for row in rows], length, IGNORE_INDEX),
         }
-        for key in TOKEN_ALIGNED[2:]:
+        for key in TOKEN_ALIGNED[2:]:  # a text-only row may lack them (zeros: no image token)
             if any(key in row["image_inputs"] for row in rows):
-                batch[key] = _pad([row["image_inputs"][key] for row in rows], length, 0)
+                batch[key] = _pad([row["image_inputs"].get(key, torch.zeros_like(row["input_ids"])) for row in rows],
+                                  length, 0)
         with_images = [row["image_inputs"] for row in rows if "pixel_values" in row["image_inputs"]]
         image_keys = {key for inputs in with_images for key in inputs} - set(TOKEN_ALIGNED)
-        batch |= {key: torch.cat([inputs[key] for inputs in with_images]) for key in image_keys}
+        batch |= {key: _cat_padded([inputs[key] for inputs in with_images]) for key in image_keys}
         batch["dummy_image"] = not with_images
         if not with_images:
             batch |= self.dummy_inputs
@@ -176,6 +177,18 @@ def _as_tensor(value):
     if isinstance(value, (list, tuple)) and value and not isinstance(value[0], (int, float, list)):
         return torch.stack([torch.as_tensor(item) for item in value])
     return torch.as_tensor(value)
+
+
+def _cat_padded(tensors):
+    """Concatenate per-row image tensors along dim 0, zero-padding the other dims to the largest, as
+    the processors do within a batch (Idefics3 tiles, LLaVA-OneVision patches: all-zero ones are
+    recognised as padding by the model)."""
+    shape = [max(sizes) for sizes in zip(*(t.shape[1:] for t in tensors))]
+    padded = []
+    for tensor in tensors:
+        pad = [p for size, target in zip(reversed(tensor.shape[1:]), reversed(shape)) for p in (0, target - size)]
+        padded.append(torch.nn.functional.pad(tensor, pad) if any(pad) else tensor)
+    return torch.cat(padded)
 
 
 def _pad(sequences, length, value):
@@ -199,7 +212,7 @@ def load_chat_stream(args: ChatDataArgs, name, split, data_files, data_rank, dat
     return stream, columns
 
 
-def build_chat_dataloader(args: ChatDataArgs, processor, collator, *, batch_size, data_rank, data_world,
+def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size, data_rank, data_world,
                           shuffle_seed=None, eval_split=False):
     """A DataLoader over this data rank's rows: the training mixture, or (eval_split) the held-out set.
 
@@ -227,7 +240,7 @@ def build_chat_dataloader(args: ChatDataArgs, processor, collator, *, batch_size
     if len(streams) > 1:  # columns a source lacks are filled with None (so formats may differ)
         stream = datasets.interleave_datasets(streams, probabilities=[w / sum(weights) for w in weights],
                                               seed=shuffle_seed or 0, stopping_strategy="all_exhausted")
-    preprocess = ChatPreprocessor(args, processor)
+    preprocess = ChatPreprocessor(args, labeller)
     if shuffle_seed is None:
         stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=columns)
     else:  # same seed on every rank; each rank shuffles its own rows

@@ -40,22 +40,20 @@ def peak_flops(peak_tflops: float | None = None) -> float | None:
     return None
 
 
-def vlm_train_flops(model, *, seq_len: int, vision_trains: bool) -> tuple[float, float]:
-    """(training FLOPs per LM token, per image) of a Llava model.
+def vlm_train_flops(model, vision_tower_params: int, *, seq_len: int, vision_trains: bool) -> tuple[float, float]:
+    """(training FLOPs per LM token, per image patch) of an image-text-to-text model.
 
     LM: 6 N per token (the backward runs through the LM whenever anything trains) plus attention
-    at `seq_len`. Vision tower: 6 N per patch when it trains, 2 N (forward only) when frozen.
-    Count before `prepare` (ZeRO-3 partitioned parameters report numel 0).
+    at `seq_len`. Vision tower: 6 N per patch when it trains, 2 N (forward only) when frozen
+    (`vlm_families.image_patches` counts a batch's patches). Count before `prepare` (ZeRO-3
+    partitioned parameters report numel 0).
     """
-    vision, text = model.config.vision_config, model.config.text_config
-    tower = model.model.vision_tower  # Llava's layout
-    patches = (vision.image_size // vision.patch_size) ** 2 + 1
-    per_image = (6 if vision_trains else 2) * sum(p.numel() for p in tower.parameters()) * patches
+    text = model.config.text_config
     decoder = model.get_decoder()
     lm_params = sum(p.numel() for p in decoder.parameters()) - decoder.get_input_embeddings().weight.numel()
     lm_params += model.get_output_embeddings().weight.numel()
     per_token = transformer_train_flops(lm_params, text.num_hidden_layers, text.hidden_size, seq_len) / seq_len
-    return per_token, per_image
+    return per_token, (6 if vision_trains else 2) * vision_tower_params
 
 
 class DataWait:

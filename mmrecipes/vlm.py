@@ -3,15 +3,19 @@
 When one data-parallel rank gets a text-only micro-batch and another an image-text one, the
 vision tower and projector run on some ranks only: DDP waits for gradients that never come,
 FSDP and ZeRO-3 issue mismatched all-gathers (FIELD_NOTES §1, §4). `VLMForTraining` wraps any
-`AutoModelForImageTextToText` model (Llava, Qwen2-VL, ...) so that every micro-batch calls the
-vision step exactly once, in the same module order on every rank:
+`AutoModelForImageTextToText` model (Llava, Qwen2.5-VL, Qwen3-VL, Idefics3, Gemma 3, ...) so that
+every micro-batch calls the vision step exactly once, in the same module order on every rank:
 
 1. image features: `model.get_image_features(...)` on the batch's images, or on the one tiny
-   dummy image `DummyImageCollator` puts into a text-only batch (`dummy_image_inputs`);
+   dummy image `DummyImageCollator` puts into a text-only batch (`vlm_families.dummy_image_inputs`);
 2. the model's own forward, given real features as `mm_encoder_outputs`, or no images at all;
-3. the summed token cross-entropy, plus, for a dummy, a zero-length slice of its features
-   (`features[:0].sum()`): the vision parameters get an exact-zero gradient and the loss and LM
-   gradients stay bitwise unchanged. Slicing, not `0 * features`, because `0 * inf = nan`.
+3. the summed token cross-entropy, plus, for a dummy, a zero-length slice of every feature tensor
+   the language model would read (`vlm_families.lm_features`): the vision parameters get an
+   exact-zero gradient and the loss and LM gradients stay bitwise unchanged. Slicing, not
+   `0 * features`, because `0 * inf = nan`.
+
+Family differences (dummy shapes, extra image inputs, module groups) come from the model's
+signatures, configs and module tree (`mmrecipes.vlm_families`), never from its name.
 
 The wrapper reads no parameter itself: under ZeRO-3, reading a sub-module's parameter (its dtype,
 say) in a parent's forward gathers it on that rank only and breaks the next collective
@@ -25,12 +29,13 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers import (AutoProcessor, AutoTokenizer, CLIPImageProcessor, LlavaConfig,
+from transformers import (AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, CLIPImageProcessor, LlavaConfig,
                           LlavaForConditionalGeneration, LlavaProcessor)
 
 from .distributed import fsdp_block_classes
 from .losses import token_cross_entropy_sum
 from .models import EMBEDDED
+from .vlm_families import ModuleGroups, check_trainable, lm_features
 
 TINY_VLM_TOKENIZER = EMBEDDED / "vlm_tokenizer"
 TRAIN_MODULE_CHOICES = ("projector", "projector,language_model", "all")
@@ -38,7 +43,10 @@ TRAIN_MODULE_CHOICES = ("projector", "projector,language_model", "all")
 
 @dataclass
 class VLMModelArgs:
-    model_name_or_path: str | None = None  # a saved Llava directory or hub id; None builds the tiny Llava below
+    # A saved image-text-to-text directory or hub id (Llava, Qwen2.5-VL, Qwen3-VL, SmolVLM, Gemma 3, ...),
+    # loaded with AutoModelForImageTextToText and AutoProcessor; None builds the tiny Llava below
+    model_name_or_path: str | None = None
+    chat_template_path: str | None = None  # a .jinja file replacing the processor's chat template (TRL's name)
     tokenizer_name: str = str(TINY_VLM_TOKENIZER)  # used only with model_name_or_path=None
     # What trains: projector (LLaVA stage 1), projector,language_model (stage 2), all (tower too, at its own lr)
     train_modules: str = "projector,language_model"
@@ -64,21 +72,22 @@ class VLMForTraining(torch.nn.Module):
         super().__init__()
         self.model = model
         self.vision_input_names = set(inspect.signature(model.get_image_features).parameters) - {"kwargs"}
+        self.forward_input_names = set(inspect.signature(model.forward).parameters) - {"kwargs"}
 
     def forward(self, input_ids, attention_mask, labels, dummy_image: bool, **image_inputs):
         vision_inputs = {name: value for name, value in image_inputs.items() if name in self.vision_input_names}
         features = self.model.get_image_features(**vision_inputs, return_dict=True)
-        if dummy_image:
-            # Text-only batch: the tower ran on the dummy; the LM sees no image and no image token.
-            text_inputs = {name: value for name, value in image_inputs.items() if name not in self.vision_input_names}
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **text_inputs).logits
-        else:
-            other_inputs = {name: value for name, value in image_inputs.items() if name != "pixel_values"}
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, mm_encoder_outputs={"image": features},
-                                **other_inputs).logits
+        # What the LM takes besides the features: Qwen's image_grid_thw and mm_token_type_ids (mRoPE
+        # positions), Gemma 3's token_type_ids, Idefics3's pixel_attention_mask, LLaVA-OneVision's image_sizes.
+        # A text-only batch passes only its per-token inputs: the LM sees no image and no image token.
+        keep = self.forward_input_names - {"pixel_values"} - (self.vision_input_names if dummy_image else set())
+        other_inputs = {name: value for name, value in image_inputs.items() if name in keep}
+        if not dummy_image:
+            other_inputs["mm_encoder_outputs"] = {"image": features}
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **other_inputs).logits
         loss_sum = token_cross_entropy_sum(logits, labels)
         if dummy_image:
-            loss_sum = loss_sum + torch.cat([part.flatten() for part in features.pooler_output])[:0].sum()
+            loss_sum = loss_sum + torch.cat([part.flatten() for part in lm_features(features)])[:0].sum()
         return loss_sum, logits
 
     def get_input_embeddings(self):  # accelerate's FSDP2 path asks the root module for it
@@ -89,41 +98,22 @@ class VLMForTraining(torch.nn.Module):
         return fsdp_block_classes(self.model)
 
 
-def dummy_image_inputs(model) -> dict:
-    """The smallest image input the model's vision step accepts, as `get_image_features` kwargs.
+def load_vlm(args: VLMModelArgs):
+    """(model, processor): any `AutoModelForImageTextToText` checkpoint, or the tiny Llava built from a config.
 
-    Chosen from `get_image_features`' signature and the vision config (FIELD_NOTES §10), not from
-    the model's name: a patch grid (`image_grid_thw`: Qwen2-VL style) gets one merged token of
-    spatial_merge_size^2 patches; a tower with a `pixel_attention_mask` (Idefics3 style) one tile
-    of scale_factor x patch_size pixels; a fixed-size tower (CLIP, SigLIP: Llava style) one image
-    of its image_size. Filled with ones: some towers drop an all-zero image as padding.
-    """
-    names = inspect.signature(model.get_image_features).parameters
-    vision = model.config.vision_config
-    channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
-    if "image_grid_thw" in names:
-        merge = vision.spatial_merge_size
-        patch_dim = channels * vision.temporal_patch_size * vision.patch_size ** 2
-        return {"pixel_values": torch.ones(merge * merge, patch_dim),
-                "image_grid_thw": torch.tensor([[1, merge, merge]])}
-    if "pixel_attention_mask" in names:
-        side = model.config.scale_factor * vision.patch_size
-        return {"pixel_values": torch.ones(1, 1, channels, side, side),
-                "pixel_attention_mask": torch.ones(1, 1, side, side, dtype=torch.bool)}
-    return {"pixel_values": torch.ones(1, channels, vision.image_size, vision.image_size)}
-
-
-def build_llava(args: VLMModelArgs):
-    """(model, processor): loaded from `model_name_or_path`, or a tiny Llava built from a config.
-
+    A family the recipe cannot train is rejected from its config, before any weight is read.
     Build it *before* `Accelerator()` (under ZeRO-3 a model built afterwards is partitioned and
     re-initialised, as for CLIP).
     """
     if args.model_name_or_path:
-        model = LlavaForConditionalGeneration.from_pretrained(args.model_name_or_path)
+        check_trainable(args.model_name_or_path)
+        model = AutoModelForImageTextToText.from_pretrained(args.model_name_or_path)
         processor = AutoProcessor.from_pretrained(args.model_name_or_path)
     else:
         model, processor = _tiny_llava(args)
+    if args.chat_template_path:
+        with open(args.chat_template_path) as file:
+            processor.chat_template = file.read()
     model.set_attn_implementation(args.attn_implementation)
     return model, processor
 
@@ -157,17 +147,16 @@ def _tiny_llava(args: VLMModelArgs):
     return model, processor
 
 
-def llava_module_groups(model) -> dict[str, list[torch.nn.Parameter]]:
-    """Llava's parameters by part: vision_tower, projector, language_model (LM + head)."""
-    groups = {"vision_tower": list(model.model.vision_tower.parameters()),
-              "projector": list(model.model.multi_modal_projector.parameters())}
-    seen = {id(p) for group in groups.values() for p in group}
-    groups["language_model"] = [p for p in model.parameters() if id(p) not in seen]
-    return groups
+def stop_token_ids(model, processor) -> list[int]:
+    """The tokens that end an assistant turn: the generation config's eos ids and the tokenizer's eos."""
+    eos = model.generation_config.eos_token_id
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    return [i for i in {*ids, processor.tokenizer.eos_token_id} if i is not None]
 
 
-def apply_train_modules(model, train_modules: str) -> dict[str, list[torch.nn.Parameter]]:
-    """Freeze what `train_modules` does not name; returns the trainable parameters by group.
+def apply_train_modules(groups: ModuleGroups, train_modules: str) -> dict[str, list[torch.nn.Parameter]]:
+    """Freeze what `train_modules` does not name, and every unreached parameter; returns the
+    trainable parameters by group (vision_tower, projector, language_model).
 
     Frozen parameters get `requires_grad=False` before `accelerator.prepare`, so DDP needs no
     `find_unused_parameters`, FSDP2 and ZeRO-3 skip their gradients, and the optimizer (built
@@ -178,32 +167,14 @@ def apply_train_modules(model, train_modules: str) -> dict[str, list[torch.nn.Pa
     names = {"projector"} | ({"language_model"} if "language_model" in train_modules else set())
     if train_modules == "all":
         names = {"projector", "language_model", "vision_tower"}
-    groups = llava_module_groups(model)
+    unreached = set(groups.unreached)
+    trainable = {}
     for name, params in groups.items():
-        for param in params:
-            param.requires_grad_(name in names)
-    return {name: params for name, params in groups.items() if name in names}
-
-
-def freeze_unreached_parameters(model, dummy_inputs: dict) -> list[str]:
-    """Freeze trainable parameters that the vision step never reaches; returns their names.
-
-    CLIP's `post_layernorm` feeds only the pooled output, which Llava discards, and at LLaVA's
-    `vision_feature_layer=-2` the tower's last layer is computed but unused (FIELD_NOTES §7): no
-    batch ever gives them a gradient, so DDP fails without `find_unused_parameters`. One backward
-    of the dummy image through `get_image_features` (before `prepare`) finds them, for any family.
-    """
-    features = model.get_image_features(**dummy_inputs, return_dict=True).pooler_output
-    torch.cat([part.flatten() for part in features]).sum().backward()
-    language_model = [*model.get_decoder().parameters(), *model.get_output_embeddings().parameters()]
-    outside_vision_step = {id(param) for param in language_model}
-    unreached = []
-    for name, param in model.named_parameters():
-        if param.requires_grad and param.grad is None and id(param) not in outside_vision_step:
-            param.requires_grad_(False)
-            unreached.append(name)
-    model.zero_grad(set_to_none=True)
-    return unreached
+        for param_name, param in params:
+            param.requires_grad_(name in names and param_name not in unreached)
+        if name in names:
+            trainable[name] = [param for param_name, param in params if param_name not in unreached]
+    return trainable
 
 
 def save_vlm(accelerator, model, processor, output_dir):

@@ -1,11 +1,17 @@
-"""LLaVA-style fine-tuning on mixed image-text / text-only conversations with Hugging Face Accelerate.
+"""Fine-tuning of any image-text-to-text model on mixed image-text / text-only conversations with Accelerate.
 
     accelerate launch recipes/vlm_finetune.py
     accelerate launch --config_file accelerate_configs/zero3.yaml recipes/vlm_finetune.py recipes/configs/vlm_tiny.yaml
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/vlm_finetune.py \
+        --model_name_or_path Qwen/Qwen2.5-VL-3B-Instruct --learning_rate 2.0e-5
 
 With no arguments it fine-tunes a tiny `LlavaForConditionalGeneration` on the embedded shapes
 conversations (75% image questions, 25% text-only) on a CPU and writes a directory that
-`AutoProcessor`, `LlavaForConditionalGeneration` and `pipeline("image-text-to-text")` load.
+`AutoProcessor`, `AutoModelForImageTextToText` and `pipeline("image-text-to-text")` load.
+`--model_name_or_path` takes any `AutoModelForImageTextToText` checkpoint (tested: Llava, Qwen2.5-VL,
+Qwen3-VL, SmolVLM/Idefics3, Gemma 3, LLaVA-OneVision) with its own processor and chat template:
+the answer tokens are found in whatever template it ships (mmrecipes.chat_labels), and its vision
+tower, projector and language model from its module tree (mmrecipes.vlm_families).
 Two things make it safe at any scale, on every engine in accelerate_configs/:
 - every micro-batch runs the vision step once on every rank (a text-only batch gets a tiny dummy
   image whose features are sliced out of the loss): ranks never disagree on which modules run;
@@ -26,6 +32,7 @@ from transformers import get_scheduler
 
 from mmrecipes.chat_data import (CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader,
                                  chat_model_inputs)
+from mmrecipes.chat_labels import AnswerLabeller, check_template
 from mmrecipes.checkpointing import Checkpointer
 from mmrecipes.config import parse_args
 from mmrecipes.distributed import (DivergenceGuard, data_parallel_rank_and_world, engine_line,
@@ -35,8 +42,8 @@ from mmrecipes.losses import count_target_tokens, token_loss_scale
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import DataWait, peak_flops, vlm_train_flops
 from mmrecipes.training import TrainingArgs, accelerator_from_args, adamw, compile_blocks, per_device_batch_size
-from mmrecipes.vlm import (VLMForTraining, VLMModelArgs, apply_train_modules, build_llava, dummy_image_inputs,
-                           freeze_unreached_parameters, save_vlm)
+from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, save_vlm, stop_token_ids
+from mmrecipes.vlm_families import dummy_image_inputs, image_patches, module_groups
 
 
 @dataclass
@@ -60,16 +67,23 @@ def main(argv=None):
     model_args, data_args, args = parse_args((VLMModelArgs, ChatDataArgs, TrainArgs), argv)
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
-    model, processor = build_llava(model_args)
-    trainable = apply_train_modules(model, model_args.train_modules)
-    dummy_inputs = dummy_image_inputs(model)
-    unreached = freeze_unreached_parameters(model, dummy_inputs)  # DDP would wait for their gradients forever
+    model, processor = load_vlm(model_args)
+    # The answer tokens of the checkpoint's own chat template, checked on a probe conversation now
+    # (a template whose turns no rule finds would otherwise drop every row as no_target).
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    template_line = check_template(labeller, model_args.chat_template_path or model_args.model_name_or_path
+                                   or model_args.tokenizer_name)
+    dummy_inputs = dummy_image_inputs(model, processor)
+    groups = module_groups(model, dummy_inputs)  # one dummy backward: vision tower, projector, language model
+    trainable = apply_train_modules(groups, model_args.train_modules)  # unreached ones frozen: DDP would wait for them
     if model_args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.enable_input_require_grads()  # a frozen embedding would leave checkpointed layers without grads
     # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
-    flops_per_token, flops_per_image = vlm_train_flops(model, seq_len=data_args.max_length // 2,
+    flops_per_token, flops_per_patch = vlm_train_flops(model, sum(p.numel() for _, p in groups.vision_tower),
+                                                       seq_len=data_args.max_length // 2,
                                                        vision_trains="vision_tower" in trainable)
+    vision_config = model.config.vision_config  # the patch count per batch reads it
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
@@ -78,8 +92,10 @@ def main(argv=None):
             raise ValueError("--debug_divergence checks every module call from Python, which compiled blocks skip: "
                              "drop --torch_compile while you debug")
         accelerator.print(compile_blocks(model))
-    if unreached:
-        accelerator.print(f"froze {len(unreached)} parameters no forward path reaches: {', '.join(unreached)}")
+    accelerator.print(template_line)
+    accelerator.print(groups.describe())
+    if groups.unreached:
+        accelerator.print(f"froze {len(groups.unreached)} parameters no forward path reaches: {', '.join(groups.unreached)}")
 
     # Frozen parameters are not in the optimizer (no state); the tower, if it trains, has its own lr.
     param_groups = []
@@ -104,7 +120,7 @@ def main(argv=None):
 
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare.
     collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs)
-    loader_kwargs = dict(processor=processor, collator=collator, data_rank=data_rank, data_world=data_world)
+    loader_kwargs = dict(labeller=labeller, collator=collator, data_rank=data_rank, data_world=data_world)
     train_loader = build_chat_dataloader(data_args, batch_size=batch_size, shuffle_seed=args.seed, **loader_kwargs)
     eval_loader = None
     if data_args.eval_dataset_name:
@@ -124,7 +140,7 @@ def main(argv=None):
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
     # Summed over the logging window on this rank. On the device: CE and target tokens of applied
-    # steps. From the CPU batches: samples, LM tokens, images, dummy-image batches of all steps.
+    # steps. From the CPU batches: samples, LM tokens, image patches, dummy-image batches of all steps.
     applied_sums, counts, window_start = torch.zeros(2, device=accelerator.device), torch.zeros(4), time.perf_counter()
     data_counts, data_wait = torch.zeros(len(CHAT_COUNTED), dtype=torch.long), DataWait()
     for step in progress:
@@ -146,8 +162,8 @@ def main(argv=None):
                 loss_sum, _ = model(**chat_model_inputs(batch, accelerator.device))
                 accelerator.backward(loss_sum * loss_scale)
             window_ce.append(loss_sum.detach())
-            images = 0 if batch["dummy_image"] else len(batch["pixel_values"])
-            counts += torch.tensor([len(batch["input_ids"]), batch["attention_mask"].sum(), images,
+            patches = 0 if batch["dummy_image"] else image_patches(batch["pixel_values"], vision_config)
+            counts += torch.tensor([len(batch["input_ids"]), batch["attention_mask"].sum(), patches,
                                     batch["dummy_image"]])
             data_counts += batch["data_counts"]
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
@@ -162,7 +178,7 @@ def main(argv=None):
 
         if done % args.logging_steps == 0 or done == args.max_steps:
             elapsed = time.perf_counter() - window_start
-            ce, target_tokens, samples, tokens, images, dummies, wait = sum_over_ranks(torch.cat([
+            ce, target_tokens, samples, tokens, patches, dummies, wait = sum_over_ranks(torch.cat([
                 applied_sums.double(), counts.double().to(accelerator.device),
                 torch.tensor([data_wait.take()], dtype=torch.float64, device=accelerator.device)])).tolist()
             problems = sum_over_ranks(data_counts.to(accelerator.device)).tolist()
@@ -172,7 +188,7 @@ def main(argv=None):
                        "dummy_image_batches": int(dummies),
                        "skipped_steps": guard.skipped_steps}
             if peak:
-                flops = tokens * flops_per_token + images * flops_per_image
+                flops = tokens * flops_per_token + patches * flops_per_patch
                 metrics["mfu"] = flops / elapsed / (peak * accelerator.num_processes)
             metrics |= dict(zip(CHAT_COUNTED, map(int, problems)))
             accelerator.log(metrics, step=done)

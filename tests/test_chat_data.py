@@ -12,18 +12,21 @@ from PIL import Image
 from mmrecipes.chat_data import (CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader,
                                  chat_model_inputs)
 from mmrecipes.losses import IGNORE_INDEX
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, build_llava, dummy_image_inputs
+from mmrecipes.chat_labels import AnswerLabeller
+from mmrecipes.vlm import VLMForTraining, VLMModelArgs, load_vlm, stop_token_ids
+from mmrecipes.vlm_families import dummy_image_inputs
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    model, processor = build_llava(VLMModelArgs())
+    model, processor = load_vlm(VLMModelArgs())
     return model, processor, DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model))
 
 
 def load_all(args, tiny, batch_size=64, max_batches=None, **kwargs):
-    _, processor, collator = tiny
-    loader = build_chat_dataloader(args, processor, collator, batch_size=batch_size, data_rank=kwargs.pop("rank", 0),
+    model, processor, collator = tiny
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    loader = build_chat_dataloader(args, labeller, collator, batch_size=batch_size, data_rank=kwargs.pop("rank", 0),
                                    data_world=kwargs.pop("world", 1), **kwargs)
     return list(itertools.islice(loader, max_batches))
 

@@ -10,16 +10,18 @@ from gloo import run_on_ranks
 from recipe_without_dummy import SkipsTowerOnTextOnly
 from mmrecipes.chat_data import CHAT_COUNTED, DummyImageCollator
 from mmrecipes.losses import IGNORE_INDEX, count_target_tokens, token_cross_entropy_sum, token_loss_scale
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, build_llava, dummy_image_inputs, freeze_unreached_parameters
+from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm
+from mmrecipes.vlm_families import dummy_image_inputs, module_groups
 
 USER = 3  # any ordinary token id
 
 
 def tiny_llava():
     """Every part trainable (the vision tower too), less what no path reaches (as the recipe does)."""
-    model, _ = build_llava(VLMModelArgs())
-    assert freeze_unreached_parameters(model, dummy_image_inputs(model)) == [
-        "model.vision_tower.post_layernorm.weight", "model.vision_tower.post_layernorm.bias"]
+    model, _ = load_vlm(VLMModelArgs())
+    groups = module_groups(model, dummy_image_inputs(model))
+    assert groups.unreached == ["model.vision_tower.post_layernorm.weight", "model.vision_tower.post_layernorm.bias"]
+    apply_train_modules(groups, "all")
     return model
 
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoProcessor, LlavaForConditionalGeneration, pipeline
 
 from launch import REPO, VLM_RECIPE, accelerate_launch, engine_line, grad_norms, losses, run_recipe
-from mmrecipes.vlm import VLMModelArgs, build_llava
+from mmrecipes.vlm import VLMModelArgs, load_vlm
 
 pytestmark = pytest.mark.launch
 
@@ -79,7 +79,7 @@ def test_model_name_or_path_continues_from_a_saved_llava(default_run, tmp_path):
 
 def initial_weights():
     set_seed(42)  # the recipe's default seed: the same tiny Llava it starts from
-    model, _ = build_llava(VLMModelArgs())
+    model, _ = load_vlm(VLMModelArgs())
     return model.state_dict()
 
 

@@ -1,0 +1,209 @@
+"""Tiny checkpoints of the image-text-to-text families people fine-tune, saved in their hub layout.
+
+    python data_prep/tiny_vlm.py --family qwen2_5_vl --output_dir /tmp/tiny-qwen2_5_vl
+    accelerate launch recipes/vlm_finetune.py --model_name_or_path /tmp/tiny-qwen2_5_vl
+
+Each is the family's model class built from its transformers config at toy size (random weights),
+its own image processor and processor classes, a byte-level BPE tokenizer trained on the embedded
+conversations with the family's special tokens, and the family's official chat template copied
+verbatim (chat_templates/, sources in chat_templates/README.md). `save_pretrained` writes what the
+hub repo holds, so the recipe loads it through the Auto classes as it would the real checkpoint.
+Vision and text widths differ on purpose, as in every real checkpoint. The test suite builds its
+fixtures with `save_tiny_vlm`; nothing here is used by the recipes.
+"""
+
+import argparse
+from pathlib import Path
+
+import datasets
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (CLIPImageProcessor, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor,
+                          Gemma3Processor, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor,
+                          Idefics3Processor, LlavaConfig, LlavaForConditionalGeneration, LlavaOnevisionConfig,
+                          LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessor,
+                          LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor, LlavaProcessor,
+                          PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                          Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3VLConfig,
+                          Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor)
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
+IMAGE_SIZE = 32  # the embedded shapes images
+VISION = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2)
+TEXT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_hidden_layers=2, max_position_embeddings=512)
+QWEN_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+               "<|video_pad|>"]
+
+
+def train_tokenizer(special_tokens, *, eos, pad, bos=None, vocab_size=384, **extra):
+    """A byte-level BPE on the embedded conversations; the family's special tokens first (ids 0...)."""
+    rows = datasets.load_dataset("parquet", data_files=str(ROOT / "data/vlm_shapes/*/train-*.parquet"), split="train")
+    texts = [part["text"] for row in rows.select_columns(["messages"]) for message in row["messages"]
+             for part in message["content"] if part["text"]]
+    texts += ["system", "user", "assistant", "model", "You are a helpful assistant.", "User:", "Assistant:"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[AddedToken(t, special=True) for t in special_tokens],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos, pad_token=pad,
+                                   model_max_length=512, **extra)
+
+
+def template(name):
+    return (TEMPLATES / f"{name}.jinja").read_text()
+
+
+def _stop_on(model, *tokens):
+    """generation_config: stop at the family's end-of-turn token(s), pad with the tokenizer's pad."""
+    model.generation_config.eos_token_id = list(tokens) if len(tokens) > 1 else tokens[0]
+
+
+def llava():
+    """Llava-1.5 (llava-hf/llava-1.5-7b-hf's chat template) on the embedded chat tokenizer."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(ROOT / "data" / "vlm_tokenizer")
+    vision = dict(model_type="clip_vision_model", image_size=IMAGE_SIZE, patch_size=8, **VISION)
+    text = dict(model_type="llama", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **TEXT)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                         vision_feature_layer=-2, vision_feature_select_strategy="default")
+    image_processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                         crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=template("llava"))
+    model = LlavaForConditionalGeneration(config)
+    _stop_on(model, tokenizer.eos_token_id)
+    return model, processor
+
+
+def qwen2_5_vl():
+    tokenizer = train_tokenizer(QWEN_TOKENS, eos="<|im_end|>", pad="<|endoftext|>")
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                           temporal_patch_size=2, out_hidden_size=TEXT["hidden_size"], window_size=16,
+                           fullatt_block_indexes=[1]),
+        text_config=dict(vocab_size=len(tokenizer), rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3]},
+                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, **TEXT),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    pixels = dict(patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 8 * 8, "longest_edge": 64 * 64})
+    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
+                                    video_processor=Qwen2VLVideoProcessor(**pixels), chat_template=template("qwen2_5_vl"))
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    _stop_on(model, ids("<|im_end|>"), ids("<|endoftext|>"))
+    return model, processor
+
+
+def qwen3_vl():
+    tokenizer = train_tokenizer(QWEN_TOKENS, eos="<|im_end|>", pad="<|endoftext|>")
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen3VLConfig(
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                           temporal_patch_size=2, out_hidden_size=TEXT["hidden_size"], num_position_embeddings=64,
+                           deepstack_visual_indexes=[0]),
+        text_config=dict(vocab_size=len(tokenizer),
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, **TEXT),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    pixels = dict(patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 8 * 8, "longest_edge": 64 * 64})
+    processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
+                                 video_processor=Qwen3VLVideoProcessor(**pixels), chat_template=template("qwen3_vl"))
+    model = Qwen3VLForConditionalGeneration(config)
+    _stop_on(model, ids("<|im_end|>"), ids("<|endoftext|>"))
+    return model, processor
+
+
+def idefics3():
+    """SmolVLM-Instruct (HuggingFaceTB/SmolVLM-Instruct's chat template): Idefics3 with image splitting."""
+    grid = [f"<row_{row}_col_{col}>" for row in range(1, 5) for col in range(1, 5)]
+    tokenizer = train_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<end_of_utterance>", "<image>",
+                                 "<fake_token_around_image>", "<global-img>", *grid],
+                                bos="<|im_start|>", eos="<end_of_utterance>", pad="<|im_end|>")
+    ids = tokenizer.convert_tokens_to_ids
+    config = Idefics3Config(
+        vision_config=dict(image_size=IMAGE_SIZE, patch_size=8, **VISION),
+        text_config=dict(model_type="llama", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **TEXT),
+        image_token_id=ids("<image>"), scale_factor=2, pad_token_id=tokenizer.pad_token_id)
+    # 64 px longest edge, 32 px tiles: a shapes image becomes 2 x 2 tiles plus the global image.
+    image_processor = Idefics3ImageProcessor(size={"longest_edge": 2 * IMAGE_SIZE}, max_image_size={"longest_edge": IMAGE_SIZE},
+                                             do_image_splitting=True)
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4,
+                                  chat_template=template("smolvlm"))
+    model = Idefics3ForConditionalGeneration(config)
+    _stop_on(model, ids("<end_of_utterance>"))
+    return model, processor
+
+
+def gemma3():
+    """Gemma 3 (google/gemma-3-4b-it's chat template)."""
+    tokenizer = train_tokenizer(["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                                 "<end_of_image>", "<image_soft_token>"], bos="<bos>", eos="<eos>", pad="<pad>",
+                                extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                                      "image_token": "<image_soft_token>"})
+    ids = tokenizer.convert_tokens_to_ids
+    config = Gemma3Config(
+        vision_config=dict(model_type="siglip_vision_model", image_size=IMAGE_SIZE, patch_size=8, vision_use_head=False,
+                           **VISION),
+        text_config=dict(vocab_size=len(tokenizer), sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+                         query_pre_attn_scalar=16, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, **TEXT),
+        mm_tokens_per_image=4, boi_token_index=ids("<start_of_image>"), eoi_token_index=ids("<end_of_image>"),
+        image_token_index=ids("<image_soft_token>"))
+    image_processor = Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4,
+                                chat_template=template("gemma3"))
+    model = Gemma3ForConditionalGeneration(config)
+    _stop_on(model, ids("<eos>"), ids("<end_of_turn>"))
+    return model, processor
+
+
+def llava_onevision():
+    """LLaVA-OneVision (llava-hf/llava-onevision-qwen2-*-ov-hf's chat template): anyres tiles."""
+    tokenizer = train_tokenizer(QWEN_TOKENS[:3] + ["<image>", "<video>"], eos="<|im_end|>", pad="<|endoftext|>")
+    ids = tokenizer.convert_tokens_to_ids
+    pinpoints = [[IMAGE_SIZE, IMAGE_SIZE], [IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE],
+                 [2 * IMAGE_SIZE, 2 * IMAGE_SIZE]]
+    config = LlavaOnevisionConfig(
+        vision_config=dict(model_type="siglip_vision_model", image_size=IMAGE_SIZE, patch_size=8, vision_use_head=False,
+                           **VISION),
+        text_config=dict(model_type="qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **TEXT),
+        image_token_index=ids("<image>"), video_token_index=ids("<video>"), image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="full", vision_feature_layer=-1)
+    size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    processor = LlavaOnevisionProcessor(
+        image_processor=LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=pinpoints),
+        video_processor=LlavaOnevisionVideoProcessor(size=size), tokenizer=tokenizer,
+        num_image_tokens=(IMAGE_SIZE // 8) ** 2, vision_feature_select_strategy="full", chat_template=template("llava_onevision"))
+    model = LlavaOnevisionForConditionalGeneration(config)
+    _stop_on(model, ids("<|im_end|>"), ids("<|endoftext|>"))
+    return model, processor
+
+
+FAMILIES = {"llava": llava, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "idefics3": idefics3, "gemma3": gemma3,
+            "llava_onevision": llava_onevision}
+
+
+def save_tiny_vlm(family: str, output_dir) -> Path:
+    """Build the tiny `family` checkpoint and `save_pretrained` model and processor to `output_dir`."""
+    model, processor = FAMILIES[family]()
+    model.save_pretrained(output_dir)
+    processor.save_pretrained(output_dir)
+    return Path(output_dir)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
+    parser.add_argument("--output_dir", required=True)
+    args = parser.parse_args()
+    print(f"wrote {save_tiny_vlm(args.family, args.output_dir)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""What differs between image-text-to-text families, read from the model itself, not from its name.
+
+Every `AutoModelForImageTextToText` family the recipe trains (Llava, LLaVA-OneVision, Qwen2/2.5/3-VL,
+Idefics3/SmolVLM, Gemma 3, ...) exposes the same two hooks: `get_image_features(pixel_values, **extra)`
+returns the projected image features, and `forward(..., mm_encoder_outputs=...)` takes them back.
+From those, the configs and the module tree this module derives:
+
+- `check_trainable`: families the recipe cannot train, rejected before any weight is loaded;
+- `dummy_image_inputs`: the smallest image the vision step accepts, its extra inputs chosen from
+  `get_image_features`' signature (FIELD_NOTES §10);
+- `lm_features`: the tensors of that call the language model consumes (the projected features,
+  and Qwen3-VL's deepstack features);
+- `module_groups`: vision tower / projector / language model, from one dummy backward;
+- `image_patches`: what the tower embeds, for the FLOPs count.
+"""
+
+import inspect
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from PIL import Image
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+# Outputs of a vision encoder that the language model never reads.
+ENCODER_ONLY_OUTPUTS = ("last_hidden_state", "hidden_states", "attentions")
+# Backs the projector rule (module_groups) where it cannot decide: a tower as wide as the language
+# model. tests/test_vlm_families.py checks that rule and table agree on every family listed.
+PROJECTORS = {
+    "llava": ("model.multi_modal_projector",),
+    "llava_onevision": ("model.multi_modal_projector", "model.image_newline"),
+    "qwen2_vl": ("model.visual.merger",),
+    "qwen2_5_vl": ("model.visual.merger",),
+    "qwen3_vl": ("model.visual.merger", "model.visual.deepstack_merger_list"),
+    "idefics3": ("model.connector",),
+    "smolvlm": ("model.connector",),
+    "gemma3": ("model.multi_modal_projector",),
+}
+
+
+def check_trainable(model_name_or_path: str):
+    """Raise, naming the model type and why, if the recipe cannot train this checkpoint; reads its config only."""
+    config = AutoConfig.from_pretrained(model_name_or_path)
+    model_type = config.model_type
+    if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        raise ValueError(f"{model_name_or_path}: model type {model_type!r} is not an image-text-to-text model "
+                         "(AutoModelForImageTextToText has no class for it)")
+    model_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+    reason = None
+    if getattr(config, "is_encoder_decoder", False):
+        reason = "it is an encoder-decoder model; the recipe trains decoder-only language models"
+    elif not hasattr(model_class, "get_image_features"):
+        reason = f"{model_class.__name__} has no get_image_features, so a text-only batch cannot run the vision step"
+    elif "mm_encoder_outputs" not in inspect.signature(model_class.forward).parameters:
+        reason = f"{model_class.__name__}.forward takes no precomputed image features (mm_encoder_outputs)"
+    if reason:
+        raise ValueError(f"{model_name_or_path}: model type {model_type!r} cannot be trained by this recipe: {reason}")
+
+
+def lm_features(output) -> list[torch.Tensor]:
+    """Every tensor of a `get_image_features` output that the language model consumes, flattened out of
+    nested lists (per-image features, Qwen3-VL's per-layer deepstack features)."""
+    tensors = []
+
+    def collect(value):
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                collect(item)
+
+    for name, value in output.items():
+        if name not in ENCODER_ONLY_OUTPUTS:
+            collect(value)
+    return tensors
+
+
+def dummy_image_inputs(model, processor=None) -> dict:
+    """The smallest image input the model's vision step accepts, as `get_image_features` kwargs.
+
+    Chosen from `get_image_features`' signature and the vision config, not from the model's name:
+    a patch grid (`image_grid_thw`: Qwen-VL style) gets one merged token of spatial_merge_size^2
+    patches; a tower with a `pixel_attention_mask` (Idefics3 style) one tile of scale_factor x
+    patch_size pixels; a tower that takes pixels alone (CLIP, SigLIP: Llava, Gemma 3) one image of
+    its image_size. Filled with ones: some towers drop an all-zero image as padding. Any other
+    signature (LLaVA-OneVision's `image_sizes`) gets what the processor makes of one small white
+    image, with every extra input the tower needs.
+    """
+    names = set(inspect.signature(model.get_image_features).parameters) - {"self", "kwargs"}
+    vision = model.config.vision_config
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
+    if "image_grid_thw" in names:
+        merge = vision.spatial_merge_size
+        patch_dim = channels * vision.temporal_patch_size * vision.patch_size ** 2
+        return {"pixel_values": torch.ones(merge * merge, patch_dim),
+                "image_grid_thw": torch.tensor([[1, merge, merge]])}
+    if "pixel_attention_mask" in names:
+        side = model.config.scale_factor * vision.patch_size
+        return {"pixel_values": torch.ones(1, 1, channels, side, side),
+                "pixel_attention_mask": torch.ones(1, 1, side, side, dtype=torch.bool)}
+    required = {name for name, p in inspect.signature(model.get_image_features).parameters.items()
+                if p.default is inspect.Parameter.empty and name not in ("self", "kwargs")}
+    if required == {"pixel_values"}:
+        return {"pixel_values": torch.ones(1, channels, vision.image_size, vision.image_size)}
+    if processor is None:
+        raise ValueError(f"{type(model).__name__}.get_image_features needs {sorted(required)}: pass the processor")
+    side = getattr(vision, "image_size", 32)
+    made = processor.image_processor(images=[Image.new("RGB", (side, side), (255, 255, 255))], return_tensors="pt")
+    return {name: value for name, value in made.items() if name in names}
+
+
+def image_patches(pixel_values: torch.Tensor, vision_config) -> int:
+    """Patches the tower embeds for these pixel values (padding tiles included), for the FLOPs count."""
+    channels = getattr(vision_config, "in_channels", None) or getattr(vision_config, "num_channels", 3)
+    temporal = getattr(vision_config, "temporal_patch_size", 1)
+    return pixel_values.numel() // (channels * temporal * vision_config.patch_size ** 2)
+
+
+@dataclass
+class ModuleGroups:
+    """The model's parameters by part, found by `module_groups`: (name, parameter) pairs."""
+
+    vision_tower: list = field(default_factory=list)
+    projector: list = field(default_factory=list)
+    language_model: list = field(default_factory=list)
+    unreached: list = field(default_factory=list)  # names: trainable parameters no forward path reaches
+    projector_by: str = "rule"  # or "table" (PROJECTORS)
+
+    def items(self):
+        return [("vision_tower", self.vision_tower), ("projector", self.projector),
+                ("language_model", self.language_model)]
+
+    def describe(self) -> str:
+        parts = []
+        for name, params in self.items():
+            modules = ", ".join(_covering_modules([n for n, _ in params], self._all_names())) or "-"
+            parts.append(f"{name} {sum(p.numel() for _, p in params):,} params ({modules})")
+        return f"module groups: {'; '.join(parts)} [projector by {self.projector_by}]"
+
+    def _all_names(self):
+        return {n: group for group, params in self.items() for n, _ in params}
+
+
+def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
+    """Vision tower, projector and language model of any family, from one dummy backward (before `prepare`).
+
+    - language model: `get_decoder()` plus the output embeddings;
+    - vision step: the parameters that one backward of the dummy's `lm_features` reaches. Trainable
+      parameters of neither (CLIP's `post_layernorm`, which only feeds a pooled output Llava discards;
+      the tower's last layer at LLaVA's `vision_feature_layer=-2`) never get a gradient, so DDP would
+      wait for them forever: they are listed in `unreached` for the caller to freeze;
+    - projector: the part of the vision step that feeds the language model. The tower is the largest
+      module holding the vision encoder's blocks (`_no_split_modules`) and nothing of the language
+      model; the projector is every vision parameter outside it (Llava's `multi_modal_projector`,
+      Idefics3's `connector`, LLaVA-OneVision's `image_newline`), plus the tower's direct
+      sub-modules that hold no block and output the language model's width (Qwen's
+      `visual.merger`, Qwen3-VL's deepstack mergers). Where the tower is as wide as the language
+      model that width says nothing, and `PROJECTORS` decides by model type.
+    """
+    language_model = {id(p) for p in [*model.get_decoder().parameters(), *model.get_output_embeddings().parameters()]}
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    widths = {}  # output width of each module the vision step calls
+
+    def record(name, module, args, output):
+        widths.setdefault(name, _width(output))
+
+    handles = [module.register_forward_hook(partial(record, name)) for name, module in model.named_modules()]
+    try:
+        features = lm_features(model.get_image_features(**dummy_inputs, return_dict=True))
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.cat([feature.flatten() for feature in features]).sum().backward()
+    reached = {id(p) for p in model.parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    modules = dict(model.named_modules())
+    lm_width = model.get_input_embeddings().embedding_dim
+    called_blocks = [name for name in widths if type(modules[name]).__name__ in blocks and name]
+    vision_blocks = [name for name in called_blocks
+                     if not any(id(p) in language_model for p in modules[name].parameters())]
+    towers = {_highest_vision_ancestor(name, modules, language_model) for name in vision_blocks}
+    ambiguous = any(widths[name] == lm_width for name in vision_blocks)
+    projector_prefixes, projector_by = [], "rule"
+    if ambiguous or not towers:
+        projector_prefixes, projector_by = list(PROJECTORS.get(model.config.model_type, ())), "table"
+        if not projector_prefixes:
+            raise ValueError(
+                f"Cannot tell the projector of model type {model.config.model_type!r} from its vision tower "
+                f"(the tower is as wide as the language model, {lm_width}): add its projector modules to "
+                "PROJECTORS in mmrecipes/vlm_families.py")
+    else:
+        for tower in towers:
+            for child, module in modules[tower].named_children():
+                inner = [f"{tower}.{child}"] + ([f"{tower}.{child}.{i}" for i, _ in module.named_children()]
+                                                if isinstance(module, torch.nn.ModuleList) else [])
+                for name in inner:
+                    holds_block = any(b == name or b.startswith(name + ".") for b in vision_blocks)
+                    if not holds_block and widths.get(name) == lm_width and any(True for _ in modules[name].parameters()):
+                        projector_prefixes.append(name)
+
+    groups = ModuleGroups(projector_by=projector_by)
+    for name, param in model.named_parameters():
+        if id(param) in language_model:
+            groups.language_model.append((name, param))
+            continue
+        if param.requires_grad and id(param) not in reached:
+            groups.unreached.append(name)
+        in_tower = any(name.startswith(tower + ".") for tower in towers)
+        if any(name == prefix or name.startswith(prefix + ".") for prefix in projector_prefixes) or (
+                projector_by == "rule" and not in_tower):
+            groups.projector.append((name, param))
+        else:
+            groups.vision_tower.append((name, param))
+    return groups
+
+
+def _width(output):
+    """Last dimension of a module's (first) output tensor, or None."""
+    while isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if hasattr(output, "last_hidden_state"):
+        output = output.last_hidden_state
+    return output.shape[-1] if isinstance(output, torch.Tensor) and output.ndim else None
+
+
+def _highest_vision_ancestor(name, modules, language_model):
+    """The largest module above `name` that holds no language-model parameter."""
+    parts = name.split(".")
+    best = name
+    for end in range(len(parts) - 1, 0, -1):
+        ancestor = ".".join(parts[:end])
+        if any(id(p) in language_model for p in modules[ancestor].parameters()):
+            break
+        best = ancestor
+    return best
+
+
+def _covering_modules(names, owner_of):
+    """The fewest module paths whose parameters are exactly `names` (for the log line)."""
+    names = set(names)
+    covered = []
+    for name in sorted(names):
+        parts = name.split(".")
+        best = name
+        for end in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:end])
+            under = [n for n in owner_of if n.startswith(prefix + ".")]
+            if all(n in names for n in under):
+                best = prefix
+            else:
+                break
+        if best not in covered:
+            covered.append(best)
+    return covered
