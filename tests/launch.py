@@ -59,8 +59,8 @@ def engine_line(log: str) -> str:
     return re.search(r"^\[engine\] .*$", log, re.M).group(0)
 
 
-def load_recipe():
-    spec = importlib.util.spec_from_file_location("clip_pretrain", RECIPE)
+def load_recipe(recipe=RECIPE):
+    spec = importlib.util.spec_from_file_location(recipe.stem, recipe)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

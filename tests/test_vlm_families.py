@@ -1,0 +1,192 @@
+"""Every image-text-to-text family the VLM recipe supports, in one process: answer labels on each
+family's official chat template, module groups by rule (and the table that backs it), families
+that cannot train rejected from their config, LLaVA JSON rows through each family's processor,
+collator and dummy-image step. Checkpoints: tiny models saved in their hub layout (conftest.py)."""
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, CLIPConfig, Pix2StructConfig
+
+from launch import VLM_RECIPE, load_recipe
+from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
+from mmrecipes.chat_labels import AnswerLabeller, TemplateError, check_template
+from mmrecipes.distributed import fsdp_block_classes
+from mmrecipes.losses import IGNORE_INDEX
+from mmrecipes.vlm import VLMForTraining, stop_token_ids
+from mmrecipes.vlm_families import PROJECTORS, check_trainable, dummy_image_inputs, module_groups
+
+FAMILIES = ["llava", "qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision"]
+# What each family's official template ends an assistant turn with (Llava-1.5's writes nothing).
+END_OF_TURN = {"llava": "", "qwen2_5_vl": "<|im_end|>", "qwen3_vl": "<|im_end|>", "idefics3": "<end_of_utterance>",
+               "gemma3": "<end_of_turn>", "llava_onevision": "<|im_end|>"}
+MARKERS = {"llava", "llava_onevision"}  # the only official templates with {% generation %}
+# The inputs each family needs besides pixel_values, which must reach the model from the collator.
+EXTRA_INPUTS = {"llava": set(), "qwen2_5_vl": {"image_grid_thw", "mm_token_type_ids"},
+                "qwen3_vl": {"image_grid_thw", "mm_token_type_ids"}, "idefics3": {"pixel_attention_mask"},
+                "gemma3": {"token_type_ids"}, "llava_onevision": {"image_sizes", "batch_num_images"}}
+TWO_TURNS = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+             {"role": "user", "content": [{"type": "text", "text": "How many shapes are there?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "one"}]}]
+
+
+def load(directory):
+    return AutoModelForImageTextToText.from_pretrained(directory), AutoProcessor.from_pretrained(directory)
+
+
+def labeller_of(directory):
+    model, processor = load(directory)
+    return AnswerLabeller(processor, stop_token_ids(model, processor))
+
+
+def target_runs(labeller, encoded, target):
+    ids = torch.tensor(encoded["input_ids"][0])
+    runs, start = [], None
+    for position, flag in enumerate(target.tolist() + [False]):
+        if flag and start is None:
+            start = position
+        elif not flag and start is not None:
+            runs.append(labeller.tokenizer.decode(ids[start:position]).strip())
+            start = None
+    return runs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_targets_are_the_answers_and_their_end_of_turn_on_the_official_template(tiny_vlms, family):
+    labeller = labeller_of(tiny_vlms[family])
+    assert labeller.has_markers == (family in MARKERS)
+    encoded, target = labeller(TWO_TURNS, [Image.new("RGB", (32, 32), (200, 30, 30))])
+    end = END_OF_TURN[family]
+    assert target_runs(labeller, encoded, target) == ["red" + end, "one" + end]
+    image_positions = torch.tensor(encoded["input_ids"][0]) == labeller.image_token_id
+    assert image_positions.sum() > 0 and not (target & image_positions).any()
+    rule = "generation markers" if family in MARKERS else "prefix renderings"
+    line = check_template(labeller, family)
+    assert f"assistant turns found by {rule}" in line
+    assert (f"ends each answer with {end}, a target" if end else "will not learn to stop") in line
+
+
+def test_transformers_assistant_mask_is_all_zero_without_generation_markers(tiny_vlms):
+    """The old labelling (apply_chat_template's assistant mask) on Qwen's official template finds no
+    target at all: every row was dropped as no_target and the run stopped. The labeller finds the answer."""
+    _, processor = load(tiny_vlms["qwen2_5_vl"])
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]}, TWO_TURNS[1]]
+    encoded = processor.apply_chat_template(conversation, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+    assert not any(encoded["assistant_masks"][0])
+    labeller = labeller_of(tiny_vlms["qwen2_5_vl"])
+    assert target_runs(labeller, *labeller(conversation, [])) == ["red<|im_end|>"]
+
+
+def test_a_template_whose_turns_no_rule_finds_is_rejected_before_the_first_step(tiny_vlms, tmp_path):
+    """A generation prompt that is not the assistant header (here: a different role name) and no
+    markers: the prefix rule cannot place the answers, and the recipe stops naming the template."""
+    template = tmp_path / "odd.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ 'bot' if m['role'] == 'assistant' else m['role'] }}\n"
+                        "{% for p in m['content'] %}{{ p['text'] if p['type'] == 'text' else '<|vision_start|><|image_pad|>"
+                        "<|vision_end|>' }}{% endfor %}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(TemplateError, match=f"The chat template of {template} cannot be used for training: rendering "
+                                            "the conversation up to assistant turn 1 is not a prefix"):
+        load_recipe(VLM_RECIPE).main(["--model_name_or_path", str(tiny_vlms["qwen2_5_vl"]), "--chat_template_path",
+                                      str(template), "--report_to", "none", "--output_dir", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_module_groups_by_rule_agree_with_the_table(tiny_vlms, family):
+    """The projector found by the rule is exactly the table's modules; the language model is the
+    decoder and head; everything else is the tower; each FSDP2 unit is one of the family's blocks."""
+    model, processor = load(tiny_vlms[family])
+    groups = module_groups(model, dummy_image_inputs(model, processor))
+    assert groups.projector_by == "rule"
+    table = PROJECTORS[model.config.model_type]
+    assert {name for name, _ in groups.projector} == {
+        name for name, _ in model.named_parameters() if any(name == t or name.startswith(t + ".") for t in table)}
+    decoder = {id(p) for p in [*model.get_decoder().parameters(), *model.get_output_embeddings().parameters()]}
+    assert {id(p) for _, p in groups.language_model} == decoder
+    assert groups.vision_tower and all(id(p) not in decoder for _, p in groups.vision_tower)
+    assert f"projector {sum(p.numel() for _, p in groups.projector):,} params" in groups.describe()
+    blocks = fsdp_block_classes(model)
+    assert any("Decoder" in name for name in blocks) and len(blocks) >= 2  # the LM's layers and the tower's
+
+
+def test_the_table_decides_where_the_tower_is_as_wide_as_the_language_model(tiny_vlms):
+    """With vision width = LM width the rule cannot tell the merger from the tower: the table decides,
+    and gives what the rule gives at different widths."""
+    config = AutoConfig.from_pretrained(tiny_vlms["qwen2_5_vl"])
+    config.vision_config.hidden_size = config.text_config.hidden_size
+    model = AutoModelForImageTextToText.from_config(config)
+    groups = module_groups(model, dummy_image_inputs(model))
+    assert groups.projector_by == "table"
+    assert {name.split(".")[2] for name, _ in groups.projector} == {"merger"}
+    model.config.model_type = "unknown_vl"
+    with pytest.raises(ValueError, match="Cannot tell the projector of model type 'unknown_vl'"):
+        module_groups(model, dummy_image_inputs(model))
+
+
+def test_families_the_recipe_cannot_train_are_rejected_from_their_config(tmp_path):
+    Pix2StructConfig().save_pretrained(tmp_path / "pix2struct")
+    with pytest.raises(ValueError, match="model type 'pix2struct' cannot be trained by this recipe: it is an "
+                                         "encoder-decoder model"):
+        check_trainable(str(tmp_path / "pix2struct"))
+    CLIPConfig().save_pretrained(tmp_path / "clip")
+    with pytest.raises(ValueError, match="model type 'clip' is not an image-text-to-text model"):
+        check_trainable(str(tmp_path / "clip"))
+
+
+@pytest.fixture(scope="module")
+def llava_json(tmp_path_factory):
+    """LLaVA-format rows: two images of different sizes (tiles and patches differ), one text-only row."""
+    folder = tmp_path_factory.mktemp("llava_json")
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(folder / "square.png")
+    Image.new("RGB", (64, 24), (30, 30, 200)).save(folder / "wide.png")
+    text_only = {"conversations": [{"from": "human", "value": "What comes after one?"}, {"from": "gpt", "value": "two"}]}
+    rows = [{"image": "square.png", "conversations": [{"from": "human", "value": "<image>\nWhat colour is the shape?"},
+                                                       {"from": "gpt", "value": "red"}]},
+            {"image": "wide.png", "conversations": [{"from": "human", "value": "What colour is it?\n<image>"},
+                                                     {"from": "gpt", "value": "blue"}]},
+            text_only]
+    (folder / "rows.json").write_text(json.dumps(rows))
+    (folder / "text_only.json").write_text(json.dumps([text_only]))
+    return folder
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family):
+    """`<image>` placeholders become the family's image tokens, every extra image input reaches the
+    model, images of different sizes share a batch, and a text-only batch runs the dummy: the
+    vision step gets a gradient from real images and an exactly-zero one from the dummy."""
+    model, processor = load(tiny_vlms[family])
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    dummy_inputs = dummy_image_inputs(model, processor)
+    language_model = {name for name, _ in module_groups(model, dummy_inputs).language_model}
+    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs)
+
+    def batches(file, batch_size):
+        args = ChatDataArgs(dataset_name="json", data_files=str(llava_json / file), image_folder=str(llava_json),
+                            dataset_weights=None, dataloader_num_workers=0)
+        return list(build_chat_dataloader(args, labeller, collator, batch_size=batch_size, data_rank=0, data_world=1))
+
+    (batch,) = batches("rows.json", 3)
+    assert dict(zip(CHAT_COUNTED, batch["data_counts"].tolist())) == dict.fromkeys(CHAT_COUNTED, 0)
+    assert set(batch) - {"input_ids", "attention_mask", "labels", "pixel_values", "dummy_image", "data_counts",
+                         "data_position"} == EXTRA_INPUTS[family]
+    end = END_OF_TURN[family]
+    decoded = [processor.tokenizer.decode(row[row != IGNORE_INDEX]).replace(" ", "") for row in batch["labels"]]
+    assert decoded == ["red" + end, "blue" + end, "two" + end]
+    assert [(row == labeller.image_token_id).any().item() for row in batch["input_ids"]] == [True, True, False]
+    wrapper = VLMForTraining(model)
+    loss_sum, _ = wrapper(**chat_model_inputs(batch, "cpu"))
+    loss_sum.backward()
+    assert torch.isfinite(loss_sum)
+    vision_step = [p for name, p in model.named_parameters() if p.grad is not None and name not in language_model]
+    assert vision_step and any(p.grad.any() for p in vision_step)
+
+    (text_only,) = batches("text_only.json", 1)
+    assert text_only["dummy_image"]
+    model.zero_grad(set_to_none=True)
+    wrapper(**chat_model_inputs(text_only, "cpu"))[0].backward()
+    assert all(p.grad is not None and not p.grad.any() for p in vision_step)

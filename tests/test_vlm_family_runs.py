@@ -1,0 +1,133 @@
+"""vlm_finetune.py on each tiny family checkpoint (conftest.py), as a user launches it: 2 CPU
+processes at per-device batch size 1 on the default mixture, so text-only and image micro-batches
+meet on different ranks; no find_unused_parameters anywhere. One family (Qwen2.5-VL) also runs
+under FSDP2, ZeRO-2 and ZeRO-3 against DDP, and on LLaVA JSON under ZeRO-3."""
+
+import json
+import re
+
+import datasets
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
+
+from launch import REPO, VLM_RECIPE, accelerate_launch, engine_line, grad_norms, losses
+
+pytestmark = pytest.mark.launch
+
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision"]  # Llava: test_vlm_recipe.py
+MATRIX = "qwen2_5_vl"
+STEPS = 16
+RUN = ["--max_steps", STEPS, "--logging_steps", 4, "--per_device_train_batch_size", 1, "--gradient_accumulation_steps", 2,
+       "--eval_steps", STEPS]
+ENGINE = {"ddp.yaml": "MULTI_CPU num_processes=2 backend=gloo world_size=2 model=DistributedDataParallel",
+          "fsdp2.yaml": "FSDP num_processes=2 backend=gloo world_size=2 model=FSDPVLMForTraining",
+          "zero2.yaml": "DEEPSPEED num_processes=2 backend=gloo world_size=2 model=DeepSpeedEngine",
+          "zero3.yaml": "DEEPSPEED num_processes=2 backend=gloo world_size=2 model=DeepSpeedEngine"}
+
+
+def launch(config, checkpoint, output_dir, *extra):
+    result = accelerate_launch(config, "--model_name_or_path", checkpoint, *RUN, "--output_dir", output_dir, *extra,
+                               recipe=VLM_RECIPE)
+    return result, output_dir
+
+
+@pytest.fixture(scope="module")
+def family_runs(tiny_vlms, tmp_path_factory):
+    """{(family, config): (result, output_dir)}: every family under DDP, Qwen2.5-VL under every engine."""
+    runs = {}
+    for family in FAMILIES:
+        runs[family, "ddp.yaml"] = launch("ddp.yaml", tiny_vlms[family], tmp_path_factory.mktemp(f"{family}_ddp"))
+    for config in ("fsdp2.yaml", "zero2.yaml", "zero3.yaml"):
+        runs[MATRIX, config] = launch(config, tiny_vlms[MATRIX], tmp_path_factory.mktemp(f"{MATRIX}_{config[:-5]}"))
+    return runs
+
+
+def dummy_batches(log):
+    return sum(map(int, re.findall(r"^step \d+/\d+ .*\| dummy_image_batches (\d+)", log, re.M)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_trains_on_mixed_ranks_under_ddp(family_runs, family):
+    result, _ = family_runs[family, "ddp.yaml"]
+    assert result.returncode == 0, result.log[-3000:]
+    assert ENGINE["ddp.yaml"] in engine_line(result.log)
+    assert "assistant turns found by" in result.log and re.search(r"^module groups: vision_tower [\d,]+ params", result.log,
+                                                                    re.M)
+    loss = losses(result.log)
+    assert sorted(loss) == list(range(4, STEPS + 1, 4))
+    assert loss[STEPS] < 0.95 * loss[4], loss
+    assert dummy_batches(result.log) > 0  # text-only micro-batches ran the dummy on some rank
+    assert "eval_answers 512" in result.log
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_output_loads_as_the_input_checkpoint_and_answers_through_the_pipeline(tiny_vlms, family_runs, family):
+    """Same class and chat template as the input; the frozen tower bit-identical, the projector and
+    the language model trained; the image-text-to-text pipeline answers from the directory."""
+    _, output_dir = family_runs[family, "ddp.yaml"]
+    model = AutoModelForImageTextToText.from_pretrained(output_dir)
+    source = AutoModelForImageTextToText.from_pretrained(tiny_vlms[family])
+    assert type(model) is type(source)
+    assert AutoProcessor.from_pretrained(output_dir).chat_template == AutoProcessor.from_pretrained(
+        tiny_vlms[family]).chat_template
+    before, after = source.state_dict(), model.state_dict()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    decoder = {name for name, _ in model.named_parameters() if name.startswith(("lm_head", "model.language_model",
+                                                                                "model.text_model"))}
+    assert changed & decoder and changed - decoder  # the LM and the projector trained
+    answer = pipeline("image-text-to-text", model=str(output_dir))
+    chat = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (32, 32), (200, 30, 30))},
+                                         {"type": "text", "text": "What colour is the shape?"}]}]
+    assert isinstance(answer(text=chat, max_new_tokens=4, return_full_text=False)[0]["generated_text"], str)
+
+
+@pytest.mark.parametrize("config", ["fsdp2.yaml", "zero2.yaml", "zero3.yaml"])
+def test_sharded_engines_match_ddp_on_a_non_llava_family(family_runs, config):
+    result, output_dir = family_runs[MATRIX, config]
+    assert result.returncode == 0, result.log[-3000:]
+    assert ENGINE[config] in engine_line(result.log)
+    ddp, ddp_dir = family_runs[MATRIX, "ddp.yaml"]
+    assert dummy_batches(result.log) == dummy_batches(ddp.log) > 0
+    for step in losses(ddp.log):
+        assert losses(result.log)[step] == pytest.approx(losses(ddp.log)[step], rel=1e-4), f"loss, step {step}"
+        assert grad_norms(result.log)[step] == pytest.approx(grad_norms(ddp.log)[step], rel=1e-4), f"grad, step {step}"
+    reference = load_file(ddp_dir / "model.safetensors")
+    for name, tensor in load_file(output_dir / "model.safetensors").items():
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module")
+def llava_json_data(tmp_path_factory):
+    """The embedded conversations as LLaVA JSON: image files under a folder, `<image>` placeholders, text-only rows."""
+    folder = tmp_path_factory.mktemp("llava_json_run")
+    rows = []
+    for name, count in (("image_chat", 48), ("text_chat", 16)):
+        source = datasets.load_dataset("parquet", data_files=str(REPO / f"data/vlm_shapes/{name}/train-00000-*.parquet"),
+                                       split="train").select(range(count))
+        source = source.cast_column("images", datasets.List(datasets.Image(decode=False)))  # broken ones stay broken
+        for index, example in enumerate(source):
+            row = {"conversations": [
+                {"from": "human" if m["role"] == "user" else "gpt",
+                 "value": "".join("<image>\n" if part["type"] == "image" else part["text"] for part in m["content"])}
+                for m in example["messages"]]}
+            if example["images"]:
+                (folder / f"{index}.png").write_bytes(example["images"][0]["bytes"])
+                row["image"] = f"{index}.png"
+            rows.append(row)
+    rows = [row for pair in zip(rows[:48:3], rows[1:48:3], rows[2:48:3], rows[48:]) for row in pair]  # text rows spread
+    (folder / "llava.json").write_text(json.dumps(rows))
+    return folder
+
+
+def test_llava_json_trains_a_non_llava_family_under_zero3(tiny_vlms, llava_json_data, tmp_path):
+    result, _ = launch("zero3.yaml", tiny_vlms[MATRIX], tmp_path, "--dataset_name", "json", "--data_files",
+                       llava_json_data / "llava.json", "--image_folder", llava_json_data, "--dataset_weights", "",
+                       "--eval_dataset_name", "")
+    assert result.returncode == 0, result.log[-3000:]
+    assert ENGINE["zero3.yaml"] in engine_line(result.log)
+    loss = losses(result.log)
+    assert loss[STEPS] < 0.95 * loss[4], loss
+    assert dummy_batches(result.log) > 0
