@@ -97,9 +97,10 @@ def main(argv=None):
     if groups.unreached:
         accelerator.print(f"froze {len(groups.unreached)} parameters no forward path reaches: {', '.join(groups.unreached)}")
 
-    # Frozen parameters are not in the optimizer (no state); the tower, if it trains, has its own lr.
+    # Frozen parameters are not in the optimizer (no state); the tower, if it trains, has its own lr
+    # (its groups go last: the logged lr is the first group's, the main one).
     param_groups = []
-    for name, params in trainable.items():
+    for name, params in sorted(trainable.items(), key=lambda item: item[0] == "vision_tower"):
         params = [p for p in params if p.requires_grad]
         tower = name == "vision_tower"
         lr = args.vision_tower_learning_rate if tower else args.learning_rate

@@ -15,7 +15,7 @@ from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, DummyImageCollator, 
 from mmrecipes.chat_labels import AnswerLabeller, TemplateError, check_template
 from mmrecipes.distributed import fsdp_block_classes
 from mmrecipes.losses import IGNORE_INDEX
-from mmrecipes.vlm import VLMForTraining, stop_token_ids
+from mmrecipes.vlm import VLMForTraining, apply_train_modules, stop_token_ids
 from mmrecipes.vlm_families import PROJECTORS, check_trainable, dummy_image_inputs, module_groups
 
 FAMILIES = ["llava", "qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision"]
@@ -109,6 +109,10 @@ def test_module_groups_by_rule_agree_with_the_table(tiny_vlms, family):
     assert {id(p) for _, p in groups.language_model} == decoder
     assert groups.vision_tower and all(id(p) not in decoder for _, p in groups.vision_tower)
     assert f"projector {sum(p.numel() for _, p in groups.projector):,} params" in groups.describe()
+    trainable = apply_train_modules(groups, "projector")  # LLaVA stage 1, from the same rule for every family
+    assert {name for name, p in model.named_parameters() if p.requires_grad} == {
+        name for name, _ in groups.projector} - set(groups.unreached)
+    assert list(trainable) == ["projector"]
     blocks = fsdp_block_classes(model)
     assert any("Decoder" in name for name in blocks) and len(blocks) >= 2  # the LM's layers and the tower's
 

@@ -14,11 +14,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
 from launch import REPO, VLM_RECIPE, accelerate_launch, engine_line, grad_norms, losses
+from mmrecipes.vlm_families import dummy_image_inputs, module_groups
 
 pytestmark = pytest.mark.launch
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision"]  # Llava: test_vlm_recipe.py
 MATRIX = "qwen2_5_vl"
+TRAIN_MODULES = {"idefics3": "all"}  # the others: projector,language_model (the default)
 STEPS = 16
 RUN = ["--max_steps", STEPS, "--logging_steps", 4, "--per_device_train_batch_size", 1, "--gradient_accumulation_steps", 2,
        "--eval_steps", STEPS]
@@ -39,7 +41,8 @@ def family_runs(tiny_vlms, tmp_path_factory):
     """{(family, config): (result, output_dir)}: every family under DDP, Qwen2.5-VL under every engine."""
     runs = {}
     for family in FAMILIES:
-        runs[family, "ddp.yaml"] = launch("ddp.yaml", tiny_vlms[family], tmp_path_factory.mktemp(f"{family}_ddp"))
+        preset = ["--train_modules", TRAIN_MODULES[family]] if family in TRAIN_MODULES else []
+        runs[family, "ddp.yaml"] = launch("ddp.yaml", tiny_vlms[family], tmp_path_factory.mktemp(f"{family}_ddp"), *preset)
     for config in ("fsdp2.yaml", "zero2.yaml", "zero3.yaml"):
         runs[MATRIX, config] = launch(config, tiny_vlms[MATRIX], tmp_path_factory.mktemp(f"{MATRIX}_{config[:-5]}"))
     return runs
@@ -65,19 +68,23 @@ def test_each_family_trains_on_mixed_ranks_under_ddp(family_runs, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_output_loads_as_the_input_checkpoint_and_answers_through_the_pipeline(tiny_vlms, family_runs, family):
-    """Same class and chat template as the input; the frozen tower bit-identical, the projector and
-    the language model trained; the image-text-to-text pipeline answers from the directory."""
+    """Same class and chat template as the input; exactly the preset's module groups trained (a
+    frozen tower bit-identical); the image-text-to-text pipeline answers from the directory."""
     _, output_dir = family_runs[family, "ddp.yaml"]
     model = AutoModelForImageTextToText.from_pretrained(output_dir)
     source = AutoModelForImageTextToText.from_pretrained(tiny_vlms[family])
     assert type(model) is type(source)
-    assert AutoProcessor.from_pretrained(output_dir).chat_template == AutoProcessor.from_pretrained(
-        tiny_vlms[family]).chat_template
+    processor = AutoProcessor.from_pretrained(tiny_vlms[family])
+    assert AutoProcessor.from_pretrained(output_dir).chat_template == processor.chat_template
+    groups = module_groups(source, dummy_image_inputs(source, processor))
     before, after = source.state_dict(), model.state_dict()
     changed = {name for name in before if not torch.equal(before[name], after[name])}
-    decoder = {name for name, _ in model.named_parameters() if name.startswith(("lm_head", "model.language_model",
-                                                                                "model.text_model"))}
-    assert changed & decoder and changed - decoder  # the LM and the projector trained
+    trained = {"vision_tower", "projector", "language_model"} if TRAIN_MODULES.get(family) == "all" else {
+        "projector", "language_model"}
+    for group, params in groups.items():
+        names = {name for name, _ in params} - set(groups.unreached)
+        assert bool(names & changed) == (group in trained), group
+    assert not changed & set(groups.unreached)
     answer = pipeline("image-text-to-text", model=str(output_dir))
     chat = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (32, 32), (200, 30, 30))},
                                          {"type": "text", "text": "What colour is the shape?"}]}]
