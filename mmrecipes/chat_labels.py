@@ -23,6 +23,7 @@ mapping, shifted past the image placeholders it expanded.
 import bisect
 import re
 
+import jinja2
 import torch
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -52,9 +53,12 @@ class AnswerLabeller:
         self.rule = "generation markers" if self.has_markers else "prefix renderings"
 
     def render(self, messages, add_generation_prompt=False):
-        texts, indices = render_jinja_template(
-            conversations=[messages], chat_template=self.template, add_generation_prompt=add_generation_prompt,
-            return_assistant_tokens_mask=self.has_markers, **self.tokenizer.special_tokens_map)
+        try:
+            texts, indices = render_jinja_template(
+                conversations=[messages], chat_template=self.template, add_generation_prompt=add_generation_prompt,
+                return_assistant_tokens_mask=self.has_markers, **self.tokenizer.special_tokens_map)
+        except jinja2.TemplateError as error:  # raise_exception(...) in the template: roles out of order, say
+            raise TemplateError(f"the template refuses the conversation: {error}") from error
         return texts[0], indices[0] if indices else []
 
     def answer_spans(self, messages) -> tuple[str, list[tuple[int, int]]]:

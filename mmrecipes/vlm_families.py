@@ -15,6 +15,7 @@ From those, the configs and the module tree this module derives:
 """
 
 import inspect
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -237,20 +238,22 @@ def _highest_vision_ancestor(name, modules, language_model):
     return best
 
 
-def _covering_modules(names, owner_of):
+def _covering_modules(names, all_names):
     """The fewest module paths whose parameters are exactly `names` (for the log line)."""
-    names = set(names)
-    covered = []
-    for name in sorted(names):
+    names, total, inside = set(names), Counter(), Counter()
+    for name in all_names:
         parts = name.split(".")
-        best = name
+        for end in range(1, len(parts)):
+            prefix = ".".join(parts[:end])
+            total[prefix] += 1
+            inside[prefix] += name in names
+    covered = {}
+    for name in sorted(names):
+        parts, best = name.split("."), name
         for end in range(len(parts) - 1, 0, -1):
             prefix = ".".join(parts[:end])
-            under = [n for n in owner_of if n.startswith(prefix + ".")]
-            if all(n in names for n in under):
-                best = prefix
-            else:
+            if inside[prefix] != total[prefix]:
                 break
-        if best not in covered:
-            covered.append(best)
-    return covered
+            best = prefix
+        covered[best] = None
+    return list(covered)

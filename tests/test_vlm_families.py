@@ -81,6 +81,24 @@ def test_transformers_assistant_mask_is_all_zero_without_generation_markers(tiny
     assert target_runs(labeller, *labeller(conversation, [])) == ["red<|im_end|>"]
 
 
+def test_a_row_the_template_refuses_is_a_counted_skip(tiny_vlms, tmp_path):
+    """Gemma 3's template raises on roles that do not alternate: that row is dropped and counted, the
+    stream goes on."""
+    model, processor = load(tiny_vlms["gemma3"])
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    user = {"from": "human", "value": "What comes after one?"}
+    rows = [{"conversations": [user, user, {"from": "gpt", "value": "two"}]},
+            {"conversations": [user, {"from": "gpt", "value": "two"}]}]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    args = ChatDataArgs(dataset_name="json", data_files=str(tmp_path / "rows.json"), dataset_weights=None,
+                        dataloader_num_workers=0)
+    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    (batch,) = build_chat_dataloader(args, labeller, collator, batch_size=2, data_rank=0, data_world=1)
+    assert len(batch["input_ids"]) == 1 and batch["data_counts"][CHAT_COUNTED.index("no_target")] == 1
+    with pytest.raises(TemplateError, match="the template refuses the conversation: Conversation roles must alternate"):
+        labeller([{"role": "user", "content": [{"type": "text", "text": "hi"}]}] * 2, [])
+
+
 def test_a_template_whose_turns_no_rule_finds_is_rejected_before_the_first_step(tiny_vlms, tmp_path):
     """A generation prompt that is not the assistant header (here: a different role name) and no
     markers: the prefix rule cannot place the answers, and the recipe stops naming the template."""
