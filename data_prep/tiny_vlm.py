@@ -89,7 +89,8 @@ def qwen2_5_vl():
                          bos_token_id=None, eos_token_id=tokenizer.eos_token_id, **TEXT),
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True)  # as Qwen2.5-VL-3B: tied input and output embeddings under every engine
     pixels = dict(patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 8 * 8, "longest_edge": 64 * 64})
     processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
                                     video_processor=Qwen2VLVideoProcessor(**pixels), chat_template=template("qwen2_5_vl"))

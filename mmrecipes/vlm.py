@@ -90,8 +90,13 @@ class VLMForTraining(torch.nn.Module):
             loss_sum = loss_sum + torch.cat([part.flatten() for part in lm_features(features)])[:0].sum()
         return loss_sum, logits
 
-    def get_input_embeddings(self):  # accelerate's FSDP2 path asks the root module for it
+    # accelerate's FSDP2 path asks the root module for both: it shards them in one group when they are
+    # tied (Gemma 3, Qwen2.5-VL-3B), and torch refuses a tied weight in two groups.
+    def get_input_embeddings(self):
         return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.model.get_output_embeddings()
 
     @property
     def _no_split_modules(self):  # what accelerate_configs/fsdp2.yaml wraps
@@ -186,7 +191,12 @@ def save_vlm(accelerator, model, processor, output_dir):
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         inner = accelerator.unwrap_model(model).model
-        state_dict = {name.removeprefix("model."): tensor for name, tensor in state_dict.items()}
+        # A tied weight (lm_head = embed_tokens) is written once, as by save_pretrained itself: gathered
+        # under FSDP2 the two names hold separate copies it would not recognise as one.
+        tied_copies = ({name for name, _ in inner.named_parameters(remove_duplicate=False)}
+                       - {name for name, _ in inner.named_parameters()})
+        state_dict = {name.removeprefix("model."): tensor for name, tensor in state_dict.items()
+                      if name.removeprefix("model.") not in tied_copies}
         inner.save_pretrained(output_dir, state_dict=state_dict, save_function=accelerator.save)
         processor.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
