@@ -78,46 +78,39 @@ def llava():
     return model, processor
 
 
-def qwen2_5_vl():
+def _qwen(classes, template_name, vision, rope, **config):
+    """A Qwen-VL family: mRoPE over a 4-px patch grid merged 2 x 2, the ChatML special tokens."""
+    config_class, model_class, processor_class, video_processor_class = classes
     tokenizer = train_tokenizer(QWEN_TOKENS, eos="<|im_end|>", pad="<|endoftext|>")
     ids = tokenizer.convert_tokens_to_ids
-    config = Qwen2_5_VLConfig(
+    config = config_class(
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
-                           temporal_patch_size=2, out_hidden_size=TEXT["hidden_size"], window_size=16,
-                           fullatt_block_indexes=[1]),
-        text_config=dict(vocab_size=len(tokenizer), rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3]},
+                           temporal_patch_size=2, out_hidden_size=TEXT["hidden_size"], **vision),
+        text_config=dict(vocab_size=len(tokenizer), rope_parameters={"rope_type": "default", **rope},
                          bos_token_id=None, eos_token_id=tokenizer.eos_token_id, **TEXT),
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True)  # as Qwen2.5-VL-3B: tied input and output embeddings under every engine
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **config)
     pixels = dict(patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 8 * 8, "longest_edge": 64 * 64})
-    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
-                                    video_processor=Qwen2VLVideoProcessor(**pixels), chat_template=template("qwen2_5_vl"))
-    model = Qwen2_5_VLForConditionalGeneration(config)
+    processor = processor_class(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
+                                video_processor=video_processor_class(**pixels), chat_template=template(template_name))
+    model = model_class(config)
     _stop_on(model, ids("<|im_end|>"), ids("<|endoftext|>"))
     return model, processor
+
+
+def qwen2_5_vl():
+    """Qwen2.5-VL (Qwen/Qwen2.5-VL-7B-Instruct's chat template), embeddings tied as in the 3B checkpoint."""
+    return _qwen((Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLVideoProcessor),
+                 "qwen2_5_vl", vision=dict(window_size=16, fullatt_block_indexes=[1]), rope=dict(mrope_section=[2, 3, 3]),
+                 tie_word_embeddings=True)
 
 
 def qwen3_vl():
-    tokenizer = train_tokenizer(QWEN_TOKENS, eos="<|im_end|>", pad="<|endoftext|>")
-    ids = tokenizer.convert_tokens_to_ids
-    config = Qwen3VLConfig(
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
-                           temporal_patch_size=2, out_hidden_size=TEXT["hidden_size"], num_position_embeddings=64,
-                           deepstack_visual_indexes=[0]),
-        text_config=dict(vocab_size=len(tokenizer),
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, **TEXT),
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    pixels = dict(patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 8 * 8, "longest_edge": 64 * 64})
-    processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
-                                 video_processor=Qwen3VLVideoProcessor(**pixels), chat_template=template("qwen3_vl"))
-    model = Qwen3VLForConditionalGeneration(config)
-    _stop_on(model, ids("<|im_end|>"), ids("<|endoftext|>"))
-    return model, processor
+    """Qwen3-VL (Qwen/Qwen3-VL-8B-Instruct's chat template), with one deepstack merger."""
+    return _qwen((Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor),
+                 "qwen3_vl", vision=dict(num_position_embeddings=64, deepstack_visual_indexes=[0]),
+                 rope=dict(mrope_section=[2, 3, 3], mrope_interleaved=True))
 
 
 def idefics3():
