@@ -40,19 +40,23 @@ def peak_flops(peak_tflops: float | None = None) -> float | None:
     return None
 
 
-def vlm_train_flops(model, vision_tower_params: int, *, seq_len: int, vision_trains: bool) -> tuple[float, float]:
+def vlm_train_flops(model, vision_tower_params: int, *, seq_len: int, lm_weights_train: bool,
+                    vision_trains: bool) -> tuple[float, float]:
     """(training FLOPs per LM token, per image patch) of an image-text-to-text model.
 
-    LM: 6 N per token (the backward runs through the LM whenever anything trains) plus attention
-    at `seq_len`. Vision tower: 6 N per patch when it trains, 2 N (forward only) when frozen
-    (`vlm_families.image_patches` counts a batch's patches). Count before `prepare` (ZeRO-3
-    partitioned parameters report numel 0).
+    LM: 6 N per token when its weights train, 4 N when they are frozen (LoRA, the projector
+    preset: the backward still runs through the LM for the input gradients, but computes no weight
+    gradients), plus attention at `seq_len`. Vision tower: 6 N per patch when it trains, 2 N
+    (forward only) when frozen (`vlm_families.image_patches` counts a batch's patches). Count
+    before `prepare` (ZeRO-3 partitioned parameters report numel 0).
     """
     text = model.config.text_config
     decoder = model.get_decoder()
     lm_params = sum(p.numel() for p in decoder.parameters()) - decoder.get_input_embeddings().weight.numel()
     lm_params += model.get_output_embeddings().weight.numel()
     per_token = transformer_train_flops(lm_params, text.num_hidden_layers, text.hidden_size, seq_len) / seq_len
+    if not lm_weights_train:
+        per_token -= 2 * lm_params
     return per_token, (6 if vision_trains else 2) * vision_tower_params
 
 

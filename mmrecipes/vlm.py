@@ -33,6 +33,7 @@ from transformers import (AutoModelForImageTextToText, AutoProcessor, AutoTokeni
                           LlavaForConditionalGeneration, LlavaProcessor)
 
 from .distributed import fsdp_block_classes
+from .lora import save_lora
 from .losses import token_cross_entropy_sum
 from .models import EMBEDDED
 from .vlm_families import ModuleGroups, check_trainable, lm_features
@@ -182,9 +183,10 @@ def apply_train_modules(groups: ModuleGroups, train_modules: str) -> dict[str, l
     return trainable
 
 
-def save_vlm(accelerator, model, processor, output_dir):
-    """`save_pretrained` the wrapped model and its processor: a directory that
-    `AutoProcessor`, `AutoModelForImageTextToText` and `pipeline("image-text-to-text")` load.
+def save_vlm(accelerator, model, processor, output_dir, peft_config=None):
+    """`save_pretrained` the wrapped model and its processor: a directory that `AutoProcessor`,
+    `AutoModelForImageTextToText` and `pipeline("image-text-to-text")` load. With LoRA
+    (`peft_config`), the merged model there and the adapter in `output_dir/adapter` (`save_lora`).
 
     `get_state_dict` gathers full weights under FSDP2/ZeRO-3, so every rank must call this.
     """
@@ -197,6 +199,9 @@ def save_vlm(accelerator, model, processor, output_dir):
                        - {name for name, _ in inner.named_parameters()})
         state_dict = {name.removeprefix("model."): tensor for name, tensor in state_dict.items()
                       if name.removeprefix("model.") not in tied_copies}
-        inner.save_pretrained(output_dir, state_dict=state_dict, save_function=accelerator.save)
-        processor.save_pretrained(output_dir)
+        if peft_config is None:
+            inner.save_pretrained(output_dir, state_dict=state_dict, save_function=accelerator.save)
+            processor.save_pretrained(output_dir)
+        else:
+            save_lora(peft_config, inner, state_dict, processor, output_dir)
     accelerator.wait_for_everyone()

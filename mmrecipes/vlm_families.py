@@ -135,7 +135,7 @@ class ModuleGroups:
     def describe(self) -> str:
         parts = []
         for name, params in self.items():
-            modules = ", ".join(_covering_modules([n for n, _ in params], self._all_names())) or "-"
+            modules = ", ".join(covering_modules([n for n, _ in params], self._all_names())) or "-"
             parts.append(f"{name} {sum(p.numel() for _, p in params):,} params ({modules})")
         return f"module groups: {'; '.join(parts)} [projector by {self.projector_by}]"
 
@@ -238,7 +238,7 @@ def _highest_vision_ancestor(name, modules, language_model):
     return best
 
 
-def _covering_modules(names, all_names):
+def covering_modules(names, all_names):
     """The fewest module paths whose parameters are exactly `names` (for the log line)."""
     names, total, inside = set(names), Counter(), Counter()
     for name in all_names:

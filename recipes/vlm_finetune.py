@@ -38,6 +38,7 @@ from mmrecipes.config import parse_args
 from mmrecipes.distributed import (DivergenceGuard, data_parallel_rank_and_world, engine_line,
                                    reconcile_deepspeed_config, sum_over_ranks)
 from mmrecipes.evaluation import evaluate_answers
+from mmrecipes.lora import LoraArgs, add_lora, describe_trainable
 from mmrecipes.losses import count_target_tokens, token_loss_scale
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import DataWait, peak_flops, vlm_train_flops
@@ -64,7 +65,7 @@ class TrainArgs(TrainingArgs):
 
 
 def main(argv=None):
-    model_args, data_args, args = parse_args((VLMModelArgs, ChatDataArgs, TrainArgs), argv)
+    model_args, lora_args, data_args, args = parse_args((VLMModelArgs, LoraArgs, ChatDataArgs, TrainArgs), argv)
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     model, processor = load_vlm(model_args)
@@ -76,13 +77,21 @@ def main(argv=None):
     dummy_inputs = dummy_image_inputs(model, processor)
     groups = module_groups(model, dummy_inputs)  # one dummy backward: vision tower, projector, language model
     trainable = apply_train_modules(groups, model_args.train_modules)  # unreached ones frozen: DDP would wait for them
+    peft_config = None
+    if lora_args.use_peft:  # adapters injected into `model` itself; everything but them and the projector frozen
+        peft_model, trainable = add_lora(model, groups, model_args.train_modules, lora_args)
+        peft_config = peft_model.peft_config["default"]
     if model_args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-        model.enable_input_require_grads()  # a frozen embedding would leave checkpointed layers without grads
+    if not model.get_input_embeddings().weight.requires_grad:
+        # A frozen embedding (LoRA, the projector preset) gives a text-only batch an LM input without grad: its
+        # backward would skip the LM where an image batch's runs through it, so ZeRO-3 and FSDP2 ranks would
+        # gather different parameters (and checkpointed layers would get no gradients).
+        model.enable_input_require_grads()
     # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
-    flops_per_token, flops_per_patch = vlm_train_flops(model, sum(p.numel() for _, p in groups.vision_tower),
-                                                       seq_len=data_args.max_length // 2,
-                                                       vision_trains="vision_tower" in trainable)
+    flops_per_token, flops_per_patch = vlm_train_flops(
+        model, sum(p.numel() for _, p in groups.vision_tower), seq_len=data_args.max_length // 2,
+        lm_weights_train="language_model" in trainable and peft_config is None, vision_trains="vision_tower" in trainable)
     vision_config = model.config.vision_config  # the patch count per batch reads it
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
@@ -94,6 +103,7 @@ def main(argv=None):
         accelerator.print(compile_blocks(model))
     accelerator.print(template_line)
     accelerator.print(groups.describe())
+    accelerator.print(describe_trainable(model))
     if groups.unreached:
         accelerator.print(f"froze {len(groups.unreached)} parameters no forward path reaches: {', '.join(groups.unreached)}")
 
@@ -136,7 +146,7 @@ def main(argv=None):
                       max_skipped_steps=args.max_skipped_steps)
     start_step, train_batches = checkpoints.resume(args.resume_from_checkpoint, train_loader)
 
-    accelerator.init_trackers("vlm_finetune", config=asdict(model_args) | asdict(data_args) | asdict(args))
+    accelerator.init_trackers("vlm_finetune", config=asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args))
     peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
@@ -214,7 +224,7 @@ def main(argv=None):
             if guard.stop_requested:
                 guard.exit_preempted(checkpoint)  # exit code 75 on every rank: run the same command again
 
-    save_vlm(accelerator, model, processor, args.output_dir)
+    save_vlm(accelerator, model, processor, args.output_dir, peft_config)
     accelerator.print(f"saved model to {args.output_dir}")
     accelerator.end_training()
 

@@ -1,0 +1,129 @@
+"""LoRA adapters for any image-text-to-text family, with TRL's flag names, correct under every engine.
+
+Where the adapters go follows the family rule of `vlm_families.module_groups`, not a list of names:
+- by default every linear layer of the language model (`get_decoder()`, not the output head),
+  never the vision tower or the projector. PEFT's `target_modules="all-linear"` would put them on
+  the tower and the projector too, since attention and MLP layers share their names across the
+  towers; it is accepted with PEFT's meaning, as are explicit comma-separated names.
+- `--train_modules all` adds the tower's linear layers.
+- the projector trains in full beside the adapters, as in LLaVA's LoRA recipe, as PEFT
+  `modules_to_save`, so that the adapter directory holds it too. A projector parameter that
+  belongs to no module of its own (LLaVA-OneVision's `image_newline`) cannot be saved that way and
+  stays frozen (the log says so).
+Every other parameter is frozen before `prepare`: no optimizer state, bit-identical.
+
+`get_peft_model` injects the adapters into the model object itself; that object is what trains
+(wrapped in `VLMForTraining`), the `PeftModel` around it only describes the adapters. The final
+save (`save_lora`) writes `output_dir/adapter`, which `PeftModel.from_pretrained(base, ...)` loads
+on the base model, and the merged model with its processor in `output_dir`, which loads like a
+full fine-tune.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers.modeling_utils import set_zero3_state
+
+from .vlm_families import ModuleGroups, covering_modules
+
+
+@dataclass
+class LoraArgs:
+    use_peft: bool = False  # train LoRA adapters instead of the weights (TRL's flag names)
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    # None: every linear layer of the language model (and of the vision tower with --train_modules all);
+    # all-linear (PEFT's meaning: the tower and the projector too); or comma-separated module names
+    lora_target_modules: str | None = None
+    lora_modules_to_save: str | None = None  # comma-separated modules trained in full, beside the projector
+
+
+def lora_config(model, groups: ModuleGroups, train_modules: str, args: LoraArgs) -> LoraConfig:
+    """This run's LoraConfig; a name that matches nothing is rejected before the first step."""
+    if train_modules == "projector":
+        raise ValueError("--use_peft with --train_modules projector leaves LoRA nothing to adapt (LLaVA stage 1 trains "
+                         "the projector in full): use --train_modules projector,language_model or all")
+    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    if args.lora_target_modules is None:
+        head = model.get_output_embeddings()
+        parts = [groups.language_model] + ([groups.vision_tower] if train_modules == "all" else [])
+        inside = {name for part in parts for name, _ in part}
+        targets = [name for name in linear if model.get_submodule(name) is not head and f"{name}.weight" in inside]
+    elif args.lora_target_modules == "all-linear":
+        targets = "all-linear"
+    else:
+        targets = [name.strip() for name in args.lora_target_modules.split(",")]
+        missing = [t for t in targets if not any(name == t or name.endswith("." + t) for name in linear)]
+        if missing:
+            leaves = sorted({name.rsplit(".", 1)[-1] for name in linear})
+            raise ValueError(f"--lora_target_modules {args.lora_target_modules!r}: no linear layer is called "
+                             f"{', '.join(missing)} (the model's linear layers: {', '.join(leaves)})")
+    extra = [name.strip() for name in (args.lora_modules_to_save or "").split(",") if name.strip()]
+    modules = dict(model.named_modules())
+    if unknown := [name for name in extra if name not in modules]:
+        raise ValueError(f"--lora_modules_to_save: the model has no module {', '.join(unknown)}")
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets,
+                      modules_to_save=projector_modules(model, groups) + extra)
+
+
+def projector_modules(model, groups: ModuleGroups) -> list[str]:
+    """The projector's modules at a granularity PEFT can wrap: a ModuleList's items, not the list."""
+    modules = dict(model.named_modules())
+    names = []
+    for name in covering_modules([n for n, _ in groups.projector], [n for n, _ in model.named_parameters()]):
+        if name not in modules:
+            continue  # a bare parameter (LLaVA-OneVision's image_newline)
+        module = modules[name]
+        names += [f"{name}.{i}" for i, _ in module.named_children()] if isinstance(module, torch.nn.ModuleList) else [name]
+    return names
+
+
+def add_lora(model, groups: ModuleGroups, train_modules: str, args: LoraArgs):
+    """(the PeftModel, the trainable parameters by group): adapters on the LM's layers (and the
+    tower's with `all`, at the tower's learning rate), the projector's trainable copy; all else frozen."""
+    config = lora_config(model, groups, train_modules, args)
+    tower = {name for name, _ in groups.vision_tower}
+    peft_model = get_peft_model(model, config)
+    trainable = {"vision_tower": [], "projector": [], "language_model": []}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if ".modules_to_save." in name:
+            trainable["projector"].append(param)
+        elif name.split(".lora_")[0] + ".weight" in tower:  # the adapter of a tower layer
+            trainable["vision_tower"].append(param)
+        else:
+            trainable["language_model"].append(param)
+    return peft_model, {name: params for name, params in trainable.items() if params}
+
+
+def describe_trainable(model) -> str:
+    """The log line: how many parameters train and how many are frozen."""
+    trains = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return f"trainable parameters {trains:,} ({trains / (trains + frozen):.2%}), frozen {frozen:,}"
+
+
+def save_lora(peft_config: LoraConfig, inner, state_dict: dict, processor, output_dir):
+    """On the main process, from the gathered full state dict (any engine): the adapter in
+    `output_dir/adapter`, the merged model and the processor in `output_dir`.
+
+    The adapters are put back on a copy of the model built on the meta device (no memory, no
+    init) and loaded with `assign`, so the sharded engines need no unsharded live model. Under ZeRO-3,
+    transformers would build it (and its sub-models) inside `deepspeed.zero.Init`, a collective the
+    other ranks never join: `set_zero3_state` tells it that one is already open.
+    """
+    with torch.device("meta"), set_zero3_state():
+        copy = type(inner)(inner.config)
+    peft_copy = get_peft_model(copy, peft_config)
+    copy.load_state_dict(state_dict, assign=True, strict=False)
+    copy.tie_weights()
+    if missing := [name for name, p in copy.named_parameters() if p.is_meta]:
+        raise RuntimeError(f"the gathered state dict lacks {missing[:5]}")
+    peft_copy.save_pretrained(os.path.join(output_dir, "adapter"))
+    merged = peft_copy.merge_and_unload()
+    merged.save_pretrained(output_dir)
+    processor.save_pretrained(output_dir)
