@@ -11,7 +11,9 @@ conversations (75% image questions, 25% text-only) on a CPU and writes a directo
 `--model_name_or_path` takes any `AutoModelForImageTextToText` checkpoint (tested: Llava, Qwen2.5-VL,
 Qwen3-VL, SmolVLM/Idefics3, Gemma 3, LLaVA-OneVision) with its own processor and chat template:
 the answer tokens are found in whatever template it ships (mmrecipes.chat_labels), and its vision
-tower, projector and language model from its module tree (mmrecipes.vlm_families).
+tower, projector and language model from its module tree (mmrecipes.vlm_families). `--use_peft true`
+trains LoRA adapters on the language model instead (TRL's flags; mmrecipes.lora) and saves the merged
+model and `output_dir/adapter`.
 Two things make it safe at any scale, on every engine in accelerate_configs/:
 - every micro-batch runs the vision step once on every rank (a text-only batch gets a tiny dummy
   image whose features are sliced out of the loss): ranks never disagree on which modules run;
