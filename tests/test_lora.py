@@ -11,8 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from launch import VLM_RECIPE, accelerate_launch, engine_line, grad_norms, load_recipe, losses, run_recipe
-from test_chat_data import write_chat_parquet
-from test_vlm_engines import EXPECTED_ENGINE, SCENARIO, image_row, text_row
+from test_vlm_engines import EXPECTED_ENGINE, SCENARIO, image_row, write_scenario
 from mmrecipes.lora import LoraArgs, lora_config
 from mmrecipes.vlm import VLMModelArgs, load_vlm
 from mmrecipes.vlm_families import dummy_image_inputs, module_groups
@@ -74,13 +73,7 @@ def test_bad_lora_settings_are_rejected_before_the_first_step(tmp_path):
 
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
-    data = tmp_path_factory.mktemp("lora_scenario")
-    image, text = image_row(), text_row()
-    write_chat_parquet(data / "rank0.parquet", [image, image, text, text, image, text] * 4)
-    write_chat_parquet(data / "rank1.parquet", [text, text, image, image, text, image] * 4)
-    (data / "single").mkdir()
-    write_chat_parquet(data / "single" / "all.parquet", [image, image, text, text] * 12)
-    return data
+    return write_scenario(tmp_path_factory.mktemp("lora_scenario"))
 
 
 # (family, engine, gradient checkpointing): the matrix the suite runs (all 16 ran by hand, see README).

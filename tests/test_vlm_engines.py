@@ -39,15 +39,19 @@ def text_row():
     return chat_row("What is the opposite of above?", "below, below, below, below, below, below, below")
 
 
-@pytest.fixture(scope="module")
-def scenario(tmp_path_factory):
-    data = tmp_path_factory.mktemp("scenario")
+def write_scenario(data):
+    """rank{0,1}.parquet (one shard per data rank) and single/all.parquet (the same windows for one process)."""
     image, text = image_row(), text_row()
     write_chat_parquet(data / "rank0.parquet", [image, image, text, text, image, text] * 4)
     write_chat_parquet(data / "rank1.parquet", [text, text, image, image, text, image] * 4)
     (data / "single").mkdir()
     write_chat_parquet(data / "single" / "all.parquet", [image, image, text, text] * 12)
     return data
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    return write_scenario(tmp_path_factory.mktemp("scenario"))
 
 
 @pytest.fixture(scope="module")
