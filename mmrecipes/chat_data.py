@@ -21,11 +21,13 @@ from dataclasses import dataclass
 
 import datasets
 import torch
+from PIL import Image
 
 from .chat_labels import TemplateError
 from .data import (DropCounter, ResumableShuffle, decode_image, expand_data_files, stream_loader,
                    split_by_data_rank)
 from .losses import IGNORE_INDEX
+from .packing import TokenBudgetBatches
 from .models import EMBEDDED
 
 VLM_SHAPES = EMBEDDED / "vlm_shapes"
@@ -48,6 +50,10 @@ class ChatDataArgs:
     eval_split: str = "test"
     image_folder: str | None = None  # LLaVA format: image paths are relative to it
     max_length: int = 256  # longer rows are skipped and counted, never truncated
+    # Micro-batches of whole rows up to this many tokens (image tokens included) instead of a fixed row
+    # count; ranks then carry different row counts (mmrecipes.packing). Rows over it count as too_long.
+    max_tokens_per_batch: int | None = None
+    packing: bool = False  # one sequence per micro-batch, no padding, each sample attending only to itself
     max_image_pixels: int = 50_000_000
     shuffle_buffer_size: int = 1000
     # None: mmrecipes.data.default_num_workers, which on a CPU gives 1 here: per-row chat templates cost
@@ -87,8 +93,8 @@ class ChatPreprocessor:
     """Batched `datasets.map` function: chat rows in, {input_ids, labels, image_inputs} rows out,
     bad rows dropped and counted (the counts ride along with the next kept row)."""
 
-    def __init__(self, args: ChatDataArgs, labeller):
-        self.args, self.labeller = args, labeller
+    def __init__(self, args: ChatDataArgs, labeller, max_length: int):
+        self.args, self.labeller, self.max_length = args, labeller, max_length
         self.drops = DropCounter()
 
     def __call__(self, batch):
@@ -119,57 +125,99 @@ class ChatPreprocessor:
             images.append(image)
             note = note or problem
         try:
-            encoded, target = self.labeller(messages, images)
+            input_ids, labels, image_inputs = encode_row(self.labeller, messages, images)
         except TemplateError:  # the template renders this row's turns differently from its prefixes
             return "no_target"
-        input_ids = torch.tensor(encoded.pop("input_ids")[0])
-        if len(input_ids) > self.args.max_length:
+        if len(input_ids) > self.max_length:
             return "too_long"
-        if not target[1:].any():  # the first token is never a target after the shift
+        if not (labels[1:] != IGNORE_INDEX).any():  # the first token is never a target after the shift
             return "no_target"
-        labels = torch.where(target, input_ids, IGNORE_INDEX)
-        encoded.pop("attention_mask")
-        image_inputs = {key: _as_tensor(value[0] if key in TOKEN_ALIGNED else value) for key, value in encoded.items()}
         return (input_ids, labels, image_inputs), note
+
+
+def encode_row(labeller, messages, images):
+    """(input_ids, labels, image_inputs) of one conversation: the labeller's tokens and targets, and the
+    processor's other outputs (image inputs; per-token ones like mm_token_type_ids unbatched)."""
+    encoded, target = labeller(messages, images)
+    input_ids = torch.tensor(encoded.pop("input_ids")[0])
+    encoded.pop("attention_mask")
+    image_inputs = {key: _as_tensor(value[0] if key in TOKEN_ALIGNED else value) for key, value in encoded.items()}
+    return input_ids, torch.where(target, input_ids, IGNORE_INDEX), image_inputs
 
 
 class DummyImageCollator:
     """Rows -> one micro-batch that runs the same graph on every rank (see mmrecipes.vlm).
 
-    Pads token sequences on the right (labels with IGNORE_INDEX), concatenates the rows' image
-    inputs, and gives a batch without any image the model's tiny dummy image
-    (`dummy_image_inputs`) with `dummy_image=True`, so the vision step runs on every micro-batch.
+    Pads token sequences on the right (labels with IGNORE_INDEX), or with `packing` concatenates
+    them into one `[1, L]` sequence with each sample's length (`sample_lengths`, for its own
+    positions and attention: mmrecipes.packing) and its first label ignored (never predicted
+    from the sample before it). Concatenates the rows' image inputs in row order, and gives a
+    batch without any image the model's tiny dummy image (`dummy_image_inputs`) with
+    `dummy_image=True`, so the vision step runs on every micro-batch.
     """
 
-    def __init__(self, pad_token_id: int, dummy_inputs: dict):
-        self.pad_token_id, self.dummy_inputs = pad_token_id, dummy_inputs
+    def __init__(self, pad_token_id: int, dummy_inputs: dict, packing: bool = False):
+        self.pad_token_id, self.dummy_inputs, self.packing = pad_token_id, dummy_inputs, packing
 
     def __call__(self, rows):
-        length = max(len(row["input_ids"]) for row in rows)
-        batch = {
-            "input_ids": _pad([row["input_ids"] for row in rows], length, self.pad_token_id),
-            "attention_mask": _pad([torch.ones_like(row["input_ids"]) for row in rows], length, 0),
-            "labels": _pad([row["labels"] for row in rows], length, IGNORE_INDEX),
-        }
+        if self.packing:
+            labels = [row["labels"].clone() for row in rows]
+            for row_labels in labels:
+                row_labels[0] = IGNORE_INDEX
+            batch = {"input_ids": torch.cat([row["input_ids"] for row in rows])[None],
+                     "labels": torch.cat(labels)[None],
+                     "sample_lengths": torch.tensor([len(row["input_ids"]) for row in rows]),
+                     "images_per_sample": torch.tensor([_image_count(row) for row in rows])}
+            batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+            join = lambda tensors: torch.cat(tensors)[None]  # noqa: E731
+        else:
+            length = max(len(row["input_ids"]) for row in rows)
+            batch = {
+                "input_ids": _pad([row["input_ids"] for row in rows], length, self.pad_token_id),
+                "attention_mask": _pad([torch.ones_like(row["input_ids"]) for row in rows], length, 0),
+                "labels": _pad([row["labels"] for row in rows], length, IGNORE_INDEX),
+            }
+            join = lambda tensors: _pad(tensors, length, 0)  # noqa: E731
         for key in TOKEN_ALIGNED[2:]:  # a text-only row may lack them (zeros: no image token)
             if any(key in row["image_inputs"] for row in rows):
-                batch[key] = _pad([row["image_inputs"].get(key, torch.zeros_like(row["input_ids"])) for row in rows],
-                                  length, 0)
+                batch[key] = join([row["image_inputs"].get(key, torch.zeros_like(row["input_ids"])) for row in rows])
         with_images = [row["image_inputs"] for row in rows if "pixel_values" in row["image_inputs"]]
         image_keys = {key for inputs in with_images for key in inputs} - set(TOKEN_ALIGNED)
         batch |= {key: _cat_padded([inputs[key] for inputs in with_images]) for key in image_keys}
         batch["dummy_image"] = not with_images
         if not with_images:
             batch |= self.dummy_inputs
+        batch["num_samples"] = len(rows)
         batch["data_counts"] = torch.tensor([sum(row[name] for row in rows) for name in CHAT_COUNTED])
         batch["data_position"] = rows[-1].get("data_position")  # where the stream stands after this batch
         return batch
 
 
+def _image_count(row) -> int:
+    """Images of a row: its image_grid_thw rows (Qwen), else its pixel_values' first dimension."""
+    inputs = row["image_inputs"]
+    if "pixel_values" not in inputs:
+        return 0
+    return len(inputs["image_grid_thw"]) if "image_grid_thw" in inputs else len(inputs["pixel_values"])
+
+
+def probe_rows(labeller) -> list[dict]:
+    """Two collator rows made with the labeller: a question about a white 32 px image and a text-only
+    one (checks before the first step)."""
+    image = Image.new("RGB", (32, 32), (255, 255, 255))
+    rows = []
+    for images, question, answer in (([image], "What colour is it?", "white"), ([], "What comes after one?", "two")):
+        messages = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+        input_ids, labels, image_inputs = encode_row(labeller, messages, images)
+        rows.append({"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs} | dict.fromkeys(CHAT_COUNTED, 0))
+    return rows
+
+
 def chat_model_inputs(batch: dict, device) -> dict:
     """A collated batch's model inputs on `device` (the dummy_image flag stays a Python bool)."""
     return {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-            for key, value in batch.items() if key != "data_counts"}
+            for key, value in batch.items() if key not in ("data_counts", "num_samples")}
 
 
 def _as_tensor(value):
@@ -240,10 +288,14 @@ def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size,
     if len(streams) > 1:  # columns a source lacks are filled with None (so formats may differ)
         stream = datasets.interleave_datasets(streams, probabilities=[w / sum(weights) for w in weights],
                                               seed=shuffle_seed or 0, stopping_strategy="all_exhausted")
-    preprocess = ChatPreprocessor(args, labeller)
+    budget = args.max_tokens_per_batch if shuffle_seed is not None else None  # evaluation keeps fixed batches
+    preprocess = ChatPreprocessor(args, labeller, min(args.max_length, budget or args.max_length))
     if shuffle_seed is None:
         stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=columns)
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)
+    if budget:
+        return stream_loader(TokenBudgetBatches(stream, budget), None, collator, args.dataloader_num_workers,
+                             cpu_workers=1)
     return stream_loader(stream, batch_size, collator, args.dataloader_num_workers, cpu_workers=1)

@@ -18,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .data import ResumableShuffle, batches_forever
+from .data import batches_forever
 
 MARKER = "checkpoint.json"
 PARTIAL = ".partial-"
@@ -35,13 +35,14 @@ class Checkpointer:
     accumulation steps); a resume with a different layout is refused before any step.
     """
 
-    def __init__(self, accelerator, output_dir: str, *, total_limit: int | None, data_world: int, batch_size: int):
+    def __init__(self, accelerator, output_dir: str, *, total_limit: int | None, data_world: int, batch_size: int,
+                 **data_layout):
         self.accelerator = accelerator
         self.root = Path(output_dir) / "checkpoints"
         self.total_limit = total_limit
         self.data_position = None  # of the last batch the loop took (tracked by `resume`'s iterator)
         self.layout = {"data_ranks": data_world, "per_device_train_batch_size": batch_size,
-                       "gradient_accumulation_steps": accelerator.gradient_accumulation_steps}
+                       "gradient_accumulation_steps": accelerator.gradient_accumulation_steps} | data_layout
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
@@ -110,11 +111,12 @@ class Checkpointer:
                 raise ValueError(f"{checkpoint} was saved with {', '.join(f'{k}={old}' for k, (old, _) in changed.items())}; "
                                  f"this run has {', '.join(f'{k}={new}' for k, (_, new) in changed.items())}. The saved "
                                  "data position only holds for the same data layout: resume with the same number of "
-                                 "processes, batch size and accumulation steps.")
+                                 "processes, batch size (or token budget and packing) and accumulation steps.")
             self.accelerator.load_state(checkpoint)
             start_step = step_of(checkpoint)
             self.accelerator.print(f"resumed from {checkpoint} at step {start_step}")
-        positioned = isinstance(train_loader.dataset, ResumableShuffle) and train_loader.num_workers <= 1
+        # ResumableShuffle, or TokenBudgetBatches over one
+        positioned = hasattr(train_loader.dataset, "resume_from") and train_loader.num_workers <= 1
         position_file = checkpoint / f"data_position_{self.accelerator.process_index}.json" if checkpoint else None
         if positioned and position_file and position_file.is_file():
             position = json.loads(position_file.read_text())

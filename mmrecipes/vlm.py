@@ -32,9 +32,11 @@ import torch
 from transformers import (AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, CLIPImageProcessor, LlavaConfig,
                           LlavaForConditionalGeneration, LlavaProcessor)
 
+from .chat_data import DummyImageCollator, chat_model_inputs, probe_rows
 from .distributed import fsdp_block_classes
 from .lora import save_lora
 from .losses import token_cross_entropy_sum
+from .packing import packed_position_ids
 from .models import EMBEDDED
 from .vlm_families import ModuleGroups, check_trainable, lm_features
 
@@ -75,7 +77,8 @@ class VLMForTraining(torch.nn.Module):
         self.vision_input_names = set(inspect.signature(model.get_image_features).parameters) - {"kwargs"}
         self.forward_input_names = set(inspect.signature(model.forward).parameters) - {"kwargs"}
 
-    def forward(self, input_ids, attention_mask, labels, dummy_image: bool, **image_inputs):
+    def forward(self, input_ids, attention_mask, labels, dummy_image: bool, sample_lengths=None, images_per_sample=None,
+                **image_inputs):
         vision_inputs = {name: value for name, value in image_inputs.items() if name in self.vision_input_names}
         features = self.model.get_image_features(**vision_inputs, return_dict=True)
         # What the LM takes besides the features: Qwen's image_grid_thw and mm_token_type_ids (mRoPE
@@ -85,7 +88,12 @@ class VLMForTraining(torch.nn.Module):
         other_inputs = {name: value for name, value in image_inputs.items() if name in keep}
         if not dummy_image:
             other_inputs["mm_encoder_outputs"] = {"image": features}
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **other_inputs).logits
+        if sample_lengths is not None:  # packed: no mask, positions restart per sample (mmrecipes.packing)
+            other_inputs["position_ids"] = packed_position_ids(self.model, input_ids, sample_lengths, images_per_sample,
+                                                               image_inputs)
+            attention_mask = None
+        # No KV cache: training needs none, and transformers reads packed positions only without one.
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **other_inputs).logits
         loss_sum = token_cross_entropy_sum(logits, labels)
         if dummy_image:
             loss_sum = loss_sum + torch.cat([part.flatten() for part in lm_features(features)])[:0].sum()
@@ -102,6 +110,25 @@ class VLMForTraining(torch.nn.Module):
     @property
     def _no_split_modules(self):  # what accelerate_configs/fsdp2.yaml wraps
         return fsdp_block_classes(self.model)
+
+
+@torch.no_grad()
+def check_packing(model, labeller, dummy_inputs):
+    """Raise before the first step unless an image conversation and a text one, packed into one
+    sequence, give the logits each gives alone (the model keeps packed samples apart)."""
+    rows = probe_rows(labeller)
+    step, training = VLMForTraining(model), model.training
+    model.eval()
+    try:
+        _, packed = step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True)(rows), "cpu"))
+        alone = torch.cat([step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs)([row]), "cpu"))[1]
+                           for row in rows], dim=1)
+    finally:
+        model.train(training)
+    if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4):
+        raise ValueError(f"--packing: {type(model).__name__} does not keep packed samples apart (its logits differ by "
+                         f"{(packed - alone).abs().max().item():.3g} from the samples run alone): drop --packing, or "
+                         "keep --max_tokens_per_batch without it")
 
 
 def load_vlm(args: VLMModelArgs):

@@ -45,7 +45,8 @@ from mmrecipes.losses import count_target_tokens, token_loss_scale
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import DataWait, peak_flops, vlm_train_flops
 from mmrecipes.training import TrainingArgs, accelerator_from_args, adamw, compile_blocks, per_device_batch_size
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, save_vlm, stop_token_ids
+from mmrecipes.vlm import (VLMForTraining, VLMModelArgs, apply_train_modules, check_packing, load_vlm, save_vlm,
+                           stop_token_ids)
 from mmrecipes.vlm_families import dummy_image_inputs, image_patches, module_groups
 
 
@@ -85,6 +86,8 @@ def main(argv=None):
         peft_config = peft_model.peft_config["default"]
     if model_args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if data_args.packing:
+        check_packing(model, labeller, dummy_inputs)  # samples kept apart in one sequence, on this model
     if not model.get_input_embeddings().weight.requires_grad:
         # A frozen embedding (LoRA, the projector preset) gives a text-only batch an LM input without grad: its
         # backward would skip the LM where an image batch's runs through it, so ZeRO-3 and FSDP2 ranks would
@@ -132,16 +135,21 @@ def main(argv=None):
         DivergenceGuard(accelerator.unwrap_model(model), timeout_s=args.ddp_timeout)
 
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare.
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs)
-    loader_kwargs = dict(labeller=labeller, collator=collator, data_rank=data_rank, data_world=data_world)
-    train_loader = build_chat_dataloader(data_args, batch_size=batch_size, shuffle_seed=args.seed, **loader_kwargs)
+    # With --max_tokens_per_batch each micro-batch holds whole rows up to that many tokens; with --packing
+    # they form one sequence without padding (mmrecipes.packing). Evaluation keeps fixed, padded batches.
+    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs, packing=data_args.packing)
+    loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world)
+    train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,
+                                         **loader_kwargs)
     eval_loader = None
     if data_args.eval_dataset_name:
-        eval_loader = build_chat_dataloader(data_args, batch_size=args.per_device_eval_batch_size, eval_split=True,
-                                            **loader_kwargs)
+        eval_loader = build_chat_dataloader(data_args, collator=DummyImageCollator(processor.tokenizer.pad_token_id,
+                                                                                   dummy_inputs),
+                                            batch_size=args.per_device_eval_batch_size, eval_split=True, **loader_kwargs)
 
     checkpoints = Checkpointer(accelerator, args.output_dir, total_limit=args.save_total_limit,
-                               data_world=data_world, batch_size=batch_size)
+                               data_world=data_world, batch_size=batch_size,
+                               max_tokens_per_batch=data_args.max_tokens_per_batch, packing=data_args.packing)
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
     guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,
@@ -176,7 +184,7 @@ def main(argv=None):
                 accelerator.backward(loss_sum * loss_scale)
             window_ce.append(loss_sum.detach())
             patches = 0 if batch["dummy_image"] else image_patches(batch["pixel_values"], vision_config)
-            counts += torch.tensor([len(batch["input_ids"]), batch["attention_mask"].sum(), patches,
+            counts += torch.tensor([batch["num_samples"], batch["attention_mask"].sum(), patches,
                                     batch["dummy_image"]])
             data_counts += batch["data_counts"]
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping

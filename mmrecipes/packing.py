@@ -1,0 +1,92 @@
+"""Micro-batches by token budget, and packed sequences without padding, for the VLM recipe.
+
+A VLM fine-tuning set mixes 40-token text questions with 700-token image conversations: a fixed
+row count per micro-batch pads most of the compute away, and the rank that draws the long rows
+sets everyone's step time and memory.
+
+- `TokenBudgetBatches` (`--max_tokens_per_batch N`): each micro-batch holds whole rows, in stream
+  order, up to N tokens together (a row counted with its image tokens); ranks carry different
+  row counts. The token loss stays the exact mean over the window on all ranks, because
+  `losses.token_loss_scale` already counts the window's target tokens globally. A row over N
+  tokens is skipped and counted as `too_long`.
+- packing (`--packing true`, `DummyImageCollator(packing=True)`): the micro-batch's rows are
+  concatenated into one sequence with no padding. Each sample attends only to itself and its
+  positions restart: `packed_position_ids` gives plain positions per sample for Llama-style
+  language models, and each sample's own 3-D mRoPE positions (its `get_rope_index`) for the Qwen
+  families, with the text positions in front that transformers reads to build the block-diagonal
+  mask (flash-attention's variable-length path on GPUs, a block-diagonal mask with `sdpa` here).
+  `vlm.check_packing` verifies that on the model before the first step.
+"""
+
+import inspect
+
+import torch
+
+
+class TokenBudgetBatches(torch.utils.data.IterableDataset):
+    """This rank's rows (a `ResumableShuffle`) grouped into micro-batches of at most `max_tokens` tokens.
+
+    Rows keep their stream order and the next row that does not fit starts the next micro-batch,
+    so the grouping depends only on the rows: a resume after a micro-batch's last row (its saved
+    position) groups the rest exactly as the straight run did.
+    """
+
+    def __init__(self, rows, max_tokens: int):
+        self.rows, self.max_tokens = rows, max_tokens
+
+    @property
+    def num_shards(self) -> int:
+        return self.rows.num_shards
+
+    @property
+    def epoch(self) -> int:
+        return self.rows.epoch
+
+    def set_epoch(self, epoch: int):
+        self.rows.set_epoch(epoch)
+
+    def resume_from(self, position: dict):
+        self.rows.resume_from(position)
+
+    def __iter__(self):
+        batch, tokens = [], 0
+        for row in self.rows:
+            length = len(row["input_ids"])
+            if batch and tokens + length > self.max_tokens:
+                yield batch
+                batch, tokens = [], 0
+            batch.append(row)
+            tokens += length
+        if batch:
+            yield batch
+
+
+def packed_position_ids(model, input_ids, sample_lengths, images_per_sample, image_inputs) -> torch.Tensor:
+    """Position ids of a packed `[1, L]` sequence, restarting at each sample.
+
+    A model whose base has `get_rope_index` (Qwen2/2.5/3-VL: 3-D mRoPE over text and image
+    grids) gets each sample's own 3-D positions, computed as if the sample were alone, with plain
+    text positions stacked in front (`[4, 1, L]`: transformers builds the packed mask from
+    those); any other model gets `[1, L]` plain positions.
+    """
+    starts = torch.cumsum(torch.cat([sample_lengths.new_zeros(1), sample_lengths[:-1]]), 0)
+    text = torch.cat([torch.arange(int(n), device=input_ids.device) for n in sample_lengths])[None]
+    rope_index = getattr(getattr(model, "model", model), "get_rope_index", None)
+    if rope_index is None:
+        return text
+    accepted = set(inspect.signature(rope_index).parameters)
+    grids = image_inputs.get("image_grid_thw")
+    image_starts = torch.cumsum(torch.cat([images_per_sample.new_zeros(1), images_per_sample[:-1]]), 0)
+    positions = []
+    for start, length, first_image, images in zip(starts.tolist(), sample_lengths.tolist(), image_starts.tolist(),
+                                                  images_per_sample.tolist()):
+        ids = input_ids[:, start:start + length]
+        if not images:  # text only: the same plain position on all three axes
+            positions.append(torch.arange(length, device=ids.device).expand(3, 1, -1))
+            continue
+        kwargs = {"image_grid_thw": grids[first_image:first_image + images]}
+        for name in ("mm_token_type_ids", "token_type_ids"):
+            if name in accepted and name in image_inputs:
+                kwargs[name] = image_inputs[name][:, start:start + length]
+        positions.append(rope_index(ids, **kwargs)[0])
+    return torch.cat([text[None], torch.cat(positions, dim=-1)])
