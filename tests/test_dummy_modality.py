@@ -62,8 +62,8 @@ def row(model, targets: int, image: bool, generator):
     return {"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs} | {name: 0 for name in CHAT_COUNTED}
 
 
-def collate(model, rows):
-    return DummyImageCollator(0, dummy_image_inputs(model))(rows)
+def collate(model, rows, packing=False):
+    return DummyImageCollator(0, dummy_image_inputs(model), packing=packing)(rows)
 
 
 def inputs(batch):
@@ -136,21 +136,23 @@ def _accelerate_window(rank, world_size, normalisation):
     model = tiny_llava()
     accelerator = make_accelerator(gradient_accumulation_steps=2)
     ddp = accelerator.prepare(VLMForTraining(model))
-    window = [collate(model, rows) for rows in window_rows(model, rank)]
+    # Packed: each micro-batch one sequence; the ranks' micro-batches hold 1 and 3, 2 and 1 rows.
+    window = [collate(model, rows, packing=normalisation == "token_packed") for rows in window_rows(model, rank)]
     window_tokens = sum_over_ranks(torch.tensor(float(sum(count_target_tokens(b["labels"]) for b in window))))
     for batch in window:
         with accelerator.accumulate(ddp):
             loss_sum, _ = ddp(**inputs(batch))
-            if normalisation == "token":
+            if normalisation in ("token", "token_packed"):
                 accelerator.backward(loss_sum * token_loss_scale(window_tokens, 2, world_size))
             else:  # the per-micro-batch mean most loops compute
                 accelerator.backward(loss_sum / count_target_tokens(batch["labels"]))
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("normalisation", ["token", "per_micro_batch_mean"])
+@pytest.mark.parametrize("normalisation", ["token", "token_packed", "per_micro_batch_mean"])
 def test_window_gradient_is_the_token_mean_of_one_big_batch(normalisation):
-    """The gradient must equal (1/N) grad(sum CE) over the concatenated window of both ranks; the
+    """The gradient must equal (1/N) grad(sum CE) over the concatenated window of both ranks, also
+    with each micro-batch packed into one sequence (rows counts differ between ranks and steps); the
     per-micro-batch mean weights a 2-token micro-batch like a 90-token one, and must fail."""
     set_seed(0)
     model = tiny_llava()
@@ -166,7 +168,7 @@ def test_window_gradient_is_the_token_mean_of_one_big_batch(normalisation):
     # (softmax ignores them), so their own relative error is rounding noise over noise.
     scale = max(truth[n].abs().max() for n in truth)
     worst = (max((grads[n] - truth[n]).abs().max() for n in truth) / scale).item()
-    if normalisation == "token":
+    if normalisation != "per_micro_batch_mean":
         assert worst < 1e-5
     else:
         assert worst > 0.05

@@ -1,0 +1,143 @@
+"""Token-budget micro-batches and packed sequences (mmrecipes.packing): a packed micro-batch equals its
+samples run one by one on every family that packs, the ways of getting it wrong fail, budgets group
+whole rows and resume exactly, and launched under every engine packing gives the losses of the same
+token-budget batches padded. (The 2-rank gradient of packed windows: test_dummy_modality.py.)"""
+
+import re
+
+import pytest
+import torch
+from accelerate.utils import set_seed
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from launch import VLM_RECIPE, accelerate_launch, engine_line, grad_norms, losses
+from mmrecipes.chat_data import (CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader,
+                                 chat_model_inputs, encode_row)
+from mmrecipes.chat_labels import AnswerLabeller
+from mmrecipes.vlm import VLMForTraining, VLMModelArgs, check_packing, load_vlm, stop_token_ids
+from mmrecipes.vlm_families import dummy_image_inputs
+
+PACKING_FAMILIES = [None, "qwen2_5_vl", "qwen3_vl", "idefics3", "llava_onevision"]  # None: the tiny default Llava
+
+
+def load(tiny_vlms, family):
+    set_seed(0)
+    if family is None:
+        return load_vlm(VLMModelArgs())
+    return AutoModelForImageTextToText.from_pretrained(tiny_vlms[family]), AutoProcessor.from_pretrained(tiny_vlms[family])
+
+
+def rows_of(labeller):
+    """Two images of different sizes and a text-only conversation, as collator rows."""
+    rows = []
+    for images, question, answer in (([Image.new("RGB", (32, 32), (200, 30, 30))], "What colour is it?", "red"),
+                                     ([], "What comes after one?", "two"),
+                                     ([Image.new("RGB", (64, 24), (30, 30, 200))], "What shape is it?", "circle")):
+        messages = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+        input_ids, labels, image_inputs = encode_row(labeller, messages, images)
+        rows.append({"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs} | dict.fromkeys(CHAT_COUNTED, 0))
+    return rows
+
+
+@pytest.mark.parametrize("family", PACKING_FAMILIES)
+@torch.no_grad()
+def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
+    """Logits and summed loss (float32), with images of two sizes and a text row in one sequence;
+    without restarted positions and separate attention the same rows give other logits."""
+    model, processor = load(tiny_vlms, family)
+    model.eval()
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    dummy_inputs = dummy_image_inputs(model, processor)
+    rows = rows_of(labeller)
+    step = VLMForTraining(model)
+    packed = chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True)(rows), "cpu")
+    loss, logits = step(**packed)
+    alone = [step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs)([row]), "cpu")) for row in rows]
+    torch.testing.assert_close(logits, torch.cat([a[1] for a in alone], dim=1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, sum(a[0] for a in alone), rtol=1e-5, atol=1e-5)
+    check_packing(model, labeller, dummy_inputs)
+
+    one_sequence = {k: v for k, v in packed.items() if k not in ("sample_lengths", "images_per_sample")}
+    assert not torch.allclose(step(**one_sequence)[1], logits, atol=1e-3)  # positions go on, attention crosses
+    crossing = step.model(input_ids=packed["input_ids"], attention_mask=packed["attention_mask"], use_cache=False,
+                          position_ids=torch.cat([torch.arange(len(row["input_ids"])) for row in rows])[None],
+                          **{k: v for k, v in packed.items() if k in ("mm_token_type_ids", "pixel_values",
+                                                                      "image_grid_thw", "pixel_attention_mask",
+                                                                      "image_sizes", "batch_num_images")}).logits
+    assert not torch.allclose(crossing, logits, atol=1e-3)  # positions restart, attention crosses
+
+
+def test_a_family_that_does_not_keep_packed_samples_apart_is_rejected(tiny_vlms):
+    """Gemma 3 (image tokens attend bidirectionally through token_type_ids) mixes packed samples:
+    `--packing` stops before the first step and says what to do instead."""
+    model, processor = load(tiny_vlms, "gemma3")
+    with pytest.raises(ValueError, match="--packing: Gemma3ForConditionalGeneration does not keep packed samples apart"):
+        check_packing(model, AnswerLabeller(processor, stop_token_ids(model, processor)),
+                      dummy_image_inputs(model, processor))
+
+
+def test_token_budget_batches_hold_whole_rows_and_resume_exactly():
+    model, processor = load_vlm(VLMModelArgs())
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model))
+
+    def loader(budget):
+        args = ChatDataArgs(max_tokens_per_batch=budget, dataloader_num_workers=0, shuffle_buffer_size=64)
+        return build_chat_dataloader(args, labeller, collator, batch_size=16, data_rank=0, data_world=1, shuffle_seed=0)
+
+    straight = [batch for _, batch in zip(range(8), loader(300))]
+    assert len({batch["num_samples"] for batch in straight}) > 1  # the budget, not a row count, sets the micro-batch
+    assert all(batch["attention_mask"].sum() <= 300 for batch in straight)
+    small = [batch for _, batch in zip(range(4), loader(40))]
+    assert all(batch["attention_mask"].sum() <= 40 for batch in small)
+    assert sum(batch["data_counts"] for batch in small)[CHAT_COUNTED.index("too_long")] > 0  # rows over 40 tokens
+    resumed_loader = loader(300)
+    resumed_loader.dataset.resume_from(straight[3]["data_position"])
+    for expected, batch in zip(straight[4:], resumed_loader):
+        assert torch.equal(batch["input_ids"], expected["input_ids"])
+
+
+BUDGET = ["--max_steps", 6, "--logging_steps", 1, "--max_tokens_per_batch", 64, "--gradient_accumulation_steps", 2,
+          "--eval_dataset_name", "", "--save_steps", 3, "--dataloader_num_workers", 1]
+ENGINES = {"ddp.yaml": "model=DistributedDataParallel", "fsdp2.yaml": "model=FSDPVLMForTraining",
+           "zero2.yaml": "model=DeepSpeedEngine", "zero3.yaml": "model=DeepSpeedEngine"}
+
+
+@pytest.fixture(scope="module")
+def budget_runs(tmp_path_factory):
+    """The default mixture at a 64-token budget (one or two rows a pack: some packs text-only): padded under DDP, packed under every engine."""
+    runs = {"padded": accelerate_launch("ddp.yaml", *BUDGET, "--output_dir", tmp_path_factory.mktemp("padded"),
+                                        recipe=VLM_RECIPE)}
+    for config in ENGINES:
+        output_dir = tmp_path_factory.mktemp(f"packed_{config[:-5]}")
+        runs[config] = accelerate_launch(config, *BUDGET, "--packing", "true", "--output_dir", output_dir,
+                                         recipe=VLM_RECIPE), output_dir
+    return runs
+
+
+@pytest.mark.parametrize("config", list(ENGINES))
+def test_packing_under_every_engine_gives_the_losses_of_the_same_rows_padded(budget_runs, config):
+    padded = budget_runs["padded"]
+    assert padded.returncode == 0, padded.log[-3000:]
+    result, _ = budget_runs[config]
+    assert result.returncode == 0, result.log[-3000:]
+    assert ENGINES[config] in engine_line(result.log)
+    assert sorted(losses(result.log)) == list(range(1, 7))
+    for step in range(1, 7):
+        assert losses(result.log)[step] == pytest.approx(losses(padded.log)[step], rel=1e-4), f"loss, step {step}"
+        assert grad_norms(result.log)[step] == pytest.approx(grad_norms(padded.log)[step], rel=1e-4), f"grad, step {step}"
+    # Packs without any image ran the dummy, on some rank, in some step.
+    assert sum(map(int, re.findall(r"\| dummy_image_batches (\d+)", result.log))) > 0
+
+
+def test_a_packed_token_budget_run_resumes_exactly(budget_runs, tmp_path):
+    straight, output_dir = budget_runs["ddp.yaml"]
+    resumed = accelerate_launch("ddp.yaml", *BUDGET, "--packing", "true", "--output_dir", tmp_path,
+                                "--resume_from_checkpoint", output_dir / "checkpoints" / "checkpoint-3", recipe=VLM_RECIPE)
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert "re-reading" not in resumed.log  # the saved position of the last row of the last pack
+    assert sorted(losses(resumed.log)) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert losses(resumed.log)[step] == pytest.approx(losses(straight.log)[step], abs=1e-6), f"step {step}"
