@@ -13,21 +13,15 @@ default), and LoRA r=16 on the LM's linear layers with the projector in full.
 
 import argparse
 import json
-import os
 import platform
 import resource
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+from fresh_process import resident_bytes, run_in_fresh_process
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lora_memory.jsonl"
-
-
-def resident_bytes():
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _variant(use_peft, sizes, steps, batch_size, queue):
@@ -72,16 +66,6 @@ def _variant(use_peft, sizes, steps, batch_size, queue):
                "peak_training_bytes": peak - before, "seconds_per_step": seconds, "device": device})
 
 
-def measure(use_peft, sizes, steps, batch_size):
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    process = context.Process(target=_variant, args=(use_peft, sizes, steps, batch_size, queue))
-    process.start()
-    result = queue.get()
-    process.join()
-    return result
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -92,8 +76,8 @@ def main():
         sizes, steps = {}, 3
     else:  # about 50M parameters, mostly LM: where LoRA's savings show
         sizes, steps = dict(vision_hidden_size=256, vision_layers=4, text_hidden_size=768, text_layers=6), 10
-    full = measure(False, sizes, steps, args.batch_size)
-    lora = measure(True, sizes, steps, args.batch_size)
+    full = run_in_fresh_process(_variant, False, sizes, steps, args.batch_size)
+    lora = run_in_fresh_process(_variant, True, sizes, steps, args.batch_size)
     print(f"{'':<24} {'full FT':>14} {'LoRA':>14} {'LoRA / full':>12}")
     ratios = {}
     for key in ("trainable_params", "optimizer_state_bytes", "gradient_bytes", "peak_training_bytes", "seconds_per_step"):

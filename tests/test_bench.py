@@ -20,6 +20,7 @@ pytestmark = pytest.mark.launch
     ("resume_time.py", ["--quick", "--repeats", "1"]),
     ("vlm_dummy.py", ["--quick"]),
     ("lora_memory.py", ["--quick"]),
+    ("vlm_packing.py", ["--quick"]),
     ("gpu_clip_throughput.py", ["--toy", "--steps", "2", "--warmup", "1", "--compile", "off"]),
 ])
 def test_bench_script_runs_at_toy_size(script, args, tmp_path):
