@@ -11,7 +11,8 @@ agree within noise). Two mixtures:
 - `long_tail`: the same plus 10% conversations of 4 images (4 shapes questions joined), the rows of
   a few hundred tokens that make a padded batch mostly padding.
 Variants: `padded` (--per_device_train_batch_size 16), `budget` (--max_tokens_per_batch set to 16
-rows of the mixture's mean length, padded to the longest row), `packed` (the same budget, packed).
+rows of the mixture's mean length, padded to the longest row), `packed` (the same budget, packed into
+sequences of up to 256 tokens, the recipe's default --max_length).
 """
 
 import argparse
@@ -28,6 +29,7 @@ from fresh_process import resident_bytes, run_in_fresh_process
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vlm_packing.jsonl"
 SIZES = dict(text_hidden_size=256, text_layers=4)
+PACK_LENGTH = 256  # the recipe's default --max_length, its sequence length when packing
 
 
 def long_tail_source(directory: Path) -> str:
@@ -65,7 +67,8 @@ def _variant(mode, mixture, budget, steps, queue):
     weights = "0.75,0.25" if not mixture else "0.675,0.225,0.1"
     args = ChatDataArgs(dataset_name=sources, dataset_weights=weights, dataloader_num_workers=0, max_length=512,
                         max_tokens_per_batch=None if mode == "padded" else budget, packing=mode == "packed")
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs, packing=mode == "packed")
+    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs, packing=mode == "packed",
+                                  pack_length=PACK_LENGTH)
     loader = build_chat_dataloader(args, AnswerLabeller(processor, stop_token_ids(model, processor)), collator,
                                    batch_size=16, data_rank=0, data_world=1, shuffle_seed=0)
     step = VLMForTraining(model).to(device)

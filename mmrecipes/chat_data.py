@@ -53,7 +53,7 @@ class ChatDataArgs:
     # Micro-batches of whole rows up to this many tokens (image tokens included) instead of a fixed row
     # count; ranks then carry different row counts (mmrecipes.packing). Rows over it count as too_long.
     max_tokens_per_batch: int | None = None
-    packing: bool = False  # one sequence per micro-batch, no padding, each sample attending only to itself
+    packing: bool = False  # rows packed into sequences of up to max_length tokens, each sample attending only to itself
     max_image_pixels: int = 50_000_000
     shuffle_buffer_size: int = 1000
     # None: mmrecipes.data.default_num_workers, which on a CPU gives 1 here: per-row chat templates cost
@@ -148,39 +148,43 @@ def encode_row(labeller, messages, images):
 class DummyImageCollator:
     """Rows -> one micro-batch that runs the same graph on every rank (see mmrecipes.vlm).
 
-    Pads token sequences on the right (labels with IGNORE_INDEX), or with `packing` concatenates
-    them into one `[1, L]` sequence with each sample's length (`sample_lengths`, for its own
-    positions and attention: mmrecipes.packing) and its first label ignored (never predicted
-    from the sample before it). Concatenates the rows' image inputs in row order, and gives a
+    Pads each row to the longest on the right (labels with IGNORE_INDEX). With `packing`, the rows
+    are first packed in order into sequences of up to `pack_length` tokens (one sequence if None),
+    each row's first label ignored (it is never predicted from the sample before it), and
+    `sample_lengths` / `images_per_sample` list every segment of the padded `[sequences, L]` batch
+    in order (a sequence's padding is a segment of its own), for per-sample positions and
+    attention (mmrecipes.packing). Concatenates the rows' image inputs in row order, and gives a
     batch without any image the model's tiny dummy image (`dummy_image_inputs`) with
     `dummy_image=True`, so the vision step runs on every micro-batch.
     """
 
-    def __init__(self, pad_token_id: int, dummy_inputs: dict, packing: bool = False):
-        self.pad_token_id, self.dummy_inputs, self.packing = pad_token_id, dummy_inputs, packing
+    def __init__(self, pad_token_id: int, dummy_inputs: dict, packing: bool = False, pack_length: int | None = None):
+        self.pad_token_id, self.dummy_inputs = pad_token_id, dummy_inputs
+        self.packing, self.pack_length = packing, pack_length
 
     def __call__(self, rows):
+        lengths = [len(row["input_ids"]) for row in rows]
+        packs = _next_fit(lengths, self.pack_length) if self.packing else [[i] for i in range(len(rows))]
+        length = max(sum(lengths[i] for i in pack) for pack in packs)
+
+        def join(tensors, value):
+            return _pad([torch.cat([tensors[i] for i in pack]) for pack in packs], length, value)
+
+        labels = [row["labels"] for row in rows]
         if self.packing:
-            labels = [row["labels"].clone() for row in rows]
-            for row_labels in labels:
-                row_labels[0] = IGNORE_INDEX
-            batch = {"input_ids": torch.cat([row["input_ids"] for row in rows])[None],
-                     "labels": torch.cat(labels)[None],
-                     "sample_lengths": torch.tensor([len(row["input_ids"]) for row in rows]),
-                     "images_per_sample": torch.tensor([_image_count(row) for row in rows])}
-            batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-            join = lambda tensors: torch.cat(tensors)[None]  # noqa: E731
-        else:
-            length = max(len(row["input_ids"]) for row in rows)
-            batch = {
-                "input_ids": _pad([row["input_ids"] for row in rows], length, self.pad_token_id),
-                "attention_mask": _pad([torch.ones_like(row["input_ids"]) for row in rows], length, 0),
-                "labels": _pad([row["labels"] for row in rows], length, IGNORE_INDEX),
-            }
-            join = lambda tensors: _pad(tensors, length, 0)  # noqa: E731
+            labels = [torch.cat([row_labels.new_full((1,), IGNORE_INDEX), row_labels[1:]]) for row_labels in labels]
+        batch = {"input_ids": join([row["input_ids"] for row in rows], self.pad_token_id),
+                 "attention_mask": join([torch.ones_like(row["input_ids"]) for row in rows], 0),
+                 "labels": join(labels, IGNORE_INDEX)}
+        if self.packing:
+            segments = []
+            for pack in packs:
+                used = sum(lengths[i] for i in pack)
+                segments += [(lengths[i], _image_count(rows[i])) for i in pack] + ([(length - used, 0)] if used < length else [])
+            batch["sample_lengths"], batch["images_per_sample"] = torch.tensor(segments).T.clone()
         for key in TOKEN_ALIGNED[2:]:  # a text-only row may lack them (zeros: no image token)
             if any(key in row["image_inputs"] for row in rows):
-                batch[key] = join([row["image_inputs"].get(key, torch.zeros_like(row["input_ids"])) for row in rows])
+                batch[key] = join([row["image_inputs"].get(key, torch.zeros_like(row["input_ids"])) for row in rows], 0)
         with_images = [row["image_inputs"] for row in rows if "pixel_values" in row["image_inputs"]]
         image_keys = {key for inputs in with_images for key in inputs} - set(TOKEN_ALIGNED)
         batch |= {key: _cat_padded([inputs[key] for inputs in with_images]) for key in image_keys}
@@ -191,6 +195,18 @@ class DummyImageCollator:
         batch["data_counts"] = torch.tensor([sum(row[name] for row in rows) for name in CHAT_COUNTED])
         batch["data_position"] = rows[-1].get("data_position")  # where the stream stands after this batch
         return batch
+
+
+def _next_fit(lengths, capacity):
+    """Row indices in order, grouped into packs of at most `capacity` tokens (one pack if None)."""
+    packs, used = [[]], 0
+    for index, length in enumerate(lengths):
+        if packs[-1] and capacity is not None and used + length > capacity:
+            packs.append([])
+            used = 0
+        packs[-1].append(index)
+        used += length
+    return packs
 
 
 def _image_count(row) -> int:

@@ -10,7 +10,9 @@ sets everyone's step time and memory.
   `losses.token_loss_scale` already counts the window's target tokens globally. A row over N
   tokens is skipped and counted as `too_long`.
 - packing (`--packing true`, `DummyImageCollator(packing=True)`): the micro-batch's rows are
-  concatenated into one sequence with no padding. Each sample attends only to itself and its
+  concatenated, in order, into sequences of up to `--max_length` tokens (the attention cost of a
+  sequence grows with its square: one long sequence would cost more than the padding it saves),
+  padded only at each sequence's end. Each sample attends only to itself and its
   positions restart: `packed_position_ids` gives plain positions per sample for Llama-style
   language models, and each sample's own 3-D mRoPE positions (its `get_rope_index`) for the Qwen
   families, with the text positions in front that transformers reads to build the block-diagonal
@@ -62,31 +64,30 @@ class TokenBudgetBatches(torch.utils.data.IterableDataset):
 
 
 def packed_position_ids(model, input_ids, sample_lengths, images_per_sample, image_inputs) -> torch.Tensor:
-    """Position ids of a packed `[1, L]` sequence, restarting at each sample.
+    """Position ids of a packed `[sequences, L]` batch whose segments (samples, and each sequence's
+    padding) have `sample_lengths` in order: positions restart at every segment.
 
     A model whose base has `get_rope_index` (Qwen2/2.5/3-VL: 3-D mRoPE over text and image
     grids) gets each sample's own 3-D positions, computed as if the sample were alone, with plain
-    text positions stacked in front (`[4, 1, L]`: transformers builds the packed mask from
-    those); any other model gets `[1, L]` plain positions.
+    text positions stacked in front (`[4, sequences, L]`: transformers builds the packed mask from
+    those); any other model gets `[sequences, L]` plain positions.
     """
-    starts = torch.cumsum(torch.cat([sample_lengths.new_zeros(1), sample_lengths[:-1]]), 0)
-    text = torch.cat([torch.arange(int(n), device=input_ids.device) for n in sample_lengths])[None]
+    shape = input_ids.shape
+    text = torch.cat([torch.arange(int(n), device=input_ids.device) for n in sample_lengths])
     rope_index = getattr(getattr(model, "model", model), "get_rope_index", None)
     if rope_index is None:
-        return text
-    accepted = set(inspect.signature(rope_index).parameters)
+        return text.reshape(shape)
+    flat = input_ids.reshape(1, -1)
+    per_token = {name: image_inputs[name].reshape(1, -1) for name in ("mm_token_type_ids", "token_type_ids")
+                 if name in image_inputs and name in inspect.signature(rope_index).parameters}
     grids = image_inputs.get("image_grid_thw")
-    image_starts = torch.cumsum(torch.cat([images_per_sample.new_zeros(1), images_per_sample[:-1]]), 0)
-    positions = []
-    for start, length, first_image, images in zip(starts.tolist(), sample_lengths.tolist(), image_starts.tolist(),
-                                                  images_per_sample.tolist()):
-        ids = input_ids[:, start:start + length]
-        if not images:  # text only: the same plain position on all three axes
-            positions.append(torch.arange(length, device=ids.device).expand(3, 1, -1))
-            continue
-        kwargs = {"image_grid_thw": grids[first_image:first_image + images]}
-        for name in ("mm_token_type_ids", "token_type_ids"):
-            if name in accepted and name in image_inputs:
-                kwargs[name] = image_inputs[name][:, start:start + length]
-        positions.append(rope_index(ids, **kwargs)[0])
-    return torch.cat([text[None], torch.cat(positions, dim=-1)])
+    positions, start, first_image = [], 0, 0
+    for length, images in zip(sample_lengths.tolist(), images_per_sample.tolist()):
+        if images:
+            kwargs = {name: value[:, start:start + length] for name, value in per_token.items()}
+            positions.append(rope_index(flat[:, start:start + length], image_grid_thw=grids[first_image:first_image + images],
+                                        **kwargs)[0])
+        else:  # text only (or a sequence's padding): the same plain position on all three axes
+            positions.append(torch.arange(length, device=flat.device).expand(3, 1, -1))
+        start, first_image = start + length, first_image + images
+    return torch.cat([text[None, None], torch.cat(positions, dim=-1)]).reshape(4, *shape)

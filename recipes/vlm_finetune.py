@@ -137,7 +137,8 @@ def main(argv=None):
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare.
     # With --max_tokens_per_batch each micro-batch holds whole rows up to that many tokens; with --packing
     # they form one sequence without padding (mmrecipes.packing). Evaluation keeps fixed, padded batches.
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs, packing=data_args.packing)
+    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs, packing=data_args.packing,
+                                  pack_length=min(data_args.max_length, data_args.max_tokens_per_batch or data_args.max_length))
     loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world)
     train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,
                                          **loader_kwargs)

@@ -44,19 +44,27 @@ def rows_of(labeller):
 @pytest.mark.parametrize("family", PACKING_FAMILIES)
 @torch.no_grad()
 def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
-    """Logits and summed loss (float32), with images of two sizes and a text row in one sequence;
-    without restarted positions and separate attention the same rows give other logits."""
+    """Logits and summed loss (float32), with images of two sizes and a text row, in one sequence and
+    in two (the second padded); without restarted positions and separate attention the same rows
+    give other logits."""
     model, processor = load(tiny_vlms, family)
     model.eval()
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
     dummy_inputs = dummy_image_inputs(model, processor)
     rows = rows_of(labeller)
     step = VLMForTraining(model)
-    packed = chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True)(rows), "cpu")
-    loss, logits = step(**packed)
     alone = [step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs)([row]), "cpu")) for row in rows]
-    torch.testing.assert_close(logits, torch.cat([a[1] for a in alone], dim=1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(loss, sum(a[0] for a in alone), rtol=1e-5, atol=1e-5)
+    lengths = [len(row["input_ids"]) for row in rows]
+    for pack_length, sequences in ((None, [[0, 1, 2]]), (lengths[0] + lengths[1], [[0, 1], [2]])):
+        batch = chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True, pack_length=pack_length)(rows), "cpu")
+        loss, logits = step(**batch)
+        assert logits.shape[0] == len(sequences)
+        for index, sequence in enumerate(sequences):
+            expected = torch.cat([alone[i][1] for i in sequence], dim=1)[0]
+            torch.testing.assert_close(logits[index, :len(expected)], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loss, sum(a[0] for a in alone), rtol=1e-5, atol=1e-5)
+    packed = chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True)(rows), "cpu")
+    logits = step(**packed)[1]
     check_packing(model, labeller, dummy_inputs)
 
     one_sequence = {k: v for k, v in packed.items() if k not in ("sample_lengths", "images_per_sample")}
