@@ -41,9 +41,12 @@ def make_accelerator(*, timeout_s: int = 1800, **accelerator_kwargs) -> Accelera
 def engine_line(accelerator: Accelerator, prepared_model) -> str:
     """One line saying which engine really runs; tests assert it so a silent fallback fails."""
     backend = dist.get_backend() if dist.is_initialized() else "none"
+    mesh = accelerator.torch_device_mesh  # HSDP, TP, CP: which dimensions, of which sizes
+    mesh_part = (" mesh=" + ",".join(f"{name}:{size}" for name, size in zip(mesh.mesh_dim_names, mesh.mesh.shape))
+                 if mesh is not None else "")
     return (
         f"[engine] distributed_type={accelerator.distributed_type.value} num_processes={accelerator.num_processes} "
-        f"backend={backend} world_size={dist.get_world_size() if dist.is_initialized() else 1} "
+        f"backend={backend} world_size={dist.get_world_size() if dist.is_initialized() else 1}{mesh_part} "
         f"model={type(prepared_model).__name__} mixed_precision={accelerator.mixed_precision}"
     )
 

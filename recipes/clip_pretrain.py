@@ -30,6 +30,7 @@ from mmrecipes.distributed import (all_ranks_true, data_parallel_rank_and_world,
 from mmrecipes.evaluation import evaluate_retrieval
 from mmrecipes.feature_cache import feature_cache_backward
 from mmrecipes.losses import clip_loss, siglip_loss
+from mmrecipes.model_card import History, write_model_card
 from mmrecipes.models import ModelArgs, build_contrastive, clamp_logit_scale_, save_contrastive
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import DataWait, clip_train_flops_per_sample, peak_flops
@@ -73,7 +74,8 @@ def main(argv=None):
                                gradient_clipping=args.max_grad_norm)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    accelerator.print(engine_line(accelerator, model))
+    engine = engine_line(accelerator, model)
+    accelerator.print(engine)
 
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare
     # (it would split a datasets stream a second time).
@@ -104,6 +106,7 @@ def main(argv=None):
     loss_sum, applied_steps = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
     samples, window_start = 0, time.perf_counter()
     data_counts, data_wait = torch.zeros(len(COUNTED), dtype=torch.long), DataWait()
+    history, samples_seen = History(), 0  # for the model card and its curves
     # Both take (image_embeds, text_embeds, *what the model returns after them): scale, and SigLIP's bias.
     loss_fn = siglip_loss if model_args.loss == "siglip" else partial(clip_loss, tile_size=args.loss_tile_size)
     for step in progress:
@@ -157,6 +160,8 @@ def main(argv=None):
                 metrics["mfu"] = samples_per_s * flops_per_sample / (peak * accelerator.num_processes)
             metrics |= {name: int(count) for name, count in zip(COUNTED, counts.tolist())}
             accelerator.log(metrics, step=done)
+            history.add(done, metrics)
+            samples_seen += int(totals[2])
             mfu = f"{metrics['mfu']:.2%}" if peak else "n/a"
             log(f"step {done}/{args.max_steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.2e} | "
                 f"samples/s {samples_per_s:.1f} | MFU {mfu} | data_wait {metrics['data_wait']:.3f} | "
@@ -170,6 +175,7 @@ def main(argv=None):
             window_start += time.perf_counter() - eval_start  # samples/s measures training only
             if recall:
                 accelerator.log(recall, step=done)
+                history.add(done, recall)
                 log(f"eval step {done} | " + " | ".join(
                     f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}" for name, value in recall.items()))
         if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
@@ -178,6 +184,13 @@ def main(argv=None):
                 guard.exit_preempted(checkpoint)  # exit code 75 on every rank: run the same command again
 
     save_contrastive(accelerator, model, tokenizer, image_processor, args.output_dir)
+    if accelerator.is_main_process:
+        write_model_card(
+            args.output_dir, history, pipeline_tag="zero-shot-image-classification", eval_metric="image_to_text_R@1",
+            base_model=model_args.model_name_or_path, datasets=[data_args.dataset_name], tags=[model_args.loss, "contrastive"],
+            engine=engine.removeprefix("[engine] "), seen=f"{samples_seen:,} image-text pairs",
+            load_example=f"from transformers import pipeline\nclassify = pipeline(\"zero-shot-image-classification\", "
+                         f"model=\"{args.output_dir}\")\nclassify(image, candidate_labels=[\"a red circle\", \"a blue square\"])")
     accelerator.print(f"saved model to {args.output_dir}")
     accelerator.end_training()
 

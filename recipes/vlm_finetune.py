@@ -42,6 +42,7 @@ from mmrecipes.distributed import (DivergenceGuard, data_parallel_rank_and_world
 from mmrecipes.evaluation import evaluate_answers
 from mmrecipes.lora import LoraArgs, add_lora, describe_trainable
 from mmrecipes.losses import count_target_tokens, token_loss_scale
+from mmrecipes.model_card import History, write_model_card
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import DataWait, peak_flops, vlm_train_flops
 from mmrecipes.training import TrainingArgs, accelerator_from_args, adamw, compile_blocks, per_device_batch_size
@@ -130,7 +131,8 @@ def main(argv=None):
     # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
     model, optimizer = accelerator.prepare(VLMForTraining(model), optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    accelerator.print(engine_line(accelerator, model))
+    engine = engine_line(accelerator, model)
+    accelerator.print(engine)
     if DivergenceGuard.requested(args.debug_divergence):  # after prepare: it runs before the engine's hooks
         DivergenceGuard(accelerator.unwrap_model(model), timeout_s=args.ddp_timeout)
 
@@ -165,6 +167,7 @@ def main(argv=None):
     # steps. From the CPU batches: samples, LM tokens, image patches, dummy-image batches of all steps.
     applied_sums, counts, window_start = torch.zeros(2, device=accelerator.device), torch.zeros(4), time.perf_counter()
     data_counts, data_wait = torch.zeros(len(CHAT_COUNTED), dtype=torch.long), DataWait()
+    history, seen = History(), torch.zeros(2, dtype=torch.float64)  # model card: curves; samples, tokens seen
     for step in progress:
         window = [data_wait.next(train_batches)[1] for _ in range(args.gradient_accumulation_steps)]
         targets = [count_target_tokens(batch["labels"]) if batch is not None else 0 for batch in window]
@@ -214,6 +217,8 @@ def main(argv=None):
                 metrics["mfu"] = flops / elapsed / (peak * accelerator.num_processes)
             metrics |= dict(zip(CHAT_COUNTED, map(int, problems)))
             accelerator.log(metrics, step=done)
+            history.add(done, metrics)
+            seen += torch.tensor([samples, tokens], dtype=torch.float64)
             mfu = f"{metrics['mfu']:.2%}" if peak else "n/a"
             log(f"step {done}/{args.max_steps} | loss {metrics['loss']:.6f} | grad_norm {metrics['grad_norm']:.6f} | "
                 f"lr {metrics['lr']:.2e} | "
@@ -228,6 +233,7 @@ def main(argv=None):
             window_start += time.perf_counter() - eval_start  # samples/s measures training only
             if accuracy:
                 accelerator.log(accuracy, step=done)
+                history.add(done, accuracy)
                 log(f"eval step {done} | answer_accuracy {accuracy['answer_accuracy']:.4f} | "
                     f"eval_answers {accuracy['eval_answers']}")
         if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
@@ -236,6 +242,15 @@ def main(argv=None):
                 guard.exit_preempted(checkpoint)  # exit code 75 on every rank: run the same command again
 
     save_vlm(accelerator, model, processor, args.output_dir, peft_config)
+    if accelerator.is_main_process:
+        write_model_card(
+            args.output_dir, history, pipeline_tag="image-text-to-text", eval_metric="answer_accuracy",
+            base_model=model_args.model_name_or_path, datasets=data_args.dataset_name.split(","),
+            tags=["vlm", "lora" if peft_config else "full fine-tune", type(accelerator.unwrap_model(model).model).__name__],
+            engine=engine.removeprefix("[engine] "), seen=f"{int(seen[0]):,} conversations, {int(seen[1]):,} tokens",
+            load_example=f"from transformers import pipeline\nanswer = pipeline(\"image-text-to-text\", model=\"{args.output_dir}\")\n"
+                         "answer(text=[{\"role\": \"user\", \"content\": [{\"type\": \"image\", \"image\": image}, "
+                         "{\"type\": \"text\", \"text\": \"What colour is the shape?\"}]}], max_new_tokens=16)")
     accelerator.print(f"saved model to {args.output_dir}")
     accelerator.end_training()
 

@@ -9,11 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from PIL import Image
 from transformers import CLIPModel, pipeline
 
 from gloo import free_port
 from launch import accelerate_launch, engine_line, losses
+from mmrecipes.model_card import CURVES_SIZE
 
 pytestmark = pytest.mark.launch
 
@@ -100,3 +102,18 @@ def test_torch_compile_matches_eager(runs, tmp_path):
     for step in range(1, STEPS + 1):
         assert loss[step] == pytest.approx(ddp_loss[step], rel=1e-4), f"step {step}"
     assert_same_weights(tmp_path, ddp_dir)
+
+
+@pytest.mark.parametrize("config", ["ddp.yaml", "zero3.yaml"])
+def test_output_has_a_model_card_with_curves(runs, config):
+    """README.md parses as a Hugging Face model card naming the pipeline that loads the directory;
+    training_curves.png (loss and R@1 against steps) opens at its size. The final save, any engine."""
+    _, output_dir = runs[config]
+    card = ModelCard.load(output_dir / "README.md")
+    assert card.data.library_name == "transformers" and {"mmrecipes", "clip"} <= set(card.data.tags)
+    assert card.data.pipeline_tag == "zero-shot-image-classification"
+    assert "image_to_text_R@1" in card.text and "training_curves.png" in card.text and "accelerate launch" in card.text
+    classify = pipeline(card.data.pipeline_tag, model=str(output_dir))
+    assert classify(Image.new("RGB", (64, 64)), candidate_labels=["a red circle", "a blue square"])
+    with Image.open(output_dir / "training_curves.png") as image:
+        assert image.size == CURVES_SIZE

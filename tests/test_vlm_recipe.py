@@ -7,10 +7,13 @@ import datasets
 import pytest
 import torch
 from accelerate.utils import set_seed
+from huggingface_hub import ModelCard
+from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoProcessor, LlavaForConditionalGeneration, pipeline
 
 from launch import REPO, VLM_RECIPE, accelerate_launch, engine_line, grad_norms, losses, run_recipe
+from mmrecipes.model_card import CURVES_SIZE
 from mmrecipes.vlm import VLMModelArgs, load_vlm
 
 pytestmark = pytest.mark.launch
@@ -66,6 +69,16 @@ def test_output_answers_through_the_pipeline_as_the_eval_scores_it(default_run):
         agree += (generated == expected) == scored_right
     assert agree >= 31, (agree, correct)
     assert correct / len(test) > MAJORITY_BASELINE
+
+
+def test_output_has_a_model_card_with_curves(default_run):
+    _, output_dir = default_run
+    card = ModelCard.load(output_dir / "README.md")
+    assert card.data.pipeline_tag == "image-text-to-text" and card.data.library_name == "transformers"
+    assert {"mmrecipes", "vlm", "full fine-tune", "LlavaForConditionalGeneration"} <= set(card.data.tags)
+    assert card.data.base_model is None and "answer_accuracy" in card.text and "conversations" in card.text
+    with Image.open(output_dir / "training_curves.png") as image:
+        assert image.size == CURVES_SIZE
 
 
 def test_model_name_or_path_continues_from_a_saved_llava(default_run, tmp_path):

@@ -1,0 +1,92 @@
+"""What a recipe leaves beside its weights: a Hugging Face model card and the training curves.
+
+`History` collects what the recipe logs (the same dicts it passes to `accelerator.log`); at the final
+save, `write_model_card` writes `output_dir/README.md`, a model card that `huggingface_hub.ModelCard`
+parses (library, pipeline tag, base model, datasets, tags; then the command, the engine, what the run
+saw, the final metrics and how to load it), and `output_dir/training_curves.png`, the loss and the
+evaluation metric against steps, which the card shows. Main process only: no collectives.
+"""
+
+import shlex
+import sys
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+CURVES = "training_curves.png"
+CURVES_SIZE = (1200, 450)  # pixels: 8 x 3 inches at 150 dpi
+
+
+class History:
+    """Every logged value by name: {name: [(step, value), ...]}."""
+
+    def __init__(self):
+        self.values = {}
+
+    def add(self, step: int, metrics: dict):
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)):
+                self.values.setdefault(name, []).append((step, float(value)))
+
+    def last(self, name):
+        return self.values[name][-1][1] if self.values.get(name) else None
+
+
+def plot_curves(history: History, path, eval_metric: str):
+    """Training loss (left) and `eval_metric` (right) against steps, as a PNG of CURVES_SIZE pixels."""
+    from matplotlib.figure import Figure  # no pyplot: no display needed
+
+    figure = Figure(figsize=(CURVES_SIZE[0] / 150, CURVES_SIZE[1] / 150), dpi=150)
+    for axes, name in zip(figure.subplots(1, 2), ("loss", eval_metric)):
+        points = history.values.get(name, [])
+        if points:
+            axes.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3)
+        else:
+            axes.text(0.5, 0.5, "not evaluated", ha="center", va="center", transform=axes.transAxes)
+        axes.set_xlabel("step")
+        axes.set_title(name)
+        axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=150)
+
+
+def write_model_card(output_dir, history: History, *, pipeline_tag: str, eval_metric: str, base_model: str | None,
+                     datasets: list[str], tags: list[str], engine: str, seen: str, load_example: str):
+    """`output_dir/README.md` (a model card) and `output_dir/training_curves.png`."""
+    output_dir = Path(output_dir)
+    plot_curves(history, output_dir / CURVES, eval_metric)
+    hub_datasets = [name for name in datasets if name and not Path(name).exists()]  # hub ids, not local paths
+    data = ModelCardData(library_name="transformers", pipeline_tag=pipeline_tag, base_model=base_model,
+                         datasets=hub_datasets or None, tags=["mmrecipes", *tags])
+    final = {name: points[-1][1] for name, points in history.values.items()
+             if name in ("loss", "grad_norm", eval_metric) or name.startswith(("eval", "zeroshot"))}
+    steps = max((points[-1][0] for points in history.values.values()), default=0)
+    lines = [
+        f"# {output_dir.name}",
+        "",
+        f"Trained with mmrecipes ({', '.join(tags)}), {steps} optimizer steps:",
+        "",
+        "```bash",
+        "accelerate launch " + shlex.join(sys.argv),
+        "```",
+        "",
+        f"- engine: {engine}",
+        f"- seen: {seen}",
+        f"- base model: {base_model or 'built from a config (random initialisation)'}",
+        f"- data: {', '.join(name for name in datasets if name) or '-'}",
+        "",
+        "## Final metrics",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        *[f"| {name} | {value:.6g} |" for name, value in final.items()],
+        "",
+        f"![training curves]({CURVES})",
+        "",
+        "## How to load",
+        "",
+        "```python",
+        load_example.strip(),
+        "```",
+    ]
+    ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n").save(output_dir / "README.md")

@@ -1,0 +1,31 @@
+"""accelerate_configs/hsdp.yaml (FSDP2 on a dp_replicate x dp_shard mesh) on 4 CPU processes: the
+[engine] line names the 2 x 2 mesh, and both recipes give the losses of DDP on 4 processes, which
+they only do if each of the 4 data ranks reads its own rows (r_replicate * 2 + r_shard)."""
+
+import pytest
+
+from launch import RECIPE, VLM_RECIPE, accelerate_launch, engine_line, grad_norms, losses
+
+pytestmark = pytest.mark.launch
+
+RUNS = {RECIPE: ["--max_steps", 4, "--logging_steps", 1, "--per_device_train_batch_size", 8, "--eval_split", ""],
+        VLM_RECIPE: ["--max_steps", 4, "--logging_steps", 1, "--per_device_train_batch_size", 2,
+                     "--eval_dataset_name", ""]}
+
+
+@pytest.mark.parametrize("recipe", list(RUNS), ids=["clip", "vlm"])
+def test_hsdp_names_its_mesh_and_gives_ddps_losses(recipe, tmp_path):
+    hsdp = accelerate_launch("hsdp.yaml", *RUNS[recipe], "--output_dir", tmp_path / "hsdp", num_processes=4,
+                             recipe=recipe)
+    ddp = accelerate_launch("ddp.yaml", *RUNS[recipe], "--output_dir", tmp_path / "ddp", num_processes=4, recipe=recipe)
+    assert hsdp.returncode == 0, hsdp.log[-3000:]
+    assert ddp.returncode == 0, ddp.log[-3000:]
+    assert "distributed_type=FSDP num_processes=4 backend=gloo world_size=4 mesh=dp_replicate:2,dp_shard:2" in (
+        engine_line(hsdp.log))
+    assert "mesh=" not in engine_line(ddp.log)
+    assert sorted(losses(hsdp.log)) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert losses(hsdp.log)[step] == pytest.approx(losses(ddp.log)[step], rel=1e-4), f"loss, step {step}"
+    if recipe == VLM_RECIPE:
+        for step in range(1, 5):
+            assert grad_norms(hsdp.log)[step] == pytest.approx(grad_norms(ddp.log)[step], rel=1e-4), f"grad, step {step}"
