@@ -35,6 +35,7 @@ from mmrecipes.models import ModelArgs, build_contrastive, clamp_logit_scale_, s
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import DataWait, clip_train_flops_per_sample, peak_flops
 from mmrecipes.training import TrainingArgs, accelerator_from_args, adamw, compile_blocks, per_device_batch_size
+from mmrecipes.zeroshot import ZeroShotArgs, ZeroShotSet, evaluate_zeroshot
 
 
 @dataclass
@@ -47,7 +48,7 @@ class TrainArgs(TrainingArgs):
 
 
 def main(argv=None):
-    model_args, data_args, args = parse_args((ModelArgs, DataArgs, TrainArgs), argv)
+    model_args, data_args, zeroshot_args, args = parse_args((ModelArgs, DataArgs, ZeroShotArgs, TrainArgs), argv)
     if model_args.loss == "siglip" and args.loss_tile_size:
         raise ValueError("--loss_tile_size tiles clip_loss; siglip_loss never holds a [b, N] matrix: drop the flag")
     set_seed(args.seed)
@@ -89,6 +90,13 @@ def main(argv=None):
     else:
         eval_loader = build_dataloader(data_args, data_args.eval_split, data_args.eval_data_files,
                                        batch_size=args.per_device_eval_batch_size, **loader_kwargs)
+    # Zero-shot classification next to retrieval (open_clip's ImageNet top-1): the embedded shape and
+    # colour classes by default; any image folder, hub id or builder with a label column.
+    zeroshot = None
+    if zeroshot_args.zeroshot_dataset:
+        zeroshot = ZeroShotSet(zeroshot_args, tokenizer, image_processor, data_rank=data_rank, data_world=data_world,
+                               caption_length=caption_length(data_args, tokenizer, loader_kwargs["pad_to_max_length"]),
+                               pad_to_max_length=loader_kwargs["pad_to_max_length"])
 
     checkpoints = Checkpointer(accelerator, args.output_dir, total_limit=args.save_total_limit,
                                data_world=data_world, batch_size=batch_size)
@@ -169,9 +177,14 @@ def main(argv=None):
                 + " ".join(f"{name} {metrics[name]}" for name in COUNTED))
             loss_sum, applied_steps = torch.zeros_like(loss_sum), torch.zeros_like(applied_steps)
             samples, window_start = 0, time.perf_counter()
-        if eval_loader is not None and (done % args.eval_steps == 0 or done == args.max_steps):
+        evaluating = eval_loader is not None or zeroshot is not None
+        if evaluating and (done % args.eval_steps == 0 or done == args.max_steps):
             eval_start = time.perf_counter()
-            recall = evaluate_retrieval(model, eval_loader, filler_batch, accelerator.device)
+            recall = {}
+            if eval_loader is not None:
+                recall = evaluate_retrieval(model, eval_loader, filler_batch, accelerator.device)
+            if zeroshot is not None:
+                recall |= evaluate_zeroshot(model, zeroshot, accelerator.device)
             window_start += time.perf_counter() - eval_start  # samples/s measures training only
             if recall:
                 accelerator.log(recall, step=done)
@@ -186,7 +199,8 @@ def main(argv=None):
     save_contrastive(accelerator, model, tokenizer, image_processor, args.output_dir)
     if accelerator.is_main_process:
         write_model_card(
-            args.output_dir, history, pipeline_tag="zero-shot-image-classification", eval_metric="image_to_text_R@1",
+            args.output_dir, history, pipeline_tag="zero-shot-image-classification",
+            eval_metric="zeroshot_top1" if zeroshot else "image_to_text_R@1",
             base_model=model_args.model_name_or_path, datasets=[data_args.dataset_name], tags=[model_args.loss, "contrastive"],
             engine=engine.removeprefix("[engine] "), seen=f"{samples_seen:,} image-text pairs",
             load_example=f"from transformers import pipeline\nclassify = pipeline(\"zero-shot-image-classification\", "

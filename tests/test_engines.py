@@ -5,6 +5,7 @@ copy each engine updates (DeepSpeed's fp32 master included) for the saved value 
 """
 
 import math
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -53,6 +54,11 @@ def test_engine_is_real_and_trains(runs, config):
     assert model.logit_scale.item() <= math.log(100) + 1e-6
 
 
+def zeroshot(log):
+    return [tuple(map(float, values)) for values in
+            re.findall(r"\| zeroshot_top1 ([\d.]+) \| zeroshot_top5 ([\d.]+) \| zeroshot_images (\d+)", log)]
+
+
 @pytest.mark.parametrize("config", ["fsdp2.yaml", "zero2.yaml", "zero3.yaml"])
 def test_engines_agree_with_ddp(runs, config):
     """Same seed, same data, same math: the loss curve and the saved weights match DDP's."""
@@ -60,6 +66,8 @@ def test_engines_agree_with_ddp(runs, config):
     result, output_dir = runs[config]
     assert ddp_result.returncode == 0 and result.returncode == 0
     ddp_loss, loss = losses(ddp_result.log), losses(result.log)
+    # Zero-shot classification in the loop: every class on every rank, images split, counts summed.
+    assert zeroshot(result.log) == zeroshot(ddp_result.log) and zeroshot(ddp_result.log)[-1][2] == 146
     for step in range(1, STEPS + 1):
         assert loss[step] == pytest.approx(ddp_loss[step], rel=1e-4), f"step {step}"
     assert_same_weights(output_dir, ddp_dir)
@@ -85,6 +93,8 @@ def test_gradient_checkpointing_and_fused_adamw_are_the_same_math(runs, config, 
     assert EXPECTED_ENGINE[config] in engine_line(result.log)
     ddp_result, ddp_dir = runs["ddp.yaml"]
     ddp_loss, loss = losses(ddp_result.log), losses(result.log)
+    # Zero-shot classification in the loop: every class on every rank, images split, counts summed.
+    assert zeroshot(result.log) == zeroshot(ddp_result.log) and zeroshot(ddp_result.log)[-1][2] == 146
     for step in range(1, STEPS + 1):
         assert loss[step] == pytest.approx(ddp_loss[step], rel=1e-4), f"step {step}"
     assert_same_weights(tmp_path, ddp_dir)
@@ -99,6 +109,8 @@ def test_torch_compile_matches_eager(runs, tmp_path):
     assert "compiled 5 blocks (CLIPEncoderLayer, CLIPVisionEmbeddings)" in result.log  # 2 + 2 layers, patch embedding
     ddp_result, ddp_dir = runs["ddp.yaml"]
     ddp_loss, loss = losses(ddp_result.log), losses(result.log)
+    # Zero-shot classification in the loop: every class on every rank, images split, counts summed.
+    assert zeroshot(result.log) == zeroshot(ddp_result.log) and zeroshot(ddp_result.log)[-1][2] == 146
     for step in range(1, STEPS + 1):
         assert loss[step] == pytest.approx(ddp_loss[step], rel=1e-4), f"step {step}"
     assert_same_weights(tmp_path, ddp_dir)

@@ -1,0 +1,123 @@
+"""Zero-shot classification during contrastive training, as open_clip users watch ImageNet top-1.
+
+Each class is embedded as the mean of its prompts' normalised text embeddings (one prompt per
+template, "a photo of a {}." ...), renormalised; each image is classified by its scores against
+them. SigLIP's sigmoid of the same scaled score (plus its bias) orders the classes identically,
+so top-k is the same as with its sigmoid scores. The class embeddings are computed once per
+evaluation. Every rank embeds every class (the same forward on every rank, as FSDP2 and ZeRO-3
+need) and its own share of the images; correct counts are summed over ranks, so every rank logs
+the same `zeroshot_top1` / `zeroshot_top5`.
+"""
+
+from dataclasses import dataclass
+
+import datasets
+import torch
+
+from .data import processed_pixels, split_by_data_rank
+from .distributed import all_ranks_true, sum_over_ranks
+from .models import EMBEDDED
+
+DEFAULT_TEMPLATES = "a photo of a {}.|a photo of the {}.|a rendering of a {}.|a {}.|a picture of a small {}.|a picture of a large {}."
+
+
+@dataclass
+class ZeroShotArgs:
+    # A hub id, a builder with --zeroshot_data_files, or a local directory (an image folder with one
+    # sub-folder per class is read as imagefolder); None or "" turns zero-shot evaluation off.
+    zeroshot_dataset: str | None = str(EMBEDDED / "shapes_zeroshot")
+    zeroshot_data_files: str | None = None
+    zeroshot_split: str | None = None  # default: test, or the only split there is
+    zeroshot_image_column: str = "image"
+    zeroshot_label_column: str = "label"
+    zeroshot_class_names: str | None = None  # comma-separated; default: the label column's ClassLabel names
+    zeroshot_templates: str = DEFAULT_TEMPLATES  # "|"-separated, each with one {} for the class name
+    per_device_zeroshot_batch_size: int = 64
+
+
+class ZeroShotSet:
+    """This data rank's share of the zero-shot images (preprocessed), the class names and prompts."""
+
+    def __init__(self, args: ZeroShotArgs, tokenizer, image_processor, *, caption_length: int, pad_to_max_length: bool,
+                 data_rank: int, data_world: int):
+        files = {"test": args.zeroshot_data_files} if args.zeroshot_data_files else None
+        loaded = datasets.load_dataset(args.zeroshot_dataset, data_files=files)
+        split = args.zeroshot_split or ("test" if "test" in loaded else next(iter(loaded)) if len(loaded) == 1 else None)
+        if split not in loaded:
+            raise ValueError(f"--zeroshot_dataset {args.zeroshot_dataset} has splits {sorted(loaded)}: name one with "
+                             "--zeroshot_split")
+        rows = loaded[split]
+        for column in (args.zeroshot_image_column, args.zeroshot_label_column):
+            if column not in rows.column_names:
+                raise ValueError(f"--zeroshot_dataset {args.zeroshot_dataset}: no column {column!r} (it has "
+                                 f"{rows.column_names}); set --zeroshot_image_column / --zeroshot_label_column")
+        label_feature = rows.features[args.zeroshot_label_column]
+        if args.zeroshot_class_names:
+            self.class_names = [name.strip() for name in args.zeroshot_class_names.split(",")]
+        elif isinstance(label_feature, datasets.ClassLabel):
+            self.class_names = label_feature.names
+        else:
+            raise ValueError(f"--zeroshot_dataset {args.zeroshot_dataset}: the label column {args.zeroshot_label_column!r} "
+                             "is not a ClassLabel: give the names with --zeroshot_class_names")
+        templates = [template for template in args.zeroshot_templates.split("|") if template.strip()]
+        if not templates or any("{}" not in template for template in templates):
+            raise ValueError(f"--zeroshot_templates {args.zeroshot_templates!r}: each template needs one {{}} for the class")
+        self.args, self.image_processor = args, image_processor
+        self.filler = processed_pixels(image_processor, [rows[0][args.zeroshot_image_column].convert("RGB")])
+        self.rows = split_by_data_rank(rows.to_iterable_dataset(num_shards=data_world), args.zeroshot_dataset, data_rank,
+                                       data_world)
+        prompts = [template.format(name) for name in self.class_names for template in templates]
+        encoded = tokenizer(prompts, padding="max_length" if pad_to_max_length else True, truncation=True,
+                            max_length=caption_length, return_tensors="pt")
+        # As the training collator: an attention mask always (ones where the tokenizer gives none).
+        self.prompts = {"input_ids": encoded["input_ids"],
+                        "attention_mask": encoded.get("attention_mask", torch.ones_like(encoded["input_ids"]))}
+        self.templates = len(templates)
+
+    def batches(self):
+        """(pixel_values, labels) of this rank's images, preprocessed as the training images are."""
+        batch = []
+        for row in self.rows:
+            batch.append(row)
+            if len(batch) == self.args.per_device_zeroshot_batch_size:
+                yield self._collate(batch)
+                batch = []
+        if batch:
+            yield self._collate(batch)
+
+    def _collate(self, rows):
+        images = [row[self.args.zeroshot_image_column].convert("RGB") for row in rows]
+        return processed_pixels(self.image_processor, images), torch.tensor([row[self.args.zeroshot_label_column]
+                                                                             for row in rows])
+
+
+@torch.no_grad()
+def evaluate_zeroshot(model, zeroshot: ZeroShotSet, device) -> dict:
+    """{zeroshot_top1, zeroshot_top5, zeroshot_images}: the same numbers on every rank.
+
+    The model's forward takes an image batch and a text batch of any sizes and returns their
+    normalised embeddings first: the class prompts go with one image, each image batch with one
+    prompt. A rank with fewer image batches forwards the filler image until every rank is done
+    (discarded), as in `evaluate_retrieval`.
+    """
+    model.eval()
+    filler = zeroshot.filler.to(device)
+    prompts = {key: value.to(device) for key, value in zeroshot.prompts.items()}
+    class_embeds = model(pixel_values=filler, **prompts)[1].float()
+    class_embeds = class_embeds.reshape(len(zeroshot.class_names), zeroshot.templates, -1).mean(dim=1)
+    class_embeds = torch.nn.functional.normalize(class_embeds, dim=-1)
+    one_prompt = {key: value[:1] for key, value in prompts.items()}
+    top_k = min(5, len(zeroshot.class_names))
+    totals = torch.zeros(3, device=device)  # top-1 right, top-5 right, images
+    batches = zeroshot.batches()
+    while not all_ranks_true((batch := next(batches, None)) is None, device):
+        pixel_values, labels = batch if batch is not None else (filler, None)
+        image_embeds = model(pixel_values=pixel_values.to(device), **one_prompt)[0].float()
+        if labels is not None:
+            ranked = (image_embeds @ class_embeds.T).topk(top_k, dim=1).indices
+            labels = labels.to(device)
+            totals += torch.stack([(ranked[:, 0] == labels).sum(), (ranked == labels[:, None]).any(dim=1).sum(),
+                                   torch.tensor(len(labels), device=device)]).float()
+    model.train()
+    top1, top5, images = sum_over_ranks(totals).tolist()
+    return {"zeroshot_top1": top1 / images, "zeroshot_top5": top5 / images, "zeroshot_images": int(images)} if images else {}
