@@ -18,48 +18,52 @@ CURVES_SIZE = (1200, 450)  # pixels: 8 x 3 inches at 150 dpi
 
 
 class History:
-    """Every logged value by name: {name: [(step, value), ...]}."""
+    """Every logged value by name: {name: [(step, value), ...]}; which names came from evaluations."""
 
     def __init__(self):
-        self.values = {}
+        self.values, self.evaluated = {}, []
 
-    def add(self, step: int, metrics: dict):
+    def add(self, step: int, metrics: dict, *, evaluation: bool = False):
         for name, value in metrics.items():
             if isinstance(value, (int, float)):
                 self.values.setdefault(name, []).append((step, float(value)))
+                if evaluation and name not in self.evaluated:
+                    self.evaluated.append(name)
 
     def last(self, name):
         return self.values[name][-1][1] if self.values.get(name) else None
 
 
-def plot_curves(history: History, path, eval_metric: str):
-    """Training loss (left) and `eval_metric` (right) against steps, as a PNG of CURVES_SIZE pixels."""
+def plot_curves(history: History, path, eval_metrics: list[str]):
+    """Training loss (left) and the evaluation metrics (right) against steps, a PNG of CURVES_SIZE pixels."""
     from matplotlib.figure import Figure  # no pyplot: no display needed
 
     figure = Figure(figsize=(CURVES_SIZE[0] / 150, CURVES_SIZE[1] / 150), dpi=150)
-    for axes, name in zip(figure.subplots(1, 2), ("loss", eval_metric)):
-        points = history.values.get(name, [])
-        if points:
-            axes.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3)
-        else:
+    for axes, names in zip(figure.subplots(1, 2), (["loss"], eval_metrics)):
+        drawn = [name for name in names if history.values.get(name)]
+        for name in drawn:
+            points = history.values[name]
+            axes.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=name)
+        if not drawn:
             axes.text(0.5, 0.5, "not evaluated", ha="center", va="center", transform=axes.transAxes)
+        elif len(drawn) > 1:
+            axes.legend(fontsize="small")
         axes.set_xlabel("step")
-        axes.set_title(name)
+        axes.set_title(" / ".join(names) if len(names) < 3 else "evaluation")
         axes.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=150)
 
 
-def write_model_card(output_dir, history: History, *, pipeline_tag: str, eval_metric: str, base_model: str | None,
+def write_model_card(output_dir, history: History, *, pipeline_tag: str, eval_metrics: list[str], base_model: str | None,
                      datasets: list[str], tags: list[str], engine: str, seen: str, load_example: str):
     """`output_dir/README.md` (a model card) and `output_dir/training_curves.png`."""
     output_dir = Path(output_dir)
-    plot_curves(history, output_dir / CURVES, eval_metric)
+    plot_curves(history, output_dir / CURVES, eval_metrics)
     hub_datasets = [name for name in datasets if name and not Path(name).exists()]  # hub ids, not local paths
     data = ModelCardData(library_name="transformers", pipeline_tag=pipeline_tag, base_model=base_model,
                          datasets=hub_datasets or None, tags=["mmrecipes", *tags])
-    final = {name: points[-1][1] for name, points in history.values.items()
-             if name in ("loss", "grad_norm", eval_metric) or name.startswith(("eval", "zeroshot"))}
+    final = {name: history.last(name) for name in ("loss", "grad_norm", *history.evaluated) if name in history.values}
     steps = max((points[-1][0] for points in history.values.values()), default=0)
     lines = [
         f"# {output_dir.name}",

@@ -188,7 +188,7 @@ def main(argv=None):
             window_start += time.perf_counter() - eval_start  # samples/s measures training only
             if recall:
                 accelerator.log(recall, step=done)
-                history.add(done, recall)
+                history.add(done, recall, evaluation=True)
                 log(f"eval step {done} | " + " | ".join(
                     f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}" for name, value in recall.items()))
         if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
@@ -200,9 +200,10 @@ def main(argv=None):
     if accelerator.is_main_process:
         write_model_card(
             args.output_dir, history, pipeline_tag="zero-shot-image-classification",
-            eval_metric="zeroshot_top1" if zeroshot else "image_to_text_R@1",
+            eval_metrics=["image_to_text_R@1", "text_to_image_R@1", "zeroshot_top1"],
             base_model=model_args.model_name_or_path, datasets=[data_args.dataset_name], tags=[model_args.loss, "contrastive"],
-            engine=engine.removeprefix("[engine] "), seen=f"{samples_seen:,} image-text pairs",
+            engine=engine.removeprefix("[engine] "), seen=f"{samples_seen:,} image-text pairs"
+                 + (f" after resuming at step {start_step}" if start_step else ""),
             load_example=f"from transformers import pipeline\nclassify = pipeline(\"zero-shot-image-classification\", "
                          f"model=\"{args.output_dir}\")\nclassify(image, candidate_labels=[\"a red circle\", \"a blue square\"])")
     accelerator.print(f"saved model to {args.output_dir}")

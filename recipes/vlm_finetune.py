@@ -233,7 +233,7 @@ def main(argv=None):
             window_start += time.perf_counter() - eval_start  # samples/s measures training only
             if accuracy:
                 accelerator.log(accuracy, step=done)
-                history.add(done, accuracy)
+                history.add(done, accuracy, evaluation=True)
                 log(f"eval step {done} | answer_accuracy {accuracy['answer_accuracy']:.4f} | "
                     f"eval_answers {accuracy['eval_answers']}")
         if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
@@ -244,10 +244,11 @@ def main(argv=None):
     save_vlm(accelerator, model, processor, args.output_dir, peft_config)
     if accelerator.is_main_process:
         write_model_card(
-            args.output_dir, history, pipeline_tag="image-text-to-text", eval_metric="answer_accuracy",
+            args.output_dir, history, pipeline_tag="image-text-to-text", eval_metrics=["answer_accuracy"],
             base_model=model_args.model_name_or_path, datasets=data_args.dataset_name.split(","),
             tags=["vlm", "lora" if peft_config else "full fine-tune", type(accelerator.unwrap_model(model).model).__name__],
-            engine=engine.removeprefix("[engine] "), seen=f"{int(seen[0]):,} conversations, {int(seen[1]):,} tokens",
+            engine=engine.removeprefix("[engine] "), seen=f"{int(seen[0]):,} conversations, {int(seen[1]):,} tokens"
+                 + (f" after resuming at step {start_step}" if start_step else ""),
             load_example=f"from transformers import pipeline\nanswer = pipeline(\"image-text-to-text\", model=\"{args.output_dir}\")\n"
                          "answer(text=[{\"role\": \"user\", \"content\": [{\"type\": \"image\", \"image\": image}, "
                          "{\"type\": \"text\", \"text\": \"What colour is the shape?\"}]}], max_new_tokens=16)")
