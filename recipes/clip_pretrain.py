@@ -47,8 +47,11 @@ class TrainArgs(TrainingArgs):
     loss_tile_size: int | None = None  # clip_loss in tiles: no [b, N] logits matrix (siglip_loss never has one)
 
 
+ARGUMENTS = (ModelArgs, DataArgs, ZeroShotArgs, TrainArgs)  # the flags and YAML keys this recipe takes
+
+
 def main(argv=None):
-    model_args, data_args, zeroshot_args, args = parse_args((ModelArgs, DataArgs, ZeroShotArgs, TrainArgs), argv)
+    model_args, data_args, zeroshot_args, args = parse_args(ARGUMENTS, argv)
     if model_args.loss == "siglip" and args.loss_tile_size:
         raise ValueError("--loss_tile_size tiles clip_loss; siglip_loss never holds a [b, N] matrix: drop the flag")
     set_seed(args.seed)

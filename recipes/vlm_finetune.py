@@ -68,8 +68,11 @@ class TrainArgs(TrainingArgs):
     debug_divergence: bool = False
 
 
+ARGUMENTS = (VLMModelArgs, LoraArgs, ChatDataArgs, TrainArgs)  # the flags and YAML keys this recipe takes
+
+
 def main(argv=None):
-    model_args, lora_args, data_args, args = parse_args((VLMModelArgs, LoraArgs, ChatDataArgs, TrainArgs), argv)
+    model_args, lora_args, data_args, args = parse_args(ARGUMENTS, argv)
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     model, processor = load_vlm(model_args)

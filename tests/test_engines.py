@@ -102,7 +102,7 @@ def test_gradient_checkpointing_and_fused_adamw_are_the_same_math(runs, config, 
 
 def test_torch_compile_matches_eager(runs, tmp_path):
     """--torch_compile (each transformer block compiled in place, inductor) under DDP: the same
-    losses and weights. FSDP2, ZeRO-2 and ZeRO-3 agree as well, by hand (README); they are left
+    losses and weights. FSDP2, ZeRO-2 and ZeRO-3 agree as well, by hand (docs/performance.md); they are left
     out of CI for their compile time (ZeRO-3 alone: 80 s on 2 cores)."""
     result = accelerate_launch("ddp.yaml", *RUN_ARGS, "--torch_compile", "--output_dir", tmp_path)
     assert result.returncode == 0, result.log[-3000:]

@@ -76,7 +76,7 @@ def scenario(tmp_path_factory):
     return write_scenario(tmp_path_factory.mktemp("lora_scenario"))
 
 
-# (family, engine, gradient checkpointing): the matrix the suite runs (all 16 ran by hand, see README).
+# (family, engine, gradient checkpointing): the matrix the suite runs (all 16 ran by hand, see docs/vlm.md).
 RUNS = [(None, "ddp.yaml", False), (None, "fsdp2.yaml", True), (None, "zero2.yaml", False), (None, "zero3.yaml", True),
         ("qwen2_5_vl", "ddp.yaml", True), ("qwen2_5_vl", "zero3.yaml", False)]
 
