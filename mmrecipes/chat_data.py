@@ -193,7 +193,6 @@ class DummyImageCollator:
             batch |= self.dummy_inputs
         batch["num_samples"] = len(rows)
         batch["data_counts"] = torch.tensor([sum(row[name] for row in rows) for name in CHAT_COUNTED])
-        batch["data_position"] = rows[-1].get("data_position")  # where the stream stands after this batch
         return batch
 
 

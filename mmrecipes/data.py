@@ -25,6 +25,7 @@ import numpy
 import torch
 from datasets.distributed import split_dataset_by_node
 from PIL import Image
+from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers.image_processing_backends import TorchvisionBackend
 
 from .models import EMBEDDED
@@ -57,7 +58,7 @@ class DataArgs:
     # None: chosen per rank (default_num_workers): none on a CPU, where the step already uses every core
     # (on 2 cores one worker halves data_wait but makes the default run slower: bench/data_loading.py);
     # with CUDA one per spare core, at most one per shard. One worker keeps the sample order of none;
-    # more split the shards between them (and a resume re-reads: see "Long runs").
+    # more split the shards between them (a checkpoint holds each one's position: docs/long_runs.md).
     dataloader_num_workers: int | None = None
 
 
@@ -257,26 +258,32 @@ def decode_image(raw_image, max_pixels: int):
 
 
 class ResumableShuffle(torch.utils.data.IterableDataset):
-    """This rank's training rows, shuffled and preprocessed, each carrying the stream position
-    after it, so a checkpoint resumes the data exactly where it stood at the cost of re-reading one
-    block (a shuffle buffer cannot resume: `datasets` drops its content on `load_state_dict`).
+    """This rank's training rows, shuffled and preprocessed, and where the stream stands after the
+    last row handed out (`state_dict`), so a checkpoint resumes the data exactly where it stood at
+    the cost of re-reading one block (a shuffle buffer cannot resume: `datasets` drops its content
+    on `load_state_dict`).
 
     `source` (a `datasets` stream, unshuffled, whose own `state_dict` resumes exactly) is read in
     blocks of `block_size` rows; each block is permuted by a generator seeded with (seed, epoch,
     block) and handed to `preprocess` (a batched `datasets.map` function) `batch_size` rows at a
     time. Every row is read once per epoch, as with a shuffle buffer of the same size; a row moves
-    at most `block_size` places (a buffer moves a few further), and the block order is the file
-    order in every epoch. The position is exact with 0 or 1 DataLoader workers; with more, each
-    worker reads its own shards and positions interleave (the checkpoint then re-reads instead).
+    at most `block_size` places within its shard. The shards are read in an order seeded by (seed,
+    epoch): `datasets` permutes a stream's shards by its own epoch, which is set from both, so each
+    epoch reads them in another order (and a rank with `split_dataset_by_node` other shards).
+
+    With DataLoader workers (torchdata's `StatefulDataLoader`: `stream_loader`), each worker reads
+    its own shards and reports its own position; the loader's `state_dict` holds them all and which
+    worker is next, so a resume is exact for the same number of workers.
     """
 
     def __init__(self, source, preprocess, *, block_size: int, seed: int, batch_size: int):
         self.source, self.preprocess = source, preprocess
         self.block_size, self.seed, self.batch_size = block_size, seed, batch_size
         self.initial_state = source.state_dict()
-        self.start = None
+        self.start = self.position = None
         # In shared memory: persistent DataLoader workers hold a copy of this object made at their start.
         self.shared_epoch = torch.zeros((), dtype=torch.long).share_memory_()
+        self.set_epoch(0)
 
     @property
     def num_shards(self) -> int:
@@ -287,12 +294,17 @@ class ResumableShuffle(torch.utils.data.IterableDataset):
         return int(self.shared_epoch)
 
     def set_epoch(self, epoch: int):
+        """In the main process, before iterating: the workers' copies share both epochs' memory."""
         self.shared_epoch.fill_(epoch)
+        self.source.set_epoch(1 + hash((self.seed, epoch)) % (2**31 - 1))  # 0 would keep the file order
 
-    def resume_from(self, position: dict):
-        """Continue after the row whose `position` a checkpoint saved (call before iterating)."""
-        self.start = position
-        self.set_epoch(position["epoch"])
+    def state_dict(self) -> dict | None:
+        """Where the stream stands after the last row handed out (None: before the first)."""
+        return self.position
+
+    def load_state_dict(self, position: dict | None):
+        """Continue after the row of `position` in its epoch (call before iterating)."""
+        self.start = self.position = position
 
     def __iter__(self):
         start = {"block": 0, "source_state": self.initial_state, "rows_done": 0, "kept": 0}
@@ -313,17 +325,16 @@ class ResumableShuffle(torch.utils.data.IterableDataset):
                 out = self.preprocess({column: [row[column] for row in chunk] for column in chunk[0]})
                 for kept, values in enumerate(zip(*out.values()), start=1):
                     if kept > kept_done:
-                        position = {"epoch": self.epoch, "block": block, "source_state": source_state,
-                                    "rows_done": chunk_start, "kept": kept}
-                        yield dict(zip(out, values), data_position=position)
+                        self.position = {"epoch": self.epoch, "block": block, "source_state": source_state,
+                                         "rows_done": chunk_start, "kept": kept}
+                        yield dict(zip(out, values), data_position=self.position)
                 kept_done = 0
             block, rows_done, source_state = block + 1, 0, self.source.state_dict()
 
 
 class ImageTextCollator:
-    """Rows -> {pixel_values, input_ids, attention_mask, data_counts, data_position}; pads captions
-    to the batch max, or to `pad_to_length`. `data_position`: where the stream stands after this
-    batch (training rows)."""
+    """Rows -> {pixel_values, input_ids, attention_mask, data_counts}; pads captions to the batch
+    max, or to `pad_to_length`."""
 
     def __init__(self, tokenizer, pad_to_length: int | None = None):
         if tokenizer.pad_token_id is None:
@@ -346,7 +357,6 @@ class ImageTextCollator:
             "input_ids": input_ids,
             "attention_mask": attention_mask.long(),
             "data_counts": torch.tensor([sum(row[name] for row in rows) for name in COUNTED]),
-            "data_position": rows[-1].get("data_position"),
         }
 
 
@@ -383,6 +393,9 @@ def stream_loader(stream, batch_size: int, collate_fn, num_workers: int | None, 
     """The DataLoader over a rank's stream (never passed to `accelerator.prepare`: already split).
     `num_workers` None: `default_num_workers`. Workers persist across epochs (ResumableShuffle
     keeps its epoch in shared memory), each keeps 2 batches ready, and batches are pinned on CUDA.
+    torchdata's `StatefulDataLoader`: its `state_dict` holds each worker's stream position (the
+    dataset's `state_dict`, taken in the worker after each batch) and which worker comes next, so
+    `load_state_dict` resumes with any number of workers, in time that does not grow with the step.
 
     Workers fork from multiprocessing's fork server, not from the training process: by the first
     batch that process runs threads (gloo, pyarrow's jemalloc, datasets' readers), and a child
@@ -394,7 +407,7 @@ def stream_loader(stream, batch_size: int, collate_fn, num_workers: int | None, 
         num_workers = default_num_workers(stream.num_shards, cpu_workers)
     if num_workers:
         start_worker_server()
-    return torch.utils.data.DataLoader(
+    return StatefulDataLoader(
         stream, batch_size=batch_size, collate_fn=collate_fn, num_workers=num_workers,
         pin_memory=torch.cuda.is_available(), worker_init_fn=partial(init_worker, training_pid=os.getpid()),
         multiprocessing_context="forkserver" if num_workers else None,

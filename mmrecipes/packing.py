@@ -35,6 +35,7 @@ class TokenBudgetBatches(torch.utils.data.IterableDataset):
 
     def __init__(self, rows, max_tokens: int):
         self.rows, self.max_tokens = rows, max_tokens
+        self.position = None
 
     @property
     def num_shards(self) -> int:
@@ -47,19 +48,26 @@ class TokenBudgetBatches(torch.utils.data.IterableDataset):
     def set_epoch(self, epoch: int):
         self.rows.set_epoch(epoch)
 
-    def resume_from(self, position: dict):
-        self.rows.resume_from(position)
+    def state_dict(self) -> dict | None:
+        """After the last row of the last micro-batch handed out (the rows have read one further)."""
+        return self.position
+
+    def load_state_dict(self, position: dict | None):
+        self.position = position
+        self.rows.load_state_dict(position)
 
     def __iter__(self):
         batch, tokens = [], 0
         for row in self.rows:
             length = len(row["input_ids"])
             if batch and tokens + length > self.max_tokens:
+                self.position = batch[-1]["data_position"]
                 yield batch
                 batch, tokens = [], 0
             batch.append(row)
             tokens += length
         if batch:
+            self.position = batch[-1]["data_position"]
             yield batch
 
 

@@ -77,7 +77,6 @@ def main(argv=None):
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
                                gradient_clipping=args.max_grad_norm)
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
     engine = engine_line(accelerator, model)
     accelerator.print(engine)
 
@@ -101,7 +100,7 @@ def main(argv=None):
                                caption_length=caption_length(data_args, tokenizer, loader_kwargs["pad_to_max_length"]),
                                pad_to_max_length=loader_kwargs["pad_to_max_length"])
 
-    checkpoints = Checkpointer(accelerator, args.output_dir, total_limit=args.save_total_limit,
+    checkpoints = Checkpointer(accelerator, args.output_dir, scheduler, total_limit=args.save_total_limit,
                                data_world=data_world, batch_size=batch_size)
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).

@@ -133,7 +133,6 @@ def main(argv=None):
                                gradient_clipping=args.max_grad_norm)
     # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
     model, optimizer = accelerator.prepare(VLMForTraining(model), optimizer)
-    accelerator.register_for_checkpointing(scheduler)
     engine = engine_line(accelerator, model)
     accelerator.print(engine)
     if DivergenceGuard.requested(args.debug_divergence):  # after prepare: it runs before the engine's hooks
@@ -153,7 +152,7 @@ def main(argv=None):
                                                                                    dummy_inputs),
                                             batch_size=args.per_device_eval_batch_size, eval_split=True, **loader_kwargs)
 
-    checkpoints = Checkpointer(accelerator, args.output_dir, total_limit=args.save_total_limit,
+    checkpoints = Checkpointer(accelerator, args.output_dir, scheduler, total_limit=args.save_total_limit,
                                data_world=data_world, batch_size=batch_size,
                                max_tokens_per_batch=data_args.max_tokens_per_batch, packing=data_args.packing)
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and

@@ -37,6 +37,22 @@ def run_recipe(*recipe_args, timeout=600, recipe=RECIPE, env=None) -> subprocess
     return _run([sys.executable, str(recipe), *QUICK, *map(str, recipe_args)], timeout, env)
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (the launcher's ranks, their fork servers and DataLoader workers)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, stack = [], [pid]
+    while stack:
+        tree.append(stack.pop())
+        stack += children.get(tree[-1], [])
+    return tree
+
+
 def run_env(extra=None) -> dict:
     return dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(extra or {}))
 

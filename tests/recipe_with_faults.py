@@ -5,6 +5,7 @@
 Environment (RANK:STEP means on global rank RANK during optimizer step STEP of this run):
   FAULT_RECIPE         the recipe to run (default recipes/clip_pretrain.py)
   FAULT_SIGTERM_AT     RANK:STEP  the rank sends itself SIGTERM before the step boundary
+  FAULT_SIGKILL_AT     RANK:STEP  the rank SIGKILLs itself there (no chance to save or clean up)
   FAULT_NAN_AT         RANK:STEP[-LAST]  the rank's pixel values are NaN in those steps
   FAULT_PAUSE_IN_SAVE  STEP  every rank stops inside the save of checkpoint STEP, after its
                        files and before the completeness marker, and writes
@@ -66,6 +67,8 @@ def faulty_step_is_finite(self, losses, grad_norm, step):
     global steps_done
     if step in at("FAULT_SIGTERM_AT"):
         os.kill(os.getpid(), signal.SIGTERM)
+    if step in at("FAULT_SIGKILL_AT"):
+        os.kill(os.getpid(), signal.SIGKILL)
     steps_done += 1
     return step_is_finite(self, losses, grad_norm, step)
 

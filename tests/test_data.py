@@ -2,6 +2,7 @@
 complete shares, and ranks with unequal shares stop together."""
 
 import io
+import json
 import multiprocessing.forkserver
 import os
 import signal
@@ -248,6 +249,41 @@ def test_one_persistent_worker_reads_the_same_sample_order_as_none_in_every_epoc
         assert torch.equal(expected, got)
     epochs = [torch.cat([ids for epoch, ids in in_worker if epoch == e]) for e in range(3)]
     assert not torch.equal(epochs[0], epochs[1]) and not torch.equal(epochs[1], epochs[2])  # reshuffled
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_from_the_loader_state_is_exact_with_workers_and_epochs_order_shards_anew(tmp_path, tiny, workers):
+    """The loader's state after any batch (each worker's stream position and which worker is next),
+    through JSON as a checkpoint holds it, resumes the exact batches that followed, also across an
+    epoch's end; each epoch reads the 4 shards in another order, so epochs differ from the start."""
+    for shard in range(4):
+        write_parquet(tmp_path / f"rows-{shard}.parquet", [(png(Image.new("RGB", (8, 8), (i, shard, 0))),
+                                                            f"caption {shard} {i}") for i in range(23)])
+
+    def loader():
+        args = DataArgs(dataset_name="parquet", data_files=str(tmp_path / "*.parquet"), dataloader_num_workers=workers,
+                        shuffle_buffer_size=8)
+        return build_dataloader(args, "train", args.data_files, *tiny, batch_size=5, data_rank=0, data_world=1,
+                                shuffle_seed=3)
+
+    straight_loader, straight, states = loader(), [], []
+    for (epoch, batch), _ in zip(batches_forever(straight_loader), range(45)):
+        straight.append((epoch, batch["input_ids"]))
+        states.append((epoch, json.loads(json.dumps(straight_loader.state_dict()))))
+    first_epoch_end = [epoch for epoch, _ in straight].index(1) - 1
+    for at in (3, first_epoch_end - 1, first_epoch_end, first_epoch_end + 1, 30):
+        resumed_loader = loader()
+        epoch, state = states[at]
+        resumed_loader.load_state_dict(state)
+        resumed = batches_forever(resumed_loader, first_epoch=epoch, resumed=True)
+        for (expected_epoch, expected), ((got_epoch, batch), _) in zip(straight[at + 1:], zip(resumed, range(8))):
+            assert got_epoch == expected_epoch and torch.equal(batch["input_ids"], expected), f"resumed after {at}"
+    tokenizer = tiny[0]
+    shard_order = [list(dict.fromkeys(caption.split()[1] for epoch, ids in straight if epoch == e
+                                      for caption in tokenizer.batch_decode(ids, skip_special_tokens=True)))
+                   for e in (0, 1)]
+    assert sorted(shard_order[0]) == sorted(shard_order[1]) == ["0", "1", "2", "3"]
+    assert shard_order[0] != shard_order[1], shard_order
 
 
 def test_default_workers_follow_cores_and_shards(monkeypatch):

@@ -1,6 +1,7 @@
 """Runs that survive what clusters do to them (mmrecipes.checkpointing, mmrecipes.step_guard):
 a kill inside a save, a preemption signal on one rank, a non-finite batch on one rank."""
 
+import json
 import os
 import re
 import signal
@@ -14,7 +15,7 @@ import torch
 from transformers import CLIPModel
 
 from gloo import free_port
-from launch import REPO, WITH_FAULTS, accelerate_launch, launch_command, losses, run_env, run_recipe
+from launch import REPO, WITH_FAULTS, accelerate_launch, launch_command, losses, process_tree, run_env, run_recipe
 from mmrecipes.step_guard import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.launch
@@ -32,18 +33,7 @@ def fingerprints(directory: Path) -> dict[tuple[int, int], str]:
 
 def kill_process_tree(pid: int):
     """SIGKILL a process and every descendant (the launcher starts its workers in their own sessions)."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    tree, stack = [], [pid]
-    while stack:
-        tree.append(stack.pop())
-        stack += children.get(tree[-1], [])
-    for member in tree:
+    for member in process_tree(pid):
         try:
             os.kill(member, signal.SIGKILL)
         except ProcessLookupError:
@@ -191,7 +181,7 @@ def test_resume_continues_from_saved_data_position_across_an_epoch(tmp_path):
     args = ["--max_steps", 80, "--logging_steps", 1, "--eval_split", "", "--output_dir", tmp_path]
     straight = run_recipe(*args, "--save_steps", 70)
     assert straight.returncode == 0, straight.log[-3000:]
-    assert '"epoch": 1' in (tmp_path / "checkpoints" / "checkpoint-70" / "data_position_0.json").read_text()
+    assert json.loads((tmp_path / "checkpoints" / "checkpoint-70" / "data_state_0.json").read_text())["epoch"] == 1
     resumed = run_recipe(*args, "--resume_from_checkpoint", "latest")
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert "at step 70" in resumed.log and "re-reading" not in resumed.log

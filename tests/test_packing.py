@@ -95,14 +95,17 @@ def test_token_budget_batches_hold_whole_rows_and_resume_exactly():
         args = ChatDataArgs(max_tokens_per_batch=budget, dataloader_num_workers=0, shuffle_buffer_size=64)
         return build_chat_dataloader(args, labeller, collator, batch_size=16, data_rank=0, data_world=1, shuffle_seed=0)
 
-    straight = [batch for _, batch in zip(range(8), loader(300))]
+    straight_loader, straight, states = loader(300), [], []
+    for _, batch in zip(range(8), straight_loader):
+        straight.append(batch)
+        states.append(straight_loader.state_dict())
     assert len({batch["num_samples"] for batch in straight}) > 1  # the budget, not a row count, sets the micro-batch
     assert all(batch["attention_mask"].sum() <= 300 for batch in straight)
     small = [batch for _, batch in zip(range(4), loader(40))]
     assert all(batch["attention_mask"].sum() <= 40 for batch in small)
     assert sum(batch["data_counts"] for batch in small)[CHAT_COUNTED.index("too_long")] > 0  # rows over 40 tokens
     resumed_loader = loader(300)
-    resumed_loader.dataset.resume_from(straight[3]["data_position"])
+    resumed_loader.load_state_dict(states[3])
     for expected, batch in zip(straight[4:], resumed_loader):
         assert torch.equal(batch["input_ids"], expected["input_ids"])
 
