@@ -208,6 +208,9 @@ def main(argv=None):
                  + (f" after resuming at step {start_step}" if start_step else ""),
             load_example=f"from transformers import pipeline\nclassify = pipeline(\"zero-shot-image-classification\", "
                          f"model=\"{args.output_dir}\")\nclassify(image, candidate_labels=[\"a red circle\", \"a blue square\"])")
+    # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
+    # the card aborted once under ZeRO-3 ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
     accelerator.print(f"saved model to {args.output_dir}")
     accelerator.end_training()
 

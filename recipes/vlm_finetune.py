@@ -254,6 +254,9 @@ def main(argv=None):
             load_example=f"from transformers import pipeline\nanswer = pipeline(\"image-text-to-text\", model=\"{args.output_dir}\")\n"
                          "answer(text=[{\"role\": \"user\", \"content\": [{\"type\": \"image\", \"image\": image}, "
                          "{\"type\": \"text\", \"text\": \"What colour is the shape?\"}]}], max_new_tokens=16)")
+    # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
+    # the card aborted once under ZeRO-3 ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
     accelerator.print(f"saved model to {args.output_dir}")
     accelerator.end_training()
 
