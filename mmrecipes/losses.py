@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 IGNORE_INDEX = -100  # label of positions that are not trained on (prompt, image tokens, padding)
 
@@ -184,6 +185,34 @@ def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch
     """Summed next-token CE over the positions whose (shifted) label is not IGNORE_INDEX, in fp32."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
+
+
+def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
+                           chunk_tokens: int = 512, softcap: float | None = None) -> torch.Tensor:
+    """`token_cross_entropy_sum(head(hidden), labels)` without the `[batch, tokens, vocab]` logits.
+
+    Only target positions go through `head` (the LM's output layer: a module, so ZeRO-3 and FSDP
+    gather its weight as in the model's own forward), `chunk_tokens` at a time; each chunk's logits
+    are fp32 and recomputed in backward (activation checkpointing), so the peak holds one chunk's
+    `[chunk_tokens, vocab]` instead of every position's, as Liger's and torchtune's fused losses do.
+    `softcap`: Gemma's final logit soft-capping (`tanh(logits / cap) * cap`), applied as its forward does.
+    """
+    targets = labels[:, 1:].flatten()
+    keep = targets != IGNORE_INDEX
+    hidden, targets = hidden[:, :-1].flatten(0, 1)[keep], targets[keep]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, len(targets), chunk_tokens):
+        total = total + torch.utils.checkpoint.checkpoint(
+            _chunk_cross_entropy_sum, hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens], head,
+            softcap, use_reentrant=False)
+    return total
+
+
+def _chunk_cross_entropy_sum(hidden, targets, head, softcap):
+    logits = head(hidden).float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits, targets, reduction="sum")
 
 
 def count_target_tokens(labels: torch.Tensor) -> int:

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.launch
     ("vlm_dummy.py", ["--quick"]),
     ("lora_memory.py", ["--quick"]),
     ("vlm_packing.py", ["--quick"]),
+    ("vlm_loss_memory.py", ["--quick"]),
     ("gpu_clip_throughput.py", ["--toy", "--steps", "2", "--warmup", "1", "--compile", "off"]),
 ])
 def test_bench_script_runs_at_toy_size(script, args, tmp_path):

@@ -1,0 +1,86 @@
+"""Peak memory of the VLM token loss at a real vocabulary: whole logits against the chunked head loss.
+
+    python bench/vlm_loss_memory.py                  # Qwen2.5's vocabulary (151936), 2 x 1000 tokens
+    python bench/vlm_loss_memory.py --vocab 262208   # Gemma 3's
+    python bench/vlm_loss_memory.py --quick          # a smoke run (CI)
+
+Each variant runs forward + backward of the loss alone, from the LM's last hidden states and its
+output layer (float32 on CPU), in a fresh process, and reports the peak resident memory above the
+inputs, the loss and the largest gradient difference against the whole-logits path:
+- whole logits: `head(hidden)` -> `token_cross_entropy_sum` (what the recipe computes today: the
+  `[batch, tokens, vocab]` logits, their fp32 copy and its gradient);
+- chunked: `head_cross_entropy_sum` (target positions only, `--chunk_tokens` at a time, each chunk
+  recomputed in backward).
+Appends a JSON line to bench/results/.
+"""
+
+import argparse
+import json
+import platform
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from fresh_process import resident_bytes, run_in_fresh_process
+from mmrecipes.losses import IGNORE_INDEX, head_cross_entropy_sum, token_cross_entropy_sum
+
+RESULTS = Path(__file__).resolve().parent / "results" / "vlm_loss_memory.jsonl"
+
+
+def inputs(options):
+    torch.manual_seed(0)
+    hidden = torch.randn(options.batch, options.tokens, options.hidden_size) * 0.02
+    head = torch.nn.Linear(options.hidden_size, options.vocab, bias=False)
+    labels = torch.randint(0, options.vocab, (options.batch, options.tokens))
+    labels[:, :options.tokens // 5] = IGNORE_INDEX  # the prompt and image tokens are not targets
+    return hidden.requires_grad_(), head, labels
+
+
+def measure(variant, options, queue):
+    hidden, head, labels = inputs(options)
+    before = resident_bytes()
+    start = time.perf_counter()
+    if variant == "whole logits":
+        loss = token_cross_entropy_sum(head(hidden), labels)
+    else:
+        loss = head_cross_entropy_sum(hidden, head, labels, chunk_tokens=options.chunk_tokens)
+    loss.backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's high-water mark (KiB)
+    queue.put({"loss": loss.item(), "peak_bytes": peak - before, "seconds": time.perf_counter() - start,
+               "grad": hidden.grad.numpy()})  # numpy: pickled whole (a tensor would go through shared memory)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--hidden_size", type=int, default=1536)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=1000)
+    parser.add_argument("--chunk_tokens", type=int, default=512)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--results", default=str(RESULTS), help="the JSON-lines file to append to")
+    options = parser.parse_args()
+    if options.quick:
+        options.vocab, options.hidden_size, options.tokens, options.chunk_tokens = 4096, 64, 200, 64
+    runs = {variant: run_in_fresh_process(measure, variant, options) for variant in ("whole logits", "chunked")}
+    whole, chunked = runs["whole logits"], runs["chunked"]
+    print(f"token loss, vocabulary {options.vocab}, hidden {options.hidden_size}, {options.batch} x {options.tokens} "
+          f"tokens, chunks of {options.chunk_tokens} (CPU, float32, peak RSS above the inputs)")
+    for variant, run in runs.items():
+        print(f"{variant:<14} loss {run['loss']:.4f}  peak {run['peak_bytes'] / 2**30:.2f} GiB  {run['seconds']:.2f} s")
+    ratio = chunked["peak_bytes"] / max(whole["peak_bytes"], 1)
+    grad_difference = float(abs(chunked["grad"] - whole["grad"]).max())
+    print(f"chunked / whole peak memory {ratio:.3f}; largest hidden-state gradient difference {grad_difference:.2e}")
+    record = {"bench": "vlm_loss_memory", "quick": options.quick, "vocab": options.vocab,
+              "hidden_size": options.hidden_size, "tokens": options.batch * options.tokens,
+              "chunk_tokens": options.chunk_tokens, "peak_bytes": {variant: run["peak_bytes"] for variant, run in runs.items()},
+              "ratio": ratio, "grad_difference": grad_difference, "machine": platform.node(),
+              "time": time.strftime("%Y-%m-%d %H:%M")}
+    with open(options.results, "a") as results:
+        results.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
