@@ -104,7 +104,7 @@ class Checkpointer:
     """Saves and restores one run's checkpoints under `<output_dir>/checkpoints`.
 
     `layout` is what the saved data position depends on (data ranks, per-device batch size,
-    accumulation steps); a resume with a different layout is refused before any step.
+    accumulation steps, DataLoader workers); a resume with a different layout is refused before any step.
     """
 
     def __init__(self, accelerator, output_dir: str, scheduler, *, total_limit: int | None, data_world: int,
