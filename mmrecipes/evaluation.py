@@ -21,21 +21,28 @@ def retrieval_recall_at_1(image_embeds: torch.Tensor, text_embeds: torch.Tensor)
     }
 
 
+def batches_in_step(batches, filler, device):
+    """(batch, real) for this rank's `batches`, then (`filler`, False) until every rank has run out.
+
+    Ranks may hold different numbers of eval batches, but FSDP and ZeRO-3 run collectives inside
+    the forward, so every rank must run it equally often: a rank that has run out forwards
+    `filler` (any valid batch) and discards the result until all are done.
+    """
+    batches = iter(batches)
+    while not all_ranks_true((batch := next(batches, None)) is None, device):
+        yield (filler, False) if batch is None else (batch, True)
+
+
 @torch.no_grad()
 def evaluate_retrieval(model, eval_loader, filler_batch, device) -> dict:
     """Embed this rank's share of the eval set, gather every rank's, score R@1 ({} if no rows).
-
-    Ranks may hold different numbers of eval batches, but FSDP and ZeRO-3 run collectives
-    inside the forward, so every rank must call it equally often: a rank that has run out
-    forwards `filler_batch` (any valid batch) and discards the result until all are done.
-    """
+    Every rank forwards equally often (`batches_in_step`)."""
     model.eval()
     image_parts, text_parts, width = [], [], None
-    batches = iter(eval_loader)
-    while not all_ranks_true((batch := next(batches, None)) is None, device):
-        image_embeds, text_embeds = model(**model_inputs(batch or filler_batch, device))[:2]
+    for batch, real in batches_in_step(eval_loader, filler_batch, device):
+        image_embeds, text_embeds = model(**model_inputs(batch, device))[:2]
         width = image_embeds.shape[1]
-        if batch is not None:
+        if real:
             image_parts.append(image_embeds.float())
             text_parts.append(text_embeds.float())
     model.train()
@@ -59,15 +66,14 @@ def evaluate_answers(model, eval_loader, filler_batch, device) -> dict:
     when the argmax at every answer position is the answer's next token, which is what this
     checks. One forward per batch keeps every rank's collectives (FSDP2, ZeRO-3) in step, where
     `generate` would stop after a different number of tokens on each rank. A rank that has run
-    out forwards `filler_batch` and discards the result, as in `evaluate_retrieval`.
+    out forwards `filler_batch` and discards the result (`batches_in_step`).
     """
     model.eval()
     totals = torch.zeros(2, device=device)  # correct answers, answers
-    batches = iter(eval_loader)
-    while not all_ranks_true((batch := next(batches, None)) is None, device):
-        inputs = chat_model_inputs(batch or filler_batch, device)
+    for batch, real in batches_in_step(eval_loader, filler_batch, device):
+        inputs = chat_model_inputs(batch, device)
         _, logits = model(**inputs)
-        if batch is not None:
+        if real:
             targets = inputs["labels"][:, 1:]
             scored = targets != IGNORE_INDEX
             correct = ((logits[:, :-1].argmax(-1) == targets) | ~scored).all(dim=1) & scored.any(dim=1)

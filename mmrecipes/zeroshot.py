@@ -15,7 +15,8 @@ import datasets
 import torch
 
 from .data import processed_pixels, split_by_data_rank
-from .distributed import all_ranks_true, sum_over_ranks
+from .distributed import sum_over_ranks
+from .evaluation import batches_in_step
 from .models import EMBEDDED
 
 DEFAULT_TEMPLATES = "a photo of a {}.|a photo of the {}.|a rendering of a {}.|a {}.|a picture of a small {}.|a picture of a large {}."
@@ -98,7 +99,7 @@ def evaluate_zeroshot(model, zeroshot: ZeroShotSet, device) -> dict:
     The model's forward takes an image batch and a text batch of any sizes and returns their
     normalised embeddings first: the class prompts go with one image, each image batch with one
     prompt. A rank with fewer image batches forwards the filler image until every rank is done
-    (discarded), as in `evaluate_retrieval`.
+    (discarded: `batches_in_step`).
     """
     model.eval()
     filler = zeroshot.filler.to(device)
@@ -109,11 +110,9 @@ def evaluate_zeroshot(model, zeroshot: ZeroShotSet, device) -> dict:
     one_prompt = {key: value[:1] for key, value in prompts.items()}
     top_k = min(5, len(zeroshot.class_names))
     totals = torch.zeros(3, device=device)  # top-1 right, top-5 right, images
-    batches = zeroshot.batches()
-    while not all_ranks_true((batch := next(batches, None)) is None, device):
-        pixel_values, labels = batch if batch is not None else (filler, None)
+    for (pixel_values, labels), real in batches_in_step(zeroshot.batches(), (filler, None), device):
         image_embeds = model(pixel_values=pixel_values.to(device), **one_prompt)[0].float()
-        if labels is not None:
+        if real:
             ranked = (image_embeds @ class_embeds.T).topk(top_k, dim=1).indices
             labels = labels.to(device)
             totals += torch.stack([(ranked[:, 0] == labels).sum(), (ranked == labels[:, None]).any(dim=1).sum(),
