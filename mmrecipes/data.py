@@ -327,7 +327,7 @@ class ResumableShuffle(torch.utils.data.IterableDataset):
                     if kept > kept_done:
                         self.position = {"epoch": self.epoch, "block": block, "source_state": source_state,
                                          "rows_done": chunk_start, "kept": kept}
-                        yield dict(zip(out, values), data_position=self.position)
+                        yield dict(zip(out, values))
                 kept_done = 0
             block, rows_done, source_state = block + 1, 0, self.source.state_dict()
 

@@ -57,17 +57,18 @@ class TokenBudgetBatches(torch.utils.data.IterableDataset):
         self.rows.load_state_dict(position)
 
     def __iter__(self):
-        batch, tokens = [], 0
+        batch, tokens, batch_end = [], 0, None
         for row in self.rows:
             length = len(row["input_ids"])
             if batch and tokens + length > self.max_tokens:
-                self.position = batch[-1]["data_position"]
+                self.position = batch_end
                 yield batch
                 batch, tokens = [], 0
             batch.append(row)
             tokens += length
+            batch_end = self.rows.state_dict()  # after this row: the stream position the batch ends at
         if batch:
-            self.position = batch[-1]["data_position"]
+            self.position = batch_end
             yield batch
 
 
