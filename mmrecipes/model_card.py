@@ -56,8 +56,10 @@ def plot_curves(history: History, path, eval_metrics: list[str]):
 
 
 def write_model_card(output_dir, history: History, *, pipeline_tag: str, eval_metrics: list[str], base_model: str | None,
-                     datasets: list[str], tags: list[str], engine: str, seen: str, load_example: str):
-    """`output_dir/README.md` (a model card) and `output_dir/training_curves.png`."""
+                     datasets: list[str], tags: list[str], engine: str, seen: str, resumed_at: int,
+                     load_example: str):
+    """`output_dir/README.md` (a model card) and `output_dir/training_curves.png`. `engine`: the
+    `[engine]` line; `seen`: what this process trained on, from `resumed_at` (0: the start)."""
     output_dir = Path(output_dir)
     plot_curves(history, output_dir / CURVES, eval_metrics)
     hub_datasets = [name for name in datasets if name and not Path(name).exists()]  # hub ids, not local paths
@@ -74,8 +76,8 @@ def write_model_card(output_dir, history: History, *, pipeline_tag: str, eval_me
         "accelerate launch " + shlex.join(sys.argv),
         "```",
         "",
-        f"- engine: {engine}",
-        f"- seen: {seen}",
+        f"- engine: {engine.removeprefix('[engine] ')}",
+        f"- seen: {seen}" + (f" after resuming at step {resumed_at}" if resumed_at else ""),
         f"- base model: {base_model or 'built from a config (random initialisation)'}",
         f"- data: {', '.join(name for name in datasets if name) or '-'}",
         "",

@@ -204,8 +204,7 @@ def main(argv=None):
             args.output_dir, history, pipeline_tag="zero-shot-image-classification",
             eval_metrics=["image_to_text_R@1", "text_to_image_R@1", "zeroshot_top1"],
             base_model=model_args.model_name_or_path, datasets=[data_args.dataset_name], tags=[model_args.loss, "contrastive"],
-            engine=engine.removeprefix("[engine] "), seen=f"{samples_seen:,} image-text pairs"
-                 + (f" after resuming at step {start_step}" if start_step else ""),
+            engine=engine, seen=f"{samples_seen:,} image-text pairs", resumed_at=start_step,
             load_example=f"from transformers import pipeline\nclassify = pipeline(\"zero-shot-image-classification\", "
                          f"model=\"{args.output_dir}\")\nclassify(image, candidate_labels=[\"a red circle\", \"a blue square\"])")
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote

@@ -249,8 +249,7 @@ def main(argv=None):
             args.output_dir, history, pipeline_tag="image-text-to-text", eval_metrics=["answer_accuracy"],
             base_model=model_args.model_name_or_path, datasets=data_args.dataset_name.split(","),
             tags=["vlm", "lora" if peft_config else "full fine-tune", type(accelerator.unwrap_model(model).model).__name__],
-            engine=engine.removeprefix("[engine] "), seen=f"{int(seen[0]):,} conversations, {int(seen[1]):,} tokens"
-                 + (f" after resuming at step {start_step}" if start_step else ""),
+            engine=engine, seen=f"{int(seen[0]):,} conversations, {int(seen[1]):,} tokens", resumed_at=start_step,
             load_example=f"from transformers import pipeline\nanswer = pipeline(\"image-text-to-text\", model=\"{args.output_dir}\")\n"
                          "answer(text=[{\"role\": \"user\", \"content\": [{\"type\": \"image\", \"image\": image}, "
                          "{\"type\": \"text\", \"text\": \"What colour is the shape?\"}]}], max_new_tokens=16)")
