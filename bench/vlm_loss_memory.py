@@ -7,10 +7,10 @@
 Each variant runs forward + backward of the loss alone, from the LM's last hidden states and its
 output layer (float32 on CPU), in a fresh process, and reports the peak resident memory above the
 inputs, the loss and the largest gradient difference against the whole-logits path:
-- whole logits: `head(hidden)` -> `token_cross_entropy_sum` (what the recipe computes today: the
-  `[batch, tokens, vocab]` logits, their fp32 copy and its gradient);
-- chunked: `head_cross_entropy_sum` (target positions only, `--chunk_tokens` at a time, each chunk
-  recomputed in backward).
+- whole logits: `head(hidden)` -> `token_cross_entropy_sum` (what the recipe computed before: the
+  `[batch, tokens, vocab]` logits, their fp32 copy and its gradient; what evaluation still does);
+- chunked: `head_cross_entropy_sum` (what `VLMForTraining` trains with: the positions in
+  `--num_chunks` slices, each recomputed in backward).
 Appends a JSON line to bench/results/.
 """
 
@@ -45,7 +45,7 @@ def measure(variant, options, queue):
     if variant == "whole logits":
         loss = token_cross_entropy_sum(head(hidden), labels)
     else:
-        loss = head_cross_entropy_sum(hidden, head, labels, chunk_tokens=options.chunk_tokens)
+        loss = head_cross_entropy_sum(hidden, head, labels, num_chunks=options.num_chunks)
     loss.backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's high-water mark (KiB)
     queue.put({"loss": loss.item(), "peak_bytes": peak - before, "seconds": time.perf_counter() - start,
@@ -58,16 +58,16 @@ def main():
     parser.add_argument("--hidden_size", type=int, default=1536)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=1000)
-    parser.add_argument("--chunk_tokens", type=int, default=512)
+    parser.add_argument("--num_chunks", type=int, default=8)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--results", default=str(RESULTS), help="the JSON-lines file to append to")
     options = parser.parse_args()
     if options.quick:
-        options.vocab, options.hidden_size, options.tokens, options.chunk_tokens = 4096, 64, 200, 64
+        options.vocab, options.hidden_size, options.tokens = 4096, 64, 200
     runs = {variant: run_in_fresh_process(measure, variant, options) for variant in ("whole logits", "chunked")}
     whole, chunked = runs["whole logits"], runs["chunked"]
     print(f"token loss, vocabulary {options.vocab}, hidden {options.hidden_size}, {options.batch} x {options.tokens} "
-          f"tokens, chunks of {options.chunk_tokens} (CPU, float32, peak RSS above the inputs)")
+          f"tokens, {options.num_chunks} slices (CPU, float32, peak RSS above the inputs)")
     for variant, run in runs.items():
         print(f"{variant:<14} loss {run['loss']:.4f}  peak {run['peak_bytes'] / 2**30:.2f} GiB  {run['seconds']:.2f} s")
     ratio = chunked["peak_bytes"] / max(whole["peak_bytes"], 1)
@@ -75,7 +75,7 @@ def main():
     print(f"chunked / whole peak memory {ratio:.3f}; largest hidden-state gradient difference {grad_difference:.2e}")
     record = {"bench": "vlm_loss_memory", "quick": options.quick, "vocab": options.vocab,
               "hidden_size": options.hidden_size, "tokens": options.batch * options.tokens,
-              "chunk_tokens": options.chunk_tokens, "peak_bytes": {variant: run["peak_bytes"] for variant, run in runs.items()},
+              "num_chunks": options.num_chunks, "peak_bytes": {variant: run["peak_bytes"] for variant, run in runs.items()},
               "ratio": ratio, "grad_difference": grad_difference, "machine": platform.node(),
               "time": time.strftime("%Y-%m-%d %H:%M")}
     with open(options.results, "a") as results:

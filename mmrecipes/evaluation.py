@@ -72,7 +72,7 @@ def evaluate_answers(model, eval_loader, filler_batch, device) -> dict:
     totals = torch.zeros(2, device=device)  # correct answers, answers
     for batch, real in batches_in_step(eval_loader, filler_batch, device):
         inputs = chat_model_inputs(batch, device)
-        _, logits = model(**inputs)
+        _, logits = model(**inputs, return_logits=True)
         if real:
             targets = inputs["labels"][:, 1:]
             scored = targets != IGNORE_INDEX

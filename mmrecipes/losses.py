@@ -188,23 +188,24 @@ def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch
 
 
 def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
-                           chunk_tokens: int = 512, softcap: float | None = None) -> torch.Tensor:
-    """`token_cross_entropy_sum(head(hidden), labels)` without the `[batch, tokens, vocab]` logits.
+                           num_chunks: int = 8, softcap: float | None = None) -> torch.Tensor:
+    """`token_cross_entropy_sum(head(hidden), labels)` without the `[batch, tokens, vocab]` fp32 logits.
 
-    Only target positions go through `head` (the LM's output layer: a module, so ZeRO-3 and FSDP
-    gather its weight as in the model's own forward), `chunk_tokens` at a time; each chunk's logits
-    are fp32 and recomputed in backward (activation checkpointing), so the peak holds one chunk's
-    `[chunk_tokens, vocab]` instead of every position's, as Liger's and torchtune's fused losses do.
-    `softcap`: Gemma's final logit soft-capping (`tanh(logits / cap) * cap`), applied as its forward does.
+    The shifted positions go through `head` (the LM's output layer) in `num_chunks` slices; each
+    slice's logits are upcast to fp32 and recomputed in backward (activation checkpointing), so the
+    peak holds one slice's logits instead of every position's (torchtune's `num_output_chunks`).
+    A fixed number of slices, not a fixed slice size: every rank calls `head` the same number of
+    times whatever its batch (under ZeRO-3 each call gathers the weight, a collective), and the
+    slices' shapes come from the batch's shape, never from its values (no host read, no recompile
+    for a new count of targets). Ignored positions (prompt, image, padding) add exactly 0.
+    `softcap`: Gemma-style final logit soft-capping (`tanh(logits / cap) * cap`).
     """
+    positions = hidden[:, :-1].flatten(0, 1)
     targets = labels[:, 1:].flatten()
-    keep = targets != IGNORE_INDEX
-    hidden, targets = hidden[:, :-1].flatten(0, 1)[keep], targets[keep]
     total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, len(targets), chunk_tokens):
-        total = total + torch.utils.checkpoint.checkpoint(
-            _chunk_cross_entropy_sum, hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens], head,
-            softcap, use_reentrant=False)
+    for part, part_targets in zip(positions.tensor_split(num_chunks), targets.tensor_split(num_chunks)):
+        total = total + torch.utils.checkpoint.checkpoint(_chunk_cross_entropy_sum, part, part_targets, head, softcap,
+                                                          use_reentrant=False)
     return total
 
 
@@ -212,7 +213,7 @@ def _chunk_cross_entropy_sum(hidden, targets, head, softcap):
     logits = head(hidden).float()
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    return F.cross_entropy(logits, targets, reduction="sum")
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def count_target_tokens(labels: torch.Tensor) -> int:

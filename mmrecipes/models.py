@@ -59,7 +59,8 @@ class CLIPForContrastiveTraining(CLIPModel):
 
     def forward(self, input_ids, attention_mask, pixel_values):
         image_embeds = self.get_image_features(pixel_values=pixel_values).pooler_output
-        text_embeds = self.get_text_features(input_ids=input_ids, attention_mask=attention_mask).pooler_output
+        mask = text_attention_mask(self, attention_mask, causal=True)
+        text_embeds = self.get_text_features(input_ids=input_ids, attention_mask=mask).pooler_output
         return F.normalize(image_embeds, dim=-1), F.normalize(text_embeds, dim=-1), self.logit_scale.exp()
 
     def get_input_embeddings(self):
@@ -82,9 +83,25 @@ class SiglipForContrastiveTraining(SiglipModel):
 
     def forward(self, input_ids, attention_mask, pixel_values):
         image_embeds = self.get_image_features(pixel_values=pixel_values).pooler_output
-        text_embeds = self.get_text_features(input_ids=input_ids, attention_mask=attention_mask).pooler_output
+        mask = text_attention_mask(self, attention_mask, causal=False)
+        text_embeds = self.get_text_features(input_ids=input_ids, attention_mask=mask).pooler_output
         return (F.normalize(image_embeds, dim=-1), F.normalize(text_embeds, dim=-1), self.logit_scale.exp(),
                 self.logit_bias)
+
+
+def text_attention_mask(model, attention_mask, causal: bool):
+    """The text tower's attention mask as SDPA takes it, `[batch, 1, query or 1, key]` booleans, made
+    on the device. From a 2D padding mask, transformers' `create_causal_mask` / `create_bidirectional_mask`
+    first read `mask.all()` on the host (to drop the mask when nothing is padded): a device sync
+    in every step on a GPU. A 4D mask is used as given. Other attention implementations keep the 2D one.
+    """
+    if model.config.text_config._attn_implementation != "sdpa":
+        return attention_mask
+    mask = attention_mask.bool()[:, None, None, :]
+    if causal:
+        length = attention_mask.shape[-1]
+        mask = mask & torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
+    return mask
 
 
 TRAINING_CLASSES = {"clip": CLIPForContrastiveTraining, "siglip": SiglipForContrastiveTraining}

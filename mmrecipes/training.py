@@ -95,8 +95,14 @@ def compile_blocks(model) -> str:
     checkpoints and saves the model as it would the eager one; blocks of one class and shape
     compile once. accelerate's own `dynamo_backend` on the DDP path copies the model and adds
     `_orig_mod.` to the blocks' names, which the saved checkpoint would carry. Returns a log line.
+
+    `dynamic=True`: batch size and sequence length are symbolic from the first compile, so a
+    stream's short last batch, another caption length or the eval batch size reuse the graphs.
+    With static shapes each new size recompiled the blocks, whose one code object (both CLIP towers,
+    train and eval) then reached dynamo's recompile limit (8) and silently ran eager from there on
+    (tests/test_step_costs.py).
     """
     compiled = [module for module in model.modules() if type(module).__name__ in model._no_split_modules]
     for module in compiled:
-        module.compile()
+        module.compile(dynamic=True)
     return f"compiled {len(compiled)} blocks ({', '.join(sorted({type(module).__name__ for module in compiled}))})"

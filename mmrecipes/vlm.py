@@ -14,6 +14,13 @@ every micro-batch calls the vision step exactly once, in the same module order o
    exact-zero gradient and the loss and LM gradients stay bitwise unchanged. Slicing, not
    `0 * features`, because `0 * inf = nan`.
 
+The loss is computed from the base model's last hidden states and the output layer in slices
+(`losses.head_cross_entropy_sum`): the `[batch, tokens, vocab]` logits and their fp32 copy never
+exist in training (4.9 GB at 8 x 1000 tokens of Qwen's vocabulary). What the family's own forward
+does after its base model (`base_model_prefix`) is `lm_head(hidden_states)`, for every family in
+`transformers` we train; the text config's `final_logit_softcapping`, where set, is applied as
+Gemma's LM does. Evaluation asks for the logits (`return_logits=True`).
+
 Family differences (dummy shapes, extra image inputs, module groups) come from the model's
 signatures, configs and module tree (`mmrecipes.vlm_families`), never from its name.
 
@@ -35,7 +42,7 @@ from transformers import (AutoModelForImageTextToText, AutoProcessor, AutoTokeni
 from .chat_data import DummyImageCollator, chat_model_inputs, probe_rows
 from .distributed import fsdp_block_classes
 from .lora import save_lora
-from .losses import token_cross_entropy_sum
+from .losses import head_cross_entropy_sum, token_cross_entropy_sum
 from .packing import packed_position_ids
 from .models import EMBEDDED
 from .vlm_families import ModuleGroups, check_trainable, lm_features
@@ -66,9 +73,10 @@ class VLMModelArgs:
 class VLMForTraining(torch.nn.Module):
     """One training/eval step of an image-text-to-text model that is the same graph on every rank.
 
-    `forward(batch)` takes a `DummyImageCollator` batch and returns (summed token CE, logits). Wrap
-    the model *before* `accelerator.prepare`: the dummy's features must enter the loss inside the
-    module the engine wraps, or DDP sees the vision parameters' (zero) gradients too late.
+    `forward(batch)` takes a `DummyImageCollator` batch and returns (summed token CE, logits or
+    None): the logits only with `return_logits=True`. Wrap the model *before* `accelerator.prepare`:
+    the dummy's features must enter the loss inside the module the engine wraps, or DDP sees the
+    vision parameters' (zero) gradients too late.
     """
 
     def __init__(self, model):
@@ -76,9 +84,10 @@ class VLMForTraining(torch.nn.Module):
         self.model = model
         self.vision_input_names = set(inspect.signature(model.get_image_features).parameters) - {"kwargs"}
         self.forward_input_names = set(inspect.signature(model.forward).parameters) - {"kwargs"}
+        self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
 
     def forward(self, input_ids, attention_mask, labels, dummy_image: bool, sample_lengths=None, images_per_sample=None,
-                **image_inputs):
+                return_logits=False, **image_inputs):
         vision_inputs = {name: value for name, value in image_inputs.items() if name in self.vision_input_names}
         features = self.model.get_image_features(**vision_inputs, return_dict=True)
         # What the LM takes besides the features: Qwen's image_grid_thw and mm_token_type_ids (mRoPE
@@ -93,8 +102,16 @@ class VLMForTraining(torch.nn.Module):
                                                                image_inputs)
             attention_mask = None
         # No KV cache: training needs none, and transformers reads packed positions only without one.
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **other_inputs).logits
-        loss_sum = token_cross_entropy_sum(logits, labels)
+        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                       **other_inputs)[0]
+        head, logits = self.model.get_output_embeddings(), None
+        if return_logits:
+            logits = head(hidden)
+            if self.softcap is not None:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            loss_sum = token_cross_entropy_sum(logits, labels)
+        else:
+            loss_sum = head_cross_entropy_sum(hidden, head, labels, softcap=self.softcap)
         if dummy_image:
             loss_sum = loss_sum + torch.cat([part.flatten() for part in lm_features(features)])[:0].sum()
         return loss_sum, logits
@@ -120,9 +137,10 @@ def check_packing(model, labeller, dummy_inputs):
     step, training = VLMForTraining(model), model.training
     model.eval()
     try:
-        _, packed = step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True)(rows), "cpu"))
-        alone = torch.cat([step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs)([row]), "cpu"))[1]
-                           for row in rows], dim=1)
+        _, packed = step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True)(rows), "cpu"),
+                         return_logits=True)
+        alone = torch.cat([step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs)([row]), "cpu"),
+                                return_logits=True)[1] for row in rows], dim=1)
     finally:
         model.train(training)
     if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4):

@@ -23,6 +23,8 @@ pytestmark = pytest.mark.launch
     ("vlm_packing.py", ["--quick"]),
     ("vlm_loss_memory.py", ["--quick"]),
     ("gpu_clip_throughput.py", ["--toy", "--steps", "2", "--warmup", "1", "--compile", "off"]),
+    ("gpu_recipe_throughput.py", ["--toy", "--torch_compile", "false"]),
+    ("gpu_recipe_throughput.py", ["--mode", "vlm", "--toy", "--torch_compile", "false"]),
 ])
 def test_bench_script_runs_at_toy_size(script, args, tmp_path):
     results = tmp_path / "results.jsonl"

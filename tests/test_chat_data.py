@@ -103,10 +103,10 @@ def test_chat_format_text_only_batch_gets_the_dummy_image(tmp_path, tiny):
     # The same forward runs on both, and on the text-only batch it equals the plain LM loss.
     wrapper = VLMForTraining(model)
     for batch in (image_batch, text_batch):
-        loss_sum, logits = wrapper(**chat_model_inputs(batch, "cpu"))
+        loss_sum, logits = wrapper(**chat_model_inputs(batch, "cpu"), return_logits=True)
         assert torch.isfinite(loss_sum) and logits.shape[:2] == batch["input_ids"].shape
     plain = model(input_ids=text_batch["input_ids"], attention_mask=text_batch["attention_mask"]).logits
-    assert torch.equal(wrapper(**chat_model_inputs(text_batch, "cpu"))[1], plain)
+    assert torch.equal(wrapper(**chat_model_inputs(text_batch, "cpu"), return_logits=True)[1], plain)
 
 
 def test_every_rank_sees_the_weighted_mixture(tiny):

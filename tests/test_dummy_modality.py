@@ -9,7 +9,8 @@ from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 from gloo import run_on_ranks
 from recipe_without_dummy import SkipsTowerOnTextOnly
 from mmrecipes.chat_data import CHAT_COUNTED, DummyImageCollator
-from mmrecipes.losses import IGNORE_INDEX, count_target_tokens, token_cross_entropy_sum, token_loss_scale
+from mmrecipes.losses import (IGNORE_INDEX, count_target_tokens, head_cross_entropy_sum, token_cross_entropy_sum,
+                              token_loss_scale)
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm
 from mmrecipes.vlm_families import dummy_image_inputs, module_groups
 
@@ -82,9 +83,12 @@ def test_dummy_gives_exact_zero_vision_gradients_and_changes_nothing_else(family
     with_dummy = {name: p.grad.clone() if p.grad is not None else None for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     text_inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "mm_token_type_ids") if key in batch}
-    plain = token_cross_entropy_sum(model(**text_inputs).logits, batch["labels"])
+    # The wrapper's own loss (sliced, from the hidden states), without the vision step and the dummy.
+    plain = head_cross_entropy_sum(model.base_model(**text_inputs, use_cache=False)[0], model.get_output_embeddings(),
+                                   batch["labels"])
     plain.backward()
     assert torch.equal(loss_sum, plain)  # the slice adds exactly nothing
+    torch.testing.assert_close(plain, token_cross_entropy_sum(model(**text_inputs).logits, batch["labels"]))
     vision_step = 0
     for name, param in model.named_parameters():
         if not param.requires_grad:

@@ -186,9 +186,10 @@ def test_tiled_logsumexp_matches_dense(tile_size):
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_head_cross_entropy_equals_the_loss_of_the_full_logits(softcap):
-    """The chunked loss from the last hidden states (targets only, fp32 chunks recomputed in backward)
-    gives the summed token CE of the whole logits, and the same gradients for the hidden states and
-    the head, with chunks that split rows and ignored positions (prompt, a padded tail)."""
+    """The chunked loss from the last hidden states (fp32 slices recomputed in backward) gives the
+    summed token CE of the whole logits, and the same gradients for the hidden states and the head,
+    with slices that split rows, slices of ignored positions only (prompt, a padded tail), and more
+    slices than positions (empty ones)."""
     torch.manual_seed(0)
     hidden = torch.randn(3, 37, 16, requires_grad=True)
     head = torch.nn.Linear(16, 101, bias=False)
@@ -200,8 +201,9 @@ def test_head_cross_entropy_equals_the_loss_of_the_full_logits(softcap):
         logits = torch.tanh(logits / softcap) * softcap
     expected = losses.token_cross_entropy_sum(logits, labels)
     expected_grads = torch.autograd.grad(expected, [hidden, head.weight])
-    got = losses.head_cross_entropy_sum(hidden, head, labels, chunk_tokens=7, softcap=softcap)
-    grads = torch.autograd.grad(got, [hidden, head.weight])
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-4)
-    for grad, expected_grad in zip(grads, expected_grads):
-        torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-5)
+    for num_chunks in (1, 5, 200):
+        got = losses.head_cross_entropy_sum(hidden, head, labels, num_chunks=num_chunks, softcap=softcap)
+        grads = torch.autograd.grad(got, [hidden, head.weight])
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-4)
+        for grad, expected_grad in zip(grads, expected_grads):
+            torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-5)

@@ -5,6 +5,8 @@ token-budget batches padded. (The 2-rank gradient of packed windows: test_dummy_
 
 import re
 
+from functools import partial
+
 import pytest
 import torch
 from accelerate.utils import set_seed
@@ -52,7 +54,7 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
     dummy_inputs = dummy_image_inputs(model, processor)
     rows = rows_of(labeller)
-    step = VLMForTraining(model)
+    step = partial(VLMForTraining(model), return_logits=True)
     alone = [step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs)([row]), "cpu")) for row in rows]
     lengths = [len(row["input_ids"]) for row in rows]
     for pack_length, sequences in ((None, [[0, 1, 2]]), (lengths[0] + lengths[1], [[0, 1], [2]])):
@@ -63,13 +65,14 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
             expected = torch.cat([alone[i][1] for i in sequence], dim=1)[0]
             torch.testing.assert_close(logits[index, :len(expected)], expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(loss, sum(a[0] for a in alone), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(step.func(**batch)[0], loss, rtol=1e-5, atol=1e-5)  # the training loss, in slices
     packed = chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True)(rows), "cpu")
     logits = step(**packed)[1]
     check_packing(model, labeller, dummy_inputs)
 
     one_sequence = {k: v for k, v in packed.items() if k not in ("sample_lengths", "images_per_sample")}
     assert not torch.allclose(step(**one_sequence)[1], logits, atol=1e-3)  # positions go on, attention crosses
-    crossing = step.model(input_ids=packed["input_ids"], attention_mask=packed["attention_mask"], use_cache=False,
+    crossing = model(input_ids=packed["input_ids"], attention_mask=packed["attention_mask"], use_cache=False,
                           position_ids=torch.cat([torch.arange(len(row["input_ids"])) for row in rows])[None],
                           **{k: v for k, v in packed.items() if k in ("mm_token_type_ids", "pixel_values",
                                                                       "image_grid_thw", "pixel_attention_mask",

@@ -14,7 +14,7 @@ from launch import VLM_RECIPE, load_recipe
 from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
 from mmrecipes.chat_labels import AnswerLabeller, TemplateError, check_template
 from mmrecipes.distributed import fsdp_block_classes
-from mmrecipes.losses import IGNORE_INDEX
+from mmrecipes.losses import IGNORE_INDEX, token_cross_entropy_sum
 from mmrecipes.vlm import VLMForTraining, apply_train_modules, stop_token_ids
 from mmrecipes.vlm_families import PROJECTORS, check_trainable, dummy_image_inputs, module_groups
 
@@ -204,6 +204,12 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
     loss_sum, _ = wrapper(**chat_model_inputs(batch, "cpu"))
     loss_sum.backward()
     assert torch.isfinite(loss_sum)
+    # The loss from the base model's hidden states and the output layer in slices is the loss of the
+    # family's own forward (its whole logits): lm_head(base_model(...)) is all that forward adds.
+    with torch.no_grad():
+        own_logits = model(**{name: value for name, value in batch.items()
+                              if name in wrapper.forward_input_names and name != "labels"}).logits
+    torch.testing.assert_close(loss_sum.detach(), token_cross_entropy_sum(own_logits, batch["labels"]), rtol=1e-5, atol=1e-5)
     vision_step = [p for name, p in model.named_parameters() if p.grad is not None and name not in language_model]
     assert vision_step and any(p.grad.any() for p in vision_step)
 
