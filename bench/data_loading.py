@@ -11,6 +11,9 @@
    collate (and the tokenizers library's default thread pool).
 2. `data_wait` of the default recipe (`recipes/clip_pretrain.py`, mean over its log lines) with
    `--dataloader_num_workers 0` (the CPU default) against 1.
+3. A worker's pixels at ViT-B/16 size (64 random 256 px images -> 224): `processed_pixels` finished in
+   the worker (float32) against uint8 (what the loader ships since 2026-11-24; `model_inputs`
+   rescales and normalises on the device): milliseconds per batch and bytes per batch.
 Prints the ratios and appends a JSON line to bench/results/data_loading.jsonl.
 """
 
@@ -29,8 +32,9 @@ from pathlib import Path
 import datasets
 import torch
 from torchvision import transforms
+from transformers import CLIPImageProcessor
 
-from mmrecipes.data import SHAPES_DATA, DataArgs, build_dataloader, decode_image
+from mmrecipes.data import SHAPES_DATA, DataArgs, build_dataloader, decode_image, processed_pixels
 from mmrecipes.models import ModelArgs, build_contrastive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,11 +129,32 @@ def main():
     for workers, (wait, wall) in waits.items():
         print(f"  --dataloader_num_workers {workers}: data_wait {wait:.3f}  wall {wall:.1f} s")
 
+    vit_processor = CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224})
+    generator = torch.Generator().manual_seed(0)
+    images = [transforms.functional.to_pil_image(torch.randint(0, 256, (3, 256, 256), dtype=torch.uint8,
+                                                               generator=generator)) for _ in range(64)]
+    pixel_times, pixel_bytes = {"float32": [], "uint8": []}, {}
+    for round_ in range(3 * repeats + 1):
+        for name, times in pixel_times.items():
+            start = time.perf_counter()
+            batch = processed_pixels(vit_processor, images, normalize=name == "float32")
+            if round_:
+                times.append((time.perf_counter() - start) * 1000)
+            pixel_bytes[name] = batch.numel() * batch.element_size()
+    pixel_ms = {name: statistics.median(times) for name, times in pixel_times.items()}
+    print("\nworker pixels, 64 images 256 -> 224 px (median ms per batch; MiB per batch):")
+    for name, ms in pixel_ms.items():
+        print(f"  {name:<8} {ms:7.1f} ms  {pixel_bytes[name] / 2**20:6.2f} MiB")
+    print(f"  uint8 / float32: {pixel_ms['uint8'] / pixel_ms['float32']:.2f}x the time, "
+          f"{pixel_bytes['uint8'] / pixel_bytes['float32']:.2f}x the bytes")
+
     record = {"bench": "data_loading", "quick": args.quick, "machine": platform.node(), "processor": platform.machine(),
               "cpus": torch.get_num_threads(), "time": time.strftime("%Y-%m-%d %H:%M"),
               "loader_samples_per_s": {name: {"median": median[name], "all": values} for name, values in measured.items()},
               "loader_ratio": ratio,
-              "recipe": {f"workers_{workers}": {"data_wait": wait, "wall_s": wall} for workers, (wait, wall) in waits.items()}}
+              "recipe": {f"workers_{workers}": {"data_wait": wait, "wall_s": wall} for workers, (wait, wall) in waits.items()},
+              "worker_pixels_ms": pixel_ms,
+              "worker_pixels_bytes": pixel_bytes}
     with open(args.results, "a") as results:
         results.write(json.dumps(record) + "\n")
 

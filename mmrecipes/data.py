@@ -26,6 +26,7 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from PIL import Image
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchvision.transforms.v2.functional import normalize as normalize_image
 from transformers.image_processing_backends import TorchvisionBackend
 
 from .models import EMBEDDED
@@ -174,23 +175,26 @@ class ImageTextPreprocessor:
             counts.append(self.drops.keep(problem))
         out = {"pixel_values": [], "input_ids": []} | {name: [] for name in COUNTED}
         if images:
-            out["pixel_values"] = list(processed_pixels(self.image_processor, images))
+            out["pixel_values"] = list(processed_pixels(self.image_processor, images,
+                                                        normalize=device_normalization(self.image_processor) is None))
             out["input_ids"] = self.tokenizer(captions, truncation=True, max_length=self.max_length)["input_ids"]
             for name in COUNTED:
                 out[name] = [row[name] for row in counts]
         return out
 
 
-def processed_pixels(image_processor, images: list[Image.Image]) -> torch.Tensor:
+def processed_pixels(image_processor, images: list[Image.Image], normalize: bool = True) -> torch.Tensor:
     """`image_processor(images)["pixel_values"]` for RGB images, computed a size group at a time.
 
     A processor that runs transformers' standard torchvision pipeline (CLIP, SigLIP, ...) is applied
     as its own resize, center crop and rescale-normalise on one uint8 stack per image size: the same
     operations and output as its __call__, which converts, checks and (on CPU) resizes one image
     at a time, about 4x the time on the embedded images. Any other processor is called as it is.
+    `normalize=False`: the standard pipeline stops before rescale-normalise and returns uint8 pixels
+    (a quarter of float32's bytes through the loader's shared memory, pinning and the copy to the
+    device); `model_inputs` finishes them on the device (`device_normalization`), to the same floats.
     """
-    if not (isinstance(image_processor, TorchvisionBackend) and not image_processor.do_pad
-            and type(image_processor)._preprocess is TorchvisionBackend._preprocess):
+    if not _standard_pipeline_applies(image_processor):
         return image_processor(images=images, return_tensors="pt")["pixel_values"]
     groups = {}
     for index, image in enumerate(images):
@@ -198,19 +202,36 @@ def processed_pixels(image_processor, images: list[Image.Image]) -> torch.Tensor
     pixel_values = [None] * len(images)
     for indices in groups.values():
         stack = torch.from_numpy(numpy.stack([numpy.asarray(images[i]) for i in indices])).permute(0, 3, 1, 2)
-        for index, pixels in zip(indices, _standard_pipeline(image_processor, stack)):
+        for index, pixels in zip(indices, _standard_pipeline(image_processor, stack, normalize)):
             pixel_values[index] = pixels
     return torch.stack(pixel_values)
 
 
-def _standard_pipeline(processor, stack):
+def _standard_pipeline_applies(image_processor) -> bool:
+    return (isinstance(image_processor, TorchvisionBackend) and not image_processor.do_pad
+            and type(image_processor)._preprocess is TorchvisionBackend._preprocess)
+
+
+def _standard_pipeline(processor, stack, normalize: bool):
     """TorchvisionBackend._preprocess's steps on one stack of equally sized uint8 images."""
     if processor.do_resize:
         stack = processor.resize(stack, processor.size, resample=processor.resample)
     if processor.do_center_crop:
         stack = processor.center_crop(stack, processor.crop_size)
+    if not normalize:
+        return stack
     return processor.rescale_and_normalize(stack, processor.do_rescale, processor.rescale_factor,
                                            processor.do_normalize, processor.image_mean, processor.image_std)
+
+
+def device_normalization(image_processor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(mean, std) for finishing uint8 pixels on the device, in the fused form of the processor's
+    own `rescale_and_normalize` (mean / rescale, std / rescale: the same floats to the bit); None
+    when its pixels are finished in the workers (not the standard pipeline, or no rescale-normalise)."""
+    if not (_standard_pipeline_applies(image_processor) and image_processor.do_rescale and image_processor.do_normalize):
+        return None
+    scale = 1.0 / image_processor.rescale_factor
+    return torch.tensor(image_processor.image_mean) * scale, torch.tensor(image_processor.image_std) * scale
 
 
 class DropCounter:
@@ -334,14 +355,16 @@ class ResumableShuffle(torch.utils.data.IterableDataset):
 
 class ImageTextCollator:
     """Rows -> {pixel_values, input_ids, attention_mask, data_counts}; pads captions to the batch
-    max, or to `pad_to_length`."""
+    max, or to `pad_to_length`. uint8 pixels come with the `pixel_mean` and `pixel_std` that
+    `model_inputs` finishes them with (`device_normalization`)."""
 
-    def __init__(self, tokenizer, pad_to_length: int | None = None):
+    def __init__(self, tokenizer, pad_to_length: int | None = None, image_processor=None):
         if tokenizer.pad_token_id is None:
             raise ValueError(f"{type(tokenizer).__name__} has no pad token to pad captions with: set "
                              "tokenizer.pad_token (e.g. to its eos_token) and save it with the model")
         self.pad_token_id, self.padding_side = tokenizer.pad_token_id, tokenizer.padding_side
         self.pad_to_length = pad_to_length
+        self.normalization = device_normalization(image_processor) if image_processor is not None else None
 
     def __call__(self, rows):
         # What tokenizer.pad returns, without its per-row Python (a third of the collate time).
@@ -352,12 +375,15 @@ class ImageTextCollator:
         attention_mask = positions < lengths[:, None]
         input_ids = torch.full(attention_mask.shape, self.pad_token_id)
         input_ids[attention_mask] = torch.tensor([token for row in rows for token in row["input_ids"]])
-        return {
+        batch = {
             "pixel_values": torch.stack([row["pixel_values"] for row in rows]),
             "input_ids": input_ids,
             "attention_mask": attention_mask.long(),
             "data_counts": torch.tensor([sum(row[name] for row in rows) for name in COUNTED]),
         }
+        if batch["pixel_values"].dtype == torch.uint8:
+            batch["pixel_mean"], batch["pixel_std"] = self.normalization
+        return batch
 
 
 def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_processor, *, batch_size, data_rank,
@@ -373,7 +399,7 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_process
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)
-    collator = ImageTextCollator(tokenizer, max_length if pad_to_max_length else None)
+    collator = ImageTextCollator(tokenizer, max_length if pad_to_max_length else None, image_processor)
     return stream_loader(stream, batch_size, collator, args.dataloader_num_workers)
 
 
@@ -460,8 +486,12 @@ def _exit_with(pid: int):
 
 
 def model_inputs(batch, device):
-    """The model's tensors of a collated batch, on `device`."""
-    return {key: batch[key].to(device, non_blocking=True) for key in ("input_ids", "attention_mask", "pixel_values")}
+    """The model's tensors of a collated batch, on `device`; uint8 pixels rescaled and normalised there."""
+    inputs = {key: batch[key].to(device, non_blocking=True) for key in ("input_ids", "attention_mask", "pixel_values")}
+    if "pixel_mean" in batch:
+        mean, std = (batch[key].to(device, non_blocking=True) for key in ("pixel_mean", "pixel_std"))
+        inputs["pixel_values"] = normalize_image(inputs["pixel_values"].to(torch.float32), mean, std, inplace=True)
+    return inputs
 
 
 def batches_forever(dataloader, first_epoch=0, resumed=False):
