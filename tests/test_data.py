@@ -65,7 +65,8 @@ def test_bad_rows_are_converted_or_skipped_and_counted(tmp_path, tiny):
     assert kept == 6  # good one, grayscale, transparent, palette, cmyk, good two
     assert counts == {"converted": 4, "undecodable": 2, "too_large": 2, "no_caption": 2}
     for batch in batches:
-        assert batch["pixel_values"].shape[1:] == (3, 32, 32) and torch.isfinite(batch["pixel_values"]).all()
+        pixels = model_inputs(batch, torch.device("cpu"))["pixel_values"]
+        assert pixels.shape[1:] == (3, 32, 32) and torch.isfinite(pixels).all()
         assert (batch["input_ids"][batch["attention_mask"].bool()] == 0).sum() == len(batch["input_ids"])  # one EOS each
 
 
@@ -81,6 +82,12 @@ def test_batched_pixels_equal_the_image_processor(loss):
               for w, h in sizes]
     expected = image_processor(images=images, return_tensors="pt")["pixel_values"]
     assert torch.equal(processed_pixels(image_processor, images), expected)
+    # What the loader ships: uint8, which model_inputs finishes (on the device) to the same floats.
+    pixels = processed_pixels(image_processor, images, normalize=False)
+    collated = ImageTextCollator(build_contrastive(ModelArgs(loss=loss))[1], image_processor=image_processor)(
+        [{"pixel_values": row, "input_ids": [5, 6]} | dict.fromkeys(COUNTED, 0) for row in pixels])
+    assert collated["pixel_values"].dtype == torch.uint8
+    assert torch.equal(model_inputs(collated, torch.device("cpu"))["pixel_values"], expected)
 
 
 def test_collator_pads_as_the_tokenizer_does(tiny):
