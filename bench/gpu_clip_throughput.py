@@ -62,6 +62,14 @@ def measure(model, batch, *, steps, warmup, compile_model, device):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    seconds = timed_steps(step, steps=steps, warmup=warmup, device=device)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    return steps * len(batch["input_ids"]) / seconds, peak
+
+
+def timed_steps(step, *, steps, warmup, device) -> float:
+    """Seconds of `steps` calls of `step` after `warmup` untimed ones; the device synchronised at
+    both ends, its peak memory counted from the first timed call."""
     for _ in range(warmup):
         step()
     if device.type == "cuda":
@@ -72,9 +80,7 @@ def measure(model, batch, *, steps, warmup, compile_model, device):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    return steps * len(batch["input_ids"]) / seconds, peak
+    return time.perf_counter() - start
 
 
 def main():

@@ -50,7 +50,7 @@ import torch
 from PIL import Image, ImageDraw
 from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
 
-from gpu_clip_throughput import TOY, VIT_B_16, build, measure
+from gpu_clip_throughput import TOY, VIT_B_16, build, measure, timed_steps
 from mmrecipes.chat_data import ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
 from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.models import TINY_TOKENIZER
@@ -165,16 +165,7 @@ def vlm_compute_only(directory: Path, batch_size: int, max_length: int, steps: i
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(2):
-        train_step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        train_step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return steps * tokens / (time.perf_counter() - start)
+    return steps * tokens / timed_steps(train_step, steps=steps, warmup=2, device=device)
 
 
 def clip_mode(args, scratch: Path, toy: bool, device) -> dict:
