@@ -1,23 +1,23 @@
 """What would stall a GPU, checked on CPU: host reads in the training step (each a device
 synchronisation on a GPU) and torch.compile recompiling after warm-up. tests/recipe_counting_steps.py
-records both per optimizer step; each run is one process of the CLIP recipe."""
+records both per optimizer step; each run is one process of a recipe."""
 
 import json
 
 import torch
 
 import recipe_counting_steps
-from launch import REPO, run_recipe
+from launch import RECIPE, REPO, VLM_RECIPE, run_recipe
 from mmrecipes.models import ModelArgs, build_contrastive, text_attention_mask
 
 COUNTING = REPO / "tests" / "recipe_counting_steps.py"
 
 
-def step_counts(tmp_path, *recipe_args, reads: bool, backend: str = "") -> list[dict]:
+def step_counts(tmp_path, *recipe_args, reads: bool, backend: str = "", recipe=RECIPE) -> list[dict]:
     counts = tmp_path / "counts.json"
     result = run_recipe(*recipe_args, "--output_dir", tmp_path / "run", recipe=COUNTING,
                         env={"STEP_COUNTS": str(counts), "STEP_COUNTS_READS": "1" if reads else "0",
-                             "STEP_COUNTS_BACKEND": backend})
+                             "STEP_COUNTS_BACKEND": backend, "STEP_COUNTS_RECIPE": str(recipe)})
     assert result.returncode == 0, result.log[-3000:]
     return json.loads(counts.read_text())
 
@@ -63,3 +63,13 @@ def test_clip_compiles_nothing_after_warm_up(tmp_path):
     graphs = {entry["step"]: entry["graphs"] for entry in steps}
     assert graphs[1] > 0  # it compiled
     assert len(set(graphs[step] for step in range(6, 21))) == 1, graphs
+
+
+def test_vlm_compiles_nothing_after_warm_up(tmp_path):
+    """The same for vlm_finetune.py: conversations of every length, with and without images, and
+    answer evaluations after steps 20 and 40 compile nothing after the first evaluation (step 10)."""
+    steps = step_counts(tmp_path, "--max_steps", 40, "--logging_steps", 10, "--eval_steps", 10, "--torch_compile", "true",
+                        reads=False, backend="aot_eager", recipe=VLM_RECIPE)
+    graphs = {entry["step"]: entry["graphs"] for entry in steps}
+    assert graphs[1] > 0
+    assert len(set(graphs[step] for step in range(11, 41))) == 1, graphs
