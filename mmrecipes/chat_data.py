@@ -26,13 +26,14 @@ from PIL import Image
 from .chat_labels import TemplateError
 from .data import (DropCounter, ResumableShuffle, decode_image, expand_data_files, stream_loader,
                    split_by_data_rank)
-from .losses import IGNORE_INDEX
+from .losses import IGNORE_INDEX, count_target_tokens
 from .packing import TokenBudgetBatches
 from .models import EMBEDDED
 
 VLM_SHAPES = EMBEDDED / "vlm_shapes"
 CHAT_COUNTED = ("converted", "undecodable", "too_large", "image_mismatch", "too_long", "no_target")
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
+HOST_COUNTS = ("num_samples", "target_tokens", "data_counts")  # what the collator counted: for the loop, not the model
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 
 
@@ -192,6 +193,7 @@ class DummyImageCollator:
         if not with_images:
             batch |= self.dummy_inputs
         batch["num_samples"] = len(rows)
+        batch["target_tokens"] = count_target_tokens(batch["labels"])  # read here, on the host, not in the loop
         batch["data_counts"] = torch.tensor([sum(row[name] for row in rows) for name in CHAT_COUNTED])
         return batch
 
@@ -232,7 +234,7 @@ def probe_rows(labeller) -> list[dict]:
 def chat_model_inputs(batch: dict, device) -> dict:
     """A collated batch's model inputs on `device` (the dummy_image flag stays a Python bool)."""
     return {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-            for key, value in batch.items() if key not in ("data_counts", "num_samples")}
+            for key, value in batch.items() if key not in HOST_COUNTS}
 
 
 def _as_tensor(value):

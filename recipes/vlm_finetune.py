@@ -41,7 +41,7 @@ from mmrecipes.distributed import (DivergenceGuard, data_parallel_rank_and_world
                                    reconcile_deepspeed_config, sum_over_ranks)
 from mmrecipes.evaluation import evaluate_answers
 from mmrecipes.lora import LoraArgs, add_lora, describe_trainable
-from mmrecipes.losses import count_target_tokens, token_loss_scale
+from mmrecipes.losses import token_loss_scale
 from mmrecipes.model_card import History, write_model_card
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import DataWait, peak_flops, vlm_train_flops
@@ -172,7 +172,7 @@ def main(argv=None):
     history, seen = History(), torch.zeros(2, dtype=torch.float64)  # model card: curves; samples, tokens seen
     for step in progress:
         window = [data_wait.next(train_batches)[1] for _ in range(args.gradient_accumulation_steps)]
-        targets = [count_target_tokens(batch["labels"]) if batch is not None else 0 for batch in window]
+        targets = [batch["target_tokens"] if batch is not None else 0 for batch in window]  # counted by the collator
         # One collective per optimizer step: the window's target tokens N on all ranks, and whether
         # any rank ran out of data (then every rank stops here with the same error, not a hang).
         # Every epoch reads the same rows, so that is read on the host at the first step only.

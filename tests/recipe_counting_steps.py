@@ -4,8 +4,9 @@ took so far (tests/test_step_costs.py).
     STEP_COUNTS=counts.json python tests/recipe_counting_steps.py [recipe args]
 
 Environment:
-  STEP_COUNTS         where to write [{"step": N, "host_reads": R, "graphs": G}, ...], one entry per
-                      optimizer step, taken right after the step's StepGuard verdict
+  STEP_COUNTS         where to write [{"step": N, "host_reads": R, "transformers_reads": T, "graphs": G},
+                      ...], one entry per optimizer step, taken right after its StepGuard verdict;
+                      transformers_reads: the reads made inside transformers' code (of R)
   STEP_COUNTS_RECIPE  the recipe to run (default recipes/clip_pretrain.py)
   STEP_COUNTS_READS   1: count host reads, the operations that need a tensor's value in Python
                       (`aten._local_scalar_dense`: item, float, int, bool; `nonzero` and the other
@@ -38,21 +39,31 @@ REPO = Path(__file__).resolve().parents[1]
 VALUE_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
                torch.ops.aten.masked_select.default, torch.ops.aten.unique_consecutive.default,
                torch.ops.aten._unique2.default}
+TORCH = str(Path(torch.__file__).parent)
 steps = []
-host_reads = 0
+host_reads = transformers_reads = 0
+
+
+def count_read():
+    """One host read, attributed to the first caller outside torch and this file."""
+    global host_reads, transformers_reads
+    host_reads += 1
+    frame = sys._getframe(2)
+    while frame.f_code.co_filename.startswith(TORCH) or frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    transformers_reads += f"{os.sep}transformers{os.sep}" in frame.f_code.co_filename
 
 
 class CountHostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        global host_reads
-        host_reads += func in VALUE_READS
+        if func in VALUE_READS:
+            count_read()
         return func(*args, **(kwargs or {}))
 
 
 def counting(method):  # tolist and numpy read a CPU tensor's memory without dispatching an op
     def read(self, *args, **kwargs):
-        global host_reads
-        host_reads += 1
+        count_read()
         return method(self, *args, **kwargs)
     return read
 
@@ -62,7 +73,8 @@ step_is_finite = StepGuard.step_is_finite
 
 def recording_step_is_finite(self, losses, grad_norm, step):
     result = step_is_finite(self, losses, grad_norm, step)
-    steps.append({"step": step, "host_reads": host_reads, "graphs": counters["stats"]["unique_graphs"]})
+    steps.append({"step": step, "host_reads": host_reads, "transformers_reads": transformers_reads,
+                  "graphs": counters["stats"]["unique_graphs"]})
     return result
 
 

@@ -52,6 +52,22 @@ def test_clip_step_reads_only_the_previous_steps_verdict(tmp_path):
     assert len(quiet) == 8 and set(quiet.values()) == {1}, reads
 
 
+def test_vlm_step_reads_the_verdict_and_only_transformers_reads_more(tmp_path):
+    """The VLM loop itself reads only the previous step's verdict (the collator counts the target
+    tokens, on the host). transformers still reads in every forward of the tiny Llava: its image
+    placeholder check (image tokens against the features' size) and its causal-mask check (is
+    anything padded?), two reads each; a text-only micro-batch skips the first."""
+    steps = step_counts(tmp_path, "--max_steps", 12, "--logging_steps", 5, "--eval_steps", 100,
+                        "--dataloader_num_workers", 1, "--fused_adamw", "true", reads=True, recipe=VLM_RECIPE)
+    quiet = [(entry, previous) for previous, entry in zip(steps, steps[1:])
+             if (entry["step"] - 1) % 5 and entry["step"] > 2]
+    ours = {entry["step"]: (entry["host_reads"] - entry["transformers_reads"])
+            - (previous["host_reads"] - previous["transformers_reads"]) for entry, previous in quiet}
+    theirs = {entry["step"]: entry["transformers_reads"] - previous["transformers_reads"] for entry, previous in quiet}
+    assert len(ours) == 8 and set(ours.values()) == {1}, ours
+    assert set(theirs.values()) <= {2, 4}, theirs
+
+
 def test_clip_compiles_nothing_after_warm_up(tmp_path):
     """--torch_compile on captions of every length the embedded data has, across an epoch end (a
     short last batch at step 16) and evaluations after steps 10 and 15 (retrieval and zero-shot: no
