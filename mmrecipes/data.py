@@ -358,13 +358,13 @@ class ImageTextCollator:
     max, or to `pad_to_length`. uint8 pixels come with the `pixel_mean` and `pixel_std` that
     `model_inputs` finishes them with (`device_normalization`)."""
 
-    def __init__(self, tokenizer, pad_to_length: int | None = None, image_processor=None):
+    def __init__(self, tokenizer, image_processor, pad_to_length: int | None = None):
         if tokenizer.pad_token_id is None:
             raise ValueError(f"{type(tokenizer).__name__} has no pad token to pad captions with: set "
                              "tokenizer.pad_token (e.g. to its eos_token) and save it with the model")
         self.pad_token_id, self.padding_side = tokenizer.pad_token_id, tokenizer.padding_side
         self.pad_to_length = pad_to_length
-        self.normalization = device_normalization(image_processor) if image_processor is not None else None
+        self.normalization = device_normalization(image_processor)
 
     def __call__(self, rows):
         # What tokenizer.pad returns, without its per-row Python (a third of the collate time).
@@ -382,6 +382,9 @@ class ImageTextCollator:
             "data_counts": torch.tensor([sum(row[name] for row in rows) for name in COUNTED]),
         }
         if batch["pixel_values"].dtype == torch.uint8:
+            if self.normalization is None:
+                raise ValueError("uint8 pixel values, but the image processor does not rescale and normalise them in "
+                                 "its standard pipeline: preprocess with processed_pixels(..., normalize=True)")
             batch["pixel_mean"], batch["pixel_std"] = self.normalization
         return batch
 
@@ -399,7 +402,7 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_process
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)
-    collator = ImageTextCollator(tokenizer, max_length if pad_to_max_length else None, image_processor)
+    collator = ImageTextCollator(tokenizer, image_processor, max_length if pad_to_max_length else None)
     return stream_loader(stream, batch_size, collator, args.dataloader_num_workers)
 
 

@@ -84,20 +84,20 @@ def test_batched_pixels_equal_the_image_processor(loss):
     assert torch.equal(processed_pixels(image_processor, images), expected)
     # What the loader ships: uint8, which model_inputs finishes (on the device) to the same floats.
     pixels = processed_pixels(image_processor, images, normalize=False)
-    collated = ImageTextCollator(build_contrastive(ModelArgs(loss=loss))[1], image_processor=image_processor)(
+    collated = ImageTextCollator(build_contrastive(ModelArgs(loss=loss))[1], image_processor)(
         [{"pixel_values": row, "input_ids": [5, 6]} | dict.fromkeys(COUNTED, 0) for row in pixels])
     assert collated["pixel_values"].dtype == torch.uint8
     assert torch.equal(model_inputs(collated, torch.device("cpu"))["pixel_values"], expected)
 
 
 def test_collator_pads_as_the_tokenizer_does(tiny):
-    tokenizer, _ = tiny
+    tokenizer, image_processor = tiny
     ids = tokenizer(["a red circle", "a small blue square above a large green star", "x"])["input_ids"]
     rows = [{"input_ids": row, "pixel_values": torch.zeros(3, 2, 2)} | dict.fromkeys(COUNTED, 0) for row in ids]
     for side in ("right", "left"):
         tokenizer.padding_side = side
         for length in (None, 32):
-            batch = ImageTextCollator(tokenizer, pad_to_length=length)(rows)
+            batch = ImageTextCollator(tokenizer, image_processor, pad_to_length=length)(rows)
             expected = tokenizer.pad({"input_ids": ids}, padding="max_length" if length else True, max_length=length,
                                      return_tensors="pt")
             assert torch.equal(batch["input_ids"], expected["input_ids"])
@@ -106,7 +106,7 @@ def test_collator_pads_as_the_tokenizer_does(tiny):
     pad_token = tokenizer.pad_token
     tokenizer.pad_token = None
     with pytest.raises(ValueError, match="has no pad token"):
-        ImageTextCollator(tokenizer)
+        ImageTextCollator(tokenizer, image_processor)
     tokenizer.pad_token = pad_token
 
 

@@ -10,7 +10,7 @@ import torch
 from transformers import SiglipModel, pipeline
 
 from launch import REPO, accelerate_launch, engine_line, load_recipe, losses, run_recipe
-from mmrecipes.data import DataArgs, ImageTextCollator, ImageTextPreprocessor
+from mmrecipes.data import DataArgs, ImageTextCollator, ImageTextPreprocessor, model_inputs
 from mmrecipes.models import ModelArgs, build_contrastive
 
 pytestmark = pytest.mark.launch
@@ -131,10 +131,11 @@ def test_pipeline_scores_what_training_computed(default_run):
     captions = [row["text"], "a large green star", "a small blue circle left of a large red square"]
     preprocess = ImageTextPreprocessor(DataArgs(), tokenizer, image_processor, max_length=64)
     out = preprocess({"image": [row["image"]] * 3, "text": captions})
-    batch = ImageTextCollator(tokenizer, pad_to_length=64)([dict(zip(out, values)) for values in zip(*out.values())])
+    batch = ImageTextCollator(tokenizer, image_processor, pad_to_length=64)(
+        [dict(zip(out, values)) for values in zip(*out.values())])
     assert batch["input_ids"].shape == (3, 64)
     with torch.no_grad():
-        image_embeds, text_embeds, scale, bias = model(batch["input_ids"], batch["attention_mask"], batch["pixel_values"])
+        image_embeds, text_embeds, scale, bias = model(**model_inputs(batch, torch.device("cpu")))
     expected = torch.sigmoid(scale * image_embeds[0] @ text_embeds.T + bias)
     classify = pipeline("zero-shot-image-classification", model=str(output_dir))
     scores = classify(row["image"], candidate_labels=captions, hypothesis_template="{}")  # the caption as is
