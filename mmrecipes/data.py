@@ -159,6 +159,8 @@ class ImageTextPreprocessor:
         self.args, self.tokenizer, self.image_processor = args, tokenizer, image_processor
         self.max_length = max_length
         self.drops = DropCounter()
+        # uint8 pixels when the device can finish them (ImageTextCollator, model_inputs)
+        self.normalize_here = device_normalization(image_processor) is None
 
     def __call__(self, batch):
         images, captions, counts = [], [], []
@@ -175,8 +177,7 @@ class ImageTextPreprocessor:
             counts.append(self.drops.keep(problem))
         out = {"pixel_values": [], "input_ids": []} | {name: [] for name in COUNTED}
         if images:
-            out["pixel_values"] = list(processed_pixels(self.image_processor, images,
-                                                        normalize=device_normalization(self.image_processor) is None))
+            out["pixel_values"] = list(processed_pixels(self.image_processor, images, normalize=self.normalize_here))
             out["input_ids"] = self.tokenizer(captions, truncation=True, max_length=self.max_length)["input_ids"]
             for name in COUNTED:
                 out[name] = [row[name] for row in counts]
