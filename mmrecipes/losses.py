@@ -210,10 +210,13 @@ def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: 
 
 
 def _chunk_cross_entropy_sum(hidden, targets, head, softcap):
-    logits = head(hidden).float()
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
+    logits = soft_capped(head(hidden).float(), softcap)
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma-style final logit soft-capping, `tanh(logits / cap) * cap`; the logits as they are for None."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
 def count_target_tokens(labels: torch.Tensor) -> int:

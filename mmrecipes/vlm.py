@@ -42,7 +42,7 @@ from transformers import (AutoModelForImageTextToText, AutoProcessor, AutoTokeni
 from .chat_data import DummyImageCollator, chat_model_inputs, probe_rows
 from .distributed import fsdp_block_classes
 from .lora import save_lora
-from .losses import head_cross_entropy_sum, token_cross_entropy_sum
+from .losses import head_cross_entropy_sum, soft_capped, token_cross_entropy_sum
 from .packing import packed_position_ids
 from .models import EMBEDDED
 from .vlm_families import ModuleGroups, check_trainable, lm_features
@@ -106,9 +106,7 @@ class VLMForTraining(torch.nn.Module):
                                        **other_inputs)[0]
         head, logits = self.model.get_output_embeddings(), None
         if return_logits:
-            logits = head(hidden)
-            if self.softcap is not None:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
+            logits = soft_capped(head(hidden), self.softcap)
             loss_sum = token_cross_entropy_sum(logits, labels)
         else:
             loss_sum = head_cross_entropy_sum(hidden, head, labels, softcap=self.softcap)
