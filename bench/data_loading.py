@@ -34,7 +34,8 @@ import torch
 from torchvision import transforms
 from transformers import CLIPImageProcessor
 
-from mmrecipes.data import SHAPES_DATA, DataArgs, build_dataloader, decode_image, processed_pixels
+from mmrecipes.data import SHAPES_DATA, DataArgs, build_dataloader
+from mmrecipes.images import decode_image, processed_pixels
 from mmrecipes.models import ModelArgs, build_contrastive
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import datasets
 
-from mmrecipes.data import decode_image
+from mmrecipes.images import decode_image
 from mmrecipes.models import EMBEDDED
 
 

@@ -16,6 +16,7 @@ through image tokens: a row longer than `max_length` is skipped and counted, as 
 missing or undecodable image and rows whose image placeholders do not match their images.
 """
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -24,21 +25,34 @@ import torch
 from PIL import Image
 
 from .chat_labels import TemplateError
-from .data import (DropCounter, ResumableShuffle, decode_image, expand_data_files, stream_loader,
-                   split_by_data_rank)
+from .config import CheckedArgs
+from .images import decode_image
+from .loader import DropCounter, ResumableShuffle, stream_loader
 from .losses import IGNORE_INDEX, count_target_tokens
-from .packing import TokenBudgetBatches
 from .models import EMBEDDED
+from .packing import TokenBudgetBatches
+from .sources import PROBLEM, load_stream
+
+logger = logging.getLogger(__name__)
 
 VLM_SHAPES = EMBEDDED / "vlm_shapes"
-CHAT_COUNTED = ("converted", "undecodable", "too_large", "image_mismatch", "too_long", "no_target")
+# What the log reports: images converted to RGB, and rows skipped because an image does not decode (or is not
+# a regular file), is too large or too elongated, or lies outside --image_folder; the image placeholders do
+# not match the images; the row is over max_length or has no answer token; its text is not UTF-8; it is not
+# a well-formed conversation (or the chat template refuses it); or its file is empty, unreadable or truncated.
+CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "image_mismatch", "too_long", "no_target",
+                "bad_text", "bad_row", "bad_shard")
+CHAT_COLUMNS = ["messages", "images", "conversations", "image"]
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
 HOST_COUNTS = ("num_samples", "target_tokens", "data_counts")  # what the collator counted: for the loop, not the model
-LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 
 
 @dataclass
-class ChatDataArgs:
+class ChatDataArgs(CheckedArgs):
+    CHECKS = {"max_length": "count", "max_tokens_per_batch": "count_or_none", "max_image_pixels": "count",
+              "max_image_aspect_ratio": "positive", "shuffle_buffer_size": "count",
+              "dataloader_num_workers": "count_or_zero_or_none"}
     # Comma-separated sources (hub ids, local dataset dirs, or one builder name with --data_files)
     dataset_name: str = f"{VLM_SHAPES / 'image_chat'},{VLM_SHAPES / 'text_chat'}"
     # Sampling probabilities of the sources (datasets.interleave_datasets); None: equal
@@ -50,37 +64,72 @@ class ChatDataArgs:
     eval_data_files: str | None = None
     eval_split: str = "test"
     image_folder: str | None = None  # LLaVA format: image paths are relative to it
+    # LLaVA paths that resolve outside --image_folder ('../', absolute, symlinks) are skipped and counted
+    # (outside_folder) unless this is true
+    allow_images_outside_folder: bool = False
     max_length: int = 256  # longer rows are skipped and counted, never truncated
     # Micro-batches of whole rows up to this many tokens (image tokens included) instead of a fixed row
     # count; ranks then carry different row counts (mmrecipes.packing). Rows over it count as too_long.
     max_tokens_per_batch: int | None = None
     packing: bool = False  # rows packed into sequences of up to max_length tokens, each sample attending only to itself
     max_image_pixels: int = 50_000_000
+    max_image_aspect_ratio: float = 50.0  # as for CLIP (mmrecipes.data.DataArgs)
     shuffle_buffer_size: int = 1000
     # None: mmrecipes.data.default_num_workers, which on a CPU gives 1 here: per-row chat templates cost
     # more than the step, and one worker overlaps them (measured: 150 -> 210 samples/s on 2 cores).
     dataloader_num_workers: int | None = None
 
+    def training_sources(self) -> list[tuple]:
+        """(name, config, split, data_files) of each training source."""
+        names = [name.strip() for name in self.dataset_name.split(",")]
+        if self.data_files and len(names) > 1:
+            raise ValueError("--data_files goes with a single --dataset_name source (a builder such as json or parquet)")
+        return [(name, self.dataset_config_name, self.train_split, self.data_files) for name in names]
+
+
+class BadRow(ValueError):
+    """A row that is not a well-formed conversation."""
+
 
 def to_chat(row, image_folder=None):
-    """(messages, raw images) of a chat-format or LLaVA-format row."""
+    """(messages, raw images) of a chat-format or LLaVA-format row; raises BadRow for anything else."""
     if row.get("messages") is not None:
-        messages = [{"role": message["role"], "content": _content_parts(message["content"])}
+        if not isinstance(row["messages"], list) or not isinstance(row.get("images") or [], list):
+            raise BadRow("messages and images must be lists")
+        messages = [{"role": _field(message, "role"), "content": _content_parts(_field(message, "content", list))}
                     for message in row["messages"]]
         return messages, list(row.get("images") or [])
-    messages = [{"role": LLAVA_ROLES[turn["from"]], "content": _content_parts(turn["value"])}
-                for turn in row["conversations"]]
+    if not isinstance(row.get("conversations"), list) or not row["conversations"]:
+        raise BadRow("no messages and no conversations")
+    messages = []
+    for turn in row["conversations"]:
+        if _field(turn, "from") not in LLAVA_ROLES:
+            raise BadRow(f"unknown speaker {turn['from']!r}")
+        messages.append({"role": LLAVA_ROLES[turn["from"]], "content": _content_parts(_field(turn, "value"))})
     paths = row.get("image") or []
     paths = [paths] if isinstance(paths, str) else paths
+    if not isinstance(paths, list) or not all(isinstance(path, str) for path in paths):
+        raise BadRow(f"image must be a path or a list of paths, not {paths!r}")
     return messages, [os.path.join(image_folder or "", path) for path in paths]
+
+
+def _field(item, key, kind=str):
+    """`item[key]`, which must be a `kind` (a string unless told; a string always passes for content)."""
+    value = item.get(key) if isinstance(item, dict) else None
+    if not isinstance(value, (kind, str)):
+        raise BadRow(f"{key} is {type(value).__name__}, not {kind.__name__}")
+    return value
 
 
 def _content_parts(content):
     """Content parts; a string's `<image>` placeholders become image parts (LLaVA's convention).
     An image part carries no text key: some templates test `'text' in part` before the part's type."""
     if not isinstance(content, str):
-        return [{"type": "image"} if part["type"] == "image" else {"type": part["type"], "text": part.get("text")}
-                for part in content]
+        parts = [{"type": "image"} if _field(part, "type") == "image" else {"type": part["type"], "text": part.get("text")}
+                 for part in content]
+        if any(part["type"] == "text" and not isinstance(part["text"], str) for part in parts):
+            raise BadRow("a text part without text")
+        return parts
     parts = []
     for index, text in enumerate(content.split("<image>")):
         if index:
@@ -97,11 +146,13 @@ class ChatPreprocessor:
     def __init__(self, args: ChatDataArgs, labeller, max_length: int):
         self.args, self.labeller, self.max_length = args, labeller, max_length
         self.drops = DropCounter()
+        self.folder = os.path.realpath(args.image_folder) if args.image_folder else None
+        self.logged = set()  # the kinds of unexpected failure already logged (once each)
 
     def __call__(self, batch):
         out = {"input_ids": [], "labels": [], "image_inputs": []} | {name: [] for name in CHAT_COUNTED}
         for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
-            example = self.tokenize(*to_chat(row, self.args.image_folder))
+            example = row.get(PROBLEM) or self.example(row)
             if isinstance(example, str):
                 self.drops.drop(example)
                 continue
@@ -113,6 +164,17 @@ class ChatPreprocessor:
                 out[name].append(counts[name])
         return out
 
+    def example(self, row):
+        """`tokenize`'s answer for a raw row; any failure is a counted "bad_row", never a crash (logged once per
+        kind: a chat template that refuses a row raises its own errors, and so would a bug)."""
+        try:
+            return self.tokenize(*to_chat(row, self.args.image_folder))
+        except Exception as error:
+            if not isinstance(error, BadRow) and type(error) not in self.logged:
+                self.logged.add(type(error))
+                logger.warning("skipping a row (counted as bad_row): %s: %s", type(error).__name__, error)
+            return "bad_row"
+
     def tokenize(self, messages, raw_images):
         """((input_ids, labels, image_inputs), note) or the reason the row is dropped."""
         placeholders = sum(part["type"] == "image" for message in messages for part in message["content"])
@@ -120,7 +182,10 @@ class ChatPreprocessor:
             return "image_mismatch"
         images, note = [], None
         for raw_image in raw_images:
-            image, problem = decode_image(raw_image, self.args.max_image_pixels)
+            if isinstance(raw_image, str) and self.folder and not self.args.allow_images_outside_folder:
+                if os.path.commonpath([self.folder, os.path.realpath(raw_image)]) != self.folder:
+                    return "outside_folder"
+            image, problem = decode_image(raw_image, self.args.max_image_pixels, self.args.max_image_aspect_ratio)
             if image is None:
                 return problem
             images.append(image)
@@ -260,23 +325,6 @@ def _pad(sequences, length, value):
     return torch.stack([torch.nn.functional.pad(seq, (0, length - len(seq)), value=value) for seq in sequences])
 
 
-def load_chat_stream(args: ChatDataArgs, name, split, data_files, data_rank, data_world):
-    """(stream, columns): this data rank's share of one source's split, images left undecoded."""
-    data_files = expand_data_files(data_files)
-    stream = datasets.load_dataset(name, args.dataset_config_name, data_files={split: data_files} if data_files else None,
-                                   split=split, streaming=True)
-    # A streamed JSON source knows its columns only once read: peek at the first row.
-    columns = stream.column_names or list(next(iter(stream.take(1)), {}))
-    if columns and not set(columns) & {"messages", "conversations"}:
-        raise ValueError(f"{name} has columns {sorted(columns)}: a chat source needs 'messages' (+ 'images') or "
-                         "LLaVA's 'conversations' (+ 'image' paths under --image_folder)")
-    stream = split_by_data_rank(stream, name, data_rank, data_world)
-    features = stream.features or {}
-    if isinstance(features.get("images"), datasets.List) and isinstance(features["images"].feature, datasets.Image):
-        stream = stream.cast_column("images", datasets.List(datasets.Image(decode=False)))  # decoded by us, counted
-    return stream, columns
-
-
 def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size, data_rank, data_world,
                           shuffle_seed=None, eval_split=False):
     """A DataLoader over this data rank's rows: the training mixture, or (eval_split) the held-out set.
@@ -288,19 +336,19 @@ def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size,
     if eval_split:
         sources = [(args.eval_dataset_name, args.eval_split, args.eval_data_files)]
     else:
-        names = [name.strip() for name in args.dataset_name.split(",")]
-        if args.data_files and len(names) > 1:
-            raise ValueError("--data_files goes with a single --dataset_name source (a builder such as json or parquet)")
-        sources = [(name, args.train_split, args.data_files) for name in names]
+        sources = [(name, split, data_files) for name, _, split, data_files in args.training_sources()]
     weights = [float(w) for w in args.dataset_weights.split(",")] if args.dataset_weights else [1.0] * len(sources)
     if len(sources) > 1 and (len(weights) != len(sources) or min(weights) < 0 or sum(weights) <= 0):
         raise ValueError(f"--dataset_weights {args.dataset_weights!r}: give one non-negative weight per "
                          f"--dataset_name source ({len(sources)})")
-    streams, columns = [], []
+    streams = []
     for name, split, data_files in sources:
-        stream, source_columns = load_chat_stream(args, name, split, data_files, data_rank, data_world)
+        stream, available = load_stream(name, args.dataset_config_name, split, data_files, CHAT_COLUMNS,
+                                        data_rank=data_rank, data_world=data_world)
+        if available is not None and not set(available) & {"messages", "conversations"}:
+            raise ValueError(f"{name} has columns {available}: a chat source needs 'messages' (+ 'images') or "
+                             "LLaVA's 'conversations' (+ 'image' paths under --image_folder)")
         streams.append(stream)
-        columns += [column for column in source_columns if column not in columns]
     stream = streams[0]
     if len(streams) > 1:  # columns a source lacks are filled with None (so formats may differ)
         stream = datasets.interleave_datasets(streams, probabilities=[w / sum(weights) for w in weights],
@@ -308,7 +356,7 @@ def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size,
     budget = args.max_tokens_per_batch if shuffle_seed is not None else None  # evaluation keeps fixed batches
     preprocess = ChatPreprocessor(args, labeller, min(args.max_length, budget or args.max_length))
     if shuffle_seed is None:
-        stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=columns)
+        stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=[*CHAT_COLUMNS, PROBLEM])
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)

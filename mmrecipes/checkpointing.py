@@ -1,124 +1,85 @@
 """Checkpoints a killed job cannot corrupt, kept to a limit, and a resume that finds the right one.
 
 Every rank writes into `checkpoints/.partial-checkpoint-N`. After a barrier (all ranks done) the
-main process writes the completeness marker `checkpoint.json` and renames the directory to
-`checkpoint-N` in one step. `--resume_from_checkpoint latest` only picks directories with the
-marker, so a job killed inside a save resumes from the previous complete checkpoint; leftover
-partial directories are removed at the next start. Checkpoints and the resuming run must live
-on a filesystem every rank sees (as for `accelerator.save_state`).
+ranks hash the files, and the main process writes the completeness marker `checkpoint.json` (the
+step, the run's data layout and model, and the manifest: every file with its size and SHA-256)
+and renames the directory to `checkpoint-N` in one step. Leftover partial directories are removed
+at the next start; the run first takes `output_dir`'s lock (mmrecipes.output_dir), so they can
+never be another live run's save in progress. Checkpoints and the resuming run must live on a
+filesystem every rank sees (as for `accelerator.save_state`).
 
 Each process also saves where its training stream stands (`data_state_<process>.json`: the epoch
 and the `StatefulDataLoader`'s state, which holds each DataLoader worker's position in its shards
-and which worker comes next), so a resume costs the same at step 10 and at step 100k, with any
-number of workers. The order of the rows depends on the number of workers (each reads its own
-shards), so a resume with another number is refused before the first step.
+and which worker comes next), so a resume costs the same at step 10 and at step 100k.
 
-A resume builds nothing but tensors and plain data: the scheduler's state is JSON, and before any
-file is loaded every pickle in the checkpoint (accelerate's RNG and optimizer files, DeepSpeed's and
-torch.distributed.checkpoint's) is read with a restricted unpickler (`check_plain_data`). A
-checkpoint whose pickles name any other class or function (code that unpickling would run) is
-refused, so a checkpoint directory from someone else cannot run code at resume.
+Before a resume loads anything, the checkpoint is validated (`problems`): the manifest (a missing,
+truncated, edited or foreign file is named), every pickle (mmrecipes.checkpoint_files: nothing but
+tensors and plain data), the scheduler's state, and the data positions (in range). `latest` takes
+the newest checkpoint that validates and says why it passed over newer ones. The checkpoint must
+also belong to this run: a different model (parameter names and shapes) is refused, and so is a
+different data layout (data ranks, batch, accumulation, DataLoader workers, seed, shuffle block,
+data sources and their files), unless `--ignore_data_skip true` restarts the data from the
+beginning on purpose.
 """
 
 import json
 import os
-import pickle
 import re
 import shutil
-import sys
-import zipfile
-from pathlib import Path, PosixPath
+from pathlib import Path
 
-import torch
-import torch.distributed.checkpoint.metadata as dcp_metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from accelerate.utils.other import TORCH_SAFE_GLOBALS
+from accelerate.utils import gather_object
 
-from .data import batches_forever
+from .checkpoint_files import UnsafeCheckpoint, check_manifest, check_plain_data, checkpoint_files, file_digest
+from .loader import ResumableShuffle, batches_forever
+from .output_dir import OutputDirBusy, OutputDirLock
+from .sources import data_fingerprint
 
 MARKER = "checkpoint.json"
 PARTIAL = ".partial-"
 SCHEDULER = "scheduler.json"
-# What the pickles of a checkpoint may build beyond torch's weights-only allowlist: accelerate's RNG
-# states (numpy arrays) and torch.distributed.checkpoint's metadata (plain dataclasses, the file
-# names of its shards, the checkpoint's path, layouts by name).
-PLAIN_DATA = [*TORCH_SAFE_GLOBALS, _StorageInfo, PosixPath, torch.serialization._get_layout,
-              *(value for value in vars(dcp_metadata).values()
-                if isinstance(value, type) and value.__module__ == dcp_metadata.__name__)]
-
-
-class _PlainDataUnpickler(pickle.Unpickler):
-    """pickle's documented way to restrict globals, for pickles that are not torch.save files."""
-
-    def __init__(self, file, allowed: list):
-        super().__init__(file)
-        self.allowed = {(value.__module__, value.__qualname__): value for value in allowed}
-
-    def find_class(self, module, name):
-        found = getattr(torch, name, None) if module == "torch" else None
-        if isinstance(found, torch.dtype) or found is torch.Size:
-            return found
-        if (module, name) in self.allowed:
-            return self.allowed[module, name]
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-
-def deepspeed_plain_data() -> list:
-    """The plain-data classes in DeepSpeed's checkpoint files (an enum, a named tuple, the loss scale's
-    attributes), when a DeepSpeed engine runs (it imported deepspeed; others need not pay the import)."""
-    if "deepspeed" not in sys.modules:
-        return []
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-    return [LossScaler, ZeroStageEnum, fragment_address]
-
-
-def check_plain_data(checkpoint: Path):
-    """Raise ValueError if a pickle in `checkpoint` would build anything but tensors and plain data."""
-    allowed = PLAIN_DATA + deepspeed_plain_data()
-    for path in sorted(checkpoint.rglob("*")):
-        if not path.is_file() or path.suffix in (".json", ".safetensors", ".distcp"):
-            continue  # .distcp: tensor data, which torch.distributed.checkpoint loads weights-only
-        try:
-            if zipfile.is_zipfile(path):  # torch.save's format
-                with torch.serialization.safe_globals(allowed):
-                    torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            else:
-                with open(path, "rb") as file:
-                    if file.read(1) == pickle.PROTO:
-                        file.seek(0)
-                        _PlainDataUnpickler(file, allowed).load()
-        except pickle.UnpicklingError as error:
-            named = re.search(r"GLOBAL ([\w.]+)", str(error))  # torch's message names the global it refused
-            raise ValueError(f"{path}: unpickling it would call {named[1] if named else error}, which is not tensors "
-                             "or plain data. A resume builds nothing else: resume from a checkpoint these recipes "
-                             "wrote.") from None
+CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 
 
 def step_of(checkpoint: Path) -> int:
-    return int(checkpoint.name.split("-")[-1])
+    return int(CHECKPOINT_NAME.fullmatch(checkpoint.name)[1])
+
+
+def data_layout(data_args, args, *, data_world: int, batch_size: int) -> dict:
+    """What a saved data position depends on: resuming it with anything else would read other rows."""
+    layout = {"data_ranks": data_world, "per_device_train_batch_size": batch_size,
+              "gradient_accumulation_steps": args.gradient_accumulation_steps, "seed": args.seed,
+              "shuffle_buffer_size": data_args.shuffle_buffer_size,
+              "data": data_fingerprint(data_args.training_sources())}
+    for name in ("dataset_weights", "max_tokens_per_batch", "packing"):  # the chat recipe's batching
+        if hasattr(data_args, name):
+            layout[name] = getattr(data_args, name)
+    return layout
+
+
+def model_layout(model) -> dict:
+    """{parameter name: shape, e.g. "64x32"} of the model as the engine holds it (ZeRO-3: the unpartitioned shape)."""
+    return {name: "x".join(map(str, getattr(param, "ds_shape", param.shape))) for name, param in model.named_parameters()}
 
 
 class Checkpointer:
-    """Saves and restores one run's checkpoints under `<output_dir>/checkpoints`.
+    """Saves and restores one run's checkpoints under `<args.output_dir>/checkpoints`.
 
-    `layout` is what the saved data position depends on (data ranks, per-device batch size,
-    accumulation steps, DataLoader workers); a resume with a different layout is refused before any step.
+    `model`: the unwrapped model (its parameter layout is recorded); `layout`: `data_layout(...)`.
     """
 
-    def __init__(self, accelerator, output_dir: str, scheduler, *, total_limit: int | None, data_world: int,
-                 batch_size: int, **data_layout):
+    def __init__(self, accelerator, args, scheduler, model, layout: dict):
         self.accelerator, self.scheduler = accelerator, scheduler
-        self.root = Path(output_dir) / "checkpoints"
-        self.total_limit = total_limit
+        self.root = Path(args.output_dir) / "checkpoints"
+        self.total_limit, self.ignore_data_skip = args.save_total_limit, args.ignore_data_skip
+        self.lock = OutputDirLock(args.output_dir)
         self.train_loader, self.epoch = None, 0  # the training stream and the epoch of its last batch (`resume`)
-        self.layout = {"data_ranks": data_world, "per_device_train_batch_size": batch_size,
-                       "gradient_accumulation_steps": accelerator.gradient_accumulation_steps} | data_layout
+        self.layout, self.model = dict(layout), model_layout(model)
 
     def complete(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
-        return sorted((path for path in self.root.glob("checkpoint-*") if (path / MARKER).is_file()), key=step_of)
+        """Complete checkpoints, oldest first (other names beside them, e.g. a copy 'checkpoint-6-backup', are not)."""
+        return sorted((path for path in self.root.glob("checkpoint-*")
+                       if CHECKPOINT_NAME.fullmatch(path.name) and (path / MARKER).is_file()), key=step_of)
 
     def save(self, step: int) -> Path:
         """Model, optimizer, scheduler and RNG state after `step` optimizer steps (call on every rank)."""
@@ -134,8 +95,11 @@ class Checkpointer:
             data_state = {"epoch": self.epoch, "loader": self.train_loader.state_dict()}
             (partial / f"data_state_{accelerator.process_index}.json").write_text(json.dumps(data_state))
         accelerator.wait_for_everyone()  # every rank's files are written
+        manifest = dict(self._on_every_rank(lambda name: [(name, file_digest(partial / name))],
+                                            checkpoint_files(partial, MARKER)))
         if accelerator.is_main_process:
-            (partial / MARKER).write_text(json.dumps({"step": step, **self.layout}, indent=1))
+            (partial / MARKER).write_text(json.dumps({"step": step, "layout": self.layout, "model": self.model,
+                                                      "files": manifest}, indent=1))
             replaced = self.root / f"{PARTIAL}replaced-checkpoint-{step}"
             if final.exists():  # the same step saved again, e.g. after resuming from an older checkpoint
                 os.rename(final, replaced)
@@ -149,16 +113,25 @@ class Checkpointer:
         accelerator.wait_for_everyone()
         return final
 
-    def find(self, which: str) -> Path | None:
-        """The checkpoint `--resume_from_checkpoint` names: "latest" (None when there is none yet) or a path."""
-        if which == "latest":
-            found = self.complete()
-            return found[-1] if found else None
-        path = Path(which)
-        if not (path / MARKER).is_file():
-            raise FileNotFoundError(f"--resume_from_checkpoint {which}: not a complete checkpoint (no {MARKER}; "
-                                    "a save that was cut short, or not a checkpoint directory)")
-        return path
+    def _on_every_rank(self, work, items: list) -> list:
+        """`work(item)` (a list) for every item, the items shared out over the ranks; every rank gets all results."""
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        mine = [result for item in items[rank::world] for result in work(item)]
+        return gather_object(mine) if world > 1 else mine
+
+    def claim_output_dir(self):
+        """Take the output directory's lock on the main process; every rank raises if it could not."""
+        problem = ""
+        if self.accelerator.is_main_process:
+            try:
+                note = self.lock.acquire()
+                if note:
+                    self.accelerator.print(note)
+            except OutputDirBusy as error:
+                problem = str(error)
+        problem = gather_object([problem])[0] if self.accelerator.num_processes > 1 else problem
+        if problem:
+            raise OutputDirBusy(problem)
 
     def remove_partial(self):
         """Remove what saves cut short left behind (main process; call before the first save)."""
@@ -168,33 +141,119 @@ class Checkpointer:
                 self.accelerator.print(f"removed {leftover}: a checkpoint save that did not finish")
         self.accelerator.wait_for_everyone()
 
+    def find(self, which: str) -> Path | None:
+        """The checkpoint `--resume_from_checkpoint` names, validated: "latest" is the newest complete one that
+        validates (None when there is none yet), or a path. Raises if it does not belong to this run."""
+        if which != "latest":
+            path = Path(which)
+            if not (path / MARKER).is_file():
+                raise FileNotFoundError(f"--resume_from_checkpoint {which}: not a complete checkpoint (no {MARKER}; "
+                                        "a save that was cut short, or not a checkpoint directory)")
+            if problems := self.problems(path):
+                raise UnsafeCheckpoint(f"--resume_from_checkpoint {which} cannot be resumed: {'; '.join(problems)}")
+            return path
+        passed_over = []
+        for path in reversed(self.complete()):
+            if not (problems := self.problems(path)):
+                if passed_over:
+                    self.accelerator.print(f"resuming from {path.name}, the newest checkpoint that validates; passed "
+                                           f"over {' | '.join(passed_over)}")
+                return path
+            passed_over.append(f"{path.name}: {'; '.join(problems)}")
+        if passed_over:
+            raise UnsafeCheckpoint(f"--resume_from_checkpoint latest: no checkpoint under {self.root} validates: "
+                                   + " | ".join(passed_over))
+        return None
+
+    def problems(self, checkpoint: Path) -> list[str]:
+        """Why `checkpoint` cannot be resumed as it is (the same list on every rank); raises ValueError if it
+        belongs to another run (another model, or another data layout without --ignore_data_skip)."""
+        try:
+            saved = json.loads((checkpoint / MARKER).read_text())
+            manifest = saved["files"]
+        except (ValueError, KeyError, TypeError):
+            return [f"{MARKER} has no file manifest (not written by these recipes, or by an older version)"]
+        self._check_belongs(checkpoint, saved)
+        names = sorted(set(manifest) | set(checkpoint_files(checkpoint, MARKER)))
+        problems = self._on_every_rank(lambda name: check_manifest(checkpoint, manifest, [name]), names)
+        if problems:
+            return problems
+        problems = self._on_every_rank(self._plain_data_problems, [checkpoint])
+        problems += self._on_every_rank(self._state_problems, [(checkpoint, saved)])
+        return problems
+
+    def _plain_data_problems(self, checkpoint: Path) -> list[str]:
+        try:
+            check_plain_data(checkpoint)
+        except UnsafeCheckpoint as error:
+            return [str(error)]
+        return []
+
+    def _state_problems(self, item) -> list[str]:
+        """The scheduler's state and every rank's data position, against what this run can load."""
+        checkpoint, saved = item
+        problems = []
+        scheduler_state = json.loads((checkpoint / SCHEDULER).read_text())
+        expected = self.scheduler.state_dict()
+        if not isinstance(scheduler_state, dict) or set(scheduler_state) != set(expected):
+            problems.append(f"{SCHEDULER} holds {sorted(scheduler_state) if isinstance(scheduler_state, dict) else '?'}"
+                            f", not the scheduler's state {sorted(expected)}")
+        if self.ignore_data_skip:
+            return problems
+        max_epoch = saved["step"] * saved["layout"]["gradient_accumulation_steps"]  # every epoch gives a batch
+        for process in range(saved["layout"]["data_ranks"]):
+            name = f"data_state_{process}.json"
+            try:
+                state = json.loads((checkpoint / name).read_text())
+                if not (isinstance(state["epoch"], int) and 0 <= state["epoch"] <= max_epoch):
+                    raise ValueError(f"epoch {state['epoch']!r} is not an epoch {saved['step']} steps can reach")
+                for position in _positions(state["loader"]):
+                    ResumableShuffle.check_position(position, block_size=saved["layout"]["shuffle_buffer_size"],
+                                                    batch_size=saved["layout"]["per_device_train_batch_size"],
+                                                    max_epoch=max_epoch)
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                problems.append(f"{name}: {error}")
+        return problems
+
+    def _check_belongs(self, checkpoint: Path, saved: dict):
+        model = saved.get("model", {})
+        if model != self.model:
+            differ = [f"{name} {model.get(name, 'absent')} there, {self.model.get(name, 'absent')} here"
+                      for name in sorted(set(model) | set(self.model)) if model.get(name) != self.model.get(name)]
+            raise ValueError(f"{checkpoint} holds another model: {len(differ)} parameters differ, e.g. "
+                             f"{'; '.join(differ[:3])}. Resume with the --model_name_or_path / model flags it was "
+                             "saved with (to start another model from these weights, load its saved model instead).")
+        layout = saved.get("layout", {})
+        changed = [(key, layout.get(key), value) for key, value in self.layout.items() if layout.get(key) != value]
+        if changed and not self.ignore_data_skip:
+            raise ValueError(f"{checkpoint} was saved with {', '.join(f'{k}={old}' for k, old, _ in changed)}; this "
+                             f"run has {', '.join(f'{k}={new}' for k, _, new in changed)}. The saved data position only "
+                             "holds for the same data and data layout: resume with the processes, batch size (or token "
+                             "budget and packing), accumulation steps, --dataloader_num_workers, --seed, "
+                             "--shuffle_buffer_size and data it was saved with, or pass --ignore_data_skip true to "
+                             "restore the rest and start the data from the beginning.")
+
     def resume(self, which: str | None, train_loader):
         """(start_step, batches): the run restored from `which` (model, optimizer, scheduler, RNG)
         and the training stream at the same position, so it repeats the uninterrupted run exactly.
         `batches` yields (epoch, batch) and notes each batch's epoch for the next save."""
+        self.claim_output_dir()
         self.remove_partial()
         self.train_loader = train_loader
         self.layout["dataloader_num_workers"] = train_loader.num_workers  # the sample order depends on it
-        start_step = 0
         checkpoint = self.find(which) if which else None
         if which and checkpoint is None:
             self.accelerator.print(f"--resume_from_checkpoint {which}: no complete checkpoint under {self.root} yet; "
                                    "starting from step 0")
         if checkpoint is None:
-            return start_step, self._noting_epochs(batches_forever(train_loader))
-        saved = json.loads((checkpoint / MARKER).read_text())
-        changed = {key: (saved.get(key), value) for key, value in self.layout.items() if saved.get(key) != value}
-        if changed:
-            raise ValueError(f"{checkpoint} was saved with {', '.join(f'{k}={old}' for k, (old, _) in changed.items())}; "
-                             f"this run has {', '.join(f'{k}={new}' for k, (_, new) in changed.items())}. The saved "
-                             "data position only holds for the same data layout: resume with the same number of "
-                             "processes, batch size (or token budget and packing), accumulation steps and "
-                             "--dataloader_num_workers.")
-        check_plain_data(checkpoint)
+            return 0, self._noting_epochs(batches_forever(train_loader))
         self.accelerator.load_state(checkpoint)
         self.scheduler.load_state_dict(json.loads((checkpoint / SCHEDULER).read_text()))
         start_step = step_of(checkpoint)
         self.accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+        if self.ignore_data_skip:
+            self.accelerator.print("--ignore_data_skip: the data start from the beginning")
+            return start_step, self._noting_epochs(batches_forever(train_loader))
         data_state = json.loads((checkpoint / f"data_state_{self.accelerator.process_index}.json").read_text())
         train_loader.load_state_dict(data_state["loader"])
         return start_step, self._noting_epochs(batches_forever(train_loader, first_epoch=data_state["epoch"],
@@ -204,3 +263,16 @@ class Checkpointer:
         for epoch, batch in batches:
             self.epoch = epoch
             yield epoch, batch
+
+
+def _positions(loader_state):
+    """Every ResumableShuffle position in a StatefulDataLoader state (one per DataLoader worker)."""
+    if isinstance(loader_state, dict):
+        if "rows_done" in loader_state:
+            yield loader_state
+        else:
+            for value in loader_state.values():
+                yield from _positions(value)
+    elif isinstance(loader_state, list):
+        for value in loader_state:
+            yield from _positions(value)

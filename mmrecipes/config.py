@@ -3,13 +3,17 @@
 YAML values become the defaults and command-line flags override them. A YAML file is checked
 before anything runs: an unknown key, or a value YAML typed differently from the field
 (PyYAML reads `2e-5` as a string and a bare `no` as False), is an error that says what to write.
+Values are checked too (`CheckedArgs`): a count of 0, a negative limit or a NaN is an error that
+names the flag and what to write, before any model is built.
 """
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
+from typing import ClassVar
 
 import yaml
 from transformers import HfArgumentParser
@@ -65,3 +69,45 @@ def _union_members(annotation):
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return typing.get_args(annotation)
     return (annotation,)
+
+
+def _count(value, low: int) -> bool:
+    return type(value) is int and value >= low
+
+
+def _number(value, low: float, strict: bool) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and (value > low if strict else value >= low))
+
+
+# rule name -> (test, what the value must be)
+RULES = {
+    "count": (lambda v: _count(v, 1), "a positive integer"),
+    "count_or_none": (lambda v: v is None or _count(v, 1), "a positive integer, or unset"),
+    "count_or_zero": (lambda v: _count(v, 0), "0 or a positive integer"),
+    "count_or_zero_or_none": (lambda v: v is None or _count(v, 0), "0 or a positive integer, or unset"),
+    "positive": (lambda v: _number(v, 0, True), "a finite number above 0"),
+    "positive_or_none": (lambda v: v is None or _number(v, 0, True), "a finite number above 0, or unset"),
+    "non_negative": (lambda v: _number(v, 0, False), "a finite number, 0 or more"),
+    "non_negative_or_none": (lambda v: v is None or _number(v, 0, False), "a finite number, 0 or more, or unset"),
+    "fraction": (lambda v: _number(v, 0, False) and v < 1, "a number from 0 up to (not including) 1"),
+}
+
+
+class CheckedArgs:
+    """Mixin for argument dataclasses: `CHECKS` maps field names to a rule in `RULES`, checked when the
+    dataclass is built (HfArgumentParser builds it from flags and YAML), so a bad value stops the run
+    before anything else happens."""
+
+    CHECKS: ClassVar[dict[str, str]] = {}
+
+    def __post_init__(self):
+        problems = []
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, rule in self.CHECKS.items():
+            test, expected = RULES[rule]
+            if not test(getattr(self, name)):
+                example = f" (the default is {defaults[name]})" if defaults.get(name) not in (None, dataclasses.MISSING) else ""
+                problems.append(f"--{name} {getattr(self, name)!r}: must be {expected}{example}")
+        if problems:
+            raise ValueError("; ".join(problems))

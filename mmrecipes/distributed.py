@@ -2,7 +2,7 @@
 
 `make_accelerator` exists because accelerate 1.15 silently runs the wrong thing on a CPU-only
 machine when you only swap `--config_file` (one process, two unconnected processes, or DDP
-instead of FSDP/ZeRO) and still exits 0 (shared/design/CPU_ENGINES.md). With several
+instead of FSDP/ZeRO) and still exits 0 (docs/engines.md, "CPU runs"). With several
 processes and no GPU it creates the gloo process group first, so the same YAML files that
 run on GPUs run for real on CPU. On GPUs and in a single process it is plain `Accelerator`.
 """
@@ -24,6 +24,12 @@ def make_accelerator(*, timeout_s: int = 1800, **accelerator_kwargs) -> Accelera
 
     `timeout_s` bounds every collective: a rank left waiting raises instead of hanging.
     """
+    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if config_file != "none" and config_file.endswith(".json") and not os.path.isfile(config_file):
+        raise FileNotFoundError(
+            f"The accelerate config's deepspeed_config_file {config_file} does not exist as seen from {os.getcwd()}: "
+            "accelerate reads it relative to the directory you launch from. Give it as an absolute path, or write the "
+            "settings inline in the YAML (zero_stage: ..., as accelerate_configs/zero3.yaml does).")
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))
     if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # 'cpu', not 'cpu:0': FSDP compares the compute device with its device_id.

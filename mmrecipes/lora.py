@@ -26,11 +26,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers.modeling_utils import set_zero3_state
 
+from .config import CheckedArgs
 from .vlm_families import ModuleGroups, covering_modules
 
 
 @dataclass
-class LoraArgs:
+class LoraArgs(CheckedArgs):
+    CHECKS = {"lora_r": "count", "lora_alpha": "count", "lora_dropout": "fraction"}
     use_peft: bool = False  # train LoRA adapters instead of the weights (TRL's flag names)
     lora_r: int = 16
     lora_alpha: int = 32

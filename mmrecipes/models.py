@@ -11,6 +11,7 @@ from accelerate.utils import DistributedType
 from transformers import (AutoConfig, AutoImageProcessor, AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel,
                           SiglipConfig, SiglipImageProcessor, SiglipModel)
 
+from .config import CheckedArgs
 from .distributed import fsdp_block_classes
 
 # The embedded data and tokenizers: data/ of this checkout, or mmrecipes/embedded/ inside a wheel
@@ -22,7 +23,8 @@ MAX_LOGIT_SCALE = math.log(100)  # CLIP clamps the temperature at 100
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(CheckedArgs):
+    CHECKS = dict.fromkeys(("image_size", "patch_size", "hidden_size", "num_layers", "projection_dim"), "count")
     # clip: CLIPModel with clip_loss (softmax over the batch); siglip: SiglipModel with siglip_loss (sigmoid per pair)
     loss: str = field(default="clip", metadata={"choices": ["clip", "siglip"]})
     model_name_or_path: str | None = None  # a saved CLIP/SigLIP directory or hub id; None builds a tiny one

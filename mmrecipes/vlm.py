@@ -40,6 +40,7 @@ from transformers import (AutoModelForImageTextToText, AutoProcessor, AutoTokeni
                           LlavaForConditionalGeneration, LlavaProcessor)
 
 from .chat_data import DummyImageCollator, chat_model_inputs, probe_rows
+from .config import CheckedArgs
 from .distributed import fsdp_block_classes
 from .lora import save_lora
 from .losses import head_cross_entropy_sum, soft_capped, token_cross_entropy_sum
@@ -52,7 +53,9 @@ TRAIN_MODULE_CHOICES = ("projector", "projector,language_model", "all")
 
 
 @dataclass
-class VLMModelArgs:
+class VLMModelArgs(CheckedArgs):
+    CHECKS = dict.fromkeys(("image_size", "patch_size", "vision_hidden_size", "vision_layers", "text_hidden_size",
+                            "text_layers"), "count")
     # A saved image-text-to-text directory or hub id (Llava, Qwen2.5-VL, Qwen3-VL, SmolVLM, Gemma 3, ...),
     # loaded with AutoModelForImageTextToText and AutoProcessor; None builds the tiny Llava below
     model_name_or_path: str | None = None

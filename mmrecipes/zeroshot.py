@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import datasets
 import torch
 
-from .data import processed_pixels, split_by_data_rank
+from .config import CheckedArgs
+from .images import processed_pixels
+from .sources import split_by_data_rank
 from .distributed import sum_over_ranks
 from .evaluation import batches_in_step
 from .models import EMBEDDED
@@ -23,7 +25,8 @@ DEFAULT_TEMPLATES = "a photo of a {}.|a photo of the {}.|a rendering of a {}.|a 
 
 
 @dataclass
-class ZeroShotArgs:
+class ZeroShotArgs(CheckedArgs):
+    CHECKS = {"per_device_zeroshot_batch_size": "count"}
     # A hub id, a builder with --zeroshot_data_files, or a local directory (an image folder with one
     # sub-folder per class is read as imagefolder); None or "" turns zero-shot evaluation off.
     zeroshot_dataset: str | None = str(EMBEDDED / "shapes_zeroshot")

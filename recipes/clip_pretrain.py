@@ -22,7 +22,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from mmrecipes.checkpointing import Checkpointer
+from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.config import parse_args
 from mmrecipes.data import COUNTED, DataArgs, build_dataloader, caption_length, evaluation_off_reason, model_inputs
 from mmrecipes.distributed import (all_ranks_true, data_parallel_rank_and_world, engine_line,
@@ -40,6 +40,7 @@ from mmrecipes.zeroshot import ZeroShotArgs, ZeroShotSet, evaluate_zeroshot
 
 @dataclass
 class TrainArgs(TrainingArgs):
+    CHECKS = TrainingArgs.CHECKS | {"loss_tile_size": "count_or_none"}
     output_dir: str = "outputs/clip_pretrain"
     # plain: each micro-batch is its own contrastive batch (b negatives per row); feature_cache: the
     # accumulation window is ONE batch of k*b negatives (GradCache: one extra forward per micro-batch)
@@ -100,8 +101,8 @@ def main(argv=None):
                                caption_length=caption_length(data_args, tokenizer, loader_kwargs["pad_to_max_length"]),
                                pad_to_max_length=loader_kwargs["pad_to_max_length"])
 
-    checkpoints = Checkpointer(accelerator, args.output_dir, scheduler, total_limit=args.save_total_limit,
-                               data_world=data_world, batch_size=batch_size)
+    checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
+                               data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
     guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,

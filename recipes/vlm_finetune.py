@@ -35,7 +35,7 @@ from transformers import get_scheduler
 from mmrecipes.chat_data import (CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader,
                                  chat_model_inputs)
 from mmrecipes.chat_labels import AnswerLabeller, check_template
-from mmrecipes.checkpointing import Checkpointer
+from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.config import parse_args
 from mmrecipes.distributed import (DivergenceGuard, data_parallel_rank_and_world, engine_line,
                                    reconcile_deepspeed_config, sum_over_ranks)
@@ -53,6 +53,7 @@ from mmrecipes.vlm_families import dummy_image_inputs, image_patches, module_gro
 
 @dataclass
 class TrainArgs(TrainingArgs):
+    CHECKS = TrainingArgs.CHECKS | {"vision_tower_learning_rate": "positive", "vision_tower_weight_decay": "non_negative"}
     output_dir: str = "outputs/vlm_finetune"
     max_steps: int = 500
     per_device_train_batch_size: int = 16
@@ -152,9 +153,8 @@ def main(argv=None):
                                                                                    dummy_inputs),
                                             batch_size=args.per_device_eval_batch_size, eval_split=True, **loader_kwargs)
 
-    checkpoints = Checkpointer(accelerator, args.output_dir, scheduler, total_limit=args.save_total_limit,
-                               data_world=data_world, batch_size=batch_size,
-                               max_tokens_per_batch=data_args.max_tokens_per_batch, packing=data_args.packing)
+    checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
+                               data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
     guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,

@@ -16,8 +16,10 @@ from PIL import Image
 
 from gloo import run_on_ranks
 from webdataset_shards import make_webdataset
-from mmrecipes.data import (COUNTED, DataArgs, ImageTextCollator, batches_forever, build_dataloader, expand_data_files,
-                            model_inputs, processed_pixels)
+from mmrecipes.data import COUNTED, DataArgs, ImageTextCollator, build_dataloader, model_inputs
+from mmrecipes.images import processed_pixels
+from mmrecipes.loader import batches_forever
+from mmrecipes.sources import expand_data_files
 from mmrecipes.evaluation import evaluate_retrieval, retrieval_recall_at_1
 from mmrecipes.models import ModelArgs, build_contrastive
 
@@ -63,7 +65,8 @@ def test_bad_rows_are_converted_or_skipped_and_counted(tmp_path, tiny):
     kept = sum(len(b["input_ids"]) for b in batches)
     counts = dict(zip(COUNTED, sum(b["data_counts"] for b in batches).tolist()))
     assert kept == 6  # good one, grayscale, transparent, palette, cmyk, good two
-    assert counts == {"converted": 4, "undecodable": 2, "too_large": 2, "no_caption": 2}
+    assert counts == {"converted": 4, "undecodable": 2, "too_large": 2, "no_caption": 2,
+                      "bad_text": 0, "bad_row": 0, "bad_shard": 0}
     for batch in batches:
         pixels = model_inputs(batch, torch.device("cpu"))["pixel_values"]
         assert pixels.shape[1:] == (3, 32, 32) and torch.isfinite(pixels).all()
@@ -111,7 +114,7 @@ def test_collator_pads_as_the_tokenizer_does(tiny):
 
 
 def test_transparent_pixels_become_white_not_black():
-    from mmrecipes.data import decode_image
+    from mmrecipes.images import decode_image
 
     image, problem = decode_image(Image.new("RGBA", (4, 4), (0, 0, 0, 0)), max_pixels=100)
     assert problem == "converted" and image.mode == "RGB" and image.getpixel((0, 0)) == (255, 255, 255)
@@ -195,12 +198,13 @@ def test_data_files_expand_brace_ranges_lists_and_keep_globs_and_urls():
 
 def test_uneven_shard_split_is_reported_once(caplog):
     """4 shards over 3 data ranks: every rank would read every shard (3x the traffic); rank 0 says so."""
-    from mmrecipes.data import load_image_text_stream
+    from mmrecipes.sources import load_stream
 
-    with caplog.at_level("WARNING", logger="mmrecipes.data"):
+    source = DataArgs().training_sources()[0]
+    with caplog.at_level("WARNING", logger="mmrecipes.sources"):
         for rank in range(3):
-            load_image_text_stream(DataArgs(), "train", None, rank, 3)
-        load_image_text_stream(DataArgs(), "train", None, 0, 2)  # 4 shards over 2: whole shards, silent
+            load_stream(*source, ["image", "text"], data_rank=rank, data_world=3)
+        load_stream(*source, ["image", "text"], data_rank=0, data_world=2)  # 4 shards over 2: whole shards, silent
     warnings = [record.getMessage() for record in caplog.records]
     assert len(warnings) == 1 and "4 shards over 3 data ranks" in warnings[0] and "3x the read traffic" in warnings[0]
 
@@ -294,7 +298,7 @@ def test_resume_from_the_loader_state_is_exact_with_workers_and_epochs_order_sha
 
 
 def test_default_workers_follow_cores_and_shards(monkeypatch):
-    from mmrecipes.data import default_num_workers
+    from mmrecipes.loader import default_num_workers
 
     assert default_num_workers(num_shards=4) == 0  # CPU: the step uses every core
     assert default_num_workers(num_shards=4, cpu_workers=1) == 1

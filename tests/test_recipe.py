@@ -116,11 +116,12 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def test_deepspeed_accumulation_mismatch_rejected_before_first_step(tmp_path):
-    ds_config = json.loads((REPO / "accelerate_configs" / "zero2.json").read_text())
-    ds_config["gradient_accumulation_steps"] = 4
+    """A user's DeepSpeed JSON (by absolute path) whose accumulation disagrees with the recipe's."""
+    ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4,
+                 "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
     (tmp_path / "ds.json").write_text(json.dumps(ds_config))
     launch_config = yaml.safe_load((REPO / "accelerate_configs" / "zero2.yaml").read_text())
-    launch_config["deepspeed_config"]["deepspeed_config_file"] = str(tmp_path / "ds.json")
+    launch_config["deepspeed_config"] = {"deepspeed_config_file": str(tmp_path / "ds.json"), "zero3_init_flag": False}
     (tmp_path / "zero2.yaml").write_text(yaml.safe_dump(launch_config))
     result = accelerate_launch(tmp_path / "zero2.yaml", "--gradient_accumulation_steps", 2, "--max_steps", 2,
                                "--output_dir", tmp_path / "out")

@@ -1,0 +1,171 @@
+"""What a checkpoint directory may hold, and proof that it holds what was saved.
+
+Two checks run before a resume loads anything:
+- `check_manifest`: every file the save wrote is there with its size and SHA-256 (`write_manifest`
+  lists them at save time), and nothing else is: a missing, truncated, edited or foreign file is
+  named.
+- `check_plain_data`: every file an engine would unpickle builds nothing but tensors and plain
+  data, whatever its name, its bytes or its pickle protocol. The manifest guards against accidents;
+  this guards against a checkpoint someone else prepared, which could carry a fitting manifest.
+
+How the engines read the files decides how each is checked:
+- JSON, safetensors: never unpickled.
+- A torch.save zip (its first bytes `PK\\x03\\x04`, as torch itself decides): torch's weights-only
+  loader with our allowlist. Anything else torch.load would read as a stream of pickles, so any
+  other file is read with a restricted unpickler to its last byte; a file that is not pickles to
+  the end (torch's legacy format, text, random bytes) is refused.
+- torch.distributed.checkpoint (FSDP2): `.metadata` is read with plain `pickle.load` (restricted
+  unpickler here), and the non-tensor items in the `.distcp` files are loaded with
+  `torch.load(weights_only=False)`: each of them is checked with the weights-only loader, at the
+  offset the metadata gives, and shard paths must stay inside the folder.
+- DeepSpeed's recovery scripts and tag file are written beside its files and never loaded.
+"""
+
+import hashlib
+import io
+import pickle
+import re
+import sys
+from pathlib import Path, PosixPath
+
+import torch
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from accelerate.utils.other import TORCH_SAFE_GLOBALS
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+ZIP_MAGIC = b"PK\x03\x04"
+PLAIN_SUFFIXES = (".json", ".safetensors")
+NEVER_LOADED = {"zero_to_fp32.py", "zero_to_torch.py", "latest"}  # DeepSpeed writes them beside its files
+# What the pickles of a checkpoint may build beyond torch's weights-only allowlist: accelerate's RNG
+# states (numpy arrays) and torch.distributed.checkpoint's metadata (plain dataclasses, the file
+# names of its shards, the checkpoint's path, layouts by name).
+PLAIN_DATA = [*TORCH_SAFE_GLOBALS, _StorageInfo, PosixPath, torch.serialization._get_layout,
+              *(value for value in vars(dcp_metadata).values()
+                if isinstance(value, type) and value.__module__ == dcp_metadata.__name__)]
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    """pickle's documented way to restrict globals, for pickles that are not torch.save zips."""
+
+    def __init__(self, file, allowed: list):
+        super().__init__(file)
+        self.allowed = {(value.__module__, value.__qualname__): value for value in allowed}
+
+    def find_class(self, module, name):
+        found = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(found, torch.dtype) or found is torch.Size:
+            return found
+        if (module, name) in self.allowed:
+            return self.allowed[module, name]
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("a persistent id (torch's legacy format, which we never write)")
+
+
+def deepspeed_plain_data() -> list:
+    """The plain-data classes in DeepSpeed's checkpoint files (an enum, a named tuple, the loss scale's
+    attributes), when a DeepSpeed engine runs (it imported deepspeed; others need not pay the import)."""
+    if "deepspeed" not in sys.modules:
+        return []
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint file that a resume must not load."""
+
+
+def check_plain_data(checkpoint: Path):
+    """Raise UnsafeCheckpoint if loading `checkpoint` could build anything but tensors and plain data."""
+    allowed = PLAIN_DATA + deepspeed_plain_data()
+    for path in sorted(checkpoint.rglob("*")):
+        if not path.is_file() or path.suffix in PLAIN_SUFFIXES or path.suffix == ".distcp":
+            continue  # .distcp: checked item by item through its folder's .metadata
+        if path.name in NEVER_LOADED and path.parent == checkpoint:
+            continue
+        try:
+            if path.name == ".metadata":
+                _check_dcp_folder(path, _unpickle_all(path.read_bytes(), allowed)[0], allowed)
+            else:
+                _check_loadable(path.read_bytes(), allowed)
+        except (pickle.UnpicklingError, EOFError, ValueError, RuntimeError, IndexError, TypeError) as error:
+            named = re.search(r"GLOBAL ([\w.]+)", str(error))  # what unpickling would have called
+            what = f"unpickling it would call {named[1]}" if named else f"it is not a file these recipes write ({error})"
+            raise UnsafeCheckpoint(f"{path}: {what}, which is not tensors or plain data. A resume builds nothing "
+                                   "else: resume from a checkpoint these recipes wrote.") from None
+
+
+def _check_loadable(data: bytes, allowed: list):
+    """What torch.load would read: a zip through the weights-only loader, else pickles to the last byte."""
+    if data.startswith(ZIP_MAGIC):
+        with torch.serialization.safe_globals(allowed):
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    else:
+        _unpickle_all(data, allowed)
+
+
+def _unpickle_all(data: bytes, allowed: list) -> list:
+    """Every pickle in `data`, read with the restricted unpickler; refuses bytes left over."""
+    file, values = io.BytesIO(data), []
+    while file.tell() < len(data) or not values:
+        values.append(_PlainDataUnpickler(file, allowed).load())
+    return values
+
+
+def _check_dcp_folder(metadata_path: Path, metadata, allowed: list):
+    """The non-tensor items torch.distributed.checkpoint would load with a full unpickler."""
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise ValueError(f"a {type(metadata).__name__}, not torch.distributed.checkpoint's Metadata")
+    byte_items = {name for name, item in metadata.state_dict_metadata.items()
+                  if isinstance(item, dcp_metadata.BytesStorageMetadata)}
+    shards = {}
+    for index, storage in metadata.storage_data.items():
+        if Path(storage.relative_path).name != storage.relative_path or storage.relative_path in ("", ".", ".."):
+            raise ValueError(f"shard path {storage.relative_path!r} leaves the folder")
+        if index.fqn not in byte_items:
+            continue  # tensors: torch.distributed.checkpoint loads them weights-only itself
+        if storage.transform_descriptors:
+            raise ValueError(f"item {index.fqn} is stored with transforms {storage.transform_descriptors}")
+        if storage.relative_path not in shards:
+            shards[storage.relative_path] = (metadata_path.parent / storage.relative_path).read_bytes()
+        data = shards[storage.relative_path][storage.offset:storage.offset + storage.length]
+        _check_loadable(data, allowed)
+
+
+MANIFEST_CHUNK = 8 << 20
+
+
+def file_digest(path: Path) -> list:
+    """[size in bytes, SHA-256 hex] of a file."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as file:
+        while chunk := file.read(MANIFEST_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return [size, digest.hexdigest()]
+
+
+def checkpoint_files(checkpoint: Path, marker: str) -> list[str]:
+    """The files of a checkpoint, relative and sorted, less its completeness marker."""
+    return sorted(str(path.relative_to(checkpoint)) for path in checkpoint.rglob("*")
+                  if path.is_file() and path.name != marker)
+
+
+def check_manifest(checkpoint: Path, manifest: dict, files: list[str]) -> list[str]:
+    """Problems with `files` (a share of the checkpoint's) against the saved manifest {file: [size, sha256]}."""
+    problems = []
+    for name in files:
+        if name not in manifest:
+            problems.append(f"{name} is not a file the save wrote")
+        elif not (checkpoint / name).is_file():
+            problems.append(f"{name} is missing")
+        else:
+            size, sha256 = file_digest(checkpoint / name)
+            if size != manifest[name][0]:
+                problems.append(f"{name} has {size} bytes, the save wrote {manifest[name][0]} (truncated?)")
+            elif sha256 != manifest[name][1]:
+                problems.append(f"{name} differs from what the save wrote (SHA-256)")
+    return problems

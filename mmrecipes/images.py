@@ -1,0 +1,116 @@
+"""Images from whatever a row holds: decoded with limits, converted to RGB, and preprocessed in stacks.
+
+`decode_image` takes a PIL image, encoded bytes (img2dataset's parquet has a plain binary column),
+a `datasets.Image(decode=False)` dict or a path, and never raises: it returns the image, or why
+there is none, for the caller to count. It reads the header first and refuses, before decoding, an
+image with more pixels than `max_pixels` or a longer side more than `max_aspect_ratio` times its
+shorter one (a 1 x 400,000 PNG is 1.6 KB; resized to a 224 px short side it would be 224 x 90
+million pixels). A path must be a regular file (a FIFO would block the reader for good). Modes
+other than RGB are converted; 16- and 32-bit grey levels are scaled to 8 bits, not clipped (a
+16-bit PNG clipped to 8 bits is solid white).
+"""
+
+import io
+import logging
+import os
+import stat
+
+import numpy
+import torch
+from PIL import Image
+from transformers.image_processing_backends import TorchvisionBackend
+
+logger = logging.getLogger(__name__)
+
+
+def decode_image(raw_image, max_pixels: int, max_aspect_ratio: float = float("inf")):
+    """(RGB image or None, problem or None); problem is "converted", "undecodable" or "too_large"."""
+    try:
+        if isinstance(raw_image, dict):
+            raw_image = raw_image.get("bytes") or raw_image.get("path")
+        if isinstance(raw_image, (bytes, bytearray, memoryview)):
+            raw_image = io.BytesIO(raw_image)
+        elif isinstance(raw_image, (str, os.PathLike)) and not stat.S_ISREG(os.stat(raw_image).st_mode):
+            return None, "undecodable"  # a directory, FIFO or device: opening a FIFO blocks
+        image = raw_image if isinstance(raw_image, Image.Image) else Image.open(raw_image)
+        width, height = image.size  # header only: nothing decoded yet
+        if width * height > max_pixels or max(width, height) > max_aspect_ratio * max(1, min(width, height)):
+            return None, "too_large"
+        image.load()
+    except Image.DecompressionBombError:  # PIL refuses at open() beyond twice its own pixel limit
+        return None, "too_large"
+    except Exception as error:  # missing files; PIL raises many types for corrupt or truncated ones
+        logger.debug("undecodable image: %s", error)
+        return None, "undecodable"
+    if image.mode == "RGB":
+        return image, None
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGB", rgba.size, (255, 255, 255))
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background, "converted"
+    if image.mode.startswith(("I", "F")):
+        return _eight_bit_grey(image).convert("RGB"), "converted"
+    return image.convert("RGB"), "converted"  # L, P, CMYK, YCbCr, 1, ...
+
+
+def _eight_bit_grey(image: Image.Image) -> Image.Image:
+    """An "I;16*", "I" or "F" image as 8-bit grey, its range scaled: 16-bit (and "I" beyond 255) by 1/257,
+    floats in 0..1 by 255."""
+    values = numpy.asarray(image).astype(numpy.float64)
+    if image.mode.startswith("I;16") or (image.mode == "I" and values.max(initial=0) > 255):
+        values = values / 257
+    elif image.mode == "F" and values.max(initial=0) <= 1:
+        values = values * 255
+    return Image.fromarray(numpy.clip(numpy.rint(values), 0, 255).astype(numpy.uint8), mode="L")
+
+
+def processed_pixels(image_processor, images: list[Image.Image], normalize: bool = True) -> torch.Tensor:
+    """`image_processor(images)["pixel_values"]` for RGB images, computed a size group at a time.
+
+    A processor that runs transformers' standard torchvision pipeline (CLIP, SigLIP, ...) is applied
+    as its own resize, center crop and rescale-normalise on one uint8 stack per image size: the same
+    operations and output as its __call__, which converts, checks and (on CPU) resizes one image
+    at a time, about 4x the time on the embedded images. Any other processor is called as it is.
+    `normalize=False`: the standard pipeline stops before rescale-normalise and returns uint8 pixels
+    (a quarter of float32's bytes through the loader's shared memory, pinning and the copy to the
+    device); `model_inputs` finishes them on the device (`device_normalization`), to the same floats.
+    """
+    if not _standard_pipeline_applies(image_processor):
+        return image_processor(images=images, return_tensors="pt")["pixel_values"]
+    groups = {}
+    for index, image in enumerate(images):
+        groups.setdefault(image.size, []).append(index)
+    pixel_values = [None] * len(images)
+    for indices in groups.values():
+        stack = torch.from_numpy(numpy.stack([numpy.asarray(images[i]) for i in indices])).permute(0, 3, 1, 2)
+        for index, pixels in zip(indices, _standard_pipeline(image_processor, stack, normalize)):
+            pixel_values[index] = pixels
+    return torch.stack(pixel_values)
+
+
+def _standard_pipeline_applies(image_processor) -> bool:
+    return (isinstance(image_processor, TorchvisionBackend) and not image_processor.do_pad
+            and type(image_processor)._preprocess is TorchvisionBackend._preprocess)
+
+
+def _standard_pipeline(processor, stack, normalize: bool):
+    """TorchvisionBackend._preprocess's steps on one stack of equally sized uint8 images."""
+    if processor.do_resize:
+        stack = processor.resize(stack, processor.size, resample=processor.resample)
+    if processor.do_center_crop:
+        stack = processor.center_crop(stack, processor.crop_size)
+    if not normalize:
+        return stack
+    return processor.rescale_and_normalize(stack, processor.do_rescale, processor.rescale_factor,
+                                           processor.do_normalize, processor.image_mean, processor.image_std)
+
+
+def device_normalization(image_processor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(mean, std) for finishing uint8 pixels on the device, in the fused form of the processor's
+    own `rescale_and_normalize` (mean / rescale, std / rescale: the same floats to the bit); None
+    when its pixels are finished in the workers (not the standard pipeline, or no rescale-normalise)."""
+    if not (_standard_pipeline_applies(image_processor) and image_processor.do_rescale and image_processor.do_normalize):
+        return None
+    scale = 1.0 / image_processor.rescale_factor
+    return torch.tensor(image_processor.image_mean) * scale, torch.tensor(image_processor.image_std) * scale

@@ -1,0 +1,228 @@
+"""A rank's stream as batches: resumable block shuffling, skip counts that ride along, and the DataLoader.
+
+`ResumableShuffle` shuffles a rank's rows in blocks and knows where it stands after every row, so
+a checkpoint resumes the stream exactly; `stream_loader` is the torchdata `StatefulDataLoader`
+over it, whose state holds every DataLoader worker's position; `batches_forever` loops over
+epochs. Both pipelines (image-caption pairs, conversations) use these.
+"""
+
+import itertools
+import multiprocessing.forkserver
+import os
+import select
+import signal
+import threading
+from collections import Counter
+from functools import partial
+
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+
+class DropCounter:
+    """Counts of dropped rows, attached to the next kept row: they ride along inside the stream,
+    so they survive DataLoader workers and reach the log."""
+
+    def __init__(self):
+        self.pending = Counter()
+
+    def drop(self, reason: str):
+        self.pending[reason] += 1
+
+    def keep(self, note: str | None = None) -> Counter:
+        """The counts to attach to a kept row (`note`: what was done to it, e.g. "converted")."""
+        counts = self.pending + Counter({note: 1} if note else {})
+        self.pending = Counter()
+        return counts
+
+
+class ResumableShuffle(torch.utils.data.IterableDataset):
+    """This rank's training rows, shuffled and preprocessed, and where the stream stands after the
+    last row handed out (`state_dict`), so a checkpoint resumes the data exactly where it stood at
+    the cost of re-reading one block (a shuffle buffer cannot resume: `datasets` drops its content
+    on `load_state_dict`).
+
+    `source` (a `datasets` stream, unshuffled, whose own `state_dict` resumes exactly) is read in
+    blocks of `block_size` rows; each block is permuted by a generator seeded with (seed, epoch,
+    block) and handed to `preprocess` (a batched `datasets.map` function) `batch_size` rows at a
+    time. Every row is read once per epoch, as with a shuffle buffer of the same size; a row moves
+    at most `block_size` places within its shard. The shards are read in an order seeded by (seed,
+    epoch): `datasets` permutes a stream's shards by its own epoch, which is set from both, so each
+    epoch reads them in another order (and a rank with `split_dataset_by_node` other shards).
+
+    With DataLoader workers (torchdata's `StatefulDataLoader`: `stream_loader`), each worker reads
+    its own shards and reports its own position; the loader's `state_dict` holds them all and which
+    worker is next, so a resume is exact for the same number of workers.
+    """
+
+    def __init__(self, source, preprocess, *, block_size: int, seed: int, batch_size: int):
+        self.source, self.preprocess = source, preprocess
+        self.block_size, self.seed, self.batch_size = block_size, seed, batch_size
+        self.initial_state = source.state_dict()
+        self.start = self.position = None
+        # In shared memory: persistent DataLoader workers hold a copy of this object made at their start.
+        self.shared_epoch = torch.zeros((), dtype=torch.long).share_memory_()
+        self.set_epoch(0)
+
+    @property
+    def num_shards(self) -> int:
+        return self.source.num_shards
+
+    @property
+    def epoch(self) -> int:
+        return int(self.shared_epoch)
+
+    def set_epoch(self, epoch: int):
+        """In the main process, before iterating: the workers' copies share both epochs' memory."""
+        self.shared_epoch.fill_(epoch)
+        self.source.set_epoch(1 + hash((self.seed, epoch)) % (2**31 - 1))  # 0 would keep the file order
+
+    def state_dict(self) -> dict | None:
+        """Where the stream stands after the last row handed out (None: before the first)."""
+        return self.position
+
+    def load_state_dict(self, position: dict | None):
+        """Continue after the row of `position` in its epoch (call before iterating)."""
+        self.start = self.position = position
+
+    @staticmethod
+    def check_position(position: dict, *, block_size: int, batch_size: int, max_epoch: int):
+        """Raise ValueError unless `position` is one `__iter__` can have handed out with these sizes."""
+        limits = {"epoch": (0, max_epoch), "block": (0, None), "rows_done": (0, block_size - 1), "kept": (1, batch_size)}
+        for key, (low, high) in limits.items():
+            value = position.get(key)
+            if type(value) is not int or value < low or (high is not None and value > high):
+                raise ValueError(f"data position {key}={value!r} is out of range ({low} to {high or 'any'})")
+        if position["rows_done"] % batch_size or not isinstance(position.get("source_state"), dict):
+            raise ValueError(f"data position rows_done={position['rows_done']} is not a multiple of the batch size "
+                             f"{batch_size}, or its source_state is missing")
+
+    def __iter__(self):
+        start = {"block": 0, "source_state": self.initial_state, "rows_done": 0, "kept": 0}
+        if self.start is not None and self.start["epoch"] == self.epoch:  # later epochs start from the beginning
+            start = self.start
+        self.source.load_state_dict(start["source_state"])
+        rows = iter(self.source)
+        block, rows_done, kept_done = start["block"], start["rows_done"], start["kept"]
+        source_state = start["source_state"]  # state_dict() reads the previous pass until a row is read
+        while True:
+            raw = list(itertools.islice(rows, self.block_size))
+            if not raw:
+                return
+            generator = torch.Generator().manual_seed(hash((self.seed, self.epoch, block)) % 2**63)
+            raw = [raw[i] for i in torch.randperm(len(raw), generator=generator).tolist()]
+            for chunk_start in range(rows_done, len(raw), self.batch_size):
+                chunk = raw[chunk_start:chunk_start + self.batch_size]
+                out = self.preprocess({column: [row[column] for row in chunk] for column in chunk[0]})
+                for kept, values in enumerate(zip(*out.values()), start=1):
+                    if kept > kept_done:
+                        self.position = {"epoch": self.epoch, "block": block, "source_state": source_state,
+                                         "rows_done": chunk_start, "kept": kept}
+                        yield dict(zip(out, values))
+                kept_done = 0
+            block, rows_done, source_state = block + 1, 0, self.source.state_dict()
+
+
+def default_num_workers(num_shards: int, cpu_workers: int = 0) -> int:
+    """DataLoader workers for one rank's stream when none are asked for. With CUDA: one per core
+    this rank can spare (its share of the cores, less one for the training loop), at most one per
+    shard (a worker without a shard idles, and torch warns). On a CPU the step itself uses every
+    core, so the pipeline's measured `cpu_workers` (CLIP 0, VLM 1), again at most one per shard."""
+    if not torch.cuda.is_available():
+        return min(cpu_workers, num_shards)
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    spare_cores = len(os.sched_getaffinity(0)) // local_processes - 1
+    return max(0, min(spare_cores, num_shards))
+
+
+def stream_loader(stream, batch_size: int, collate_fn, num_workers: int | None, cpu_workers: int = 0):
+    """The DataLoader over a rank's stream (never passed to `accelerator.prepare`: already split).
+    `num_workers` None: `default_num_workers`. Workers persist across epochs (ResumableShuffle
+    keeps its epoch in shared memory), each keeps 2 batches ready, and batches are pinned on CUDA.
+    torchdata's `StatefulDataLoader`: its `state_dict` holds each worker's stream position (the
+    dataset's `state_dict`, taken in the worker after each batch) and which worker comes next, so
+    `load_state_dict` resumes with any number of workers, in time that does not grow with the step.
+
+    Workers fork from multiprocessing's fork server, not from the training process: by the first
+    batch that process runs threads (gloo, pyarrow's jemalloc, datasets' readers), and a child
+    forked while one of them holds a lock can hang for good (our suspect for a CI run in which
+    a rank never reached its first all-reduce). Forking from the server, which imports the data
+    pipeline once, is cheap.
+    """
+    # The tokenizer's thread pool only competes with torch's for the cores on batches of short captions:
+    # tokenising took twice as long with it on the 2-core machine. An explicit setting wins.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if num_workers is None:
+        num_workers = default_num_workers(stream.num_shards, cpu_workers)
+    if num_workers:
+        start_worker_server()
+    return StatefulDataLoader(
+        stream, batch_size=batch_size, collate_fn=collate_fn, num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(), worker_init_fn=partial(init_worker, training_pid=os.getpid()),
+        multiprocessing_context="forkserver" if num_workers else None,
+        persistent_workers=num_workers > 0, prefetch_factor=2 if num_workers else None,
+    )
+
+
+# What Slurm, srun and the launchers send to a whole process group on preemption or shutdown.
+GROUP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def start_worker_server():
+    """Start the fork server (once per process) ignoring GROUP_SIGNALS, which it inherits.
+
+    The training process handles a preemption signal (StepGuard: checkpoint at the next step
+    boundary, then exit), but the server shares its process group and would die of it, and then
+    the workers, which watch their parent, stop too: the next batch would fail before the save.
+    """
+    # What the workers run, imported once in the server (Python 3.11 would re-import the recipe in
+    # every worker otherwise: its preload of '__main__' is a no-op, fixed only in 3.12).
+    multiprocessing.set_forkserver_preload(["mmrecipes.data", "mmrecipes.chat_data"])
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in GROUP_SIGNALS}
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def init_worker(worker_id: int, training_pid: int):
+    """DataLoader `worker_init_fn`. The worker leaves the process group that preemption signals
+    reach, takes their default action back (the DataLoader stops its workers with SIGTERM), and
+    ends when the training process ends, however it ends. torch's own check watches the parent,
+    which here is the fork server, and the server in turn lives while any worker does: a crashed
+    rank would leave both behind, holding the launcher's output pipes open.
+    """
+    os.setsid()
+    for sig in GROUP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    threading.Thread(target=_exit_with, args=(training_pid,), daemon=True).start()
+
+
+def _exit_with(pid: int):
+    try:
+        process = os.pidfd_open(pid)  # readable once the process has ended
+    except ProcessLookupError:
+        os._exit(1)
+    select.select([process], [], [])
+    os._exit(1)
+
+
+def batches_forever(dataloader, first_epoch=0, resumed=False):
+    """Yield (epoch, batch) over epochs of this rank's stream; (epoch, None) after an empty epoch.
+
+    Each rank loops over its own rows, so a rank never runs dry while others train: every
+    rank stops at the same optimizer step. The recipe agrees on "got a batch" once, at the
+    first batch, so an empty shard stops every rank with one clear error instead of a hang.
+    `resumed`: the first epoch continues a saved position (and may have nothing left).
+    """
+    epoch = first_epoch
+    while True:
+        dataloader.dataset.set_epoch(epoch)  # a new shuffle order per epoch
+        empty = True
+        for batch in dataloader:
+            empty = False
+            yield epoch, batch
+        if empty and not resumed:
+            yield epoch, None
+        epoch, resumed = epoch + 1, False

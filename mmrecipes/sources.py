@@ -1,0 +1,216 @@
+"""Where rows come from: file specs, one stream per source split by data rank, and readers that never crash.
+
+`load_stream` gives a data rank its share of a source as a `datasets.IterableDataset`, one shard
+per file, whose `state_dict` resumes it exactly. Parquet, JSON and webdataset files are read here,
+a file at a time, because one bad file must cost its rows, not the run: `datasets`' own readers
+raise on an empty parquet file, on non-UTF-8 bytes anywhere in a JSON file or a `.txt` member,
+and on a first tar sample that lacks a member, and they end a truncated tar without a word. Here
+every row keeps the requested columns (None where absent), and a row that could not be read
+becomes a row whose `PROBLEM` column names the kind, which the preprocessors count and skip:
+- `bad_shard`: an empty, unreadable or truncated file (the rows before the damage are kept);
+- `bad_text`: text that is not UTF-8 (a caption, a conversation);
+- `bad_row`: a JSON line that does not parse.
+Other formats (csv, imagefolder, arrow, hub datasets with a loading script) stream through
+`datasets` with images left undecoded (the preprocessors decode and count).
+"""
+
+import glob
+import hashlib
+import json
+import logging
+import re
+import tarfile
+from pathlib import Path
+
+import datasets
+import fsspec
+import pyarrow.parquet as pq
+from datasets.distributed import split_dataset_by_node
+
+logger = logging.getLogger(__name__)
+
+PROBLEM = "__problem__"  # a column: None, or why the row could not be read
+_BAD_TEXT = re.compile("[\udc80-\udcff]")  # what undecodable bytes become under surrogateescape
+
+
+def expand_data_files(spec: str | list[str] | None) -> list[str] | None:
+    """`--data_files` as `load_dataset` takes it: comma-separated entries (or a list), each with its
+    brace ranges expanded as open_clip/webdataset users write them (`/data/{00000..41455}.tar`, zero
+    padding kept; `{a,b}` alternatives too). Globs and fsspec URLs pass through to `datasets`."""
+    if not spec:
+        return None
+    if not isinstance(spec, str):
+        return [path for entry in spec for path in expand_data_files(entry)]
+    entries, depth, current = [], 0, ""
+    for char in spec:  # split on commas outside braces
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            entries.append(current)
+            current = ""
+        else:
+            current += char
+    return [path for entry in entries + [current] if entry.strip() for path in _expand_braces(entry.strip())]
+
+
+def _expand_braces(pattern: str) -> list[str]:
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if match is None:
+        return [pattern]
+    head, body, tail = pattern[:match.start()], match.group(1), pattern[match.end():]
+    numeric = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if numeric:
+        first, last = numeric.groups()
+        width = len(first) if first.startswith("0") and len(first) > 1 else 0
+        step = 1 if int(last) >= int(first) else -1
+        choices = [f"{i:0{width}d}" for i in range(int(first), int(last) + step, step)]
+    elif "," in body:
+        choices = body.split(",")
+    else:
+        return [head + "{" + body + "}" + path for path in _expand_braces(tail)]  # a literal brace
+    return [path for choice in choices for path in _expand_braces(head + choice + tail)]
+
+
+def data_fingerprint(sources: list[tuple]) -> list[str]:
+    """What identifies each (name, config, split, data_files) source across runs: for local data the names
+    and sizes of its files (so a moved copy matches and another dataset does not), else the spec itself."""
+    prints = []
+    for name, config, split, data_files in sources:
+        patterns = expand_data_files(data_files) or ([f"{name}/**"] if Path(name).is_dir() else [])
+        files = sorted({Path(path) for pattern in patterns for path in glob.glob(pattern, recursive=True)
+                        if Path(path).is_file() and not any(part.startswith(".") for part in Path(path).parts[-2:])})
+        if not files:
+            prints.append(f"{name} config={config} split={split} data_files={data_files}")
+            continue
+        listing = hashlib.sha256(json.dumps([[path.name, path.stat().st_size] for path in files]).encode())
+        prints.append(f"config={config} split={split}: {len(files)} files, "
+                      f"{sum(path.stat().st_size for path in files)} bytes, names and sizes {listing.hexdigest()[:16]}")
+    return prints
+
+
+def split_by_data_rank(stream, name: str, data_rank: int, data_world: int):
+    """This data rank's share of a stream. Whole shards when their number is a multiple of the data
+    world; otherwise `split_dataset_by_node` has every rank read every shard and keep 1/W of its
+    rows, which multiplies the read traffic by W: said once in the log, with what to do."""
+    if data_world > 1 and stream.num_shards % data_world and data_rank == 0:
+        logger.warning(f"{name}: {stream.num_shards} shards over {data_world} data ranks, not a multiple: every rank "
+                       f"reads every shard and keeps 1/{data_world} of its rows ({data_world}x the read traffic). "
+                       f"Split the data into a multiple of {data_world} files to give each rank whole shards.")
+    return split_dataset_by_node(stream, rank=data_rank, world_size=data_world)
+
+
+def _parquet_rows(file: str):
+    with fsspec.open(file, "rb") as stream:
+        for batch in pq.ParquetFile(stream).iter_batches():
+            yield from batch.to_pylist()  # an image column: {"bytes", "path"} or plain bytes (img2dataset)
+
+
+def _json_rows(file: str):
+    """A JSON array (LLaVA's files) or JSON lines; undecodable bytes become `bad_text` rows."""
+    with fsspec.open(file, "rb", compression="infer") as stream:
+        text = stream.read().decode("utf-8", errors="surrogateescape")
+    if text.lstrip().startswith("["):
+        rows = json.loads(text)
+    else:
+        rows = []
+        for line in filter(str.strip, text.splitlines()):
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                rows.append({PROBLEM: "bad_row"})
+    for row in rows:
+        yield row if isinstance(row, dict) else {PROBLEM: "bad_row"}
+
+
+def _tar_rows(file: str):
+    """webdataset / img2dataset tars: members `<key>.<field>` grouped by key in order. `.txt` members
+    become strings (non-UTF-8 ones make the sample a `bad_text` row), `.json` ones objects, others bytes."""
+    sample = {}
+    with fsspec.open(file, "rb") as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
+        for member in tar:
+            if not member.isfile() or "." not in Path(member.name).name:
+                continue
+            directory, name = member.name.rpartition("/")[::2]
+            key, field = f"{directory}/{name.split('.', 1)[0]}", name.split(".", 1)[1].lower()
+            if sample and sample["__key__"] != key:
+                yield sample
+                sample = {}
+            sample["__key__"] = key
+            data = tar.extractfile(member).read()  # a member cut short raises ReadError: the shard is truncated
+            if field.endswith(("txt", "json")):
+                try:
+                    data = data.decode("utf-8")
+                    data = json.loads(data) if field.endswith("json") else data
+                except ValueError:  # UnicodeDecodeError too
+                    sample[PROBLEM] = "bad_text" if isinstance(data, bytes) else "bad_row"
+            sample[field] = data
+    if sample:
+        yield sample
+
+
+READERS = {"parquet": _parquet_rows, "json": _json_rows, "webdataset": _tar_rows}
+
+
+def _has_bad_text(value) -> bool:
+    if isinstance(value, str):
+        return _BAD_TEXT.search(value) is not None
+    if isinstance(value, dict):
+        return any(_has_bad_text(item) for item in value.values())
+    if isinstance(value, list):
+        return any(_has_bad_text(item) for item in value)
+    return False
+
+
+def read_files(files: list[str], reader: str, columns: list[str]):
+    """Rows of `files` (the generator behind `load_stream`): `columns` and `PROBLEM`; an empty file, or
+    a file's failure after the rows read before it, one `bad_shard` row."""
+    for file in files:
+        rows, damaged = 0, False
+        try:
+            for row in READERS[reader](file):
+                rows += 1
+                problem = row.get(PROBLEM) or ("bad_text" if _has_bad_text(row) else None)
+                yield {column: None if problem else row.get(column) for column in columns} | {PROBLEM: problem}
+        except Exception as error:  # whatever a damaged file raises (pyarrow, tarfile, json, fsspec)
+            logger.warning("skipping the rest of %s after %d rows: %s: %s", file, rows, type(error).__name__, error)
+            damaged = True
+        if damaged or not rows:
+            yield dict.fromkeys(columns) | {PROBLEM: "bad_shard"}
+
+
+def resolve_source(name: str, config: str | None, split: str, data_files) -> tuple[str, list[str] | None]:
+    """(builder, files of `split`) as `datasets` resolves them (a builder name with files, a local
+    dataset directory or a hub id); files None for a source without data files (a loading script)."""
+    files = expand_data_files(data_files)
+    builder = datasets.load_dataset_builder(name, config, data_files={split: files} if files else None)
+    resolved = (builder.config.data_files or {}).get(split)
+    return builder.name, (list(resolved) if resolved is not None else None)
+
+
+def load_stream(name: str, config: str | None, split: str, data_files, columns: list[str], *, data_rank: int,
+                data_world: int) -> tuple[datasets.IterableDataset, list[str] | None]:
+    """(stream, the columns the source has, None if it has no readable row): this data rank's share of a
+    source's split. Every row holds exactly `columns` (images undecoded) and `PROBLEM`."""
+    builder, files = resolve_source(name, config, split, data_files)
+    if builder in READERS and files:
+        first = next((row for file in files for row in _first_row(builder, file)), None)
+        stream = datasets.IterableDataset.from_generator(read_files, gen_kwargs={"files": files, "reader": builder,
+                                                                                "columns": tuple(columns)})
+        available = sorted(first) if first is not None else None
+    else:
+        stream = datasets.load_dataset(name, config, data_files={split: files} if files else None, split=split,
+                                       streaming=True).decode(False)  # images: decoded and counted by us
+        available = stream.column_names
+        stream = stream.map(_only, fn_kwargs={"columns": columns}, remove_columns=available)
+    return split_by_data_rank(stream, name, data_rank, data_world), available
+
+
+def _only(row: dict, columns: list[str]) -> dict:
+    return {column: row.get(column) for column in columns} | {PROBLEM: None}
+
+
+def _first_row(reader: str, file: str):
+    """The first row of a file, to check the columns before the first step ([] if it has none)."""
+    try:
+        yield next(READERS[reader](file))
+    except Exception:  # an empty or damaged file: the stream counts it; look at the next one
+        return
