@@ -20,10 +20,10 @@ QUICK = ["--report_to", "none", "--ddp_timeout", "120", "--per_device_eval_batch
 
 
 def accelerate_launch(config: str | Path, *recipe_args, num_processes=2, launcher_args=(), port=None,
-                      timeout=600, recipe=RECIPE, env=None) -> subprocess.CompletedProcess:
+                      timeout=600, recipe=RECIPE, env=None, cwd=REPO) -> subprocess.CompletedProcess:
     command = launch_command(config, *recipe_args, num_processes=num_processes, launcher_args=launcher_args,
                              port=port, recipe=recipe)
-    return _run(command, timeout, env)
+    return _run(command, timeout, env, cwd)
 
 
 def launch_command(config: str | Path, *recipe_args, num_processes=2, launcher_args=(), port=None, recipe=RECIPE):
@@ -57,8 +57,8 @@ def run_env(extra=None) -> dict:
     return dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(extra or {}))
 
 
-def _run(command, timeout, env=None):
-    result = subprocess.run(command, cwd=REPO, env=run_env(env), capture_output=True, text=True, timeout=timeout)
+def _run(command, timeout, env=None, cwd=REPO):
+    result = subprocess.run(command, cwd=cwd, env=run_env(env), capture_output=True, text=True, timeout=timeout)
     result.log = (result.stdout + result.stderr).replace("\r", "\n")
     return result
 
