@@ -80,37 +80,51 @@ class UnsafeCheckpoint(ValueError):
 
 def check_plain_data(checkpoint: Path):
     """Raise UnsafeCheckpoint if loading `checkpoint` could build anything but tensors and plain data."""
-    allowed = PLAIN_DATA + deepspeed_plain_data()
     for path in sorted(checkpoint.rglob("*")):
-        if not path.is_file() or path.suffix in PLAIN_SUFFIXES or path.suffix == ".distcp":
-            continue  # .distcp: checked item by item through its folder's .metadata
-        if path.name in NEVER_LOADED and path.parent == checkpoint:
-            continue
-        try:
-            if path.name == ".metadata":
-                _check_dcp_folder(path, _unpickle_all(path.read_bytes(), allowed)[0], allowed)
-            else:
-                _check_loadable(path.read_bytes(), allowed)
-        except (pickle.UnpicklingError, EOFError, ValueError, RuntimeError, IndexError, TypeError) as error:
-            named = re.search(r"GLOBAL ([\w.]+)", str(error))  # what unpickling would have called
-            what = f"unpickling it would call {named[1]}" if named else f"it is not a file these recipes write ({error})"
-            raise UnsafeCheckpoint(f"{path}: {what}, which is not tensors or plain data. A resume builds nothing "
-                                   "else: resume from a checkpoint these recipes wrote.") from None
+        if path.is_file() and (problem := plain_data_problem(checkpoint, str(path.relative_to(checkpoint)))):
+            raise UnsafeCheckpoint(problem)
 
 
-def _check_loadable(data: bytes, allowed: list):
-    """What torch.load would read: a zip through the weights-only loader, else pickles to the last byte."""
-    if data.startswith(ZIP_MAGIC):
+def plain_data_problem(checkpoint: Path, name: str) -> str | None:
+    """Why loading the checkpoint's file `name` could build more than tensors and plain data, or None."""
+    path = checkpoint / name
+    if path.suffix in PLAIN_SUFFIXES or path.suffix == ".distcp" or name in NEVER_LOADED:
+        return None  # .distcp: checked item by item through its folder's .metadata
+    allowed = PLAIN_DATA + deepspeed_plain_data()
+    try:
+        if path.name == ".metadata":
+            with open(path, "rb") as file:
+                _check_dcp_folder(path, _unpickle_all(file, allowed)[0], allowed)
+        else:
+            with open(path, "rb") as file:
+                _check_loadable(file, allowed)
+    except (pickle.UnpicklingError, EOFError, ValueError, RuntimeError, IndexError, TypeError, OSError) as error:
+        named = re.search(r"GLOBAL ([\w.]+)", str(error))  # what unpickling would have called
+        what = f"unpickling it would call {named[1]}" if named else f"it is not a file these recipes write ({error})"
+        return (f"{path}: {what}, which is not tensors or plain data. A resume builds nothing else: resume from a "
+                "checkpoint these recipes wrote.")
+    return None
+
+
+def _check_loadable(file, allowed: list):
+    """What torch.load would read from `file`: a zip through the weights-only loader (its tensors mapped, not
+    read), else pickles to the last byte."""
+    if file.read(len(ZIP_MAGIC)) == ZIP_MAGIC:
         with torch.serialization.safe_globals(allowed):
-            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            if isinstance(file, io.BytesIO):
+                torch.load(io.BytesIO(file.getvalue()), map_location="cpu", weights_only=True)
+            else:
+                torch.load(file.name, map_location="cpu", weights_only=True, mmap=True)
     else:
-        _unpickle_all(data, allowed)
+        file.seek(0)
+        _unpickle_all(file, allowed)
 
 
-def _unpickle_all(data: bytes, allowed: list) -> list:
-    """Every pickle in `data`, read with the restricted unpickler; refuses bytes left over."""
-    file, values = io.BytesIO(data), []
-    while file.tell() < len(data) or not values:
+def _unpickle_all(file, allowed: list) -> list:
+    """Every pickle in `file`, read with the restricted unpickler; refuses bytes left over."""
+    size, values = file.seek(0, io.SEEK_END), []
+    file.seek(0)
+    while file.tell() < size or not values:
         values.append(_PlainDataUnpickler(file, allowed).load())
     return values
 
@@ -121,7 +135,6 @@ def _check_dcp_folder(metadata_path: Path, metadata, allowed: list):
         raise ValueError(f"a {type(metadata).__name__}, not torch.distributed.checkpoint's Metadata")
     byte_items = {name for name, item in metadata.state_dict_metadata.items()
                   if isinstance(item, dcp_metadata.BytesStorageMetadata)}
-    shards = {}
     for index, storage in metadata.storage_data.items():
         if Path(storage.relative_path).name != storage.relative_path or storage.relative_path in ("", ".", ".."):
             raise ValueError(f"shard path {storage.relative_path!r} leaves the folder")
@@ -129,10 +142,9 @@ def _check_dcp_folder(metadata_path: Path, metadata, allowed: list):
             continue  # tensors: torch.distributed.checkpoint loads them weights-only itself
         if storage.transform_descriptors:
             raise ValueError(f"item {index.fqn} is stored with transforms {storage.transform_descriptors}")
-        if storage.relative_path not in shards:
-            shards[storage.relative_path] = (metadata_path.parent / storage.relative_path).read_bytes()
-        data = shards[storage.relative_path][storage.offset:storage.offset + storage.length]
-        _check_loadable(data, allowed)
+        with open(metadata_path.parent / storage.relative_path, "rb") as shard:
+            shard.seek(storage.offset)
+            _check_loadable(io.BytesIO(shard.read(storage.length)), allowed)
 
 
 MANIFEST_CHUNK = 8 << 20

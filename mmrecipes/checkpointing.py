@@ -30,7 +30,7 @@ from pathlib import Path
 
 from accelerate.utils import gather_object
 
-from .checkpoint_files import UnsafeCheckpoint, check_manifest, check_plain_data, checkpoint_files, file_digest
+from .checkpoint_files import UnsafeCheckpoint, check_manifest, checkpoint_files, file_digest, plain_data_problem
 from .loader import ResumableShuffle, batches_forever
 from .output_dir import OutputDirBusy, OutputDirLock
 from .sources import data_fingerprint
@@ -171,23 +171,19 @@ class Checkpointer:
         try:
             saved = json.loads((checkpoint / MARKER).read_text())
             manifest = saved["files"]
+            if not (isinstance(manifest, dict) and isinstance(saved["step"], int) and isinstance(saved["layout"], dict)):
+                raise TypeError
         except (ValueError, KeyError, TypeError):
-            return [f"{MARKER} has no file manifest (not written by these recipes, or by an older version)"]
+            return [f"{MARKER} has no file manifest, step and layout (not written by these recipes, or by an older "
+                    "version)"]
         self._check_belongs(checkpoint, saved)
         names = sorted(set(manifest) | set(checkpoint_files(checkpoint, MARKER)))
         problems = self._on_every_rank(lambda name: check_manifest(checkpoint, manifest, [name]), names)
         if problems:
             return problems
-        problems = self._on_every_rank(self._plain_data_problems, [checkpoint])
+        problems = self._on_every_rank(lambda name: list(filter(None, [plain_data_problem(checkpoint, name)])), names)
         problems += self._on_every_rank(self._state_problems, [(checkpoint, saved)])
         return problems
-
-    def _plain_data_problems(self, checkpoint: Path) -> list[str]:
-        try:
-            check_plain_data(checkpoint)
-        except UnsafeCheckpoint as error:
-            return [str(error)]
-        return []
 
     def _state_problems(self, item) -> list[str]:
         """The scheduler's state and every rank's data position, against what this run can load."""

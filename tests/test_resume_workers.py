@@ -18,7 +18,7 @@ import torch
 from transformers import CLIPModel
 
 from launch import REPO, WITH_FAULTS, accelerate_launch, launch_command, losses, process_tree, run_env, run_recipe
-from mmrecipes.checkpointing import check_plain_data
+from mmrecipes.checkpoint_files import check_plain_data
 
 pytestmark = pytest.mark.launch
 
