@@ -93,8 +93,9 @@ class ImageTextPreprocessor:
 
     def __call__(self, batch):
         images, captions, counts = [], [], []
-        columns = self.args.image_column, self.args.caption_column
-        for raw_image, caption, problem in zip(*(batch[column] for column in columns), batch[PROBLEM]):
+        raw_images, raw_captions = batch[self.args.image_column], batch[self.args.caption_column]
+        problems = batch.get(PROBLEM) or [None] * len(raw_images)  # rows from load_stream say what failed reading
+        for raw_image, caption, problem in zip(raw_images, raw_captions, problems):
             if problem is None and isinstance(caption, bytes):  # a binary caption column
                 try:
                     caption = caption.decode("utf-8")
