@@ -1,4 +1,4 @@
-"""Data loading: the CLIP loader alone against a seed-001-style pipeline, and the default run's data_wait.
+"""Data loading: the CLIP loader alone against a per-row PIL + torchvision pipeline, and the default run's data_wait.
 
     python bench/data_loading.py              # about 3 minutes on 2 cores
     python bench/data_loading.py --quick      # a smoke run (CI): tiny sizes, nothing to read into
@@ -6,7 +6,7 @@
 1. Loader alone, samples/s over the embedded training rows (batch 64, 0 workers, median of
    --repeats after a warm-up round, taken round-robin): `mmrecipes.data.build_dataloader`
    (streamed, batched decode + image processor + tokeniser, collated) against the pipeline the
-   seed-001 script had: a map-style Dataset whose `__getitem__` decodes one PIL image, builds a
+   first version of the recipe had: a map-style Dataset whose `__getitem__` decodes one PIL image, builds a
    `transforms.Compose` and tokenises one caption with `padding="max_length"`, under the default
    collate (and the tokenizers library's default thread pool).
 2. `data_wait` of the default recipe (`recipes/clip_pretrain.py`, mean over its log lines) with
@@ -34,8 +34,9 @@ import torch
 from torchvision import transforms
 from transformers import CLIPImageProcessor
 
-from mmrecipes.data import SHAPES_DATA, DataArgs, build_dataloader
+from mmrecipes.data import DataArgs, build_dataloader
 from mmrecipes.images import decode_image, processed_pixels
+from mmrecipes.paths import SHAPES_DATA
 from mmrecipes.models import ModelArgs, build_contrastive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ RESULTS = REPO / "bench" / "results" / "data_loading.jsonl"
 
 
 class Seed001Pipeline(torch.utils.data.Dataset):
-    """One row at a time, as the seed-001 script did it (the baseline, not something to copy)."""
+    """One row at a time, as a per-row PIL + torchvision pipeline does it (the baseline, not something to copy)."""
 
     def __init__(self, rows, tokenizer, image_processor, max_length):
         self.rows, self.tokenizer, self.max_length = rows, tokenizer, max_length
@@ -107,7 +108,7 @@ def main():
                                            batch_size=64, shuffle=True)
 
     # mmrecipes.data turns the tokenizer's thread pool off (TOKENIZERS_PARALLELISM, read at every call);
-    # the baseline runs with the tokenizers default, as the seed-001 script did.
+    # the baseline runs with the tokenizers default, as the per-row pipeline would.
     tokenizer_parallelism = {"mmrecipes": "false", "seed_001": "true"}
     pipelines = (("mmrecipes", ours), ("seed_001", seed_001))
     measured = {name: [] for name, _ in pipelines}

@@ -53,7 +53,7 @@ from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPMode
 from gpu_clip_throughput import TOY, VIT_B_16, build, measure, timed_steps
 from mmrecipes.chat_data import ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
 from mmrecipes.chat_labels import AnswerLabeller
-from mmrecipes.models import TINY_TOKENIZER
+from mmrecipes.paths import TINY_TOKENIZER
 from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, stop_token_ids
 from mmrecipes.vlm_families import dummy_image_inputs, module_groups

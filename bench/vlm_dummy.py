@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from mmrecipes.chat_data import VLM_SHAPES, ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
+from mmrecipes.chat_data import ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
+from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.losses import token_cross_entropy_sum
 from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, stop_token_ids

@@ -34,7 +34,7 @@ PACK_LENGTH = 256  # the recipe's default --max_length, its sequence length when
 
 def long_tail_source(directory: Path) -> str:
     """Conversations of 4 images: 4 consecutive embedded image conversations' first turns, joined."""
-    from mmrecipes.chat_data import VLM_SHAPES
+    from mmrecipes.paths import VLM_SHAPES
 
     rows = datasets.load_dataset(str(VLM_SHAPES / "image_chat"), split="train").select(range(800))
     rows = rows.cast_column("images", datasets.List(datasets.Image(decode=False)))
@@ -50,7 +50,8 @@ def long_tail_source(directory: Path) -> str:
 
 
 def _variant(mode, mixture, budget, steps, queue):
-    from mmrecipes.chat_data import ChatDataArgs, DummyImageCollator, VLM_SHAPES, build_chat_dataloader, chat_model_inputs
+    from mmrecipes.chat_data import ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
+    from mmrecipes.paths import VLM_SHAPES
     from mmrecipes.chat_labels import AnswerLabeller
     from mmrecipes.losses import count_target_tokens
     from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, stop_token_ids

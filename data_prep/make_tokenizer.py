@@ -5,7 +5,7 @@
 Byte-level, so it encodes any text a user points the default model at. The post-processor
 wraps every caption as `<|startoftext|> ... <|endoftext|>`: HF CLIP pools the text tower at
 the first `eos_token_id`, and without an EOS every caption would pool its first token and all
-texts would embed the same (FIELD_NOTES §6). The EOS id is 0, not 2, because CLIP treats
+texts would embed the same. The EOS id is 0, not 2, because CLIP treats
 `eos_token_id == 2` as the legacy "pool at the largest token id" rule.
 """
 

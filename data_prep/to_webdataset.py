@@ -19,7 +19,7 @@ from pathlib import Path
 import datasets
 
 from mmrecipes.images import decode_image
-from mmrecipes.models import EMBEDDED
+from mmrecipes.paths import SHAPES_DATA
 
 
 def add_member(tar: tarfile.TarFile, name: str, data: bytes):
@@ -55,7 +55,7 @@ def write_shards(rows, output_dir: Path, prefix: str, num_shards: int, image_col
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--dataset_name", default=str(EMBEDDED / "shapes"))
+    parser.add_argument("--dataset_name", default=str(SHAPES_DATA))
     parser.add_argument("--image_column", default="image")
     parser.add_argument("--caption_column", default="text")
     parser.add_argument("--train_shards", type=int, default=4)

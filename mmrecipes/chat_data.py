@@ -29,13 +29,12 @@ from .config import CheckedArgs
 from .images import decode_image
 from .loader import DropCounter, ResumableShuffle, stream_loader
 from .losses import IGNORE_INDEX, count_target_tokens
-from .models import EMBEDDED
 from .packing import TokenBudgetBatches
+from .paths import VLM_SHAPES
 from .sources import PROBLEM, load_stream
 
 logger = logging.getLogger(__name__)
 
-VLM_SHAPES = EMBEDDED / "vlm_shapes"
 # What the log reports: images converted to RGB, and rows skipped because an image does not decode (or is not
 # a regular file), is too large or too elongated, or lies outside --image_folder; the image placeholders do
 # not match the images; the row is over max_length or has no answer token; its text is not UTF-8; it is not
@@ -294,6 +293,27 @@ def probe_rows(labeller) -> list[dict]:
         input_ids, labels, image_inputs = encode_row(labeller, messages, images)
         rows.append({"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs} | dict.fromkeys(CHAT_COUNTED, 0))
     return rows
+
+
+@torch.no_grad()
+def check_packing(step, labeller, dummy_inputs):
+    """Raise before the first step unless an image conversation and a text one, packed into one
+    sequence, give the logits each gives alone (the model keeps packed samples apart). `step`: the
+    model's `mmrecipes.vlm.VLMForTraining`."""
+    rows = probe_rows(labeller)
+    model, training = step.model, step.model.training
+    model.eval()
+    try:
+        _, packed = step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True)(rows), "cpu"),
+                         return_logits=True)
+        alone = torch.cat([step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs)([row]), "cpu"),
+                                return_logits=True)[1] for row in rows], dim=1)
+    finally:
+        model.train(training)
+    if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4):
+        raise ValueError(f"--packing: {type(model).__name__} does not keep packed samples apart (its logits differ by "
+                         f"{(packed - alone).abs().max().item():.3g} from the samples run alone): drop --packing, or "
+                         "keep --max_tokens_per_batch without it")
 
 
 def chat_model_inputs(batch: dict, device) -> dict:

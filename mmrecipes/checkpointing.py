@@ -31,7 +31,7 @@ from pathlib import Path
 from accelerate.utils import gather_object
 
 from .checkpoint_files import UnsafeCheckpoint, check_manifest, checkpoint_files, file_digest, plain_data_problem
-from .loader import ResumableShuffle, batches_forever
+from .loader import ResumableShuffle
 from .output_dir import OutputDirBusy, OutputDirLock
 from .sources import data_fingerprint
 
@@ -73,7 +73,7 @@ class Checkpointer:
         self.root = Path(args.output_dir) / "checkpoints"
         self.total_limit, self.ignore_data_skip = args.save_total_limit, args.ignore_data_skip
         self.lock = OutputDirLock(args.output_dir)
-        self.train_loader, self.epoch = None, 0  # the training stream and the epoch of its last batch (`resume`)
+        self.train_loader = None  # the training stream whose position saves keep (`resume`)
         self.layout, self.model = dict(layout), model_layout(model)
 
     def complete(self) -> list[Path]:
@@ -81,8 +81,9 @@ class Checkpointer:
         return sorted((path for path in self.root.glob("checkpoint-*")
                        if CHECKPOINT_NAME.fullmatch(path.name) and (path / MARKER).is_file()), key=step_of)
 
-    def save(self, step: int) -> Path:
-        """Model, optimizer, scheduler and RNG state after `step` optimizer steps (call on every rank)."""
+    def save(self, step: int, epoch: int) -> Path:
+        """Model, optimizer, scheduler and RNG state after `step` optimizer steps, and the training stream's
+        position after its last batch, which came from `epoch` (call on every rank)."""
         accelerator = self.accelerator
         partial, final = self.root / f"{PARTIAL}checkpoint-{step}", self.root / f"checkpoint-{step}"
         if accelerator.is_main_process and partial.exists():
@@ -92,7 +93,7 @@ class Checkpointer:
         if accelerator.is_main_process:  # plain data (the schedule's functions are the recipe's code)
             (partial / SCHEDULER).write_text(json.dumps(self.scheduler.state_dict()))
         if self.train_loader is not None:  # after the last batch the loop took: the loader reads none ahead
-            data_state = {"epoch": self.epoch, "loader": self.train_loader.state_dict()}
+            data_state = {"epoch": epoch, "loader": self.train_loader.state_dict()}
             (partial / f"data_state_{accelerator.process_index}.json").write_text(json.dumps(data_state))
         accelerator.wait_for_everyone()  # every rank's files are written
         manifest = dict(self._on_every_rank(lambda name: [(name, file_digest(partial / name))],
@@ -229,10 +230,10 @@ class Checkpointer:
                              "--shuffle_buffer_size and data it was saved with, or pass --ignore_data_skip true to "
                              "restore the rest and start the data from the beginning.")
 
-    def resume(self, which: str | None, train_loader):
-        """(start_step, batches): the run restored from `which` (model, optimizer, scheduler, RNG)
-        and the training stream at the same position, so it repeats the uninterrupted run exactly.
-        `batches` yields (epoch, batch) and notes each batch's epoch for the next save."""
+    def resume(self, which: str | None, train_loader) -> tuple[int, int | None]:
+        """(start_step, epoch): restore model, optimizer, scheduler and RNG from `which` and the training
+        stream's position into `train_loader`, and say which epoch that position is in (None: the data
+        start from the beginning). Iterating from there repeats the uninterrupted run exactly."""
         self.claim_output_dir()
         self.remove_partial()
         self.train_loader = train_loader
@@ -242,23 +243,17 @@ class Checkpointer:
             self.accelerator.print(f"--resume_from_checkpoint {which}: no complete checkpoint under {self.root} yet; "
                                    "starting from step 0")
         if checkpoint is None:
-            return 0, self._noting_epochs(batches_forever(train_loader))
+            return 0, None
         self.accelerator.load_state(checkpoint)
         self.scheduler.load_state_dict(json.loads((checkpoint / SCHEDULER).read_text()))
         start_step = step_of(checkpoint)
         self.accelerator.print(f"resumed from {checkpoint} at step {start_step}")
         if self.ignore_data_skip:
             self.accelerator.print("--ignore_data_skip: the data start from the beginning")
-            return start_step, self._noting_epochs(batches_forever(train_loader))
+            return start_step, None
         data_state = json.loads((checkpoint / f"data_state_{self.accelerator.process_index}.json").read_text())
         train_loader.load_state_dict(data_state["loader"])
-        return start_step, self._noting_epochs(batches_forever(train_loader, first_epoch=data_state["epoch"],
-                                                               resumed=True))
-
-    def _noting_epochs(self, batches):
-        for epoch, batch in batches:
-            self.epoch = epoch
-            yield epoch, batch
+        return start_step, data_state["epoch"]
 
 
 def _positions(loader_state):

@@ -16,10 +16,9 @@ from torchvision.transforms.v2.functional import normalize as normalize_image
 from .config import CheckedArgs
 from .images import decode_image, device_normalization, processed_pixels
 from .loader import DropCounter, ResumableShuffle, stream_loader
-from .models import EMBEDDED
+from .paths import SHAPES_DATA
 from .sources import PROBLEM, load_stream
 
-SHAPES_DATA = EMBEDDED / "shapes"
 # What the log reports: images converted to RGB, and rows skipped because their image does not decode (or
 # is not a regular file), is too large or too elongated, their caption is missing or not UTF-8, or their
 # file is empty, unreadable or truncated (mmrecipes.sources).

@@ -87,7 +87,7 @@ def mesh_data_rank_and_world(mesh) -> tuple[int, int]:
     """Data rank/world on a device mesh: only data-parallel peers read different data.
 
     With dp_replicate x dp_shard (HSDP) the data rank is r_replicate * |dp_shard| + r_shard and
-    the data world |dp_replicate| * |dp_shard| (FIELD_NOTES §1.3); tensor/context-parallel peers
+    the data world |dp_replicate| * |dp_shard|; tensor/context-parallel peers
     (any other mesh dimension) share a data rank and so read the same batch.
     """
     rank, world = 0, 1

@@ -1,7 +1,7 @@
 """Feature-cache gradient accumulation (GradCache): k micro-batches act as ONE contrastive batch.
 
 Plain accumulation sums k micro-batch losses, each with b negatives per row: it optimises a
-b-negative objective, not the k*b-negative one (FIELD_NOTES §2). Here:
+b-negative objective, not the k*b-negative one (docs/losses.md). Here:
 1. forward every micro-batch without a graph and cache its features (and the RNG state it used);
 2. compute the loss on all cached features at once (k*b rows per rank, gathered across ranks)
    and its gradient with respect to those features and the logit scale;

@@ -208,15 +208,16 @@ def _exit_with(pid: int):
     os._exit(1)
 
 
-def batches_forever(dataloader, first_epoch=0, resumed=False):
+def batches_forever(dataloader, resumed_epoch: int | None = None):
     """Yield (epoch, batch) over epochs of this rank's stream; (epoch, None) after an empty epoch.
 
     Each rank loops over its own rows, so a rank never runs dry while others train: every
     rank stops at the same optimizer step. The recipe agrees on "got a batch" once, at the
     first batch, so an empty shard stops every rank with one clear error instead of a hang.
-    `resumed`: the first epoch continues a saved position (and may have nothing left).
+    `resumed_epoch`: the epoch of a position loaded into the loader (`Checkpointer.resume`), which
+    continues there (and may have nothing left).
     """
-    epoch = first_epoch
+    epoch, resumed = (0, False) if resumed_epoch is None else (resumed_epoch, True)
     while True:
         dataloader.dataset.set_epoch(epoch)  # a new shuffle order per epoch
         empty = True

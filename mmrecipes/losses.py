@@ -1,4 +1,4 @@
-"""Contrastive losses that are exact at any data-parallel scale (FIELD_NOTES §2).
+"""Contrastive losses that are exact at any data-parallel scale (docs/losses.md).
 
 Each rank passes its own L2-normalised rows. The returned value is this rank's *local* loss,
 scaled so that (a) the mean over ranks equals the loss of one process holding every rank's
@@ -10,7 +10,7 @@ global row count N. Without an initialised process group they are plain one-proc
 
 Collectives are torch's functional collectives, whose backward is defined
 (`torch.distributed.all_gather` returns detached tensors and silently drops every gradient
-from other ranks' negatives: seed-003).
+from other ranks' negatives: tests/test_losses.py swaps it in and the gradient check fails).
 """
 
 import torch
@@ -174,7 +174,7 @@ def _ring_shift(block, rank, world, group):
     return funcol.all_to_all_single_autograd(block.contiguous(), receive, send, group)
 
 
-# Token-level losses (captioning, SFT) under accumulation and data parallelism (FIELD_NOTES §3).
+# Token-level losses (captioning, SFT) under accumulation and data parallelism.
 # The right gradient is (1/N) * grad(sum of CE over every target token of the window on all ranks),
 # N = the window's target tokens on all data ranks. A per-micro-batch mean weights a micro-batch of
 # 3 target tokens like one of 300. Count N once per window (one all-reduce), then back-propagate

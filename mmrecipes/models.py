@@ -3,7 +3,6 @@ or a saved directory, and what every engine needs of them."""
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -13,12 +12,8 @@ from transformers import (AutoConfig, AutoImageProcessor, AutoTokenizer, CLIPCon
 
 from .config import CheckedArgs
 from .distributed import fsdp_block_classes
+from .paths import TINY_TOKENIZER
 
-# The embedded data and tokenizers: data/ of this checkout, or mmrecipes/embedded/ inside a wheel
-# (pyproject.toml packs one as the other), so a recipe copied out of the repo finds them too.
-_PACKAGED = Path(__file__).resolve().parent / "embedded"
-EMBEDDED = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[1] / "data"
-TINY_TOKENIZER = EMBEDDED / "tokenizer"
 MAX_LOGIT_SCALE = math.log(100)  # CLIP clamps the temperature at 100
 
 
@@ -48,7 +43,7 @@ class CLIPForContrastiveTraining(CLIPModel):
 
     `forward` returns (image_embeds, text_embeds, logit_scale.exp()): the scale must be read
     inside the forward, where FSDP2 and ZeRO-3 have the parameter unsharded. Two changes make
-    it acceptable to every engine (CPU_ENGINES.md): FSDP and DeepSpeed reject 0-dim parameters,
+    it acceptable to every engine (docs/engines.md): FSDP and DeepSpeed reject 0-dim parameters,
     so `build_clip` reshapes `logit_scale` to [1] once the weights are loaded (`save_clip` writes
     it back as []), and accelerate's FSDP2 path calls `get_input_embeddings()`, which CLIPModel
     does not implement.
@@ -73,7 +68,7 @@ class SiglipForContrastiveTraining(SiglipModel):
     """HF `SiglipModel` whose forward returns (image_embeds, text_embeds, logit_scale.exp(),
     logit_bias): what `siglip_loss` takes. Both scalars are [1]-shaped parameters already.
 
-    SigLIP pools the text tower's *last position*, padding or not (FIELD_NOTES §9): the padded
+    SigLIP pools the text tower's *last position*, padding or not (docs/clip.md, SigLIP): the padded
     length is part of the model, so captions are padded to the tokenizer's `model_max_length`
     (64 for SigLIP, which the zero-shot pipeline hard-codes), in training as in inference.
     """
@@ -115,7 +110,7 @@ def build_contrastive(args: ModelArgs):
 
     Build it *before* `Accelerator()`: under ZeRO-3 accelerate registers the DeepSpeed config
     with transformers, and a model constructed afterwards is partitioned at construction with a
-    different random init (CPU_ENGINES.md).
+    different random init (a different first loss than DDP's and ZeRO-2's).
     """
     model_class = TRAINING_CLASSES[args.loss]
     if args.model_name_or_path:
@@ -145,7 +140,7 @@ def _tower(args: ModelArgs) -> dict:
 
 
 def _tiny_siglip(args: ModelArgs):
-    # The zero-shot pipeline pads SigLIP captions to 64 tokens: train at that length (FIELD_NOTES §9).
+    # The zero-shot pipeline pads SigLIP captions to 64 tokens: train at that length (docs/clip.md, SigLIP).
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, model_max_length=64)
     config = SiglipConfig(
         text_config=dict(_tower(args), vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
@@ -154,7 +149,7 @@ def _tiny_siglip(args: ModelArgs):
         vision_config=dict(_tower(args), image_size=args.image_size, patch_size=args.patch_size),
     )
     model = SiglipForContrastiveTraining(config)
-    # SiglipModel initialises both to 0, which leaves a small model at chance (FIELD_NOTES §9).
+    # SiglipModel initialises both to 0, which leaves a small model at chance: the paper's log(10) and -10.
     with torch.no_grad():
         model.logit_scale.fill_(math.log(10) if args.logit_scale_init_value is None else args.logit_scale_init_value)
         model.logit_bias.fill_(args.logit_bias_init_value)
@@ -168,7 +163,7 @@ def _tiny_clip(args: ModelArgs):
     config = CLIPConfig(
         text_config=dict(
             tower, vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
-            # CLIP pools the text tower at the first eos_token_id (FIELD_NOTES §6).
+            # CLIP pools the text tower at the first eos_token_id: without it every caption pools one token.
             eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
         ),
         vision_config=dict(tower, image_size=args.image_size, patch_size=args.patch_size),

@@ -17,7 +17,7 @@ sets everyone's step time and memory.
   language models, and each sample's own 3-D mRoPE positions (its `get_rope_index`) for the Qwen
   families, with the text positions in front that transformers reads to build the block-diagonal
   mask (flash-attention's variable-length path on GPUs, a block-diagonal mask with `sdpa` here).
-  `vlm.check_packing` verifies that on the model before the first step.
+  `chat_data.check_packing` verifies that on the model before the first step.
 """
 
 import inspect

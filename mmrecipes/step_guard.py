@@ -61,11 +61,12 @@ class StepGuard:
         self._read_pending()
         return self._skipped_steps
 
-    def step_is_finite(self, losses: torch.Tensor, grad_norm, step: int) -> bool:
-        """Whether to call the optimizer and scheduler for this step (the same answer on every rank).
-        With a fused optimizer always True: it skips a non-finite step on the device by itself.
-        `losses`: this rank's micro-batch losses of the step; `grad_norm`: from
-        `accelerator.clip_grad_norm_`."""
+    def should_call_optimizer(self, losses: torch.Tensor, grad_norm, step: int) -> bool:
+        """Whether to call the optimizer and scheduler for this step (the same answer on every rank): False
+        for a non-finite step, which is skipped. With a fused optimizer always True: the guard hands it the
+        verdict (`found_inf`) and it skips a non-finite step on the device by itself; `self.applied` holds
+        the verdict on the device either way. `losses`: this rank's micro-batch losses of the step;
+        `grad_norm`: from `accelerator.clip_grad_norm_`."""
         device = losses.device
         if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the norm as a replicated DTensor
             grad_norm = grad_norm.full_tensor()

@@ -1,6 +1,4 @@
-"""Training FLOPs of a model, the MFU that samples/s implies, and the time spent waiting for data."""
-
-import time
+"""Training FLOPs of a model, and the MFU that samples/s implies."""
 
 import torch
 
@@ -59,21 +57,3 @@ def vlm_train_flops(model, vision_tower_params: int, *, seq_len: int, lm_weights
         per_token -= 2 * lm_params
     return per_token, (6 if vision_trains else 2) * vision_tower_params
 
-
-class DataWait:
-    """Wall time the training loop spends waiting for its next batch: `next(batches)` through it,
-    and `take()` the seconds at a logging boundary (data_wait = those seconds / the window's wall
-    time; the recipes average it over ranks in the logging all-reduce)."""
-
-    def __init__(self):
-        self.seconds = 0.0
-
-    def next(self, batches):
-        start = time.perf_counter()
-        item = next(batches)
-        self.seconds += time.perf_counter() - start
-        return item
-
-    def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds

@@ -2,7 +2,7 @@
 
 When one data-parallel rank gets a text-only micro-batch and another an image-text one, the
 vision tower and projector run on some ranks only: DDP waits for gradients that never come,
-FSDP and ZeRO-3 issue mismatched all-gathers (FIELD_NOTES §1, §4). `VLMForTraining` wraps any
+FSDP and ZeRO-3 issue mismatched all-gathers (docs/vlm.md, "The dummy image"). `VLMForTraining` wraps any
 `AutoModelForImageTextToText` model (Llava, Qwen2.5-VL, Qwen3-VL, Idefics3, Gemma 3, ...) so that
 every micro-batch calls the vision step exactly once, in the same module order on every rank:
 
@@ -26,7 +26,7 @@ signatures, configs and module tree (`mmrecipes.vlm_families`), never from its n
 
 The wrapper reads no parameter itself: under ZeRO-3, reading a sub-module's parameter (its dtype,
 say) in a parent's forward gathers it on that rank only and breaks the next collective
-(CPU_ENGINES.md §3); each tower casts its inputs inside its own forward.
+(measured on gloo: a size-mismatch abort); each tower casts its inputs inside its own forward.
 
 A dummy's zero gradient still lets AdamW apply weight decay and momentum to those parameters on
 that step; train the tower with `weight_decay=0` (the recipe's default for it) if that matters.
@@ -39,16 +39,14 @@ import torch
 from transformers import (AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, CLIPImageProcessor, LlavaConfig,
                           LlavaForConditionalGeneration, LlavaProcessor)
 
-from .chat_data import DummyImageCollator, chat_model_inputs, probe_rows
 from .config import CheckedArgs
 from .distributed import fsdp_block_classes
 from .lora import save_lora
 from .losses import head_cross_entropy_sum, soft_capped, token_cross_entropy_sum
 from .packing import packed_position_ids
-from .models import EMBEDDED
+from .paths import TINY_VLM_TOKENIZER
 from .vlm_families import ModuleGroups, check_trainable, lm_features
 
-TINY_VLM_TOKENIZER = EMBEDDED / "vlm_tokenizer"
 TRAIN_MODULE_CHOICES = ("projector", "projector,language_model", "all")
 
 
@@ -130,26 +128,6 @@ class VLMForTraining(torch.nn.Module):
         return fsdp_block_classes(self.model)
 
 
-@torch.no_grad()
-def check_packing(model, labeller, dummy_inputs):
-    """Raise before the first step unless an image conversation and a text one, packed into one
-    sequence, give the logits each gives alone (the model keeps packed samples apart)."""
-    rows = probe_rows(labeller)
-    step, training = VLMForTraining(model), model.training
-    model.eval()
-    try:
-        _, packed = step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True)(rows), "cpu"),
-                         return_logits=True)
-        alone = torch.cat([step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs)([row]), "cpu"),
-                                return_logits=True)[1] for row in rows], dim=1)
-    finally:
-        model.train(training)
-    if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4):
-        raise ValueError(f"--packing: {type(model).__name__} does not keep packed samples apart (its logits differ by "
-                         f"{(packed - alone).abs().max().item():.3g} from the samples run alone): drop --packing, or "
-                         "keep --max_tokens_per_batch without it")
-
-
 def load_vlm(args: VLMModelArgs):
     """(model, processor): any `AutoModelForImageTextToText` checkpoint, or the tiny Llava built from a config.
 
@@ -192,7 +170,9 @@ def _tiny_llava(args: VLMModelArgs):
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     image_processor = CLIPImageProcessor(size={"shortest_edge": args.image_size},
                                          crop_size={"height": args.image_size, "width": args.image_size})
-    # What AutoProcessor and the image-text-to-text pipeline need of the saved directory (FIELD_NOTES §7).
+    # What AutoProcessor and the image-text-to-text pipeline need of the saved directory: patch_size, CLIP's one
+    # extra (CLS) token, the model's feature select strategy, the image token (else "Image features and image
+    # tokens do not match").
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=args.patch_size,
                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                image_token=tokenizer.image_token, chat_template=tokenizer.chat_template)

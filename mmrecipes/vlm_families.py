@@ -7,7 +7,7 @@ From those, the configs and the module tree this module derives:
 
 - `check_trainable`: families the recipe cannot train, rejected before any weight is loaded;
 - `dummy_image_inputs`: the smallest image the vision step accepts, its extra inputs chosen from
-  `get_image_features`' signature (FIELD_NOTES §10);
+  `get_image_features`' signature (Qwen needs `image_grid_thw`, Idefics3 a 5-D `pixel_values`);
 - `lm_features`: the tensors of that call the language model consumes (the projected features,
   and Qwen3-VL's deepstack features);
 - `module_groups`: vision tower / projector / language model, from one dummy backward;

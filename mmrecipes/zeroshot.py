@@ -19,7 +19,7 @@ from .images import processed_pixels
 from .sources import split_by_data_rank
 from .distributed import sum_over_ranks
 from .evaluation import batches_in_step
-from .models import EMBEDDED
+from .paths import SHAPES_ZEROSHOT
 
 DEFAULT_TEMPLATES = "a photo of a {}.|a photo of the {}.|a rendering of a {}.|a {}.|a picture of a small {}.|a picture of a large {}."
 
@@ -29,7 +29,7 @@ class ZeroShotArgs(CheckedArgs):
     CHECKS = {"per_device_zeroshot_batch_size": "count"}
     # A hub id, a builder with --zeroshot_data_files, or a local directory (an image folder with one
     # sub-folder per class is read as imagefolder); None or "" turns zero-shot evaluation off.
-    zeroshot_dataset: str | None = str(EMBEDDED / "shapes_zeroshot")
+    zeroshot_dataset: str | None = str(SHAPES_ZEROSHOT)
     zeroshot_data_files: str | None = None
     zeroshot_split: str | None = None  # default: test, or the only split there is
     zeroshot_image_column: str = "image"

@@ -26,14 +26,16 @@ from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.config import parse_args
 from mmrecipes.data import COUNTED, DataArgs, build_dataloader, caption_length, evaluation_off_reason, model_inputs
 from mmrecipes.distributed import (all_ranks_true, data_parallel_rank_and_world, engine_line,
-                                   reconcile_deepspeed_config, sum_over_ranks)
+                                   reconcile_deepspeed_config)
 from mmrecipes.evaluation import evaluate_retrieval
 from mmrecipes.feature_cache import feature_cache_backward
 from mmrecipes.losses import clip_loss, siglip_loss
+from mmrecipes.loader import batches_forever
+from mmrecipes.metrics import LogWindow, eval_line, log_line
 from mmrecipes.model_card import History, write_model_card
 from mmrecipes.models import ModelArgs, build_contrastive, clamp_logit_scale_, save_contrastive
 from mmrecipes.step_guard import StepGuard
-from mmrecipes.throughput import DataWait, clip_train_flops_per_sample, peak_flops
+from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
 from mmrecipes.training import TrainingArgs, accelerator_from_args, adamw, compile_blocks, per_device_batch_size
 from mmrecipes.zeroshot import ZeroShotArgs, ZeroShotSet, evaluate_zeroshot
 
@@ -107,28 +109,25 @@ def main(argv=None):
     # whether a preemption signal arrived (then: checkpoint and exit).
     guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,
                       max_skipped_steps=args.max_skipped_steps)
-    start_step, train_batches = checkpoints.resume(args.resume_from_checkpoint, train_loader)
+    start_step, resumed_epoch = checkpoints.resume(args.resume_from_checkpoint, train_loader)
+    train_batches = batches_forever(train_loader, resumed_epoch)
 
     accelerator.init_trackers(f"{model_args.loss}_pretrain", config=asdict(model_args) | asdict(data_args) | asdict(args))
     peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
-    # Summed over the logging window, on the device: the mean loss of the applied steps, and their number.
-    loss_sum, applied_steps = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
-    samples, window_start = 0, time.perf_counter()
-    data_counts, data_wait = torch.zeros(len(COUNTED), dtype=torch.long), DataWait()
-    history, samples_seen = History(), 0  # for the model card and its curves
+    logged, history = LogWindow(accelerator.device, COUNTED), History()  # sums of a logging window; all logged
     # Both take (image_embeds, text_embeds, *what the model returns after them): scale, and SigLIP's bias.
     loss_fn = siglip_loss if model_args.loss == "siglip" else partial(clip_loss, tile_size=args.loss_tile_size)
     for step in progress:
         window = []
         for _ in range(args.gradient_accumulation_steps):
-            epoch, batch = data_wait.next(train_batches)
+            epoch, batch = logged.next(train_batches)
             # A rank whose share is empty gets None at its first batch (every epoch reads the same
             # rows): the ranks agree on that once, not with a collective and host sync per micro-step.
             if step == start_step and not window and not all_ranks_true(batch is not None, accelerator.device):
                 raise RuntimeError(f"A data rank has no training rows ({data_world} data ranks): use more data "
-                                   "shards/rows or fewer processes.")
+                                   "shards/rows or fewer processes (rows that cannot be read are skipped).")
             window.append(batch)
         if args.contrastive_accumulation == "feature_cache":
             # The window's micro-batches act as ONE contrastive batch (k*b negatives per row).
@@ -145,41 +144,28 @@ def main(argv=None):
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         done = step + 1
         step_losses = torch.stack(window_losses)
-        if guard.step_is_finite(step_losses, grad_norm, done):  # fused AdamW: skips on the device
+        if guard.should_call_optimizer(step_losses, grad_norm, done):  # a fused AdamW is always called
             optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
             scheduler.step()
             clamp_logit_scale_(accelerator, model)
-        loss_sum += torch.where(guard.applied, step_losses.mean(), 0)  # applied: on the device
-        applied_steps += guard.applied
+        logged.add_applied(guard.applied, loss=step_losses.mean(), applied_steps=1)  # on the device
+        logged.add(samples=sum(len(batch["input_ids"]) for batch in window),
+                   data_counts=sum(batch["data_counts"] for batch in window))
         optimizer.zero_grad()
-        samples += sum(len(batch["input_ids"]) for batch in window)
-        data_counts = data_counts + sum(batch["data_counts"] for batch in window)
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
         if done % args.logging_steps == 0 or done == args.max_steps:
             # Mean over ranks of the local losses is the global-batch loss (mmrecipes.losses).
-            elapsed = time.perf_counter() - window_start
-            totals = sum_over_ranks(torch.cat([loss_sum.reshape(1).double(), applied_steps.reshape(1).double(),
-                                               torch.tensor([samples, data_wait.take()], dtype=torch.float64,
-                                                            device=loss_sum.device)])).tolist()
-            counts = sum_over_ranks(data_counts.to(accelerator.device))
-            samples_per_s = totals[2] / elapsed
-            loss = totals[0] / totals[1] if totals[1] else float("nan")  # both summed over ranks
-            metrics = {"loss": loss, "epoch": epoch, "lr": scheduler.get_last_lr()[0], "samples_per_s": samples_per_s,
-                       "data_wait": totals[3] / accelerator.num_processes / elapsed, "skipped_steps": guard.skipped_steps}
-            if peak:
-                metrics["mfu"] = samples_per_s * flops_per_sample / (peak * accelerator.num_processes)
-            metrics |= {name: int(count) for name, count in zip(COUNTED, counts.tolist())}
-            accelerator.log(metrics, step=done)
+            sums = logged.close()
+            metrics = {"loss": sums["loss"] / sums["applied_steps"] if sums["applied_steps"] else float("nan"),
+                       "lr": scheduler.get_last_lr()[0], "samples_per_s": sums["samples"] / sums["seconds"],
+                       "mfu": sums["samples"] * flops_per_sample / sums["seconds"] / peak / accelerator.num_processes
+                       if peak else None,
+                       "data_wait": sums["data_wait"] / accelerator.num_processes / sums["seconds"],
+                       "skipped_steps": guard.skipped_steps} | {name: int(sums[name]) for name in COUNTED}
+            accelerator.log(metrics | {"epoch": epoch}, step=done)
             history.add(done, metrics)
-            samples_seen += int(totals[2])
-            mfu = f"{metrics['mfu']:.2%}" if peak else "n/a"
-            log(f"step {done}/{args.max_steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.2e} | "
-                f"samples/s {samples_per_s:.1f} | MFU {mfu} | data_wait {metrics['data_wait']:.3f} | "
-                f"skipped_steps {guard.skipped_steps} | "
-                + " ".join(f"{name} {metrics[name]}" for name in COUNTED))
-            loss_sum, applied_steps = torch.zeros_like(loss_sum), torch.zeros_like(applied_steps)
-            samples, window_start = 0, time.perf_counter()
+            log(log_line(done, args.max_steps, metrics))
         evaluating = eval_loader is not None or zeroshot is not None
         if evaluating and (done % args.eval_steps == 0 or done == args.max_steps):
             eval_start = time.perf_counter()
@@ -188,14 +174,13 @@ def main(argv=None):
                 recall = evaluate_retrieval(model, eval_loader, filler_batch, accelerator.device)
             if zeroshot is not None:
                 recall |= evaluate_zeroshot(model, zeroshot, accelerator.device)
-            window_start += time.perf_counter() - eval_start  # samples/s measures training only
+            logged.pause(time.perf_counter() - eval_start)  # samples/s measures training only
             if recall:
                 accelerator.log(recall, step=done)
                 history.add(done, recall, evaluation=True)
-                log(f"eval step {done} | " + " | ".join(
-                    f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}" for name, value in recall.items()))
+                log(eval_line(done, recall))
         if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
-            checkpoint = checkpoints.save(done)
+            checkpoint = checkpoints.save(done, epoch)
             if guard.stop_requested:
                 guard.exit_preempted(checkpoint)  # exit code 75 on every rank: run the same command again
 
@@ -205,7 +190,7 @@ def main(argv=None):
             args.output_dir, history, pipeline_tag="zero-shot-image-classification",
             eval_metrics=["image_to_text_R@1", "text_to_image_R@1", "zeroshot_top1"],
             base_model=model_args.model_name_or_path, datasets=[data_args.dataset_name], tags=[model_args.loss, "contrastive"],
-            engine=engine, seen=f"{samples_seen:,} image-text pairs", resumed_at=start_step,
+            engine=engine, seen=f"{int(logged.total['samples']):,} image-text pairs", resumed_at=start_step,
             load_example=f"from transformers import pipeline\nclassify = pipeline(\"zero-shot-image-classification\", "
                          f"model=\"{args.output_dir}\")\nclassify(image, candidate_labels=[\"a red circle\", \"a blue square\"])")
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from mmrecipes.chat_data import (CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader,
-                                 chat_model_inputs)
+                                 chat_model_inputs, check_packing)
 from mmrecipes.chat_labels import AnswerLabeller, check_template
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.config import parse_args
@@ -42,11 +42,13 @@ from mmrecipes.distributed import (DivergenceGuard, data_parallel_rank_and_world
 from mmrecipes.evaluation import evaluate_answers
 from mmrecipes.lora import LoraArgs, add_lora, describe_trainable
 from mmrecipes.losses import token_loss_scale
+from mmrecipes.loader import batches_forever
+from mmrecipes.metrics import LogWindow, eval_line, log_line
 from mmrecipes.model_card import History, write_model_card
 from mmrecipes.step_guard import StepGuard
-from mmrecipes.throughput import DataWait, peak_flops, vlm_train_flops
+from mmrecipes.throughput import peak_flops, vlm_train_flops
 from mmrecipes.training import TrainingArgs, accelerator_from_args, adamw, compile_blocks, per_device_batch_size
-from mmrecipes.vlm import (VLMForTraining, VLMModelArgs, apply_train_modules, check_packing, load_vlm, save_vlm,
+from mmrecipes.vlm import (VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, save_vlm,
                            stop_token_ids)
 from mmrecipes.vlm_families import dummy_image_inputs, image_patches, module_groups
 
@@ -92,7 +94,7 @@ def main(argv=None):
     if model_args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if data_args.packing:
-        check_packing(model, labeller, dummy_inputs)  # samples kept apart in one sequence, on this model
+        check_packing(VLMForTraining(model), labeller, dummy_inputs)  # samples kept apart in one sequence, on this model
     if not model.get_input_embeddings().weight.requires_grad:
         # A frozen embedding (LoRA, the projector preset) gives a text-only batch an LM input without grad: its
         # backward would skip the LM where an image batch's runs through it, so ZeRO-3 and FSDP2 ranks would
@@ -159,19 +161,16 @@ def main(argv=None):
     # whether a preemption signal arrived (then: checkpoint and exit).
     guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,
                       max_skipped_steps=args.max_skipped_steps)
-    start_step, train_batches = checkpoints.resume(args.resume_from_checkpoint, train_loader)
+    start_step, resumed_epoch = checkpoints.resume(args.resume_from_checkpoint, train_loader)
+    train_batches = batches_forever(train_loader, resumed_epoch)
 
     accelerator.init_trackers("vlm_finetune", config=asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args))
     peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
-    # Summed over the logging window on this rank. On the device: CE and target tokens of applied
-    # steps. From the CPU batches: samples, LM tokens, image patches, dummy-image batches of all steps.
-    applied_sums, counts, window_start = torch.zeros(2, device=accelerator.device), torch.zeros(4), time.perf_counter()
-    data_counts, data_wait = torch.zeros(len(CHAT_COUNTED), dtype=torch.long), DataWait()
-    history, seen = History(), torch.zeros(2, dtype=torch.float64)  # model card: curves; samples, tokens seen
+    logged, history = LogWindow(accelerator.device, CHAT_COUNTED), History()  # sums of a logging window; all logged
     for step in progress:
-        window = [data_wait.next(train_batches)[1] for _ in range(args.gradient_accumulation_steps)]
+        epochs, window = zip(*(logged.next(train_batches) for _ in range(args.gradient_accumulation_steps)))
         targets = [batch["target_tokens"] if batch is not None else 0 for batch in window]  # counted by the collator
         # One collective per optimizer step: the window's target tokens N on all ranks, and whether
         # any rank ran out of data (then every rank stops here with the same error, not a hang).
@@ -180,7 +179,7 @@ def main(argv=None):
         window_tokens, empty = sum_over_ranks(local.float())
         if step == start_step and empty:
             raise RuntimeError(f"A data rank has no training rows ({data_world} data ranks): use more data "
-                               "shards/rows or fewer processes.")
+                               "shards/rows or fewer processes (rows that cannot be read are skipped).")
         loss_scale = token_loss_scale(window_tokens, args.gradient_accumulation_steps, data_world)
         window_ce = []
         for batch in window:
@@ -190,56 +189,40 @@ def main(argv=None):
                 accelerator.backward(loss_sum * loss_scale)
             window_ce.append(loss_sum.detach())
             patches = 0 if batch["dummy_image"] else image_patches(batch["pixel_values"], vision_config)
-            counts += torch.tensor([batch["num_samples"], batch["attention_mask"].sum(), patches,
-                                    batch["dummy_image"]])
-            data_counts += batch["data_counts"]
+            logged.add(samples=batch["num_samples"], tokens=batch["attention_mask"].sum(), patches=patches,
+                       dummy_image_batches=batch["dummy_image"], data_counts=batch["data_counts"])
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
         done = step + 1
-        if guard.step_is_finite(torch.stack(window_ce), grad_norm, done):  # fused AdamW: skips on the device
+        if guard.should_call_optimizer(torch.stack(window_ce), grad_norm, done):  # a fused AdamW is always called
             optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
             scheduler.step()
-        step_sums = torch.stack([sum(window_ce).float(), local[0].float()])  # local[0]: this rank's target tokens
-        applied_sums += torch.where(guard.applied, step_sums, 0)  # applied: on the device
+        logged.add_applied(guard.applied, ce=sum(window_ce), target_tokens=local[0])  # on the device
         optimizer.zero_grad()
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
         if done % args.logging_steps == 0 or done == args.max_steps:
-            elapsed = time.perf_counter() - window_start
-            ce, target_tokens, samples, tokens, patches, dummies, wait = sum_over_ranks(torch.cat([
-                applied_sums.double(), counts.double().to(accelerator.device),
-                torch.tensor([data_wait.take()], dtype=torch.float64, device=accelerator.device)])).tolist()
-            problems = sum_over_ranks(data_counts.to(accelerator.device)).tolist()
-            metrics = {"loss": ce / target_tokens if target_tokens else float("nan"), "grad_norm": float(grad_norm),
-                       "lr": scheduler.get_last_lr()[0], "samples_per_s": samples / elapsed,
-                       "tokens_per_s": tokens / elapsed, "data_wait": wait / accelerator.num_processes / elapsed,
-                       "dummy_image_batches": int(dummies),
-                       "skipped_steps": guard.skipped_steps}
-            if peak:
-                flops = tokens * flops_per_token + patches * flops_per_patch
-                metrics["mfu"] = flops / elapsed / (peak * accelerator.num_processes)
-            metrics |= dict(zip(CHAT_COUNTED, map(int, problems)))
+            sums, ranks = logged.close(), accelerator.num_processes
+            flops = sums["tokens"] * flops_per_token + sums["patches"] * flops_per_patch
+            metrics = {"loss": sums["ce"] / sums["target_tokens"] if sums["target_tokens"] else float("nan"),
+                       "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                       "samples_per_s": sums["samples"] / sums["seconds"], "tokens_per_s": sums["tokens"] / sums["seconds"],
+                       "mfu": flops / sums["seconds"] / (peak * ranks) if peak else None,
+                       "data_wait": sums["data_wait"] / ranks / sums["seconds"],
+                       "dummy_image_batches": int(sums["dummy_image_batches"]), "skipped_steps": guard.skipped_steps}
+            metrics |= {name: int(sums[name]) for name in CHAT_COUNTED}
             accelerator.log(metrics, step=done)
             history.add(done, metrics)
-            seen += torch.tensor([samples, tokens], dtype=torch.float64)
-            mfu = f"{metrics['mfu']:.2%}" if peak else "n/a"
-            log(f"step {done}/{args.max_steps} | loss {metrics['loss']:.6f} | grad_norm {metrics['grad_norm']:.6f} | "
-                f"lr {metrics['lr']:.2e} | "
-                f"samples/s {metrics['samples_per_s']:.1f} | tokens/s {metrics['tokens_per_s']:.0f} | MFU {mfu} | "
-                f"data_wait {metrics['data_wait']:.3f} | "
-                f"dummy_image_batches {int(dummies)} | skipped_steps {guard.skipped_steps} | "
-                + " ".join(f"{name} {metrics[name]}" for name in CHAT_COUNTED))
-            applied_sums, counts, window_start = torch.zeros_like(applied_sums), torch.zeros_like(counts), time.perf_counter()
+            log(log_line(done, args.max_steps, metrics))
         if eval_loader is not None and (done % args.eval_steps == 0 or done == args.max_steps):
             eval_start = time.perf_counter()
             accuracy = evaluate_answers(model, eval_loader, filler_batch, accelerator.device)
-            window_start += time.perf_counter() - eval_start  # samples/s measures training only
+            logged.pause(time.perf_counter() - eval_start)  # samples/s measures training only
             if accuracy:
                 accelerator.log(accuracy, step=done)
                 history.add(done, accuracy, evaluation=True)
-                log(f"eval step {done} | answer_accuracy {accuracy['answer_accuracy']:.4f} | "
-                    f"eval_answers {accuracy['eval_answers']}")
+                log(eval_line(done, accuracy))
         if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
-            checkpoint = checkpoints.save(done)
+            checkpoint = checkpoints.save(done, epochs[-1])
             if guard.stop_requested:
                 guard.exit_preempted(checkpoint)  # exit code 75 on every rank: run the same command again
 
@@ -249,7 +232,7 @@ def main(argv=None):
             args.output_dir, history, pipeline_tag="image-text-to-text", eval_metrics=["answer_accuracy"],
             base_model=model_args.model_name_or_path, datasets=data_args.dataset_name.split(","),
             tags=["vlm", "lora" if peft_config else "full fine-tune", type(accelerator.unwrap_model(model).model).__name__],
-            engine=engine, seen=f"{int(seen[0]):,} conversations, {int(seen[1]):,} tokens", resumed_at=start_step,
+            engine=engine, seen=f"{int(logged.total['samples']):,} conversations, {int(logged.total['tokens']):,} tokens", resumed_at=start_step,
             load_example=f"from transformers import pipeline\nanswer = pipeline(\"image-text-to-text\", model=\"{args.output_dir}\")\n"
                          "answer(text=[{\"role\": \"user\", \"content\": [{\"type\": \"image\", \"image\": image}, "
                          "{\"type\": \"text\", \"text\": \"What colour is the shape?\"}]}], max_new_tokens=16)")

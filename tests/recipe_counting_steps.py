@@ -68,11 +68,11 @@ def counting(method):  # tolist and numpy read a CPU tensor's memory without dis
     return read
 
 
-step_is_finite = StepGuard.step_is_finite
+should_call_optimizer = StepGuard.should_call_optimizer
 
 
-def recording_step_is_finite(self, losses, grad_norm, step):
-    result = step_is_finite(self, losses, grad_norm, step)
+def recording_should_call_optimizer(self, losses, grad_norm, step):
+    result = should_call_optimizer(self, losses, grad_norm, step)
     steps.append({"step": step, "host_reads": host_reads, "transformers_reads": transformers_reads,
                   "graphs": counters["stats"]["unique_graphs"]})
     return result
@@ -89,7 +89,7 @@ def write_counts():
 
 
 if __name__ == "__main__":
-    StepGuard.step_is_finite = recording_step_is_finite
+    StepGuard.should_call_optimizer = recording_should_call_optimizer
     if os.environ.get("STEP_COUNTS_BACKEND"):
         torch.nn.Module.compile = with_backend(torch.nn.Module.compile, os.environ["STEP_COUNTS_BACKEND"])
     atexit.register(write_counts)

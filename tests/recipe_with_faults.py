@@ -60,17 +60,17 @@ def local_weights_fingerprint(model):
     return " ".join(f"{value:.17g}" for value in total.tolist())
 
 
-step_is_finite = StepGuard.step_is_finite
+should_call_optimizer = StepGuard.should_call_optimizer
 
 
-def faulty_step_is_finite(self, losses, grad_norm, step):
+def faulty_should_call_optimizer(self, losses, grad_norm, step):
     global steps_done
     if step in at("FAULT_SIGTERM_AT"):
         os.kill(os.getpid(), signal.SIGTERM)
     if step in at("FAULT_SIGKILL_AT"):
         os.kill(os.getpid(), signal.SIGKILL)
     steps_done += 1
-    return step_is_finite(self, losses, grad_norm, step)
+    return should_call_optimizer(self, losses, grad_norm, step)
 
 
 def with_nan_pixels(model_inputs):
@@ -119,7 +119,7 @@ def pausing_save_state(self, output_dir=None, **kwargs):
 
 
 if __name__ == "__main__":
-    StepGuard.step_is_finite = faulty_step_is_finite
+    StepGuard.should_call_optimizer = faulty_should_call_optimizer
     mmrecipes.data.model_inputs = with_nan_pixels(mmrecipes.data.model_inputs)
     mmrecipes.chat_data.chat_model_inputs = with_nan_pixels(mmrecipes.chat_data.chat_model_inputs)
     accelerate.Accelerator.save_state = pausing_save_state

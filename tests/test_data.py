@@ -286,7 +286,7 @@ def test_resume_from_the_loader_state_is_exact_with_workers_and_epochs_order_sha
         resumed_loader = loader()
         epoch, state = states[at]
         resumed_loader.load_state_dict(state)
-        resumed = batches_forever(resumed_loader, first_epoch=epoch, resumed=True)
+        resumed = batches_forever(resumed_loader, resumed_epoch=epoch)
         for (expected_epoch, expected), ((got_epoch, batch), _) in zip(straight[at + 1:], zip(resumed, range(8))):
             assert got_epoch == expected_epoch and torch.equal(batch["input_ids"], expected), f"resumed after {at}"
     tokenizer = tiny[0]

@@ -1,4 +1,4 @@
-"""Data rank on a device mesh (FIELD_NOTES §1.3): only data-parallel peers read different rows."""
+"""Data rank on a device mesh (r_replicate * |dp_shard| + r_shard): only data-parallel peers read different rows."""
 
 from torch.distributed.device_mesh import init_device_mesh
 

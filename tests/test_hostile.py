@@ -35,11 +35,12 @@ from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.checkpoint_files import UnsafeCheckpoint, file_digest
 from mmrecipes.checkpointing import MARKER, Checkpointer, data_layout
 from mmrecipes.config import parse_args
-from mmrecipes.data import COUNTED, SHAPES_DATA, DataArgs, build_dataloader
+from mmrecipes.data import COUNTED, DataArgs, build_dataloader
 from mmrecipes.distributed import make_accelerator
 from mmrecipes.images import decode_image
 from mmrecipes.loader import batches_forever
 from mmrecipes.models import ModelArgs, build_contrastive
+from mmrecipes.paths import SHAPES_DATA
 from mmrecipes.output_dir import LOCK_NAME, STALE_AFTER_S, OutputDirBusy, OutputDirLock
 from mmrecipes.training import TrainingArgs
 from mmrecipes.vlm import VLMModelArgs, load_vlm, stop_token_ids
@@ -139,13 +140,14 @@ def saved(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("run")
     model, tokenizer, image_processor = build_contrastive(ModelArgs())
     run = make_checkpointer(output_dir, model, tokenizer, image_processor)
-    _, batches = run.checkpoints.resume(None, run.loader)
+    _, resumed_epoch = run.checkpoints.resume(None, run.loader)
+    batches = batches_forever(run.loader, resumed_epoch)
     for step in range(1, 5):
-        next(batches)
+        epoch, _ = next(batches)
         run.optimizer.step()
         run.scheduler.step()
         if step % 2 == 0:
-            run.checkpoints.save(step)
+            run.checkpoints.save(step, epoch)
     after = [next(batches)[1]["input_ids"] for _ in range(2)]
     run.checkpoints.lock.release()
     return SimpleNamespace(root=output_dir, model=model, tokenizer=tokenizer, image_processor=image_processor,
@@ -186,8 +188,9 @@ def refit_manifest(checkpoint: Path):
 def test_a_clean_checkpoint_validates_and_resumes_where_the_run_stood(run, saved):
     checkpoint = run.checkpoints.root / "checkpoint-4"
     assert run.checkpoints.problems(checkpoint) == []
-    start, batches = run.checkpoints.resume("latest", run.loader)
-    assert start == 4
+    start, resumed_epoch = run.checkpoints.resume("latest", run.loader)
+    assert start == 4 and resumed_epoch == 0
+    batches = batches_forever(run.loader, resumed_epoch)
     for expected in saved.after:
         assert torch.equal(next(batches)[1]["input_ids"], expected)
 
@@ -298,8 +301,7 @@ def test_a_resume_with_another_dataset_or_model_is_refused_unless_asked(saved, t
     # --ignore_data_skip: the rest is restored, the data start from the beginning.
     anyway = make_checkpointer(tmp_path, saved.model, saved.tokenizer, saved.image_processor, data_args=args,
                                ignore_data_skip=True)
-    start, batches = anyway.checkpoints.resume("latest", anyway.loader)
-    assert start == 4 and next(batches)[0] == 0
+    assert anyway.checkpoints.resume("latest", anyway.loader) == (4, None)
     anyway.checkpoints.lock.release()
 
     other_model, _, _ = build_contrastive(ModelArgs(hidden_size=32))
@@ -440,7 +442,7 @@ def test_an_empty_shard_in_the_training_stream_resumes_across_epochs(tmp_path, c
     state = loader.state_dict()
     loader, _ = stream()
     loader.load_state_dict(state)
-    resumed = batches_forever(loader, first_epoch=straight[5][0], resumed=True)
+    resumed = batches_forever(loader, resumed_epoch=straight[5][0])
     for (_, expected), (_, batch) in zip(straight[6:], (next(resumed) for _ in range(6))):
         assert torch.equal(batch["input_ids"], expected["input_ids"])
     assert sum(batch["data_counts"][COUNTED.index("bad_shard")] for _, batch in straight) >= 2  # once an epoch

@@ -105,7 +105,7 @@ def test_tiled_clip_loss_never_materialises_the_logits():
 
 
 def _rank_results(rank, world_size, sizes_list, detached_gather):
-    if detached_gather:  # the seed-003 bug: torch.distributed.all_gather returns detached tensors
+    if detached_gather:  # the classic bug: torch.distributed.all_gather returns detached tensors
         def detached(rows, sizes, group):
             buffers = [rows.new_zeros(max(sizes), rows.shape[1]) for _ in sizes]
             dist.all_gather(buffers, F.pad(rows, (0, 0, 0, max(sizes) - len(rows))))
@@ -150,7 +150,7 @@ def test_matches_single_process_big_batch(distributed_results, variant, case):
 
 
 def test_detached_all_gather_is_caught():
-    """Swapping in torch.distributed.all_gather (seed-003) must break the gradient check."""
+    """Swapping in torch.distributed.all_gather (detached results) must break the gradient check."""
     sizes = (3, 5)
     per_rank = run_on_ranks(_rank_results, 2, [sizes], True)
     images, texts, scale, bias = make_batch(sum(sizes))

@@ -1,4 +1,5 @@
-"""The tiny tokenizer and CLIP: EOS pooling (FIELD_NOTES §6) and any-text coverage."""
+"""The tiny tokenizer and CLIP: EOS pooling (without an EOS every caption pools its first token) and any-text
+coverage."""
 
 import torch
 

@@ -33,7 +33,7 @@ def run_copied(recipe: str, project, site, *args):
     project.mkdir()
     shutil.copy(REPO / "recipes" / recipe, project)
     env = run_env({"PYTHONPATH": str(site)})
-    where = subprocess.run([sys.executable, "-c", "import mmrecipes.models as m; print(m.__file__); print(m.EMBEDDED)"],
+    where = subprocess.run([sys.executable, "-c", "import mmrecipes.paths as m; print(m.__file__); print(m.EMBEDDED)"],
                            cwd=project, env=env, capture_output=True, text=True, check=True).stdout.split()
     assert all(path.startswith(str(site)) for path in where), where  # not this checkout
     result = subprocess.run([sys.executable, recipe, "--report_to", "none", *map(str, args)], cwd=project, env=env,

@@ -15,9 +15,9 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from launch import VLM_RECIPE, accelerate_launch, engine_line, grad_norms, losses
 from mmrecipes.chat_data import (CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader,
-                                 chat_model_inputs, encode_row)
+                                 chat_model_inputs, check_packing, encode_row)
 from mmrecipes.chat_labels import AnswerLabeller
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, check_packing, load_vlm, stop_token_ids
+from mmrecipes.vlm import VLMForTraining, VLMModelArgs, load_vlm, stop_token_ids
 from mmrecipes.vlm_families import dummy_image_inputs
 
 PACKING_FAMILIES = [None, "qwen2_5_vl", "qwen3_vl", "idefics3", "llava_onevision"]  # None: the tiny default Llava
@@ -68,7 +68,7 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
         torch.testing.assert_close(step.func(**batch)[0], loss, rtol=1e-5, atol=1e-5)  # the training loss, in slices
     packed = chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True)(rows), "cpu")
     logits = step(**packed)[1]
-    check_packing(model, labeller, dummy_inputs)
+    check_packing(VLMForTraining(model), labeller, dummy_inputs)
 
     one_sequence = {k: v for k, v in packed.items() if k not in ("sample_lengths", "images_per_sample")}
     assert not torch.allclose(step(**one_sequence)[1], logits, atol=1e-3)  # positions go on, attention crosses
@@ -85,7 +85,7 @@ def test_a_family_that_does_not_keep_packed_samples_apart_is_rejected(tiny_vlms)
     `--packing` stops before the first step and says what to do instead."""
     model, processor = load(tiny_vlms, "gemma3")
     with pytest.raises(ValueError, match="--packing: Gemma3ForConditionalGeneration does not keep packed samples apart"):
-        check_packing(model, AnswerLabeller(processor, stop_token_ids(model, processor)),
+        check_packing(VLMForTraining(model), AnswerLabeller(processor, stop_token_ids(model, processor)),
                       dummy_image_inputs(model, processor))
 
 

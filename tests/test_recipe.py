@@ -41,7 +41,7 @@ def _count_gradient_allreduces(rank, world_size, argv):
 
 @pytest.mark.parametrize("accumulation", [1, 4])
 def test_gradients_all_reduced_once_per_optimizer_step(tmp_path, accumulation):
-    """seed-002: with `accelerator.accumulate` the all-reduce count per optimizer step does not
+    """With `accelerator.accumulate` the all-reduce count per optimizer step does not
     grow with the accumulation window (it would be x4 if every micro-batch synchronised)."""
     steps = 3
     argv = ["--report_to", "none", "--max_steps", str(steps), "--gradient_accumulation_steps", str(accumulation),

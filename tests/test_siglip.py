@@ -1,5 +1,5 @@
 """`--loss siglip`: SiglipModel + siglip_loss in clip_pretrain.py under every engine (2 CPU
-processes), resume, and the saved model in the zero-shot pipeline (FIELD_NOTES §9)."""
+processes), resume, and the saved model in the zero-shot pipeline (docs/clip.md, SigLIP)."""
 
 import math
 import re

@@ -1,0 +1,12 @@
+"""Where the embedded data and tiny tokenizers are: data/ of this checkout, or mmrecipes/embedded/ inside a
+wheel (pyproject.toml packs one as the other), so a recipe copied out of the repository finds them too."""
+
+from pathlib import Path
+
+_PACKAGED = Path(__file__).resolve().parent / "embedded"
+EMBEDDED = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[1] / "data"
+TINY_TOKENIZER = EMBEDDED / "tokenizer"  # byte-level BPE for captions (data_prep/make_tokenizer.py)
+TINY_VLM_TOKENIZER = EMBEDDED / "vlm_tokenizer"  # chat tokenizer with <image> and a chat template
+SHAPES_DATA = EMBEDDED / "shapes"  # image-caption pairs (data_prep/make_shapes.py)
+SHAPES_ZEROSHOT = EMBEDDED / "shapes_zeroshot"  # the zero-shot image folder (data_prep/make_zeroshot.py)
+VLM_SHAPES = EMBEDDED / "vlm_shapes"  # chat data: image_chat, text_chat (data_prep/make_vlm_data.py)
