@@ -162,7 +162,7 @@ def main(argv=None):
                        "mfu": sums["samples"] * flops_per_sample / sums["seconds"] / peak / accelerator.num_processes
                        if peak else None,
                        "data_wait": sums["data_wait"] / accelerator.num_processes / sums["seconds"],
-                       "skipped_steps": guard.skipped_steps} | {name: int(sums[name]) for name in COUNTED}
+                       "skipped_steps": guard.skipped_steps} | {name: int(logged.total[name]) for name in COUNTED}
             accelerator.log(metrics | {"epoch": epoch}, step=done)
             history.add(done, metrics)
             log(log_line(done, args.max_steps, metrics))

@@ -209,7 +209,7 @@ def main(argv=None):
                        "mfu": flops / sums["seconds"] / (peak * ranks) if peak else None,
                        "data_wait": sums["data_wait"] / ranks / sums["seconds"],
                        "dummy_image_batches": int(sums["dummy_image_batches"]), "skipped_steps": guard.skipped_steps}
-            metrics |= {name: int(sums[name]) for name in CHAT_COUNTED}
+            metrics |= {name: int(logged.total[name]) for name in CHAT_COUNTED}  # so far
             accelerator.log(metrics, step=done)
             history.add(done, metrics)
             log(log_line(done, args.max_steps, metrics))
