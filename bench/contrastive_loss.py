@@ -38,7 +38,8 @@ def open_clip_local_loss(images, texts, scale, *, gather, offset):
     """open_clip ClipLoss(local_loss=True, gather_with_grad=True): gather both, logits of this rank's rows vs all."""
     all_images, all_texts = gather(images), gather(texts)
     labels = torch.arange(len(images), device=images.device) + offset
-    return (F.cross_entropy(scale * images @ all_texts.T, labels) + F.cross_entropy(scale * texts @ all_images.T, labels)) / 2
+    return (F.cross_entropy(scale * images @ all_texts.T, labels) + F.cross_entropy(scale * texts @ all_images.T,
+                                                                                    labels)) / 2
 
 
 METHODS = {

@@ -36,8 +36,8 @@ from transformers import CLIPImageProcessor
 
 from mmrecipes.data import DataArgs, build_dataloader
 from mmrecipes.images import decode_image, processed_pixels
-from mmrecipes.paths import SHAPES_DATA
 from mmrecipes.models import ModelArgs, build_contrastive
+from mmrecipes.paths import SHAPES_DATA
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "data_loading.jsonl"
@@ -152,9 +152,11 @@ def main():
 
     record = {"bench": "data_loading", "quick": args.quick, "machine": platform.node(), "processor": platform.machine(),
               "cpus": torch.get_num_threads(), "time": time.strftime("%Y-%m-%d %H:%M"),
-              "loader_samples_per_s": {name: {"median": median[name], "all": values} for name, values in measured.items()},
+              "loader_samples_per_s": {name: {"median": median[name], "all": values}
+                                       for name, values in measured.items()},
               "loader_ratio": ratio,
-              "recipe": {f"workers_{workers}": {"data_wait": wait, "wall_s": wall} for workers, (wait, wall) in waits.items()},
+              "recipe": {f"workers_{workers}": {"data_wait": wait, "wall_s": wall}
+                         for workers, (wait, wall) in waits.items()},
               "worker_pixels_ms": pixel_ms,
               "worker_pixels_bytes": pixel_bytes}
     with open(args.results, "a") as results:

@@ -40,7 +40,8 @@ TOY = dict(text=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
 
 
 def build(sizes, device):
-    config = CLIPConfig(text_config=sizes["text"], vision_config=sizes["vision"], projection_dim=sizes["projection_dim"])
+    config = CLIPConfig(text_config=sizes["text"], vision_config=sizes["vision"],
+                        projection_dim=sizes["projection_dim"])
     config._attn_implementation = "sdpa"
     for tower in (config.text_config, config.vision_config):
         tower._attn_implementation = "sdpa"

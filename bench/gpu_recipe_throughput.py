@@ -51,7 +51,8 @@ from PIL import Image, ImageDraw
 from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
 
 from gpu_clip_throughput import TOY, VIT_B_16, build, measure, timed_steps
-from mmrecipes.chat_data import ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
+from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
+from mmrecipes.chat_data import ChatDataArgs, build_chat_dataloader
 from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.paths import TINY_TOKENIZER
 from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
@@ -173,7 +174,8 @@ def clip_mode(args, scratch: Path, toy: bool, device) -> dict:
     with ProcessPoolExecutor(max(1, args.workers)) as pool:
         list(pool.map(write_shard, [str(scratch)] * args.shards, range(args.shards), [args.shard_size] * args.shards,
                       [256] * args.shards))
-    print(f"wrote {args.shards} shards x {args.shard_size} samples of 256 px JPEG in {time.perf_counter() - start:.1f} s")
+    print(f"wrote {args.shards} shards x {args.shard_size} samples of 256 px JPEG in {time.perf_counter() - start:.1f} "
+          "s")
     sizes = TOY if toy else VIT_B_16
     save_clip(sizes, scratch / "clip")
     shards = f"{scratch}/train-{{00000..{args.shards - 1:05d}}}.tar"
@@ -190,10 +192,12 @@ def clip_mode(args, scratch: Path, toy: bool, device) -> dict:
     del model, batch
 
     log = run([sys.executable, "recipes/clip_pretrain.py", "--model_name_or_path", str(scratch / "clip"),
-               "--dataset_name", "webdataset", "--data_files", shards, "--image_column", "jpg", "--caption_column", "txt",
+               "--dataset_name", "webdataset", "--data_files", shards, "--image_column", "jpg", "--caption_column",
+               "txt",
                "--eval_split", "", "--zeroshot_dataset", "", "--per_device_train_batch_size", str(args.batch_size),
                "--max_steps", str(args.max_steps), "--logging_steps", "10", "--warmup_steps", "10",
-               "--torch_compile", args.torch_compile, "--dataloader_num_workers", str(args.workers), "--report_to", "none",
+               "--torch_compile", args.torch_compile, "--dataloader_num_workers", str(args.workers), "--report_to",
+               "none",
                "--output_dir", str(scratch / "recipe"), *shlex.split(args.recipe_args)], timeout=3600)
     recipe = windows(log, WINDOW)
     result = {"unit": "samples/s", "compute_only": compute_only, "recipe_windows": recipe,
@@ -233,7 +237,8 @@ def main():
     parser.add_argument("--batch_size", type=int, default=None, help="default: 256 (clip), 16 (vlm)")
     parser.add_argument("--max_steps", type=int, default=100)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="DataLoader workers")
-    parser.add_argument("--torch_compile", choices=["true", "false"], default="true", help="compute-only step and recipe")
+    parser.add_argument("--torch_compile", choices=["true", "false"], default="true",
+                        help="compute-only step and recipe")
     parser.add_argument("--recipe_args", default="", help="more recipe flags, one string")
     parser.add_argument("--results", default=str(RESULTS), help="the JSON-lines file to append to")
     args = parser.parse_args()

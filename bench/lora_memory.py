@@ -19,13 +19,15 @@ import time
 from pathlib import Path
 
 import torch
+
 from fresh_process import resident_bytes, run_in_fresh_process
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lora_memory.jsonl"
 
 
 def _variant(use_peft, sizes, steps, batch_size, queue):
-    from mmrecipes.chat_data import ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
+    from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
+    from mmrecipes.chat_data import ChatDataArgs, build_chat_dataloader
     from mmrecipes.chat_labels import AnswerLabeller
     from mmrecipes.lora import LoraArgs, add_lora
     from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, stop_token_ids
@@ -59,7 +61,8 @@ def _variant(use_peft, sizes, steps, batch_size, queue):
         optimizer.zero_grad(set_to_none=False)  # keep the gradients allocated: they count
     seconds = (time.perf_counter() - start) / len(batches)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                if torch.is_tensor(t))
     queue.put({"trainable_params": sum(p.numel() for p in params),
                "total_params": sum(p.numel() for p in model.parameters()),
                "optimizer_state_bytes": state, "gradient_bytes": sum(p.numel() * p.element_size() for p in params),
@@ -80,7 +83,8 @@ def main():
     lora = run_in_fresh_process(_variant, True, sizes, steps, args.batch_size)
     print(f"{'':<24} {'full FT':>14} {'LoRA':>14} {'LoRA / full':>12}")
     ratios = {}
-    for key in ("trainable_params", "optimizer_state_bytes", "gradient_bytes", "peak_training_bytes", "seconds_per_step"):
+    for key in ("trainable_params", "optimizer_state_bytes", "gradient_bytes", "peak_training_bytes",
+                "seconds_per_step"):
         ratios[key] = lora[key] / full[key]
         print(f"{key:<24} {full[key]:>14,.6g} {lora[key]:>14,.6g} {ratios[key]:>12.3f}")
     print(f"model: {full['total_params']:,} parameters on {full['device']}, batch {args.batch_size}, {steps} steps")

@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from mmrecipes.chat_data import ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
-from mmrecipes.paths import VLM_SHAPES
-from mmrecipes.losses import token_cross_entropy_sum
+from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
+from mmrecipes.chat_data import ChatDataArgs, build_chat_dataloader
 from mmrecipes.chat_labels import AnswerLabeller
+from mmrecipes.losses import token_cross_entropy_sum
+from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, stop_token_ids
 from mmrecipes.vlm_families import dummy_image_inputs, module_groups
 

@@ -75,7 +75,8 @@ def main():
     print(f"chunked / whole peak memory {ratio:.3f}; largest hidden-state gradient difference {grad_difference:.2e}")
     record = {"bench": "vlm_loss_memory", "quick": options.quick, "vocab": options.vocab,
               "hidden_size": options.hidden_size, "tokens": options.batch * options.tokens,
-              "num_chunks": options.num_chunks, "peak_bytes": {variant: run["peak_bytes"] for variant, run in runs.items()},
+              "num_chunks": options.num_chunks,
+              "peak_bytes": {variant: run["peak_bytes"] for variant, run in runs.items()},
               "ratio": ratio, "grad_difference": grad_difference, "machine": platform.node(),
               "time": time.strftime("%Y-%m-%d %H:%M")}
     with open(options.results, "a") as results:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import datasets
 import torch
+
 from fresh_process import resident_bytes, run_in_fresh_process
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vlm_packing.jsonl"
@@ -50,10 +51,11 @@ def long_tail_source(directory: Path) -> str:
 
 
 def _variant(mode, mixture, budget, steps, queue):
-    from mmrecipes.chat_data import ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
-    from mmrecipes.paths import VLM_SHAPES
+    from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
+    from mmrecipes.chat_data import ChatDataArgs, build_chat_dataloader
     from mmrecipes.chat_labels import AnswerLabeller
     from mmrecipes.losses import count_target_tokens
+    from mmrecipes.paths import VLM_SHAPES
     from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, stop_token_ids
     from mmrecipes.vlm_families import dummy_image_inputs, module_groups
 
@@ -106,14 +108,16 @@ def main():
     record = {"bench": "vlm_packing", "quick": args.quick, "machine": platform.node(), "time": time.strftime("%Y-%m-%d %H:%M"),
               "threads": torch.get_num_threads(), "sizes": SIZES, "steps": steps}
     with tempfile.TemporaryDirectory() as directory:
-        mixtures = {"embedded": None} if args.quick else {"embedded": None, "long_tail": long_tail_source(Path(directory))}
+        mixtures = {"embedded": None} if args.quick else {"embedded": None,
+                                                          "long_tail": long_tail_source(Path(directory))}
         for name, mixture in mixtures.items():
             padded = run_in_fresh_process(_variant, "padded", mixture, None, steps)
             budget = padded["tokens"] // steps  # the real tokens of 16 rows of this mixture, on average
             results = {"padded": padded,
                        "budget": run_in_fresh_process(_variant, "budget", mixture, budget, steps),
                        "packed": run_in_fresh_process(_variant, "packed", mixture, budget, steps)}
-            print(f"{name} (budget {budget} tokens): {'tokens/s':>10} {'x padded':>9} {'peak MB':>9} {'final loss':>11}")
+            print(f"{name} (budget {budget} tokens): {'tokens/s':>10} {'x padded':>9} {'peak MB':>9} "
+                  f"{'final loss':>11}")
             for mode, result in results.items():
                 print(f"  {mode:<8} {result['tokens_per_s']:>18.0f} {result['tokens_per_s'] / padded['tokens_per_s']:>9.2f} "
                       f"{result['peak_bytes'] / 2**20:>9.0f} {result['final_loss']:>11.3f}")

@@ -45,7 +45,8 @@ def main():
         tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=args.model_max_length
     )
     fast.save_pretrained(args.output_dir)
-    print(f"wrote {args.output_dir}: vocab {fast.vocab_size}, eos={fast.eos_token_id} bos={fast.bos_token_id} pad={fast.pad_token_id}")
+    print(f"wrote {args.output_dir}: vocab {fast.vocab_size}, eos={fast.eos_token_id} bos={fast.bos_token_id} "
+          f"pad={fast.pad_token_id}")
 
 
 if __name__ == "__main__":

@@ -24,9 +24,10 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import datasets
-from make_shapes import encode, make_scene
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from make_shapes import encode, make_scene
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE, PAD, END, USER, ASSISTANT = "<image>", "<|pad|>", "<|end|>", "<|user|>", "<|assistant|>"
@@ -46,7 +47,8 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
-SIDE = {"above": ("top", "bottom"), "below": ("bottom", "top"), "left of": ("left", "right"), "right of": ("right", "left")}
+SIDE = {"above": ("top", "bottom"), "below": ("bottom", "top"), "left of": ("left", "right"),
+        "right of": ("right", "left")}
 NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 TEXT_FACTS = (
     [(f"How many sides does a {shape} have?", sides) for shape, sides in
@@ -82,7 +84,8 @@ def questions_about(objects, relation):
 def conversation(pairs, with_image=True):
     messages = []
     for turn, (question, answer) in enumerate(pairs):
-        content = ([{"type": "image", "text": None}] if with_image and turn == 0 else []) + [{"type": "text", "text": question}]
+        content = ([{"type": "image", "text": None}] if with_image and turn == 0 else []) + [{"type": "text",
+                                                                                              "text": question}]
         messages += [{"role": "user", "content": content},
                      {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
     return messages
@@ -181,7 +184,8 @@ def main():
              if part["text"]]
     tokenizer = make_tokenizer(texts, args.vocab_size)
     tokenizer.save_pretrained(args.tokenizer_dir)
-    print(f"wrote {args.tokenizer_dir}: vocab {len(tokenizer)}, image token id {tokenizer.convert_tokens_to_ids(IMAGE)}")
+    print(f"wrote {args.tokenizer_dir}: vocab {len(tokenizer)}, image token id "
+          f"{tokenizer.convert_tokens_to_ids(IMAGE)}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ def main():
         folder.mkdir(parents=True, exist_ok=True)
         row["image"].save(folder / f"{index:04d}.png")
         written += 1
-    print(f"wrote {written} images in {len(list((Path(args.output_dir) / 'test').iterdir()))} classes to {args.output_dir}")
+    print(f"wrote {written} images in {len(list((Path(args.output_dir) / 'test').iterdir()))} classes to "
+          f"{args.output_dir}")
 
 
 if __name__ == "__main__":

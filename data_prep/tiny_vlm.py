@@ -17,14 +17,35 @@ from pathlib import Path
 
 import datasets
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (CLIPImageProcessor, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor,
-                          Gemma3Processor, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor,
-                          Idefics3Processor, LlavaConfig, LlavaForConditionalGeneration, LlavaOnevisionConfig,
-                          LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessor,
-                          LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor, LlavaProcessor,
-                          PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-                          Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3VLConfig,
-                          Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor)
+from transformers import (
+    CLIPImageProcessor,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3ImageProcessor,
+    Gemma3Processor,
+    Idefics3Config,
+    Idefics3ForConditionalGeneration,
+    Idefics3ImageProcessor,
+    Idefics3Processor,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionImageProcessor,
+    LlavaOnevisionProcessor,
+    LlavaOnevisionVideoProcessor,
+    LlavaProcessor,
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+    Qwen2VLImageProcessor,
+    Qwen2VLVideoProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
@@ -91,7 +112,8 @@ def _qwen(classes, template_name, vision, rope, **config):
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **config)
-    pixels = dict(patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 8 * 8, "longest_edge": 64 * 64})
+    pixels = dict(patch_size=4, merge_size=2, temporal_patch_size=2,
+                  size={"shortest_edge": 8 * 8, "longest_edge": 64 * 64})
     processor = processor_class(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
                                 video_processor=video_processor_class(**pixels), chat_template=template(template_name))
     model = model_class(config)
@@ -102,7 +124,8 @@ def _qwen(classes, template_name, vision, rope, **config):
 def qwen2_5_vl():
     """Qwen2.5-VL (Qwen/Qwen2.5-VL-7B-Instruct's chat template), embeddings tied as in the 3B checkpoint."""
     return _qwen((Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLVideoProcessor),
-                 "qwen2_5_vl", vision=dict(window_size=16, fullatt_block_indexes=[1]), rope=dict(mrope_section=[2, 3, 3]),
+                 "qwen2_5_vl", vision=dict(window_size=16, fullatt_block_indexes=[1]),
+                 rope=dict(mrope_section=[2, 3, 3]),
                  tie_word_embeddings=True)
 
 
@@ -145,7 +168,8 @@ def gemma3():
         vision_config=dict(model_type="siglip_vision_model", image_size=IMAGE_SIZE, patch_size=8, vision_use_head=False,
                            **VISION),
         text_config=dict(vocab_size=len(tokenizer), sliding_window=64, layer_types=["sliding_attention", "full_attention"],
-                         query_pre_attn_scalar=16, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         query_pre_attn_scalar=16, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, **TEXT),
         mm_tokens_per_image=4, boi_token_index=ids("<start_of_image>"), eoi_token_index=ids("<end_of_image>"),
         image_token_index=ids("<image_soft_token>"))

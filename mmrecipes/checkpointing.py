@@ -59,7 +59,8 @@ def data_layout(data_args, args, *, data_world: int, batch_size: int) -> dict:
 
 def model_layout(model) -> dict:
     """{parameter name: shape, e.g. "64x32"} of the model as the engine holds it (ZeRO-3: the unpartitioned shape)."""
-    return {name: "x".join(map(str, getattr(param, "ds_shape", param.shape))) for name, param in model.named_parameters()}
+    return {name: "x".join(map(str, getattr(param, "ds_shape", param.shape)))
+            for name, param in model.named_parameters()}
 
 
 class Checkpointer:
@@ -172,7 +173,8 @@ class Checkpointer:
         try:
             saved = json.loads((checkpoint / MARKER).read_text())
             manifest = saved["files"]
-            if not (isinstance(manifest, dict) and isinstance(saved["step"], int) and isinstance(saved["layout"], dict)):
+            if not (isinstance(manifest, dict) and isinstance(saved["step"], int)
+                    and isinstance(saved["layout"], dict)):
                 raise TypeError
         except (ValueError, KeyError, TypeError):
             return [f"{MARKER} has no file manifest, step and layout (not written by these recipes, or by an older "
@@ -224,9 +226,9 @@ class Checkpointer:
         changed = [(key, layout.get(key), value) for key, value in self.layout.items() if layout.get(key) != value]
         if changed and not self.ignore_data_skip:
             raise ValueError(f"{checkpoint} was saved with {', '.join(f'{k}={old}' for k, old, _ in changed)}; this "
-                             f"run has {', '.join(f'{k}={new}' for k, _, new in changed)}. The saved data position only "
-                             "holds for the same data and data layout: resume with the processes, batch size (or token "
-                             "budget and packing), accumulation steps, --dataloader_num_workers, --seed, "
+                             f"run has {', '.join(f'{k}={new}' for k, _, new in changed)}. The saved data position "
+                             "only holds for the same data and data layout: resume with the processes, batch size (or "
+                             "token budget and packing), accumulation steps, --dataloader_num_workers, --seed, "
                              "--shuffle_buffer_size and data it was saved with, or pass --ignore_data_skip true to "
                              "restore the rest and start the data from the beginning.")
 

@@ -60,7 +60,7 @@ def _type_problem(key, value, annotation):
         return f"YAML read {key}: {value} as a string; write it with a dot and a signed exponent (e.g. 2.0e-5)"
     if kind is str and isinstance(value, bool):
         return f"YAML read {key} as the boolean {value}; quote it (e.g. '{'no' if value is False else 'yes'}')"
-    if kind in (int, bool, str) and not (type(value) is kind):
+    if kind in (int, bool, str) and type(value) is not kind:
         return f"'{key}' must be {kind.__name__}, got {type(value).__name__} {value!r}"
     return None
 
@@ -107,7 +107,8 @@ class CheckedArgs:
         for name, rule in self.CHECKS.items():
             test, expected = RULES[rule]
             if not test(getattr(self, name)):
-                example = f" (the default is {defaults[name]})" if defaults.get(name) not in (None, dataclasses.MISSING) else ""
+                default = defaults.get(name)
+                example = f" (the default is {default})" if default not in (None, dataclasses.MISSING) else ""
                 problems.append(f"--{name} {getattr(self, name)!r}: must be {expected}{example}")
         if problems:
             raise ValueError("; ".join(problems))

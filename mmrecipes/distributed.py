@@ -176,7 +176,8 @@ class DivergenceGuard:
                 f"{self.calls}) and another rank never ran a module: it left the forward early or runs fewer "
                 "modules (a branch skipped on some ranks?)") from error
         if any(int(other) != int(mine) for other in everyone):
-            calls = ", ".join(f"rank {rank} is about to run '{self.names.get(int(h), '?')}'" for rank, h in enumerate(everyone))
+            calls = ", ".join(f"rank {rank} is about to run '{self.names.get(int(h), '?')}'"
+                              for rank, h in enumerate(everyone))
             raise RuntimeError(
                 f"divergence guard: ranks run different modules at module call {self.calls}: {calls}. Every rank must "
                 "call the same modules in the same order, or the engine's collectives hang or abort (for a VLM: give "

@@ -3,11 +3,10 @@
 import torch
 import torch.distributed as dist
 
-from .chat_data import chat_model_inputs
+from .chat_collate import chat_model_inputs
 from .data import model_inputs
 from .distributed import all_ranks_true, sum_over_ranks
-from .losses import IGNORE_INDEX
-from .losses import all_gather_with_grad, gather_sizes
+from .losses import IGNORE_INDEX, all_gather_with_grad, gather_sizes
 
 
 def retrieval_recall_at_1(image_embeds: torch.Tensor, text_embeds: torch.Tensor) -> dict:

@@ -110,7 +110,8 @@ def device_normalization(image_processor) -> tuple[torch.Tensor, torch.Tensor] |
     """(mean, std) for finishing uint8 pixels on the device, in the fused form of the processor's
     own `rescale_and_normalize` (mean / rescale, std / rescale: the same floats to the bit); None
     when its pixels are finished in the workers (not the standard pipeline, or no rescale-normalise)."""
-    if not (_standard_pipeline_applies(image_processor) and image_processor.do_rescale and image_processor.do_normalize):
+    if not (_standard_pipeline_applies(image_processor) and image_processor.do_rescale
+            and image_processor.do_normalize):
         return None
     scale = 1.0 / image_processor.rescale_factor
     return torch.tensor(image_processor.image_mean) * scale, torch.tensor(image_processor.image_std) * scale

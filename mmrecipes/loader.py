@@ -88,7 +88,8 @@ class ResumableShuffle(torch.utils.data.IterableDataset):
     @staticmethod
     def check_position(position: dict, *, block_size: int, batch_size: int, max_epoch: int):
         """Raise ValueError unless `position` is one `__iter__` can have handed out with these sizes."""
-        limits = {"epoch": (0, max_epoch), "block": (0, None), "rows_done": (0, block_size - 1), "kept": (1, batch_size)}
+        limits = {"epoch": (0, max_epoch), "block": (0, None), "rows_done": (0, block_size - 1),
+                  "kept": (1, batch_size)}
         for key, (low, high) in limits.items():
             value = position.get(key)
             if type(value) is not int or value < low or (high is not None and value > high):
@@ -177,7 +178,7 @@ def start_worker_server():
     """
     # What the workers run, imported once in the server (Python 3.11 would re-import the recipe in
     # every worker otherwise: its preload of '__main__' is a no-op, fixed only in 3.12).
-    multiprocessing.set_forkserver_preload(["mmrecipes.data", "mmrecipes.chat_data"])
+    multiprocessing.set_forkserver_preload(["mmrecipes.data", "mmrecipes.chat_data", "mmrecipes.chat_collate"])
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in GROUP_SIGNALS}
     try:
         multiprocessing.forkserver.ensure_running()

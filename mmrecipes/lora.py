@@ -79,7 +79,8 @@ def projector_modules(model, groups: ModuleGroups) -> list[str]:
         if name not in modules:
             continue  # a bare parameter (LLaVA-OneVision's image_newline)
         module = modules[name]
-        names += [f"{name}.{i}" for i, _ in module.named_children()] if isinstance(module, torch.nn.ModuleList) else [name]
+        is_list = isinstance(module, torch.nn.ModuleList)
+        names += [f"{name}.{i}" for i, _ in module.named_children()] if is_list else [name]
     return names
 
 

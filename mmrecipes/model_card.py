@@ -55,9 +55,21 @@ def plot_curves(history: History, path, eval_metrics: list[str]):
     figure.savefig(path, dpi=150)
 
 
-def write_model_card(output_dir, history: History, *, pipeline_tag: str, eval_metrics: list[str], base_model: str | None,
-                     datasets: list[str], tags: list[str], engine: str, seen: str, resumed_at: int,
-                     load_example: str):
+# How to load the output, by pipeline tag ({output_dir}: where it was saved)
+LOAD_EXAMPLES = {
+    "zero-shot-image-classification": """from transformers import pipeline
+classify = pipeline("zero-shot-image-classification", model="{output_dir}")
+classify(image, candidate_labels=["a red circle", "a blue square"])""",
+    "image-text-to-text": """from transformers import pipeline
+answer = pipeline("image-text-to-text", model="{output_dir}")
+answer(text=[{{"role": "user", "content": [{{"type": "image", "image": image}},
+             {{"type": "text", "text": "What colour is the shape?"}}]}}], max_new_tokens=16)""",
+}
+
+
+def write_model_card(output_dir, history: History, *, pipeline_tag: str, eval_metrics: list[str],
+                     base_model: str | None, datasets: list[str], tags: list[str], engine: str, seen: str,
+                     resumed_at: int):
     """`output_dir/README.md` (a model card) and `output_dir/training_curves.png`. `engine`: the
     `[engine]` line; `seen`: what this process trained on, from `resumed_at` (0: the start)."""
     output_dir = Path(output_dir)
@@ -92,7 +104,7 @@ def write_model_card(output_dir, history: History, *, pipeline_tag: str, eval_me
         "## How to load",
         "",
         "```python",
-        load_example.strip(),
+        LOAD_EXAMPLES[pipeline_tag].format(output_dir=output_dir),
         "```",
     ]
     ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n").save(output_dir / "README.md")

@@ -7,8 +7,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from accelerate.utils import DistributedType
-from transformers import (AutoConfig, AutoImageProcessor, AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel,
-                          SiglipConfig, SiglipImageProcessor, SiglipModel)
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoTokenizer,
+    CLIPConfig,
+    CLIPImageProcessor,
+    CLIPModel,
+    SiglipConfig,
+    SiglipImageProcessor,
+    SiglipModel,
+)
 
 from .config import CheckedArgs
 from .distributed import fsdp_block_classes
@@ -35,7 +44,7 @@ class ModelArgs(CheckedArgs):
     # sdpa: PyTorch's fused attention (flash/memory-efficient kernels on CUDA); eager: the reference
     # math; flash_attention_2 needs the flash-attn package. Checked when the model is built.
     attn_implementation: str = "sdpa"
-    gradient_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, ~1/3 more compute
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
 
 
 class CLIPForContrastiveTraining(CLIPModel):
@@ -164,7 +173,8 @@ def _tiny_clip(args: ModelArgs):
         text_config=dict(
             tower, vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
             # CLIP pools the text tower at the first eos_token_id: without it every caption pools one token.
-            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
         ),
         vision_config=dict(tower, image_size=args.image_size, patch_size=args.patch_size),
         projection_dim=args.projection_dim,
@@ -194,8 +204,12 @@ def clamp_logit_scale_(accelerator, model):
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         param.data.clamp_(max=max_value)
         return
-    from deepspeed.utils import (safe_get_full_fp32_param, safe_get_local_fp32_param, safe_set_full_fp32_param,
-                                 safe_set_local_fp32_param)
+    from deepspeed.utils import (
+        safe_get_full_fp32_param,
+        safe_get_local_fp32_param,
+        safe_set_full_fp32_param,
+        safe_set_local_fp32_param,
+    )
 
     if hasattr(param, "ds_id"):  # ZeRO-3
         safe_set_local_fp32_param(param, safe_get_local_fp32_param(param).clamp(max=max_value))

@@ -17,7 +17,7 @@ sets everyone's step time and memory.
   language models, and each sample's own 3-D mRoPE positions (its `get_rope_index`) for the Qwen
   families, with the text positions in front that transformers reads to build the block-diagonal
   mask (flash-attention's variable-length path on GPUs, a block-diagonal mask with `sdpa` here).
-  `chat_data.check_packing` verifies that on the model before the first step.
+  `chat_collate.check_packing` verifies that on the model before the first step.
 """
 
 import inspect
@@ -94,8 +94,8 @@ def packed_position_ids(model, input_ids, sample_lengths, images_per_sample, ima
     for length, images in zip(sample_lengths.tolist(), images_per_sample.tolist()):
         if images:
             kwargs = {name: value[:, start:start + length] for name, value in per_token.items()}
-            positions.append(rope_index(flat[:, start:start + length], image_grid_thw=grids[first_image:first_image + images],
-                                        **kwargs)[0])
+            positions.append(rope_index(flat[:, start:start + length],
+                                        image_grid_thw=grids[first_image:first_image + images], **kwargs)[0])
         else:  # text only (or a sequence's padding): the same plain position on all three axes
             positions.append(torch.arange(length, device=flat.device).expand(3, 1, -1))
         start, first_image = start + length, first_image + images

@@ -60,8 +60,8 @@ class TrainingArgs(CheckedArgs):
         names = [name.strip() for name in self.preemption_signals.split(",") if name.strip()]
         unknown = [name for name in names if name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP")]
         if unknown:
-            raise ValueError(f"--preemption_signals {self.preemption_signals!r}: {', '.join(unknown)} is not a signal a "
-                             "process can catch; write names such as SIGTERM,SIGUSR1 (or '' for none)")
+            raise ValueError(f"--preemption_signals {self.preemption_signals!r}: {', '.join(unknown)} is not a signal "
+                             "a process can catch; write names such as SIGTERM,SIGUSR1 (or '' for none)")
         if not self.max_grad_norm:
             self.max_grad_norm = math.inf  # clip_grad_norm_ then only measures (and DeepSpeed clips nothing)
 
@@ -71,8 +71,8 @@ def per_device_batch_size(args: TrainingArgs, data_world: int) -> int:
         return args.per_device_train_batch_size
     per_step = data_world * args.gradient_accumulation_steps
     if args.global_batch_size % per_step:
-        raise ValueError(f"--global_batch_size {args.global_batch_size} is not divisible by data ranks ({data_world}) x "
-                         f"--gradient_accumulation_steps ({args.gradient_accumulation_steps}); use a multiple of "
+        raise ValueError(f"--global_batch_size {args.global_batch_size} is not divisible by data ranks ({data_world}) "
+                         f"x --gradient_accumulation_steps ({args.gradient_accumulation_steps}); use a multiple of "
                          f"{per_step}, e.g. {math.ceil(args.global_batch_size / per_step) * per_step}.")
     return args.global_batch_size // per_step
 

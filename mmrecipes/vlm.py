@@ -36,8 +36,15 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers import (AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, CLIPImageProcessor, LlavaConfig,
-                          LlavaForConditionalGeneration, LlavaProcessor)
+from transformers import (
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    CLIPImageProcessor,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+)
 
 from .config import CheckedArgs
 from .distributed import fsdp_block_classes
@@ -157,7 +164,8 @@ def _tiny_llava(args: VLMModelArgs):
                   patch_size=args.patch_size)
     text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=args.text_hidden_size,
                 intermediate_size=4 * args.text_hidden_size, num_hidden_layers=args.text_layers,
-                num_attention_heads=max(1, args.text_hidden_size // 32), max_position_embeddings=tokenizer.model_max_length,
+                num_attention_heads=max(1, args.text_hidden_size // 32),
+                max_position_embeddings=tokenizer.model_max_length,
                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
     config = LlavaConfig(
         vision_config=vision, text_config=text, image_token_id=image_token_id,

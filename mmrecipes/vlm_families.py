@@ -198,7 +198,8 @@ def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
                                                 if isinstance(module, torch.nn.ModuleList) else [])
                 for name in inner:
                     holds_block = any(b == name or b.startswith(name + ".") for b in vision_blocks)
-                    if not holds_block and widths.get(name) == lm_width and any(True for _ in modules[name].parameters()):
+                    has_parameters = any(True for _ in modules[name].parameters())
+                    if not holds_block and widths.get(name) == lm_width and has_parameters:
                         projector_prefixes.append(name)
 
     groups = ModuleGroups(projector_by=projector_by)
@@ -257,3 +258,18 @@ def covering_modules(names, all_names):
             best = prefix
         covered[best] = None
     return list(covered)
+
+
+def optimizer_groups(trainable: dict[str, list[torch.nn.Parameter]], args) -> list[dict]:
+    """AdamW parameter groups of the trainable parameters: weight decay on matrices only, and the vision
+    tower at its own learning rate and decay (`args.vision_tower_*`). The tower's groups go last: the
+    logged lr is the first group's, the main one."""
+    groups = []
+    for name, params in sorted(trainable.items(), key=lambda item: item[0] == "vision_tower"):
+        params = [p for p in params if p.requires_grad]
+        tower = name == "vision_tower"
+        lr = args.vision_tower_learning_rate if tower else args.learning_rate
+        decay = args.vision_tower_weight_decay if tower else args.weight_decay
+        groups += [{"params": [p for p in params if p.ndim >= 2], "lr": lr, "weight_decay": decay},
+                   {"params": [p for p in params if p.ndim < 2], "lr": lr, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]

@@ -15,13 +15,14 @@ import datasets
 import torch
 
 from .config import CheckedArgs
-from .images import processed_pixels
-from .sources import split_by_data_rank
 from .distributed import sum_over_ranks
 from .evaluation import batches_in_step
+from .images import processed_pixels
 from .paths import SHAPES_ZEROSHOT
+from .sources import split_by_data_rank
 
-DEFAULT_TEMPLATES = "a photo of a {}.|a photo of the {}.|a rendering of a {}.|a {}.|a picture of a small {}.|a picture of a large {}."
+DEFAULT_TEMPLATES = ("a photo of a {}.|a photo of the {}.|a rendering of a {}.|a {}.|a picture of a small {}.|"
+                     "a picture of a large {}.")
 
 
 @dataclass
@@ -46,7 +47,8 @@ class ZeroShotSet:
                  data_rank: int, data_world: int):
         files = {"test": args.zeroshot_data_files} if args.zeroshot_data_files else None
         loaded = datasets.load_dataset(args.zeroshot_dataset, data_files=files)
-        split = args.zeroshot_split or ("test" if "test" in loaded else next(iter(loaded)) if len(loaded) == 1 else None)
+        only = next(iter(loaded)) if len(loaded) == 1 else None
+        split = args.zeroshot_split or ("test" if "test" in loaded else only)
         if split not in loaded:
             raise ValueError(f"--zeroshot_dataset {args.zeroshot_dataset} has splits {sorted(loaded)}: name one with "
                              "--zeroshot_split")
@@ -61,15 +63,17 @@ class ZeroShotSet:
         elif isinstance(label_feature, datasets.ClassLabel):
             self.class_names = label_feature.names
         else:
-            raise ValueError(f"--zeroshot_dataset {args.zeroshot_dataset}: the label column {args.zeroshot_label_column!r} "
-                             "is not a ClassLabel: give the names with --zeroshot_class_names")
+            raise ValueError(f"--zeroshot_dataset {args.zeroshot_dataset}: the label column "
+                             f"{args.zeroshot_label_column!r} is not a ClassLabel: give the names with "
+                             "--zeroshot_class_names")
         templates = [template for template in args.zeroshot_templates.split("|") if template.strip()]
         if not templates or any("{}" not in template for template in templates):
-            raise ValueError(f"--zeroshot_templates {args.zeroshot_templates!r}: each template needs one {{}} for the class")
+            raise ValueError(f"--zeroshot_templates {args.zeroshot_templates!r}: each template needs one {{}} for the "
+                             "class")
         self.args, self.image_processor = args, image_processor
         self.filler = processed_pixels(image_processor, [rows[0][args.zeroshot_image_column].convert("RGB")])
-        self.rows = split_by_data_rank(rows.to_iterable_dataset(num_shards=data_world), args.zeroshot_dataset, data_rank,
-                                       data_world)
+        self.rows = split_by_data_rank(rows.to_iterable_dataset(num_shards=data_world), args.zeroshot_dataset,
+                                       data_rank, data_world)
         prompts = [template.format(name) for name in self.class_names for template in templates]
         encoded = tokenizer(prompts, padding="max_length" if pad_to_max_length else True, truncation=True,
                             max_length=caption_length, return_tensors="pt")
@@ -122,4 +126,6 @@ def evaluate_zeroshot(model, zeroshot: ZeroShotSet, device) -> dict:
                                    torch.tensor(len(labels), device=device)]).float()
     model.train()
     top1, top5, images = sum_over_ranks(totals).tolist()
-    return {"zeroshot_top1": top1 / images, "zeroshot_top5": top5 / images, "zeroshot_images": int(images)} if images else {}
+    if not images:
+        return {}
+    return {"zeroshot_top1": top1 / images, "zeroshot_top5": top5 / images, "zeroshot_images": int(images)}

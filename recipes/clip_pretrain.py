@@ -25,12 +25,11 @@ from transformers import get_scheduler
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.config import parse_args
 from mmrecipes.data import COUNTED, DataArgs, build_dataloader, caption_length, evaluation_off_reason, model_inputs
-from mmrecipes.distributed import (all_ranks_true, data_parallel_rank_and_world, engine_line,
-                                   reconcile_deepspeed_config)
+from mmrecipes.distributed import all_ranks_true, data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config
 from mmrecipes.evaluation import evaluate_retrieval
 from mmrecipes.feature_cache import feature_cache_backward
-from mmrecipes.losses import clip_loss, siglip_loss
 from mmrecipes.loader import batches_forever
+from mmrecipes.losses import clip_loss, siglip_loss
 from mmrecipes.metrics import LogWindow, eval_line, log_line
 from mmrecipes.model_card import History, write_model_card
 from mmrecipes.models import ModelArgs, build_contrastive, clamp_logit_scale_, save_contrastive
@@ -85,8 +84,9 @@ def main(argv=None):
 
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare
     # (it would split a datasets stream a second time).
-    loader_kwargs = dict(tokenizer=tokenizer, image_processor=image_processor, data_rank=data_rank, data_world=data_world,
-                         pad_to_max_length=accelerator.unwrap_model(model).pads_text_to_max_length)
+    pad_to_max_length = accelerator.unwrap_model(model).pads_text_to_max_length  # SigLIP: to the tokenizer's length
+    loader_kwargs = dict(tokenizer=tokenizer, image_processor=image_processor, data_rank=data_rank,
+                         data_world=data_world, pad_to_max_length=pad_to_max_length)
     train_loader = build_dataloader(data_args, data_args.train_split, data_args.data_files, batch_size=batch_size,
                                     shuffle_seed=args.seed, **loader_kwargs)
     eval_loader, no_eval = None, evaluation_off_reason(data_args)
@@ -112,7 +112,7 @@ def main(argv=None):
     start_step, resumed_epoch = checkpoints.resume(args.resume_from_checkpoint, train_loader)
     train_batches = batches_forever(train_loader, resumed_epoch)
 
-    accelerator.init_trackers(f"{model_args.loss}_pretrain", config=asdict(model_args) | asdict(data_args) | asdict(args))
+    accelerator.init_trackers(f"{model_args.loss}_pretrain", asdict(model_args) | asdict(data_args) | asdict(args))
     peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
@@ -189,10 +189,9 @@ def main(argv=None):
         write_model_card(
             args.output_dir, history, pipeline_tag="zero-shot-image-classification",
             eval_metrics=["image_to_text_R@1", "text_to_image_R@1", "zeroshot_top1"],
-            base_model=model_args.model_name_or_path, datasets=[data_args.dataset_name], tags=[model_args.loss, "contrastive"],
-            engine=engine, seen=f"{int(logged.total['samples']):,} image-text pairs", resumed_at=start_step,
-            load_example=f"from transformers import pipeline\nclassify = pipeline(\"zero-shot-image-classification\", "
-                         f"model=\"{args.output_dir}\")\nclassify(image, candidate_labels=[\"a red circle\", \"a blue square\"])")
+            base_model=model_args.model_name_or_path, datasets=[data_args.dataset_name],
+            tags=[model_args.loss, "contrastive"], engine=engine,
+            seen=f"{int(logged.total['samples']):,} image-text pairs", resumed_at=start_step)
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").
     accelerator.wait_for_everyone()

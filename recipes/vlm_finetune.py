@@ -5,23 +5,15 @@
     accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/vlm_finetune.py \
         --model_name_or_path Qwen/Qwen2.5-VL-3B-Instruct --learning_rate 2.0e-5
 
-With no arguments it fine-tunes a tiny `LlavaForConditionalGeneration` on the embedded shapes
-conversations (75% image questions, 25% text-only) on a CPU and writes a directory that
-`AutoProcessor`, `AutoModelForImageTextToText` and `pipeline("image-text-to-text")` load.
-`--model_name_or_path` takes any `AutoModelForImageTextToText` checkpoint (tested: Llava, Qwen2.5-VL,
-Qwen3-VL, SmolVLM/Idefics3, Gemma 3, LLaVA-OneVision) with its own processor and chat template:
-the answer tokens are found in whatever template it ships (mmrecipes.chat_labels), and its vision
-tower, projector and language model from its module tree (mmrecipes.vlm_families). `--use_peft true`
-trains LoRA adapters on the language model instead (TRL's flags; mmrecipes.lora) and saves the merged
-model and `output_dir/adapter`.
-Two things make it safe at any scale, on every engine in accelerate_configs/:
-- every micro-batch runs the vision step once on every rank (a text-only batch gets a tiny dummy
-  image whose features are sliced out of the loss): ranks never disagree on which modules run;
-- the loss is the exact token mean over the whole accumulation window on all ranks: each
-  micro-batch back-propagates its summed CE times GA * W / N, N counted once per window.
-Real data: `--dataset_name json --data_files llava.json --image_folder images/` (LLaVA format)
-or chat-format datasets (`messages` + `images`); several comma-separated sources mix with
-`--dataset_weights`. Tested on a 2-core CPU (1 and 2 processes, gloo).
+With no arguments it fine-tunes a tiny Llava on the embedded shapes conversations (75% image
+questions, 25% text-only) on a CPU; the output loads with `AutoModelForImageTextToText` and
+`pipeline("image-text-to-text")`. `--model_name_or_path` takes any image-text-to-text checkpoint with its
+own processor and chat template; `--use_peft true` trains LoRA adapters (TRL's flags). On every engine a
+text-only micro-batch runs the vision step on a tiny dummy image (ranks never disagree on which modules
+run), and the loss is the exact token mean over the accumulation window on all ranks (docs/vlm.md).
+Real data: `--dataset_name json --data_files llava.json --image_folder images/` (LLaVA format) or
+`messages` + `images` rows; comma-separated sources mix with `--dataset_weights`. Tested on a 2-core CPU
+(1 and 2 processes, gloo).
 """
 
 import time
@@ -32,30 +24,35 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from mmrecipes.chat_data import (CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader,
-                                 chat_model_inputs, check_packing)
+from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs, check_packing
+from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader
 from mmrecipes.chat_labels import AnswerLabeller, check_template
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.config import parse_args
-from mmrecipes.distributed import (DivergenceGuard, data_parallel_rank_and_world, engine_line,
-                                   reconcile_deepspeed_config, sum_over_ranks)
+from mmrecipes.distributed import (
+    DivergenceGuard,
+    data_parallel_rank_and_world,
+    engine_line,
+    reconcile_deepspeed_config,
+    sum_over_ranks,
+)
 from mmrecipes.evaluation import evaluate_answers
+from mmrecipes.loader import batches_forever
 from mmrecipes.lora import LoraArgs, add_lora, describe_trainable
 from mmrecipes.losses import token_loss_scale
-from mmrecipes.loader import batches_forever
 from mmrecipes.metrics import LogWindow, eval_line, log_line
 from mmrecipes.model_card import History, write_model_card
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import peak_flops, vlm_train_flops
 from mmrecipes.training import TrainingArgs, accelerator_from_args, adamw, compile_blocks, per_device_batch_size
-from mmrecipes.vlm import (VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, save_vlm,
-                           stop_token_ids)
-from mmrecipes.vlm_families import dummy_image_inputs, image_patches, module_groups
+from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, save_vlm, stop_token_ids
+from mmrecipes.vlm_families import dummy_image_inputs, image_patches, module_groups, optimizer_groups
 
 
 @dataclass
 class TrainArgs(TrainingArgs):
-    CHECKS = TrainingArgs.CHECKS | {"vision_tower_learning_rate": "positive", "vision_tower_weight_decay": "non_negative"}
+    CHECKS = TrainingArgs.CHECKS | {"vision_tower_learning_rate": "positive",
+                                    "vision_tower_weight_decay": "non_negative"}
     output_dir: str = "outputs/vlm_finetune"
     max_steps: int = 500
     per_device_train_batch_size: int = 16
@@ -94,7 +91,7 @@ def main(argv=None):
     if model_args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if data_args.packing:
-        check_packing(VLMForTraining(model), labeller, dummy_inputs)  # samples kept apart in one sequence, on this model
+        check_packing(VLMForTraining(model), labeller, dummy_inputs)  # samples kept apart in one sequence
     if not model.get_input_embeddings().weight.requires_grad:
         # A frozen embedding (LoRA, the projector preset) gives a text-only batch an LM input without grad: its
         # backward would skip the LM where an image batch's runs through it, so ZeRO-3 and FSDP2 ranks would
@@ -103,7 +100,8 @@ def main(argv=None):
     # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
     flops_per_token, flops_per_patch = vlm_train_flops(
         model, sum(p.numel() for _, p in groups.vision_tower), seq_len=data_args.max_length // 2,
-        lm_weights_train="language_model" in trainable and peft_config is None, vision_trains="vision_tower" in trainable)
+        lm_weights_train="language_model" in trainable and peft_config is None,
+        vision_trains="vision_tower" in trainable)
     vision_config = model.config.vision_config  # the patch count per batch reads it
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
@@ -117,19 +115,11 @@ def main(argv=None):
     accelerator.print(groups.describe())
     accelerator.print(describe_trainable(model))
     if groups.unreached:
-        accelerator.print(f"froze {len(groups.unreached)} parameters no forward path reaches: {', '.join(groups.unreached)}")
+        accelerator.print(f"froze {len(groups.unreached)} parameters no forward path reaches: "
+                          + ", ".join(groups.unreached))
 
-    # Frozen parameters are not in the optimizer (no state); the tower, if it trains, has its own lr
-    # (its groups go last: the logged lr is the first group's, the main one).
-    param_groups = []
-    for name, params in sorted(trainable.items(), key=lambda item: item[0] == "vision_tower"):
-        params = [p for p in params if p.requires_grad]
-        tower = name == "vision_tower"
-        lr = args.vision_tower_learning_rate if tower else args.learning_rate
-        decay = args.vision_tower_weight_decay if tower else args.weight_decay
-        param_groups += [{"params": [p for p in params if p.ndim >= 2], "lr": lr, "weight_decay": decay},
-                         {"params": [p for p in params if p.ndim < 2], "lr": lr, "weight_decay": 0.0}]
-    optimizer = adamw([group for group in param_groups if group["params"]], args)
+    # Frozen parameters are not in the optimizer (no state); the tower, if it trains, has its own lr.
+    optimizer = adamw(optimizer_groups(trainable, args), args)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
     reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -138,22 +128,23 @@ def main(argv=None):
     model, optimizer = accelerator.prepare(VLMForTraining(model), optimizer)
     engine = engine_line(accelerator, model)
     accelerator.print(engine)
-    if DivergenceGuard.requested(args.debug_divergence):  # after prepare: it runs before the engine's hooks
-        DivergenceGuard(accelerator.unwrap_model(model), timeout_s=args.ddp_timeout)
+    divergence_guard = None  # after prepare: its hooks run before the engine's
+    if DivergenceGuard.requested(args.debug_divergence):
+        divergence_guard = DivergenceGuard(accelerator.unwrap_model(model), timeout_s=args.ddp_timeout)
 
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare.
     # With --max_tokens_per_batch each micro-batch holds whole rows up to that many tokens; with --packing
     # they form one sequence without padding (mmrecipes.packing). Evaluation keeps fixed, padded batches.
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs, packing=data_args.packing,
-                                  pack_length=min(data_args.max_length, data_args.max_tokens_per_batch or data_args.max_length))
+    pack_length = min(data_args.max_length, data_args.max_tokens_per_batch or data_args.max_length)
+    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs, data_args.packing, pack_length)
     loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world)
     train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,
                                          **loader_kwargs)
     eval_loader = None
     if data_args.eval_dataset_name:
-        eval_loader = build_chat_dataloader(data_args, collator=DummyImageCollator(processor.tokenizer.pad_token_id,
-                                                                                   dummy_inputs),
-                                            batch_size=args.per_device_eval_batch_size, eval_split=True, **loader_kwargs)
+        eval_collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs)
+        eval_loader = build_chat_dataloader(data_args, collator=eval_collator, eval_split=True,
+                                            batch_size=args.per_device_eval_batch_size, **loader_kwargs)
 
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
                                data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
@@ -164,7 +155,7 @@ def main(argv=None):
     start_step, resumed_epoch = checkpoints.resume(args.resume_from_checkpoint, train_loader)
     train_batches = batches_forever(train_loader, resumed_epoch)
 
-    accelerator.init_trackers("vlm_finetune", config=asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args))
+    accelerator.init_trackers("vlm_finetune", asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args))
     peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
@@ -205,7 +196,8 @@ def main(argv=None):
             flops = sums["tokens"] * flops_per_token + sums["patches"] * flops_per_patch
             metrics = {"loss": sums["ce"] / sums["target_tokens"] if sums["target_tokens"] else float("nan"),
                        "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
-                       "samples_per_s": sums["samples"] / sums["seconds"], "tokens_per_s": sums["tokens"] / sums["seconds"],
+                       "samples_per_s": sums["samples"] / sums["seconds"],
+                       "tokens_per_s": sums["tokens"] / sums["seconds"],
                        "mfu": flops / sums["seconds"] / (peak * ranks) if peak else None,
                        "data_wait": sums["data_wait"] / ranks / sums["seconds"],
                        "dummy_image_batches": int(sums["dummy_image_batches"]), "skipped_steps": guard.skipped_steps}
@@ -231,14 +223,15 @@ def main(argv=None):
         write_model_card(
             args.output_dir, history, pipeline_tag="image-text-to-text", eval_metrics=["answer_accuracy"],
             base_model=model_args.model_name_or_path, datasets=data_args.dataset_name.split(","),
-            tags=["vlm", "lora" if peft_config else "full fine-tune", type(accelerator.unwrap_model(model).model).__name__],
-            engine=engine, seen=f"{int(logged.total['samples']):,} conversations, {int(logged.total['tokens']):,} tokens", resumed_at=start_step,
-            load_example=f"from transformers import pipeline\nanswer = pipeline(\"image-text-to-text\", model=\"{args.output_dir}\")\n"
-                         "answer(text=[{\"role\": \"user\", \"content\": [{\"type\": \"image\", \"image\": image}, "
-                         "{\"type\": \"text\", \"text\": \"What colour is the shape?\"}]}], max_new_tokens=16)")
+            tags=["vlm", "lora" if peft_config else "full fine-tune",
+                  type(accelerator.unwrap_model(model).model).__name__],
+            engine=engine, resumed_at=start_step,
+            seen=f"{int(logged.total['samples']):,} conversations, {int(logged.total['tokens']):,} tokens")
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").
     accelerator.wait_for_everyone()
+    if divergence_guard is not None:
+        divergence_guard.remove()
     accelerator.print(f"saved model to {args.output_dir}")
     accelerator.end_training()
 

@@ -68,7 +68,8 @@ def losses(log: str) -> dict[int, float]:
 
 
 def grad_norms(log: str) -> dict[int, float]:
-    return {int(step): float(norm) for step, norm in re.findall(r"^step (\d+)/\d+ \|.*\| grad_norm ([\d.]+)", log, re.M)}
+    pairs = re.findall(r"^step (\d+)/\d+ \|.*\| grad_norm ([\d.]+)", log, re.M)
+    return {int(step): float(norm) for step, norm in pairs}
 
 
 def engine_line(log: str) -> str:

@@ -9,10 +9,10 @@ import pytest
 import torch
 from PIL import Image
 
-from mmrecipes.chat_data import (CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader,
-                                 chat_model_inputs)
-from mmrecipes.losses import IGNORE_INDEX
+from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
+from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader
 from mmrecipes.chat_labels import AnswerLabeller
+from mmrecipes.losses import IGNORE_INDEX
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, load_vlm, stop_token_ids
 from mmrecipes.vlm_families import dummy_image_inputs
 

@@ -15,13 +15,13 @@ import torch
 from PIL import Image
 
 from gloo import run_on_ranks
-from webdataset_shards import make_webdataset
 from mmrecipes.data import COUNTED, DataArgs, ImageTextCollator, build_dataloader, model_inputs
+from mmrecipes.evaluation import evaluate_retrieval, retrieval_recall_at_1
 from mmrecipes.images import processed_pixels
 from mmrecipes.loader import batches_forever
-from mmrecipes.sources import expand_data_files
-from mmrecipes.evaluation import evaluate_retrieval, retrieval_recall_at_1
 from mmrecipes.models import ModelArgs, build_contrastive
+from mmrecipes.sources import expand_data_files
+from webdataset_shards import make_webdataset
 
 
 def png(image, fmt="PNG"):
@@ -70,7 +70,8 @@ def test_bad_rows_are_converted_or_skipped_and_counted(tmp_path, tiny):
     for batch in batches:
         pixels = model_inputs(batch, torch.device("cpu"))["pixel_values"]
         assert pixels.shape[1:] == (3, 32, 32) and torch.isfinite(pixels).all()
-        assert (batch["input_ids"][batch["attention_mask"].bool()] == 0).sum() == len(batch["input_ids"])  # one EOS each
+        # one EOS each
+        assert (batch["input_ids"][batch["attention_mask"].bool()] == 0).sum() == len(batch["input_ids"])
 
 
 @pytest.mark.parametrize("loss", ["clip", "siglip"])
@@ -180,7 +181,8 @@ def test_eval_with_unequal_shares_stops_together_and_matches_one_process(tmp_pat
     torch.manual_seed(0)
     model, tokenizer, image_processor = build_contrastive(ModelArgs())
     args = DataArgs(dataset_name="parquet", data_files=files)
-    loader = build_dataloader(args, "train", files, tokenizer, image_processor, batch_size=14, data_rank=0, data_world=1)
+    loader = build_dataloader(args, "train", files, tokenizer, image_processor, batch_size=14, data_rank=0,
+                              data_world=1)
     with torch.no_grad():
         image_embeds, text_embeds, _ = model(**model_inputs(next(iter(loader)), torch.device("cpu")))
     assert recall0 == retrieval_recall_at_1(image_embeds, text_embeds)

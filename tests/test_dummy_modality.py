@@ -7,12 +7,18 @@ from accelerate.utils import set_seed
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
 from gloo import run_on_ranks
-from recipe_without_dummy import SkipsTowerOnTextOnly
-from mmrecipes.chat_data import CHAT_COUNTED, DummyImageCollator
-from mmrecipes.losses import (IGNORE_INDEX, count_target_tokens, head_cross_entropy_sum, token_cross_entropy_sum,
-                              token_loss_scale)
+from mmrecipes.chat_collate import DummyImageCollator
+from mmrecipes.chat_data import CHAT_COUNTED
+from mmrecipes.losses import (
+    IGNORE_INDEX,
+    count_target_tokens,
+    head_cross_entropy_sum,
+    token_cross_entropy_sum,
+    token_loss_scale,
+)
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm
 from mmrecipes.vlm_families import dummy_image_inputs, module_groups
+from recipe_without_dummy import SkipsTowerOnTextOnly
 
 USER = 3  # any ordinary token id
 
@@ -119,7 +125,8 @@ def test_ddp_with_text_only_rank_runs_with_the_dummy_and_fails_without(family):
     for name, grad in grads[0].items():
         assert grad is not None and torch.isfinite(grad).all(), name
         torch.testing.assert_close(grad, grads[1][name], msg=name)  # DDP averaged every parameter
-    with pytest.raises(Exception, match="Expected to have finished reduction|Connection (closed|reset) by peer|doesn't match"):
+    with pytest.raises(Exception,
+                       match="Expected to have finished reduction|Connection (closed|reset) by peer|doesn't match"):
         run_on_ranks(_ddp_mixed_steps, 2, family, SkipsTowerOnTextOnly)
 
 

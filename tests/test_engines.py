@@ -6,7 +6,6 @@ copy each engine updates (DeepSpeed's fp32 master included) for the saved value 
 
 import math
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from huggingface_hub import ModelCard
 from PIL import Image
 from transformers import CLIPModel, pipeline
 
-from gloo import free_port
 from launch import REPO, accelerate_launch, engine_line, losses
 from mmrecipes.model_card import CURVES_SIZE
 
@@ -22,7 +20,8 @@ pytestmark = pytest.mark.launch
 
 EXPECTED_ENGINE = {
     "ddp.yaml": "distributed_type=MULTI_CPU num_processes=2 backend=gloo world_size=2 model=DistributedDataParallel",
-    "fsdp2.yaml": "distributed_type=FSDP num_processes=2 backend=gloo world_size=2 model=FSDPCLIPForContrastiveTraining",
+    "fsdp2.yaml": "distributed_type=FSDP num_processes=2 backend=gloo world_size=2 "
+    "model=FSDPCLIPForContrastiveTraining",
     "zero2.yaml": "distributed_type=DEEPSPEED num_processes=2 backend=gloo world_size=2 model=DeepSpeedEngine",
     "zero3.yaml": "distributed_type=DEEPSPEED num_processes=2 backend=gloo world_size=2 model=DeepSpeedEngine",
 }

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import datasets
 import numpy
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -30,7 +29,8 @@ from PIL import Image
 from transformers import get_scheduler
 
 from launch import REPO, VLM_RECIPE, load_recipe, losses, run_recipe
-from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader
+from mmrecipes.chat_collate import DummyImageCollator
+from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader
 from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.checkpoint_files import UnsafeCheckpoint, file_digest
 from mmrecipes.checkpointing import MARKER, Checkpointer, data_layout
@@ -40,8 +40,8 @@ from mmrecipes.distributed import make_accelerator
 from mmrecipes.images import decode_image
 from mmrecipes.loader import batches_forever
 from mmrecipes.models import ModelArgs, build_contrastive
-from mmrecipes.paths import SHAPES_DATA
 from mmrecipes.output_dir import LOCK_NAME, STALE_AFTER_S, OutputDirBusy, OutputDirLock
+from mmrecipes.paths import SHAPES_DATA
 from mmrecipes.training import TrainingArgs
 from mmrecipes.vlm import VLMModelArgs, load_vlm, stop_token_ids
 from mmrecipes.vlm_families import dummy_image_inputs
@@ -306,7 +306,8 @@ def test_a_resume_with_another_dataset_or_model_is_refused_unless_asked(saved, t
 
     other_model, _, _ = build_contrastive(ModelArgs(hidden_size=32))
     wrong = make_checkpointer(tmp_path, other_model, saved.tokenizer, saved.image_processor)
-    with pytest.raises(ValueError, match=r"holds another model: \d+ parameters differ, e.g. .*341x64 there, 341x32 here"):
+    with pytest.raises(ValueError,
+                       match=r"holds another model: \d+ parameters differ, e.g. .*341x64 there, 341x32 here"):
         wrong.checkpoints.find("latest")
 
 

@@ -28,4 +28,5 @@ def test_hsdp_names_its_mesh_and_gives_ddps_losses(recipe, tmp_path):
         assert losses(hsdp.log)[step] == pytest.approx(losses(ddp.log)[step], rel=1e-4), f"loss, step {step}"
     if recipe == VLM_RECIPE:
         for step in range(1, 5):
-            assert grad_norms(hsdp.log)[step] == pytest.approx(grad_norms(ddp.log)[step], rel=1e-4), f"grad, step {step}"
+            assert grad_norms(hsdp.log)[step] == pytest.approx(grad_norms(ddp.log)[step],
+                                                               rel=1e-4), f"grad, step {step}"

@@ -11,12 +11,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from launch import VLM_RECIPE, accelerate_launch, engine_line, grad_norms, load_recipe, losses, run_recipe
-from test_vlm_engines import EXPECTED_ENGINE, SCENARIO, image_row, write_scenario
 from mmrecipes.lora import LoraArgs, lora_config
 from mmrecipes.vlm import VLMModelArgs, load_vlm
 from mmrecipes.vlm_families import dummy_image_inputs, module_groups
+from test_vlm_engines import EXPECTED_ENGINE, SCENARIO, image_row, write_scenario
 
-LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout", 0.0]  # dropout 0: same masks on any rank count
+LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout",
+        0.0]  # dropout 0: same masks on any rank count
 STEPS = 6
 
 
@@ -113,7 +114,8 @@ def test_lora_under_every_engine_gives_the_losses_of_one_process(lora_runs, fami
     assert sorted(losses(result.log)) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert losses(result.log)[step] == pytest.approx(losses(truth.log)[step], rel=1e-4), f"loss, step {step}"
-        assert grad_norms(result.log)[step] == pytest.approx(grad_norms(truth.log)[step], rel=1e-4), f"grad, step {step}"
+        assert grad_norms(result.log)[step] == pytest.approx(grad_norms(truth.log)[step],
+                                                             rel=1e-4), f"grad, step {step}"
     assert losses(result.log)[STEPS] < losses(result.log)[1]
 
 

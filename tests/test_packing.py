@@ -4,7 +4,6 @@ whole rows and resume exactly, and launched under every engine packing gives the
 token-budget batches padded. (The 2-rank gradient of packed windows: test_dummy_modality.py.)"""
 
 import re
-
 from functools import partial
 
 import pytest
@@ -14,8 +13,8 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from launch import VLM_RECIPE, accelerate_launch, engine_line, grad_norms, losses
-from mmrecipes.chat_data import (CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader,
-                                 chat_model_inputs, check_packing, encode_row)
+from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs, check_packing
+from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, encode_row
 from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, load_vlm, stop_token_ids
 from mmrecipes.vlm_families import dummy_image_inputs
@@ -39,7 +38,8 @@ def rows_of(labeller):
         messages = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]},
                     {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
         input_ids, labels, image_inputs = encode_row(labeller, messages, images)
-        rows.append({"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs} | dict.fromkeys(CHAT_COUNTED, 0))
+        rows.append({"input_ids": input_ids, "labels": labels,
+                     "image_inputs": image_inputs} | dict.fromkeys(CHAT_COUNTED, 0))
     return rows
 
 
@@ -58,7 +58,8 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
     alone = [step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs)([row]), "cpu")) for row in rows]
     lengths = [len(row["input_ids"]) for row in rows]
     for pack_length, sequences in ((None, [[0, 1, 2]]), (lengths[0] + lengths[1], [[0, 1], [2]])):
-        batch = chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True, pack_length=pack_length)(rows), "cpu")
+        batch = chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True, pack_length=pack_length)(rows),
+                                  "cpu")
         loss, logits = step(**batch)
         assert logits.shape[0] == len(sequences)
         for index, sequence in enumerate(sequences):
@@ -84,7 +85,8 @@ def test_a_family_that_does_not_keep_packed_samples_apart_is_rejected(tiny_vlms)
     """Gemma 3 (image tokens attend bidirectionally through token_type_ids) mixes packed samples:
     `--packing` stops before the first step and says what to do instead."""
     model, processor = load(tiny_vlms, "gemma3")
-    with pytest.raises(ValueError, match="--packing: Gemma3ForConditionalGeneration does not keep packed samples apart"):
+    with pytest.raises(ValueError,
+                       match="--packing: Gemma3ForConditionalGeneration does not keep packed samples apart"):
         check_packing(VLMForTraining(model), AnswerLabeller(processor, stop_token_ids(model, processor)),
                       dummy_image_inputs(model, processor))
 
@@ -141,7 +143,8 @@ def test_packing_under_every_engine_gives_the_losses_of_the_same_rows_padded(bud
     assert sorted(losses(result.log)) == list(range(1, 7))
     for step in range(1, 7):
         assert losses(result.log)[step] == pytest.approx(losses(padded.log)[step], rel=1e-4), f"loss, step {step}"
-        assert grad_norms(result.log)[step] == pytest.approx(grad_norms(padded.log)[step], rel=1e-4), f"grad, step {step}"
+        assert grad_norms(result.log)[step] == pytest.approx(grad_norms(padded.log)[step],
+                                                             rel=1e-4), f"grad, step {step}"
     # Packs without any image ran the dummy, on some rank, in some step.
     assert sum(map(int, re.findall(r"\| dummy_image_batches (\d+)", result.log))) > 0
 

@@ -9,9 +9,9 @@ import yaml
 from PIL import Image
 from transformers import CLIPModel
 
-from mmrecipes.models import ModelArgs, build_contrastive
 from gloo import run_on_ranks
 from launch import REPO, accelerate_launch, load_recipe, losses, run_recipe
+from mmrecipes.models import ModelArgs, build_contrastive
 from webdataset_shards import make_webdataset
 
 pytestmark = pytest.mark.launch

@@ -88,7 +88,8 @@ def test_mixed_ranks_match_one_process(scenario_runs, single_process, config):
     assert sorted(losses(result.log)) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert losses(result.log)[step] == pytest.approx(losses(truth.log)[step], rel=1e-4), f"loss, step {step}"
-        assert grad_norms(result.log)[step] == pytest.approx(grad_norms(truth.log)[step], rel=1e-4), f"grad, step {step}"
+        assert grad_norms(result.log)[step] == pytest.approx(grad_norms(truth.log)[step],
+                                                             rel=1e-4), f"grad, step {step}"
     reference = LlavaForConditionalGeneration.from_pretrained(truth_dir).state_dict()
     for name, tensor in LlavaForConditionalGeneration.from_pretrained(output_dir).state_dict().items():
         torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -11,7 +11,8 @@ from PIL import Image
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, CLIPConfig, Pix2StructConfig
 
 from launch import VLM_RECIPE, load_recipe
-from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, DummyImageCollator, build_chat_dataloader, chat_model_inputs
+from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
+from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader
 from mmrecipes.chat_labels import AnswerLabeller, TemplateError, check_template
 from mmrecipes.distributed import fsdp_block_classes
 from mmrecipes.losses import IGNORE_INDEX, token_cross_entropy_sum
@@ -104,7 +105,8 @@ def test_a_template_whose_turns_no_rule_finds_is_rejected_before_the_first_step(
     markers: the prefix rule cannot place the answers, and the recipe stops naming the template."""
     template = tmp_path / "odd.jinja"
     template.write_text("{% for m in messages %}<|im_start|>{{ 'bot' if m['role'] == 'assistant' else m['role'] }}\n"
-                        "{% for p in m['content'] %}{{ p['text'] if p['type'] == 'text' else '<|vision_start|><|image_pad|>"
+                        "{% for p in m['content'] %}{{ p['text'] if p['type'] == 'text' else "
+                        "'<|vision_start|><|image_pad|>"
                         "<|vision_end|>' }}{% endfor %}<|im_end|>\n{% endfor %}"
                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     with pytest.raises(TemplateError, match=f"The chat template of {template} cannot be used for training: rendering "
@@ -165,7 +167,8 @@ def llava_json(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llava_json")
     Image.new("RGB", (32, 32), (200, 30, 30)).save(folder / "square.png")
     Image.new("RGB", (64, 24), (30, 30, 200)).save(folder / "wide.png")
-    text_only = {"conversations": [{"from": "human", "value": "What comes after one?"}, {"from": "gpt", "value": "two"}]}
+    text_only = {"conversations": [{"from": "human", "value": "What comes after one?"},
+                                   {"from": "gpt", "value": "two"}]}
     rows = [{"image": "square.png", "conversations": [{"from": "human", "value": "<image>\nWhat colour is the shape?"},
                                                        {"from": "gpt", "value": "red"}]},
             {"image": "wide.png", "conversations": [{"from": "human", "value": "What colour is it?\n<image>"},
@@ -209,7 +212,8 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
     with torch.no_grad():
         own_logits = model(**{name: value for name, value in batch.items()
                               if name in wrapper.forward_input_names and name != "labels"}).logits
-    torch.testing.assert_close(loss_sum.detach(), token_cross_entropy_sum(own_logits, batch["labels"]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss_sum.detach(), token_cross_entropy_sum(own_logits, batch["labels"]), rtol=1e-5,
+                               atol=1e-5)
     vision_step = [p for name, p in model.named_parameters() if p.grad is not None and name not in language_model]
     assert vision_step and any(p.grad.any() for p in vision_step)
 

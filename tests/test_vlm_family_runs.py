@@ -42,7 +42,8 @@ def family_runs(tiny_vlms, tmp_path_factory):
     runs = {}
     for family in FAMILIES:
         preset = ["--train_modules", TRAIN_MODULES[family]] if family in TRAIN_MODULES else []
-        runs[family, "ddp.yaml"] = launch("ddp.yaml", tiny_vlms[family], tmp_path_factory.mktemp(f"{family}_ddp"), *preset)
+        runs[family, "ddp.yaml"] = launch("ddp.yaml", tiny_vlms[family], tmp_path_factory.mktemp(f"{family}_ddp"),
+                                          *preset)
     for config in ("fsdp2.yaml", "zero2.yaml", "zero3.yaml"):
         runs[MATRIX, config] = launch(config, tiny_vlms[MATRIX], tmp_path_factory.mktemp(f"{MATRIX}_{config[:-5]}"))
     return runs

@@ -22,7 +22,8 @@ MAJORITY_BASELINE = 0.344  # data_prep/make_vlm_data.py: the most common answer 
 
 
 def accuracies(log: str) -> dict[int, float]:
-    return {int(step): float(acc) for step, acc in re.findall(r"^eval step (\d+) \| answer_accuracy ([\d.]+)", log, re.M)}
+    pairs = re.findall(r"^eval step (\d+) \| answer_accuracy ([\d.]+)", log, re.M)
+    return {int(step): float(acc) for step, acc in pairs}
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,8 @@ def test_freezing_presets_with_gradient_checkpointing(config, preset, checkpoint
     if preset == "projector":
         assert moved == projector
     else:
-        assert projector < moved and any("vision_tower" in n for n in moved) and any("language_model" in n for n in moved)
+        assert projector < moved and any("vision_tower" in n for n in moved) and any("language_model" in n
+                                                                                     for n in moved)
         assert not any("post_layernorm" in n for n in moved)  # unreached: frozen, and said so
         assert "froze 2 parameters no forward path reaches: model.vision_tower.post_layernorm.weight" in result.log
     if config == "ddp.yaml":
@@ -135,7 +137,8 @@ def test_vision_tower_gets_its_own_learning_rate(tmp_path):
                         recipe=VLM_RECIPE)
     assert result.returncode == 0, result.log[-3000:]
     optimizer = torch.load(tmp_path / "checkpoints" / "checkpoint-2" / "optimizer.bin", weights_only=False)
-    assert sorted({group["initial_lr"] for group in optimizer["param_groups"]}) == [2.0e-6, 1.0e-3]  # before the schedule
+    assert sorted({group["initial_lr"] for group in optimizer["param_groups"]}) == [2.0e-6,
+                                                                                    1.0e-3]  # before the schedule
 
 
 def test_unknown_preset_is_rejected_before_training(tmp_path):
@@ -158,7 +161,8 @@ def mixture_runs(tmp_path_factory):
     runs = {}
     for config in ENGINE_LINE:
         output_dir = tmp_path_factory.mktemp("mixture_" + config.split(".")[0])
-        runs[config] = (accelerate_launch(config, *RESUME_RUN, "--output_dir", output_dir, recipe=VLM_RECIPE), output_dir)
+        runs[config] = (accelerate_launch(config, *RESUME_RUN, "--output_dir", output_dir, recipe=VLM_RECIPE),
+                        output_dir)
     return runs
 
 

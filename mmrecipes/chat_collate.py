@@ -1,0 +1,154 @@
+"""Rows to micro-batches for VLM fine-tuning: the dummy-image collator (padding or packing), and the
+checks before the first step that use it.
+
+`DummyImageCollator` gives a batch without any image the model's tiny dummy image, so the vision step
+runs on every rank for every micro-batch (see mmrecipes.vlm); it also counts, on the host, what the
+loop needs (`HOST_COUNTS`: rows, target tokens, data counts). `probe_rows` and `check_packing` run it
+on two probe conversations before training.
+"""
+
+import torch
+from PIL import Image
+
+from .chat_data import CHAT_COUNTED, TOKEN_ALIGNED, encode_row
+from .losses import IGNORE_INDEX, count_target_tokens
+
+HOST_COUNTS = ("num_samples", "target_tokens", "data_counts")  # what the collator counted: for the loop, not the model
+
+
+class DummyImageCollator:
+    """Rows -> one micro-batch that runs the same graph on every rank (see mmrecipes.vlm).
+
+    Pads each row to the longest on the right (labels with IGNORE_INDEX). With `packing`, the rows
+    are first packed in order into sequences of up to `pack_length` tokens (one sequence if None),
+    each row's first label ignored (it is never predicted from the sample before it), and
+    `sample_lengths` / `images_per_sample` list every segment of the padded `[sequences, L]` batch
+    in order (a sequence's padding is a segment of its own), for per-sample positions and
+    attention (mmrecipes.packing). Concatenates the rows' image inputs in row order, and gives a
+    batch without any image the model's tiny dummy image (`dummy_image_inputs`) with
+    `dummy_image=True`, so the vision step runs on every micro-batch.
+    """
+
+    def __init__(self, pad_token_id: int, dummy_inputs: dict, packing: bool = False, pack_length: int | None = None):
+        self.pad_token_id, self.dummy_inputs = pad_token_id, dummy_inputs
+        self.packing, self.pack_length = packing, pack_length
+
+    def __call__(self, rows):
+        lengths = [len(row["input_ids"]) for row in rows]
+        packs = _next_fit(lengths, self.pack_length) if self.packing else [[i] for i in range(len(rows))]
+        length = max(sum(lengths[i] for i in pack) for pack in packs)
+
+        def join(tensors, value):
+            return _pad([torch.cat([tensors[i] for i in pack]) for pack in packs], length, value)
+
+        labels = [row["labels"] for row in rows]
+        if self.packing:
+            labels = [torch.cat([row_labels.new_full((1,), IGNORE_INDEX), row_labels[1:]]) for row_labels in labels]
+        batch = {"input_ids": join([row["input_ids"] for row in rows], self.pad_token_id),
+                 "attention_mask": join([torch.ones_like(row["input_ids"]) for row in rows], 0),
+                 "labels": join(labels, IGNORE_INDEX)}
+        if self.packing:
+            segments = []
+            for pack in packs:
+                used = sum(lengths[i] for i in pack)
+                segments += [(lengths[i], _image_count(rows[i])) for i in pack]
+                segments += [(length - used, 0)] if used < length else []
+            batch["sample_lengths"], batch["images_per_sample"] = torch.tensor(segments).T.clone()
+        for key in TOKEN_ALIGNED[2:]:  # a text-only row may lack them (zeros: no image token)
+            if any(key in row["image_inputs"] for row in rows):
+                batch[key] = join([row["image_inputs"].get(key, torch.zeros_like(row["input_ids"])) for row in rows], 0)
+        with_images = [row["image_inputs"] for row in rows if "pixel_values" in row["image_inputs"]]
+        image_keys = {key for inputs in with_images for key in inputs} - set(TOKEN_ALIGNED)
+        batch |= {key: _cat_padded([inputs[key] for inputs in with_images]) for key in image_keys}
+        batch["dummy_image"] = not with_images
+        if not with_images:
+            batch |= self.dummy_inputs
+        batch["num_samples"] = len(rows)
+        batch["target_tokens"] = count_target_tokens(batch["labels"])  # read here, on the host, not in the loop
+        batch["data_counts"] = torch.tensor([sum(row[name] for row in rows) for name in CHAT_COUNTED])
+        return batch
+
+
+
+def _next_fit(lengths, capacity):
+    """Row indices in order, grouped into packs of at most `capacity` tokens (one pack if None)."""
+    packs, used = [[]], 0
+    for index, length in enumerate(lengths):
+        if packs[-1] and capacity is not None and used + length > capacity:
+            packs.append([])
+            used = 0
+        packs[-1].append(index)
+        used += length
+    return packs
+
+
+
+def _image_count(row) -> int:
+    """Images of a row: its image_grid_thw rows (Qwen), else its pixel_values' first dimension."""
+    inputs = row["image_inputs"]
+    if "pixel_values" not in inputs:
+        return 0
+    return len(inputs["image_grid_thw"]) if "image_grid_thw" in inputs else len(inputs["pixel_values"])
+
+
+
+def _cat_padded(tensors):
+    """Concatenate per-row image tensors along dim 0, zero-padding the other dims to the largest, as
+    the processors do within a batch (Idefics3 tiles, LLaVA-OneVision patches: all-zero ones are
+    recognised as padding by the model)."""
+    shape = [max(sizes) for sizes in zip(*(t.shape[1:] for t in tensors))]
+    padded = []
+    for tensor in tensors:
+        pad = [p for size, target in zip(reversed(tensor.shape[1:]), reversed(shape)) for p in (0, target - size)]
+        padded.append(torch.nn.functional.pad(tensor, pad) if any(pad) else tensor)
+    return torch.cat(padded)
+
+
+
+def _pad(sequences, length, value):
+    return torch.stack([torch.nn.functional.pad(seq, (0, length - len(seq)), value=value) for seq in sequences])
+
+
+
+def probe_rows(labeller) -> list[dict]:
+    """Two collator rows made with the labeller: a question about a white 32 px image and a text-only
+    one (checks before the first step)."""
+    image = Image.new("RGB", (32, 32), (255, 255, 255))
+    rows = []
+    for images, question, answer in (([image], "What colour is it?", "white"), ([], "What comes after one?", "two")):
+        content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
+        messages = [{"role": "user", "content": content},
+                    {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+        input_ids, labels, image_inputs = encode_row(labeller, messages, images)
+        rows.append({"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs}
+                    | dict.fromkeys(CHAT_COUNTED, 0))
+    return rows
+
+
+
+@torch.no_grad()
+def check_packing(step, labeller, dummy_inputs):
+    """Raise before the first step unless an image conversation and a text one, packed into one
+    sequence, give the logits each gives alone (the model keeps packed samples apart). `step`: the
+    model's `mmrecipes.vlm.VLMForTraining`."""
+    rows = probe_rows(labeller)
+    model, training = step.model, step.model.training
+    model.eval()
+    try:
+        _, packed = step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True)(rows), "cpu"),
+                         return_logits=True)
+        alone = torch.cat([step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs)([row]), "cpu"),
+                                return_logits=True)[1] for row in rows], dim=1)
+    finally:
+        model.train(training)
+    if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4):
+        raise ValueError(f"--packing: {type(model).__name__} does not keep packed samples apart (its logits differ by "
+                         f"{(packed - alone).abs().max().item():.3g} from the samples run alone): drop --packing, or "
+                         "keep --max_tokens_per_batch without it")
+
+
+
+def chat_model_inputs(batch: dict, device) -> dict:
+    """A collated batch's model inputs on `device` (the dummy_image flag stays a Python bool)."""
+    return {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            for key, value in batch.items() if key not in HOST_COUNTS}
