@@ -3,7 +3,7 @@ checks before the first step that use it.
 
 `DummyImageCollator` gives a batch without any image the model's tiny dummy image, so the vision step
 runs on every rank for every micro-batch (see mmrecipes.vlm); it also counts, on the host, what the
-loop needs (`HOST_COUNTS`: rows, target tokens, data counts). `probe_rows` and `check_packing` run it
+loop needs (`HOST_COUNTS`: rows, tokens, target tokens, data counts). `probe_rows` and `check_packing` run it
 on two probe conversations before training.
 """
 
@@ -13,7 +13,8 @@ from PIL import Image
 from .chat_data import CHAT_COUNTED, TOKEN_ALIGNED, encode_row
 from .losses import IGNORE_INDEX, count_target_tokens
 
-HOST_COUNTS = ("num_samples", "target_tokens", "data_counts")  # what the collator counted: for the loop, not the model
+# What the collator counted on the host, for the loop (not the model): the loop reads no tensor for them.
+HOST_COUNTS = ("num_samples", "num_tokens", "target_tokens", "data_counts")
 
 
 class DummyImageCollator:
@@ -63,7 +64,7 @@ class DummyImageCollator:
         batch["dummy_image"] = not with_images
         if not with_images:
             batch |= self.dummy_inputs
-        batch["num_samples"] = len(rows)
+        batch["num_samples"], batch["num_tokens"] = len(rows), sum(lengths)  # tokens: padding left out
         batch["target_tokens"] = count_target_tokens(batch["labels"])  # read here, on the host, not in the loop
         batch["data_counts"] = torch.tensor([sum(row[name] for row in rows) for name in CHAT_COUNTED])
         return batch

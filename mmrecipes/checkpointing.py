@@ -249,12 +249,14 @@ class Checkpointer:
         self.accelerator.load_state(checkpoint)
         self.scheduler.load_state_dict(json.loads((checkpoint / SCHEDULER).read_text()))
         start_step = step_of(checkpoint)
-        self.accelerator.print(f"resumed from {checkpoint} at step {start_step}")
         if self.ignore_data_skip:
-            self.accelerator.print("--ignore_data_skip: the data start from the beginning")
+            self.accelerator.print(f"resumed from {checkpoint} at step {start_step}; --ignore_data_skip: the data "
+                                   "start from the beginning")
             return start_step, None
         data_state = json.loads((checkpoint / f"data_state_{self.accelerator.process_index}.json").read_text())
-        train_loader.load_state_dict(data_state["loader"])
+        train_loader.load_state_dict(data_state["loader"])  # no row is read again to find the position
+        self.accelerator.print(f"resumed from {checkpoint} at step {start_step}, the data at its saved position in "
+                               f"epoch {data_state['epoch']}")
         return start_step, data_state["epoch"]
 
 

@@ -180,7 +180,7 @@ def main(argv=None):
                 accelerator.backward(loss_sum * loss_scale)
             window_ce.append(loss_sum.detach())
             patches = 0 if batch["dummy_image"] else image_patches(batch["pixel_values"], vision_config)
-            logged.add(samples=batch["num_samples"], tokens=batch["attention_mask"].sum(), patches=patches,
+            logged.add(samples=batch["num_samples"], tokens=batch["num_tokens"], patches=patches,
                        dummy_image_batches=batch["dummy_image"], data_counts=batch["data_counts"])
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
         done = step + 1

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gloo import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,6 +63,32 @@ def _run(command, timeout, env=None, cwd=REPO):
     result = subprocess.run(command, cwd=cwd, env=run_env(env), capture_output=True, text=True, timeout=timeout)
     result.log = (result.stdout + result.stderr).replace("\r", "\n")
     return result
+
+
+# What each engine config's `[engine]` line says on 2 CPU processes (`wrapped`: the model class the
+# recipe prepares, which FSDP2 prefixes): a silent fallback to another engine fails the match.
+ENGINES = {
+    "ddp.yaml": "distributed_type=MULTI_CPU num_processes=2 backend=gloo world_size=2 model=DistributedDataParallel",
+    "fsdp2.yaml": "distributed_type=FSDP num_processes=2 backend=gloo world_size=2 model=FSDP{wrapped}",
+    "zero2.yaml": "distributed_type=DEEPSPEED num_processes=2 backend=gloo world_size=2 model=DeepSpeedEngine",
+    "zero3.yaml": "distributed_type=DEEPSPEED num_processes=2 backend=gloo world_size=2 model=DeepSpeedEngine",
+}
+
+
+def assert_engine(log: str, config: str, wrapped: str = "CLIPForContrastiveTraining"):
+    assert ENGINES[config].format(wrapped=wrapped) in engine_line(log), engine_line(log)
+
+
+def assert_same_curves(log: str, reference: str, steps=None, *, rel=1e-4, abs=None, grad_norm=False):
+    """Every logged step's loss (and gradient norm) in `log` equals the one in `reference`; `steps` says
+    which steps `log` must have logged (default: all that `reference` logged)."""
+    got, expected = losses(log), losses(reference)
+    assert sorted(got) == sorted(steps if steps is not None else expected), (sorted(got), log[-2000:])
+    got_norms, expected_norms = grad_norms(log), grad_norms(reference)
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=rel, abs=abs), f"loss, step {step}"
+        if grad_norm:
+            assert got_norms[step] == pytest.approx(expected_norms[step], rel=rel, abs=abs), f"grad norm, step {step}"
 
 
 def losses(log: str) -> dict[int, float]:

@@ -1,5 +1,6 @@
 """Each bench/ script starts and writes its JSON line at toy size (numbers are not checked: no
-timing is asserted in CI)."""
+timing is asserted in CI). All of them run in one Python process (tests/run_benches.py), one after
+another: the imports they share cost more than their toy runs."""
 
 import json
 import subprocess
@@ -11,8 +12,7 @@ from launch import REPO, run_env
 
 pytestmark = pytest.mark.launch
 
-
-@pytest.mark.parametrize("script, args", [
+BENCHES = [
     ("contrastive_loss.py", ["--quick", "--repeats", "1"]),
     ("grad_comm.py", ["--quick"]),
     ("recipe_throughput.py", ["--quick"]),
@@ -25,11 +25,23 @@ pytestmark = pytest.mark.launch
     ("gpu_clip_throughput.py", ["--toy", "--steps", "2", "--warmup", "1", "--compile", "off"]),
     ("gpu_recipe_throughput.py", ["--toy", "--torch_compile", "false"]),
     ("gpu_recipe_throughput.py", ["--mode", "vlm", "--toy", "--torch_compile", "false"]),
-])
-def test_bench_script_runs_at_toy_size(script, args, tmp_path):
-    results = tmp_path / "results.jsonl"
-    run = subprocess.run([sys.executable, str(REPO / "bench" / script), *args, "--results", str(results)],
-                         cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    (record,) = [json.loads(line) for line in results.read_text().splitlines()]
+]
+
+
+@pytest.fixture(scope="module")
+def bench_runs(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("benches")
+    command = [sys.executable, str(REPO / "tests" / "run_benches.py"), str(out_dir)]
+    for script, args in BENCHES:
+        command += [script, *args, "--"]
+    subprocess.run(command, cwd=out_dir, env=run_env(), capture_output=True, text=True, timeout=1800)
+    return out_dir
+
+
+@pytest.mark.parametrize("index", range(len(BENCHES)), ids=[" ".join([s, *a[:2]]) for s, a in BENCHES])
+def test_bench_script_runs_at_toy_size(bench_runs, index):
+    script, _ = BENCHES[index]
+    log = (bench_runs / f"{index}.log").read_text() if (bench_runs / f"{index}.log").exists() else "(no log)"
+    assert (bench_runs / f"{index}.rc").read_text() == "0", log[-3000:]
+    (record,) = [json.loads(line) for line in (bench_runs / f"{index}.jsonl").read_text().splitlines()]
     assert record["bench"] == script.removesuffix(".py") and record["quick"] is True

@@ -1,5 +1,6 @@
 """clip_pretrain.py behaviour: accumulation communication, exact resume, config rejection, real-data path."""
 
+import dataclasses
 import json
 import re
 
@@ -10,7 +11,8 @@ from PIL import Image
 from transformers import CLIPModel
 
 from gloo import run_on_ranks
-from launch import REPO, accelerate_launch, load_recipe, losses, run_recipe
+from launch import RECIPE, REPO, VLM_RECIPE, accelerate_launch, load_recipe, losses, run_recipe
+from mmrecipes.config import parse_args
 from mmrecipes.models import ModelArgs, build_contrastive
 from webdataset_shards import make_webdataset
 
@@ -147,16 +149,34 @@ def test_bad_yaml_rejected_with_a_fix(tmp_path, text, message):
     config = tmp_path / "config.yaml"
     config.write_text(text)
     with pytest.raises(ValueError, match=re.escape(message)):
-        recipe.parse_args((recipe.ModelArgs, recipe.DataArgs, recipe.TrainArgs), [str(config)])
+        parse_args(recipe.ARGUMENTS, [str(config)])
 
 
-def test_yaml_defaults_and_cli_overrides():
-    recipe = load_recipe()
-    model_args, data_args, args = recipe.parse_args(
-        (recipe.ModelArgs, recipe.DataArgs, recipe.TrainArgs),
-        [str(REPO / "recipes" / "configs" / "clip_tiny.yaml"), "--max_steps", "7"])
-    assert args.max_steps == 7
-    assert args.learning_rate == yaml.safe_load((REPO / "recipes" / "configs" / "clip_tiny.yaml").read_text())["learning_rate"]
+# Values unlike every default, a key for each of the recipe's dataclasses.
+YAML_VALUES = {
+    RECIPE: {"hidden_size": 48, "caption_column": "caption", "shuffle_buffer_size": 77, "zeroshot_templates": "a {}.",
+             "learning_rate": 3.0e-4, "max_steps": 11, "loss_tile_size": 8, "contrastive_accumulation": "feature_cache"},
+    VLM_RECIPE: {"text_layers": 3, "lora_r": 4, "max_length": 99, "dataset_weights": "0.5,0.5", "max_steps": 11,
+                 "vision_tower_learning_rate": 1.0e-5, "image_folder": "/images", "debug_divergence": True},
+}
+
+
+@pytest.mark.parametrize("path", [RECIPE, VLM_RECIPE], ids=["clip", "vlm"])
+def test_yaml_values_reach_their_dataclass_and_flags_override_them(tmp_path, path):
+    recipe, values = load_recipe(path), YAML_VALUES[path]
+    fields = {field.name: field for cls in recipe.ARGUMENTS for field in dataclasses.fields(cls)}
+    assert all(fields[name].default != value for name, value in values.items())  # a default would prove nothing
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(values))
+    parsed = parse_args(recipe.ARGUMENTS, [str(tmp_path / "run.yaml"), "--max_steps", "5"])
+    owner = {field.name: instance for instance in parsed for field in dataclasses.fields(instance)}
+    for name, value in values.items():
+        assert getattr(owner[name], name) == (5 if name == "max_steps" else value), name
+    # The shipped hyper-parameter files parse with the recipe's arguments, every value where it belongs.
+    shipped = REPO / "recipes" / "configs" / ("clip_tiny.yaml" if path == RECIPE else "vlm_tiny.yaml")
+    parsed = parse_args(recipe.ARGUMENTS, [str(shipped)])
+    owner = {field.name: instance for instance in parsed for field in dataclasses.fields(instance)}
+    for name, value in yaml.safe_load(shipped.read_text()).items():
+        assert getattr(owner[name], name) == value, name
 
 
 def test_pretrained_model_and_local_imagefolder(tmp_path):

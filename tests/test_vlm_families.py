@@ -198,7 +198,7 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
     (batch,) = batches("rows.json", 3)
     assert dict(zip(CHAT_COUNTED, batch["data_counts"].tolist())) == dict.fromkeys(CHAT_COUNTED, 0)
     assert set(batch) - {"input_ids", "attention_mask", "labels", "pixel_values", "dummy_image", "data_counts",
-                         "num_samples", "target_tokens"} == EXTRA_INPUTS[family]
+                         "num_samples", "num_tokens", "target_tokens"} == EXTRA_INPUTS[family]
     end = END_OF_TURN[family]
     decoded = [processor.tokenizer.decode(row[row != IGNORE_INDEX]).replace(" ", "") for row in batch["labels"]]
     assert decoded == ["red" + end, "blue" + end, "two" + end]

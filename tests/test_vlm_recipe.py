@@ -181,22 +181,10 @@ def test_default_mixture_at_batch_size_1_and_exact_resume(mixture_runs, config, 
     resumed = accelerate_launch(config, *RESUME_RUN, "--output_dir", tmp_path, "--resume_from_checkpoint",
                                 output_dir / "checkpoints" / "checkpoint-3", recipe=VLM_RECIPE)
     assert resumed.returncode == 0, resumed.log[-3000:]
-    assert "re-reading" not in resumed.log  # the saved data position, through the DataLoader worker
+    assert "the data at its saved position in epoch 0" in resumed.log  # through the DataLoader worker
     assert sorted(losses(resumed.log)) == [4, 5, 6]
     for step in (4, 5, 6):
         assert losses(resumed.log)[step] == pytest.approx(losses(straight.log)[step], abs=1e-5), f"step {step}"
     saved = load_file(output_dir / "model.safetensors")
     for name, tensor in load_file(tmp_path / "model.safetensors").items():
         torch.testing.assert_close(tensor, saved[name], rtol=1e-5, atol=1e-6, msg=name)
-
-
-def test_yaml_config_matches_the_recipe_arguments():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("vlm_finetune", VLM_RECIPE)
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    model_args, data_args, args = recipe.parse_args((recipe.VLMModelArgs, recipe.ChatDataArgs, recipe.TrainArgs),
-                                                    [str(REPO / "recipes" / "configs" / "vlm_tiny.yaml"), "--max_steps", "7"])
-    assert args.max_steps == 7 and args.learning_rate == 1.0e-3 and data_args.dataset_weights == "0.75,0.25"
-    assert model_args.train_modules == "projector,language_model"
