@@ -131,6 +131,7 @@ def main(argv=None):
     divergence_guard = None  # after prepare: its hooks run before the engine's
     if DivergenceGuard.requested(args.debug_divergence):
         divergence_guard = DivergenceGuard(accelerator.unwrap_model(model), timeout_s=args.ddp_timeout)
+        accelerator.print("divergence guard on: the ranks compare every module call")
 
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare.
     # With --max_tokens_per_batch each micro-batch holds whole rows up to that many tokens; with --packing

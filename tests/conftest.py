@@ -1,13 +1,58 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and the `launch` marker kept exact.
+
+`-m "not launch"` must skip exactly the tests that start a recipe in a subprocess (`launch.py`'s helpers),
+themselves or through their fixtures: an unmarked test that launches fails before it launches, and a
+marked test that launched nothing, nor any fixture it uses, fails at its end.
+"""
 
 import sys
 
 import pytest
 
+import launch
 from launch import REPO
 
 sys.path.insert(0, str(REPO / "data_prep"))
 from tiny_vlm import FAMILIES, save_tiny_vlm  # noqa: E402
+
+_running = {"item": None, "fixtures": [], "launched": set()}  # the test, the fixtures being set up, who launched
+
+
+def _counted(function):
+    def launching(*args, **kwargs):
+        item = _running["item"]
+        if item is not None:
+            if item.get_closest_marker("launch") is None:
+                raise AssertionError(f"{item.nodeid} starts a recipe: mark it @pytest.mark.launch")
+            _running["launched"].add(_running["fixtures"][-1] if _running["fixtures"] else item.nodeid)
+        return function(*args, **kwargs)
+    return launching
+
+
+launch._run = _counted(launch._run)
+launch.launch_command = _counted(launch.launch_command)
+
+
+def pytest_runtest_setup(item):
+    _running["item"] = item
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    _running["fixtures"].append(fixturedef.argname)
+    try:
+        yield
+    finally:
+        _running["fixtures"].pop()
+
+
+@pytest.fixture(autouse=True)
+def _launch_marker_is_exact(request):
+    yield
+    node = request.node
+    launched = node.nodeid in _running["launched"] or any(name in _running["launched"] for name in node.fixturenames)
+    if node.get_closest_marker("launch") is not None and not launched:
+        raise AssertionError(f"{node.nodeid} is marked launch but starts no recipe: drop the marker")
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ def accelerate_launch(config: str | Path, *recipe_args, num_processes=2, launche
                       timeout=600, recipe=RECIPE, env=None, cwd=REPO) -> subprocess.CompletedProcess:
     command = launch_command(config, *recipe_args, num_processes=num_processes, launcher_args=launcher_args,
                              port=port, recipe=recipe)
-    return _run(command, timeout, env, cwd)
+    return _run(command, timeout, run_env(env), cwd)
 
 
 def launch_command(config: str | Path, *recipe_args, num_processes=2, launcher_args=(), port=None, recipe=RECIPE):
@@ -36,7 +36,13 @@ def launch_command(config: str | Path, *recipe_args, num_processes=2, launcher_a
 
 def run_recipe(*recipe_args, timeout=600, recipe=RECIPE, env=None) -> subprocess.CompletedProcess:
     """One process, no launcher (what `accelerate launch` with no config does)."""
-    return _run([sys.executable, str(recipe), *QUICK, *map(str, recipe_args)], timeout, env)
+    return _run([sys.executable, str(recipe), *QUICK, *map(str, recipe_args)], timeout, run_env(env))
+
+
+def run_command(command, timeout=600, environment=None, cwd=REPO) -> subprocess.CompletedProcess:
+    """Any other command that starts a recipe (a copied recipe, a Slurm script, the benches); `environment`:
+    the whole environment (default `run_env()`)."""
+    return _run([str(part) for part in command], timeout, environment or run_env(), cwd)
 
 
 def process_tree(pid: int) -> list[int]:
@@ -56,11 +62,11 @@ def process_tree(pid: int) -> list[int]:
 
 
 def run_env(extra=None) -> dict:
-    return dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(extra or {}))
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(extra or {})}
 
 
-def _run(command, timeout, env=None, cwd=REPO):
-    result = subprocess.run(command, cwd=cwd, env=run_env(env), capture_output=True, text=True, timeout=timeout)
+def _run(command, timeout, environment, cwd=REPO):
+    result = subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
     result.log = (result.stdout + result.stderr).replace("\r", "\n")
     return result
 

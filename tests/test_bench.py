@@ -3,12 +3,11 @@ timing is asserted in CI). All of them run in one Python process (tests/run_benc
 another: the imports they share cost more than their toy runs."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from launch import REPO, run_env
+from launch import REPO, run_command
 
 pytestmark = pytest.mark.launch
 
@@ -34,7 +33,7 @@ def bench_runs(tmp_path_factory):
     command = [sys.executable, str(REPO / "tests" / "run_benches.py"), str(out_dir)]
     for script, args in BENCHES:
         command += [script, *args, "--"]
-    subprocess.run(command, cwd=out_dir, env=run_env(), capture_output=True, text=True, timeout=1800)
+    run_command(command, timeout=1800, cwd=out_dir)
     return out_dir
 
 

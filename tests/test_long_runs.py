@@ -15,7 +15,17 @@ import torch
 from transformers import CLIPModel
 
 from gloo import free_port
-from launch import REPO, WITH_FAULTS, accelerate_launch, launch_command, losses, process_tree, run_env, run_recipe
+from launch import (
+    REPO,
+    WITH_FAULTS,
+    accelerate_launch,
+    launch_command,
+    losses,
+    process_tree,
+    run_command,
+    run_env,
+    run_recipe,
+)
 from mmrecipes.step_guard import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.launch
@@ -170,8 +180,8 @@ def test_slurm_template_checkpoints_and_requeues_on_signal(tmp_path):
     stopped_at = max(losses(first))
     assert 2 <= stopped_at < 60
 
-    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    log = (again.stdout + again.stderr).replace("\r", "\n")
+    again = run_command(command, timeout=300, environment=env)
+    log = again.log
     assert again.returncode == 0, log[-3000:]
     assert f"at step {stopped_at}" in log and sorted(losses(log)) == list(range(stopped_at + 1, 61))
 

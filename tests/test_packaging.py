@@ -8,7 +8,7 @@ import sys
 import pytest
 from transformers import CLIPModel
 
-from launch import REPO, losses, run_env
+from launch import REPO, losses, run_command, run_env
 
 pytestmark = pytest.mark.launch
 
@@ -36,10 +36,7 @@ def run_copied(recipe: str, project, site, *args):
     where = subprocess.run([sys.executable, "-c", "import mmrecipes.paths as m; print(m.__file__); print(m.EMBEDDED)"],
                            cwd=project, env=env, capture_output=True, text=True, check=True).stdout.split()
     assert all(path.startswith(str(site)) for path in where), where  # not this checkout
-    result = subprocess.run([sys.executable, recipe, "--report_to", "none", *map(str, args)], cwd=project, env=env,
-                            capture_output=True, text=True, timeout=600)
-    result.log = (result.stdout + result.stderr).replace("\r", "\n")
-    return result
+    return run_command([sys.executable, recipe, "--report_to", "none", *args], cwd=project, environment=env)
 
 
 def test_clip_recipe_copied_out_of_the_checkout_trains_and_saves(installed_wheel, tmp_path):

@@ -1,9 +1,8 @@
-"""Resume with DataLoader workers, as on a GPU host (each rank reads with several workers): from
-the saved per-worker stream positions, exact against the straight run of the same engine, under
-DDP and FSDP2; a resume with another worker
-count refused before the first step; one rank SIGKILLed (no chance to save) ends the whole launch,
-leaves no worker behind, and `latest` then repeats the straight run; a checkpoint carrying a
-pickled payload is refused."""
+"""Resume with DataLoader workers, as on a GPU host (each rank reads with several workers), under FSDP2: one
+rank SIGKILLed (no chance to save) ends the whole launch, leaves no worker behind, and `latest` then resumes
+from the saved per-worker stream positions exactly as the straight run went on; a resume with another
+worker count is refused before the first step; the FSDP2 checkpoint carrying a pickled payload is refused.
+(DDP resumes with a worker in tests/test_long_runs.py's Slurm test, ZeRO-2 in tests/test_vlm_recipe.py.)"""
 
 import os
 import pickle
@@ -17,7 +16,17 @@ import pytest
 import torch
 from transformers import CLIPModel
 
-from launch import REPO, WITH_FAULTS, accelerate_launch, launch_command, losses, process_tree, run_env, run_recipe
+from launch import (
+    REPO,
+    WITH_FAULTS,
+    accelerate_launch,
+    assert_same_curves,
+    launch_command,
+    losses,
+    process_tree,
+    run_env,
+    run_recipe,
+)
 from mmrecipes.checkpoint_files import check_plain_data
 
 pytestmark = pytest.mark.launch
@@ -36,25 +45,11 @@ def assert_same_weights(output_dir, reference_dir):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The uninterrupted runs under DDP and FSDP2, each saving checkpoint-4 on the way."""
-    runs = {}
-    for config in ("ddp.yaml", "fsdp2.yaml"):
-        output_dir = tmp_path_factory.mktemp(config.removesuffix(".yaml"))
-        result = accelerate_launch(config, *RUN, "--output_dir", output_dir)
-        assert result.returncode == 0, result.log[-3000:]
-        runs[config] = result, output_dir
-    return runs
-
-
-def test_resume_from_the_worker_positions_repeats_the_straight_run(straight, tmp_path):
-    result, output_dir = straight["ddp.yaml"]
-    checkpoint = output_dir / "checkpoints" / "checkpoint-4"
-    resumed = accelerate_launch("ddp.yaml", *RUN, "--output_dir", tmp_path, "--resume_from_checkpoint", checkpoint)
-    assert resumed.returncode == 0, resumed.log[-3000:]
-    assert sorted(losses(resumed.log)) == list(range(5, STEPS + 1))
-    for step in range(5, STEPS + 1):
-        assert losses(resumed.log)[step] == pytest.approx(losses(result.log)[step], abs=1e-6), f"step {step}"
-    assert_same_weights(tmp_path, output_dir)
+    """The uninterrupted run under FSDP2, saving checkpoint-4 on the way."""
+    output_dir = tmp_path_factory.mktemp("fsdp2")
+    result = accelerate_launch("fsdp2.yaml", *RUN, "--output_dir", output_dir)
+    assert result.returncode == 0, result.log[-3000:]
+    return {"fsdp2.yaml": (result, output_dir)}
 
 
 def test_sigkill_of_one_rank_ends_the_launch_and_latest_resumes_exactly(straight, tmp_path):
@@ -86,8 +81,7 @@ def test_sigkill_of_one_rank_ends_the_launch_and_latest_resumes_exactly(straight
     resumed = accelerate_launch("fsdp2.yaml", *args)
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert re.search(r"resumed from \S+checkpoint-4 at step 4", resumed.log)
-    for step in range(5, STEPS + 1):
-        assert losses(resumed.log)[step] == pytest.approx(losses(fsdp2.log)[step], abs=1e-6), f"step {step}"
+    assert_same_curves(resumed.log, fsdp2.log, range(5, STEPS + 1), abs=1e-6)
     assert_same_weights(tmp_path, fsdp2_dir)
 
 
@@ -102,9 +96,10 @@ class Payload:
 
 
 def test_a_checkpoint_carrying_a_pickled_payload_is_refused(straight, tmp_path):
-    """The straight run's own checkpoint passes; the same with a payload planted in the RNG state
-    (a torch.save file) or as a raw pickle is refused before anything is unpickled."""
-    _, output_dir = straight["ddp.yaml"]
+    """The straight run's own checkpoint (FSDP2: torch.distributed.checkpoint folders) passes; the same with
+    a payload planted in the RNG state (a torch.save file) or as DCP's metadata is refused before anything is
+    unpickled."""
+    _, output_dir = straight["fsdp2.yaml"]
     checkpoint = tmp_path / "checkpoint-4"
     shutil.copytree(output_dir / "checkpoints" / "checkpoint-4", checkpoint)
     check_plain_data(checkpoint)
@@ -113,7 +108,7 @@ def test_a_checkpoint_carrying_a_pickled_payload_is_refused(straight, tmp_path):
     with pytest.raises(ValueError, match=r"random_states_0.pkl: unpickling it would call posix.system"):
         check_plain_data(checkpoint)
     (checkpoint / "random_states_0.pkl").unlink()
-    (checkpoint / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    (checkpoint / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     with pytest.raises(ValueError, match=r"\.metadata: unpickling it would call posix.system"):
         check_plain_data(checkpoint)
     assert not marker.exists()

@@ -1,7 +1,7 @@
 """vlm_finetune.py on each tiny family checkpoint (conftest.py), as a user launches it: 2 CPU
 processes at per-device batch size 1 on the default mixture, so text-only and image micro-batches
 meet on different ranks; no find_unused_parameters anywhere. One family (Qwen2.5-VL) also runs
-under FSDP2, ZeRO-2 and ZeRO-3 against DDP, and on LLaVA JSON under ZeRO-3."""
+under FSDP2 against DDP, and on LLaVA JSON under ZeRO-3 (its LoRA runs under ZeRO-3 in test_vlm_engines.py)."""
 
 import json
 import re
@@ -13,7 +13,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
-from launch import REPO, VLM_RECIPE, accelerate_launch, engine_line, grad_norms, losses
+from launch import REPO, VLM_RECIPE, accelerate_launch, assert_engine, assert_same_curves, losses
 from mmrecipes.vlm_families import dummy_image_inputs, module_groups
 
 pytestmark = pytest.mark.launch
@@ -24,10 +24,6 @@ TRAIN_MODULES = {"idefics3": "all"}  # the others: projector,language_model (the
 STEPS = 16
 RUN = ["--max_steps", STEPS, "--logging_steps", 4, "--per_device_train_batch_size", 1, "--gradient_accumulation_steps", 2,
        "--eval_steps", STEPS]
-ENGINE = {"ddp.yaml": "MULTI_CPU num_processes=2 backend=gloo world_size=2 model=DistributedDataParallel",
-          "fsdp2.yaml": "FSDP num_processes=2 backend=gloo world_size=2 model=FSDPVLMForTraining",
-          "zero2.yaml": "DEEPSPEED num_processes=2 backend=gloo world_size=2 model=DeepSpeedEngine",
-          "zero3.yaml": "DEEPSPEED num_processes=2 backend=gloo world_size=2 model=DeepSpeedEngine"}
 
 
 def launch(config, checkpoint, output_dir, *extra):
@@ -38,14 +34,13 @@ def launch(config, checkpoint, output_dir, *extra):
 
 @pytest.fixture(scope="module")
 def family_runs(tiny_vlms, tmp_path_factory):
-    """{(family, config): (result, output_dir)}: every family under DDP, Qwen2.5-VL under every engine."""
+    """{(family, config): (result, output_dir)}: every family under DDP, Qwen2.5-VL under FSDP2 too."""
     runs = {}
     for family in FAMILIES:
         preset = ["--train_modules", TRAIN_MODULES[family]] if family in TRAIN_MODULES else []
         runs[family, "ddp.yaml"] = launch("ddp.yaml", tiny_vlms[family], tmp_path_factory.mktemp(f"{family}_ddp"),
                                           *preset)
-    for config in ("fsdp2.yaml", "zero2.yaml", "zero3.yaml"):
-        runs[MATRIX, config] = launch(config, tiny_vlms[MATRIX], tmp_path_factory.mktemp(f"{MATRIX}_{config[:-5]}"))
+    runs[MATRIX, "fsdp2.yaml"] = launch("fsdp2.yaml", tiny_vlms[MATRIX], tmp_path_factory.mktemp(f"{MATRIX}_fsdp2"))
     return runs
 
 
@@ -57,7 +52,7 @@ def dummy_batches(log):
 def test_each_family_trains_on_mixed_ranks_under_ddp(family_runs, family):
     result, _ = family_runs[family, "ddp.yaml"]
     assert result.returncode == 0, result.log[-3000:]
-    assert ENGINE["ddp.yaml"] in engine_line(result.log)
+    assert_engine(result.log, "ddp.yaml")
     assert "assistant turns found by" in result.log and re.search(r"^module groups: vision_tower [\d,]+ params", result.log,
                                                                     re.M)
     loss = losses(result.log)
@@ -86,22 +81,27 @@ def test_output_loads_as_the_input_checkpoint_and_answers_through_the_pipeline(t
         names = {name for name, _ in params} - set(groups.unreached)
         assert bool(names & changed) == (group in trained), group
     assert not changed & set(groups.unreached)
+    # The pipeline answers from the directory what the saved model generates through its own processor.
     answer = pipeline("image-text-to-text", model=str(output_dir))
     chat = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (32, 32), (200, 30, 30))},
                                          {"type": "text", "text": "What colour is the shape?"}]}]
-    assert isinstance(answer(text=chat, max_new_tokens=4, return_full_text=False)[0]["generated_text"], str)
+    saved_processor = AutoProcessor.from_pretrained(output_dir)
+    inputs = saved_processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                 return_tensors="pt")
+    generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    expected = saved_processor.decode(generated, skip_special_tokens=True)
+    answered = answer(text=chat, max_new_tokens=4, return_full_text=False, generate_kwargs={"do_sample": False})
+    assert answered[0]["generated_text"] == expected
 
 
-@pytest.mark.parametrize("config", ["fsdp2.yaml", "zero2.yaml", "zero3.yaml"])
-def test_sharded_engines_match_ddp_on_a_non_llava_family(family_runs, config):
+def test_a_sharded_engine_matches_ddp_on_a_non_llava_family(family_runs):
+    config = "fsdp2.yaml"
     result, output_dir = family_runs[MATRIX, config]
     assert result.returncode == 0, result.log[-3000:]
-    assert ENGINE[config] in engine_line(result.log)
+    assert_engine(result.log, config, wrapped="VLMForTraining")
     ddp, ddp_dir = family_runs[MATRIX, "ddp.yaml"]
     assert dummy_batches(result.log) == dummy_batches(ddp.log) > 0
-    for step in losses(ddp.log):
-        assert losses(result.log)[step] == pytest.approx(losses(ddp.log)[step], rel=1e-4), f"loss, step {step}"
-        assert grad_norms(result.log)[step] == pytest.approx(grad_norms(ddp.log)[step], rel=1e-4), f"grad, step {step}"
+    assert_same_curves(result.log, ddp.log, grad_norm=True)
     reference = load_file(ddp_dir / "model.safetensors")
     for name, tensor in load_file(output_dir / "model.safetensors").items():
         torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5, msg=name)
@@ -135,7 +135,7 @@ def test_llava_json_trains_a_non_llava_family_under_zero3(tiny_vlms, llava_json_
                        llava_json_data / "llava.json", "--image_folder", llava_json_data, "--dataset_weights", "",
                        "--eval_dataset_name", "")
     assert result.returncode == 0, result.log[-3000:]
-    assert ENGINE["zero3.yaml"] in engine_line(result.log)
+    assert_engine(result.log, "zero3.yaml")
     loss = losses(result.log)
     assert loss[STEPS] < 0.95 * loss[4], loss
     assert dummy_batches(result.log) > 0
