@@ -48,7 +48,8 @@ class Seed001Pipeline(torch.utils.data.Dataset):
 
     def __init__(self, rows, tokenizer, image_processor, max_length):
         self.rows, self.tokenizer, self.max_length = rows, tokenizer, max_length
-        self.size, self.mean, self.std = image_processor.crop_size["height"], image_processor.image_mean, image_processor.image_std
+        self.size = image_processor.crop_size["height"]
+        self.mean, self.std = image_processor.image_mean, image_processor.image_std
 
     def __len__(self):
         return len(self.rows)
@@ -104,8 +105,8 @@ def main():
                                 data_world=1, shuffle_seed=0)
 
     def seed_001():
-        return torch.utils.data.DataLoader(Seed001Pipeline(rows, tokenizer, image_processor, tokenizer.model_max_length),
-                                           batch_size=64, shuffle=True)
+        pipeline = Seed001Pipeline(rows, tokenizer, image_processor, tokenizer.model_max_length)
+        return torch.utils.data.DataLoader(pipeline, batch_size=64, shuffle=True)
 
     # mmrecipes.data turns the tokenizer's thread pool off (TOKENIZERS_PARALLELISM, read at every call);
     # the baseline runs with the tokenizers default, as the per-row pipeline would.

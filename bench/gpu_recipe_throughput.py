@@ -90,8 +90,8 @@ def write_shard(directory: str, index: int, size: int, pixels: int) -> None:
             elif shape == "square":
                 draw.rectangle(corners, fill=COLOURS[colour])
             else:
-                draw.polygon([(corners[0], corners[3]), (corners[2], corners[3]), ((corners[0] + corners[2]) / 2, corners[1])],
-                             fill=COLOURS[colour])
+                apex = ((corners[0] + corners[2]) / 2, corners[1])
+                draw.polygon([(corners[0], corners[3]), (corners[2], corners[3]), apex], fill=COLOURS[colour])
             jpeg = BytesIO()
             image.save(jpeg, format="JPEG", quality=90)
             caption = f"a {colour} {shape} on a {background} background"
@@ -106,7 +106,8 @@ def save_clip(sizes: dict, directory: Path) -> None:
     """A CLIP directory `--model_name_or_path` loads: config with these shapes, the embedded tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER, model_max_length=sizes["text"]["max_position_embeddings"])
     text = dict(sizes["text"], vocab_size=max(sizes["text"]["vocab_size"], len(tokenizer)),
-                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
     config = CLIPConfig(text_config=text, vision_config=sizes["vision"], projection_dim=sizes["projection_dim"])
     CLIPModel(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -225,7 +226,8 @@ def vlm_mode(args, scratch: Path, toy: bool, device) -> dict:
                "--output_dir", str(scratch / "recipe"), *shlex.split(args.recipe_args)], timeout=3600)
     matches = VLM_WINDOW.findall(log)[1:]
     return {"unit": "tokens/s", "compute_only": compute_only, "recipe_windows": [float(m[1]) for m in matches],
-            "data_wait": [float(m[3]) for m in matches], "recipe_mfu": [m[2] for m in matches], "mfu": lambda value: "n/a"}
+            "data_wait": [float(m[3]) for m in matches], "recipe_mfu": [m[2] for m in matches],
+            "mfu": lambda value: "n/a"}
 
 
 def main():
@@ -258,7 +260,8 @@ def main():
           f"{args.workers} workers, compile {args.torch_compile}")
     print(f"compute-only step (batch on the device): {compute_only:.1f} {unit}, MFU {result['mfu'](compute_only)}")
     print(f"recipe windows: {', '.join(f'{value:.0f}' for value in recipe)} {unit}; median {median:.1f} "
-          f"(MFU {', '.join(result['recipe_mfu']) if 'recipe_mfu' in result else result['mfu'](median)}), data_wait median {statistics.median(result['data_wait']):.3f}")
+          f"(MFU {', '.join(result['recipe_mfu']) if 'recipe_mfu' in result else result['mfu'](median)}), "
+          f"data_wait median {statistics.median(result['data_wait']):.3f}")
     ratios = {"recipe_vs_compute_only": median / compute_only, "window_spread": max(recipe) / min(recipe)}
     if result.get("open_clip_windows"):
         open_clip = result["open_clip_windows"]

@@ -60,7 +60,8 @@ def _variant(use_peft, sizes, steps, batch_size, queue):
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # keep the gradients allocated: they count
     seconds = (time.perf_counter() - start) / len(batches)
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = (torch.cuda.max_memory_allocated() if device == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                 if torch.is_tensor(t))
     queue.put({"trainable_params": sum(p.numel() for p in params),
@@ -88,9 +89,9 @@ def main():
         ratios[key] = lora[key] / full[key]
         print(f"{key:<24} {full[key]:>14,.6g} {lora[key]:>14,.6g} {ratios[key]:>12.3f}")
     print(f"model: {full['total_params']:,} parameters on {full['device']}, batch {args.batch_size}, {steps} steps")
-    record = {"bench": "lora_memory", "quick": args.quick, "machine": platform.node(), "time": time.strftime("%Y-%m-%d %H:%M"),
-              "device": full["device"], "sizes": sizes, "batch_size": args.batch_size, "full": full, "lora": lora,
-              "lora_over_full": ratios}
+    record = {"bench": "lora_memory", "quick": args.quick, "machine": platform.node(),
+              "time": time.strftime("%Y-%m-%d %H:%M"), "device": full["device"], "sizes": sizes,
+              "batch_size": args.batch_size, "full": full, "lora": lora, "lora_over_full": ratios}
     with open(args.results, "a") as results:
         results.write(json.dumps(record) + "\n")
 

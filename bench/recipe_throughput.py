@@ -31,8 +31,9 @@ RESULTS = REPO / "bench" / "results" / "recipe_throughput.jsonl"
 
 
 def run(processes: int, steps: int, output_dir: str) -> dict:
-    launch = [] if processes == 1 else ["-m", "accelerate.commands.launch", "--config_file",
-                                        str(REPO / "accelerate_configs" / "ddp.yaml"), "--num_processes", str(processes)]
+    config = str(REPO / "accelerate_configs" / "ddp.yaml")
+    launch = [] if processes == 1 else ["-m", "accelerate.commands.launch", "--config_file", config,
+                                        "--num_processes", str(processes)]
     start = time.perf_counter()
     log = subprocess.run([sys.executable, *launch, str(REPO / "recipes" / "clip_pretrain.py"), "--report_to", "none",
                           "--max_steps", str(steps), "--eval_split", "", "--output_dir", output_dir],

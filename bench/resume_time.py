@@ -95,8 +95,8 @@ def main():
             times["re-read", step] = [first_batch_seconds(make_loader, skip=step)]
         table = {key: (statistics.median(values), min(values), max(values)) for key, values in times.items()}
     early, late = steps[0], steps[-1]
-    print(f"resume to the first batch, {rows} rows of 8x8 PNG + caption, batch 64, {options.workers} DataLoader workers "
-          "(seconds: median [min-max])")
+    print(f"resume to the first batch, {rows} rows of 8x8 PNG + caption, batch 64, {options.workers} DataLoader "
+          "workers (seconds: median [min-max])")
     print(f"{'method':<16}" + "".join(f"{'step ' + str(step):>24}" for step in steps) + f"{'late/early':>12}")
     record = {"bench": "resume_time", "quick": options.quick, "rows": rows, "steps": list(steps),
               "workers": options.workers, "machine": platform.node(),

@@ -63,8 +63,8 @@ def _variant(mode, mixture, budget, steps, queue):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, processor = load_vlm(VLMModelArgs(**SIZES))
     dummy_inputs = dummy_image_inputs(model, processor)
-    params = [p for group in apply_train_modules(module_groups(model, dummy_inputs), "projector,language_model").values()
-              for p in group if p.requires_grad]
+    trainable = apply_train_modules(module_groups(model, dummy_inputs), "projector,language_model")
+    params = [p for group in trainable.values() for p in group if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     sources = f"{VLM_SHAPES / 'image_chat'},{VLM_SHAPES / 'text_chat'}" + (f",{mixture}" if mixture else "")
     weights = "0.75,0.25" if not mixture else "0.675,0.225,0.1"
@@ -92,7 +92,8 @@ def _variant(mode, mixture, budget, steps, queue):
             seconds += time.perf_counter() - start
             tokens += int(batch["attention_mask"].sum())
             losses.append(loss_sum.item() / max(1, count_target_tokens(batch["labels"])))
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = (torch.cuda.max_memory_allocated() if device == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     last = losses[-max(1, steps // 4):]
     queue.put({"tokens_per_s": tokens / seconds, "peak_bytes": peak - before, "final_loss": sum(last) / len(last),
                "tokens": tokens, "device": device})
@@ -105,8 +106,9 @@ def main():
     parser.add_argument("--results", default=str(RESULTS), help="the JSON-lines file to append to")
     args = parser.parse_args()
     steps = 2 if args.quick else args.steps
-    record = {"bench": "vlm_packing", "quick": args.quick, "machine": platform.node(), "time": time.strftime("%Y-%m-%d %H:%M"),
-              "threads": torch.get_num_threads(), "sizes": SIZES, "steps": steps}
+    record = {"bench": "vlm_packing", "quick": args.quick, "machine": platform.node(),
+              "time": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(), "sizes": SIZES,
+              "steps": steps}
     with tempfile.TemporaryDirectory() as directory:
         mixtures = {"embedded": None} if args.quick else {"embedded": None,
                                                           "long_tail": long_tail_source(Path(directory))}
@@ -119,7 +121,8 @@ def main():
             print(f"{name} (budget {budget} tokens): {'tokens/s':>10} {'x padded':>9} {'peak MB':>9} "
                   f"{'final loss':>11}")
             for mode, result in results.items():
-                print(f"  {mode:<8} {result['tokens_per_s']:>18.0f} {result['tokens_per_s'] / padded['tokens_per_s']:>9.2f} "
+                ratio = result["tokens_per_s"] / padded["tokens_per_s"]
+                print(f"  {mode:<8} {result['tokens_per_s']:>18.0f} {ratio:>9.2f} "
                       f"{result['peak_bytes'] / 2**20:>9.0f} {result['final_loss']:>11.3f}")
             record[name] = results | {"budget": budget}
     with open(args.results, "a") as file:

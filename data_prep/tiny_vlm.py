@@ -66,7 +66,8 @@ def train_tokenizer(special_tokens, *, eos, pad, bos=None, vocab_size=384, **ext
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[AddedToken(t, special=True) for t in special_tokens],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=[AddedToken(t, special=True) for t in special_tokens],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos, pad_token=pad,
@@ -87,8 +88,9 @@ def llava():
     tokenizer = PreTrainedTokenizerFast.from_pretrained(ROOT / "data" / "vlm_tokenizer")
     vision = dict(model_type="clip_vision_model", image_size=IMAGE_SIZE, patch_size=8, **VISION)
     text = dict(model_type="llama", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **TEXT)
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-                         vision_feature_layer=-2, vision_feature_select_strategy="default")
+    config = LlavaConfig(vision_config=vision, text_config=text,
+                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+                         vision_feature_select_strategy="default")
     image_processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
                                          crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
@@ -105,8 +107,8 @@ def _qwen(classes, template_name, vision, rope, **config):
     tokenizer = train_tokenizer(QWEN_TOKENS, eos="<|im_end|>", pad="<|endoftext|>")
     ids = tokenizer.convert_tokens_to_ids
     config = config_class(
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
-                           temporal_patch_size=2, out_hidden_size=TEXT["hidden_size"], **vision),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=TEXT["hidden_size"], **vision),
         text_config=dict(vocab_size=len(tokenizer), rope_parameters={"rope_type": "default", **rope},
                          bos_token_id=None, eos_token_id=tokenizer.eos_token_id, **TEXT),
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
@@ -148,8 +150,8 @@ def idefics3():
         text_config=dict(model_type="llama", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **TEXT),
         image_token_id=ids("<image>"), scale_factor=2, pad_token_id=tokenizer.pad_token_id)
     # 64 px longest edge, 32 px tiles: a shapes image becomes 2 x 2 tiles plus the global image.
-    image_processor = Idefics3ImageProcessor(size={"longest_edge": 2 * IMAGE_SIZE}, max_image_size={"longest_edge": IMAGE_SIZE},
-                                             do_image_splitting=True)
+    image_processor = Idefics3ImageProcessor(size={"longest_edge": 2 * IMAGE_SIZE},
+                                             max_image_size={"longest_edge": IMAGE_SIZE}, do_image_splitting=True)
     processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4,
                                   chat_template=template("smolvlm"))
     model = Idefics3ForConditionalGeneration(config)
@@ -167,9 +169,9 @@ def gemma3():
     config = Gemma3Config(
         vision_config=dict(model_type="siglip_vision_model", image_size=IMAGE_SIZE, patch_size=8, vision_use_head=False,
                            **VISION),
-        text_config=dict(vocab_size=len(tokenizer), sliding_window=64, layer_types=["sliding_attention", "full_attention"],
-                         query_pre_attn_scalar=16, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id,
+        text_config=dict(vocab_size=len(tokenizer), sliding_window=64,
+                         layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, **TEXT),
         mm_tokens_per_image=4, boi_token_index=ids("<start_of_image>"), eoi_token_index=ids("<end_of_image>"),
         image_token_index=ids("<image_soft_token>"))
@@ -197,7 +199,8 @@ def llava_onevision():
     processor = LlavaOnevisionProcessor(
         image_processor=LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=pinpoints),
         video_processor=LlavaOnevisionVideoProcessor(size=size), tokenizer=tokenizer,
-        num_image_tokens=(IMAGE_SIZE // 8) ** 2, vision_feature_select_strategy="full", chat_template=template("llava_onevision"))
+        num_image_tokens=(IMAGE_SIZE // 8) ** 2, vision_feature_select_strategy="full",
+        chat_template=template("llava_onevision"))
     model = LlavaOnevisionForConditionalGeneration(config)
     _stop_on(model, ids("<|im_end|>"), ids("<|endoftext|>"))
     return model, processor

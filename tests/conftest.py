@@ -30,6 +30,7 @@ def _counted(function):
 
 
 launch._run = _counted(launch._run)
+launch._on_ranks = _counted(launch._on_ranks)
 launch.launch_command = _counted(launch.launch_command)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gloo import free_port
+from gloo import free_port, run_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "clip_pretrain.py"
@@ -29,14 +29,23 @@ def accelerate_launch(config: str | Path, *recipe_args, num_processes=2, launche
 
 
 def launch_command(config: str | Path, *recipe_args, num_processes=2, launcher_args=(), port=None, recipe=RECIPE):
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
-            "--num_processes", str(num_processes), "--main_process_port", str(port or free_port()),
-            *map(str, launcher_args), str(recipe), *QUICK, *map(str, recipe_args)]
+    config_file = str(REPO / "accelerate_configs" / config)
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file, "--num_processes",
+            str(num_processes), "--main_process_port", str(port or free_port()), *map(str, launcher_args),
+            str(recipe), *QUICK, *map(str, recipe_args)]
 
 
 def run_recipe(*recipe_args, timeout=600, recipe=RECIPE, env=None) -> subprocess.CompletedProcess:
     """One process, no launcher (what `accelerate launch` with no config does)."""
     return _run([sys.executable, str(recipe), *QUICK, *map(str, recipe_args)], timeout, run_env(env))
+
+
+def run_recipe_on_ranks(fn, world_size, *args):
+    """`fn(rank, world_size, *args)` on W gloo processes (tests/gloo.py) where `fn` runs a recipe's `main`."""
+    return _on_ranks(fn, world_size, *args)
+
+
+_on_ranks = run_on_ranks
 
 
 def run_command(command, timeout=600, environment=None, cwd=REPO) -> subprocess.CompletedProcess:

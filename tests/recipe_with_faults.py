@@ -112,7 +112,8 @@ save_state = accelerate.Accelerator.save_state
 
 def pausing_save_state(self, output_dir=None, **kwargs):
     result = save_state(self, output_dir, **kwargs)
-    if os.environ.get("FAULT_PAUSE_IN_SAVE") and str(output_dir).endswith(f"checkpoint-{os.environ['FAULT_PAUSE_IN_SAVE']}"):
+    pause_at = os.environ.get("FAULT_PAUSE_IN_SAVE")
+    if pause_at and str(output_dir).endswith(f"checkpoint-{pause_at}"):
         Path(output_dir).parents[1].joinpath(f"paused-in-save-{RANK}").touch()
         time.sleep(3600)  # the test kills the job here
     return result

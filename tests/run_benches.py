@@ -29,7 +29,8 @@ def main():
     for index, (script, *args) in enumerate(run for run in runs if run):
         sys.argv = [str(BENCH / script), *args, "--results", str(out_dir / f"{index}.jsonl")]
         status = 0
-        with open(out_dir / f"{index}.log", "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        with open(out_dir / f"{index}.log",
+                  "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             try:
                 runpy.run_path(str(BENCH / script), run_name="__main__")
             except SystemExit as exit_:

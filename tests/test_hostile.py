@@ -238,7 +238,8 @@ def test_dcp_metadata_and_its_non_tensor_items_are_checked(run, tmp_path):
     (lambda c: (c / "random_states_0.pkl").unlink(), "random_states_0.pkl is missing"),
     (lambda c: (c / "optimizer.bin").write_bytes((c / "optimizer.bin").read_bytes()[:1000]),
      r"optimizer.bin has 1000 bytes, the save wrote \d+ \(truncated\?\)"),
-    (lambda c: (c / "data_state_0.json").write_text((c / "data_state_0.json").read_text().replace('"epoch": 0', '"epoch": 7')),
+    (lambda c: (c / "data_state_0.json").write_text(
+        (c / "data_state_0.json").read_text().replace('"epoch": 0', '"epoch": 7')),
      "data_state_0.json differs from what the save wrote"),
     (lambda c: (c / "extra.pt").write_bytes(b"hello"), "extra.pt is not a file the save wrote"),
     (lambda c: (c / MARKER).write_text(json.dumps({"step": 4})), "has no file manifest"),
@@ -311,6 +312,7 @@ def test_a_resume_with_another_dataset_or_model_is_refused_unless_asked(saved, t
         wrong.checkpoints.find("latest")
 
 
+@pytest.mark.launch
 def test_the_recipe_passes_over_a_planted_checkpoint_and_runs_no_code(tmp_path):
     """End to end, one process: checkpoint-4's RNG file replaced by a protocol-0 payload with a fitting
     manifest; `latest` resumes from checkpoint-2, says why, and the payload never runs."""

@@ -156,13 +156,15 @@ def test_slurm_template_checkpoints_and_requeues_on_signal(tmp_path):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     # `accelerate` from this interpreter's environment, as in an activated one
-    env = run_env({"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1",
-                   "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242", "GPUS_PER_NODE": "2",
+    env = run_env({"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+                   "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+                   "SLURM_JOB_ID": "4242", "GPUS_PER_NODE": "2",
                    "MAIN_PROCESS_PORT": str(free_port()), "REQUEUE_LOG": str(tmp_path / "requeued")})
     # One DataLoader worker: the launcher passes SIGTERM to each rank's whole process group, which
     # the worker and its fork server must survive until the step boundary.
     args = ["--max_steps", 60, "--logging_steps", 1, "--per_device_train_batch_size", 16, "--eval_split", "",
-            "--dataloader_num_workers", 1, "--report_to", "none", "--ddp_timeout", 120, "--output_dir", tmp_path / "run"]
+            "--dataloader_num_workers", 1, "--report_to", "none", "--ddp_timeout", 120,
+            "--output_dir", tmp_path / "run"]
     command = ["bash", str(REPO / "accelerate_configs" / "slurm_multi_node.sh"), *map(str, args)]
 
     with open(tmp_path / "first.log", "w") as log:

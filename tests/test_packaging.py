@@ -19,7 +19,8 @@ def installed_wheel(tmp_path_factory):
     root = tmp_path_factory.mktemp("wheel")
     # Built from a copy: setuptools builds in the source tree, and a stale build/ would leak into the wheel.
     shutil.copytree(REPO, root / "source", ignore=shutil.ignore_patterns(
-        ".git", ".venv", ".whl", ".gl", "build", "dist", "outputs", "runs", "*.egg-info", "__pycache__", ".pytest_cache"))
+        ".git", ".venv", ".whl", ".gl", "build", "dist", "outputs", "runs", "*.egg-info", "__pycache__",
+        ".pytest_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(root / "source"), "--no-deps", "--no-build-isolation",
                     "--quiet", "--wheel-dir", str(root / "dist")], check=True, cwd=root)
     (wheel,) = (root / "dist").glob("mmrecipes-*.whl")

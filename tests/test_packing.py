@@ -26,7 +26,8 @@ def load(tiny_vlms, family):
     set_seed(0)
     if family is None:
         return load_vlm(VLMModelArgs())
-    return AutoModelForImageTextToText.from_pretrained(tiny_vlms[family]), AutoProcessor.from_pretrained(tiny_vlms[family])
+    return (AutoModelForImageTextToText.from_pretrained(tiny_vlms[family]),
+            AutoProcessor.from_pretrained(tiny_vlms[family]))
 
 
 def rows_of(labeller):
@@ -35,7 +36,8 @@ def rows_of(labeller):
     for images, question, answer in (([Image.new("RGB", (32, 32), (200, 30, 30))], "What colour is it?", "red"),
                                      ([], "What comes after one?", "two"),
                                      ([Image.new("RGB", (64, 24), (30, 30, 200))], "What shape is it?", "circle")):
-        messages = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]},
+        content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
+        messages = [{"role": "user", "content": content},
                     {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
         input_ids, labels, image_inputs = encode_row(labeller, messages, images)
         rows.append({"input_ids": input_ids, "labels": labels,

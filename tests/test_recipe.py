@@ -1,6 +1,5 @@
 """clip_pretrain.py behaviour: accumulation communication, exact resume, config rejection, real-data path."""
 
-import dataclasses
 import json
 import re
 
@@ -10,9 +9,7 @@ import yaml
 from PIL import Image
 from transformers import CLIPModel
 
-from gloo import run_on_ranks
-from launch import RECIPE, REPO, VLM_RECIPE, accelerate_launch, load_recipe, losses, run_recipe
-from mmrecipes.config import parse_args
+from launch import REPO, accelerate_launch, load_recipe, losses, run_recipe, run_recipe_on_ranks
 from mmrecipes.models import ModelArgs, build_contrastive
 from webdataset_shards import make_webdataset
 
@@ -48,7 +45,7 @@ def test_gradients_all_reduced_once_per_optimizer_step(tmp_path, accumulation):
     steps = 3
     argv = ["--report_to", "none", "--max_steps", str(steps), "--gradient_accumulation_steps", str(accumulation),
             "--per_device_train_batch_size", "8", "--eval_split", "", "--output_dir", str(tmp_path)]
-    counts = run_on_ranks(_count_gradient_allreduces, 2, argv)
+    counts = run_recipe_on_ranks(_count_gradient_allreduces, 2, argv)
     # The tiny model fits one 25 MB DDP bucket: one all-reduce per optimizer step, whatever the window.
     assert counts == [steps, steps]
 
@@ -93,7 +90,7 @@ def test_one_control_collective_per_optimizer_step(tmp_path, fused):
         argv = ["--report_to", "none", "--max_steps", str(steps), "--gradient_accumulation_steps", "4",
                 "--per_device_train_batch_size", "4", "--logging_steps", "1000", "--eval_split", "",
                 "--fused_adamw", str(fused).lower(), "--output_dir", str(tmp_path / str(steps))]
-        return run_on_ranks(_count_control_collectives, 2, argv)
+        return run_recipe_on_ranks(_count_control_collectives, 2, argv)
 
     short, long = per_step(2), per_step(5)
     assert short[0] == short[1] and long[0] == long[1]
@@ -136,47 +133,6 @@ def test_indivisible_global_batch_rejected(tmp_path):
     result = run_recipe("--global_batch_size", 30, "--gradient_accumulation_steps", 4, "--output_dir", tmp_path)
     assert result.returncode != 0
     assert "--global_batch_size 30 is not divisible" in result.log and "e.g. 32" in result.log
-
-
-@pytest.mark.parametrize("text, message", [
-    ("learning_rate: 2e-5\n", "YAML read learning_rate: 2e-5 as a string"),
-    ("mixed_precision: no\n", "quote it (e.g. 'no')"),
-    ("max_step: 10\n", "unknown key 'max_step' (did you mean 'max_steps'?)"),
-    ("max_steps: '10'\n", "'max_steps' must be int"),
-])
-def test_bad_yaml_rejected_with_a_fix(tmp_path, text, message):
-    recipe = load_recipe()
-    config = tmp_path / "config.yaml"
-    config.write_text(text)
-    with pytest.raises(ValueError, match=re.escape(message)):
-        parse_args(recipe.ARGUMENTS, [str(config)])
-
-
-# Values unlike every default, a key for each of the recipe's dataclasses.
-YAML_VALUES = {
-    RECIPE: {"hidden_size": 48, "caption_column": "caption", "shuffle_buffer_size": 77, "zeroshot_templates": "a {}.",
-             "learning_rate": 3.0e-4, "max_steps": 11, "loss_tile_size": 8, "contrastive_accumulation": "feature_cache"},
-    VLM_RECIPE: {"text_layers": 3, "lora_r": 4, "max_length": 99, "dataset_weights": "0.5,0.5", "max_steps": 11,
-                 "vision_tower_learning_rate": 1.0e-5, "image_folder": "/images", "debug_divergence": True},
-}
-
-
-@pytest.mark.parametrize("path", [RECIPE, VLM_RECIPE], ids=["clip", "vlm"])
-def test_yaml_values_reach_their_dataclass_and_flags_override_them(tmp_path, path):
-    recipe, values = load_recipe(path), YAML_VALUES[path]
-    fields = {field.name: field for cls in recipe.ARGUMENTS for field in dataclasses.fields(cls)}
-    assert all(fields[name].default != value for name, value in values.items())  # a default would prove nothing
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(values))
-    parsed = parse_args(recipe.ARGUMENTS, [str(tmp_path / "run.yaml"), "--max_steps", "5"])
-    owner = {field.name: instance for instance in parsed for field in dataclasses.fields(instance)}
-    for name, value in values.items():
-        assert getattr(owner[name], name) == (5 if name == "max_steps" else value), name
-    # The shipped hyper-parameter files parse with the recipe's arguments, every value where it belongs.
-    shipped = REPO / "recipes" / "configs" / ("clip_tiny.yaml" if path == RECIPE else "vlm_tiny.yaml")
-    parsed = parse_args(recipe.ARGUMENTS, [str(shipped)])
-    owner = {field.name: instance for instance in parsed for field in dataclasses.fields(instance)}
-    for name, value in yaml.safe_load(shipped.read_text()).items():
-        assert getattr(owner[name], name) == value, name
 
 
 def test_pretrained_model_and_local_imagefolder(tmp_path):

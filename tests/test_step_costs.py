@@ -4,6 +4,7 @@ records both per optimizer step; each run is one process of a recipe."""
 
 import json
 
+import pytest
 import torch
 
 import recipe_counting_steps
@@ -40,6 +41,7 @@ def test_transformers_2d_text_mask_reads_the_host_and_ours_does_not():
     assert reads == [2, 0]
 
 
+@pytest.mark.launch
 def test_clip_step_reads_only_the_previous_steps_verdict(tmp_path):
     """With collation in a worker and fused AdamW (the GPU path), a step that neither logs nor
     evaluates reads exactly one value on the host: the StepGuard verdict of the step before, copied
@@ -52,6 +54,7 @@ def test_clip_step_reads_only_the_previous_steps_verdict(tmp_path):
     assert len(quiet) == 8 and set(quiet.values()) == {1}, reads
 
 
+@pytest.mark.launch
 def test_vlm_step_reads_the_verdict_and_only_transformers_reads_more(tmp_path):
     """The VLM loop itself reads only the previous step's verdict (the collator counts the target
     tokens, on the host). transformers still reads in every forward of the tiny Llava: its image
@@ -68,6 +71,7 @@ def test_vlm_step_reads_the_verdict_and_only_transformers_reads_more(tmp_path):
     assert set(theirs.values()) <= {2, 4}, theirs
 
 
+@pytest.mark.launch
 def test_clip_compiles_nothing_after_warm_up(tmp_path):
     """--torch_compile on captions of every length the embedded data has, across an epoch end (a
     short last batch at step 16) and evaluations after steps 10 and 15 (retrieval and zero-shot: no
@@ -81,11 +85,12 @@ def test_clip_compiles_nothing_after_warm_up(tmp_path):
     assert len(set(graphs[step] for step in range(6, 21))) == 1, graphs
 
 
+@pytest.mark.launch
 def test_vlm_compiles_nothing_after_warm_up(tmp_path):
     """The same for vlm_finetune.py: conversations of every length, with and without images, and
     answer evaluations after steps 20 and 40 compile nothing after the first evaluation (step 10)."""
-    steps = step_counts(tmp_path, "--max_steps", 40, "--logging_steps", 10, "--eval_steps", 10, "--torch_compile", "true",
-                        reads=False, backend="aot_eager", recipe=VLM_RECIPE)
+    steps = step_counts(tmp_path, "--max_steps", 40, "--logging_steps", 10, "--eval_steps", 10,
+                        "--torch_compile", "true", reads=False, backend="aot_eager", recipe=VLM_RECIPE)
     graphs = {entry["step"]: entry["graphs"] for entry in steps}
     assert graphs[1] > 0
     assert len(set(graphs[step] for step in range(11, 41))) == 1, graphs

@@ -22,8 +22,8 @@ FAMILIES = ["qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision"]  
 MATRIX = "qwen2_5_vl"
 TRAIN_MODULES = {"idefics3": "all"}  # the others: projector,language_model (the default)
 STEPS = 16
-RUN = ["--max_steps", STEPS, "--logging_steps", 4, "--per_device_train_batch_size", 1, "--gradient_accumulation_steps", 2,
-       "--eval_steps", STEPS]
+RUN = ["--max_steps", STEPS, "--logging_steps", 4, "--per_device_train_batch_size", 1,
+       "--gradient_accumulation_steps", 2, "--eval_steps", STEPS]
 
 
 def launch(config, checkpoint, output_dir, *extra):
@@ -53,8 +53,8 @@ def test_each_family_trains_on_mixed_ranks_under_ddp(family_runs, family):
     result, _ = family_runs[family, "ddp.yaml"]
     assert result.returncode == 0, result.log[-3000:]
     assert_engine(result.log, "ddp.yaml")
-    assert "assistant turns found by" in result.log and re.search(r"^module groups: vision_tower [\d,]+ params", result.log,
-                                                                    re.M)
+    assert "assistant turns found by" in result.log
+    assert re.search(r"^module groups: vision_tower [\d,]+ params", result.log, re.M)
     loss = losses(result.log)
     assert sorted(loss) == list(range(4, STEPS + 1, 4))
     assert loss[STEPS] < 0.95 * loss[4], loss
@@ -113,8 +113,8 @@ def llava_json_data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llava_json_run")
     rows = []
     for name, count in (("image_chat", 48), ("text_chat", 16)):
-        source = datasets.load_dataset("parquet", data_files=str(REPO / f"data/vlm_shapes/{name}/train-00000-*.parquet"),
-                                       split="train").select(range(count))
+        files = str(REPO / f"data/vlm_shapes/{name}/train-00000-*.parquet")
+        source = datasets.load_dataset("parquet", data_files=files, split="train").select(range(count))
         source = source.cast_column("images", datasets.List(datasets.Image(decode=False)))  # broken ones stay broken
         for index, example in enumerate(source):
             row = {"conversations": [

@@ -60,8 +60,9 @@ def test_output_answers_through_the_pipeline_as_the_eval_scores_it(default_run):
         chat = [{"role": "user", "content": [{"type": "image", "image": example["images"][0]},
                                              {"type": "text", "text": question}]}]
         generated = answer(text=chat, max_new_tokens=8, return_full_text=False)[0]["generated_text"].strip()
-        encoded = processor.apply_chat_template(chat + [{"role": "assistant", "content": expected}], tokenize=True,
-                                                return_dict=True, return_assistant_tokens_mask=True, return_tensors="pt")
+        encoded = processor.apply_chat_template(
+            chat + [{"role": "assistant", "content": expected}], tokenize=True, return_dict=True,
+            return_assistant_tokens_mask=True, return_tensors="pt")
         with torch.no_grad():
             logits = model(**{k: v for k, v in encoded.items() if k != "assistant_masks"}).logits
         targets = encoded["assistant_masks"][0, 1:].bool()
@@ -106,15 +107,16 @@ PRESET_RUN = ["--max_steps", 3, "--logging_steps", 1, "--per_device_train_batch_
               "--gradient_accumulation_steps", 2, "--eval_dataset_name", "", "--warmup_steps", 0]
 
 
-@pytest.mark.parametrize("config, preset, checkpointing", [("ddp.yaml", "projector", True),
-                                                           ("zero3.yaml", "projector", False), ("fsdp2.yaml", "all", True)])
+@pytest.mark.parametrize("config, preset, checkpointing", [
+    ("ddp.yaml", "projector", True), ("zero3.yaml", "projector", False), ("fsdp2.yaml", "all", True)])
 def test_freezing_presets_with_gradient_checkpointing(config, preset, checkpointing, tmp_path):
     """Frozen parts stay bit-identical and get no optimizer state, without find_unused_parameters;
     gradient checkpointing trains through a frozen embedding (enable_input_require_grads). ZeRO-3 with
     the LM frozen and no checkpointing aborted on a text-only rank before the embedding's output was
     made to require grad there too (the image rank's backward ran through the LM, the text rank's not)."""
     result = accelerate_launch(config, *PRESET_RUN, "--train_modules", preset, "--gradient_checkpointing",
-                               str(checkpointing).lower(), "--save_steps", 2, "--output_dir", tmp_path, recipe=VLM_RECIPE)
+                               str(checkpointing).lower(), "--save_steps", 2, "--output_dir", tmp_path,
+                               recipe=VLM_RECIPE)
     assert result.returncode == 0, result.log[-3000:]
     assert sorted(losses(result.log)) == [1, 2, 3]
     moved = changed(tmp_path, initial_weights())

@@ -1,0 +1,62 @@
+"""Arguments from flags and YAML, through each recipe's own ARGUMENTS: what a YAML file sets reaches its
+dataclass, flags override it, and a YAML mistake is an error that says what to write (in process)."""
+
+import dataclasses
+import re
+
+import pytest
+import yaml
+
+from launch import RECIPE, REPO, VLM_RECIPE, load_recipe
+from mmrecipes.config import parse_args
+
+
+@pytest.mark.parametrize("text, message", [
+    ("learning_rate: 2e-5\n", "YAML read learning_rate: 2e-5 as a string"),
+    ("mixed_precision: no\n", "quote it (e.g. 'no')"),
+    ("max_step: 10\n", "unknown key 'max_step' (did you mean 'max_steps'?)"),
+    ("max_steps: '10'\n", "'max_steps' must be int"),
+])
+def test_bad_yaml_rejected_with_a_fix(tmp_path, text, message):
+    recipe = load_recipe()
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_args(recipe.ARGUMENTS, [str(config)])
+
+
+# Values unlike every default, a key for each of the recipe's dataclasses.
+YAML_VALUES = {
+    RECIPE: {"hidden_size": 48, "caption_column": "caption", "shuffle_buffer_size": 77, "zeroshot_templates": "a {}.",
+             "learning_rate": 3.0e-4, "max_steps": 11, "loss_tile_size": 8,
+             "contrastive_accumulation": "feature_cache"},
+    VLM_RECIPE: {"text_layers": 3, "lora_r": 4, "max_length": 99, "dataset_weights": "0.5,0.5", "max_steps": 11,
+                 "vision_tower_learning_rate": 1.0e-5, "image_folder": "/images", "debug_divergence": True},
+}
+
+
+@pytest.mark.parametrize("path", [RECIPE, VLM_RECIPE], ids=["clip", "vlm"])
+def test_yaml_values_reach_their_dataclass_and_flags_override_them(tmp_path, path):
+    recipe, values = load_recipe(path), YAML_VALUES[path]
+    fields = {field.name: field for cls in recipe.ARGUMENTS for field in dataclasses.fields(cls)}
+    assert all(fields[name].default != value for name, value in values.items())  # a default would prove nothing
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(values))
+    parsed = parse_args(recipe.ARGUMENTS, [str(tmp_path / "run.yaml"), "--max_steps", "5"])
+    owner = {field.name: instance for instance in parsed for field in dataclasses.fields(instance)}
+    for name, value in values.items():
+        assert getattr(owner[name], name) == (5 if name == "max_steps" else value), name
+    # The shipped hyper-parameter files parse with the recipe's arguments, every value where it belongs.
+    shipped = REPO / "recipes" / "configs" / ("clip_tiny.yaml" if path == RECIPE else "vlm_tiny.yaml")
+    parsed = parse_args(recipe.ARGUMENTS, [str(shipped)])
+    owner = {field.name: instance for instance in parsed for field in dataclasses.fields(instance)}
+    for name, value in yaml.safe_load(shipped.read_text()).items():
+        assert getattr(owner[name], name) == value, name
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max_caption_length", "32"], "Leave --max_caption_length unset"),
+    (["--loss_tile_size", "8"], "siglip_loss never holds a [b, N] matrix"),
+])
+def test_bad_siglip_settings_rejected_before_training(argv, message, tmp_path):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_recipe().main(["--loss", "siglip", "--report_to", "none", "--output_dir", str(tmp_path), *argv])
