@@ -95,12 +95,13 @@ def assert_engine(log: str, config: str, wrapped: str = "CLIPForContrastiveTrain
 
 
 def assert_same_curves(log: str, reference: str, steps=None, *, rel=1e-4, abs=None, grad_norm=False):
-    """Every logged step's loss (and gradient norm) in `log` equals the one in `reference`; `steps` says
-    which steps `log` must have logged (default: all that `reference` logged)."""
+    """The loss (and gradient norm) of every step both logged is the same in `log` as in `reference`; `steps`
+    says which steps `log` must have logged (default: all that `reference` logged)."""
     got, expected = losses(log), losses(reference)
     assert sorted(got) == sorted(steps if steps is not None else expected), (sorted(got), log[-2000:])
     got_norms, expected_norms = grad_norms(log), grad_norms(reference)
-    for step in got:
+    assert set(got) & set(expected), "no step logged by both"
+    for step in set(got) & set(expected):
         assert got[step] == pytest.approx(expected[step], rel=rel, abs=abs), f"loss, step {step}"
         if grad_norm:
             assert got_norms[step] == pytest.approx(expected_norms[step], rel=rel, abs=abs), f"grad norm, step {step}"

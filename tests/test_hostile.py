@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from PIL import Image
 from transformers import get_scheduler
 
-from launch import REPO, VLM_RECIPE, load_recipe, losses, run_recipe
+from launch import REPO, VLM_RECIPE, assert_same_curves, load_recipe, run_recipe
 from mmrecipes.chat_collate import DummyImageCollator
 from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader
 from mmrecipes.chat_labels import AnswerLabeller
@@ -327,9 +327,7 @@ def test_the_recipe_passes_over_a_planted_checkpoint_and_runs_no_code(tmp_path):
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert "passed over checkpoint-4: " in resumed.log and "unpickling it would call posix.system" in resumed.log
     assert re.search(r"resumed from \S+checkpoint-2 at step 2", resumed.log)
-    assert sorted(losses(resumed.log)) == [3, 4, 5, 6]
-    for step in (3, 4):
-        assert losses(resumed.log)[step] == pytest.approx(losses(first.log)[step], abs=1e-6)
+    assert_same_curves(resumed.log, first.log, [3, 4, 5, 6], abs=1e-6)
     assert not marker.exists()
 
 

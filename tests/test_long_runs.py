@@ -19,6 +19,7 @@ from launch import (
     REPO,
     WITH_FAULTS,
     accelerate_launch,
+    assert_same_curves,
     launch_command,
     losses,
     process_tree,
@@ -69,8 +70,7 @@ def test_kill_inside_save_resumes_from_previous_complete_checkpoint(tmp_path):
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert "a checkpoint save that did not finish" in resumed.log
     assert re.search(r"resumed from \S+checkpoint-2 at step 2", resumed.log)
-    for step in (3, 4):
-        assert losses(resumed.log)[step] == pytest.approx(losses(killed_log)[step], abs=1e-6)
+    assert_same_curves(resumed.log, killed_log, range(3, 9), abs=1e-6)  # steps 3 and 4 ran before the kill
     # --save_total_limit 2: of checkpoints 2, 4 and 6 the newest two remain.
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint-4", "checkpoint-6"]
 
@@ -95,9 +95,7 @@ def test_sigterm_on_one_rank_saves_exits_and_resumes_exactly(tmp_path):
 
     resumed = accelerate_launch("ddp.yaml", *args)
     assert resumed.returncode == 0, resumed.log[-3000:]
-    assert sorted(losses(resumed.log)) == [4, 5, 6]
-    for step in (4, 5, 6):
-        assert losses(resumed.log)[step] == pytest.approx(losses(straight.log)[step], abs=1e-6)
+    assert_same_curves(resumed.log, straight.log, [4, 5, 6], abs=1e-6)
     reference = CLIPModel.from_pretrained(tmp_path / "straight").state_dict()
     for name, tensor in CLIPModel.from_pretrained(tmp_path / "preempted").state_dict().items():
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6, msg=name)
@@ -198,6 +196,4 @@ def test_resume_continues_from_saved_data_position_across_an_epoch(tmp_path):
     resumed = run_recipe(*args, "--resume_from_checkpoint", "latest")
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert "at step 70, the data at its saved position in epoch 1" in resumed.log
-    assert sorted(losses(resumed.log)) == list(range(71, 81))
-    for step in range(71, 81):
-        assert losses(resumed.log)[step] == pytest.approx(losses(straight.log)[step], abs=1e-6)
+    assert_same_curves(resumed.log, straight.log, range(71, 81), abs=1e-6)

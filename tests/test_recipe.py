@@ -9,7 +9,7 @@ import yaml
 from PIL import Image
 from transformers import CLIPModel
 
-from launch import REPO, accelerate_launch, load_recipe, losses, run_recipe, run_recipe_on_ranks
+from launch import REPO, accelerate_launch, assert_same_curves, load_recipe, losses, run_recipe, run_recipe_on_ranks
 from mmrecipes.models import ModelArgs, build_contrastive
 from webdataset_shards import make_webdataset
 
@@ -109,9 +109,7 @@ def test_resume_continues_exactly(tmp_path):
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert "resumed from" in resumed.log and "at step 2" in resumed.log
     # Same weights, optimizer, schedule and data position: steps 3 and 4 repeat to float precision.
-    assert set(losses(resumed.log)) == {3, 4}
-    for step in (3, 4):
-        assert losses(resumed.log)[step] == pytest.approx(losses(straight.log)[step], abs=1e-6)
+    assert_same_curves(resumed.log, straight.log, [3, 4], abs=1e-6)
 
 
 def test_deepspeed_accumulation_mismatch_rejected_before_first_step(tmp_path):
