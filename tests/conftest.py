@@ -1,8 +1,9 @@
 """Fixtures shared by several test modules, and the `launch` marker kept exact.
 
-`-m "not launch"` must skip exactly the tests that start a recipe in a subprocess (`launch.py`'s helpers),
-themselves or through their fixtures: an unmarked test that launches fails before it launches, and a
-marked test that launched nothing, nor any fixture it uses, fails at its end.
+`-m "not launch"` must skip exactly the tests that run a recipe (`launch.py`'s helpers: launched, in a
+process of its own, on gloo ranks, or its `main` in this process), themselves or through their fixtures:
+an unmarked test that runs one fails before it does, and a marked test that ran none, nor any fixture it
+uses, fails at its end.
 """
 
 import sys
@@ -30,6 +31,7 @@ def _counted(function):
 
 
 launch._run = _counted(launch._run)
+launch._in_process = _counted(launch._in_process)
 launch._on_ranks = _counted(launch._on_ranks)
 launch.launch_command = _counted(launch.launch_command)
 

@@ -1,15 +1,21 @@
 """Run the recipe as a user does: `accelerate launch --config_file ... recipes/clip_pretrain.py ...`."""
 
+import contextlib
 import importlib.util
+import io
 import os
 import re
+import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from gloo import free_port, run_on_ranks
+from mmrecipes.loader import GROUP_SIGNALS
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "clip_pretrain.py"
@@ -35,9 +41,37 @@ def launch_command(config: str | Path, *recipe_args, num_processes=2, launcher_a
             str(recipe), *QUICK, *map(str, recipe_args)]
 
 
-def run_recipe(*recipe_args, timeout=600, recipe=RECIPE, env=None) -> subprocess.CompletedProcess:
-    """One process, no launcher (what `accelerate launch` with no config does)."""
-    return _run([sys.executable, str(recipe), *QUICK, *map(str, recipe_args)], timeout, run_env(env))
+def run_recipe(*recipe_args, recipe=RECIPE) -> SimpleNamespace:
+    """One process, no launcher (what `accelerate launch` with no config does), run in this process: the
+    recipe's `main`, its output captured, its signal handlers and sys.argv put back afterwards. `.returncode`
+    is 0, the exit code it asked for, or 1 if it raised (the traceback is in `.log`)."""
+    return _in_process(recipe, [*QUICK, *map(str, recipe_args)])
+
+
+def run_script(script, *args, timeout=600, env=None) -> subprocess.CompletedProcess:
+    """A recipe or a recipe wrapper (tests/recipe_with_faults.py, ...) as one process of its own: for runs
+    that need environment variables or must not share this process."""
+    return _run([sys.executable, str(script), *QUICK, *map(str, args)], timeout, run_env(env))
+
+
+def _in_process(recipe, argv) -> SimpleNamespace:
+    log, returncode = io.StringIO(), 0
+    saved_argv, saved_handlers = sys.argv, {sig: signal.getsignal(sig) for sig in GROUP_SIGNALS}
+    sys.argv = [str(recipe), *argv]  # what the model card records as the command
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            try:
+                load_recipe(recipe).main(argv)
+            except SystemExit as stop:
+                returncode = stop.code if isinstance(stop.code, int) else 1
+            except Exception:
+                traceback.print_exc()
+                returncode = 1
+    finally:
+        sys.argv = saved_argv
+        for sig, handler in saved_handlers.items():
+            signal.signal(sig, handler)
+    return SimpleNamespace(returncode=returncode, log=log.getvalue().replace("\r", "\n"))
 
 
 def run_recipe_on_ranks(fn, world_size, *args):

@@ -26,6 +26,7 @@ from launch import (
     run_command,
     run_env,
     run_recipe,
+    run_script,
 )
 from mmrecipes.step_guard import PREEMPTED_EXIT_CODE
 
@@ -121,9 +122,9 @@ def test_nonfinite_batch_on_one_rank_is_skipped_everywhere(tmp_path, config, fus
 
 
 def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path):
-    result = run_recipe("--logging_steps", 1, "--per_device_train_batch_size", 16, "--eval_split", "",
+    result = run_script(WITH_FAULTS, "--logging_steps", 1, "--per_device_train_batch_size", 16, "--eval_split", "",
                         "--max_steps", 8, "--save_steps", 2, "--max_skipped_steps", 2, "--output_dir", tmp_path,
-                        recipe=WITH_FAULTS, env={"FAULT_NAN_AT": "0:3-8"})
+                        env={"FAULT_NAN_AT": "0:3-8"})
     assert result.returncode != 0
     assert ("step 5: 3 optimizer steps in a row had a non-finite loss or gradient norm (--max_skipped_steps 2). "
             f"The last complete checkpoint is {tmp_path}/checkpoints/checkpoint-4") in result.log

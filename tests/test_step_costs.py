@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import recipe_counting_steps
-from launch import RECIPE, REPO, VLM_RECIPE, run_recipe
+from launch import RECIPE, REPO, VLM_RECIPE, run_script
 from mmrecipes.models import ModelArgs, build_contrastive, text_attention_mask
 
 COUNTING = REPO / "tests" / "recipe_counting_steps.py"
@@ -16,7 +16,7 @@ COUNTING = REPO / "tests" / "recipe_counting_steps.py"
 
 def step_counts(tmp_path, *recipe_args, reads: bool, backend: str = "", recipe=RECIPE) -> list[dict]:
     counts = tmp_path / "counts.json"
-    result = run_recipe(*recipe_args, "--output_dir", tmp_path / "run", recipe=COUNTING,
+    result = run_script(COUNTING, *recipe_args, "--output_dir", tmp_path / "run",
                         env={"STEP_COUNTS": str(counts), "STEP_COUNTS_READS": "1" if reads else "0",
                              "STEP_COUNTS_BACKEND": backend, "STEP_COUNTS_RECIPE": str(recipe)})
     assert result.returncode == 0, result.log[-3000:]
