@@ -7,7 +7,8 @@ its host, pid, process start time and Slurm job id, and keeps the file's time fr
 background thread. Another run is refused, naming the owner. A lock is stale, and taken over with
 a line in the log, when its process is gone: on the same host the pid no longer runs the process
 that wrote it; from another host (a requeued job on other nodes) it belongs to the same Slurm
-job, or it has not been refreshed for `STALE_AFTER_S`. The lock goes when the process exits.
+job, or it has not been refreshed for `STALE_AFTER_S`. The lock goes when the process exits
+(`release_held`: what a process that calls a recipe's `main` more than once calls between runs).
 Creating it also proves the directory writable, before the first step rather than at the first save.
 """
 
@@ -22,6 +23,16 @@ from pathlib import Path
 LOCK_NAME = ".mmrecipes.lock"
 REFRESH_S = 30
 STALE_AFTER_S = 300
+_HELD: list["OutputDirLock"] = []  # locks this process holds, released at exit
+
+
+def release_held():
+    """Release every lock this process holds (at exit, or after an in-process run of a recipe's main)."""
+    while _HELD:
+        _HELD[-1].release()
+
+
+atexit.register(release_held)
 
 
 class OutputDirBusy(RuntimeError):
@@ -75,8 +86,9 @@ class OutputDirLock:
                         f"(lock {self.path}, refreshed {self._age():.0f} s ago). Two runs in one output_dir remove "
                         "each other's checkpoints: wait for it, pick another --output_dir, or delete the lock file "
                         "if that run is gone.") from None
-                note = (f"took over {self.path}: its run (pid {owner.get('pid')} on {owner.get('host')}) is gone "
-                        f"({stale})")
+                if owner.get("pid") != self.owner["pid"] or owner.get("host") != self.owner["host"]:
+                    note = (f"took over {self.path}: its run (pid {owner.get('pid')} on {owner.get('host')}) is gone "
+                            f"({stale})")
                 self.path.unlink(missing_ok=True)
                 continue
             except OSError as error:
@@ -85,7 +97,7 @@ class OutputDirLock:
             with os.fdopen(descriptor, "w") as file:
                 json.dump(self.owner, file)
             self.held = True
-            atexit.register(self.release)
+            _HELD.append(self)
             threading.Thread(target=self._refresh, daemon=True, name="output-dir-lock").start()
             return note
         raise OutputDirBusy(f"{self.path}: another run keeps taking this output_dir; pick another --output_dir")
@@ -127,4 +139,5 @@ class OutputDirLock:
         if self.held:
             self._stop.set()
             self.held = False
+            _HELD.remove(self)
             self.path.unlink(missing_ok=True)

@@ -16,6 +16,7 @@ Other formats (csv, imagefolder, arrow, hub datasets with a loading script) stre
 
 import glob
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -105,20 +106,33 @@ def _parquet_rows(file: str):
 
 
 def _json_rows(file: str):
-    """A JSON array (LLaVA's files) or JSON lines; undecodable bytes become `bad_text` rows."""
+    """A JSON array (LLaVA's files: read whole) or JSON lines (read a line at a time); undecodable bytes become
+    `bad_text` rows, lines that do not parse `bad_row` rows."""
     with fsspec.open(file, "rb", compression="infer") as stream:
-        text = stream.read().decode("utf-8", errors="surrogateescape")
-    if text.lstrip().startswith("["):
-        rows = json.loads(text)
-    else:
-        rows = []
-        for line in filter(str.strip, text.splitlines()):
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                rows.append({PROBLEM: "bad_row"})
-    for row in rows:
-        yield row if isinstance(row, dict) else {PROBLEM: "bad_row"}
+        first = stream.read(4096)
+        if first.lstrip().startswith(b"["):
+            rows = json.loads((first + stream.read()).decode("utf-8", errors="surrogateescape"))
+        else:
+            rows = _json_lines(itertools.chain([first], iter(lambda: stream.read(1 << 20), b"")))
+        for row in rows:
+            yield row if isinstance(row, dict) else {PROBLEM: "bad_row"}
+
+
+def _json_lines(chunks):
+    pending = b""
+    for chunk in chunks:
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in filter(bytes.strip, lines):
+            yield _json_line(line)
+    if pending.strip():
+        yield _json_line(pending)
+
+
+def _json_line(line: bytes):
+    try:
+        return json.loads(line.decode("utf-8", errors="surrogateescape"))
+    except ValueError:
+        return {PROBLEM: "bad_row"}
 
 
 def _tar_rows(file: str):

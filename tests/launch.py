@@ -16,6 +16,7 @@ import pytest
 
 from gloo import free_port, run_on_ranks
 from mmrecipes.loader import GROUP_SIGNALS
+from mmrecipes.output_dir import release_held
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "clip_pretrain.py"
@@ -68,6 +69,7 @@ def _in_process(recipe, argv) -> SimpleNamespace:
                 traceback.print_exc()
                 returncode = 1
     finally:
+        release_held()  # what the end of the process does: its output_dir lock goes, however the run ended
         sys.argv = saved_argv
         for sig, handler in saved_handlers.items():
             signal.signal(sig, handler)
