@@ -128,7 +128,7 @@ def main():
         return child(method, int(rows), int(world), int(tile))
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    grid = [(128, 2), (256, 4)] if args.quick else [(1024, 8), (2048, 8), (4096, 2), (4096, 4), (4096, 8), (8192, 8)]
+    grid = [(128, 2)] if args.quick else [(1024, 8), (2048, 8), (4096, 2), (4096, 4), (4096, 8), (8192, 8)]
     tile = 64 if args.quick else args.tile_size
     print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), D={DIM}, "
           f"tile_size={tile}, threads={torch.get_num_threads()}")

@@ -33,6 +33,7 @@ def _counted(function):
 launch._run = _counted(launch._run)
 launch._in_process = _counted(launch._in_process)
 launch._on_ranks = _counted(launch._on_ranks)
+launch._forked = _counted(launch._forked)
 launch.launch_command = _counted(launch.launch_command)
 
 

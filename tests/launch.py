@@ -1,21 +1,27 @@
 """Run the recipe as a user does: `accelerate launch --config_file ... recipes/clip_pretrain.py ...`."""
 
+import atexit
 import contextlib
 import importlib.util
 import io
+import multiprocessing
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from gloo import free_port, run_on_ranks
-from mmrecipes.loader import GROUP_SIGNALS
+from mmrecipes.loader import GROUP_SIGNALS, start_worker_server
 from mmrecipes.output_dir import release_held
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,10 +55,10 @@ def run_recipe(*recipe_args, recipe=RECIPE) -> SimpleNamespace:
     return _in_process(recipe, [*QUICK, *map(str, recipe_args)])
 
 
-def run_script(script, *args, timeout=600, env=None) -> subprocess.CompletedProcess:
-    """A recipe or a recipe wrapper (tests/recipe_with_faults.py, ...) as one process of its own: for runs
-    that need environment variables or must not share this process."""
-    return _run([sys.executable, str(script), *QUICK, *map(str, args)], timeout, run_env(env))
+def run_script(script, *args, timeout=600, env=None) -> SimpleNamespace:
+    """A recipe or a recipe wrapper (tests/recipe_with_faults.py, ...) run as a script in a process of its own,
+    forked from the fork server (`run_ddp`): for runs that need environment variables or a fresh process."""
+    return _forked(script, [*QUICK, *map(str, args)], env, 1, timeout)
 
 
 def _in_process(recipe, argv) -> SimpleNamespace:
@@ -64,7 +70,7 @@ def _in_process(recipe, argv) -> SimpleNamespace:
             try:
                 load_recipe(recipe).main(argv)
             except SystemExit as stop:
-                returncode = stop.code if isinstance(stop.code, int) else 1
+                returncode = exit_code(stop)
             except Exception:
                 traceback.print_exc()
                 returncode = 1
@@ -74,6 +80,76 @@ def _in_process(recipe, argv) -> SimpleNamespace:
         for sig, handler in saved_handlers.items():
             signal.signal(sig, handler)
     return SimpleNamespace(returncode=returncode, log=log.getvalue().replace("\r", "\n"))
+
+
+def run_ddp(*recipe_args, world_size=2, recipe=RECIPE, env=None, timeout=600) -> SimpleNamespace:
+    """What `accelerate launch --config_file ddp.yaml` runs (gloo DDP, one rank per process, the environment
+    torchrun gives each rank), on ranks forked from the fork server (tests/gloo.py): no launcher and no imports
+    per rank, for tests whose subject is not the launcher (the `[engine]` line is the launched one). As under
+    torchrun, the first rank that fails ends the others. `.log`: rank 0's output, then the other ranks'."""
+    return _forked(recipe, [*QUICK, *map(str, recipe_args)], env, world_size, timeout)
+
+
+def _forked(script, argv, env, world_size, timeout) -> SimpleNamespace:
+    start_worker_server()
+    port = free_port()
+    with tempfile.TemporaryDirectory() as log_dir:
+        ranks = [multiprocessing.get_context("forkserver").Process(
+            target=_forked_rank, args=(rank, world_size, port, str(script), argv, env or {}, log_dir))
+            for rank in range(world_size)]
+        for rank in ranks:
+            rank.start()
+        deadline, returncode = time.monotonic() + timeout, 0
+        while any(rank.is_alive() for rank in ranks):
+            failed = [rank.exitcode for rank in ranks if rank.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                returncode = failed[0] if failed else 124
+                for rank in ranks:
+                    rank.kill()
+            time.sleep(0.1)
+        returncode = returncode or next((rank.exitcode for rank in ranks if rank.exitcode), 0)
+        log = "".join(path.read_text(errors="replace") for rank in range(world_size)
+                      if (path := Path(log_dir, f"{rank}.log")).exists())
+    return SimpleNamespace(returncode=returncode, log=log.replace("\r", "\n"))
+
+
+def _forked_rank(rank, world_size, port, recipe, argv, env, log_dir):
+    os.environ.update(run_env(env))
+    if world_size > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                          OMP_NUM_THREADS="1")  # torchrun's default with more than one process per node
+        torch.set_num_threads(1)
+    for sig in GROUP_SIGNALS:  # the fork server ignores them (mmrecipes.loader); a rank has the defaults
+        signal.signal(sig, signal.SIG_DFL)
+    log = os.open(Path(log_dir, f"{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.argv, returncode = [recipe, *argv], 0
+    try:
+        runpy.run_path(recipe, run_name="__main__")  # a recipe, or a wrapper such as tests/recipe_with_faults.py
+    except SystemExit as stop:
+        returncode = exit_code(stop)
+    except BaseException:
+        traceback.print_exc()
+        returncode = 1
+    atexit._run_exitfuncs()  # what the end of a process runs (the output_dir lock, a wrapper's report)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(returncode)
+
+
+def run_engine(config: str, *recipe_args, **kwargs):
+    """`config` under `accelerate launch`, but DDP (ddp.yaml) on forked ranks (`run_ddp`): for tests whose
+    subject is a feature, not the launcher (the launcher's own tests call `accelerate_launch`)."""
+    if config == "ddp.yaml":
+        kwargs["world_size"] = kwargs.pop("num_processes", 2)
+        return run_ddp(*recipe_args, **kwargs)
+    return accelerate_launch(config, *recipe_args, **kwargs)
+
+
+def exit_code(stop: SystemExit) -> int:
+    return 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
 
 
 def run_recipe_on_ranks(fn, world_size, *args):

@@ -13,7 +13,7 @@ from huggingface_hub import ModelCard
 from PIL import Image
 from transformers import AutoProcessor, CLIPModel, pipeline
 
-from launch import REPO, accelerate_launch, assert_engine, assert_same_curves, losses
+from launch import REPO, accelerate_launch, assert_engine, assert_same_curves, losses, run_engine
 from mmrecipes.model_card import CURVES_SIZE
 
 pytestmark = pytest.mark.launch
@@ -84,7 +84,7 @@ def test_torch_compile_matches_eager(runs, tmp_path):
     """--torch_compile (each transformer block compiled in place, inductor) under DDP: the same
     losses and weights. FSDP2, ZeRO-2 and ZeRO-3 agree as well, by hand (docs/performance.md); they are left
     out of CI for their compile time (ZeRO-3 alone: 80 s on 2 cores)."""
-    result = accelerate_launch("ddp.yaml", *RUN_ARGS, "--torch_compile", "--output_dir", tmp_path)
+    result = run_engine("ddp.yaml", *RUN_ARGS, "--torch_compile", "--output_dir", tmp_path)
     assert result.returncode == 0, result.log[-3000:]
     assert "compiled 5 blocks (CLIPEncoderLayer, CLIPVisionEmbeddings)" in result.log  # 2 + 2 layers, patch embedding
     ddp_result, ddp_dir = runs["ddp.yaml"]

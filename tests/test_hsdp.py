@@ -4,7 +4,7 @@ they only do if each of the 4 data ranks reads its own rows (r_replicate * 2 + r
 
 import pytest
 
-from launch import RECIPE, VLM_RECIPE, accelerate_launch, assert_same_curves, engine_line
+from launch import RECIPE, VLM_RECIPE, accelerate_launch, assert_same_curves, engine_line, run_engine
 
 pytestmark = pytest.mark.launch
 
@@ -17,7 +17,7 @@ RUNS = {RECIPE: ["--max_steps", 4, "--logging_steps", 1, "--per_device_train_bat
 def test_hsdp_names_its_mesh_and_gives_ddps_losses(recipe, tmp_path):
     hsdp = accelerate_launch("hsdp.yaml", *RUNS[recipe], "--output_dir", tmp_path / "hsdp", num_processes=4,
                              recipe=recipe)
-    ddp = accelerate_launch("ddp.yaml", *RUNS[recipe], "--output_dir", tmp_path / "ddp", num_processes=4, recipe=recipe)
+    ddp = run_engine("ddp.yaml", *RUNS[recipe], "--output_dir", tmp_path / "ddp", num_processes=4, recipe=recipe)
     assert hsdp.returncode == 0, hsdp.log[-3000:]
     assert ddp.returncode == 0, ddp.log[-3000:]
     assert "distributed_type=FSDP num_processes=4 backend=gloo world_size=4 mesh=dp_replicate:2,dp_shard:2" in (

@@ -24,6 +24,8 @@ from launch import (
     losses,
     process_tree,
     run_command,
+    run_ddp,
+    run_engine,
     run_env,
     run_recipe,
     run_script,
@@ -67,7 +69,7 @@ def test_kill_inside_save_resumes_from_previous_complete_checkpoint(tmp_path):
     assert (tmp_path / "paused-in-save-0").exists(), killed_log[-3000:]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [".partial-checkpoint-4", "checkpoint-2"]
 
-    resumed = accelerate_launch("ddp.yaml", *args)
+    resumed = run_ddp(*args)  # the launcher's part (the kill) is over: the resume itself on forked ranks
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert "a checkpoint save that did not finish" in resumed.log
     assert re.search(r"resumed from \S+checkpoint-2 at step 2", resumed.log)
@@ -77,7 +79,7 @@ def test_kill_inside_save_resumes_from_previous_complete_checkpoint(tmp_path):
 
 
 def test_sigterm_on_one_rank_saves_exits_and_resumes_exactly(tmp_path):
-    straight = accelerate_launch("ddp.yaml", *RUN, "--max_steps", 6, "--output_dir", tmp_path / "straight")
+    straight = run_ddp(*RUN, "--max_steps", 6, "--output_dir", tmp_path / "straight")
     assert straight.returncode == 0, straight.log[-3000:]
     assert "no complete checkpoint under" in straight.log and "starting from step 0" in straight.log
 
@@ -94,7 +96,7 @@ def test_sigterm_on_one_rank_saves_exits_and_resumes_exactly(tmp_path):
     fewer = run_recipe(*args)
     assert fewer.returncode != 0 and "data_ranks=2" in fewer.log and not losses(fewer.log)
 
-    resumed = accelerate_launch("ddp.yaml", *args)
+    resumed = run_ddp(*args)
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert_same_curves(resumed.log, straight.log, [4, 5, 6], abs=1e-6)
     reference = CLIPModel.from_pretrained(tmp_path / "straight").state_dict()
@@ -108,7 +110,7 @@ def test_sigterm_on_one_rank_saves_exits_and_resumes_exactly(tmp_path):
 def test_nonfinite_batch_on_one_rank_is_skipped_everywhere(tmp_path, config, fused):
     """NaN pixels on rank 1 in step 2: no rank's weights change in step 2, and training goes on.
     Fused AdamW skips on the device (StepGuard hands it found_inf); DeepSpeed skips by itself."""
-    result = accelerate_launch(config, *RUN, "--max_steps", 4, "--warmup_steps", 0, "--output_dir", tmp_path,
+    result = run_engine(config, *RUN, "--max_steps", 4, "--warmup_steps", 0, "--output_dir", tmp_path,
                                "--fused_adamw", str(fused).lower(), recipe=WITH_FAULTS,
                                env={"FAULT_NAN_AT": "1:2", "FAULT_WEIGHTS_LOG": str(tmp_path / "weights")})
     assert result.returncode == 0, result.log[-3000:]

@@ -12,7 +12,7 @@ from accelerate.utils import set_seed
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from launch import VLM_RECIPE, accelerate_launch, assert_engine, assert_same_curves
+from launch import VLM_RECIPE, accelerate_launch, assert_engine, assert_same_curves, run_engine
 from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs, check_packing
 from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, encode_row
 from mmrecipes.chat_labels import AnswerLabeller
@@ -126,7 +126,7 @@ PACKED = ["fsdp2.yaml", "zero3.yaml"]  # DDP and ZeRO-2 pack the same way: tests
 def budget_runs(tmp_path_factory):
     """The default mixture at a 64-token budget (one or two rows a pack: some packs text-only): padded under DDP,
     packed under a sharded engine of each kind."""
-    runs = {"padded": accelerate_launch("ddp.yaml", *BUDGET, "--output_dir", tmp_path_factory.mktemp("padded"),
+    runs = {"padded": run_engine("ddp.yaml", *BUDGET, "--output_dir", tmp_path_factory.mktemp("padded"),
                                         recipe=VLM_RECIPE)}
     for config in PACKED:
         output_dir = tmp_path_factory.mktemp(f"packed_{config[:-5]}")

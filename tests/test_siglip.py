@@ -9,7 +9,16 @@ import pytest
 import torch
 from transformers import SiglipModel, pipeline
 
-from launch import REPO, accelerate_launch, assert_engine, assert_same_curves, load_recipe, losses, run_recipe
+from launch import (
+    REPO,
+    accelerate_launch,
+    assert_engine,
+    assert_same_curves,
+    load_recipe,
+    losses,
+    run_engine,
+    run_recipe,
+)
 from mmrecipes.data import DataArgs, ImageTextCollator, ImageTextPreprocessor, model_inputs
 from mmrecipes.models import ModelArgs, build_contrastive
 
@@ -30,7 +39,7 @@ def runs(tmp_path_factory):
     results = {}
     for config in ENGINES:
         output_dir = tmp_path_factory.mktemp("siglip_" + config.split(".")[0])
-        results[config] = (accelerate_launch(config, *RUN_ARGS, "--output_dir", output_dir), output_dir)
+        results[config] = (run_engine(config, *RUN_ARGS, "--output_dir", output_dir), output_dir)
     return results
 
 

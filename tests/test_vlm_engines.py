@@ -24,7 +24,16 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, LlavaForConditionalGeneration
 
-from launch import REPO, VLM_RECIPE, accelerate_launch, assert_engine, assert_same_curves, losses, run_recipe
+from launch import (
+    REPO,
+    VLM_RECIPE,
+    accelerate_launch,
+    assert_engine,
+    assert_same_curves,
+    losses,
+    run_engine,
+    run_recipe,
+)
 from mmrecipes.lora import LoraArgs, lora_config
 from test_chat_data import chat_row, write_chat_parquet
 from test_lora import adapted_layers, tiny
@@ -100,7 +109,7 @@ def runs(scenario, tiny_vlms, tmp_path_factory):
     for (config, feature), extra in RUNS.items():
         output_dir = tmp_path_factory.mktemp(f"{feature}_{config[:-5]}")
         env = {"MMRECIPES_DEBUG_DIVERGENCE": "1"} if (config, feature) == ("fsdp2.yaml", "full") else None
-        results[config, feature] = accelerate_launch(
+        results[config, feature] = run_engine(
             config, *SCENARIO, *feature_args(feature, tiny_vlms), *extra, "--data_files", scenario / "rank*.parquet",
             "--output_dir", output_dir, recipe=VLM_RECIPE, env=env), output_dir
     return results
@@ -138,7 +147,7 @@ def test_resume_repeats_the_straight_run(runs, scenario, tiny_vlms, config, feat
         model = load_file(checkpoint / "model.safetensors")
         trainable = [name for name in model if ".lora_" in name or ".modules_to_save." in name]
         assert len(optimizer["state"]) == len(trainable) < len(model)  # adapters and projector copy only
-    resumed = accelerate_launch(config, *SCENARIO, *feature_args(feature, tiny_vlms), *RUNS[config, feature],
+    resumed = run_engine(config, *SCENARIO, *feature_args(feature, tiny_vlms), *RUNS[config, feature],
                                 "--data_files", scenario / "rank*.parquet", "--output_dir", tmp_path,
                                 "--resume_from_checkpoint", checkpoint, recipe=VLM_RECIPE)
     assert resumed.returncode == 0, resumed.log[-3000:]

@@ -13,7 +13,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
-from launch import REPO, VLM_RECIPE, accelerate_launch, assert_engine, assert_same_curves, losses
+from launch import REPO, VLM_RECIPE, assert_engine, assert_same_curves, losses, run_engine
 from mmrecipes.vlm_families import dummy_image_inputs, module_groups
 
 pytestmark = pytest.mark.launch
@@ -27,7 +27,7 @@ RUN = ["--max_steps", STEPS, "--logging_steps", 4, "--per_device_train_batch_siz
 
 
 def launch(config, checkpoint, output_dir, *extra):
-    result = accelerate_launch(config, "--model_name_or_path", checkpoint, *RUN, "--output_dir", output_dir, *extra,
+    result = run_engine(config, "--model_name_or_path", checkpoint, *RUN, "--output_dir", output_dir, *extra,
                                recipe=VLM_RECIPE)
     return result, output_dir
 

@@ -12,7 +12,16 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoProcessor, LlavaForConditionalGeneration, pipeline
 
-from launch import REPO, VLM_RECIPE, accelerate_launch, assert_engine, assert_same_curves, losses, run_recipe
+from launch import (
+    REPO,
+    VLM_RECIPE,
+    accelerate_launch,
+    assert_engine,
+    assert_same_curves,
+    losses,
+    run_engine,
+    run_recipe,
+)
 from mmrecipes.model_card import CURVES_SIZE
 from mmrecipes.vlm import VLMModelArgs, load_vlm
 
@@ -114,7 +123,7 @@ def test_freezing_presets_with_gradient_checkpointing(config, preset, checkpoint
     gradient checkpointing trains through a frozen embedding (enable_input_require_grads). ZeRO-3 with
     the LM frozen and no checkpointing aborted on a text-only rank before the embedding's output was
     made to require grad there too (the image rank's backward ran through the LM, the text rank's not)."""
-    result = accelerate_launch(config, *PRESET_RUN, "--train_modules", preset, "--gradient_checkpointing",
+    result = run_engine(config, *PRESET_RUN, "--train_modules", preset, "--gradient_checkpointing",
                                str(checkpointing).lower(), "--save_steps", 2, "--output_dir", tmp_path,
                                recipe=VLM_RECIPE)
     assert result.returncode == 0, result.log[-3000:]
