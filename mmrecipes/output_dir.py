@@ -40,11 +40,13 @@ class OutputDirBusy(RuntimeError):
 
 
 def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (tells a reused pid apart), None if gone."""
+    """The process's start time in clock ticks since boot (tells a reused pid apart); None if it is gone or
+    a zombie (killed, not yet reaped: where PID 1 does not reap, as in many containers, that can last)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def _runs(pid, start_time) -> bool:

@@ -9,6 +9,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -362,6 +363,25 @@ def test_a_second_run_in_one_output_dir_is_refused_and_deletes_nothing(run, tmp_
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     run.checkpoints.lock.release()
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_lock_whose_process_was_killed_but_not_yet_reaped_is_stale(tmp_path):
+    """A SIGKILLed run stays a zombie until something reaps it (its launcher, killed too, cannot; a
+    container's PID 1 may take its time): its /proc entry, start time included, is still there."""
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_lock(tmp_path, pid=owner.pid, start_time=start_time(owner.pid))
+        with pytest.raises(OutputDirBusy, match=f"in use by pid {owner.pid}"):
+            OutputDirLock(tmp_path).acquire()
+        os.kill(owner.pid, signal.SIGKILL)
+        while Path(f"/proc/{owner.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.05)  # dead, not reaped: this test holds off wait()
+        lock = OutputDirLock(tmp_path)
+        assert "its process no longer runs" in lock.acquire()
+        lock.release()
+    finally:
+        owner.kill()
+        owner.wait()
 
 
 def test_locks_from_other_hosts_go_stale_by_time_or_by_slurm_job(tmp_path, monkeypatch):
