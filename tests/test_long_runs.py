@@ -24,7 +24,6 @@ from launch import (
     losses,
     process_tree,
     run_command,
-    run_ddp,
     run_engine,
     run_env,
     run_recipe,
@@ -69,7 +68,7 @@ def test_kill_inside_save_resumes_from_previous_complete_checkpoint(tmp_path):
     assert (tmp_path / "paused-in-save-0").exists(), killed_log[-3000:]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [".partial-checkpoint-4", "checkpoint-2"]
 
-    resumed = run_ddp(*args)  # the launcher's part (the kill) is over: the resume itself on forked ranks
+    resumed = run_engine("ddp.yaml", *args)  # the launcher's part (the kill) is over: the resume itself forked
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert "a checkpoint save that did not finish" in resumed.log
     assert re.search(r"resumed from \S+checkpoint-2 at step 2", resumed.log)
@@ -79,7 +78,7 @@ def test_kill_inside_save_resumes_from_previous_complete_checkpoint(tmp_path):
 
 
 def test_sigterm_on_one_rank_saves_exits_and_resumes_exactly(tmp_path):
-    straight = run_ddp(*RUN, "--max_steps", 6, "--output_dir", tmp_path / "straight")
+    straight = run_engine("ddp.yaml", *RUN, "--max_steps", 6, "--output_dir", tmp_path / "straight")
     assert straight.returncode == 0, straight.log[-3000:]
     assert "no complete checkpoint under" in straight.log and "starting from step 0" in straight.log
 
@@ -96,7 +95,7 @@ def test_sigterm_on_one_rank_saves_exits_and_resumes_exactly(tmp_path):
     fewer = run_recipe(*args)
     assert fewer.returncode != 0 and "data_ranks=2" in fewer.log and not losses(fewer.log)
 
-    resumed = run_ddp(*args)
+    resumed = run_engine("ddp.yaml", *args)
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert_same_curves(resumed.log, straight.log, [4, 5, 6], abs=1e-6)
     reference = CLIPModel.from_pretrained(tmp_path / "straight").state_dict()

@@ -12,7 +12,7 @@ from accelerate.utils import set_seed
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from launch import VLM_RECIPE, accelerate_launch, assert_engine, assert_same_curves, run_engine
+from launch import VLM_RECIPE, assert_engine, assert_same_curves, run_engine
 from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs, check_packing
 from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, encode_row
 from mmrecipes.chat_labels import AnswerLabeller
@@ -130,7 +130,7 @@ def budget_runs(tmp_path_factory):
                                         recipe=VLM_RECIPE)}
     for config in PACKED:
         output_dir = tmp_path_factory.mktemp(f"packed_{config[:-5]}")
-        runs[config] = accelerate_launch(config, *BUDGET, "--packing", "true", "--output_dir", output_dir,
+        runs[config] = run_engine(config, *BUDGET, "--packing", "true", "--output_dir", output_dir,
                                          recipe=VLM_RECIPE), output_dir
     return runs
 
@@ -151,7 +151,7 @@ def test_packing_under_every_engine_gives_the_losses_of_the_same_rows_padded(bud
 @pytest.mark.launch
 def test_a_packed_token_budget_run_resumes_exactly(budget_runs, tmp_path):
     straight, output_dir = budget_runs["fsdp2.yaml"]
-    resumed = accelerate_launch("fsdp2.yaml", *BUDGET, "--packing", "true", "--output_dir", tmp_path,
+    resumed = run_engine("fsdp2.yaml", *BUDGET, "--packing", "true", "--output_dir", tmp_path,
                                 "--resume_from_checkpoint", output_dir / "checkpoints" / "checkpoint-3",
                                 recipe=VLM_RECIPE)
     assert resumed.returncode == 0, resumed.log[-3000:]

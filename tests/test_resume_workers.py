@@ -19,11 +19,11 @@ from transformers import CLIPModel
 from launch import (
     REPO,
     WITH_FAULTS,
-    accelerate_launch,
     assert_same_curves,
     launch_command,
     losses,
     process_tree,
+    run_engine,
     run_env,
     run_recipe,
 )
@@ -47,7 +47,7 @@ def assert_same_weights(output_dir, reference_dir):
 def straight(tmp_path_factory):
     """The uninterrupted run under FSDP2, saving checkpoint-4 on the way."""
     output_dir = tmp_path_factory.mktemp("fsdp2")
-    result = accelerate_launch("fsdp2.yaml", *RUN, "--output_dir", output_dir)
+    result = run_engine("fsdp2.yaml", *RUN, "--output_dir", output_dir)
     assert result.returncode == 0, result.log[-3000:]
     return {"fsdp2.yaml": (result, output_dir)}
 
@@ -78,7 +78,7 @@ def test_sigkill_of_one_rank_ends_the_launch_and_latest_resumes_exactly(straight
     other = run_recipe(*args, "--dataloader_num_workers", 1)
     assert other.returncode != 0 and "dataloader_num_workers=2" in other.log and not losses(other.log)
 
-    resumed = accelerate_launch("fsdp2.yaml", *args)
+    resumed = run_engine("fsdp2.yaml", *args)
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert re.search(r"resumed from \S+checkpoint-4 at step 4", resumed.log)
     assert_same_curves(resumed.log, fsdp2.log, range(5, STEPS + 1), abs=1e-6)

@@ -11,7 +11,6 @@ from transformers import SiglipModel, pipeline
 
 from launch import (
     REPO,
-    accelerate_launch,
     assert_engine,
     assert_same_curves,
     load_recipe,
@@ -76,7 +75,7 @@ def test_resume_from_a_zero3_checkpoint(runs, tmp_path):
     """ZeRO-3's partitioned checkpoint, SigLIP's [1]-shaped bias partitioned too (tests/README.md: which
     engine resumes where)."""
     straight, output_dir = runs["zero3.yaml"]
-    resumed = accelerate_launch("zero3.yaml", *RUN_ARGS, "--output_dir", tmp_path,
+    resumed = run_engine("zero3.yaml", *RUN_ARGS, "--output_dir", tmp_path,
                                 "--resume_from_checkpoint", output_dir / "checkpoints" / "checkpoint-3")
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert_same_curves(resumed.log, straight.log, [4, 5, 6], abs=1e-5)

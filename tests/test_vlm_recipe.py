@@ -15,7 +15,6 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration, pipeline
 from launch import (
     REPO,
     VLM_RECIPE,
-    accelerate_launch,
     assert_engine,
     assert_same_curves,
     losses,
@@ -168,13 +167,13 @@ def test_default_mixture_at_batch_size_1_and_exact_resume(tmp_path):
     """The default mixture (25% text-only rows) at per-device batch 1 under ZeRO-2 (the other engines run the
     mixed-ranks scenario in test_vlm_engines.py): the dummy runs on text-only micro-batches, every rank
     evaluates the whole held-out set, and the resume from a DataLoader worker's saved position is exact."""
-    straight = accelerate_launch("zero2.yaml", *RESUME_RUN, "--output_dir", tmp_path / "straight", recipe=VLM_RECIPE)
+    straight = run_engine("zero2.yaml", *RESUME_RUN, "--output_dir", tmp_path / "straight", recipe=VLM_RECIPE)
     assert straight.returncode == 0, straight.log[-3000:]
     assert_engine(straight.log, "zero2.yaml")
     dummies = sum(map(int, re.findall(r"^step \d+/6 .*\| dummy_image_batches (\d+)", straight.log, re.M)))
     assert dummies > 0  # some micro-batches were text-only: the dummy ran on those ranks
     assert "eval_answers 512" in straight.log  # every rank agrees on the whole held-out set
-    resumed = accelerate_launch("zero2.yaml", *RESUME_RUN, "--output_dir", tmp_path / "resumed",
+    resumed = run_engine("zero2.yaml", *RESUME_RUN, "--output_dir", tmp_path / "resumed",
                                 "--resume_from_checkpoint", tmp_path / "straight" / "checkpoints" / "checkpoint-3",
                                 recipe=VLM_RECIPE)
     assert resumed.returncode == 0, resumed.log[-3000:]
