@@ -1,4 +1,5 @@
-"""Run the recipe as a user does: `accelerate launch --config_file ... recipes/clip_pretrain.py ...`."""
+"""Run the recipes from tests: launched as a user does (`accelerate launch --config_file ... recipes/...`), on
+ranks forked with the environment that launch gives them (`run_engine`), or in this process (`run_recipe`)."""
 
 import atexit
 import contextlib
@@ -61,6 +62,32 @@ def run_script(script, *args, timeout=600, env=None) -> SimpleNamespace:
     """A recipe or a recipe wrapper (tests/recipe_with_faults.py, ...) run as a script in a process of its own,
     forked from the fork server (`run_engine`): for runs that need environment variables or a fresh process."""
     return _forked(script, [*QUICK, *map(str, args)], env, 1, timeout)
+
+
+def run_engine(config: str, *recipe_args, num_processes=2, recipe=RECIPE, env=None, timeout=600) -> SimpleNamespace:
+    """What `accelerate launch --config_file accelerate_configs/<config>` runs, on ranks forked from the fork
+    server that the DataLoader workers use (mmrecipes.loader; it imported torch, transformers and datasets
+    once per session): each rank gets the variables accelerate's launcher computes from the config
+    (`launched_env`) and those torchrun adds, so the engine, its `[engine]` line and the losses are the
+    launched ones, without the 10-15 s of start-up a launch costs on 2 cores. For tests whose subject is a
+    feature; the launcher's own behaviour is tested through `accelerate_launch`. As under torchrun, the
+    first rank that fails ends the others. `.log`: rank 0's output, then the other ranks'."""
+    environment = {**launched_env(config, num_processes), **(env or {})}
+    return _forked(recipe, [*QUICK, *map(str, recipe_args)], environment, num_processes, timeout)
+
+
+def launched_env(config: str, num_processes: int) -> dict:
+    """The variables `accelerate launch` sets for every rank of this config, from the launcher's own code."""
+    arguments = launch_command_parser().parse_args(
+        ["--config_file", str(REPO / "accelerate_configs" / config), "--num_processes", str(num_processes), "x.py"])
+    arguments, defaults, precision_from_config = _validate_launch_command(arguments)
+    if arguments.use_deepspeed:
+        fields = [*defaults.deepspeed_config, *(["mixed_precision"] if precision_from_config else [])]
+        arguments.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        environment = prepare_deepspeed_cmd_env(arguments)[1]
+    else:
+        environment = prepare_multi_gpu_env(arguments)
+    return {name: value for name, value in environment.items() if os.environ.get(name) != value}
 
 
 def _in_process(recipe, argv) -> SimpleNamespace:
@@ -131,32 +158,6 @@ def _forked_rank(rank, world_size, port, recipe, argv, env, log_dir):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(returncode)
-
-
-def run_engine(config: str, *recipe_args, num_processes=2, recipe=RECIPE, env=None, timeout=600) -> SimpleNamespace:
-    """What `accelerate launch --config_file accelerate_configs/<config>` runs, on ranks forked from the fork
-    server that the DataLoader workers use (mmrecipes.loader; it imported torch, transformers and datasets
-    once per session): each rank gets the variables accelerate's launcher computes from the config
-    (`launched_env`) and those torchrun adds, so the engine, its `[engine]` line and the losses are the
-    launched ones, without the 10-15 s of start-up a launch costs on 2 cores. For tests whose subject is a
-    feature; the launcher's own behaviour is tested through `accelerate_launch`. As under torchrun, the
-    first rank that fails ends the others. `.log`: rank 0's output, then the other ranks'."""
-    environment = {**launched_env(config, num_processes), **(env or {})}
-    return _forked(recipe, [*QUICK, *map(str, recipe_args)], environment, num_processes, timeout)
-
-
-def launched_env(config: str, num_processes: int) -> dict:
-    """The variables `accelerate launch` sets for every rank of this config, from the launcher's own code."""
-    arguments = launch_command_parser().parse_args(
-        ["--config_file", str(REPO / "accelerate_configs" / config), "--num_processes", str(num_processes), "x.py"])
-    arguments, defaults, precision_from_config = _validate_launch_command(arguments)
-    if arguments.use_deepspeed:
-        fields = [*defaults.deepspeed_config, *(["mixed_precision"] if precision_from_config else [])]
-        arguments.deepspeed_fields_from_accelerate_config = ",".join(fields)
-        environment = prepare_deepspeed_cmd_env(arguments)[1]
-    else:
-        environment = prepare_multi_gpu_env(arguments)
-    return {name: value for name, value in environment.items() if os.environ.get(name) != value}
 
 
 def exit_code(stop: SystemExit) -> int:

@@ -199,7 +199,7 @@ def test_same_scenario_without_the_dummy_fails(scenario, config, tmp_path):
 def test_divergence_guard_names_the_diverging_modules(scenario, tmp_path):
     """--debug_divergence turns the same failure into one clear error on every rank, raised before
     the engine's collective (FSDP2 would all-gather the tower's parameters on one rank only)."""
-    result = run_engine("fsdp2.yaml", *SCENARIO, "--data_files", scenario / "rank*.parquet", "--output_dir",
+    result = accelerate_launch("fsdp2.yaml", *SCENARIO, "--data_files", scenario / "rank*.parquet", "--output_dir",
                                tmp_path, "--ddp_timeout", 30, "--debug_divergence", "true", recipe=WITHOUT_DUMMY,
                                timeout=300)
     assert result.returncode != 0
