@@ -16,7 +16,6 @@ Other formats (csv, imagefolder, arrow, hub datasets with a loading script) stre
 
 import glob
 import hashlib
-import itertools
 import json
 import logging
 import re
@@ -109,23 +108,14 @@ def _json_rows(file: str):
     """A JSON array (LLaVA's files: read whole) or JSON lines (read a line at a time); undecodable bytes become
     `bad_text` rows, lines that do not parse `bad_row` rows."""
     with fsspec.open(file, "rb", compression="infer") as stream:
-        first = stream.read(4096)
-        if first.lstrip().startswith(b"["):
-            rows = json.loads((first + stream.read()).decode("utf-8", errors="surrogateescape"))
+        if stream.read(4096).lstrip().startswith(b"["):
+            stream.seek(0)
+            rows = json.loads(stream.read().decode("utf-8", errors="surrogateescape"))
         else:
-            rows = _json_lines(itertools.chain([first], iter(lambda: stream.read(1 << 20), b"")))
+            stream.seek(0)
+            rows = (_json_line(line) for line in stream if line.strip())
         for row in rows:
             yield row if isinstance(row, dict) else {PROBLEM: "bad_row"}
-
-
-def _json_lines(chunks):
-    pending = b""
-    for chunk in chunks:
-        *lines, pending = (pending + chunk).split(b"\n")
-        for line in filter(bytes.strip, lines):
-            yield _json_line(line)
-    if pending.strip():
-        yield _json_line(pending)
 
 
 def _json_line(line: bytes):

@@ -24,12 +24,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, result_dir, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    for sig in GROUP_SIGNALS:  # the server ignores them (the workers' reason); a rank takes the default back
+def restore_group_signals():
+    """In a process forked from the fork server, which ignores GROUP_SIGNALS (the workers' reason): the defaults."""
+    for sig in GROUP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
+
+
+def become_rank(rank, world_size, port):
+    """In a process forked from the fork server: the environment torchrun gives a rank (one thread, as its
+    OMP_NUM_THREADS=1 default) and the default signal handlers."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    restore_group_signals()
+
+
+def _worker(rank, world_size, port, result_dir, fn, args):
+    become_rank(rank, world_size, port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:
         result = fn(rank, world_size, *args)

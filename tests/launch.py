@@ -19,11 +19,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-from gloo import free_port, run_on_ranks
+from gloo import become_rank, free_port, restore_group_signals, run_on_ranks
 from mmrecipes.loader import GROUP_SIGNALS, start_worker_server
 from mmrecipes.output_dir import release_held
 
@@ -137,12 +136,9 @@ def _forked(script, argv, env, world_size, timeout) -> SimpleNamespace:
 def _forked_rank(rank, world_size, port, recipe, argv, env, log_dir):
     os.environ.update(run_env(env))
     if world_size > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                          OMP_NUM_THREADS="1")  # torchrun's default with more than one process per node
-        torch.set_num_threads(1)
-    for sig in GROUP_SIGNALS:  # the fork server ignores them (mmrecipes.loader); a rank has the defaults
-        signal.signal(sig, signal.SIG_DFL)
+        become_rank(rank, world_size, port)
+    else:  # a process of its own: no distributed environment, the default threads
+        restore_group_signals()
     log = os.open(Path(log_dir, f"{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
