@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "data_loading.jsonl"
 
 
-class Seed001Pipeline(torch.utils.data.Dataset):
+class PerRowPILPipeline(torch.utils.data.Dataset):
     """One row at a time, as a per-row PIL + torchvision pipeline does it (the baseline, not something to copy)."""
 
     def __init__(self, rows, tokenizer, image_processor, max_length):
@@ -104,14 +104,14 @@ def main():
         return build_dataloader(data_args, "train", None, tokenizer, image_processor, batch_size=64, data_rank=0,
                                 data_world=1, shuffle_seed=0)
 
-    def seed_001():
-        pipeline = Seed001Pipeline(rows, tokenizer, image_processor, tokenizer.model_max_length)
+    def per_row_pil():
+        pipeline = PerRowPILPipeline(rows, tokenizer, image_processor, tokenizer.model_max_length)
         return torch.utils.data.DataLoader(pipeline, batch_size=64, shuffle=True)
 
     # mmrecipes.data turns the tokenizer's thread pool off (TOKENIZERS_PARALLELISM, read at every call);
     # the baseline runs with the tokenizers default, as the per-row pipeline would.
-    tokenizer_parallelism = {"mmrecipes": "false", "seed_001": "true"}
-    pipelines = (("mmrecipes", ours), ("seed_001", seed_001))
+    tokenizer_parallelism = {"mmrecipes": "false", "per_row_pil": "true"}
+    pipelines = (("mmrecipes", ours), ("per_row_pil", per_row_pil))
     measured = {name: [] for name, _ in pipelines}
     for round_ in range(repeats + 1):  # round 0 warms up: first-call costs are not the pipelines'
         for name, make in pipelines:
@@ -120,11 +120,11 @@ def main():
             if round_:
                 measured[name].append(rate)
     median = {name: statistics.median(values) for name, values in measured.items()}
-    ratio = median["mmrecipes"] / median["seed_001"]
+    ratio = median["mmrecipes"] / median["per_row_pil"]
     print(f"loader alone, samples/s (batch 64, 0 workers, {limit} rows, median of {repeats}; min-max)")
     for name, values in measured.items():
         print(f"  {name:<10} {median[name]:8.0f}   ({min(values):.0f}-{max(values):.0f})")
-    print(f"  mmrecipes / seed_001: {ratio:.2f}x")
+    print(f"  mmrecipes / per_row_pil: {ratio:.2f}x")
 
     with tempfile.TemporaryDirectory() as output_dir:
         waits = {workers: recipe_data_wait(workers, steps, output_dir) for workers in (0, 1)}

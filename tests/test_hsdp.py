@@ -1,10 +1,11 @@
 """accelerate_configs/hsdp.yaml (FSDP2 on a dp_replicate x dp_shard mesh) on 4 CPU processes: the
 [engine] line names the 2 x 2 mesh, and both recipes give the losses of DDP on 4 processes, which
-they only do if each of the 4 data ranks reads its own rows (r_replicate * 2 + r_shard)."""
+they only do if each of the 4 data ranks reads its own rows (r_replicate * 2 + r_shard). The ranks are
+forked with the environment `accelerate launch` computes from hsdp.yaml (its parallelism_config included)."""
 
 import pytest
 
-from launch import RECIPE, VLM_RECIPE, accelerate_launch, assert_same_curves, engine_line, run_engine
+from launch import RECIPE, VLM_RECIPE, assert_same_curves, engine_line, run_engine
 
 pytestmark = pytest.mark.launch
 
@@ -15,8 +16,7 @@ RUNS = {RECIPE: ["--max_steps", 4, "--logging_steps", 1, "--per_device_train_bat
 
 @pytest.mark.parametrize("recipe", list(RUNS), ids=["clip", "vlm"])
 def test_hsdp_names_its_mesh_and_gives_ddps_losses(recipe, tmp_path):
-    hsdp = accelerate_launch("hsdp.yaml", *RUNS[recipe], "--output_dir", tmp_path / "hsdp", num_processes=4,
-                             recipe=recipe)
+    hsdp = run_engine("hsdp.yaml", *RUNS[recipe], "--output_dir", tmp_path / "hsdp", num_processes=4, recipe=recipe)
     ddp = run_engine("ddp.yaml", *RUNS[recipe], "--output_dir", tmp_path / "ddp", num_processes=4, recipe=recipe)
     assert hsdp.returncode == 0, hsdp.log[-3000:]
     assert ddp.returncode == 0, ddp.log[-3000:]
