@@ -16,19 +16,27 @@ import argparse
 from pathlib import Path
 
 import datasets
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     CLIPImageProcessor,
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3ImageProcessor,
     Gemma3Processor,
+    Idefics2Config,
+    Idefics2ForConditionalGeneration,
+    Idefics2ImageProcessor,
+    Idefics2Processor,
     Idefics3Config,
     Idefics3ForConditionalGeneration,
     Idefics3ImageProcessor,
     Idefics3Processor,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextImageProcessor,
+    LlavaNextProcessor,
     LlavaOnevisionConfig,
     LlavaOnevisionForConditionalGeneration,
     LlavaOnevisionImageProcessor,
@@ -59,10 +67,7 @@ QWEN_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>"
 
 def train_tokenizer(special_tokens, *, eos, pad, bos=None, vocab_size=384, **extra):
     """A byte-level BPE on the embedded conversations; the family's special tokens first (ids 0...)."""
-    rows = datasets.load_dataset("parquet", data_files=str(ROOT / "data/vlm_shapes/*/train-*.parquet"), split="train")
-    texts = [part["text"] for row in rows.select_columns(["messages"]) for message in row["messages"]
-             for part in message["content"] if part["text"]]
-    texts += ["system", "user", "assistant", "model", "You are a helpful assistant.", "User:", "Assistant:"]
+    texts = _chat_texts()
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -72,6 +77,31 @@ def train_tokenizer(special_tokens, *, eos, pad, bos=None, vocab_size=384, **ext
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos, pad_token=pad,
                                    model_max_length=512, **extra)
+
+
+def train_sentencepiece_style_tokenizer(special_tokens, vocab_size=384):
+    """A BPE with Llama/Mistral SentencePiece's splitting: spaces as '▁' on the word that follows, every
+    digit a token of its own (so ' 3' is '▁' then '3'), `<s>` added in front; the special tokens first."""
+    texts = _chat_texts()
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(prepend_scheme="first"),
+                                                       pre_tokenizers.Digits(individual_digits=True)])
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=[AddedToken(t, special=True) for t in special_tokens])
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                             special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", model_max_length=512)
+
+
+def _chat_texts():
+    rows = datasets.load_dataset("parquet", data_files=str(ROOT / "data/vlm_shapes/*/train-*.parquet"), split="train")
+    texts = [part["text"] for row in rows.select_columns(["messages"]) for message in row["messages"]
+             for part in message["content"] if part["text"]]
+    return texts + ["system", "user", "assistant", "model", "You are a helpful assistant.", "User:", "Assistant:",
+                    "[INST]", "[/INST]", "0 1 2 3 4 5 6 7 8 9"]
 
 
 def template(name):
@@ -98,6 +128,50 @@ def llava():
                                chat_template=template("llava"))
     model = LlavaForConditionalGeneration(config)
     _stop_on(model, tokenizer.eos_token_id)
+    return model, processor
+
+
+def llava_next():
+    """LLaVA-NeXT (llava-hf/llava-v1.6-mistral-7b-hf's chat template) on a Mistral-style tokenizer: its
+    template puts a space between `[/INST]` and the answer, which this tokenizer splits off before a digit."""
+    tokenizer = train_sentencepiece_style_tokenizer(["<unk>", "<s>", "</s>", "<image>", "<pad>"])
+    vision = dict(model_type="clip_vision_model", image_size=IMAGE_SIZE, patch_size=8, **VISION)
+    text = dict(model_type="mistral", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **TEXT)
+    pinpoints = [[IMAGE_SIZE, IMAGE_SIZE], [IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE]]
+    config = LlavaNextConfig(vision_config=vision, text_config=text, image_grid_pinpoints=pinpoints,
+                             image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+                             vision_feature_select_strategy="default", vision_feature_layer=-2)
+    size = {"shortest_edge": IMAGE_SIZE}
+    image_processor = LlavaNextImageProcessor(size=size, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                              image_grid_pinpoints=pinpoints)
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                   chat_template=template("llava_next"))
+    model = LlavaNextForConditionalGeneration(config)
+    _stop_on(model, tokenizer.eos_token_id)
+    return model, processor
+
+
+def idefics2():
+    """Idefics2 (HuggingFaceM4/idefics2-8b-chatty's chat template): a perceiver connector, and a processor that
+    expands `<image>` itself without reporting where."""
+    tokenizer = train_sentencepiece_style_tokenizer(["<unk>", "<s>", "</s>", "<pad>", "<fake_token_around_image>",
+                                                     "<image>", "<end_of_utterance>"])
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(model_type="mistral", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **TEXT)
+    config = Idefics2Config(
+        vision_config=dict(image_size=IMAGE_SIZE, patch_size=8, **VISION), text_config=text,
+        perceiver_config=dict(hidden_size=TEXT["hidden_size"], resampler_n_latents=4, resampler_depth=1,
+                              resampler_n_heads=2, resampler_head_dim=16, num_key_value_heads=1),
+        image_token_id=ids("<image>"))
+    image_processor = Idefics2ImageProcessor(size={"shortest_edge": IMAGE_SIZE, "longest_edge": IMAGE_SIZE},
+                                             do_image_splitting=False)
+    processor = Idefics2Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4,
+                                  chat_template=template("idefics2"))
+    model = Idefics2ForConditionalGeneration(config)
+    _stop_on(model, ids("<end_of_utterance>"), tokenizer.eos_token_id)
     return model, processor
 
 
@@ -206,8 +280,8 @@ def llava_onevision():
     return model, processor
 
 
-FAMILIES = {"llava": llava, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "idefics3": idefics3, "gemma3": gemma3,
-            "llava_onevision": llava_onevision}
+FAMILIES = {"llava": llava, "llava_next": llava_next, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl,
+            "idefics2": idefics2, "idefics3": idefics3, "gemma3": gemma3, "llava_onevision": llava_onevision}
 
 
 def save_tiny_vlm(family: str, output_dir) -> Path:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import datasets
 import torch
 
-from .chat_labels import TemplateError
+from .chat_labels import TemplateError, UnalignedAnswer
 from .config import CheckedArgs
 from .images import decode_image
 from .loader import DropCounter, ResumableShuffle, stream_loader
@@ -36,10 +36,11 @@ logger = logging.getLogger(__name__)
 
 # What the log reports: images converted to RGB, and rows skipped because an image does not decode (or is not
 # a regular file), is too large or too elongated, or lies outside --image_folder; the image placeholders do
-# not match the images; the row is over max_length or has no answer token; its text is not UTF-8; it is not
+# not match the images; the row is over max_length or has no answer token; its answer tokens are not found
+# exactly in the processor's ids (chat_labels.UnalignedAnswer); its text is not UTF-8; it is not
 # a well-formed conversation (or the chat template refuses it); or its file is empty, unreadable or truncated.
 CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "image_mismatch", "too_long", "no_target",
-                "bad_text", "bad_row", "bad_shard")
+                "unaligned", "bad_text", "bad_row", "bad_shard")
 CHAT_COLUMNS = ["messages", "images", "conversations", "image"]
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
@@ -190,6 +191,8 @@ class ChatPreprocessor:
             note = note or problem
         try:
             input_ids, labels, image_inputs = encode_row(self.labeller, messages, images)
+        except UnalignedAnswer:
+            return "unaligned"
         except TemplateError:  # the template renders this row's turns differently from its prefixes
             return "no_target"
         if len(input_ids) > self.max_length:
@@ -207,6 +210,42 @@ def encode_row(labeller, messages, images):
     encoded.pop("attention_mask")
     image_inputs = {key: _as_tensor(value[0] if key in TOKEN_ALIGNED else value) for key, value in encoded.items()}
     return input_ids, torch.where(target, input_ids, IGNORE_INDEX), image_inputs
+
+
+def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: int, data_world: int) -> list:
+    """Up to `rows` held-out conversations of this data rank, as (prompt row, answer): the conversation up to
+    its last assistant turn through the processor's own chat template with its generation prompt and images
+    (what a user's `generate` call gets), and that turn's text. Independent of the labels, so that
+    `evaluation.evaluate_generation` checks them. Rows that cannot be read are left out."""
+    stream, _ = load_stream(args.eval_dataset_name, args.dataset_config_name, args.eval_split, args.eval_data_files,
+                            CHAT_COLUMNS, data_rank=data_rank, data_world=data_world)
+    prompts = []
+    for row in stream:
+        if len(prompts) == rows:
+            break
+        try:
+            messages, raw_images = to_chat(row, args.image_folder)
+            last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
+            answer = " ".join(part["text"] for part in messages[last]["content"] if part["type"] == "text")
+            images = [decode_image(raw, args.max_image_pixels, args.max_image_aspect_ratio)[0] for raw in raw_images]
+            shown = sum(part["type"] == "image" for message in messages[:last] for part in message["content"])
+            if row.get(PROBLEM) or None in images or shown != len(images):
+                continue
+            prompts.append((prompt_row(processor, messages[:last], images), answer.strip()))
+        except Exception:  # a row the training data would count as bad
+            continue
+    return prompts
+
+
+def prompt_row(processor, messages, images) -> dict:
+    """A collator row of `messages` rendered with the generation prompt (no target): what `generate` is given."""
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    encoded = processor(text=text, images=[images] if images else None)
+    input_ids = torch.tensor(encoded.pop("input_ids")[0])
+    encoded.pop("attention_mask")
+    image_inputs = {key: _as_tensor(value[0] if key in TOKEN_ALIGNED else value) for key, value in encoded.items()}
+    return {"input_ids": input_ids, "labels": torch.full_like(input_ids, IGNORE_INDEX),
+            "image_inputs": image_inputs} | dict.fromkeys(CHAT_COUNTED, 0)
 
 
 def _as_tensor(value):

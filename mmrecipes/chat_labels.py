@@ -14,17 +14,27 @@ an image token. The turns are found in the rendered text in one of two ways:
    earlier turns or whose generation prompt is not its assistant header fails that check and is
    rejected, never labelled wrong.
 
-Each turn's character span is trimmed of surrounding whitespace and extended over an end-of-turn
-token that directly follows it (LLaVA-OneVision's markers stop just before `<|im_end|>`; without
-it the model never learns to stop). The spans then map to tokens through the processor's offset
-mapping, shifted past the image placeholders it expanded.
+Each turn's span starts where the generation prompt ends, so whitespace the model must generate
+before its answer (LLaVA-NeXT's `[/INST] blue`, Idefics2's `Assistant: red`) is a target too: left
+out, the model never learns the first token it has to produce. The span ends at the turn's last
+non-space character, extended over an end-of-turn token that directly follows it (LLaVA-OneVision's
+markers stop just before `<|im_end|>`; without it the model never learns to stop).
+
+The spans become token positions without trusting the processor to report where it expanded the
+image placeholders (Idefics2's does not): the rendered text is tokenised alone, where character
+offsets are exact, and those tokens are aligned with the ids the processor returns for the same
+text with its images. Image expansion only inserts tokens, so every answer token must land on an
+equal token of an aligned stretch; a turn whose tokens do not (or whose generation prompt does not
+end on a token boundary) raises `UnalignedAnswer`, and the row is skipped and counted, never
+trained on the wrong tokens.
 """
 
-import bisect
+import difflib
 import re
 
 import jinja2
 import torch
+from PIL import Image
 from transformers.utils.chat_template_utils import render_jinja_template
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -32,6 +42,10 @@ GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 class TemplateError(ValueError):
     """No rule finds the assistant turns of a conversation in this chat template."""
+
+
+class UnalignedAnswer(TemplateError):
+    """The answer tokens of a conversation cannot be found exactly in the ids the processor returns."""
 
 
 class AnswerLabeller:
@@ -62,25 +76,31 @@ class AnswerLabeller:
         return texts[0], indices[0] if indices else []
 
     def answer_spans(self, messages) -> tuple[str, list[tuple[int, int]]]:
-        """(the rendered conversation, the character span of each assistant turn)."""
-        text, spans = self.render(messages)
-        if not self.has_markers:
-            spans = []
-            for index, message in enumerate(messages):
-                if message["role"] != "assistant":
-                    continue
-                start = self.render(messages[:index], add_generation_prompt=True)[0]
+        """(the rendered conversation, the character span of each assistant turn: from the end of its
+        generation prompt to its end-of-turn token)."""
+        text, marked = self.render(messages)
+        turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+        spans = []
+        for number, index in enumerate(turns):
+            start = self.render(messages[:index], add_generation_prompt=True)[0]
+            if self.has_markers:
+                if len(marked) != len(turns):
+                    raise TemplateError("the generation markers do not mark one span per assistant turn")
+                begin, end = marked[number]
+                # The generation prompt's end, if only whitespace lies between it and the marker
+                if text.startswith(start) and len(start) <= begin and not text[len(start):begin].strip():
+                    begin = len(start)
+            else:
                 end = self.render(messages[:index + 1])[0]
                 if not (text.startswith(end) and end.startswith(start)):
                     raise TemplateError(f"rendering the conversation up to assistant turn {index} is not a prefix of "
                                         "the whole rendering")
-                spans.append((len(start), len(end)))
-        return text, [self._turn_span(text, start, end) for start, end in spans]
+                begin, end = len(start), len(end)
+            spans.append((begin, self._turn_end(text, begin, end)))
+        return text, spans
 
-    def _turn_span(self, text, start, end):
-        """The span without surrounding whitespace, plus an end-of-turn token right after it."""
-        while start < end and text[start].isspace():
-            start += 1
+    def _turn_end(self, text, start, end):
+        """The span's end without trailing whitespace, extended over an end-of-turn token right after it."""
         while end > start and text[end - 1].isspace():
             end -= 1
         after = end
@@ -89,42 +109,48 @@ class AnswerLabeller:
         stop = next((s for s in self.stop_strings if text.startswith(s, after)), None)
         if stop and not any(text[start:end].endswith(s) for s in self.stop_strings):
             end = after + len(stop)
-        return start, end
+        return end
 
     def __call__(self, messages, images):
         text, spans = self.answer_spans(messages)
-        kwargs = dict(return_offsets_mapping=True, return_text_replacement_offsets=True)
+        kwargs = {}
         bos = self.tokenizer.bos_token
         if bos is not None and text.startswith(bos):  # as apply_chat_template does: the template wrote it
             kwargs["add_special_tokens"] = False
+        plain = self.tokenizer(text, return_offsets_mapping=True, **kwargs)
         encoded = self.processor(text=text, images=[images] if images else None, **kwargs)
-        offsets = encoded.pop("offset_mapping")[0]
-        replacements = (encoded.pop("text_replacement_offsets", None) or [[]])[0]
         input_ids = torch.tensor(encoded["input_ids"][0])
+        aligned = _aligned_positions(plain["input_ids"], input_ids.tolist())
         target = torch.zeros(len(input_ids), dtype=torch.bool)
-        # The processor expanded each image placeholder: shift the spans by the characters gained before them.
-        placeholder_ends = [r["span"][1] for r in replacements]
-        gained = [0]
-        for r in replacements:
-            gained.append(gained[-1] + (r["new_span"][1] - r["new_span"][0]) - (r["span"][1] - r["span"][0]))
         for start, end in spans:
-            start, end = (char + gained[bisect.bisect_right(placeholder_ends, char)] for char in (start, end))
-            for position, (token_start, token_end) in enumerate(offsets):
-                if token_start < end and token_end > start:
-                    target[position] = True
+            inside = [i for i, (a, b) in enumerate(plain["offset_mapping"]) if a < end and b > start and b > a]
+            if not inside or plain["offset_mapping"][inside[0]][0] < start:
+                raise UnalignedAnswer("the generation prompt does not end on a token boundary")
+            positions = [aligned.get(i) for i in inside]
+            if None in positions or positions[-1] - positions[0] != len(positions) - 1:
+                raise UnalignedAnswer("the answer tokens are not in the processor's ids as the text tokenised alone")
+            target[positions] = True
         return encoded, target & (input_ids != self.image_token_id)
 
 
+def _aligned_positions(plain: list[int], processed: list[int]) -> dict[int, int]:
+    """Position in `processed` of each token of `plain` that an equal stretch of both aligns (the processor's
+    image expansion only adds tokens around and in place of the placeholders)."""
+    matcher = difflib.SequenceMatcher(None, plain, processed, autojunk=False)
+    return {a + k: b + k for a, b, size in matcher.get_matching_blocks() for k in range(size)}
+
+
 def check_template(labeller: AnswerLabeller, source: str) -> str:
-    """Label a 2-turn probe conversation before the first step: raise unless the targets are exactly
-    its two answers (with their end-of-turn tokens). Returns a log line naming the rule found."""
+    """Label a 2-turn probe conversation with an image (a real one, through the processor) before the
+    first step: raise unless the targets are exactly its two answers, each from the end of the generation
+    prompt to its end-of-turn token. Returns a log line naming the rule found."""
     answers = ["red", "two"]
-    probe = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]},
+    probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": answers[0]}]},
              {"role": "user", "content": [{"type": "text", "text": "How many are there?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": answers[1]}]}]
     try:
-        encoded, target = labeller(probe, [])
+        encoded, target = labeller(probe, [Image.new("RGB", (64, 64), (220, 40, 40))])
     except TemplateError as error:
         found, problem = [], str(error)
     else:

@@ -115,6 +115,14 @@ def sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def max_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of a small tensor over ranks (a collective; call it on every rank)."""
+    if dist.is_initialized():
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value
+
+
 def reconcile_deepspeed_config(accelerator: Accelerator, **recipe_values):
     """Fill the DeepSpeed config's "auto" entries from the recipe; reject numbers that disagree.
 

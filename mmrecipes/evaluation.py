@@ -1,11 +1,11 @@
-"""Evaluation that every rank agrees on: retrieval R@1 (contrastive) and answer exact match (VLM)."""
+"""Evaluation that every rank agrees on: retrieval R@1 (contrastive), answer exact match and generated answers (VLM)."""
 
 import torch
 import torch.distributed as dist
 
 from .chat_collate import chat_model_inputs
 from .data import model_inputs
-from .distributed import all_ranks_true, sum_over_ranks
+from .distributed import all_ranks_true, max_over_ranks, sum_over_ranks
 from .losses import IGNORE_INDEX, all_gather_with_grad, gather_sizes
 
 
@@ -81,3 +81,56 @@ def evaluate_answers(model, eval_loader, filler_batch, device) -> dict:
     correct, answers = sum_over_ranks(totals).tolist()
     return {"answer_accuracy": correct / answers, "eval_answers": int(answers)} if answers else {}
 
+
+
+@torch.no_grad()
+def evaluate_generation(model, prompts, filler, collator, tokenizer, stop_token_ids, device) -> dict:
+    """Greedy generation, exact match: the share of `prompts` ((prompt row, answer) pairs from
+    `chat_data.generation_prompts`: the processor's own generation prompt) whose generated text, up to the first
+    stop token and without special tokens, is the answer. It reads no label, so it catches labels that
+    teach anything else (a missing first token, shifted spans), which the teacher-forced accuracy cannot.
+
+    Decoded one row at a time with whole-sequence forwards of the prepared model and no cache, for the same
+    number of tokens on every rank (the longest answer anywhere, plus its stop token), so the collectives of
+    FSDP2 and ZeRO-3 stay in step; a rank with no prompt left decodes `filler` (a batch) and discards it.
+    """
+    model.eval()
+    longest = max((len(tokenizer(answer, add_special_tokens=False)["input_ids"]) for _, answer in prompts), default=0)
+    new_tokens = int(max_over_ranks(torch.tensor(float(longest), device=device)).item()) + 2  # a space, the stop
+    totals = torch.zeros(2, device=device)  # exact answers, prompts
+    stops = set(stop_token_ids)
+    batches = ((collator([row]), answer) for row, answer in prompts)
+    for (batch, answer), real in batches_in_step(batches, (filler, None), device):
+        generated = greedy_tokens(model, chat_model_inputs(batch, device), new_tokens)
+        if real:
+            ended = next((i for i, token in enumerate(generated) if token in stops), len(generated))
+            text = tokenizer.decode(generated[:ended], skip_special_tokens=True).strip()
+            totals += torch.tensor([float(text == answer), 1.0], device=device)
+    model.train()
+    correct, count = sum_over_ranks(totals).tolist()
+    return {"generated_accuracy": correct / count, "eval_generated": int(count)} if count else {}
+
+
+def greedy_tokens(model, inputs: dict, new_tokens: int) -> list[int]:
+    """The `new_tokens` tokens greedy decoding appends to a one-row batch (`VLMForTraining` inputs), stop tokens
+    included: what `generate(do_sample=False)` gives, by whole-sequence forwards without a cache."""
+    generated = []
+    for _ in range(new_tokens):
+        _, logits = model(**inputs, return_logits=True)
+        token = logits[:, -1].argmax(-1)
+        generated.append(int(token[0]))
+        inputs = _appended(inputs, token)
+    return generated
+
+
+def _appended(inputs: dict, token: torch.Tensor) -> dict:
+    """The model inputs with `token` appended to every row: a text token (no image, not a target)."""
+    extended = dict(inputs)
+    column = token[:, None]
+    extended["input_ids"] = torch.cat([inputs["input_ids"], column], dim=1)
+    extended["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(column)], dim=1)
+    extended["labels"] = torch.cat([inputs["labels"], torch.full_like(column, IGNORE_INDEX)], dim=1)
+    for key in ("mm_token_type_ids", "token_type_ids"):
+        if key in inputs:
+            extended[key] = torch.cat([inputs[key], torch.zeros_like(column)], dim=1)
+    return extended

@@ -20,6 +20,7 @@ full fine-tune.
 """
 
 import os
+from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +113,8 @@ def describe_trainable(model) -> str:
 
 def save_lora(peft_config: LoraConfig, inner, state_dict: dict, processor, output_dir):
     """On the main process, from the gathered full state dict (any engine): the adapter in
-    `output_dir/adapter`, the merged model and the processor in `output_dir`.
+    `output_dir/adapter`, the merged model in `output_dir`, each with the processor (its chat template)
+    and the input's generation config (its stop tokens and sampling settings).
 
     The adapters are put back on a copy of the model built on the meta device (no memory, no
     init) and loaded with `assign`, so the sharded engines need no unsharded live model. Under ZeRO-3,
@@ -121,12 +123,16 @@ def save_lora(peft_config: LoraConfig, inner, state_dict: dict, processor, outpu
     """
     with torch.device("meta"), set_zero3_state():
         copy = type(inner)(inner.config)
+    copy.generation_config = deepcopy(inner.generation_config)  # built from the config, it has the defaults only
     peft_copy = get_peft_model(copy, peft_config)
     copy.load_state_dict(state_dict, assign=True, strict=False)
     copy.tie_weights()
     if missing := [name for name, p in copy.named_parameters() if p.is_meta]:
         raise RuntimeError(f"the gathered state dict lacks {missing[:5]}")
-    peft_copy.save_pretrained(os.path.join(output_dir, "adapter"))
+    adapter_dir = os.path.join(output_dir, "adapter")
+    peft_copy.save_pretrained(adapter_dir)
+    copy.generation_config.save_pretrained(adapter_dir)  # what the base model alone would not stop on
+    processor.save_pretrained(adapter_dir)  # the chat template the adapter was trained with
     merged = peft_copy.merge_and_unload()
     merged.save_pretrained(output_dir)
     processor.save_pretrained(output_dir)

@@ -30,10 +30,12 @@ ENCODER_ONLY_OUTPUTS = ("last_hidden_state", "hidden_states", "attentions")
 # model. tests/test_vlm_families.py checks that rule and table agree on every family listed.
 PROJECTORS = {
     "llava": ("model.multi_modal_projector",),
+    "llava_next": ("model.multi_modal_projector", "model.image_newline"),
     "llava_onevision": ("model.multi_modal_projector", "model.image_newline"),
     "qwen2_vl": ("model.visual.merger",),
     "qwen2_5_vl": ("model.visual.merger",),
     "qwen3_vl": ("model.visual.merger", "model.visual.deepstack_merger_list"),
+    "idefics2": ("model.connector",),
     "idefics3": ("model.connector",),
     "smolvlm": ("model.connector",),
     "gemma3": ("model.multi_modal_projector",),
@@ -97,17 +99,18 @@ def dummy_image_inputs(model, processor=None) -> dict:
         return {"pixel_values": torch.ones(merge * merge, patch_dim),
                 "image_grid_thw": torch.tensor([[1, merge, merge]])}
     if "pixel_attention_mask" in names:
-        side = model.config.scale_factor * vision.patch_size
-        return {"pixel_values": torch.ones(1, 1, channels, side, side),
-                "pixel_attention_mask": torch.ones(1, 1, side, side, dtype=torch.bool)}
+        scale = getattr(model.config, "scale_factor", 1)  # Idefics2 has no pixel shuffle
+        height, width = (scale * side for side in _height_width(vision.patch_size))
+        return {"pixel_values": torch.ones(1, 1, channels, height, width),
+                "pixel_attention_mask": torch.ones(1, 1, height, width, dtype=torch.bool)}
     required = {name for name, p in inspect.signature(model.get_image_features).parameters.items()
                 if p.default is inspect.Parameter.empty and name not in ("self", "kwargs")}
     if required == {"pixel_values"}:
-        return {"pixel_values": torch.ones(1, channels, vision.image_size, vision.image_size)}
+        return {"pixel_values": torch.ones(1, channels, *_height_width(vision.image_size))}
     if processor is None:
         raise ValueError(f"{type(model).__name__}.get_image_features needs {sorted(required)}: pass the processor")
-    side = getattr(vision, "image_size", 32)
-    made = processor.image_processor(images=[Image.new("RGB", (side, side), (255, 255, 255))], return_tensors="pt")
+    height, width = _height_width(getattr(vision, "image_size", 32))
+    made = processor.image_processor(images=[Image.new("RGB", (width, height), (255, 255, 255))], return_tensors="pt")
     return {name: value for name, value in made.items() if name in names}
 
 
@@ -115,7 +118,15 @@ def image_patches(pixel_values: torch.Tensor, vision_config) -> int:
     """Patches the tower embeds for these pixel values (padding tiles included), for the FLOPs count."""
     channels = getattr(vision_config, "in_channels", None) or getattr(vision_config, "num_channels", 3)
     temporal = getattr(vision_config, "temporal_patch_size", 1)
-    return pixel_values.numel() // (channels * temporal * vision_config.patch_size ** 2)
+    height, width = _height_width(vision_config.patch_size)
+    return pixel_values.numel() // (channels * temporal * height * width)
+
+
+def _height_width(size) -> tuple[int, int]:
+    """A config's image or patch size as (height, width): an int, or a list/tuple (InternVL writes [448, 448])."""
+    if isinstance(size, (list, tuple)):
+        return (int(size[0]), int(size[-1]))
+    return (int(size), int(size))
 
 
 @dataclass

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs, check_packing
-from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader
+from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, generation_prompts
 from mmrecipes.chat_labels import AnswerLabeller, check_template
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.config import parse_args
@@ -36,7 +36,7 @@ from mmrecipes.distributed import (
     reconcile_deepspeed_config,
     sum_over_ranks,
 )
-from mmrecipes.evaluation import evaluate_answers
+from mmrecipes.evaluation import evaluate_answers, evaluate_generation
 from mmrecipes.loader import batches_forever
 from mmrecipes.lora import LoraArgs, add_lora, describe_trainable
 from mmrecipes.losses import token_loss_scale
@@ -51,7 +51,7 @@ from mmrecipes.vlm_families import dummy_image_inputs, image_patches, module_gro
 
 @dataclass
 class TrainArgs(TrainingArgs):
-    CHECKS = TrainingArgs.CHECKS | {"vision_tower_learning_rate": "positive",
+    CHECKS = TrainingArgs.CHECKS | {"vision_tower_learning_rate": "positive", "eval_generation_rows": "count_or_zero",
                                     "vision_tower_weight_decay": "non_negative"}
     output_dir: str = "outputs/vlm_finetune"
     max_steps: int = 500
@@ -63,6 +63,7 @@ class TrainArgs(TrainingArgs):
     weight_decay: float = 0.0
     per_device_eval_batch_size: int = 64
     eval_steps: int = 200
+    eval_generation_rows: int = 64  # held-out questions answered by greedy generation at each evaluation; 0: none
     # Before each module runs, ranks check they run the same one (one collective per module call);
     # or set MMRECIPES_DEBUG_DIVERGENCE=1
     debug_divergence: bool = False
@@ -78,7 +79,8 @@ def main(argv=None):
     model, processor = load_vlm(model_args)
     # The answer tokens of the checkpoint's own chat template, checked on a probe conversation now
     # (a template whose turns no rule finds would otherwise drop every row as no_target).
-    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    stops = stop_token_ids(model, processor)
+    labeller = AnswerLabeller(processor, stops)
     template_line = check_template(labeller, model_args.chat_template_path or model_args.model_name_or_path
                                    or model_args.tokenizer_name)
     dummy_inputs = dummy_image_inputs(model, processor)
@@ -146,6 +148,8 @@ def main(argv=None):
         eval_collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs)
         eval_loader = build_chat_dataloader(data_args, collator=eval_collator, eval_split=True,
                                             batch_size=args.per_device_eval_batch_size, **loader_kwargs)
+        prompts = generation_prompts(data_args, processor, rows=-(-args.eval_generation_rows // data_world),
+                                     data_rank=data_rank, data_world=data_world)
 
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
                                data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
@@ -209,6 +213,8 @@ def main(argv=None):
         if eval_loader is not None and (done % args.eval_steps == 0 or done == args.max_steps):
             eval_start = time.perf_counter()
             accuracy = evaluate_answers(model, eval_loader, filler_batch, accelerator.device)
+            accuracy |= evaluate_generation(model, prompts, filler_batch, eval_collator, processor.tokenizer, stops,
+                                            accelerator.device)
             logged.pause(time.perf_counter() - eval_start)  # samples/s measures training only
             if accuracy:
                 accelerator.log(accuracy, step=done)
@@ -222,8 +228,9 @@ def main(argv=None):
     save_vlm(accelerator, model, processor, args.output_dir, peft_config)
     if accelerator.is_main_process:
         write_model_card(
-            args.output_dir, history, pipeline_tag="image-text-to-text", eval_metrics=["answer_accuracy"],
-            base_model=model_args.model_name_or_path, datasets=data_args.dataset_name.split(","),
+            args.output_dir, history, pipeline_tag="image-text-to-text",
+            eval_metrics=["answer_accuracy", "generated_accuracy"], base_model=model_args.model_name_or_path,
+            datasets=data_args.dataset_name.split(","),
             tags=["vlm", "lora" if peft_config else "full fine-tune",
                   type(accelerator.unwrap_model(model).model).__name__],
             engine=engine, resumed_at=start_step,

@@ -22,7 +22,7 @@ import torch
 from peft import PeftModel
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoModelForImageTextToText, LlavaForConditionalGeneration
+from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig, LlavaForConditionalGeneration
 
 from launch import (
     REPO,
@@ -180,6 +180,14 @@ def test_adapter_reloads_on_the_base_and_gives_the_merged_models_logits(runs, ti
     projector = {name for name, _ in groups.projector}
     assert changed and changed <= {f"{layer}.weight" for layer in layers} | projector
     assert changed & projector
+    # Both outputs keep the input's generation config (Qwen2.5-VL stops on two tokens) and chat template.
+    for directory in (output_dir, output_dir / "adapter"):
+        assert settings(GenerationConfig.from_pretrained(directory)) == settings(base.generation_config)
+        assert AutoProcessor.from_pretrained(directory).chat_template == processor.chat_template
+
+
+def settings(generation_config):
+    return {name: value for name, value in generation_config.to_dict().items() if name != "transformers_version"}
 
 
 @pytest.mark.parametrize("config", ["ddp.yaml", "zero3.yaml"])

@@ -12,21 +12,24 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor,
 
 from launch import VLM_RECIPE, load_recipe
 from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader
+from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, prompt_row
 from mmrecipes.chat_labels import AnswerLabeller, TemplateError, check_template
 from mmrecipes.distributed import fsdp_block_classes
+from mmrecipes.evaluation import greedy_tokens
 from mmrecipes.losses import IGNORE_INDEX, token_cross_entropy_sum
 from mmrecipes.vlm import VLMForTraining, apply_train_modules, stop_token_ids
 from mmrecipes.vlm_families import PROJECTORS, check_trainable, dummy_image_inputs, module_groups
 
-FAMILIES = ["llava", "qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision"]
+FAMILIES = ["llava", "llava_next", "qwen2_5_vl", "qwen3_vl", "idefics2", "idefics3", "gemma3", "llava_onevision"]
 # What each family's official template ends an assistant turn with (Llava-1.5's writes nothing).
-END_OF_TURN = {"llava": "", "qwen2_5_vl": "<|im_end|>", "qwen3_vl": "<|im_end|>", "idefics3": "<end_of_utterance>",
-               "gemma3": "<end_of_turn>", "llava_onevision": "<|im_end|>"}
+END_OF_TURN = {"llava": "", "llava_next": "</s>", "qwen2_5_vl": "<|im_end|>", "qwen3_vl": "<|im_end|>",
+               "idefics2": "<end_of_utterance>", "idefics3": "<end_of_utterance>", "gemma3": "<end_of_turn>",
+               "llava_onevision": "<|im_end|>"}
 MARKERS = {"llava", "llava_onevision"}  # the only official templates with {% generation %}
 # The inputs each family needs besides pixel_values, which must reach the model from the collator.
-EXTRA_INPUTS = {"llava": set(), "qwen2_5_vl": {"image_grid_thw", "mm_token_type_ids"},
-                "qwen3_vl": {"image_grid_thw", "mm_token_type_ids"}, "idefics3": {"pixel_attention_mask"},
+EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_5_vl": {"image_grid_thw", "mm_token_type_ids"},
+                "qwen3_vl": {"image_grid_thw", "mm_token_type_ids"}, "idefics2": {"pixel_attention_mask"},
+                "idefics3": {"pixel_attention_mask"},
                 "gemma3": {"token_type_ids"}, "llava_onevision": {"image_sizes", "batch_num_images"}}
 TWO_TURNS = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
@@ -68,6 +71,46 @@ def test_targets_are_the_answers_and_their_end_of_turn_on_the_official_template(
     line = check_template(labeller, family)
     assert f"assistant turns found by {rule}" in line
     assert (f"ends each answer with {end}, a target" if end else "will not learn to stop") in line
+
+
+def test_the_space_before_an_answer_is_a_target_where_the_tokenizer_splits_it_off(tiny_vlms):
+    """LLaVA-NeXT's template renders `[/INST] 3</s>` and its generation prompt ends at `[/INST]`; a Mistral-style
+    tokenizer makes the space a token of its own before a digit. The model must generate that token first,
+    so it is the first target (trimmed spans left it out: the model never learnt how to start)."""
+    labeller = labeller_of(tiny_vlms["llava_next"])
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "3"}]}]
+    encoded, target = labeller(conversation, [Image.new("RGB", (32, 32), (200, 30, 30))])
+    ids = torch.tensor(encoded["input_ids"][0])
+    assert labeller.tokenizer.convert_ids_to_tokens(ids[target].tolist()) == ["▁", "3", "</s>"]
+    prompt = labeller.processor.apply_chat_template(conversation[:1], add_generation_prompt=True)
+    prompt_ids = labeller.processor(text=prompt, images=[Image.new("RGB", (32, 32))])["input_ids"][0]
+    assert ids[:len(prompt_ids)].tolist() == prompt_ids and target.nonzero().min() == len(prompt_ids)
+
+
+class OffsetTrustingLabeller(AnswerLabeller):
+    """Answer spans mapped to tokens through the processor's offsets, shifted only by the expansions it reports:
+    what the labels were before. Idefics2's processor expands `<image>` and reports nothing."""
+
+    def __call__(self, messages, images):
+        text, spans = self.answer_spans(messages)
+        encoded = self.processor(text=text, images=[images], return_offsets_mapping=True)
+        offsets = encoded.pop("offset_mapping")[0]
+        target = torch.tensor([any(a < end and b > start for start, end in spans) for a, b in offsets])
+        return encoded, target
+
+
+def test_the_label_check_runs_an_image_conversation_and_catches_an_unreported_expansion(tiny_vlms):
+    """On an image conversation the offset-trusting labels of Idefics2 are prompt text; the check before the
+    first step refuses them. The labeller's own alignment gives exactly the answers."""
+    model, processor = load(tiny_vlms["idefics2"])
+    shifted = OffsetTrustingLabeller(processor, stop_token_ids(model, processor))
+    encoded, target = shifted(TWO_TURNS, [Image.new("RGB", (32, 32), (200, 30, 30))])
+    assert target_runs(shifted, encoded, target)[0].startswith("<fake_token_around_image>")
+    with pytest.raises(TemplateError, match="cannot be used for training: the targets found by prefix renderings are"):
+        check_template(shifted, "idefics2")
+    labeller = labeller_of(tiny_vlms["idefics2"])
+    assert "assistant turns found by prefix renderings" in check_template(labeller, "idefics2")
 
 
 def test_transformers_assistant_mask_is_all_zero_without_generation_markers(tiny_vlms):
@@ -121,7 +164,8 @@ def test_module_groups_by_rule_agree_with_the_table(tiny_vlms, family):
     decoder and head; everything else is the tower; each FSDP2 unit is one of the family's blocks."""
     model, processor = load(tiny_vlms[family])
     groups = module_groups(model, dummy_image_inputs(model, processor))
-    assert groups.projector_by == "rule"
+    # Idefics2's perceiver connector is made of blocks at the language model's width: only the table can tell
+    assert groups.projector_by == ("table" if family == "idefics2" else "rule")
     table = PROJECTORS[model.config.model_type]
     assert {name for name, _ in groups.projector} == {
         name for name, _ in model.named_parameters() if any(name == t or name.startswith(t + ".") for t in table)}
@@ -222,3 +266,46 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
     model.zero_grad(set_to_none=True)
     wrapper(**chat_model_inputs(text_only, "cpu"))[0].backward()
     assert all(p.grad is not None and not p.grad.any() for p in vision_step)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3"])
+def test_a_two_image_llava_row_brings_both_images_to_the_loss(tiny_vlms, tmp_path, family):
+    """`"image": [a, b]` with two `<image>` placeholders, in a file whose other rows have one image path: every
+    row is kept, the row carries both images' tokens, and swapping the two images changes the loss."""
+    model, processor = load(tiny_vlms[family])
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "red.png")
+    Image.new("RGB", (32, 32), (30, 30, 200)).save(tmp_path / "blue.png")  # same size: only the pixels differ
+    one = {"image": "red.png", "conversations": [{"from": "human", "value": "<image>\nWhat colour is it?"},
+                                                 {"from": "gpt", "value": "red"}]}
+    question = [{"from": "human", "value": "<image>\n<image>\nWhich colour comes first?"},
+                {"from": "gpt", "value": "red"}]
+    wrapper, losses = VLMForTraining(model), []
+    for name, pair in (("ab", ["red.png", "blue.png"]), ("ba", ["blue.png", "red.png"])):
+        (tmp_path / f"{name}.json").write_text(json.dumps([one, {"image": pair, "conversations": question}]))
+        args = ChatDataArgs(dataset_name="json", data_files=str(tmp_path / f"{name}.json"),
+                            image_folder=str(tmp_path), dataset_weights=None, dataloader_num_workers=0)
+        (batch,) = build_chat_dataloader(args, labeller, collator, batch_size=2, data_rank=0, data_world=1)
+        assert not batch["data_counts"].any()
+        image_tokens = (batch["input_ids"] == labeller.image_token_id).sum(dim=1)
+        assert image_tokens[1] > image_tokens[0] > 0  # both images expanded in the two-image row
+        with torch.no_grad():
+            losses.append(wrapper(**chat_model_inputs(batch, "cpu"))[0])
+    assert not torch.isclose(losses[0], losses[1], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("family", ["llava_next", "qwen2_5_vl", "gemma3"])
+def test_greedy_decoding_in_the_evaluation_is_what_generate_gives(tiny_vlms, family):
+    """The generated-answer evaluation decodes through the training wrapper (same forwards on every rank); on
+    the processor's own generation prompt it appends exactly the tokens of transformers' greedy `generate`."""
+    model, processor = load(tiny_vlms[family])
+    model.eval()
+    conversation = TWO_TURNS[:1]
+    image = Image.new("RGB", (32, 32), (200, 30, 30))
+    inputs = processor(text=processor.apply_chat_template(conversation, add_generation_prompt=True), images=[[image]],
+                       return_tensors="pt")
+    expected = model.generate(**inputs, max_new_tokens=5, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    batch = collator([prompt_row(processor, conversation, [image])])
+    assert greedy_tokens(VLMForTraining(model), chat_model_inputs(batch, "cpu"), 5)[:len(expected)] == expected
