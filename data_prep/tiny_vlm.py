@@ -23,6 +23,7 @@ from transformers import (
     Gemma3ForConditionalGeneration,
     Gemma3ImageProcessor,
     Gemma3Processor,
+    GotOcr2ImageProcessor,
     Idefics2Config,
     Idefics2ForConditionalGeneration,
     Idefics2ImageProcessor,
@@ -31,6 +32,10 @@ from transformers import (
     Idefics3ForConditionalGeneration,
     Idefics3ImageProcessor,
     Idefics3Processor,
+    InternVLConfig,
+    InternVLForConditionalGeneration,
+    InternVLProcessor,
+    InternVLVideoProcessor,
     LlavaConfig,
     LlavaForConditionalGeneration,
     LlavaNextConfig,
@@ -47,7 +52,10 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
     Qwen2VLVideoProcessor,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
@@ -175,14 +183,35 @@ def idefics2():
     return model, processor
 
 
+def internvl3():
+    """InternVL3 (OpenGVLab/InternVL3-*-hf's chat template): sizes as lists in its vision config, pixel shuffle."""
+    tokenizer = train_tokenizer(QWEN_TOKENS[:3] + ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"], eos="<|im_end|>",
+                                pad="<|endoftext|>",
+                                extra_special_tokens={"start_image_token": "<img>", "end_image_token": "</img>",
+                                                      "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"})
+    ids = tokenizer.convert_tokens_to_ids
+    config = InternVLConfig(
+        vision_config=dict(image_size=[IMAGE_SIZE, IMAGE_SIZE], patch_size=[8, 8], **VISION),
+        text_config=dict(model_type="qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **TEXT),
+        image_token_id=ids("<IMG_CONTEXT>"), image_seq_length=4, downsample_ratio=0.5)
+    size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    processor = InternVLProcessor(image_processor=GotOcr2ImageProcessor(size=size, crop_to_patches=False),
+                                  tokenizer=tokenizer, video_processor=InternVLVideoProcessor(size=size),
+                                  image_seq_length=4, chat_template=template("internvl3"))
+    model = InternVLForConditionalGeneration(config)
+    _stop_on(model, ids("<|im_end|>"), ids("<|endoftext|>"))
+    return model, processor
+
+
 def _qwen(classes, template_name, vision, rope, **config):
     """A Qwen-VL family: mRoPE over a 4-px patch grid merged 2 x 2, the ChatML special tokens."""
     config_class, model_class, processor_class, video_processor_class = classes
     tokenizer = train_tokenizer(QWEN_TOKENS, eos="<|im_end|>", pad="<|endoftext|>")
     ids = tokenizer.convert_tokens_to_ids
     config = config_class(
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
-                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=TEXT["hidden_size"], **vision),
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": TEXT["hidden_size"],
+                       **vision},
         text_config=dict(vocab_size=len(tokenizer), rope_parameters={"rope_type": "default", **rope},
                          bos_token_id=None, eos_token_id=tokenizer.eos_token_id, **TEXT),
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
@@ -195,6 +224,13 @@ def _qwen(classes, template_name, vision, rope, **config):
     model = model_class(config)
     _stop_on(model, ids("<|im_end|>"), ids("<|endoftext|>"))
     return model, processor
+
+
+def qwen2_vl():
+    """Qwen2-VL (Qwen/Qwen2-VL-7B-Instruct's chat template, the one Qwen2.5-VL kept)."""
+    return _qwen((Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor, Qwen2VLVideoProcessor),
+                 "qwen2_5_vl", vision=dict(embed_dim=32, mlp_ratio=2, hidden_size=TEXT["hidden_size"]),
+                 rope=dict(mrope_section=[2, 3, 3]))
 
 
 def qwen2_5_vl():
@@ -280,8 +316,9 @@ def llava_onevision():
     return model, processor
 
 
-FAMILIES = {"llava": llava, "llava_next": llava_next, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl,
-            "idefics2": idefics2, "idefics3": idefics3, "gemma3": gemma3, "llava_onevision": llava_onevision}
+FAMILIES = {"llava": llava, "llava_next": llava_next, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl,
+            "qwen3_vl": qwen3_vl, "internvl3": internvl3, "idefics2": idefics2, "idefics3": idefics3, "gemma3": gemma3,
+            "llava_onevision": llava_onevision}
 
 
 def save_tiny_vlm(family: str, output_dir) -> Path:

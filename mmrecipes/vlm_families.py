@@ -35,6 +35,7 @@ PROJECTORS = {
     "qwen2_vl": ("model.visual.merger",),
     "qwen2_5_vl": ("model.visual.merger",),
     "qwen3_vl": ("model.visual.merger", "model.visual.deepstack_merger_list"),
+    "internvl": ("model.multi_modal_projector",),
     "idefics2": ("model.connector",),
     "idefics3": ("model.connector",),
     "smolvlm": ("model.connector",),

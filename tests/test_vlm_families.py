@@ -20,15 +20,18 @@ from mmrecipes.losses import IGNORE_INDEX, token_cross_entropy_sum
 from mmrecipes.vlm import VLMForTraining, apply_train_modules, stop_token_ids
 from mmrecipes.vlm_families import PROJECTORS, check_trainable, dummy_image_inputs, module_groups
 
-FAMILIES = ["llava", "llava_next", "qwen2_5_vl", "qwen3_vl", "idefics2", "idefics3", "gemma3", "llava_onevision"]
+FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3", "gemma3",
+            "llava_onevision"]
 # What each family's official template ends an assistant turn with (Llava-1.5's writes nothing).
-END_OF_TURN = {"llava": "", "llava_next": "</s>", "qwen2_5_vl": "<|im_end|>", "qwen3_vl": "<|im_end|>",
-               "idefics2": "<end_of_utterance>", "idefics3": "<end_of_utterance>", "gemma3": "<end_of_turn>",
-               "llava_onevision": "<|im_end|>"}
+END_OF_TURN = {"llava": "", "llava_next": "</s>", "qwen2_vl": "<|im_end|>", "qwen2_5_vl": "<|im_end|>",
+               "qwen3_vl": "<|im_end|>", "internvl3": "<|im_end|>", "idefics2": "<end_of_utterance>", "idefics3": "<end_of_utterance>",
+               "gemma3": "<end_of_turn>", "llava_onevision": "<|im_end|>"}
 MARKERS = {"llava", "llava_onevision"}  # the only official templates with {% generation %}
 # The inputs each family needs besides pixel_values, which must reach the model from the collator.
-EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_5_vl": {"image_grid_thw", "mm_token_type_ids"},
-                "qwen3_vl": {"image_grid_thw", "mm_token_type_ids"}, "idefics2": {"pixel_attention_mask"},
+EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_vl": {"image_grid_thw", "mm_token_type_ids"},
+                "qwen2_5_vl": {"image_grid_thw", "mm_token_type_ids"},
+                "qwen3_vl": {"image_grid_thw", "mm_token_type_ids"}, "internvl3": set(),
+                "idefics2": {"pixel_attention_mask"},
                 "idefics3": {"pixel_attention_mask"},
                 "gemma3": {"token_type_ids"}, "llava_onevision": {"image_sizes", "batch_num_images"}}
 TWO_TURNS = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
