@@ -24,8 +24,8 @@ FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "intern
             "llava_onevision"]
 # What each family's official template ends an assistant turn with (Llava-1.5's writes nothing).
 END_OF_TURN = {"llava": "", "llava_next": "</s>", "qwen2_vl": "<|im_end|>", "qwen2_5_vl": "<|im_end|>",
-               "qwen3_vl": "<|im_end|>", "internvl3": "<|im_end|>", "idefics2": "<end_of_utterance>", "idefics3": "<end_of_utterance>",
-               "gemma3": "<end_of_turn>", "llava_onevision": "<|im_end|>"}
+               "qwen3_vl": "<|im_end|>", "internvl3": "<|im_end|>", "idefics2": "<end_of_utterance>",
+               "idefics3": "<end_of_utterance>", "gemma3": "<end_of_turn>", "llava_onevision": "<|im_end|>"}
 MARKERS = {"llava", "llava_onevision"}  # the only official templates with {% generation %}
 # The inputs each family needs besides pixel_values, which must reach the model from the collator.
 EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_vl": {"image_grid_thw", "mm_token_type_ids"},
