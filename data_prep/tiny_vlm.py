@@ -16,6 +16,7 @@ import argparse
 from pathlib import Path
 
 import datasets
+import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     CLIPImageProcessor,
@@ -322,7 +323,9 @@ FAMILIES = {"llava": llava, "llava_next": llava_next, "qwen2_vl": qwen2_vl, "qwe
 
 
 def save_tiny_vlm(family: str, output_dir) -> Path:
-    """Build the tiny `family` checkpoint and `save_pretrained` model and processor to `output_dir`."""
+    """Build the tiny `family` checkpoint and `save_pretrained` model and processor to `output_dir` (the same
+    weights every time: seeded)."""
+    torch.manual_seed(0)
     model, processor = FAMILIES[family]()
     model.save_pretrained(output_dir)
     processor.save_pretrained(output_dir)

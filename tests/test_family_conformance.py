@@ -1,0 +1,123 @@
+"""The family conformance suite, in one process, for each tiny family (data_prep/tiny_vlm.py):
+- a few dozen steps on rows whose answer depends only on the image (the colour of a plain square) make the
+  saved model answer every colour correctly through `pipeline("image-text-to-text")`, its own processor and
+  chat template: the labels and the vision path are both right (the control: grey squares teach nothing);
+- LoRA trains, and its adapter and merged outputs agree and keep the input's generation config and template.
+The labels of each family's official template are checked in test_vlm_families.py, mixed ranks under DDP
+for representative families in test_vlm_family_runs.py (docs/vlm.md: what each family passed)."""
+
+import random
+
+import pytest
+import torch
+from peft import PeftModel
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig, pipeline
+
+from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
+from mmrecipes.chat_data import CHAT_COUNTED, encode_row
+from mmrecipes.chat_labels import AnswerLabeller
+from mmrecipes.lora import LoraArgs, add_lora, save_lora
+from mmrecipes.vlm import VLMForTraining, apply_train_modules, stop_token_ids
+from mmrecipes.vlm_families import dummy_image_inputs, module_groups
+from test_vlm_engines import settings
+from test_vlm_families import END_OF_TURN, FAMILIES
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 40)}
+QUESTION = "What colour is the shape?"
+STEPS = 60  # 40 left Idefics2 one colour short on one of 4 random initialisations; 60: none of 40 runs
+
+
+def colour_conversation(colour=None):
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}
+    return [user] + ([{"role": "assistant", "content": [{"type": "text", "text": colour}]}] if colour else [])
+
+
+def square(colour):
+    return Image.new("RGB", (32, 32), COLOURS[colour])
+
+
+def train_on_colours(directory, output_dir, shown=square):
+    """STEPS AdamW steps of 8 colour rows on the whole model (token-mean loss, as the recipe), then saved.
+    `shown(colour)`: the image each row carries."""
+    model, processor = AutoModelForImageTextToText.from_pretrained(directory), AutoProcessor.from_pretrained(directory)
+    train(model, processor, model.parameters(), STEPS, shown)
+    model.save_pretrained(output_dir)
+    processor.save_pretrained(output_dir)
+
+
+def train(model, processor, parameters, steps, shown=square) -> list[float]:
+    """`steps` AdamW steps on shuffled colour rows, 8 a step; the token-mean losses."""
+    torch.manual_seed(0)
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    rows = []
+    for colour in COLOURS:
+        input_ids, labels, image_inputs = encode_row(labeller, colour_conversation(colour), [shown(colour)])
+        rows.append({"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs}
+                    | dict.fromkeys(CHAT_COUNTED, 0))
+    wrapper = VLMForTraining(model)
+    optimizer = torch.optim.AdamW(parameters, lr=3e-3, weight_decay=0.0)
+    shuffle, losses = random.Random(0), []
+    for _ in range(steps):
+        batch = collator(shuffle.sample(rows * 2, 8))
+        loss_sum, _ = wrapper(**chat_model_inputs(batch, "cpu"))
+        (loss_sum / batch["target_tokens"]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss_sum.item() / batch["target_tokens"])
+    return losses
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_few_dozen_steps_teach_the_colour_and_the_pipeline_answers_it(tiny_vlms, tmp_path, family):
+    train_on_colours(tiny_vlms[family], tmp_path)
+    assert answers(tmp_path, family) == {colour: colour for colour in COLOURS}
+
+
+def test_the_same_steps_on_images_that_show_no_colour_teach_no_colour(tiny_vlms, tmp_path):
+    """The control: rows whose image is the same grey square whatever the answer. The check above fails."""
+    train_on_colours(tiny_vlms["qwen2_5_vl"], tmp_path, shown=lambda colour: Image.new("RGB", (32, 32), (128,) * 3))
+    assert answers(tmp_path, "qwen2_5_vl") != {colour: colour for colour in COLOURS}
+
+
+def answers(output_dir, family) -> dict:
+    """What the saved model says to each colour's square through the pipeline (greedy)."""
+    answer = pipeline("image-text-to-text", model=str(output_dir))
+    said = {}
+    for colour in COLOURS:
+        chat = colour_conversation()
+        chat[0]["content"][0]["image"] = square(colour)
+        output = answer(text=chat, return_full_text=False, generate_kwargs={"max_new_tokens": 8, "do_sample": False})
+        said[colour] = output[0]["generated_text"].strip()
+        if not END_OF_TURN[family]:  # Llava-1.5's template ends no turn: the model never learns to stop
+            said[colour] = said[colour].split()[0]
+    return said
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_trains_and_saves_an_adapter_and_a_merged_model_that_agree(tiny_vlms, tmp_path, family):
+    """The recipe's LoRA (adapters on the language model, the projector trained in full) on each family: the loss
+    falls; output_dir/adapter on the untouched base gives the merged model's logits; both keep the input's
+    generation config and chat template."""
+    def load():
+        return (AutoModelForImageTextToText.from_pretrained(tiny_vlms[family]),
+                AutoProcessor.from_pretrained(tiny_vlms[family]))
+
+    model, processor = load()
+    groups = module_groups(model, dummy_image_inputs(model, processor))
+    apply_train_modules(groups, "projector,language_model")
+    peft_model, trainable = add_lora(model, groups, "projector,language_model", LoraArgs(lora_r=4, lora_dropout=0.0))
+    losses = train(model, processor, [p for params in trainable.values() for p in params], 8)
+    assert losses[-1] < losses[0]
+    save_lora(peft_model.peft_config["default"], model, model.state_dict(), processor, tmp_path)
+    base, _ = load()
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    inputs = processor(text=processor.apply_chat_template(colour_conversation(), add_generation_prompt=True),
+                       images=[[square("red")]], return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(**inputs).logits, merged(**inputs).logits, rtol=1e-4, atol=1e-4)
+    for directory in (tmp_path, tmp_path / "adapter"):
+        assert settings(GenerationConfig.from_pretrained(directory)) == settings(load()[0].generation_config)
+        assert AutoProcessor.from_pretrained(directory).chat_template == processor.chat_template
