@@ -49,6 +49,9 @@ from transformers import (
     LlavaOnevisionProcessor,
     LlavaOnevisionVideoProcessor,
     LlavaProcessor,
+    PaliGemmaConfig,
+    PaliGemmaForConditionalGeneration,
+    PaliGemmaProcessor,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -62,6 +65,7 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
     Qwen3VLProcessor,
     Qwen3VLVideoProcessor,
+    SiglipImageProcessor,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,6 +208,25 @@ def internvl3():
     return model, processor
 
 
+def paligemma2():
+    """PaliGemma 2 (google/paligemma2-3b-pt-224's layout): a Gemma 2 LM, no chat template (it ships none: a
+    prefix-LM, image and prompt attended both ways, the answer as the suffix). The recipe refuses it."""
+    tokenizer = train_tokenizer(["<pad>", "<eos>", "<bos>", "<image>"], bos="<bos>", eos="<eos>", pad="<pad>",
+                                extra_special_tokens={"image_token": "<image>"})
+    image_processor = SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    image_processor.image_seq_length = (IMAGE_SIZE // 8) ** 2
+    config = PaliGemmaConfig(
+        vision_config=dict(model_type="siglip_vision_model", image_size=IMAGE_SIZE, patch_size=8,
+                           projection_dim=TEXT["hidden_size"], **VISION),
+        text_config=dict(model_type="gemma2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **TEXT),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"))
+    processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    model = PaliGemmaForConditionalGeneration(config)
+    _stop_on(model, tokenizer.eos_token_id)
+    return model, processor
+
+
 def _qwen(classes, template_name, vision, rope, **config):
     """A Qwen-VL family: mRoPE over a 4-px patch grid merged 2 x 2, the ChatML special tokens."""
     config_class, model_class, processor_class, video_processor_class = classes
@@ -319,7 +342,7 @@ def llava_onevision():
 
 FAMILIES = {"llava": llava, "llava_next": llava_next, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl,
             "qwen3_vl": qwen3_vl, "internvl3": internvl3, "idefics2": idefics2, "idefics3": idefics3, "gemma3": gemma3,
-            "llava_onevision": llava_onevision}
+            "llava_onevision": llava_onevision, "paligemma2": paligemma2}
 
 
 def save_tiny_vlm(family: str, output_dir) -> Path:

@@ -33,6 +33,7 @@ that step; train the tower with `weight_decay=0` (the recipe's default for it) i
 """
 
 import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,8 @@ from .losses import head_cross_entropy_sum, soft_capped, token_cross_entropy_sum
 from .packing import packed_position_ids
 from .paths import TINY_VLM_TOKENIZER
 from .vlm_families import ModuleGroups, check_trainable, lm_features
+
+logger = logging.getLogger(__name__)
 
 TRAIN_MODULE_CHOICES = ("projector", "projector,language_model", "all")
 
@@ -151,7 +154,13 @@ def load_vlm(args: VLMModelArgs):
     if args.chat_template_path:
         with open(args.chat_template_path) as file:
             processor.chat_template = file.read()
-    model.set_attn_implementation(args.attn_implementation)
+    try:
+        model.set_attn_implementation(args.attn_implementation)
+    except ValueError as error:  # a family without that kernel: Gemma 2's LM (PaliGemma 2) has no sdpa
+        if args.attn_implementation != "sdpa":
+            raise ValueError(f"--attn_implementation {args.attn_implementation}: {error}") from error
+        logger.warning("%s has no sdpa attention; using eager (--attn_implementation eager)", type(model).__name__)
+        model.set_attn_implementation("eager")
     return model, processor
 
 

@@ -17,7 +17,7 @@ from mmrecipes.chat_labels import AnswerLabeller, TemplateError, check_template
 from mmrecipes.distributed import fsdp_block_classes
 from mmrecipes.evaluation import greedy_tokens
 from mmrecipes.losses import IGNORE_INDEX, token_cross_entropy_sum
-from mmrecipes.vlm import VLMForTraining, apply_train_modules, stop_token_ids
+from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, stop_token_ids
 from mmrecipes.vlm_families import PROJECTORS, check_trainable, dummy_image_inputs, module_groups
 
 FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3", "gemma3",
@@ -312,3 +312,19 @@ def test_greedy_decoding_in_the_evaluation_is_what_generate_gives(tiny_vlms, fam
     collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
     batch = collator([prompt_row(processor, conversation, [image])])
     assert greedy_tokens(VLMForTraining(model), chat_model_inputs(batch, "cpu"), 5)[:len(expected)] == expected
+
+
+def test_paligemma2_gets_eager_attention_and_is_refused_for_its_missing_template(tiny_vlms, tmp_path, caplog):
+    """Gemma 2 has no sdpa kernel: the default falls back to eager with a log line naming the flag (a kernel the
+    user asked for by name is refused naming it). PaliGemma 2 ships no chat template (a prefix-LM), so the
+    recipe stops before the first step and says what to give it."""
+    with caplog.at_level("WARNING"):
+        model, _ = load_vlm(VLMModelArgs(model_name_or_path=str(tiny_vlms["paligemma2"])))
+    assert model.config._attn_implementation == "eager"
+    assert "PaliGemmaForConditionalGeneration has no sdpa attention; using eager" in caplog.text
+    with pytest.raises(ValueError, match="--attn_implementation no_such_kernel: "):
+        load_vlm(VLMModelArgs(model_name_or_path=str(tiny_vlms["paligemma2"]), attn_implementation="no_such_kernel"))
+    with pytest.raises(TemplateError, match="the processor has no chat template \\(or several\\): give one with "
+                                            "--chat_template_path"):
+        load_recipe(VLM_RECIPE).main(["--model_name_or_path", str(tiny_vlms["paligemma2"]), "--report_to", "none",
+                                      "--output_dir", str(tmp_path)])

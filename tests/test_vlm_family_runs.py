@@ -1,7 +1,8 @@
 """vlm_finetune.py on each tiny family checkpoint (conftest.py), as a user launches it: 2 CPU
 processes at per-device batch size 1 on the default mixture, so text-only and image micro-batches
 meet on different ranks; no find_unused_parameters anywhere. One family (Qwen2.5-VL) also runs
-under FSDP2 against DDP, and on LLaVA JSON under ZeRO-3 (its LoRA runs under ZeRO-3 in test_vlm_engines.py)."""
+under FSDP2 against DDP, and on LLaVA JSON with two-image rows under ZeRO-3, as SmolVLM does under DDP (its LoRA
+runs under ZeRO-3 in test_vlm_engines.py)."""
 
 import json
 import re
@@ -125,17 +126,27 @@ def llava_json_data(tmp_path_factory):
                 (folder / f"{index}.png").write_bytes(example["images"][0]["bytes"])
                 row["image"] = f"{index}.png"
             rows.append(row)
+    for first, second in zip(rows[:48:8], rows[1:48:8]):  # six two-image rows: the next row's image shown first
+        if "image" in first and "image" in second:
+            first["image"] = [second["image"], first["image"]]
+            first["conversations"][0]["value"] = "<image>\n" + first["conversations"][0]["value"]
     rows = [row for pair in zip(rows[:48:3], rows[1:48:3], rows[2:48:3], rows[48:]) for row in pair]  # text rows spread
     (folder / "llava.json").write_text(json.dumps(rows))
     return folder
 
 
-def test_llava_json_trains_a_non_llava_family_under_zero3(tiny_vlms, llava_json_data, tmp_path):
-    result, _ = launch("zero3.yaml", tiny_vlms[MATRIX], tmp_path, "--dataset_name", "json", "--data_files",
+@pytest.mark.parametrize("family, config", [(MATRIX, "zero3.yaml"), ("idefics3", "ddp.yaml")])
+def test_llava_json_with_two_image_rows_trains_non_llava_families(tiny_vlms, llava_json_data, tmp_path, family,
+                                                                  config):
+    """LLaVA JSON with one-image, two-image and text-only rows in one file, 2 processes at batch 1: no row is
+    lost to the mixed `image` column (the two-image rows are read, not counted as mismatched), and it trains."""
+    result, _ = launch(config, tiny_vlms[family], tmp_path, "--dataset_name", "json", "--data_files",
                        llava_json_data / "llava.json", "--image_folder", llava_json_data, "--dataset_weights", "",
-                       "--eval_dataset_name", "")
+                       "--eval_dataset_name", "", *(["--train_modules", "all"] if family in TRAIN_MODULES else []))
     assert result.returncode == 0, result.log[-3000:]
-    assert_engine(result.log, "zero3.yaml")
+    assert_engine(result.log, config)
     loss = losses(result.log)
     assert loss[STEPS] < 0.95 * loss[4], loss
     assert dummy_batches(result.log) > 0
+    assert re.search(r"^step 16/16 .*\| image_mismatch 0 \| .*\| unaligned 0 \| bad_text 0 \| bad_row 0 ", result.log,
+                     re.M), result.log[-3000:]
