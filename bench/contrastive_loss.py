@@ -78,7 +78,7 @@ def run(method, rows, world, tile, images, texts, others, scale):
     images.grad = texts.grad = scale.grad = None
 
 
-def peak_bytes(method, rows, world, tile, device):
+def peak_bytes(method, rows, world, tile, device, fresh=True):
     if device.type == "cuda":
         tensors = inputs(rows, world, device)
         torch.cuda.synchronize()
@@ -87,6 +87,8 @@ def peak_bytes(method, rows, world, tile, device):
         run(method, rows, world, tile, *tensors)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
+    if not fresh:  # --quick: a smoke run in this process (the high-water mark is not this point's)
+        return child_peak(method, rows, world, tile)
     # CPU: a fresh process, so the high-water mark belongs to this point alone.
     out = subprocess.run([sys.executable, __file__, "--child", method, str(rows), str(world), str(tile)],
                          capture_output=True, text=True, check=True)
@@ -94,10 +96,14 @@ def peak_bytes(method, rows, world, tile, device):
 
 
 def child(method, rows, world, tile):
+    print(json.dumps({"peak_bytes": child_peak(method, rows, world, tile)}))
+
+
+def child_peak(method, rows, world, tile) -> int:
     tensors = inputs(rows, world, torch.device("cpu"))
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     run(method, rows, world, tile, *tensors)
-    print(json.dumps({"peak_bytes": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024}))
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
 
 
 def seconds(method, rows, world, tile, device, repeats):
@@ -140,7 +146,7 @@ def main():
               "threads": torch.get_num_threads(), "time": time.strftime("%Y-%m-%d %H:%M"), "dim": DIM,
               "tile_size": tile, "points": []}
     for rows, world in grid:
-        peak = {m: peak_bytes(m, rows, world, tile, device) / 2**20 for m in METHODS}
+        peak = {m: peak_bytes(m, rows, world, tile, device, fresh=not args.quick) / 2**20 for m in METHODS}
         print(row(rows, world, peak, ".1f"))
         record["points"].append({"b": rows, "W": world, "peak_mb": peak})
     print(f"\nforward+backward time per rank (s, median of {args.repeats} after a warm-up, taken round-robin over the "

@@ -80,8 +80,8 @@ def main():
         sizes, steps = {}, 3
     else:  # about 50M parameters, mostly LM: where LoRA's savings show
         sizes, steps = dict(vision_hidden_size=256, vision_layers=4, text_hidden_size=768, text_layers=6), 10
-    full = run_in_fresh_process(_variant, False, sizes, steps, args.batch_size)
-    lora = run_in_fresh_process(_variant, True, sizes, steps, args.batch_size)
+    full = run_in_fresh_process(_variant, False, sizes, steps, args.batch_size, fresh=not args.quick)
+    lora = run_in_fresh_process(_variant, True, sizes, steps, args.batch_size, fresh=not args.quick)
     print(f"{'':<24} {'full FT':>14} {'LoRA':>14} {'LoRA / full':>12}")
     ratios = {}
     for key in ("trainable_params", "optimizer_state_bytes", "gradient_bytes", "peak_training_bytes",

@@ -64,7 +64,8 @@ def main():
     options = parser.parse_args()
     if options.quick:
         options.vocab, options.hidden_size, options.tokens = 4096, 64, 200
-    runs = {variant: run_in_fresh_process(measure, variant, options) for variant in ("whole logits", "chunked")}
+    runs = {variant: run_in_fresh_process(measure, variant, options, fresh=not options.quick)
+            for variant in ("whole logits", "chunked")}
     whole, chunked = runs["whole logits"], runs["chunked"]
     print(f"token loss, vocabulary {options.vocab}, hidden {options.hidden_size}, {options.batch} x {options.tokens} "
           f"tokens, {options.num_chunks} slices (CPU, float32, peak RSS above the inputs)")

@@ -113,11 +113,12 @@ def main():
         mixtures = {"embedded": None} if args.quick else {"embedded": None,
                                                           "long_tail": long_tail_source(Path(directory))}
         for name, mixture in mixtures.items():
-            padded = run_in_fresh_process(_variant, "padded", mixture, None, steps)
+            fresh = not args.quick
+            padded = run_in_fresh_process(_variant, "padded", mixture, None, steps, fresh=fresh)
             budget = padded["tokens"] // steps  # the real tokens of 16 rows of this mixture, on average
             results = {"padded": padded,
-                       "budget": run_in_fresh_process(_variant, "budget", mixture, budget, steps),
-                       "packed": run_in_fresh_process(_variant, "packed", mixture, budget, steps)}
+                       "budget": run_in_fresh_process(_variant, "budget", mixture, budget, steps, fresh=fresh),
+                       "packed": run_in_fresh_process(_variant, "packed", mixture, budget, steps, fresh=fresh)}
             print(f"{name} (budget {budget} tokens): {'tokens/s':>10} {'x padded':>9} {'peak MB':>9} "
                   f"{'final loss':>11}")
             for mode, result in results.items():

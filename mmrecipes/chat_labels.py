@@ -66,11 +66,12 @@ class AnswerLabeller:
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(processor.image_token)
         self.rule = "generation markers" if self.has_markers else "prefix renderings"
 
-    def render(self, messages, add_generation_prompt=False):
+    def render(self, messages, add_generation_prompt=False, marked=False):
+        """(text, the character spans of its `{% generation %}` blocks if `marked`)."""
         try:
             texts, indices = render_jinja_template(
                 conversations=[messages], chat_template=self.template, add_generation_prompt=add_generation_prompt,
-                return_assistant_tokens_mask=self.has_markers, **self.tokenizer.special_tokens_map)
+                return_assistant_tokens_mask=marked, **self.tokenizer.special_tokens_map)
         except jinja2.TemplateError as error:  # raise_exception(...) in the template: roles out of order, say
             raise TemplateError(f"the template refuses the conversation: {error}") from error
         return texts[0], indices[0] if indices else []
@@ -78,7 +79,7 @@ class AnswerLabeller:
     def answer_spans(self, messages) -> tuple[str, list[tuple[int, int]]]:
         """(the rendered conversation, the character span of each assistant turn: from the end of its
         generation prompt to its end-of-turn token)."""
-        text, marked = self.render(messages)
+        text, marked = self.render(messages, marked=self.has_markers)
         turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
         spans = []
         for number, index in enumerate(turns):
