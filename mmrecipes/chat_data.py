@@ -217,6 +217,8 @@ def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: i
     its last assistant turn through the processor's own chat template with its generation prompt and images
     (what a user's `generate` call gets), and that turn's text. Independent of the labels, so that
     `evaluation.evaluate_generation` checks them. Rows that cannot be read are left out."""
+    if not rows:
+        return []
     stream, _ = load_stream(args.eval_dataset_name, args.dataset_config_name, args.eval_split, args.eval_data_files,
                             CHAT_COLUMNS, data_rank=data_rank, data_world=data_world)
     prompts = []

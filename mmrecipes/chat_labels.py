@@ -81,12 +81,12 @@ class AnswerLabeller:
         generation prompt to its end-of-turn token)."""
         text, marked = self.render(messages, marked=self.has_markers)
         turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+        if self.has_markers and len(marked) != len(turns):
+            raise TemplateError("the generation markers do not mark one span per assistant turn")
         spans = []
         for number, index in enumerate(turns):
             start = self.render(messages[:index], add_generation_prompt=True)[0]
             if self.has_markers:
-                if len(marked) != len(turns):
-                    raise TemplateError("the generation markers do not mark one span per assistant turn")
                 begin, end = marked[number]
                 # The generation prompt's end, if only whitespace lies between it and the marker
                 if text.startswith(start) and len(start) <= begin and not text[len(start):begin].strip():

@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 from .chat_collate import chat_model_inputs
+from .chat_data import TOKEN_ALIGNED
 from .data import model_inputs
 from .distributed import all_ranks_true, max_over_ranks, sum_over_ranks
 from .losses import IGNORE_INDEX, all_gather_with_grad, gather_sizes
@@ -132,7 +133,7 @@ def _appended(inputs: dict, token: torch.Tensor) -> dict:
     extended["input_ids"] = torch.cat([inputs["input_ids"], column], dim=1)
     extended["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(column)], dim=1)
     extended["labels"] = torch.cat([inputs["labels"], torch.full_like(column, IGNORE_INDEX)], dim=1)
-    for key in ("mm_token_type_ids", "token_type_ids"):
+    for key in TOKEN_ALIGNED[2:]:  # per-token inputs beside the ids and the mask
         if key in inputs:
             extended[key] = torch.cat([inputs[key], torch.zeros_like(column)], dim=1)
     return extended
