@@ -49,9 +49,13 @@ from transformers import (
     LlavaOnevisionProcessor,
     LlavaOnevisionVideoProcessor,
     LlavaProcessor,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
     PaliGemmaConfig,
     PaliGemmaForConditionalGeneration,
     PaliGemmaProcessor,
+    PixtralImageProcessor,
+    PixtralProcessor,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -208,6 +212,26 @@ def internvl3():
     return model, processor
 
 
+def mistral3():
+    """Mistral Small 3.1 (mistralai/Mistral-Small-3.1-24B-Instruct-2503's chat template): a Pixtral tower whose
+    patches are merged 2 x 2, `[IMG]` rows closed by `[IMG_BREAK]` and `[IMG_END]`."""
+    tokenizer = train_tokenizer(["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                                 "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"], bos="<s>", eos="</s>",
+                                pad="<pad>", unk_token="<unk>")
+    ids = tokenizer.convert_tokens_to_ids
+    config = Mistral3Config(
+        vision_config=dict(model_type="pixtral", image_size=IMAGE_SIZE, patch_size=8, head_dim=16, **VISION),
+        text_config=dict(model_type="mistral", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **TEXT),
+        image_token_index=ids("[IMG]"), spatial_merge_size=2)
+    image_processor = PixtralImageProcessor(size={"longest_edge": IMAGE_SIZE}, patch_size=8)
+    processor = PixtralProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                                 spatial_merge_size=2, chat_template=template("mistral3"))
+    model = Mistral3ForConditionalGeneration(config)
+    _stop_on(model, tokenizer.eos_token_id)
+    return model, processor
+
+
 def paligemma2():
     """PaliGemma 2 (google/paligemma2-3b-pt-224's layout): a Gemma 2 LM, no chat template (it ships none: a
     prefix-LM, image and prompt attended both ways, the answer as the suffix). The recipe refuses it."""
@@ -342,7 +366,7 @@ def llava_onevision():
 
 FAMILIES = {"llava": llava, "llava_next": llava_next, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl,
             "qwen3_vl": qwen3_vl, "internvl3": internvl3, "idefics2": idefics2, "idefics3": idefics3, "gemma3": gemma3,
-            "llava_onevision": llava_onevision, "paligemma2": paligemma2}
+            "llava_onevision": llava_onevision, "mistral3": mistral3, "paligemma2": paligemma2}
 
 
 def save_tiny_vlm(family: str, output_dir) -> Path:

@@ -206,7 +206,7 @@ def encode_row(labeller, messages, images):
     """(input_ids, labels, image_inputs) of one conversation: the labeller's tokens and targets, and the
     processor's other outputs (image inputs; per-token ones like mm_token_type_ids unbatched)."""
     encoded, target = labeller(messages, images)
-    input_ids = torch.tensor(encoded.pop("input_ids")[0])
+    input_ids = torch.as_tensor(encoded.pop("input_ids")[0])
     encoded.pop("attention_mask")
     image_inputs = {key: _as_tensor(value[0] if key in TOKEN_ALIGNED else value) for key, value in encoded.items()}
     return input_ids, torch.where(target, input_ids, IGNORE_INDEX), image_inputs
@@ -243,7 +243,7 @@ def prompt_row(processor, messages, images) -> dict:
     """A collator row of `messages` rendered with the generation prompt (no target): what `generate` is given."""
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     encoded = processor(text=text, images=[images] if images else None)
-    input_ids = torch.tensor(encoded.pop("input_ids")[0])
+    input_ids = torch.as_tensor(encoded.pop("input_ids")[0])
     encoded.pop("attention_mask")
     image_inputs = {key: _as_tensor(value[0] if key in TOKEN_ALIGNED else value) for key, value in encoded.items()}
     return {"input_ids": input_ids, "labels": torch.full_like(input_ids, IGNORE_INDEX),

@@ -120,7 +120,7 @@ class AnswerLabeller:
             kwargs["add_special_tokens"] = False
         plain = self.tokenizer(text, return_offsets_mapping=True, **kwargs)
         encoded = self.processor(text=text, images=[images] if images else None, **kwargs)
-        input_ids = torch.tensor(encoded["input_ids"][0])
+        input_ids = torch.as_tensor(encoded["input_ids"][0])
         aligned = _aligned_positions(plain["input_ids"], input_ids.tolist())
         target = torch.zeros(len(input_ids), dtype=torch.bool)
         for start, end in spans:
@@ -155,7 +155,7 @@ def check_template(labeller: AnswerLabeller, source: str) -> str:
     except TemplateError as error:
         found, problem = [], str(error)
     else:
-        ids = torch.tensor(encoded["input_ids"][0])
+        ids = torch.as_tensor(encoded["input_ids"][0])
         found = [labeller.tokenizer.decode(ids[run]).strip() for run in _runs(target)]
         problem = None
         if [_without_stop(text, labeller.stop_strings) for text in found] != answers:

@@ -40,6 +40,7 @@ PROJECTORS = {
     "idefics3": ("model.connector",),
     "smolvlm": ("model.connector",),
     "gemma3": ("model.multi_modal_projector",),
+    "mistral3": ("model.multi_modal_projector",),
 }
 
 

@@ -20,7 +20,7 @@ from mmrecipes.vlm import VLMForTraining, VLMModelArgs, load_vlm, stop_token_ids
 from mmrecipes.vlm_families import dummy_image_inputs
 
 PACKING_FAMILIES = [None, "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3",
-                    "llava_onevision"]  # None: the tiny default Llava
+                    "llava_onevision", "mistral3"]  # None: the tiny default Llava
 
 
 def load(tiny_vlms, family):

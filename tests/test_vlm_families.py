@@ -21,11 +21,12 @@ from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, loa
 from mmrecipes.vlm_families import PROJECTORS, check_trainable, dummy_image_inputs, module_groups
 
 FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3", "gemma3",
-            "llava_onevision"]
+            "llava_onevision", "mistral3"]
 # What each family's official template ends an assistant turn with (Llava-1.5's writes nothing).
 END_OF_TURN = {"llava": "", "llava_next": "</s>", "qwen2_vl": "<|im_end|>", "qwen2_5_vl": "<|im_end|>",
                "qwen3_vl": "<|im_end|>", "internvl3": "<|im_end|>", "idefics2": "<end_of_utterance>",
-               "idefics3": "<end_of_utterance>", "gemma3": "<end_of_turn>", "llava_onevision": "<|im_end|>"}
+               "idefics3": "<end_of_utterance>", "gemma3": "<end_of_turn>", "llava_onevision": "<|im_end|>",
+               "mistral3": "</s>"}
 MARKERS = {"llava", "llava_onevision"}  # the only official templates with {% generation %}
 # The inputs each family needs besides pixel_values, which must reach the model from the collator.
 EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_vl": {"image_grid_thw", "mm_token_type_ids"},
@@ -33,7 +34,8 @@ EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_vl": {"ima
                 "qwen3_vl": {"image_grid_thw", "mm_token_type_ids"}, "internvl3": set(),
                 "idefics2": {"pixel_attention_mask"},
                 "idefics3": {"pixel_attention_mask"},
-                "gemma3": {"token_type_ids"}, "llava_onevision": {"image_sizes", "batch_num_images"}}
+                "gemma3": {"token_type_ids"}, "llava_onevision": {"image_sizes", "batch_num_images"},
+                "mistral3": {"image_sizes"}}
 TWO_TURNS = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
              {"role": "user", "content": [{"type": "text", "text": "How many shapes are there?"}]},
@@ -50,7 +52,7 @@ def labeller_of(directory):
 
 
 def target_runs(labeller, encoded, target):
-    ids = torch.tensor(encoded["input_ids"][0])
+    ids = torch.as_tensor(encoded["input_ids"][0])
     runs, start = [], None
     for position, flag in enumerate(target.tolist() + [False]):
         if flag and start is None:
@@ -68,7 +70,7 @@ def test_targets_are_the_answers_and_their_end_of_turn_on_the_official_template(
     encoded, target = labeller(TWO_TURNS, [Image.new("RGB", (32, 32), (200, 30, 30))])
     end = END_OF_TURN[family]
     assert target_runs(labeller, encoded, target) == ["red" + end, "one" + end]
-    image_positions = torch.tensor(encoded["input_ids"][0]) == labeller.image_token_id
+    image_positions = torch.as_tensor(encoded["input_ids"][0]) == labeller.image_token_id
     assert image_positions.sum() > 0 and not (target & image_positions).any()
     rule = "generation markers" if family in MARKERS else "prefix renderings"
     line = check_template(labeller, family)
@@ -84,7 +86,7 @@ def test_the_space_before_an_answer_is_a_target_where_the_tokenizer_splits_it_of
     conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]},
                     {"role": "assistant", "content": [{"type": "text", "text": "3"}]}]
     encoded, target = labeller(conversation, [Image.new("RGB", (32, 32), (200, 30, 30))])
-    ids = torch.tensor(encoded["input_ids"][0])
+    ids = torch.as_tensor(encoded["input_ids"][0])
     assert labeller.tokenizer.convert_ids_to_tokens(ids[target].tolist()) == ["▁", "3", "</s>"]
     prompt = labeller.processor.apply_chat_template(conversation[:1], add_generation_prompt=True)
     prompt_ids = labeller.processor(text=prompt, images=[Image.new("RGB", (32, 32))])["input_ids"][0]
@@ -238,8 +240,9 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
     collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs)
 
     def batches(file, batch_size):
+        # Mistral 3.1's template writes its 500-token default system prompt into every row
         args = ChatDataArgs(dataset_name="json", data_files=str(llava_json / file), image_folder=str(llava_json),
-                            dataset_weights=None, dataloader_num_workers=0)
+                            dataset_weights=None, dataloader_num_workers=0, max_length=1024)
         return list(build_chat_dataloader(args, labeller, collator, batch_size=batch_size, data_rank=0, data_world=1))
 
     (batch,) = batches("rows.json", 3)
