@@ -1,8 +1,8 @@
 """vlm_finetune.py on each tiny family checkpoint (conftest.py), as a user launches it: 2 CPU
 processes at per-device batch size 1 on the default mixture, so text-only and image micro-batches
 meet on different ranks; no find_unused_parameters anywhere. One family (Qwen2.5-VL) also runs
-under FSDP2 against DDP, and on LLaVA JSON with two-image rows under ZeRO-3, as SmolVLM does under DDP (its LoRA
-runs under ZeRO-3 in test_vlm_engines.py)."""
+under FSDP2 against DDP, and on LLaVA JSON with two-image rows under DDP and ZeRO-3, as SmolVLM does under DDP
+(its LoRA runs under ZeRO-3 in test_vlm_engines.py)."""
 
 import json
 import re
@@ -135,7 +135,7 @@ def llava_json_data(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("family, config", [(MATRIX, "zero3.yaml"), ("idefics3", "ddp.yaml")])
+@pytest.mark.parametrize("family, config", [(MATRIX, "ddp.yaml"), (MATRIX, "zero3.yaml"), ("idefics3", "ddp.yaml")])
 def test_llava_json_with_two_image_rows_trains_non_llava_families(tiny_vlms, llava_json_data, tmp_path, family,
                                                                   config):
     """LLaVA JSON with one-image, two-image and text-only rows in one file, 2 processes at batch 1: no row is
