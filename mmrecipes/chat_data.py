@@ -176,19 +176,10 @@ class ChatPreprocessor:
 
     def tokenize(self, messages, raw_images):
         """((input_ids, labels, image_inputs), note) or the reason the row is dropped."""
-        placeholders = sum(part["type"] == "image" for message in messages for part in message["content"])
-        if placeholders != len(raw_images):
-            return "image_mismatch"
-        images, note = [], None
-        for raw_image in raw_images:
-            if isinstance(raw_image, str) and self.folder and not self.args.allow_images_outside_folder:
-                if os.path.commonpath([self.folder, os.path.realpath(raw_image)]) != self.folder:
-                    return "outside_folder"
-            image, problem = decode_image(raw_image, self.args.max_image_pixels, self.args.max_image_aspect_ratio)
-            if image is None:
-                return problem
-            images.append(image)
-            note = note or problem
+        loaded = row_images(self.args, self.folder, messages, raw_images)
+        if isinstance(loaded, str):
+            return loaded
+        images, note = loaded
         try:
             input_ids, labels, image_inputs = encode_row(self.labeller, messages, images)
         except UnalignedAnswer:
@@ -202,14 +193,38 @@ class ChatPreprocessor:
         return (input_ids, labels, image_inputs), note
 
 
+def row_images(args: ChatDataArgs, folder: str | None, messages, raw_images):
+    """(decoded images, a note such as "converted") of a row, or why it is dropped: its placeholders do not
+    match its images, a path leaves `folder` (the resolved --image_folder), or an image does not decode."""
+    placeholders = sum(part["type"] == "image" for message in messages for part in message["content"])
+    if placeholders != len(raw_images):
+        return "image_mismatch"
+    images, note = [], None
+    for raw_image in raw_images:
+        if isinstance(raw_image, str) and folder and not args.allow_images_outside_folder:
+            if os.path.commonpath([folder, os.path.realpath(raw_image)]) != folder:
+                return "outside_folder"
+        image, problem = decode_image(raw_image, args.max_image_pixels, args.max_image_aspect_ratio)
+        if image is None:
+            return problem
+        images.append(image)
+        note = note or problem
+    return images, note
+
+
 def encode_row(labeller, messages, images):
     """(input_ids, labels, image_inputs) of one conversation: the labeller's tokens and targets, and the
     processor's other outputs (image inputs; per-token ones like mm_token_type_ids unbatched)."""
     encoded, target = labeller(messages, images)
+    input_ids, image_inputs = _unbatched(encoded)
+    return input_ids, torch.where(target, input_ids, IGNORE_INDEX), image_inputs
+
+
+def _unbatched(encoded) -> tuple[torch.Tensor, dict]:
+    """(input_ids, the other inputs) of a one-conversation processor output, the mask left out."""
     input_ids = torch.as_tensor(encoded.pop("input_ids")[0])
     encoded.pop("attention_mask")
-    image_inputs = {key: _as_tensor(value[0] if key in TOKEN_ALIGNED else value) for key, value in encoded.items()}
-    return input_ids, torch.where(target, input_ids, IGNORE_INDEX), image_inputs
+    return input_ids, {key: _as_tensor(value[0] if key in TOKEN_ALIGNED else value) for key, value in encoded.items()}
 
 
 def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: int, data_world: int) -> list:
@@ -221,6 +236,7 @@ def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: i
         return []
     stream, _ = load_stream(args.eval_dataset_name, args.dataset_config_name, args.eval_split, args.eval_data_files,
                             CHAT_COLUMNS, data_rank=data_rank, data_world=data_world)
+    folder = os.path.realpath(args.image_folder) if args.image_folder else None
     prompts = []
     for row in stream:
         if len(prompts) == rows:
@@ -229,11 +245,11 @@ def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: i
             messages, raw_images = to_chat(row, args.image_folder)
             last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
             answer = " ".join(part["text"] for part in messages[last]["content"] if part["type"] == "text")
-            images = [decode_image(raw, args.max_image_pixels, args.max_image_aspect_ratio)[0] for raw in raw_images]
+            loaded = row_images(args, folder, messages, raw_images)
             shown = sum(part["type"] == "image" for message in messages[:last] for part in message["content"])
-            if row.get(PROBLEM) or None in images or shown != len(images):
-                continue
-            prompts.append((prompt_row(processor, messages[:last], images), answer.strip()))
+            if row.get(PROBLEM) or isinstance(loaded, str) or shown != len(raw_images):
+                continue  # the rows training would skip, and images after the question
+            prompts.append((prompt_row(processor, messages[:last], loaded[0]), answer.strip()))
         except Exception:  # a row the training data would count as bad
             continue
     return prompts
@@ -242,10 +258,7 @@ def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: i
 def prompt_row(processor, messages, images) -> dict:
     """A collator row of `messages` rendered with the generation prompt (no target): what `generate` is given."""
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    encoded = processor(text=text, images=[images] if images else None)
-    input_ids = torch.as_tensor(encoded.pop("input_ids")[0])
-    encoded.pop("attention_mask")
-    image_inputs = {key: _as_tensor(value[0] if key in TOKEN_ALIGNED else value) for key, value in encoded.items()}
+    input_ids, image_inputs = _unbatched(processor(text=text, images=[images] if images else None))
     return {"input_ids": input_ids, "labels": torch.full_like(input_ids, IGNORE_INDEX),
             "image_inputs": image_inputs} | dict.fromkeys(CHAT_COUNTED, 0)
 

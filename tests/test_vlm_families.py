@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor,
 
 from launch import VLM_RECIPE, load_recipe
 from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, prompt_row
+from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, generation_prompts, prompt_row
 from mmrecipes.chat_labels import AnswerLabeller, TemplateError, check_template
 from mmrecipes.distributed import fsdp_block_classes
 from mmrecipes.evaluation import greedy_tokens
@@ -331,3 +331,23 @@ def test_paligemma2_gets_eager_attention_and_is_refused_for_its_missing_template
                                             "--chat_template_path"):
         load_recipe(VLM_RECIPE).main(["--model_name_or_path", str(tiny_vlms["paligemma2"]), "--report_to", "none",
                                       "--output_dir", str(tmp_path)])
+
+
+def test_generation_prompts_skip_what_training_skips_and_read_nothing_outside_the_image_folder(tiny_vlms, tmp_path):
+    """The held-out prompts for greedy generation go through the training rows' image checks: a path that leaves
+    --image_folder is never opened, a row whose placeholders miss an image is left out."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(folder / "red.png")
+    Image.new("RGB", (32, 32), (30, 30, 200)).save(tmp_path / "outside.png")
+    question = [{"from": "human", "value": "<image>\nWhat colour is it?"}, {"from": "gpt", "value": "red"}]
+    rows = [{"image": "../outside.png", "conversations": question},
+            {"conversations": question},  # a placeholder without its image
+            {"image": "red.png", "conversations": question}]
+    (tmp_path / "eval.json").write_text(json.dumps(rows))
+    _, processor = load(tiny_vlms["qwen2_5_vl"])
+    args = ChatDataArgs(eval_dataset_name="json", eval_data_files=str(tmp_path / "eval.json"), eval_split="train",
+                        image_folder=str(folder))
+    prompts = generation_prompts(args, processor, rows=8, data_rank=0, data_world=1)
+    assert [answer for _, answer in prompts] == ["red"]
+    assert (prompts[0][0]["input_ids"] == processor.image_token_id).any()
