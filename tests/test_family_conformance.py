@@ -20,7 +20,8 @@ from mmrecipes.chat_data import CHAT_COUNTED, encode_row
 from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.lora import LoraArgs, add_lora, save_lora
 from mmrecipes.vlm import VLMForTraining, apply_train_modules, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, module_groups
+from mmrecipes.vlm_families import dummy_image_inputs
+from test_lora import tiny
 from test_vlm_engines import settings
 from test_vlm_families import END_OF_TURN, FAMILIES
 
@@ -108,18 +109,13 @@ def test_lora_trains_and_saves_an_adapter_and_a_merged_model_that_agree(tiny_vlm
     """The recipe's LoRA (adapters on the language model, the projector trained in full) on each family: the loss
     falls; output_dir/adapter on the untouched base gives the merged model's logits; both keep the input's
     generation config and chat template."""
-    def load():
-        return (AutoModelForImageTextToText.from_pretrained(tiny_vlms[family]),
-                AutoProcessor.from_pretrained(tiny_vlms[family]))
-
-    model, processor = load()
-    groups = module_groups(model, dummy_image_inputs(model, processor))
+    model, processor, groups = tiny(tiny_vlms[family])
     apply_train_modules(groups, "projector,language_model")
     peft_model, trainable = add_lora(model, groups, "projector,language_model", LoraArgs(lora_r=4, lora_dropout=0.0))
     losses = train(model, processor, [p for params in trainable.values() for p in params], 8)
     assert losses[-1] < losses[0]
     save_lora(peft_model.peft_config["default"], model, model.state_dict(), processor, tmp_path)
-    base, _ = load()
+    base, _, _ = tiny(tiny_vlms[family])
     adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
     inputs = processor(text=processor.apply_chat_template(colour_conversation(), add_generation_prompt=True),
@@ -127,5 +123,5 @@ def test_lora_trains_and_saves_an_adapter_and_a_merged_model_that_agree(tiny_vlm
     with torch.no_grad():
         torch.testing.assert_close(adapted(**inputs).logits, merged(**inputs).logits, rtol=1e-4, atol=1e-4)
     for directory in (tmp_path, tmp_path / "adapter"):
-        assert settings(GenerationConfig.from_pretrained(directory)) == settings(load()[0].generation_config)
+        assert settings(GenerationConfig.from_pretrained(directory)) == settings(base.generation_config)
         assert AutoProcessor.from_pretrained(directory).chat_template == processor.chat_template
