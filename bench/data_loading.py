@@ -1,7 +1,7 @@
 """Data loading: the CLIP loader alone against a per-row PIL + torchvision pipeline, and the default run's data_wait.
 
     python bench/data_loading.py              # about 3 minutes on 2 cores
-    python bench/data_loading.py --quick      # a smoke run (CI): tiny sizes, nothing to read into
+    python bench/data_loading.py --quick      # a smoke run (CI): tiny sizes, the recipe with 1 worker only
 
 1. Loader alone, samples/s over the embedded training rows (batch 64, 0 workers, median of
    --repeats after a warm-up round, taken round-robin): `mmrecipes.data.build_dataloader`
@@ -127,7 +127,7 @@ def main():
     print(f"  mmrecipes / per_row_pil: {ratio:.2f}x")
 
     with tempfile.TemporaryDirectory() as output_dir:
-        waits = {workers: recipe_data_wait(workers, steps, output_dir) for workers in (0, 1)}
+        waits = {workers: recipe_data_wait(workers, steps, output_dir) for workers in ((1,) if args.quick else (0, 1))}
     print(f"\ndefault recipe, {steps} steps: data_wait (mean over log lines), wall s")
     for workers, (wait, wall) in waits.items():
         print(f"  --dataloader_num_workers {workers}: data_wait {wait:.3f}  wall {wall:.1f} s")

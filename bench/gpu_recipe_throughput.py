@@ -248,7 +248,7 @@ def main():
     toy = args.toy or device.type != "cuda"
     args.batch_size = args.batch_size or (256 if args.mode == "clip" else 16)
     if toy:
-        args.shards, args.shard_size, args.batch_size, args.max_steps = 4, 48, 8, 30
+        args.shards, args.shard_size, args.batch_size, args.max_steps = 4, 48, 8, 20
         args.workers = min(args.workers, 1)
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "CPU"
     with tempfile.TemporaryDirectory() as scratch:

@@ -1,7 +1,7 @@
 """What the VLM safety features cost, as ratios measured in one run at the recipe's default sizes.
 
     python bench/vlm_dummy.py            # CPU here; the same code runs on a GPU
-    python bench/vlm_dummy.py --quick
+    python bench/vlm_dummy.py --quick    # a smoke run: batch 4, 4 repeats
 
 1. Dummy image: forward+backward of a text-only micro-batch through `VLMForTraining` (the
    vision step runs on the dummy and is sliced out) vs the plain LM on the same batch with no
@@ -122,10 +122,11 @@ def summary(name, test, base) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--batch_size", type=int, default=16)  # the recipe's per-device default
+    parser.add_argument("--batch_size", type=int, default=None, help="default: 16, the recipe's (--quick: 4)")
     parser.add_argument("--results", default=str(RESULTS), help="the JSON-lines file to append to")
     args = parser.parse_args()
     repeats = 4 if args.quick else 20
+    args.batch_size = args.batch_size or (4 if args.quick else 16)
     print(f"{'what (test vs base)':<44} {'base':>12} {'test':>12} {'ratio':>7}  (spread of paired ratios)")
     dummy, plain = dummy_overhead(args.batch_size, repeats)
     record = {"bench": "vlm_dummy", "quick": args.quick, "machine": platform.node(), "threads": torch.get_num_threads(),

@@ -9,7 +9,16 @@ import yaml
 from PIL import Image
 from transformers import CLIPModel
 
-from launch import REPO, accelerate_launch, assert_same_curves, load_recipe, losses, run_recipe, run_recipe_on_ranks
+from launch import (
+    REPO,
+    accelerate_launch,
+    assert_same_curves,
+    load_recipe,
+    losses,
+    run_engine,
+    run_recipe,
+    run_recipe_on_ranks,
+)
 from mmrecipes.models import ModelArgs, build_contrastive
 from webdataset_shards import make_webdataset
 
@@ -120,8 +129,8 @@ def test_deepspeed_accumulation_mismatch_rejected_before_first_step(tmp_path):
     launch_config = yaml.safe_load((REPO / "accelerate_configs" / "zero2.yaml").read_text())
     launch_config["deepspeed_config"] = {"deepspeed_config_file": str(tmp_path / "ds.json"), "zero3_init_flag": False}
     (tmp_path / "zero2.yaml").write_text(yaml.safe_dump(launch_config))
-    result = accelerate_launch(tmp_path / "zero2.yaml", "--gradient_accumulation_steps", 2, "--max_steps", 2,
-                               "--output_dir", tmp_path / "out")
+    result = run_engine(tmp_path / "zero2.yaml", "--gradient_accumulation_steps", 2, "--max_steps", 2,
+                        "--output_dir", tmp_path / "out")
     assert result.returncode != 0
     assert "gradient_accumulation_steps=4 (the recipe uses 2)" in result.log
     assert not losses(result.log)  # rejected before the first step

@@ -194,10 +194,14 @@ def settings(generation_config):
 def test_same_scenario_without_the_dummy_fails(scenario, config, tmp_path):
     """What most trainers do (a text-only batch skips the tower) fails on the same data: the passing
     runs above prove the dummy is what makes them work. Gloo aborts within seconds (a mismatched
-    collective); on NCCL the same mistake hangs until the timeout. With a DataLoader worker, which
-    must end with its crashed rank (or the launcher's output pipe stays open and this test hangs)."""
-    result = accelerate_launch(config, *SCENARIO, "--data_files", scenario / "rank*.parquet", "--output_dir", tmp_path,
-                               "--ddp_timeout", 30, "--dataloader_num_workers", 1, recipe=WITHOUT_DUMMY, timeout=300)
+    collective); on NCCL the same mistake hangs until the timeout. Under DDP launched, with a DataLoader
+    worker, which must end with its crashed rank (or the launcher's output pipe stays open and this test
+    hangs); under ZeRO-3 on forked ranks."""
+    args = [*SCENARIO, "--data_files", scenario / "rank*.parquet", "--output_dir", tmp_path, "--ddp_timeout", 30]
+    if config == "ddp.yaml":  # launched: the launcher must see the crashed rank's worker end too
+        result = accelerate_launch(config, *args, "--dataloader_num_workers", 1, recipe=WITHOUT_DUMMY, timeout=300)
+    else:
+        result = run_engine(config, *args, recipe=WITHOUT_DUMMY, timeout=300)
     assert result.returncode != 0
     assert f"step {STEPS}/{STEPS}" not in result.log
     assert any(error in result.log for error in ("Received data size doesn't match expected size",
