@@ -86,10 +86,11 @@ PIPELINE_TEMPLATE = "This is a photo of {}."  # the zero-shot pipeline's default
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    """The default run, its zero-shot evaluation with the pipeline's own template (to compare them)."""
+    """The default run cut to 160 steps (zero-shot top-1 above 0.2 there, 32 classes), its zero-shot
+    evaluation with the pipeline's own template (to compare them)."""
     output_dir = tmp_path_factory.mktemp("siglip_default")
-    return run_recipe("--loss", "siglip", "--zeroshot_templates", PIPELINE_TEMPLATE, "--output_dir",
-                      output_dir), output_dir
+    return run_recipe("--loss", "siglip", "--max_steps", 160, "--zeroshot_templates", PIPELINE_TEMPLATE,
+                      "--output_dir", output_dir), output_dir
 
 
 def test_zero_shot_top1_in_the_loop_is_what_the_pipeline_gives(default_run):

@@ -91,7 +91,8 @@ def test_vlm_compiles_nothing_after_warm_up(tmp_path):
     answer evaluations (teacher-forced and generated) after steps 20 and 30 compile nothing after the first
     evaluation (step 10)."""
     steps = step_counts(tmp_path, "--max_steps", 30, "--logging_steps", 10, "--eval_steps", 10,
-                        "--torch_compile", "true", reads=False, backend="aot_eager", recipe=VLM_RECIPE)
+                        "--torch_compile", "true", "--eval_generation_rows", 16, reads=False, backend="aot_eager",
+                        recipe=VLM_RECIPE)
     graphs = {entry["step"]: entry["graphs"] for entry in steps}
     assert graphs[1] > 0
     assert len(set(graphs[step] for step in range(11, 31))) == 1, graphs
