@@ -1,0 +1,97 @@
+"""Video clips from whatever a row holds: decoded with PyAV in the DataLoader workers, frames sampled.
+
+PyAV (`av`) decodes because its wheels bundle FFmpeg: nothing to install beside pip, on any machine
+the recipes run on. (torchcodec needs the system's FFmpeg libraries, which a CPU node or a
+container often lacks.)
+
+`decode_video` takes encoded bytes, a `{"bytes", "path"}` dict or a path, and never raises: it
+returns the sampled frames as one uint8 array (frames, height, width, 3), the form transformers'
+video processors take and the loader ships through shared memory, or why there are none, for the
+caller to count:
+- "undecodable": zero bytes, truncated, not a video, no video stream, not a regular file;
+- "no_frames": a video stream that yields no frame;
+- "video_too_long": longer than `max_seconds` (read from the container's header, before decoding).
+
+Frames are sampled as the video processors' `fps` / `num_frames` do: `fps` frames per second of
+clip, at most `max_frames`, at least one, evenly spaced (each the middle frame of its stretch).
+"""
+
+import io
+import logging
+import math
+import os
+import stat
+from dataclasses import dataclass
+
+import av
+import numpy
+
+from .config import CheckedArgs
+
+logger = logging.getLogger(__name__)
+
+VIDEO_COUNTED = ("no_frames", "video_too_long")  # besides "undecodable", which images share
+
+
+@dataclass
+class VideoArgs(CheckedArgs):
+    CHECKS = {"video_fps": "positive", "video_max_frames": "count", "video_max_seconds": "positive"}
+    video_folder: str | None = None  # video paths are relative to it (default: --image_folder)
+    video_fps: float = 2.0  # frames sampled per second of clip (transformers' video processors: fps)
+    video_max_frames: int = 8  # at most this many frames per clip (their num_frames)
+    video_max_seconds: float = 600.0  # longer clips are skipped and counted (video_too_long)
+
+
+def sampled_indices(total_frames: int, seconds: float | None, fps: float, max_frames: int) -> list[int]:
+    """Indices of `fps` frames per second of clip, at most `max_frames`, at least one, each the middle
+    frame of an equal stretch of the clip (no duration known: `max_frames`)."""
+    per_second = math.floor(seconds * fps) if seconds else max_frames
+    count = max(1, min(max_frames, total_frames, per_second))
+    stretch = total_frames / count
+    return [min(total_frames - 1, int(stretch * (index + 0.5))) for index in range(count)]
+
+
+def decode_video(raw_video, args: VideoArgs):
+    """(uint8 frames of shape (frames, height, width, 3) or None, problem or None)."""
+    try:
+        if isinstance(raw_video, dict):
+            raw_video = raw_video.get("bytes") or raw_video.get("path")
+        if isinstance(raw_video, (bytes, bytearray, memoryview)):
+            raw_video = io.BytesIO(raw_video)
+        elif isinstance(raw_video, (str, os.PathLike)) and not stat.S_ISREG(os.stat(raw_video).st_mode):
+            return None, "undecodable"  # a directory, FIFO or device: opening a FIFO blocks
+        with av.open(raw_video, mode="r") as container:
+            if not container.streams.video:
+                return None, "undecodable"
+            stream = container.streams.video[0]
+            seconds = _seconds(container, stream)
+            if seconds is not None and seconds > args.video_max_seconds:
+                return None, "video_too_long"
+            rate = float(stream.average_rate or 0)
+            total = stream.frames or (round(seconds * rate) if seconds and rate else 0)
+            # Known length: keep only the sampled frames while decoding. Unknown: decode all, then sample.
+            wanted = set(sampled_indices(total, seconds, args.video_fps, args.video_max_frames)) if total else None
+            frames = []
+            for index, frame in enumerate(container.decode(stream)):
+                if wanted is None or index in wanted:
+                    frames.append(frame.to_ndarray(format="rgb24"))
+                if wanted is not None and index >= max(wanted):
+                    break
+    except Exception as error:  # missing files; PyAV raises many types for corrupt or truncated input
+        logger.debug("undecodable video: %s", error)
+        return None, "undecodable"
+    if not frames:
+        return None, "no_frames"
+    if wanted is None:
+        seconds = seconds if seconds and seconds > 0 else len(frames) / (rate or 1)
+        frames = [frames[index] for index in sampled_indices(len(frames), seconds, args.video_fps,
+                                                            args.video_max_frames)]
+    return numpy.stack(frames), None  # fewer than sampled where the header overstated the length
+
+
+def _seconds(container, stream) -> float | None:
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return container.duration / av.time_base
+    return None

@@ -1,0 +1,95 @@
+"""Clips decoded and sampled (mmrecipes.videos), in process: frame sampling as transformers' video
+processors sample, the motion kept in order, and every bad clip a counted problem, never an exception."""
+
+import io
+import sys
+
+import av
+import numpy
+import pytest
+
+from launch import REPO
+from mmrecipes.videos import VideoArgs, decode_video, sampled_indices
+
+sys.path.insert(0, str(REPO / "data_prep"))
+from make_videos import colour_sequence, encode_clip, moving_shape  # noqa: E402
+
+
+def test_sampling_takes_fps_frames_per_second_capped_and_spread_evenly():
+    assert sampled_indices(8, 2.0, 2.0, 8) == [1, 3, 5, 7]  # 4 frames: the middle of each quarter
+    assert sampled_indices(300, 10.0, 2.0, 8) == [18, 56, 93, 131, 168, 206, 243, 281]  # 20 wanted, 8 kept
+    assert sampled_indices(8, 0.2, 2.0, 8) == [4]  # shorter than one sample's worth: still one frame
+    assert sampled_indices(3, 2.0, 30.0, 16) == [0, 1, 2]  # never more than the clip has
+    assert sampled_indices(10, None, 2.0, 4) == [1, 3, 6, 8]  # no duration known: max_frames
+
+
+def centre_x(frame):
+    return numpy.nonzero(frame.max(axis=-1) > 100)[1].mean()
+
+
+@pytest.mark.parametrize("wrap", [bytes, lambda clip: {"bytes": clip, "path": None}, "path"])
+def test_the_motion_survives_decoding_in_frame_order(wrap, tmp_path):
+    clip = encode_clip(moving_shape("right", "red", "circle"))
+    if wrap == "path":
+        (tmp_path / "clip.mp4").write_bytes(clip)
+        source = tmp_path / "clip.mp4"
+    else:
+        source = wrap(clip)
+    frames, problem = decode_video(source, VideoArgs(video_fps=100, video_max_frames=8))
+    assert problem is None and frames.shape == (8, 48, 48, 3) and frames.dtype == numpy.uint8
+    xs = [centre_x(frame) for frame in frames]
+    assert xs == sorted(xs) and xs[-1] - xs[0] > 20  # left to right, across the frame
+    # The default 2 frames per second of a 2-second clip: 4 of them, still in order.
+    frames, _ = decode_video(source, VideoArgs())
+    assert len(frames) == 4 and [centre_x(frame) for frame in frames] == sorted(xs)[1::2]
+
+
+def test_frame_order_carries_the_colour_sequence():
+    frames, _ = decode_video(encode_clip(colour_sequence("red", "blue", "square")), VideoArgs())
+    reds = [frame[..., 0].mean() > frame[..., 2].mean() for frame in frames]
+    assert reds == [True, True, False, False]
+
+
+def audio_only() -> bytes:
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("aac", rate=8000)
+        frame = av.AudioFrame.from_ndarray(numpy.zeros((1, 1024), numpy.float32), format="fltp", layout="mono")
+        frame.sample_rate = 8000
+        for packet in [*stream.encode(frame), *stream.encode()]:
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+def empty_video_stream() -> bytes:
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="avi") as container:  # AVI keeps a stream that has no packet
+        stream = container.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 48, 48, "yuv420p"
+        container.start_encoding()  # the header: a video stream, and no frame after it
+    return buffer.getvalue()
+
+
+def test_bad_clips_are_problems_to_count_never_exceptions(tmp_path):
+    clip = encode_clip(moving_shape("up", "green", "triangle"))
+    (tmp_path / "folder.mp4").mkdir()
+    cases = {
+        "zero bytes": b"",
+        "truncated": clip[: len(clip) // 2],
+        "not a video": b"\x89PNG\r\n\x1a\n" + bytes(56),
+        "no video stream": audio_only(),
+        "a directory": tmp_path / "folder.mp4",
+        "missing": tmp_path / "missing.mp4",
+    }
+    for name, source in cases.items():
+        assert decode_video(source, VideoArgs()) == (None, "undecodable"), name
+    assert decode_video(empty_video_stream(), VideoArgs()) == (None, "no_frames")
+    # Too long by its header (2 s here), refused before decoding.
+    assert decode_video(clip, VideoArgs(video_max_seconds=1.5)) == (None, "video_too_long")
+    assert decode_video(clip, VideoArgs(video_max_seconds=2.5))[1] is None
+
+
+def test_flags_are_checked():
+    for bad in ({"video_fps": 0}, {"video_max_frames": 0}, {"video_max_seconds": -1.0}, {"video_fps": float("nan")}):
+        with pytest.raises(ValueError):
+            VideoArgs(**bad)
