@@ -26,12 +26,9 @@ logger = logging.getLogger(__name__)
 def decode_image(raw_image, max_pixels: int, max_aspect_ratio: float = float("inf")):
     """(RGB image or None, problem or None); problem is "converted", "undecodable" or "too_large"."""
     try:
-        if isinstance(raw_image, dict):
-            raw_image = raw_image.get("bytes") or raw_image.get("path")
-        if isinstance(raw_image, (bytes, bytearray, memoryview)):
-            raw_image = io.BytesIO(raw_image)
-        elif isinstance(raw_image, (str, os.PathLike)) and not stat.S_ISREG(os.stat(raw_image).st_mode):
-            return None, "undecodable"  # a directory, FIFO or device: opening a FIFO blocks
+        raw_image = raw_image if isinstance(raw_image, Image.Image) else readable_source(raw_image)
+        if raw_image is None:
+            return None, "undecodable"
         image = raw_image if isinstance(raw_image, Image.Image) else Image.open(raw_image)
         width, height = image.size  # header only: nothing decoded yet
         if width * height > max_pixels or max(width, height) > max_aspect_ratio * max(1, min(width, height)):
@@ -52,6 +49,18 @@ def decode_image(raw_image, max_pixels: int, max_aspect_ratio: float = float("in
     if image.mode.startswith(("I", "F")):
         return _eight_bit_grey(image).convert("RGB"), "converted"
     return image.convert("RGB"), "converted"  # L, P, CMYK, YCbCr, 1, ...
+
+
+def readable_source(raw):
+    """What a decoder opens, from encoded bytes, a `{"bytes", "path"}` dict or a path; None for a path that is
+    not a regular file (a directory, FIFO or device: opening a FIFO blocks). A missing path raises."""
+    if isinstance(raw, dict):
+        raw = raw.get("bytes") or raw.get("path")
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        return io.BytesIO(raw)
+    if isinstance(raw, (str, os.PathLike)) and not stat.S_ISREG(os.stat(raw).st_mode):
+        return None
+    return raw
 
 
 def _eight_bit_grey(image: Image.Image) -> Image.Image:

@@ -16,17 +16,15 @@ Frames are sampled as the video processors' `fps` / `num_frames` do: `fps` frame
 clip, at most `max_frames`, at least one, evenly spaced (each the middle frame of its stretch).
 """
 
-import io
 import logging
 import math
-import os
-import stat
 from dataclasses import dataclass
 
 import av
 import numpy
 
 from .config import CheckedArgs
+from .images import readable_source
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +52,9 @@ def sampled_indices(total_frames: int, seconds: float | None, fps: float, max_fr
 def decode_video(raw_video, args: VideoArgs):
     """(uint8 frames of shape (frames, height, width, 3) or None, problem or None)."""
     try:
-        if isinstance(raw_video, dict):
-            raw_video = raw_video.get("bytes") or raw_video.get("path")
-        if isinstance(raw_video, (bytes, bytearray, memoryview)):
-            raw_video = io.BytesIO(raw_video)
-        elif isinstance(raw_video, (str, os.PathLike)) and not stat.S_ISREG(os.stat(raw_video).st_mode):
-            return None, "undecodable"  # a directory, FIFO or device: opening a FIFO blocks
+        raw_video = readable_source(raw_video)
+        if raw_video is None:
+            return None, "undecodable"
         with av.open(raw_video, mode="r") as container:
             if not container.streams.video:
                 return None, "undecodable"
