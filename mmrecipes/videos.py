@@ -34,7 +34,6 @@ VIDEO_COUNTED = ("no_frames", "video_too_long")  # besides "undecodable", which 
 @dataclass
 class VideoArgs(CheckedArgs):
     CHECKS = {"video_fps": "positive", "video_max_frames": "count", "video_max_seconds": "positive"}
-    video_folder: str | None = None  # video paths are relative to it (default: --image_folder)
     video_fps: float = 2.0  # frames sampled per second of clip (transformers' video processors: fps)
     video_max_frames: int = 8  # at most this many frames per clip (their num_frames)
     video_max_seconds: float = 600.0  # longer clips are skipped and counted (video_too_long)
