@@ -59,11 +59,7 @@ def train(model, processor, parameters, steps, shown=square) -> list[float]:
     torch.manual_seed(0)
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
     collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
-    rows = []
-    for colour in COLOURS:
-        input_ids, labels, image_inputs = encode_row(labeller, colour_conversation(colour), [shown(colour)])
-        rows.append({"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs}
-                    | dict.fromkeys(CHAT_COUNTED, 0))
+    rows = [collator_row(labeller, colour_conversation(colour), [shown(colour)]) for colour in COLOURS]
     wrapper = VLMForTraining(model)
     optimizer = torch.optim.AdamW(parameters, lr=3e-3, weight_decay=0.0)
     shuffle, losses = random.Random(0), []
@@ -89,6 +85,11 @@ def test_the_same_steps_on_images_that_show_no_colour_teach_no_colour(tiny_vlms,
     assert answers(tmp_path, "qwen2_5_vl") != {colour: colour for colour in COLOURS}
 
 
+def collator_row(labeller, conversation, images) -> dict:
+    input_ids, labels, image_inputs = encode_row(labeller, conversation, images)
+    return {"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs} | dict.fromkeys(CHAT_COUNTED, 0)
+
+
 def _mixed_ranks_steps(rank, world_size, directories):
     """For each family: rank 0 trains on an image row, rank 1 on a text-only one (the collator's dummy image),
     two steps under DDP with every module trainable and no find_unused_parameters, as the recipe runs."""
@@ -103,9 +104,7 @@ def _mixed_ranks_steps(rank, world_size, directories):
         labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
         collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
         conversation, images = (colour_conversation("red"), [square("red")]) if rank == 0 else (text, [])
-        input_ids, labels, image_inputs = encode_row(labeller, conversation, images)
-        batch = collator([{"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs}
-                          | dict.fromkeys(CHAT_COUNTED, 0)])
+        batch = collator([collator_row(labeller, conversation, images)])
         assert batch["dummy_image"] == (rank == 1)
         ddp = DistributedDataParallel(VLMForTraining(model))
         for _ in range(2):
