@@ -4,12 +4,13 @@ the start-up and the imports of torch, transformers and datasets, which cost mor
     python tests/run_benches.py OUT_DIR SCRIPT [ARGS ...] -- SCRIPT [ARGS ...] -- ...
 
 For script number I: OUT_DIR/I.jsonl is its --results file, OUT_DIR/I.log its output, and OUT_DIR/I.rc
-its exit status (1 with the traceback in the log if it raised).
+its exit status (1 with the traceback in the log if it raised); stdout gets each script's seconds.
 """
 
 import contextlib
 import runpy
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -28,7 +29,7 @@ def main():
     sys.path.insert(0, str(BENCH))  # what running the script directly puts first
     for index, (script, *args) in enumerate(run for run in runs if run):
         sys.argv = [str(BENCH / script), *args, "--results", str(out_dir / f"{index}.jsonl")]
-        status = 0
+        status, start = 0, time.perf_counter()
         with open(out_dir / f"{index}.log",
                   "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             try:
@@ -41,6 +42,7 @@ def main():
                 traceback.print_exc()
                 status = 1
         (out_dir / f"{index}.rc").write_text(str(status))
+        print(script, *args, f"{time.perf_counter() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def test_vlm_step_reads_the_verdict_and_only_transformers_reads_more(tmp_path):
     tokens, on the host). transformers still reads in every forward of the tiny Llava: its image
     placeholder check (image tokens against the features' size) and its causal-mask check (is
     anything padded?), two reads each; a text-only micro-batch skips the first."""
-    steps = step_counts(tmp_path, "--max_steps", 12, "--logging_steps", 5, "--eval_steps", 100,
+    steps = step_counts(tmp_path, "--max_steps", 12, "--logging_steps", 5, "--eval_dataset_name", "",
                         "--dataloader_num_workers", 1, "--fused_adamw", "true", reads=True, recipe=VLM_RECIPE)
     quiet = [(entry, previous) for previous, entry in zip(steps, steps[1:])
              if (entry["step"] - 1) % 5 and entry["step"] > 2]

@@ -24,7 +24,7 @@ MATRIX = "qwen2_5_vl"
 TRAIN_MODULES = {"idefics3": "all"}  # the others: projector,language_model (the default)
 STEPS = 16
 RUN = ["--max_steps", STEPS, "--logging_steps", 4, "--per_device_train_batch_size", 1,
-       "--gradient_accumulation_steps", 2, "--eval_steps", STEPS]
+       "--gradient_accumulation_steps", 2, "--eval_steps", STEPS, "--eval_generation_rows", 8]  # 64: the default run
 
 
 def launch(config, checkpoint, output_dir, *extra):

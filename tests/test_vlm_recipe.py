@@ -164,7 +164,8 @@ def test_unknown_preset_is_rejected_before_training(tmp_path):
 
 RESUME_RUN = ["--max_steps", 6, "--logging_steps", 1, "--per_device_train_batch_size", 1,
               "--gradient_accumulation_steps", 2, "--eval_steps", 6, "--per_device_eval_batch_size", 256,
-              "--save_steps", 3, "--dataloader_num_workers", 1]  # the default: the data position comes from a worker
+              "--save_steps", 3, "--dataloader_num_workers", 1,  # the default: the data position comes from a worker
+              "--eval_generation_rows", 8]
 
 
 def test_default_mixture_at_batch_size_1_and_exact_resume(tmp_path):
