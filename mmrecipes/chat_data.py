@@ -7,6 +7,10 @@ Two row formats, per row (a file may mix image and text-only rows):
   the text, plus `image`: a path relative to `--image_folder` (or a list of them); no `image`
   means a text-only row.
 
+A row with a video (a `{"type": "video"}` part, a `videos` column, LLaVA-Video's `video` key or a
+`<video>` placeholder) is skipped and counted as `video`: the recipe does not train on clips yet, and
+a `<video>` placeholder must never reach the model as the text it looks like.
+
 Both become image content parts, which the checkpoint's own chat template and processor turn into
 that family's image tokens. Labels come from `mmrecipes.chat_labels.AnswerLabeller`: the input ids
 on the assistant turns (each with its end-of-turn token) and IGNORE_INDEX everywhere else
@@ -18,6 +22,7 @@ missing or undecodable image and rows whose image placeholders do not match thei
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import datasets
@@ -38,12 +43,14 @@ logger = logging.getLogger(__name__)
 # a regular file), is too large or too elongated, or lies outside --image_folder; the image placeholders do
 # not match the images; the row is over max_length or has no answer token; its answer tokens are not found
 # exactly in the processor's ids (chat_labels.UnalignedAnswer); its text is not UTF-8; it is not
-# a well-formed conversation (or the chat template refuses it); or its file is empty, unreadable or truncated.
+# a well-formed conversation (or the chat template refuses it); its file is empty, unreadable or truncated; or
+# it holds a video (not trained yet).
 CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "image_mismatch", "too_long", "no_target",
-                "unaligned", "bad_text", "bad_row", "bad_shard")
-CHAT_COLUMNS = ["messages", "images", "conversations", "image"]
+                "unaligned", "bad_text", "bad_row", "bad_shard", "video")
+CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video"]
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+MEDIA_PARTS = {"<image>": "image", "<video>": "video"}  # LLaVA's placeholders -> content part types
 
 
 @dataclass
@@ -121,21 +128,27 @@ def _field(item, key, kind=str):
 
 
 def _content_parts(content):
-    """Content parts; a string's `<image>` placeholders become image parts (LLaVA's convention).
-    An image part carries no text key: some templates test `'text' in part` before the part's type."""
+    """Content parts; a string's `<image>` and `<video>` placeholders become image and video parts (LLaVA's
+    convention). A media part carries no text key: some templates test `'text' in part` before the part's type."""
     if not isinstance(content, str):
-        parts = [{"type": "image"} if _field(part, "type") == "image"
+        parts = [{"type": part["type"]} if _field(part, "type") in MEDIA_PARTS.values()
                  else {"type": part["type"], "text": part.get("text")} for part in content]
         if any(part["type"] == "text" and not isinstance(part["text"], str) for part in parts):
             raise BadRow("a text part without text")
         return parts
     parts = []
-    for index, text in enumerate(content.split("<image>")):
-        if index:
-            parts.append({"type": "image"})
-        if text.strip():
-            parts.append({"type": "text", "text": text.strip()})
+    for piece in re.split(f"({'|'.join(MEDIA_PARTS)})", content):
+        if piece in MEDIA_PARTS:
+            parts.append({"type": MEDIA_PARTS[piece]})
+        elif piece.strip():
+            parts.append({"type": "text", "text": piece.strip()})
     return parts
+
+
+def has_video(row, messages) -> bool:
+    """A video part or placeholder in `messages`, or a video column with something in it."""
+    parts = (part["type"] for message in messages for part in message["content"])
+    return any(part == "video" for part in parts) or bool(row.get("videos") or row.get("video"))
 
 
 class ChatPreprocessor:
@@ -167,7 +180,8 @@ class ChatPreprocessor:
         """`tokenize`'s answer for a raw row; any failure is a counted "bad_row", never a crash (logged once per
         kind: a chat template that refuses a row raises its own errors, and so would a bug)."""
         try:
-            return self.tokenize(*to_chat(row, self.args.image_folder))
+            messages, raw_images = to_chat(row, self.args.image_folder)
+            return "video" if has_video(row, messages) else self.tokenize(messages, raw_images)
         except Exception as error:
             if not isinstance(error, BadRow) and type(error) not in self.logged:
                 self.logged.add(type(error))
@@ -243,6 +257,8 @@ def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: i
             break
         try:
             messages, raw_images = to_chat(row, args.image_folder)
+            if has_video(row, messages):
+                continue
             last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
             answer = " ".join(part["text"] for part in messages[last]["content"] if part["type"] == "text")
             loaded = row_images(args, folder, messages, raw_images)

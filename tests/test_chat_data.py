@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader
+from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, generation_prompts
 from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.losses import IGNORE_INDEX
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, load_vlm, stop_token_ids
@@ -60,7 +60,7 @@ def test_llava_json_labels_only_assistant_turns_and_skips_are_counted(tmp_path, 
     (batch,) = load_all(args, tiny)
     assert dict(zip(CHAT_COUNTED, batch["data_counts"].tolist())) == {
         "converted": 0, "undecodable": 2, "too_large": 0, "outside_folder": 0, "image_mismatch": 1, "too_long": 1,
-        "no_target": 1, "unaligned": 0, "bad_text": 0, "bad_row": 0, "bad_shard": 0}
+        "no_target": 1, "unaligned": 0, "bad_text": 0, "bad_row": 0, "bad_shard": 0, "video": 0}
     assert answers(batch, processor.tokenizer) == ["red<|end|>one<|end|>", "below<|end|>"]
     image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     image_positions = batch["input_ids"] == image_token
@@ -70,6 +70,34 @@ def test_llava_json_labels_only_assistant_turns_and_skips_are_counted(tmp_path, 
     # right padding: the shorter row's padding is masked out and never a target
     pad = batch["attention_mask"][1] == 0
     assert pad.any() and (batch["labels"][1][pad] == IGNORE_INDEX).all()
+
+
+def test_video_rows_are_counted_and_never_trained_as_text(tmp_path, tiny):
+    """LLaVA-Video rows (`video` + `<video>`), chat rows with a video part and a `videos` column, and a video
+    column beside a text-only conversation are skipped and counted as `video`, in training and in the held-out
+    prompts; before, a `<video>` placeholder was trained on as the text it looks like."""
+    _, processor, _ = tiny
+    question = {"from": "human", "value": "<video>\nWhich way does the shape move?"}
+    user = {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Which colour comes first?"}]}
+    rows = [
+        {"conversations": [question, {"from": "gpt", "value": "left"}], "video": "clip.mp4"},
+        {"conversations": [question, {"from": "gpt", "value": "right"}]},
+        {"messages": [user, {"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
+         "videos": ["clip.mp4"]},
+        {"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "hello"}], "video": "a.mp4"},
+        {"conversations": [{"from": "human", "value": "What is the opposite of above?"},
+                           {"from": "gpt", "value": "below"}]},
+    ]
+    (tmp_path / "videos.jsonl").write_text("\n".join(map(json.dumps, rows)))
+    args = ChatDataArgs(dataset_name="json", data_files=str(tmp_path / "videos.jsonl"), dataset_weights=None,
+                        eval_dataset_name="json", eval_data_files=str(tmp_path / "videos.jsonl"), eval_split="train")
+    (batch,) = load_all(args, tiny)
+    counts = dict(zip(CHAT_COUNTED, batch["data_counts"].tolist()))
+    assert counts["video"] == 4 and sum(counts.values()) == 4, counts
+    assert answers(batch, processor.tokenizer) == ["below<|end|>"]
+    assert "video" not in processor.tokenizer.decode(batch["input_ids"][0])
+    prompts = generation_prompts(args, processor, rows=8, data_rank=0, data_world=1)
+    assert [answer for _, answer in prompts] == ["below"]
 
 
 def write_chat_parquet(path, rows):
