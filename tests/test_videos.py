@@ -5,6 +5,7 @@ import io
 import sys
 
 import av
+import datasets
 import numpy
 import pytest
 
@@ -12,6 +13,7 @@ from launch import REPO
 from mmrecipes.videos import VideoArgs, decode_video, sampled_indices
 
 sys.path.insert(0, str(REPO / "data_prep"))
+from make_shapes import COLORS  # noqa: E402
 from make_videos import colour_sequence, encode_clip, moving_shape  # noqa: E402
 
 
@@ -48,6 +50,29 @@ def test_frame_order_carries_the_colour_sequence():
     frames, _ = decode_video(encode_clip(colour_sequence("red", "blue", "square")), VideoArgs())
     reds = [frame[..., 0].mean() > frame[..., 2].mean() for frame in frames]
     assert reds == [True, True, False, False]
+
+
+def test_the_embedded_clips_answer_their_questions_from_the_sampled_frames():
+    """data/vlm_shapes/video_chat (data_prep/make_videos.py): every held-out answer follows from the frames the
+    default flags sample, through the shape's path or the colours in order, and both kinds are there."""
+    rows = datasets.load_dataset("parquet", data_files=str(REPO / "data/vlm_shapes/video_chat/test-*.parquet"),
+                                 split="train")
+    kinds = set()
+    for row in rows:
+        (user, assistant), (clip,) = row["messages"], row["videos"]
+        question, answer = user["content"][-1]["text"], assistant["content"][0]["text"]
+        frames, problem = decode_video(clip, VideoArgs())
+        assert problem is None and len(frames) == 4
+        lit = [numpy.nonzero(frame.max(axis=-1) > 100) for frame in frames]
+        if question == "Which way does the shape move?":
+            dy, dx = (lit[-1][axis].mean() - lit[0][axis].mean() for axis in (0, 1))
+            assert answer == (("right" if dx > 0 else "left") if abs(dx) > abs(dy) else ("down" if dy > 0 else "up"))
+        else:
+            first = frames[0][lit[0]].mean(axis=0)
+            assert answer == min(COLORS, key=lambda name: numpy.abs(numpy.subtract(COLORS[name], first)).sum())
+            assert numpy.abs(frames[-1][lit[-1]].mean(axis=0) - first).sum() > 60  # the second colour differs
+        kinds.add(question)
+    assert len(rows) == 64 and len(kinds) == 2
 
 
 def audio_only() -> bytes:
