@@ -114,7 +114,8 @@ def train_sentencepiece_style_tokenizer(special_tokens, vocab_size=384):
 
 
 def _chat_texts():
-    rows = datasets.load_dataset("parquet", data_files=str(ROOT / "data/vlm_shapes/*/train-*.parquet"), split="train")
+    files = [str(ROOT / f"data/vlm_shapes/{name}/train-*.parquet") for name in ("image_chat", "text_chat")]
+    rows = datasets.load_dataset("parquet", data_files=files, split="train")
     texts = [part["text"] for row in rows.select_columns(["messages"]) for message in row["messages"]
              for part in message["content"] if part["text"]]
     return texts + ["system", "user", "assistant", "model", "You are a helpful assistant.", "User:", "Assistant:",
