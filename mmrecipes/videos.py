@@ -5,9 +5,11 @@ the recipes run on. (torchcodec needs the system's FFmpeg libraries, which a CPU
 container often lacks.)
 
 `decode_video` takes encoded bytes, a `{"bytes", "path"}` dict or a path, and never raises: it
-returns the sampled frames as one uint8 array (frames, height, width, 3), the form transformers'
-video processors take and the loader ships through shared memory, or why there are none, for the
-caller to count:
+returns a `DecodedVideo`, the sampled frames as one uint8 array (frames, height, width, 3), the form
+transformers' video processors take and the loader ships through shared memory, with the clip's
+`VideoMetadata` (frame count, frame rate, which frames were kept: what a processor given
+`do_sample_frames=False` reads the sampling rate from, Qwen's seconds per temporal patch), or why
+there are none, for the caller to count:
 - "undecodable": zero bytes, truncated, not a video, no video stream, not a regular file;
 - "no_frames": a video stream that yields no frame;
 - "video_too_long": longer than `max_seconds` (read from the container's header, before decoding).
@@ -19,9 +21,11 @@ clip, at most `max_frames`, at least one, evenly spaced (each the middle frame o
 import logging
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import av
 import numpy
+from transformers.video_utils import VideoMetadata
 
 from .config import CheckedArgs
 from .images import readable_source
@@ -39,6 +43,11 @@ class VideoArgs(CheckedArgs):
     video_max_seconds: float = 600.0  # longer clips are skipped and counted (video_too_long)
 
 
+class DecodedVideo(NamedTuple):
+    frames: numpy.ndarray  # uint8 (frames, height, width, 3)
+    metadata: VideoMetadata
+
+
 def sampled_indices(total_frames: int, seconds: float | None, fps: float, max_frames: int) -> list[int]:
     """Indices of `fps` frames per second of clip, at most `max_frames`, at least one, each the middle
     frame of an equal stretch of the clip (no duration known: `max_frames`)."""
@@ -49,7 +58,7 @@ def sampled_indices(total_frames: int, seconds: float | None, fps: float, max_fr
 
 
 def decode_video(raw_video, args: VideoArgs):
-    """(uint8 frames of shape (frames, height, width, 3) or None, problem or None)."""
+    """(DecodedVideo or None, problem or None)."""
     try:
         raw_video = readable_source(raw_video)
         if raw_video is None:
@@ -77,10 +86,15 @@ def decode_video(raw_video, args: VideoArgs):
     if not frames:
         return None, "no_frames"
     if wanted is None:
-        seconds = seconds if seconds and seconds > 0 else len(frames) / (rate or 1)
-        frames = [frames[index] for index in sampled_indices(len(frames), seconds, args.video_fps,
-                                                            args.video_max_frames)]
-    return numpy.stack(frames), None  # fewer than sampled where the header overstated the length
+        total = len(frames)
+        seconds = seconds if seconds and seconds > 0 else total / (rate or 1)
+        kept = sampled_indices(total, seconds, args.video_fps, args.video_max_frames)
+        frames = [frames[index] for index in kept]
+    else:  # fewer than sampled where the header overstated the length
+        kept = sorted(wanted)[:len(frames)]
+    rate = rate or (total / seconds if seconds else 1.0)  # no rate in the header: the clip's own
+    metadata = VideoMetadata(total_num_frames=total, fps=rate, duration=total / rate, frames_indices=kept)
+    return DecodedVideo(numpy.stack(frames), metadata), None
 
 
 def _seconds(container, stream) -> float | None:

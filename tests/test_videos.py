@@ -8,6 +8,7 @@ import av
 import datasets
 import numpy
 import pytest
+from transformers import AutoProcessor
 
 from launch import REPO
 from mmrecipes.videos import VideoArgs, decode_video, sampled_indices
@@ -37,18 +38,22 @@ def test_the_motion_survives_decoding_in_frame_order(wrap, tmp_path):
         source = tmp_path / "clip.mp4"
     else:
         source = wrap(clip)
-    frames, problem = decode_video(source, VideoArgs(video_fps=100, video_max_frames=8))
-    assert problem is None and frames.shape == (8, 48, 48, 3) and frames.dtype == numpy.uint8
-    xs = [centre_x(frame) for frame in frames]
+    video, problem = decode_video(source, VideoArgs(video_fps=100, video_max_frames=8))
+    assert problem is None and video.frames.shape == (8, 48, 48, 3) and video.frames.dtype == numpy.uint8
+    xs = [centre_x(frame) for frame in video.frames]
     assert xs == sorted(xs) and xs[-1] - xs[0] > 20  # left to right, across the frame
-    # The default 2 frames per second of a 2-second clip: 4 of them, still in order.
-    frames, _ = decode_video(source, VideoArgs())
-    assert len(frames) == 4 and [centre_x(frame) for frame in frames] == sorted(xs)[1::2]
+    # The default 2 frames per second of a 2-second clip: 4 of them, still in order, and the metadata a video
+    # processor reads the sampling rate from says so.
+    video, _ = decode_video(source, VideoArgs())
+    assert len(video.frames) == 4 and [centre_x(frame) for frame in video.frames] == sorted(xs)[1::2]
+    metadata = video.metadata
+    assert (metadata.total_num_frames, metadata.fps, metadata.frames_indices) == (8, 4.0, [1, 3, 5, 7])
+    assert metadata.sampled_fps == 2.0 and metadata.duration == 2.0
 
 
 def test_frame_order_carries_the_colour_sequence():
-    frames, _ = decode_video(encode_clip(colour_sequence("red", "blue", "square")), VideoArgs())
-    reds = [frame[..., 0].mean() > frame[..., 2].mean() for frame in frames]
+    video, _ = decode_video(encode_clip(colour_sequence("red", "blue", "square")), VideoArgs())
+    reds = [frame[..., 0].mean() > frame[..., 2].mean() for frame in video.frames]
     assert reds == [True, True, False, False]
 
 
@@ -61,8 +66,9 @@ def test_the_embedded_clips_answer_their_questions_from_the_sampled_frames():
     for row in rows:
         (user, assistant), (clip,) = row["messages"], row["videos"]
         question, answer = user["content"][-1]["text"], assistant["content"][0]["text"]
-        frames, problem = decode_video(clip, VideoArgs())
-        assert problem is None and len(frames) == 4
+        video, problem = decode_video(clip, VideoArgs())
+        assert problem is None and len(video.frames) == 4
+        frames = video.frames
         lit = [numpy.nonzero(frame.max(axis=-1) > 100) for frame in frames]
         if question == "Which way does the shape move?":
             dy, dx = (lit[-1][axis].mean() - lit[0][axis].mean() for axis in (0, 1))
@@ -73,6 +79,19 @@ def test_the_embedded_clips_answer_their_questions_from_the_sampled_frames():
             assert numpy.abs(frames[-1][lit[-1]].mean(axis=0) - first).sum() > 60  # the second colour differs
         kinds.add(question)
     assert len(rows) == 64 and len(kinds) == 2
+
+
+def test_qwen_video_processor_takes_our_frames_at_our_sampling_rate(tiny_vlms):
+    """Qwen2.5-VL's own processor, given the sampled frames and their metadata without sampling again: 4 frames
+    are 2 temporal patches of 12 x 12 (48 px / 4), merged 2 x 2 into 72 tokens, each patch 1 s of clip (2
+    frames a second): what its 3-D positions use."""
+    processor = AutoProcessor.from_pretrained(tiny_vlms["qwen2_5_vl"])
+    video, _ = decode_video(encode_clip(moving_shape("up", "green", "square")), VideoArgs())
+    chat = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Which way?"}]}]
+    inputs = processor(text=processor.apply_chat_template(chat, add_generation_prompt=True), videos=[video.frames],
+                       video_metadata=[video.metadata], do_sample_frames=False, return_tensors="pt")
+    assert inputs["video_grid_thw"].tolist() == [[2, 12, 12]] and inputs["second_per_grid_ts"].tolist() == [1.0]
+    assert (inputs["input_ids"] == processor.tokenizer.convert_tokens_to_ids(processor.video_token)).sum() == 72
 
 
 def audio_only() -> bytes:
