@@ -177,8 +177,9 @@ class ChatPreprocessor:
         return out
 
     def example(self, row):
-        """`tokenize`'s answer for a raw row; any failure is a counted "bad_row", never a crash (logged once per
-        kind: a chat template that refuses a row raises its own errors, and so would a bug)."""
+        """`tokenize`'s answer for a raw row ("video" for a row with a video); any failure is a counted "bad_row",
+        never a crash (logged once per kind: a chat template that refuses a row raises its own errors, and so
+        would a bug)."""
         try:
             messages, raw_images = to_chat(row, self.args.image_folder)
             return "video" if has_video(row, messages) else self.tokenize(messages, raw_images)

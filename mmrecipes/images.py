@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 def decode_image(raw_image, max_pixels: int, max_aspect_ratio: float = float("inf")):
     """(RGB image or None, problem or None); problem is "converted", "undecodable" or "too_large"."""
     try:
-        raw_image = raw_image if isinstance(raw_image, Image.Image) else readable_source(raw_image)
+        raw_image = readable_source(raw_image)  # an Image passes through
         if raw_image is None:
             return None, "undecodable"
         image = raw_image if isinstance(raw_image, Image.Image) else Image.open(raw_image)
@@ -53,7 +53,8 @@ def decode_image(raw_image, max_pixels: int, max_aspect_ratio: float = float("in
 
 def readable_source(raw):
     """What a decoder opens, from encoded bytes, a `{"bytes", "path"}` dict or a path; None for a path that is
-    not a regular file (a directory, FIFO or device: opening a FIFO blocks). A missing path raises."""
+    not a regular file (a directory, FIFO or device: opening a FIFO blocks); anything else (an open file, a PIL
+    image) as it is. A missing path raises."""
     if isinstance(raw, dict):
         raw = raw.get("bytes") or raw.get("path")
     if isinstance(raw, (bytes, bytearray, memoryview)):
