@@ -50,13 +50,14 @@ def build(sizes, device):
     return model
 
 
-def measure(model, batch, *, steps, warmup, compile_model, device):
-    """(samples/s, peak GiB) of full training steps after `warmup` untimed ones."""
+def measure(model, batch, *, steps, warmup, compile_model, device, bf16=True):
+    """(samples/s, peak GiB) of full training steps after `warmup` untimed ones, under bf16 autocast unless
+    `bf16=False`."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
     forward = torch.compile(model) if compile_model else model
 
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = clip_loss(*forward(**batch))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

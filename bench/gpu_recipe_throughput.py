@@ -25,8 +25,10 @@ windows within 1.2x of each other) and appends a JSON line to bench/results/gpu_
 `--mode vlm` does the same for `vlm_finetune.py` on the embedded conversations: a Llava saved from
 config (`--toy`: the recipe's tiny one) with a CLIP-L/14-336-shaped tower (1024 x 24, 16 heads of 64)
 and a Llama-shaped LM (2048 x 16, 16 heads of 128, 1.1B parameters in all); the compute-only step is
-`VLMForTraining` on one of the recipe's own image batches already on the device (bf16 autocast,
-fused AdamW where CUDA is), against the recipe's tokens/s windows; MFU from its log line.
+`VLMForTraining` on one of the recipe's own image batches already on the device (fused AdamW where CUDA is),
+against the recipe's tokens/s windows; MFU from its log line. Both compute-only steps use the recipe's own
+precision (`--mixed_precision auto`): bf16 autocast on a GPU that has it, fp32 elsewhere (bf16 on a CPU is
+several times slower, which made the toy ratio meaningless).
 """
 
 import argparse
@@ -56,6 +58,7 @@ from mmrecipes.chat_data import ChatDataArgs, build_chat_dataloader
 from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.paths import TINY_TOKENIZER
 from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
+from mmrecipes.training import resolve_mixed_precision
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, stop_token_ids
 from mmrecipes.vlm_families import dummy_image_inputs, module_groups
 
@@ -70,6 +73,7 @@ VLM_WINDOW = re.compile(r"step (\d+)/\d+ \|.*?\| tokens/s ([\d.]+) \| MFU ([\d.]
 VLM_1B = dict(image_size=336, patch_size=14, vision_hidden_size=1024, vision_layers=24, text_hidden_size=2048,
               text_layers=16)
 VLM_HEADS = 16
+RECIPE_BF16 = resolve_mixed_precision("auto") == "bf16"
 OPEN_CLIP_WINDOW = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/.*?([\d.]+)/s/gpu")
 
 
@@ -160,7 +164,7 @@ def vlm_compute_only(directory: Path, batch_size: int, max_length: int, steps: i
                                   fused=device.type == "cuda")
 
     def train_step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=RECIPE_BF16):
             loss = step(**inputs)[0]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(step.parameters(), 1.0)
@@ -189,7 +193,7 @@ def clip_mode(args, scratch: Path, toy: bool, device) -> dict:
     model = build(sizes, device)
     flops = clip_train_flops_per_sample(model, text_len)
     compute_only, _ = measure(model, batch, steps=5 if toy else 20, warmup=2 if toy else 5,
-                              compile_model=args.torch_compile == "true", device=device)
+                              compile_model=args.torch_compile == "true", device=device, bf16=RECIPE_BF16)
     del model, batch
 
     log = run([sys.executable, "recipes/clip_pretrain.py", "--model_name_or_path", str(scratch / "clip"),

@@ -169,8 +169,9 @@ def stream_loader(stream, batch_size: int, collate_fn, num_workers: int | None, 
 GROUP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def start_worker_server():
-    """Start the fork server (once per process) ignoring GROUP_SIGNALS, which it inherits.
+def start_worker_server(preload=()):
+    """Start the fork server (once per process) ignoring GROUP_SIGNALS, which it inherits; it imports the
+    data pipeline, and the modules `preload` names (tests fork whole ranks from it), once.
 
     The training process handles a preemption signal (StepGuard: checkpoint at the next step
     boundary, then exit), but the server shares its process group and would die of it, and then
@@ -178,7 +179,8 @@ def start_worker_server():
     """
     # What the workers run, imported once in the server (Python 3.11 would re-import the recipe in
     # every worker otherwise: its preload of '__main__' is a no-op, fixed only in 3.12).
-    multiprocessing.set_forkserver_preload(["mmrecipes.data", "mmrecipes.chat_data", "mmrecipes.chat_collate"])
+    multiprocessing.set_forkserver_preload(["mmrecipes.data", "mmrecipes.chat_data", "mmrecipes.chat_collate",
+                                            *preload])
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in GROUP_SIGNALS}
     try:
         multiprocessing.forkserver.ensure_running()

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import launch
+from gloo import start_rank_server
 from launch import REPO
 
 sys.path.insert(0, str(REPO / "data_prep"))
@@ -48,6 +49,13 @@ def pytest_fixture_setup(fixturedef, request):
         yield
     finally:
         _running["fixtures"].pop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_server():
+    """The fork server started with what ranks import (gloo.RANK_PRELOAD), before an in-process run's
+    DataLoader workers could start it without."""
+    start_rank_server()
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ import signal
 import socket
 import tempfile
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -52,12 +53,26 @@ def _worker(rank, world_size, port, result_dir, fn, args):
             dist.destroy_process_group()
 
 
+def start_rank_server():
+    """The fork server, with what a rank imports and builds done once in it (tests/rank_preload.py). Python 3.11's
+    server ignores the caller's sys.path, so tests/ reaches it through PYTHONPATH, for its start only."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), saved]))
+    try:
+        start_worker_server(["rank_preload"])
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
 def run_on_ranks(fn, world_size, *args):
     """`fn(rank, world_size, *args)` on every rank; returns the list of per-rank results.
 
     `fn` must be importable (a module-level function): the processes come from the fork server.
     """
-    start_worker_server()
+    start_rank_server()
     with tempfile.TemporaryDirectory() as result_dir:
         try:
             mp.start_processes(_worker, args=(world_size, free_port(), result_dir, fn, args), nprocs=world_size,

@@ -22,8 +22,8 @@ import pytest
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-from gloo import become_rank, free_port, restore_group_signals, run_on_ranks
-from mmrecipes.loader import GROUP_SIGNALS, start_worker_server
+from gloo import become_rank, free_port, restore_group_signals, run_on_ranks, start_rank_server
+from mmrecipes.loader import GROUP_SIGNALS
 from mmrecipes.output_dir import release_held
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def _in_process(recipe, argv) -> SimpleNamespace:
 
 
 def _forked(script, argv, env, world_size, timeout) -> SimpleNamespace:
-    start_worker_server()
+    start_rank_server()
     port = free_port()
     with tempfile.TemporaryDirectory() as log_dir:
         ranks = [multiprocessing.get_context("forkserver").Process(
