@@ -1,11 +1,13 @@
 """What every recipe's loop needs around it: the common arguments, batch size from a global
 batch, mixed precision and tracker choice. The loop itself stays in the recipe."""
 
+import json
 import math
 import signal
 from dataclasses import dataclass
 
 import torch
+from transformers import get_scheduler
 
 from .config import CheckedArgs
 from .distributed import make_accelerator
@@ -20,7 +22,8 @@ class TrainingArgs(CheckedArgs):
               **dict.fromkeys(("global_batch_size", "save_total_limit"), "count_or_none"),
               **dict.fromkeys(("warmup_steps", "save_steps", "max_skipped_steps"), "count_or_zero"),
               "learning_rate": "positive", "weight_decay": "non_negative", "max_grad_norm": "non_negative_or_none",
-              "peak_tflops": "positive_or_none"}
+              "peak_tflops": "positive_or_none", "adam_beta1": "fraction", "adam_beta2": "fraction",
+              "adam_epsilon": "positive"}
 
     output_dir: str = "outputs/run"
     max_steps: int = 300  # optimizer steps
@@ -29,8 +32,13 @@ class TrainingArgs(CheckedArgs):
     gradient_accumulation_steps: int = 1
     learning_rate: float = 2.0e-3
     weight_decay: float = 0.1
+    adam_beta1: float = 0.9  # AdamW's betas and eps (HF TrainingArguments' names; open_clip's ViTs: 0.98, 1e-6)
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1.0e-8
     warmup_steps: int = 20
-    lr_scheduler_type: str = "cosine"
+    lr_scheduler_type: str = "cosine"  # any of transformers' get_scheduler types the loop can step
+    # JSON of the scheduler's own arguments, e.g. '{"num_decay_steps": 60}' for warmup_stable_decay
+    lr_scheduler_kwargs: str | None = None
     max_grad_norm: float | None = 1.0  # 0 or None: no clipping (the norm is still logged and checked)
     mixed_precision: str = "auto"  # auto: bf16 on GPUs that support it, else fp32; or no / bf16 / fp16
     seed: int = 42
@@ -64,6 +72,7 @@ class TrainingArgs(CheckedArgs):
                              "a process can catch; write names such as SIGTERM,SIGUSR1 (or '' for none)")
         if not self.max_grad_norm:
             self.max_grad_norm = math.inf  # clip_grad_norm_ then only measures (and DeepSpeed clips nothing)
+        lr_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), self)  # refused now, not at step 1
 
 
 def per_device_batch_size(args: TrainingArgs, data_world: int) -> int:
@@ -89,9 +98,35 @@ def accelerator_from_args(args: TrainingArgs):
 
 
 def adamw(param_groups, args: TrainingArgs) -> torch.optim.AdamW:
-    """AdamW at `args.learning_rate` (groups may set their own lr and weight decay), fused where asked."""
+    """AdamW at `args.learning_rate` (groups may set their own lr and weight decay) with the args' betas and
+    eps, fused where asked."""
     fused = torch.cuda.is_available() if args.fused_adamw is None else args.fused_adamw
-    return torch.optim.AdamW(param_groups, lr=args.learning_rate, fused=fused or None)  # None: torch picks foreach
+    return torch.optim.AdamW(param_groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                             eps=args.adam_epsilon, fused=fused or None)  # None: torch picks foreach
+
+
+def lr_scheduler(optimizer, args: TrainingArgs):
+    """transformers' `get_scheduler(lr_scheduler_type)` over `max_steps` with `warmup_steps`, given the
+    `lr_scheduler_kwargs`; a type or arguments it cannot build from these, or a plateau schedule (it needs a metric
+    at every step, which the loop does not pass), raises a ValueError that says what to give."""
+    flag = f"--lr_scheduler_type {args.lr_scheduler_type}"
+    if args.lr_scheduler_type == "reduce_lr_on_plateau":
+        raise ValueError(f"{flag}: it steps on an evaluation metric, which the loop does not pass; choose a "
+                         "schedule over steps (cosine, linear, warmup_stable_decay, ...)")
+    try:
+        kwargs = json.loads(args.lr_scheduler_kwargs) if args.lr_scheduler_kwargs else {}
+        if not isinstance(kwargs, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as error:
+        raise ValueError(f"--lr_scheduler_kwargs {args.lr_scheduler_kwargs!r}: {error}; write a JSON object such "
+                         "as '{\"num_decay_steps\": 60}'") from None
+    try:
+        return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
+                             num_training_steps=args.max_steps, scheduler_specific_kwargs=kwargs)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{flag} with --lr_scheduler_kwargs {args.lr_scheduler_kwargs!r}: {error}. Give its "
+                         "arguments as JSON, e.g. --lr_scheduler_kwargs '{\"num_decay_steps\": 60}' for "
+                         "warmup_stable_decay") from None
 
 
 def resolve_mixed_precision(choice: str) -> str:

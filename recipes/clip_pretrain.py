@@ -20,7 +20,6 @@ from functools import partial
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import get_scheduler
 
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.config import parse_args
@@ -35,7 +34,14 @@ from mmrecipes.model_card import History, write_model_card
 from mmrecipes.models import ModelArgs, build_contrastive, clamp_logit_scale_, save_contrastive
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
-from mmrecipes.training import TrainingArgs, accelerator_from_args, adamw, compile_blocks, per_device_batch_size
+from mmrecipes.training import (
+    TrainingArgs,
+    accelerator_from_args,
+    adamw,
+    compile_blocks,
+    lr_scheduler,
+    per_device_batch_size,
+)
 from mmrecipes.zeroshot import ZeroShotArgs, ZeroShotSet, evaluate_zeroshot
 
 
@@ -74,7 +80,7 @@ def main(argv=None):
     optimizer = adamw([{"params": decay, "weight_decay": args.weight_decay},
                        {"params": no_decay, "weight_decay": 0.0}], args)
     # Stepped by hand once per optimizer step (accelerate's prepared scheduler steps per process).
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
+    scheduler = lr_scheduler(optimizer, args)
     reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
                                gradient_clipping=args.max_grad_norm)

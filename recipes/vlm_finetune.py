@@ -5,15 +5,12 @@
     accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/vlm_finetune.py \
         --model_name_or_path Qwen/Qwen2.5-VL-3B-Instruct --learning_rate 2.0e-5
 
-With no arguments it fine-tunes a tiny Llava on the embedded shapes conversations (75% image
-questions, 25% text-only) on a CPU; the output loads with `AutoModelForImageTextToText` and
-`pipeline("image-text-to-text")`. `--model_name_or_path` takes any image-text-to-text checkpoint with its
-own processor and chat template; `--use_peft true` trains LoRA adapters (TRL's flags). On every engine a
-text-only micro-batch runs the vision step on a tiny dummy image (ranks never disagree on which modules
-run), and the loss is the exact token mean over the accumulation window on all ranks (docs/vlm.md).
-Real data: `--dataset_name json --data_files llava.json --image_folder images/` (LLaVA format) or
-`messages` + `images` rows; comma-separated sources mix with `--dataset_weights`. Tested on a 2-core CPU
-(1 and 2 processes, gloo).
+With no arguments it fine-tunes a tiny Llava on the embedded shapes conversations (75% image questions, 25% text-only)
+on a CPU; the output loads with `AutoModelForImageTextToText` and `pipeline("image-text-to-text")`. It takes any
+image-text-to-text checkpoint with its own processor and chat template (`--model_name_or_path`); `--use_peft true`
+trains LoRA adapters (TRL's flags). On every engine a text-only micro-batch runs the vision step on a tiny dummy image,
+and the loss is the exact token mean over the accumulation window on all ranks (docs/vlm.md). Data: LLaVA format
+(`--dataset_name json --data_files llava.json --image_folder images/`) or `messages` + `images` rows, mixed by weight.
 """
 
 import time
@@ -22,7 +19,6 @@ from dataclasses import asdict, dataclass
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import get_scheduler
 
 from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs, check_packing
 from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, generation_prompts
@@ -44,7 +40,14 @@ from mmrecipes.metrics import LogWindow, eval_line, log_line
 from mmrecipes.model_card import History, write_model_card
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import peak_flops, vlm_train_flops
-from mmrecipes.training import TrainingArgs, accelerator_from_args, adamw, compile_blocks, per_device_batch_size
+from mmrecipes.training import (
+    TrainingArgs,
+    accelerator_from_args,
+    adamw,
+    compile_blocks,
+    lr_scheduler,
+    per_device_batch_size,
+)
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, save_vlm, stop_token_ids
 from mmrecipes.vlm_families import dummy_image_inputs, image_patches, module_groups, optimizer_groups
 
@@ -64,8 +67,7 @@ class TrainArgs(TrainingArgs):
     per_device_eval_batch_size: int = 64
     eval_steps: int = 200
     eval_generation_rows: int = 64  # held-out questions answered by greedy generation at each evaluation; 0: none
-    # Before each module runs, ranks check they run the same one (one collective per module call);
-    # or set MMRECIPES_DEBUG_DIVERGENCE=1
+    # Ranks check before each module that they run the same one (a collective each; or MMRECIPES_DEBUG_DIVERGENCE=1)
     debug_divergence: bool = False
 
 
@@ -122,7 +124,7 @@ def main(argv=None):
 
     # Frozen parameters are not in the optimizer (no state); the tower, if it trains, has its own lr.
     optimizer = adamw(optimizer_groups(trainable, args), args)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
+    scheduler = lr_scheduler(optimizer, args)
     reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
                                gradient_clipping=args.max_grad_norm)

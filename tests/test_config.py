@@ -60,3 +60,19 @@ def test_yaml_values_reach_their_dataclass_and_flags_override_them(tmp_path, pat
 def test_bad_siglip_settings_rejected_before_training(argv, message, tmp_path):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_recipe().main(["--loss", "siglip", "--report_to", "none", "--output_dir", str(tmp_path), *argv])
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"lr_scheduler_type": "warmup_stable_decay"}, "--lr_scheduler_kwargs '{\"num_decay_steps\": 60}'"),
+    ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "steps on an evaluation metric"),
+    ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": "num_cycles=2"}, "write a JSON object"),
+    ({"lr_scheduler_type": "no_such_schedule"}, "--lr_scheduler_type no_such_schedule"),
+    ({"adam_beta2": 1.0}, "--adam_beta2 1.0: must be a number from 0 up to (not including) 1"),
+    ({"adam_epsilon": float("nan")}, "--adam_epsilon nan: must be a finite number above 0"),
+])
+def test_optimizer_and_schedule_settings_rejected_when_parsed(values, message):
+    """A schedule transformers cannot build from the flags (WSD without its decay steps raised a TypeError once
+    the model was built), or one the loop cannot step, and impossible AdamW settings: refused when parsed."""
+    train_args = load_recipe().ARGUMENTS[-1]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train_args(**values)

@@ -121,6 +121,24 @@ def test_resume_continues_exactly(tmp_path):
     assert_same_curves(resumed.log, straight.log, [3, 4], abs=1e-6)
 
 
+def test_adam_betas_and_the_warmup_stable_decay_schedule_reach_the_run(tmp_path):
+    """--adam_beta1/2 and --adam_epsilon (HF's names) are what the run's AdamW steps with (its checkpoint's
+    optimizer state), and warmup_stable_decay with its --lr_scheduler_kwargs warms up, holds the peak and decays."""
+    peak = 1.0e-3
+    result = run_recipe("--max_steps", 8, "--warmup_steps", 2, "--lr_scheduler_type", "warmup_stable_decay",
+                        "--lr_scheduler_kwargs", '{"num_decay_steps": 3}', "--learning_rate", peak,
+                        "--adam_beta1", 0.8, "--adam_beta2", 0.98, "--adam_epsilon", 1.0e-6, "--logging_steps", 1,
+                        "--per_device_train_batch_size", 16, "--eval_split", "", "--zeroshot_dataset", "",
+                        "--save_steps", 4, "--output_dir", tmp_path)
+    assert result.returncode == 0, result.log[-3000:]
+    (group,) = torch.load(tmp_path / "checkpoints" / "checkpoint-4" / "optimizer.bin")["param_groups"][:1]
+    assert tuple(group["betas"]) == (0.8, 0.98) and group["eps"] == 1.0e-6
+    rates = {int(step): float(lr) for step, lr in re.findall(r"^step (\d+)/8 \|.*?\| lr ([\d.e+-]+)", result.log, re.M)}
+    assert sorted(rates) == list(range(1, 9)), result.log[-2000:]
+    assert rates[1] < peak and all(rates[step] == pytest.approx(peak) for step in (2, 3, 4, 5)), rates
+    assert peak > rates[6] > rates[7] > rates[8], rates
+
+
 def test_deepspeed_accumulation_mismatch_rejected_before_first_step(tmp_path):
     """A user's DeepSpeed JSON (by absolute path) whose accumulation disagrees with the recipe's."""
     ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4,
