@@ -9,8 +9,13 @@ names the flag and what to write, before any model is built.
 
 import dataclasses
 import difflib
+import inspect
+import io
 import math
+import re
 import sys
+import textwrap
+import tokenize
 import types
 import typing
 from typing import ClassVar
@@ -20,9 +25,15 @@ from transformers import HfArgumentParser
 
 
 def parse_args(dataclass_types, argv=None):
-    """One instance per dataclass in `dataclass_types`, from `argv` (default: sys.argv[1:])."""
+    """One instance per dataclass in `dataclass_types`, from `argv` (default: sys.argv[1:]). `--help` shows each
+    flag's comment in its dataclass and its default."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = HfArgumentParser(dataclass_types)
+    comments = {name: text for cls in dataclass_types for name, text in field_comments(cls).items()}
+    fields = {field.name for cls in dataclass_types for field in dataclasses.fields(cls)}
+    for action in parser._actions:
+        if action.dest in fields:
+            action.help = f"{comments.get(action.dest, '').replace('%', '%%')} (default: %(default)s)".lstrip()
     if argv and argv[0].endswith((".yaml", ".yml")):
         with open(argv[0]) as file:
             values = yaml.safe_load(file) or {}
@@ -30,6 +41,37 @@ def parse_args(dataclass_types, argv=None):
         parser.set_defaults(**values)
         argv = argv[1:]
     return parser.parse_args_into_dataclasses(args=argv)
+
+
+def field_comments(cls) -> dict[str, str]:
+    """{field: its comment} from the dataclass's source (and its bases'): the comment lines right above the
+    field, then the one after it on its line. The recipes document their flags this way."""
+    comments = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            lines = textwrap.dedent(inspect.getsource(klass)).splitlines()
+        except (OSError, TypeError):  # no source (an interactive session)
+            continue
+        fields, above = {field.name for field in dataclasses.fields(klass)}, []
+        for line in lines:
+            if line.strip().startswith("#"):
+                above.append(line.strip().lstrip("#").strip())
+                continue
+            field = re.match(r" {4}(\w+)\s*:", line)
+            if field and field[1] in fields and (text := " ".join([*above, _trailing_comment(line)]).strip()):
+                comments[field[1]] = text
+            above = []
+    return comments
+
+
+def _trailing_comment(line: str) -> str:
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line.strip()).readline))
+    except (tokenize.TokenError, SyntaxError):  # a default that continues on the next line
+        return ""
+    return next((token.string.lstrip("#").strip() for token in tokens if token.type == tokenize.COMMENT), "")
 
 
 def check_yaml_values(values: dict, dataclass_types, source: str):
@@ -100,6 +142,8 @@ class CheckedArgs:
     before anything else happens."""
 
     CHECKS: ClassVar[dict[str, str]] = {}
+    # {flag: fields it makes unused}: a field changed from its default beside that flag is refused, not ignored
+    UNUSED_WITH: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __post_init__(self):
         problems = []
@@ -110,5 +154,10 @@ class CheckedArgs:
                 default = defaults.get(name)
                 example = f" (the default is {default})" if default not in (None, dataclasses.MISSING) else ""
                 problems.append(f"--{name} {getattr(self, name)!r}: must be {expected}{example}")
+        for flag, names in self.UNUSED_WITH.items():
+            changed = [f"--{name} {getattr(self, name)!r}" for name in names if getattr(self, name) != defaults[name]]
+            if getattr(self, flag) and changed:
+                problems.append(f"{', '.join(changed)}: not used with --{flag}, whose own config decides (nothing is "
+                                "resized or rebuilt); drop it")
         if problems:
             raise ValueError("; ".join(problems))

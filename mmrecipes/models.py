@@ -29,6 +29,8 @@ MAX_LOGIT_SCALE = math.log(100)  # CLIP clamps the temperature at 100
 @dataclass
 class ModelArgs(CheckedArgs):
     CHECKS = dict.fromkeys(("image_size", "patch_size", "hidden_size", "num_layers", "projection_dim"), "count")
+    UNUSED_WITH = {"model_name_or_path": ("tokenizer_name", "image_size", "patch_size", "hidden_size", "num_layers",
+                                          "projection_dim")}
     # clip: CLIPModel with clip_loss (softmax over the batch); siglip: SiglipModel with siglip_loss (sigmoid per pair)
     loss: str = field(default="clip", metadata={"choices": ["clip", "siglip"]})
     model_name_or_path: str | None = None  # a saved CLIP/SigLIP directory or hub id; None builds a tiny one

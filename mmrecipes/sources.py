@@ -36,7 +36,8 @@ _BAD_TEXT = re.compile("[\udc80-\udcff]")  # what undecodable bytes become under
 def expand_data_files(spec: str | list[str] | None) -> list[str] | None:
     """`--data_files` as `load_dataset` takes it: comma-separated entries (or a list), each with its
     brace ranges expanded as open_clip/webdataset users write them (`/data/{00000..41455}.tar`, zero
-    padding kept; `{a,b}` alternatives too). Globs and fsspec URLs pass through to `datasets`."""
+    padding kept; `{a,b}` alternatives too). Globs and fsspec URLs (chains too) pass through to `datasets`;
+    open_clip's `A::B` is refused."""
     if not spec:
         return None
     if not isinstance(spec, str):
@@ -49,7 +50,13 @@ def expand_data_files(spec: str | list[str] | None) -> list[str] | None:
             current = ""
         else:
             current += char
-    return [path for entry in entries + [current] if entry.strip() for path in _expand_braces(entry.strip())]
+    entries = [entry.strip() for entry in entries + [current] if entry.strip()]
+    for entry in entries:
+        if "::" in entry and "://" not in entry.split("::")[0]:  # fsspec's chains start with a protocol
+            raise ValueError(f"data files {entry!r}: '::' joins sources in open_clip (A::B), but fsspec reads it as a "
+                             "URL chain and would read A only; separate the files with commas (one source, read in "
+                             "turn), or give the sources to --dataset_name with --dataset_weights")
+    return [path for entry in entries for path in _expand_braces(entry)]
 
 
 def _expand_braces(pattern: str) -> list[str]:

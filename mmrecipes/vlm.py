@@ -64,6 +64,7 @@ TRAIN_MODULE_CHOICES = ("projector", "projector,language_model", "all")
 class VLMModelArgs(CheckedArgs):
     CHECKS = dict.fromkeys(("image_size", "patch_size", "vision_hidden_size", "vision_layers", "text_hidden_size",
                             "text_layers"), "count")
+    UNUSED_WITH = {"model_name_or_path": ("tokenizer_name", *CHECKS)}
     # A saved image-text-to-text directory or hub id (Llava, Qwen2.5-VL, Qwen3-VL, SmolVLM, Gemma 3, ...),
     # loaded with AutoModelForImageTextToText and AutoProcessor; None builds the tiny Llava below
     model_name_or_path: str | None = None

@@ -9,6 +9,8 @@ import yaml
 
 from launch import RECIPE, REPO, VLM_RECIPE, load_recipe
 from mmrecipes.config import parse_args
+from mmrecipes.models import ModelArgs
+from mmrecipes.vlm import VLMModelArgs
 
 
 @pytest.mark.parametrize("text, message", [
@@ -76,3 +78,32 @@ def test_optimizer_and_schedule_settings_rejected_when_parsed(values, message):
     train_args = load_recipe().ARGUMENTS[-1]
     with pytest.raises(ValueError, match=re.escape(message)):
         train_args(**values)
+
+
+@pytest.mark.parametrize("path, shown", [
+    (RECIPE, ["--max_steps MAX_STEPS, --max-steps MAX_STEPS optimizer steps (default: 300)",
+              "--zeroshot_templates ZEROSHOT_TEMPLATES, --zeroshot-templates ZEROSHOT_TEMPLATES"]),
+    (VLM_RECIPE, ["--max_length MAX_LENGTH, --max-length MAX_LENGTH longer rows are skipped and counted, never "
+                  "truncated (default: 256)", "--use_peft [USE_PEFT], --use-peft [USE_PEFT] train LoRA adapters"]),
+], ids=["clip", "vlm"])
+def test_help_shows_each_flags_comment_and_default(capsys, path, shown):
+    """`recipe.py --help`: every flag with its default, and the comment its dataclass gives it (it showed names
+    only)."""
+    recipe = load_recipe(path)
+    with pytest.raises(SystemExit) as stop:
+        parse_args(recipe.ARGUMENTS, ["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert stop.value.code == 0 and all(line in text for line in shown), text[:3000]
+    fields = sum(len(dataclasses.fields(cls)) for cls in recipe.ARGUMENTS)
+    assert text.count("(default: ") == fields
+
+
+def test_tiny_model_shapes_beside_a_pretrained_model_are_refused_not_ignored():
+    """`--image_size 224 --model_name_or_path <dir>` trained at the checkpoint's size and saved its config, without
+    a word; every tiny-model shape flag changed beside a checkpoint is now refused."""
+    with pytest.raises(ValueError, match=re.escape("--image_size 224: not used with --model_name_or_path")):
+        ModelArgs(model_name_or_path="openai/clip-vit-base-patch32", image_size=224)
+    with pytest.raises(ValueError, match=re.escape("--patch_size 14, --text_layers 4: not used with")):
+        VLMModelArgs(model_name_or_path="llava-hf/llava-1.5-7b-hf", text_layers=4, patch_size=14)
+    ModelArgs(model_name_or_path="openai/clip-vit-base-patch32", loss="clip", attn_implementation="eager")
+    ModelArgs(image_size=224)  # the tiny model's own shape

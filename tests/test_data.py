@@ -196,6 +196,13 @@ def test_data_files_expand_brace_ranges_lists_and_keep_globs_and_urls():
     assert expand_data_files("literal{brace}.json") == ["literal{brace}.json"]
     assert expand_data_files(None) is None
     assert expand_data_files(["x/{1..2}.json", "y.json"]) == ["x/1.json", "x/2.json", "y.json"]  # the library API
+    assert expand_data_files("zip://rows.json::file:///data/rows.zip") == ["zip://rows.json::file:///data/rows.zip"]
+
+
+def test_open_clip_double_colon_sources_are_refused_with_what_to_write():
+    """open_clip's `A::B` (two sources) reached fsspec as a URL chain and trained on A alone, without a word."""
+    with pytest.raises(ValueError, match="separate the files with commas"):
+        expand_data_files("/data/a-{0..3}.tar::/data/b-{0..1}.tar")
 
 
 def test_uneven_shard_split_is_reported_once(caplog):
