@@ -28,6 +28,7 @@ from mmrecipes.distributed import all_ranks_true, data_parallel_rank_and_world, 
 from mmrecipes.evaluation import evaluate_retrieval
 from mmrecipes.feature_cache import feature_cache_backward
 from mmrecipes.loader import batches_forever
+from mmrecipes.locking import LockArgs, lock_towers
 from mmrecipes.losses import clip_loss, siglip_loss
 from mmrecipes.metrics import LogWindow, eval_line, log_line
 from mmrecipes.model_card import History, write_model_card
@@ -55,11 +56,11 @@ class TrainArgs(TrainingArgs):
     loss_tile_size: int | None = None  # clip_loss in tiles: no [b, N] logits matrix (siglip_loss never has one)
 
 
-ARGUMENTS = (ModelArgs, DataArgs, ZeroShotArgs, TrainArgs)  # the flags and YAML keys this recipe takes
+ARGUMENTS = (ModelArgs, LockArgs, DataArgs, ZeroShotArgs, TrainArgs)  # the flags and YAML keys this recipe takes
 
 
 def main(argv=None):
-    model_args, data_args, zeroshot_args, args = parse_args(ARGUMENTS, argv)
+    model_args, lock_args, data_args, zeroshot_args, args = parse_args(ARGUMENTS, argv)
     if model_args.loss == "siglip" and args.loss_tile_size:
         raise ValueError("--loss_tile_size tiles clip_loss; siglip_loss never holds a [b, N] matrix: drop the flag")
     set_seed(args.seed)
@@ -70,13 +71,16 @@ def main(argv=None):
     flops_per_sample = clip_train_flops_per_sample(
         model, caption_length(data_args, tokenizer, model.pads_text_to_max_length))
     accelerator = accelerator_from_args(args)
+    for line in lock_towers(model, lock_args):  # frozen before prepare: no optimizer state, no gradients
+        accelerator.print(line)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
     if args.torch_compile:  # in place, before prepare wraps the model
         accelerator.print(compile_blocks(model))
 
-    decay = [p for p in model.parameters() if p.ndim >= 2]  # no decay on norms, biases, logit scale
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.ndim >= 2]  # no decay on norms, biases, logit scale
+    no_decay = [p for p in trainable if p.ndim < 2]
     optimizer = adamw([{"params": decay, "weight_decay": args.weight_decay},
                        {"params": no_decay, "weight_decay": 0.0}], args)
     # Stepped by hand once per optimizer step (accelerate's prepared scheduler steps per process).
