@@ -28,7 +28,8 @@ MAX_LOGIT_SCALE = math.log(100)  # CLIP clamps the temperature at 100
 
 @dataclass
 class ModelArgs(CheckedArgs):
-    CHECKS = dict.fromkeys(("image_size", "patch_size", "hidden_size", "num_layers", "projection_dim"), "count")
+    CHECKS = dict.fromkeys(("image_size", "patch_size", "hidden_size", "num_layers", "projection_dim"), "count") | {
+        "patch_dropout": "fraction"}
     UNUSED_WITH = {"model_name_or_path": ("tokenizer_name", "image_size", "patch_size", "hidden_size", "num_layers",
                                           "projection_dim")}
     # clip: CLIPModel with clip_loss (softmax over the batch); siglip: SiglipModel with siglip_loss (sigmoid per pair)
@@ -47,6 +48,8 @@ class ModelArgs(CheckedArgs):
     # math; flash_attention_2 needs the flash-attn package. Checked when the model is built.
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
+    # FLIP's patch dropout: training keeps a random 1 - p of each image's patches (mmrecipes.patch_dropout)
+    patch_dropout: float = 0.0
 
 
 class CLIPForContrastiveTraining(CLIPModel):

@@ -33,6 +33,7 @@ from mmrecipes.losses import clip_loss, siglip_loss
 from mmrecipes.metrics import LogWindow, eval_line, log_line
 from mmrecipes.model_card import History, write_model_card
 from mmrecipes.models import ModelArgs, build_contrastive, clamp_logit_scale_, save_contrastive
+from mmrecipes.patch_dropout import add_patch_dropout
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
 from mmrecipes.training import (
@@ -63,6 +64,9 @@ def main(argv=None):
     model_args, lock_args, data_args, zeroshot_args, args = parse_args(ARGUMENTS, argv)
     if model_args.loss == "siglip" and args.loss_tile_size:
         raise ValueError("--loss_tile_size tiles clip_loss; siglip_loss never holds a [b, N] matrix: drop the flag")
+    if model_args.patch_dropout and args.contrastive_accumulation == "feature_cache":
+        raise ValueError("--patch_dropout with --contrastive_accumulation feature_cache: the cache's second forward "
+                         "would drop other patches than its first; use one of them")
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     model, tokenizer, image_processor = build_contrastive(model_args)
@@ -73,6 +77,8 @@ def main(argv=None):
     accelerator = accelerator_from_args(args)
     for line in lock_towers(model, lock_args):  # frozen before prepare: no optimizer state, no gradients
         accelerator.print(line)
+    if model_args.patch_dropout:
+        accelerator.print(add_patch_dropout(model, model_args.patch_dropout))
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
     if args.torch_compile:  # in place, before prepare wraps the model

@@ -13,7 +13,7 @@ from launch import REPO, run_command
 
 pytestmark = pytest.mark.launch
 
-# Longest first (toy-size seconds on 2 cores: 25, 20, 19, 19, 17, 13, 12, 11, 8, 3, <1, <1), dealt to the two
+# Longest first (toy-size seconds on 2 cores: 25, 20, 19, 19, 17, 13, 12, 11, 8, 3, <1, <1, <1), dealt to the two
 # processes in turn: each gets about half.
 BENCHES = [
     ("gpu_recipe_throughput.py", ["--mode", "vlm", "--toy", "--torch_compile", "false"]),
@@ -28,6 +28,7 @@ BENCHES = [
     ("lora_memory.py", ["--quick"]),
     ("gpu_clip_throughput.py", ["--toy", "--steps", "2", "--warmup", "1", "--compile", "off"]),
     ("vlm_loss_memory.py", ["--quick"]),
+    ("patch_dropout.py", ["--quick"]),
 ]
 HALVES = 2
 
