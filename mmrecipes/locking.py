@@ -34,23 +34,26 @@ class LockArgs(CheckedArgs):
 def lock_towers(model, args: LockArgs) -> list[str]:
     """Freeze what `args` locks; returns a log line per locked tower (what still trains in it)."""
     lines = []
-    for tower, (body_name, projection_name) in TOWERS.items():
-        if not getattr(args, f"lock_{tower}"):
+    for name, (body_name, projection_name) in TOWERS.items():
+        if not getattr(args, f"lock_{name}"):
             continue
-        body, projection = getattr(model, body_name), getattr(model, projection_name, None)
-        layers, unlocked = body.encoder.layers, getattr(args, f"lock_{tower}_unlocked_layers")
+        body, layers = getattr(model, body_name), getattr(model, body_name).encoder.layers
+        unlocked = getattr(args, f"lock_{name}_unlocked_layers")
         if unlocked > len(layers):
-            raise ValueError(f"--lock_{tower}_unlocked_layers {unlocked}: the {tower} tower has {len(layers)} layers")
-        parts = [body] + ([projection] if projection is not None else [])
-        for part in parts:
-            part.requires_grad_(False)
+            raise ValueError(f"--lock_{name}_unlocked_layers {unlocked}: the {name} tower has {len(layers)} layers")
+        children = list(dict(body.named_children()))
+        # What runs after the layers: the final norm, a pooling head, the projection (a model attribute)
+        after = {child: getattr(body, child) for child in children[children.index("encoder") + 1:]}
+        tower = [body]
+        if hasattr(model, projection_name):
+            after[projection_name] = getattr(model, projection_name)
+            tower.append(after[projection_name])
+        for module in tower:
+            module.requires_grad_(False)
         if unlocked:
-            names = list(dict(body.named_children()))
-            after = names[names.index("encoder") + 1:]  # the final norm, a pooling head
-            for module in [*layers[-unlocked:], *(getattr(body, name) for name in after), *parts[1:]]:
+            for module in [*layers[-unlocked:], *after.values()]:
                 module.requires_grad_(True)
-            what = f"its last {unlocked} layer(s), {', '.join(after + [projection_name] * len(parts[1:]))}"
-        frozen = sum(p.numel() for part in parts for p in part.parameters() if not p.requires_grad)
-        lines.append(f"locked the {tower} tower: {frozen:,} parameters frozen; "
-                     f"{'trains ' + what if unlocked else 'nothing in it trains'}")
+        frozen = sum(p.numel() for module in tower for p in module.parameters() if not p.requires_grad)
+        trains = f"trains its last {unlocked} layer(s), {', '.join(after)}" if unlocked else "nothing in it trains"
+        lines.append(f"locked the {name} tower: {frozen:,} parameters frozen; {trains}")
     return lines
