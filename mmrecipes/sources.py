@@ -55,7 +55,7 @@ def expand_data_files(spec: str | list[str] | None) -> list[str] | None:
         if "::" in entry and "://" not in entry.split("::")[0]:  # fsspec's chains start with a protocol
             raise ValueError(f"data files {entry!r}: '::' joins sources in open_clip (A::B), but fsspec reads it as a "
                              "URL chain and would read A only; separate the files with commas (one source, read in "
-                             "turn), or give the sources to --dataset_name with --dataset_weights")
+                             "turn); the VLM recipe also mixes sources by weight (--dataset_weights)")
     return [path for entry in entries for path in _expand_braces(entry)]
 
 
