@@ -22,7 +22,7 @@ import pytest
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-from gloo import become_rank, free_port, restore_group_signals, run_on_ranks, start_rank_server
+from gloo import become_rank, free_port, run_on_ranks, settle_forked_process, start_rank_server
 from mmrecipes.loader import GROUP_SIGNALS
 from mmrecipes.output_dir import release_held
 
@@ -138,7 +138,7 @@ def _forked_rank(rank, world_size, port, recipe, argv, env, log_dir):
     if world_size > 1:
         become_rank(rank, world_size, port)
     else:  # a process of its own: no distributed environment, the default threads
-        restore_group_signals()
+        settle_forked_process()
     log = os.open(Path(log_dir, f"{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
