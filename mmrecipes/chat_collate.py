@@ -13,6 +13,7 @@ from PIL import Image
 from .chat_data import CHAT_COUNTED, TOKEN_ALIGNED, encode_row
 from .losses import IGNORE_INDEX, count_target_tokens
 
+MEDIA_KEYS = ("pixel_values", "pixel_values_videos")  # a row holds images, videos or both when it has these
 # What the collator counted on the host, for the loop (not the model): the loop reads no tensor for them.
 HOST_COUNTS = ("num_samples", "num_tokens", "target_tokens", "data_counts")
 
@@ -23,11 +24,12 @@ class DummyImageCollator:
     Pads each row to the longest on the right (labels with IGNORE_INDEX). With `packing`, the rows
     are first packed in order into sequences of up to `pack_length` tokens (one sequence if None),
     each row's first label ignored (it is never predicted from the sample before it), and
-    `sample_lengths` / `images_per_sample` list every segment of the padded `[sequences, L]` batch
-    in order (a sequence's padding is a segment of its own), for per-sample positions and
-    attention (mmrecipes.packing). Concatenates the rows' image inputs in row order, and gives a
-    batch without any image the model's tiny dummy image (`dummy_image_inputs`) with
-    `dummy_image=True`, so the vision step runs on every micro-batch.
+    `sample_lengths` / `media_per_sample` (images, and videos where the batch has any) list every
+    segment of the padded `[sequences, L]` batch in order (a sequence's padding is a segment of its
+    own), for per-sample positions and attention (mmrecipes.packing). Concatenates the rows' image
+    and video inputs in row order, and gives a batch without any image the model's tiny dummy image
+    (`dummy_image_inputs`) with `dummy_image=True`, so the vision step runs on every micro-batch (a
+    batch's videos go through the tower in the same call: `mmrecipes.vlm.VLMForTraining`).
     """
 
     def __init__(self, pad_token_id: int, dummy_inputs: dict, packing: bool = False, pack_length: int | None = None):
@@ -48,21 +50,23 @@ class DummyImageCollator:
         batch = {"input_ids": join([row["input_ids"] for row in rows], self.pad_token_id),
                  "attention_mask": join([torch.ones_like(row["input_ids"]) for row in rows], 0),
                  "labels": join(labels, IGNORE_INDEX)}
+        videos = any("pixel_values_videos" in row["image_inputs"] for row in rows)
         if self.packing:
             segments = []
             for pack in packs:
                 used = sum(lengths[i] for i in pack)
-                segments += [(lengths[i], _image_count(rows[i])) for i in pack]
-                segments += [(length - used, 0)] if used < length else []
-            batch["sample_lengths"], batch["images_per_sample"] = torch.tensor(segments).T.clone()
+                segments += [(lengths[i], *_media_counts(rows[i])[:1 + videos]) for i in pack]
+                segments += [(length - used, *[0] * (1 + videos))] if used < length else []
+            batch["sample_lengths"], *counts = torch.tensor(segments).T.clone()
+            batch["media_per_sample"] = torch.stack(counts)
         for key in TOKEN_ALIGNED[2:]:  # a text-only row may lack them (zeros: no image token)
             if any(key in row["image_inputs"] for row in rows):
                 batch[key] = join([row["image_inputs"].get(key, torch.zeros_like(row["input_ids"])) for row in rows], 0)
-        with_images = [row["image_inputs"] for row in rows if "pixel_values" in row["image_inputs"]]
-        image_keys = {key for inputs in with_images for key in inputs} - set(TOKEN_ALIGNED)
-        batch |= {key: _cat_padded([inputs[key] for inputs in with_images]) for key in image_keys}
-        batch["dummy_image"] = not with_images
-        if not with_images:
+        with_media = [row["image_inputs"] for row in rows if {*MEDIA_KEYS} & set(row["image_inputs"])]
+        media_keys = {key for inputs in with_media for key in inputs} - set(TOKEN_ALIGNED)
+        batch |= {key: _cat_padded([inputs[key] for inputs in with_media if key in inputs]) for key in media_keys}
+        batch["dummy_image"] = "pixel_values" not in batch
+        if batch["dummy_image"]:
             batch |= self.dummy_inputs
         batch["num_samples"], batch["num_tokens"] = len(rows), sum(lengths)  # tokens: padding left out
         batch["target_tokens"] = count_target_tokens(batch["labels"])  # read here, on the host, not in the loop
@@ -84,12 +88,11 @@ def _next_fit(lengths, capacity):
 
 
 
-def _image_count(row) -> int:
-    """Images of a row: its image_grid_thw rows (Qwen), else its pixel_values' first dimension."""
+def _media_counts(row) -> tuple[int, int]:
+    """(images, videos) of a row: its grid rows (Qwen), else its pixel values' first dimension."""
     inputs = row["image_inputs"]
-    if "pixel_values" not in inputs:
-        return 0
-    return len(inputs["image_grid_thw"]) if "image_grid_thw" in inputs else len(inputs["pixel_values"])
+    return tuple(len(inputs[grid]) if grid in inputs else len(inputs[pixels]) if pixels in inputs else 0
+                 for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")))
 
 
 

@@ -1,23 +1,26 @@
 """Streamed chat data for VLM fine-tuning: formats -> tokens + labels, mixed sources, dummy images.
 
-Two row formats, per row (a file may mix image and text-only rows):
+Two row formats, per row (a file may mix video, image and text-only rows):
 - chat: `messages` = [{"role", "content"}], content a string or parts (`{"type": "text", "text"}`,
-  `{"type": "image"}`), plus an `images` column with one image per image part;
-- LLaVA: `conversations` = [{"from": "human"|"gpt"|"system", "value"}] with `<image>` placeholders in
-  the text, plus `image`: a path relative to `--image_folder` (or a list of them); no `image`
-  means a text-only row.
+  `{"type": "image"}`, `{"type": "video"}`), plus an `images` column with one image per image part and
+  a `videos` column with one clip (bytes or a path) per video part;
+- LLaVA / LLaVA-Video: `conversations` = [{"from": "human"|"gpt"|"system", "value"}] with `<image>` and
+  `<video>` placeholders in the text, plus `image` / `video`: a path relative to `--image_folder` /
+  `--video_folder` (or a list of them); neither means a text-only row.
 
-A row with a video (a `{"type": "video"}` part, a `videos` column, LLaVA-Video's `video` key or a
-`<video>` placeholder) is skipped and counted as `video`: the recipe does not train on clips yet, and
-a `<video>` placeholder must never reach the model as the text it looks like.
+Both become image and video content parts, which the checkpoint's own chat template and processor turn
+into that family's image and video tokens. Clips are decoded in the DataLoader workers
+(`mmrecipes.videos`: PyAV, frames sampled at --video_fps, at most --video_max_frames) and resized and
+normalised by the family's own video processor. A checkpoint whose processor takes no video
+(`AnswerLabeller.video_token_id` None) skips video rows and counts them as `video`: a `<video>`
+placeholder must never reach the model as the text it looks like.
 
-Both become image content parts, which the checkpoint's own chat template and processor turn into
-that family's image tokens. Labels come from `mmrecipes.chat_labels.AnswerLabeller`: the input ids
-on the assistant turns (each with its end-of-turn token) and IGNORE_INDEX everywhere else
-(prompts, image tokens, padding), found with the template's `{% generation %}` markers or, for
-templates without them, by rendering prefixes. Nothing is truncated, so truncation can never cut
-through image tokens: a row longer than `max_length` is skipped and counted, as are rows with a
-missing or undecodable image and rows whose image placeholders do not match their images.
+Labels come from `mmrecipes.chat_labels.AnswerLabeller`: the input ids on the assistant turns (each
+with its end-of-turn token) and IGNORE_INDEX everywhere else (prompts, image and video tokens,
+padding), found with the template's `{% generation %}` markers or, for templates without them, by
+rendering prefixes. Nothing is truncated, so truncation can never cut through image or frame tokens:
+a row longer than `max_length` is skipped and counted, as are rows with a missing or undecodable
+image or clip and rows whose placeholders do not match their images or clips.
 """
 
 import logging
@@ -29,13 +32,13 @@ import datasets
 import torch
 
 from .chat_labels import TemplateError, UnalignedAnswer
-from .config import CheckedArgs
 from .images import decode_image
 from .loader import DropCounter, ResumableShuffle, stream_loader
 from .losses import IGNORE_INDEX
 from .packing import TokenBudgetBatches
 from .paths import VLM_SHAPES
 from .sources import PROBLEM, load_stream
+from .videos import VIDEO_COUNTED, VideoArgs, decode_video
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +47,10 @@ logger = logging.getLogger(__name__)
 # not match the images; the row is over max_length or has no answer token; its answer tokens are not found
 # exactly in the processor's ids (chat_labels.UnalignedAnswer); its text is not UTF-8; it is not
 # a well-formed conversation (or the chat template refuses it); its file is empty, unreadable or truncated; or
-# it holds a video (not trained yet).
+# it holds a video and the checkpoint takes none; a clip yields no frame or is too long; the video placeholders do
+# not match the clips.
 CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "image_mismatch", "too_long", "no_target",
-                "unaligned", "bad_text", "bad_row", "bad_shard", "video")
+                "unaligned", "bad_text", "bad_row", "bad_shard", "video", *VIDEO_COUNTED, "video_mismatch")
 CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video"]
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
@@ -54,10 +58,11 @@ MEDIA_PARTS = {"<image>": "image", "<video>": "video"}  # LLaVA's placeholders -
 
 
 @dataclass
-class ChatDataArgs(CheckedArgs):
-    CHECKS = {"max_length": "count", "max_tokens_per_batch": "count_or_none", "max_image_pixels": "count",
-              "max_image_aspect_ratio": "positive", "shuffle_buffer_size": "count",
-              "dataloader_num_workers": "count_or_zero_or_none"}
+class ChatDataArgs(VideoArgs):
+    CHECKS = VideoArgs.CHECKS | {
+        "max_length": "count", "max_tokens_per_batch": "count_or_none", "max_image_pixels": "count",
+        "max_image_aspect_ratio": "positive", "shuffle_buffer_size": "count",
+        "dataloader_num_workers": "count_or_zero_or_none"}
     # Comma-separated sources (hub ids, local dataset dirs, or one builder name with --data_files)
     dataset_name: str = f"{VLM_SHAPES / 'image_chat'},{VLM_SHAPES / 'text_chat'}"
     # Sampling probabilities of the sources (datasets.interleave_datasets); None: equal
@@ -69,6 +74,7 @@ class ChatDataArgs(CheckedArgs):
     eval_data_files: str | None = None
     eval_split: str = "test"
     image_folder: str | None = None  # LLaVA format: image paths are relative to it
+    video_folder: str | None = None  # LLaVA-Video format: video paths are relative to it (None: --image_folder)
     # LLaVA paths that resolve outside --image_folder ('../', absolute, symlinks) are skipped and counted
     # (outside_folder) unless this is true
     allow_images_outside_folder: bool = False
@@ -97,14 +103,14 @@ class BadRow(ValueError):
     """A row that is not a well-formed conversation."""
 
 
-def to_chat(row, image_folder=None):
-    """(messages, raw images) of a chat-format or LLaVA-format row; raises BadRow for anything else."""
+def to_chat(row, image_folder=None, video_folder=None):
+    """(messages, raw images, raw videos) of a chat-format or LLaVA-format row; raises BadRow for anything else."""
     if row.get("messages") is not None:
-        if not isinstance(row["messages"], list) or not isinstance(row.get("images") or [], list):
-            raise BadRow("messages and images must be lists")
+        if not all(isinstance(row.get(key) or [], list) for key in ("messages", "images", "videos")):
+            raise BadRow("messages, images and videos must be lists")
         messages = [{"role": _field(message, "role"), "content": _content_parts(_field(message, "content", list))}
                     for message in row["messages"]]
-        return messages, list(row.get("images") or [])
+        return messages, list(row.get("images") or []), list(row.get("videos") or [])
     if not isinstance(row.get("conversations"), list) or not row["conversations"]:
         raise BadRow("no messages and no conversations")
     messages = []
@@ -112,11 +118,16 @@ def to_chat(row, image_folder=None):
         if _field(turn, "from") not in LLAVA_ROLES:
             raise BadRow(f"unknown speaker {turn['from']!r}")
         messages.append({"role": LLAVA_ROLES[turn["from"]], "content": _content_parts(_field(turn, "value"))})
-    paths = row.get("image") or []
+    return (messages, _paths(row, "image", image_folder),
+            _paths(row, "video", image_folder if video_folder is None else video_folder))
+
+
+def _paths(row, key, folder) -> list[str]:
+    paths = row.get(key) or []
     paths = [paths] if isinstance(paths, str) else paths
     if not isinstance(paths, list) or not all(isinstance(path, str) for path in paths):
-        raise BadRow(f"image must be a path or a list of paths, not {paths!r}")
-    return messages, [os.path.join(image_folder or "", path) for path in paths]
+        raise BadRow(f"{key} must be a path or a list of paths, not {paths!r}")
+    return [os.path.join(folder or "", path) for path in paths]
 
 
 def _field(item, key, kind=str):
@@ -147,8 +158,11 @@ def _content_parts(content):
 
 def has_video(row, messages) -> bool:
     """A video part or placeholder in `messages`, or a video column with something in it."""
-    parts = (part["type"] for message in messages for part in message["content"])
-    return any(part == "video" for part in parts) or bool(row.get("videos") or row.get("video"))
+    return _count_parts(messages, "video") > 0 or bool(row.get("videos") or row.get("video"))
+
+
+def _count_parts(messages, kind) -> int:
+    return sum(part["type"] == kind for message in messages for part in message["content"])
 
 
 class ChatPreprocessor:
@@ -159,6 +173,7 @@ class ChatPreprocessor:
         self.args, self.labeller, self.max_length = args, labeller, max_length
         self.drops = DropCounter()
         self.folder = os.path.realpath(args.image_folder) if args.image_folder else None
+        self.video_folder = os.path.realpath(args.video_folder) if args.video_folder else self.folder
         self.logged = set()  # the kinds of unexpected failure already logged (once each)
 
     def __call__(self, batch):
@@ -177,26 +192,32 @@ class ChatPreprocessor:
         return out
 
     def example(self, row):
-        """`tokenize`'s answer for a raw row ("video" for a row with a video); any failure is a counted "bad_row",
+        """`tokenize`'s answer for a raw row ("video": a video the checkpoint cannot take); any failure is a counted
+        "bad_row",
         never a crash (logged once per kind: a chat template that refuses a row raises its own errors, and so
         would a bug)."""
         try:
-            messages, raw_images = to_chat(row, self.args.image_folder)
-            return "video" if has_video(row, messages) else self.tokenize(messages, raw_images)
+            messages, raw_images, raw_videos = to_chat(row, self.args.image_folder, self.args.video_folder)
+            if self.labeller.video_token_id is None and has_video(row, messages):
+                return "video"
+            return self.tokenize(messages, raw_images, raw_videos)
         except Exception as error:
             if not isinstance(error, BadRow) and type(error) not in self.logged:
                 self.logged.add(type(error))
                 logger.warning("skipping a row (counted as bad_row): %s: %s", type(error).__name__, error)
             return "bad_row"
 
-    def tokenize(self, messages, raw_images):
+    def tokenize(self, messages, raw_images, raw_videos=()):
         """((input_ids, labels, image_inputs), note) or the reason the row is dropped."""
         loaded = row_images(self.args, self.folder, messages, raw_images)
         if isinstance(loaded, str):
             return loaded
         images, note = loaded
+        videos = row_videos(self.args, self.video_folder, messages, raw_videos)
+        if isinstance(videos, str):
+            return videos
         try:
-            input_ids, labels, image_inputs = encode_row(self.labeller, messages, images)
+            input_ids, labels, image_inputs = encode_row(self.labeller, messages, images, videos)
         except UnalignedAnswer:
             return "unaligned"
         except TemplateError:  # the template renders this row's turns differently from its prefixes
@@ -211,14 +232,12 @@ class ChatPreprocessor:
 def row_images(args: ChatDataArgs, folder: str | None, messages, raw_images):
     """(decoded images, a note such as "converted") of a row, or why it is dropped: its placeholders do not
     match its images, a path leaves `folder` (the resolved --image_folder), or an image does not decode."""
-    placeholders = sum(part["type"] == "image" for message in messages for part in message["content"])
-    if placeholders != len(raw_images):
+    if _count_parts(messages, "image") != len(raw_images):
         return "image_mismatch"
     images, note = [], None
     for raw_image in raw_images:
-        if isinstance(raw_image, str) and folder and not args.allow_images_outside_folder:
-            if os.path.commonpath([folder, os.path.realpath(raw_image)]) != folder:
-                return "outside_folder"
+        if _outside(args, folder, raw_image):
+            return "outside_folder"
         image, problem = decode_image(raw_image, args.max_image_pixels, args.max_image_aspect_ratio)
         if image is None:
             return problem
@@ -227,10 +246,33 @@ def row_images(args: ChatDataArgs, folder: str | None, messages, raw_images):
     return images, note
 
 
-def encode_row(labeller, messages, images):
+def row_videos(args: ChatDataArgs, folder: str | None, messages, raw_videos):
+    """The decoded clips of a row (`mmrecipes.videos.DecodedVideo`s), or why it is dropped: as for images, and a
+    clip that yields no frame or runs over --video_max_seconds."""
+    if _count_parts(messages, "video") != len(raw_videos):
+        return "video_mismatch"
+    videos = []
+    for raw_video in raw_videos:
+        if _outside(args, folder, raw_video):
+            return "outside_folder"
+        video, problem = decode_video(raw_video, args)
+        if video is None:
+            return problem
+        videos.append(video)
+    return videos
+
+
+def _outside(args: ChatDataArgs, folder: str | None, raw_media) -> bool:
+    """A path that resolves outside `folder` (symlinks followed), unless --allow_images_outside_folder."""
+    if not (isinstance(raw_media, str) and folder) or args.allow_images_outside_folder:
+        return False
+    return os.path.commonpath([folder, os.path.realpath(raw_media)]) != folder
+
+
+def encode_row(labeller, messages, images, videos=()):
     """(input_ids, labels, image_inputs) of one conversation: the labeller's tokens and targets, and the
-    processor's other outputs (image inputs; per-token ones like mm_token_type_ids unbatched)."""
-    encoded, target = labeller(messages, images)
+    processor's other outputs (image and video inputs; per-token ones like mm_token_type_ids unbatched)."""
+    encoded, target = labeller(messages, images, videos)
     input_ids, image_inputs = _unbatched(encoded)
     return input_ids, torch.where(target, input_ids, IGNORE_INDEX), image_inputs
 
@@ -257,8 +299,8 @@ def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: i
         if len(prompts) == rows:
             break
         try:
-            messages, raw_images = to_chat(row, args.image_folder)
-            if has_video(row, messages):
+            messages, raw_images, _ = to_chat(row, args.image_folder)
+            if has_video(row, messages):  # image questions only, for now
                 continue
             last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
             answer = " ".join(part["text"] for part in messages[last]["content"] if part["type"] == "text")

@@ -49,13 +49,15 @@ class UnalignedAnswer(TemplateError):
 
 
 class AnswerLabeller:
-    """`labeller(messages, images)` -> (processor outputs of the conversation, target mask).
+    """`labeller(messages, images, videos)` -> (processor outputs of the conversation, target mask).
 
     `stop_token_ids`: the tokens that end a turn (the generation config's eos ids and the
-    tokenizer's eos). A conversation whose turns no rule finds raises `TemplateError`.
+    tokenizer's eos). `videos`: whether the model trains on clips (`vlm_families.trains_videos`); they
+    go to the processor as decoded frames (`mmrecipes.videos.DecodedVideo`) with their metadata, already
+    sampled. A conversation whose turns no rule finds raises `TemplateError`.
     """
 
-    def __init__(self, processor, stop_token_ids):
+    def __init__(self, processor, stop_token_ids, videos: bool = False):
         self.processor, self.tokenizer = processor, processor.tokenizer
         self.template = processor.chat_template
         if not isinstance(self.template, str):
@@ -64,6 +66,7 @@ class AnswerLabeller:
         self.stop_strings = sorted({self.tokenizer.convert_ids_to_tokens(int(i)) for i in stop_token_ids}, key=len,
                                    reverse=True)
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(processor.image_token)
+        self.video_token_id = self.tokenizer.convert_tokens_to_ids(processor.video_token) if videos else None
         self.rule = "generation markers" if self.has_markers else "prefix renderings"
 
     def render(self, messages, add_generation_prompt=False, marked=False):
@@ -112,13 +115,16 @@ class AnswerLabeller:
             end = after + len(stop)
         return end
 
-    def __call__(self, messages, images):
+    def __call__(self, messages, images, videos=()):
         text, spans = self.answer_spans(messages)
         kwargs = {}
         bos = self.tokenizer.bos_token
         if bos is not None and text.startswith(bos):  # as apply_chat_template does: the template wrote it
             kwargs["add_special_tokens"] = False
         plain = self.tokenizer(text, return_offsets_mapping=True, **kwargs)
+        if videos:  # the frames we sampled, with what the processor reads the sampling rate from
+            kwargs |= dict(videos=[video.frames for video in videos], do_sample_frames=False,
+                           video_metadata=[video.metadata for video in videos])
         encoded = self.processor(text=text, images=[images] if images else None, **kwargs)
         input_ids = torch.as_tensor(encoded["input_ids"][0])
         aligned = _aligned_positions(plain["input_ids"], input_ids.tolist())
@@ -131,7 +137,8 @@ class AnswerLabeller:
             if None in positions or positions[-1] - positions[0] != len(positions) - 1:
                 raise UnalignedAnswer("the answer tokens are not in the processor's ids as the text tokenised alone")
             target[positions] = True
-        return encoded, target & (input_ids != self.image_token_id)
+        media_ids = torch.tensor([i for i in (self.image_token_id, self.video_token_id) if i is not None])
+        return encoded, target & ~torch.isin(input_ids, media_ids)
 
 
 def _aligned_positions(plain: list[int], processed: list[int]) -> dict[int, int]:

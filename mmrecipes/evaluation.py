@@ -102,7 +102,7 @@ def evaluate_generation(model, prompts, filler, collator, tokenizer, stop_token_
     stops = set(stop_token_ids)
     batches = ((collator([row]), answer) for row, answer in prompts)
     # A packed filler decodes unpacked: its outputs are discarded, and appending would break its segments.
-    filler = {key: value for key, value in filler.items() if key not in ("sample_lengths", "images_per_sample")}
+    filler = {key: value for key, value in filler.items() if key not in ("sample_lengths", "media_per_sample")}
     for (batch, answer), real in batches_in_step(batches, (filler, None), device):
         generated = greedy_tokens(model, chat_model_inputs(batch, device), new_tokens)
         if real:

@@ -72,14 +72,16 @@ class TokenBudgetBatches(torch.utils.data.IterableDataset):
             yield batch
 
 
-def packed_position_ids(model, input_ids, sample_lengths, images_per_sample, image_inputs) -> torch.Tensor:
+def packed_position_ids(model, input_ids, sample_lengths, media_per_sample, image_inputs) -> torch.Tensor:
     """Position ids of a packed `[sequences, L]` batch whose segments (samples, and each sequence's
-    padding) have `sample_lengths` in order: positions restart at every segment.
+    padding) have `sample_lengths` in order: positions restart at every segment. `media_per_sample`:
+    each segment's image count, and its video count as a second row where the batch has videos.
 
-    A model whose base has `get_rope_index` (Qwen2/2.5/3-VL: 3-D mRoPE over text and image
-    grids) gets each sample's own 3-D positions, computed as if the sample were alone, with plain
-    text positions stacked in front (`[4, sequences, L]`: transformers builds the packed mask from
-    those); any other model gets `[sequences, L]` plain positions.
+    A model whose base has `get_rope_index` (Qwen2/2.5/3-VL: 3-D mRoPE over text, image and video
+    grids, a video's temporal axis in its own seconds) gets each sample's own 3-D positions, computed as
+    if the sample were alone, with plain text positions stacked in front (`[4, sequences, L]`:
+    transformers builds the packed mask from those); any other model gets `[sequences, L]` plain
+    positions.
     """
     shape = input_ids.shape
     text = torch.cat([torch.arange(int(n), device=input_ids.device) for n in sample_lengths])
@@ -89,14 +91,20 @@ def packed_position_ids(model, input_ids, sample_lengths, images_per_sample, ima
     flat = input_ids.reshape(1, -1)
     per_token = {name: image_inputs[name].reshape(1, -1) for name in ("mm_token_type_ids", "token_type_ids")
                  if name in image_inputs and name in inspect.signature(rope_index).parameters}
-    grids = image_inputs.get("image_grid_thw")
-    positions, start, first_image = [], 0, 0
-    for length, images in zip(sample_lengths.tolist(), images_per_sample.tolist()):
-        if images:
+    # Per image: its grid; per video: its grid and seconds per temporal patch.
+    media = [{key: image_inputs[key] for key in keys if key in image_inputs}
+             for keys in (("image_grid_thw",), ("video_grid_thw", "second_per_grid_ts"))]
+    counts = media_per_sample.reshape(-1, len(sample_lengths)).T.tolist()
+    positions, start, firsts = [], 0, [0, 0]
+    for length, sample_counts in zip(sample_lengths.tolist(), counts):
+        if any(sample_counts):
             kwargs = {name: value[:, start:start + length] for name, value in per_token.items()}
-            positions.append(rope_index(flat[:, start:start + length],
-                                        image_grid_thw=grids[first_image:first_image + images], **kwargs)[0])
+            for kind, count in enumerate(sample_counts):
+                kwargs |= {key: value[firsts[kind]:firsts[kind] + count] for key, value in media[kind].items()
+                           if count}
+                firsts[kind] += count
+            positions.append(rope_index(flat[:, start:start + length], **kwargs)[0])
         else:  # text only (or a sequence's padding): the same plain position on all three axes
             positions.append(torch.arange(length, device=flat.device).expand(3, 1, -1))
-        start, first_image = start + length, first_image + images
+        start += length
     return torch.cat([text[None, None], torch.cat(positions, dim=-1)]).reshape(4, *shape)

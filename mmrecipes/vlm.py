@@ -53,7 +53,7 @@ from .lora import save_lora
 from .losses import head_cross_entropy_sum, soft_capped, token_cross_entropy_sum
 from .packing import packed_position_ids
 from .paths import TINY_VLM_TOKENIZER
-from .vlm_families import ModuleGroups, check_trainable, lm_features
+from .vlm_families import ModuleGroups, check_trainable, lm_features, split_items, video_as_image_names
 
 logger = logging.getLogger(__name__)
 
@@ -95,22 +95,34 @@ class VLMForTraining(torch.nn.Module):
         super().__init__()
         self.model = model
         self.vision_input_names = set(inspect.signature(model.get_image_features).parameters) - {"kwargs"}
+        self.video_as_image = video_as_image_names(model)
         self.forward_input_names = set(inspect.signature(model.forward).parameters) - {"kwargs"}
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
 
-    def forward(self, input_ids, attention_mask, labels, dummy_image: bool, sample_lengths=None, images_per_sample=None,
+    def forward(self, input_ids, attention_mask, labels, dummy_image: bool, sample_lengths=None, media_per_sample=None,
                 return_logits=False, **image_inputs):
         vision_inputs = {name: value for name, value in image_inputs.items() if name in self.vision_input_names}
-        features = self.model.get_image_features(**vision_inputs, return_dict=True)
+        videos = {name: value for name, value in image_inputs.items() if name in self.video_as_image}
+        # Videos go through the tower in the same call as the images (or the dummy), after them: one call a step.
+        joined = {self.video_as_image[name]: torch.cat([vision_inputs[self.video_as_image[name]], value])
+                  for name, value in videos.items()}
+        features = self.model.get_image_features(**(vision_inputs | joined), return_dict=True)
+        encoded = {}
+        if videos:
+            grid = next(value for name, value in videos.items() if self.video_as_image[name] != "pixel_values")
+            features, encoded["video"] = split_items(features, len(features.pooler_output) - len(grid))
         # What the LM takes besides the features: Qwen's image_grid_thw and mm_token_type_ids (mRoPE
         # positions), Gemma 3's token_type_ids, Idefics3's pixel_attention_mask, LLaVA-OneVision's image_sizes.
         # A text-only batch passes only its per-token inputs: the LM sees no image and no image token.
-        keep = self.forward_input_names - {"pixel_values"} - (self.vision_input_names if dummy_image else set())
+        pixels = {"pixel_values", *(name for name, image in self.video_as_image.items() if image == "pixel_values")}
+        keep = self.forward_input_names - pixels - (self.vision_input_names if dummy_image else set())
         other_inputs = {name: value for name, value in image_inputs.items() if name in keep}
         if not dummy_image:
-            other_inputs["mm_encoder_outputs"] = {"image": features}
+            encoded["image"] = features
+        if encoded:
+            other_inputs["mm_encoder_outputs"] = encoded
         if sample_lengths is not None:  # packed: no mask, positions restart per sample (mmrecipes.packing)
-            other_inputs["position_ids"] = packed_position_ids(self.model, input_ids, sample_lengths, images_per_sample,
+            other_inputs["position_ids"] = packed_position_ids(self.model, input_ids, sample_lengths, media_per_sample,
                                                                image_inputs)
             attention_mask = None
         # No KV cache: training needs none, and transformers reads packed positions only without one.

@@ -19,10 +19,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy
 import torch
 from PIL import Image
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+from transformers.video_utils import VideoMetadata
 
 # Outputs of a vision encoder that the language model never reads.
 ENCODER_ONLY_OUTPUTS = ("last_hidden_state", "hidden_states", "attentions")
@@ -114,6 +116,54 @@ def dummy_image_inputs(model, processor=None) -> dict:
     height, width = _height_width(getattr(vision, "image_size", 32))
     made = processor.image_processor(images=[Image.new("RGB", (width, height), (255, 255, 255))], return_tensors="pt")
     return {name: value for name, value in made.items() if name in names}
+
+
+def video_as_image_names(model) -> dict[str, str]:
+    """{video input: image input}, paired by position in `get_video_features`' and `get_image_features`'
+    signatures (Qwen2/2.5/3-VL: pixel_values_videos -> pixel_values, video_grid_thw -> image_grid_thw), or {}
+    for a model without video features. Whether the video features really are the image features of those
+    inputs (one tower call can then take both) is `trains_videos`' probe."""
+    if getattr(model, "get_video_features", None) is None:
+        return {}
+    video, image = ([name for name in inspect.signature(function).parameters if name not in ("self", "kwargs")]
+                    for function in (model.get_video_features, model.get_image_features))
+    return dict(zip(video, image)) if len(video) == len(image) else {}
+
+
+@torch.no_grad()
+def trains_videos(model, processor) -> bool:
+    """Whether the recipe trains this model on clips: its processor has a video processor, and the video
+    features of a 2-frame probe clip equal the image features of the same inputs (`video_as_image_names`), so
+    one tower call a step takes images, videos or the dummy alike, on every rank. LLaVA-OneVision's video
+    path (frames pooled after the tower) fails the probe: its video rows are skipped and counted."""
+    names = video_as_image_names(model)
+    if getattr(processor, "video_processor", None) is None or not names:
+        return False
+    frames = numpy.random.default_rng(0).integers(0, 256, (2, 56, 56, 3), dtype=numpy.uint8)
+    metadata = VideoMetadata(total_num_frames=2, fps=2.0, duration=1.0, frames_indices=[0, 1])
+    made = processor.video_processor(videos=[frames], video_metadata=[metadata], do_sample_frames=False,
+                                     return_tensors="pt")
+    if not set(names) <= set(made):
+        return False
+    videos = {name: made[name] for name in names}
+    try:
+        video = model.get_video_features(**videos, return_dict=True)
+        image = model.get_image_features(**{names[name]: value for name, value in videos.items()}, return_dict=True)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return all(torch.equal(a, b) for a, b in zip(lm_features(video), lm_features(image), strict=True))
+
+
+def split_items(features, count: int) -> tuple:
+    """A `get_image_features` output for several items (per-item tuples: Qwen's pooler_output, each of
+    Qwen3-VL's deepstack layers) split into two outputs: its first `count` items, and the rest."""
+    def split(value, part):
+        if isinstance(value, list):
+            return [split(item, part) for item in value]
+        return value[:count] if part == 0 else value[count:]
+
+    per_item = {name: value for name, value in features.items() if isinstance(value, (tuple, list))}
+    return tuple(type(features)(**{name: split(value, part) for name, value in per_item.items()}) for part in (0, 1))
 
 
 def image_patches(pixel_values: torch.Tensor, vision_config) -> int:

@@ -74,7 +74,7 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
     logits = step(**packed)[1]
     check_packing(VLMForTraining(model), labeller, dummy_inputs)
 
-    one_sequence = {k: v for k, v in packed.items() if k not in ("sample_lengths", "images_per_sample")}
+    one_sequence = {k: v for k, v in packed.items() if k not in ("sample_lengths", "media_per_sample")}
     assert not torch.allclose(step(**one_sequence)[1], logits, atol=1e-3)  # positions go on, attention crosses
     crossing = model(input_ids=packed["input_ids"], attention_mask=packed["attention_mask"], use_cache=False,
                           position_ids=torch.cat([torch.arange(len(row["input_ids"])) for row in rows])[None],

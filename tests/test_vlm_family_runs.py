@@ -1,8 +1,9 @@
 """vlm_finetune.py on each tiny family checkpoint (conftest.py), as a user launches it: 2 CPU
 processes at per-device batch size 1 on the default mixture, so text-only and image micro-batches
-meet on different ranks; no find_unused_parameters anywhere. One family (Qwen2.5-VL) also runs
-under FSDP2 against DDP, and on LLaVA JSON with two-image rows under DDP and ZeRO-3, as SmolVLM does under DDP
-(its LoRA runs under ZeRO-3 in test_vlm_engines.py)."""
+meet on different ranks; no find_unused_parameters anywhere. One family (Qwen2.5-VL) trains on the embedded
+video conversations too (video, image and text-only micro-batches meet), under DDP and FSDP2 against it, and on
+LLaVA(-Video) JSON with two-image and video rows under DDP and ZeRO-3 against it; SmolVLM runs that JSON under DDP
+and counts its video rows (no video processor; its LoRA runs under ZeRO-3 in test_vlm_engines.py)."""
 
 import json
 import re
@@ -15,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
 from launch import REPO, VLM_RECIPE, assert_engine, assert_same_curves, losses, run_engine
+from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.vlm_families import dummy_image_inputs, module_groups
 
 pytestmark = pytest.mark.launch
@@ -25,6 +27,9 @@ TRAIN_MODULES = {"idefics3": "all"}  # the others: projector,language_model (the
 STEPS = 16
 RUN = ["--max_steps", STEPS, "--logging_steps", 4, "--per_device_train_batch_size", 1,
        "--gradient_accumulation_steps", 2, "--eval_steps", STEPS, "--eval_generation_rows", 8]  # 64: the default run
+WITH_VIDEO = ["--dataset_name", ",".join(str(VLM_SHAPES / name) for name in ("image_chat", "text_chat", "video_chat")),
+              "--dataset_weights", "0.5,0.25,0.25"]
+VIDEO_COUNTS = r"\| video 0 \| no_frames 0 \| video_too_long 0 \| video_mismatch 0$"  # every video row trained
 
 
 def launch(config, checkpoint, output_dir, *extra):
@@ -35,13 +40,15 @@ def launch(config, checkpoint, output_dir, *extra):
 
 @pytest.fixture(scope="module")
 def family_runs(tiny_vlms, tmp_path_factory):
-    """{(family, config): (result, output_dir)}: every family under DDP, Qwen2.5-VL under FSDP2 too."""
+    """{(family, config): (result, output_dir)}: every family under DDP, Qwen2.5-VL (with videos) under FSDP2 too."""
     runs = {}
     for family in FAMILIES:
         preset = ["--train_modules", TRAIN_MODULES[family]] if family in TRAIN_MODULES else []
+        preset += WITH_VIDEO if family == MATRIX else []
         runs[family, "ddp.yaml"] = launch("ddp.yaml", tiny_vlms[family], tmp_path_factory.mktemp(f"{family}_ddp"),
                                           *preset)
-    runs[MATRIX, "fsdp2.yaml"] = launch("fsdp2.yaml", tiny_vlms[MATRIX], tmp_path_factory.mktemp(f"{MATRIX}_fsdp2"))
+    runs[MATRIX, "fsdp2.yaml"] = launch("fsdp2.yaml", tiny_vlms[MATRIX], tmp_path_factory.mktemp(f"{MATRIX}_fsdp2"),
+                                        *WITH_VIDEO)
     return runs
 
 
@@ -61,6 +68,8 @@ def test_each_family_trains_on_mixed_ranks_under_ddp(family_runs, family):
     assert loss[STEPS] < 0.95 * loss[4], loss
     assert dummy_batches(result.log) > 0  # text-only micro-batches ran the dummy on some rank
     assert "eval_answers 512" in result.log
+    if family == MATRIX:
+        assert re.search(r"^step 16/16 .*" + VIDEO_COUNTS, result.log, re.M), result.log[-3000:]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -110,7 +119,8 @@ def test_a_sharded_engine_matches_ddp_on_a_non_llava_family(family_runs):
 
 @pytest.fixture(scope="module")
 def llava_json_data(tmp_path_factory):
-    """The embedded conversations as LLaVA JSON: image files under a folder, `<image>` placeholders, text-only rows."""
+    """The embedded conversations as LLaVA JSON: image files under a folder, `<image>` placeholders, text-only rows,
+    and LLaVA-Video rows (`video` files in the same folder, `<video>` placeholders)."""
     folder = tmp_path_factory.mktemp("llava_json_run")
     rows = []
     for name, count in (("image_chat", 48), ("text_chat", 16)):
@@ -130,19 +140,38 @@ def llava_json_data(tmp_path_factory):
         if "image" in first and "image" in second:
             first["image"] = [second["image"], first["image"]]
             first["conversations"][0]["value"] = "<image>\n" + first["conversations"][0]["value"]
-    rows = [row for pair in zip(rows[:48:3], rows[1:48:3], rows[2:48:3], rows[48:]) for row in pair]  # text rows spread
+    clips = datasets.load_dataset("parquet", data_files=str(VLM_SHAPES / "video_chat" / "train-*.parquet"),
+                                  split="train").select(range(16))
+    for index, example in enumerate(clips):
+        (folder / f"{index}.mp4").write_bytes(example["videos"][0]["bytes"])
+        question, answer = (m["content"][-1]["text"] for m in example["messages"])
+        rows.append({"conversations": [{"from": "human", "value": f"<video>\n{question}"},
+                                       {"from": "gpt", "value": answer}], "video": f"{index}.mp4"})
+    # Text and video rows spread among the image rows
+    rows = [row for four in zip(rows[:48:3], rows[1:48:3], rows[2:48:3], rows[48:64], rows[64:]) for row in four]
     (folder / "llava.json").write_text(json.dumps(rows))
     return folder
 
 
-@pytest.mark.parametrize("family, config", [(MATRIX, "ddp.yaml"), (MATRIX, "zero3.yaml"), ("idefics3", "ddp.yaml")])
-def test_llava_json_with_two_image_rows_trains_non_llava_families(tiny_vlms, llava_json_data, tmp_path, family,
-                                                                  config):
-    """LLaVA JSON with one-image, two-image and text-only rows in one file, 2 processes at batch 1: no row is
-    lost to the mixed `image` column (the two-image rows are read, not counted as mismatched), and it trains."""
-    result, _ = launch(config, tiny_vlms[family], tmp_path, "--dataset_name", "json", "--data_files",
-                       llava_json_data / "llava.json", "--image_folder", llava_json_data, "--dataset_weights", "",
-                       "--eval_dataset_name", "", *(["--train_modules", "all"] if family in TRAIN_MODULES else []))
+LLAVA_JSON_RUNS = [(MATRIX, "ddp.yaml"), (MATRIX, "zero3.yaml"), ("idefics3", "ddp.yaml")]
+
+
+@pytest.fixture(scope="module")
+def llava_json_runs(tiny_vlms, llava_json_data, tmp_path_factory):
+    return {(family, config): launch(
+        config, tiny_vlms[family], tmp_path_factory.mktemp(f"{family}_{config[:-5]}_json"), "--dataset_name", "json",
+        "--data_files", llava_json_data / "llava.json", "--image_folder", llava_json_data, "--dataset_weights", "",
+        "--eval_dataset_name", "", *(["--train_modules", "all"] if family in TRAIN_MODULES else []))[0]
+        for family, config in LLAVA_JSON_RUNS}
+
+
+@pytest.mark.parametrize("family, config", LLAVA_JSON_RUNS)
+def test_llava_json_with_two_image_and_video_rows_trains_non_llava_families(llava_json_runs, family, config):
+    """LLaVA(-Video) JSON with one-image, two-image, video and text-only rows in one file, 2 processes at batch 1:
+    no row is lost to the mixed `image` column (the two-image rows are read, not counted as mismatched), the
+    clips are found under --image_folder (no --video_folder given), and it trains: Qwen2.5-VL on every video row,
+    under ZeRO-3 with DDP's losses; Idefics3 (no video processor) counts its video rows as `video`."""
+    result = llava_json_runs[family, config]
     assert result.returncode == 0, result.log[-3000:]
     assert_engine(result.log, config)
     loss = losses(result.log)
@@ -150,3 +179,8 @@ def test_llava_json_with_two_image_rows_trains_non_llava_families(tiny_vlms, lla
     assert dummy_batches(result.log) > 0
     assert re.search(r"^step 16/16 .*\| image_mismatch 0 \| .*\| unaligned 0 \| bad_text 0 \| bad_row 0 ", result.log,
                      re.M), result.log[-3000:]
+    if family == MATRIX:
+        assert re.search(r"^step 16/16 .*" + VIDEO_COUNTS, result.log, re.M), result.log[-3000:]
+        assert_same_curves(result.log, llava_json_runs[MATRIX, "ddp.yaml"].log, grad_norm=True)
+    else:
+        assert re.search(r"^step 16/16 .*\| video [1-9]\d* \| no_frames 0 ", result.log, re.M), result.log[-3000:]
