@@ -82,7 +82,7 @@ def main(argv=None):
     # The answer tokens of the checkpoint's own chat template, checked on a probe conversation now
     # (a template whose turns no rule finds would otherwise drop every row as no_target).
     stops = stop_token_ids(model, processor)
-    labeller = AnswerLabeller(processor, stops, videos=trains_videos(model, processor))  # clips: the tower's call
+    labeller = AnswerLabeller(processor, stops, videos=trains_videos(model, processor))  # else video rows: counted
     template_line = check_template(labeller, model_args.chat_template_path or model_args.model_name_or_path
                                    or model_args.tokenizer_name)
     dummy_inputs = dummy_image_inputs(model, processor)
