@@ -166,12 +166,15 @@ def split_items(features, count: int) -> tuple:
     return tuple(type(features)(**{name: split(value, part) for name, value in per_item.items()}) for part in (0, 1))
 
 
-def image_patches(pixel_values: torch.Tensor, vision_config) -> int:
-    """Patches the tower embeds for these pixel values (padding tiles included), for the FLOPs count."""
+def image_patches(batch: dict, vision_config) -> int:
+    """Patches the tower embeds for a collated batch's images (not the dummy) and clips, padding tiles included,
+    for the FLOPs count (a clip's patches take the same layout as an image's where the tower takes both)."""
     channels = getattr(vision_config, "in_channels", None) or getattr(vision_config, "num_channels", 3)
     temporal = getattr(vision_config, "temporal_patch_size", 1)
     height, width = _height_width(vision_config.patch_size)
-    return pixel_values.numel() // (channels * temporal * height * width)
+    pixels = [batch[key] for key in ("pixel_values", "pixel_values_videos")
+              if key in batch and not (key == "pixel_values" and batch["dummy_image"])]
+    return sum(value.numel() for value in pixels) // (channels * temporal * height * width)
 
 
 def _height_width(size) -> tuple[int, int]:

@@ -186,8 +186,8 @@ def main(argv=None):
                 loss_sum, _ = model(**chat_model_inputs(batch, accelerator.device))
                 accelerator.backward(loss_sum * loss_scale)
             window_ce.append(loss_sum.detach())
-            patches = 0 if batch["dummy_image"] else image_patches(batch["pixel_values"], vision_config)
-            logged.add(samples=batch["num_samples"], tokens=batch["num_tokens"], patches=patches,
+            logged.add(samples=batch["num_samples"], tokens=batch["num_tokens"],
+                       patches=image_patches(batch, vision_config),
                        dummy_image_batches=batch["dummy_image"], data_counts=batch["data_counts"])
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
         done = step + 1
