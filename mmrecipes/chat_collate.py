@@ -29,7 +29,9 @@ class DummyImageCollator:
     own), for per-sample positions and attention (mmrecipes.packing). Concatenates the rows' image
     and video inputs in row order, and gives a batch without any image the model's tiny dummy image
     (`dummy_image_inputs`) with `dummy_image=True`, so the vision step runs on every micro-batch (a
-    batch's videos go through the tower in the same call: `mmrecipes.vlm.VLMForTraining`).
+    batch's videos go through the tower in the same call: `mmrecipes.vlm.VLMForTraining`). Where the
+    dummy inputs hold a clip (a video path of the model's own), a batch without a clip gets it, with
+    `dummy_video=True`.
     """
 
     def __init__(self, pad_token_id: int, dummy_inputs: dict, packing: bool = False, pack_length: int | None = None):
@@ -67,7 +69,9 @@ class DummyImageCollator:
         batch |= {key: _cat_padded([inputs[key] for inputs in with_media if key in inputs]) for key in media_keys}
         batch["dummy_image"] = "pixel_values" not in batch
         if batch["dummy_image"]:
-            batch |= self.dummy_inputs
+            batch |= {key: value for key, value in self.dummy_inputs.items() if key != "pixel_values_videos"}
+        if "pixel_values_videos" in self.dummy_inputs and "pixel_values_videos" not in batch:  # a video path of its own
+            batch |= {"pixel_values_videos": self.dummy_inputs["pixel_values_videos"], "dummy_video": True}
         batch["num_samples"], batch["num_tokens"] = len(rows), sum(lengths)  # tokens: padding left out
         batch["target_tokens"] = count_target_tokens(batch["labels"])  # read here, on the host, not in the loop
         batch["data_counts"] = torch.tensor([sum(row[name] for row in rows) for name in CHAT_COUNTED])

@@ -8,6 +8,9 @@ every micro-batch calls the vision step exactly once, in the same module order o
 
 1. image features: `model.get_image_features(...)` on the batch's images, or on the one tiny
    dummy image `DummyImageCollator` puts into a text-only batch (`vlm_families.dummy_image_inputs`);
+   a batch's clips go through the same call where the video features are the image features of the
+   same inputs (Qwen), or through the model's own `get_video_features` on every micro-batch, on a
+   dummy clip where there is none (LLaVA-OneVision; `vlm_families.video_path`);
 2. the model's own forward, given real features as `mm_encoder_outputs`, or no images at all;
 3. the summed token cross-entropy, plus, for a dummy, a zero-length slice of every feature tensor
    the language model would read (`vlm_families.lm_features`): the vision parameters get an
@@ -99,8 +102,8 @@ class VLMForTraining(torch.nn.Module):
         self.forward_input_names = set(inspect.signature(model.forward).parameters) - {"kwargs"}
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
 
-    def forward(self, input_ids, attention_mask, labels, dummy_image: bool, sample_lengths=None, media_per_sample=None,
-                return_logits=False, **image_inputs):
+    def forward(self, input_ids, attention_mask, labels, dummy_image: bool, dummy_video=False, sample_lengths=None,
+                media_per_sample=None, return_logits=False, **image_inputs):
         vision_inputs = {name: value for name, value in image_inputs.items() if name in self.vision_input_names}
         videos = {name: value for name, value in image_inputs.items() if name in self.video_as_image}
         # Videos go through the tower in the same call as the images (or the dummy), after them: one call a step.
@@ -114,9 +117,15 @@ class VLMForTraining(torch.nn.Module):
         # What the LM takes besides the features: Qwen's image_grid_thw and mm_token_type_ids (mRoPE
         # positions), Gemma 3's token_type_ids, Idefics3's pixel_attention_mask, LLaVA-OneVision's image_sizes.
         # A text-only batch passes only its per-token inputs: the LM sees no image and no image token.
-        pixels = {"pixel_values", *(name for name, image in self.video_as_image.items() if image == "pixel_values")}
+        if "pixel_values_videos" in image_inputs and not self.video_as_image:  # a video path of its own
+            encoded["video"] = self.model.get_video_features(pixel_values_videos=image_inputs["pixel_values_videos"],
+                                                             return_dict=True)
+        pixels = {"pixel_values", "pixel_values_videos"}
         keep = self.forward_input_names - pixels - (self.vision_input_names if dummy_image else set())
         other_inputs = {name: value for name, value in image_inputs.items() if name in keep}
+        dummies = [features] if dummy_image else []
+        if dummy_video:
+            dummies.append(encoded.pop("video"))
         if not dummy_image:
             encoded["image"] = features
         if encoded:
@@ -134,8 +143,8 @@ class VLMForTraining(torch.nn.Module):
             loss_sum = token_cross_entropy_sum(logits, labels)
         else:
             loss_sum = head_cross_entropy_sum(hidden, head, labels, softcap=self.softcap)
-        if dummy_image:
-            loss_sum = loss_sum + torch.cat([part.flatten() for part in lm_features(features)])[:0].sum()
+        for dummy in dummies:  # exact zeros into the loss: the dummy's parameters get their gradients on every rank
+            loss_sum = loss_sum + torch.cat([part.flatten() for part in lm_features(dummy)])[:0].sum()
         return loss_sum, logits
 
     # accelerate's FSDP2 path asks the root module for both: it shards them in one group when they are

@@ -84,7 +84,8 @@ def lm_features(output) -> list[torch.Tensor]:
 
 
 def dummy_image_inputs(model, processor=None) -> dict:
-    """The smallest image input the model's vision step accepts, as `get_image_features` kwargs.
+    """The smallest image input the model's vision step accepts, as `get_image_features` kwargs, and, given the
+    processor, a one-frame clip for a model whose clips take a path of their own (`dummy_video_inputs`).
 
     Chosen from `get_image_features`' signature and the vision config, not from the model's name:
     a patch grid (`image_grid_thw`: Qwen-VL style) gets one merged token of spatial_merge_size^2
@@ -94,6 +95,10 @@ def dummy_image_inputs(model, processor=None) -> dict:
     signature (LLaVA-OneVision's `image_sizes`) gets what the processor makes of one small white
     image, with every extra input the tower needs.
     """
+    return _dummy_image(model, processor) | (dummy_video_inputs(model, processor) if processor is not None else {})
+
+
+def _dummy_image(model, processor) -> dict:
     names = set(inspect.signature(model.get_image_features).parameters) - {"self", "kwargs"}
     vision = model.config.vision_config
     channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
@@ -130,28 +135,64 @@ def video_as_image_names(model) -> dict[str, str]:
     return dict(zip(video, image)) if len(video) == len(image) else {}
 
 
-@torch.no_grad()
 def trains_videos(model, processor) -> bool:
-    """Whether the recipe trains this model on clips: its processor has a video processor, and the video
-    features of a 2-frame probe clip equal the image features of the same inputs (`video_as_image_names`), so
-    one tower call a step takes images, videos or the dummy alike, on every rank. LLaVA-OneVision's video
-    path (frames pooled after the tower) fails the probe: its video rows are skipped and counted."""
+    """Whether the recipe trains this model on clips (`video_path`)."""
+    return video_path(model, processor) is not None
+
+
+@torch.no_grad()
+def video_path(model, processor) -> str | None:
+    """How the recipe trains this model on clips, from what its processor makes of a 2-frame probe clip:
+    - "as images": image inputs only (InternVL3: the frames become image tiles), which the image path takes;
+    - "with images": video inputs whose features equal the image features of the same inputs
+      (`video_as_image_names`: Qwen2, 2.5 and 3-VL): one tower call a step takes images, videos or the dummy
+      alike, on every rank;
+    - "own": `pixel_values_videos` for a video path of the model's own (LLaVA-OneVision: frames pooled after
+      the tower) whose features fill the clip's placeholders exactly: every micro-batch calls it, on the
+      batch's clips or on a dummy clip (`dummy_video_inputs`).
+    No video processor, or anything else: None, and video rows are skipped and counted."""
+    if getattr(processor, "video_processor", None) is None or getattr(processor, "video_token", None) is None:
+        return None
+    made = processor(text=processor.video_token, **_probe_clip(2), return_tensors="pt")
+    media = set(made) - {"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids"}
+    if media <= set(inspect.signature(model.get_image_features).parameters):
+        return "as images" if "pixel_values" in media else None
     names = video_as_image_names(model)
-    if getattr(processor, "video_processor", None) is None or not names:
-        return False
-    frames = numpy.random.default_rng(0).integers(0, 256, (2, 56, 56, 3), dtype=numpy.uint8)
-    metadata = VideoMetadata(total_num_frames=2, fps=2.0, duration=1.0, frames_indices=[0, 1])
-    made = processor.video_processor(videos=[frames], video_metadata=[metadata], do_sample_frames=False,
-                                     return_tensors="pt")
-    if not set(names) <= set(made):
-        return False
-    videos = {name: made[name] for name in names}
     try:
-        video = model.get_video_features(**videos, return_dict=True)
-        image = model.get_image_features(**{names[name]: value for name, value in videos.items()}, return_dict=True)
-    except (TypeError, ValueError, RuntimeError):
-        return False
-    return all(torch.equal(a, b) for a, b in zip(lm_features(video), lm_features(image), strict=True))
+        if names:
+            videos = {name: made[name] for name in names}
+            video = model.get_video_features(**videos, return_dict=True)
+            image = model.get_image_features(**{names[name]: value for name, value in videos.items()},
+                                             return_dict=True)
+            same = all(torch.equal(a, b) for a, b in zip(lm_features(video), lm_features(image), strict=True))
+            return "with images" if same else None
+        if media != {"pixel_values_videos"} or getattr(model, "get_video_features", None) is None:
+            return None
+        features = lm_features(model.get_video_features(pixel_values_videos=made["pixel_values_videos"],
+                                                        return_dict=True))
+    except (TypeError, ValueError, RuntimeError, KeyError):
+        return None
+    placeholders = int((made["input_ids"] == processor.tokenizer.convert_tokens_to_ids(processor.video_token)).sum())
+    return "own" if sum(feature.shape[:-1].numel() for feature in features) == placeholders else None
+
+
+def dummy_video_inputs(model, processor) -> dict:
+    """A one-frame probe clip as `pixel_values_videos`, for a model whose clips take a video path of their own
+    (see `trains_videos`): the collator gives it to every micro-batch without a clip, so that path runs on every
+    rank. {} for any other model."""
+    if video_path(model, processor) != "own":
+        return {}
+    made = processor.video_processor(**_probe_clip(1), return_tensors="pt")
+    return {"pixel_values_videos": made["pixel_values_videos"]} if "pixel_values_videos" in made else {}
+
+
+def _probe_clip(frames: int) -> dict:
+    """Processor kwargs of a `frames`-frame 56 px clip, its frames already sampled (random: some towers drop an
+    all-zero input as padding)."""
+    clip = numpy.random.default_rng(0).integers(0, 256, (frames, 56, 56, 3), dtype=numpy.uint8)
+    metadata = VideoMetadata(total_num_frames=frames, fps=2.0, duration=frames / 2.0,
+                             frames_indices=list(range(frames)))
+    return dict(videos=[clip], video_metadata=[metadata], do_sample_frames=False)
 
 
 def split_items(features, count: int) -> tuple:
@@ -234,7 +275,8 @@ def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
 
     handles = [module.register_forward_hook(partial(record, name)) for name, module in model.named_modules()]
     try:
-        features = lm_features(model.get_image_features(**dummy_inputs, return_dict=True))
+        image_inputs = {name: value for name, value in dummy_inputs.items() if name != "pixel_values_videos"}
+        features = lm_features(model.get_image_features(**image_inputs, return_dict=True))
     finally:
         for handle in handles:
             handle.remove()

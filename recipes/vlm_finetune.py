@@ -10,7 +10,7 @@ on a CPU; the output loads with `AutoModelForImageTextToText` and `pipeline("ima
 image-text-to-text checkpoint with its own processor and chat template (`--model_name_or_path`); `--use_peft true`
 trains LoRA adapters (TRL's flags). On every engine a text-only micro-batch runs the vision step on a tiny dummy image,
 and the loss is the exact token mean over the accumulation window on all ranks (docs/vlm.md). Data: LLaVA format
-(`--dataset_name json --data_files llava.json --image_folder images/`) or `messages` + `images` rows, mixed by weight.
+(`--dataset_name json --data_files llava.json --image_folder images/`) or `messages` + `images` (+ `videos`) rows.
 """
 
 import time

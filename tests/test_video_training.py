@@ -1,7 +1,9 @@
-"""Video conversations through labels, collation, the one tower call and packing, in process, on the tiny
-Qwen2.5-VL (its real processor and video processor, its official chat template): the answer tokens are exactly
-the answers, the frames reach the loss in their order, a packed video row gives the logits it gives alone, and
-bad clips are counted. The engines (DDP at batch 1 beside text-only ranks, FSDP2 and ZeRO-3 against DDP) run in
+"""Video conversations through labels, collation, the vision calls and packing, in process, on the tiny
+families of each video path (their real processors and video processors, their official chat templates):
+Qwen2.5-VL (clips through the tower in the image call), LLaVA-OneVision (a video path of its own, a dummy clip
+where a batch has none) and InternVL3 (frames as image tiles). The answer tokens are exactly the answers, the
+frames reach the loss in their order, a packed video row gives the logits it gives alone, and bad clips are
+counted. The engines (DDP at batch 1 beside text-only ranks, FSDP2 and ZeRO-3 against DDP) run in
 test_vlm_family_runs.py."""
 
 import json
@@ -18,18 +20,29 @@ from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.losses import IGNORE_INDEX
 from mmrecipes.videos import DecodedVideo, VideoArgs, decode_video
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, load_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, trains_videos
+from mmrecipes.vlm_families import dummy_image_inputs, trains_videos, video_path
 
 VIDEO_CHAT = REPO / "data" / "vlm_shapes" / "video_chat"
 
 
+PATHS = {"qwen2_5_vl": "with images", "llava_onevision": "own", "internvl3": "as images"}
+
+
+def load(directory):
+    model = AutoModelForImageTextToText.from_pretrained(directory)
+    processor = AutoProcessor.from_pretrained(directory)
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor), videos=trains_videos(model, processor))
+    return model, processor, labeller, dummy_image_inputs(model, processor)
+
+
 @pytest.fixture(scope="module")
 def qwen(tiny_vlms):
-    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen2_5_vl"])
-    processor = AutoProcessor.from_pretrained(tiny_vlms["qwen2_5_vl"])
-    labeller = AnswerLabeller(processor, stop_token_ids(model, processor), videos=trains_videos(model, processor))
-    dummy = dummy_image_inputs(model, processor)
-    return model, processor, labeller, dummy
+    return load(tiny_vlms["qwen2_5_vl"])
+
+
+@pytest.fixture(scope="module", params=PATHS)
+def family(request, tiny_vlms):
+    return request.param, load(tiny_vlms[request.param])
 
 
 def clip_rows(count):
@@ -55,27 +68,31 @@ def text_row(labeller, question, answer):
     return {"input_ids": input_ids, "labels": labels, "image_inputs": inputs} | dict.fromkeys(CHAT_COUNTED, 0)
 
 
-def test_which_families_train_on_video(tiny_vlms, qwen):
-    """The probe, from behaviour: Qwen2.5-VL's video features are its image features of the same patches;
-    LLaVA-OneVision pools frames after the tower (its video rows are counted, not trained); the tiny Llava has
-    no video processor."""
-    assert qwen[2].video_token_id == qwen[1].tokenizer.convert_tokens_to_ids("<|video_pad|>")
-    onevision = AutoModelForImageTextToText.from_pretrained(tiny_vlms["llava_onevision"])
-    assert not trains_videos(onevision, AutoProcessor.from_pretrained(tiny_vlms["llava_onevision"]))
-    assert not trains_videos(*load_vlm(VLMModelArgs()))
+def test_which_families_train_on_video(tiny_vlms):
+    """The probe, from behaviour: Qwen2.5-VL's video features are its image features of the same patches,
+    LLaVA-OneVision's own video path fills a clip's placeholders, InternVL3's processor makes frames image tiles;
+    Idefics3 and the tiny Llava have no video processor, and only an own path gets a dummy clip."""
+    for name, path in PATHS.items():
+        model, processor = (auto.from_pretrained(tiny_vlms[name]) for auto in (AutoModelForImageTextToText,
+                                                                            AutoProcessor))
+        assert video_path(model, processor) == path
+        assert ("pixel_values_videos" in dummy_image_inputs(model, processor)) == (path == "own")
+    idefics3 = (auto.from_pretrained(tiny_vlms["idefics3"]) for auto in (AutoModelForImageTextToText, AutoProcessor))
+    assert video_path(*idefics3) is None and video_path(*load_vlm(VLMModelArgs())) is None
 
 
-def test_the_answer_tokens_of_a_video_conversation_are_exactly_the_answer(qwen):
-    model, processor, labeller, _ = qwen
+def test_the_answer_tokens_of_a_video_conversation_are_exactly_the_answer(family):
+    name, (model, processor, labeller, _) = family
     row = clip_rows(1)[0]
     encoded = video_row(labeller, row)
     ids, labels = encoded["input_ids"], encoded["labels"]
     answer = row["messages"][1]["content"][0]["text"]
     assert processor.tokenizer.decode(labels[labels != IGNORE_INDEX]) == f"{answer}<|im_end|>"
-    video_tokens = int((ids == labeller.video_token_id).sum())
-    grid = encoded["image_inputs"]["video_grid_thw"]
-    assert video_tokens == int(grid.prod()) // 4 > 0 and grid[0, 0] == 2  # 4 frames: 2 temporal patches
-    assert encoded["image_inputs"]["second_per_grid_ts"].tolist() == [1.0]  # 2 frames a patch at 2 per second
+    if name == "qwen2_5_vl":  # mRoPE's temporal axis: 4 frames make 2 temporal patches of 1 second each
+        video_tokens = int((ids == labeller.video_token_id).sum())
+        grid = encoded["image_inputs"]["video_grid_thw"]
+        assert video_tokens == int(grid.prod()) // 4 > 0 and grid[0, 0] == 2
+        assert encoded["image_inputs"]["second_per_grid_ts"].tolist() == [1.0]
 
 
 def losses_of(model, dummy, rows, packing=False):
@@ -85,30 +102,49 @@ def losses_of(model, dummy, rows, packing=False):
 
 
 @torch.no_grad()
-def test_the_frames_reach_the_loss_in_their_order(qwen):
+def test_the_frames_reach_the_loss_in_their_order(family):
     """Reversing a clip's frames changes the loss (the old failure, a video read as its placeholder text or not
-    at all, gives the same loss either way); the video batch runs one tower call and no dummy."""
-    model, _, labeller, dummy = qwen
+    at all, gives the same loss either way)."""
+    _, (model, _, labeller, dummy) = family
     row = clip_rows(1)[0]
     forward, again, backward = (losses_of(model, dummy, [video_row(labeller, row, reverse)])[0]
                                 for reverse in (False, False, True))
-    assert torch.equal(forward, again) and (forward - backward).abs() > 1e-4, (forward, backward)
-    calls = []
-    hook = model.model.visual.register_forward_hook(lambda *args: calls.append(1))
-    try:
-        batch = DummyImageCollator(0, dummy)([video_row(labeller, row)])
-        assert batch["dummy_image"] and "pixel_values_videos" in batch
-        VLMForTraining(model)(**chat_model_inputs(batch, "cpu"))
-    finally:
-        hook.remove()
-    assert calls == [1]
+    # The same clip gives the same loss to the bit, so any difference is the frames' order.
+    assert torch.equal(forward, again) and not torch.equal(forward, backward), (forward, backward)
+
+
+@pytest.mark.parametrize("name, calls", [("qwen2_5_vl", {"video": 1, "text": 1}), ("llava_onevision", {"video": 2,
+                                                                                                        "text": 2})])
+def test_every_batch_makes_the_same_tower_calls(tiny_vlms, name, calls):
+    """A video-only batch and a text-only batch call the tower as often (the ranks' collectives match): once
+    for Qwen (the dummy image and the clip in one call), twice for LLaVA-OneVision (the image path on the dummy
+    image, its video path on the clip or a dummy clip), and the text batch's vision parameters get exact-zero
+    gradients."""
+    model, _, labeller, dummy = load(tiny_vlms[name])
+    tower = model.model.visual if name == "qwen2_5_vl" else model.model.vision_tower
+    batches = {"video": [video_row(labeller, clip_rows(1)[0])], "text": [text_row(labeller, "Hi?", "hello")]}
+    for kind, rows in batches.items():
+        counted = []
+        hook = tower.register_forward_hook(lambda *args: counted.append(1))
+        try:
+            batch = DummyImageCollator(0, dummy)(rows)
+            model.zero_grad()
+            VLMForTraining(model)(**chat_model_inputs(batch, "cpu"))[0].backward()
+        finally:
+            hook.remove()
+        assert batch["dummy_image"] and len(counted) == calls[kind], (kind, counted)
+        if kind == "text":
+            assert batch.get("dummy_video", False) == (name == "llava_onevision")
+            grads = [p.grad for p in tower.parameters() if p.grad is not None]
+            assert grads and not any(grad.any() for grad in grads)
 
 
 @torch.no_grad()
-def test_a_packed_video_row_gives_the_logits_it_gives_alone(qwen):
-    """mRoPE's temporal axis per video, restarted per sample: a video row packed between a text row and another
-    video row gives its own logits."""
-    model, _, labeller, dummy = qwen
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "llava_onevision"])
+def test_a_packed_video_row_gives_the_logits_it_gives_alone(tiny_vlms, name):
+    """Positions restarted per sample (Qwen: mRoPE's temporal axis per video): a video row packed after a text
+    row and before another video row gives its own logits."""
+    model, _, labeller, dummy = load(tiny_vlms[name])
     rows = [text_row(labeller, "What comes after one?", "two"), *(video_row(labeller, row) for row in clip_rows(2))]
     model.eval()
     packed = losses_of(model, dummy, rows, packing=True)[1]

@@ -1,9 +1,11 @@
 """vlm_finetune.py on each tiny family checkpoint (conftest.py), as a user launches it: 2 CPU
 processes at per-device batch size 1 on the default mixture, so text-only and image micro-batches
-meet on different ranks; no find_unused_parameters anywhere. One family (Qwen2.5-VL) trains on the embedded
-video conversations too (video, image and text-only micro-batches meet), under DDP and FSDP2 against it, and on
-LLaVA(-Video) JSON with two-image and video rows under DDP and ZeRO-3 against it; SmolVLM runs that JSON under DDP
-and counts its video rows (no video processor; its LoRA runs under ZeRO-3 in test_vlm_engines.py)."""
+meet on different ranks; no find_unused_parameters anywhere. Qwen2.5-VL (clips in the tower's image call) and
+LLaVA-OneVision (a video path of its own) train on the embedded video conversations too (video, image and
+text-only micro-batches meet), under DDP and a sharded engine against it (Qwen2.5-VL: FSDP2; LLaVA-OneVision:
+FSDP2 and ZeRO-3); Qwen2.5-VL also on LLaVA(-Video) JSON with two-image and video rows under DDP and ZeRO-3
+against it; SmolVLM runs that JSON under DDP and counts its video rows (no video processor; its LoRA runs under
+ZeRO-3 in test_vlm_engines.py)."""
 
 import json
 import re
@@ -23,6 +25,8 @@ pytestmark = pytest.mark.launch
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision"]  # Llava: test_vlm_recipe.py
 MATRIX = "qwen2_5_vl"
+VIDEO_FAMILIES = [MATRIX, "llava_onevision"]  # one of each video path that launches (test_video_training.py)
+SHARDED = [(MATRIX, "fsdp2.yaml"), ("llava_onevision", "fsdp2.yaml"), ("llava_onevision", "zero3.yaml")]
 TRAIN_MODULES = {"idefics3": "all"}  # the others: projector,language_model (the default)
 STEPS = 16
 RUN = ["--max_steps", STEPS, "--logging_steps", 4, "--per_device_train_batch_size", 1,
@@ -40,15 +44,14 @@ def launch(config, checkpoint, output_dir, *extra):
 
 @pytest.fixture(scope="module")
 def family_runs(tiny_vlms, tmp_path_factory):
-    """{(family, config): (result, output_dir)}: every family under DDP, Qwen2.5-VL (with videos) under FSDP2 too."""
+    """{(family, config): (result, output_dir)}: every family under DDP, the video families (with clips) under
+    sharded engines too."""
     runs = {}
-    for family in FAMILIES:
+    for family, config in [(family, "ddp.yaml") for family in FAMILIES] + SHARDED:
         preset = ["--train_modules", TRAIN_MODULES[family]] if family in TRAIN_MODULES else []
-        preset += WITH_VIDEO if family == MATRIX else []
-        runs[family, "ddp.yaml"] = launch("ddp.yaml", tiny_vlms[family], tmp_path_factory.mktemp(f"{family}_ddp"),
-                                          *preset)
-    runs[MATRIX, "fsdp2.yaml"] = launch("fsdp2.yaml", tiny_vlms[MATRIX], tmp_path_factory.mktemp(f"{MATRIX}_fsdp2"),
-                                        *WITH_VIDEO)
+        preset += WITH_VIDEO if family in VIDEO_FAMILIES else []
+        runs[family, config] = launch(config, tiny_vlms[family],
+                                      tmp_path_factory.mktemp(f"{family}_{config[:-5]}"), *preset)
     return runs
 
 
@@ -68,7 +71,7 @@ def test_each_family_trains_on_mixed_ranks_under_ddp(family_runs, family):
     assert loss[STEPS] < 0.95 * loss[4], loss
     assert dummy_batches(result.log) > 0  # text-only micro-batches ran the dummy on some rank
     assert "eval_answers 512" in result.log
-    if family == MATRIX:
+    if family in VIDEO_FAMILIES:
         assert re.search(r"^step 16/16 .*" + VIDEO_COUNTS, result.log, re.M), result.log[-3000:]
 
 
@@ -104,12 +107,12 @@ def test_output_loads_as_the_input_checkpoint_and_answers_through_the_pipeline(t
     assert answered[0]["generated_text"] == expected
 
 
-def test_a_sharded_engine_matches_ddp_on_a_non_llava_family(family_runs):
-    config = "fsdp2.yaml"
-    result, output_dir = family_runs[MATRIX, config]
+@pytest.mark.parametrize("family, config", SHARDED)
+def test_a_sharded_engine_matches_ddp_on_a_non_llava_family(family_runs, family, config):
+    result, output_dir = family_runs[family, config]
     assert result.returncode == 0, result.log[-3000:]
     assert_engine(result.log, config, wrapped="VLMForTraining")
-    ddp, ddp_dir = family_runs[MATRIX, "ddp.yaml"]
+    ddp, ddp_dir = family_runs[family, "ddp.yaml"]
     assert dummy_batches(result.log) == dummy_batches(ddp.log) > 0
     assert_same_curves(result.log, ddp.log, grad_norm=True)
     reference = load_file(ddp_dir / "model.safetensors")
