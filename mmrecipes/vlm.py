@@ -114,12 +114,12 @@ class VLMForTraining(torch.nn.Module):
         if videos:
             grid = next(value for name, value in videos.items() if self.video_as_image[name] != "pixel_values")
             features, encoded["video"] = split_items(features, len(features.pooler_output) - len(grid))
-        # What the LM takes besides the features: Qwen's image_grid_thw and mm_token_type_ids (mRoPE
-        # positions), Gemma 3's token_type_ids, Idefics3's pixel_attention_mask, LLaVA-OneVision's image_sizes.
-        # A text-only batch passes only its per-token inputs: the LM sees no image and no image token.
         if "pixel_values_videos" in image_inputs and not self.video_as_image:  # a video path of its own
             encoded["video"] = self.model.get_video_features(pixel_values_videos=image_inputs["pixel_values_videos"],
                                                              return_dict=True)
+        # What the LM takes besides the features: Qwen's image_grid_thw and mm_token_type_ids (mRoPE
+        # positions), Gemma 3's token_type_ids, Idefics3's pixel_attention_mask, LLaVA-OneVision's image_sizes.
+        # A text-only batch passes only its per-token inputs: the LM sees no image and no image token.
         pixels = {"pixel_values", "pixel_values_videos"}
         keep = self.forward_input_names - pixels - (self.vision_input_names if dummy_image else set())
         other_inputs = {name: value for name, value in image_inputs.items() if name in keep}
