@@ -179,7 +179,10 @@ def video_path(model, processor) -> str | None:
 def dummy_video_inputs(model, processor) -> dict:
     """A one-frame probe clip as `pixel_values_videos`, for a model whose clips take a video path of their own
     (see `trains_videos`): the collator gives it to every micro-batch without a clip, so that path runs on every
-    rank. {} for any other model."""
+    rank. {} for any other model: one whose video features are image features, or that has none, is never
+    "own", so the probe runs (a second time at start-up, after the labeller's) only for a model that may be."""
+    if video_as_image_names(model) or getattr(model, "get_video_features", None) is None:
+        return {}
     if video_path(model, processor) != "own":
         return {}
     made = processor.video_processor(**_probe_clip(1), return_tensors="pt")
