@@ -1,7 +1,8 @@
 """Each bench/ script starts and writes its JSON line at toy size (numbers are not checked: no
 timing is asserted in CI). They run in two Python processes at once (tests/run_benches.py), each
-running its half one after another: the imports they share cost more than their toy runs, and most
-of a toy run keeps one core busy, so two halves side by side use both."""
+running its half one after another: the imports they share cost more than their toy runs. Each half
+runs on one thread (OMP_NUM_THREADS=1, inherited by the recipe runs it starts): two halves of two
+threads each on 2 cores spent a third of their CPU time waiting for each other (95 s -> 81 s)."""
 
 import json
 import sys
@@ -9,25 +10,26 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from launch import REPO, run_command
+from launch import REPO, run_command, run_env
 
 pytestmark = pytest.mark.launch
 
 # Dealt to the two processes in turn (0, 1, 0, ...), in an order that gives each about half: toy-size seconds on
-# 2 cores, each script alone, 29 | 25, 21 | 22, 20 | 15, 13 | 14, 2 | 8, <1 | <1, <1 | <1 (85 s a process).
+# 2 cores, each script alone, 18 | 16, 15 | 12, 12 | 10, 9 | 9, <1 | 5, <1 | 2, <1 | <1 (53 s a process).
+# gpu_recipe_throughput's toy recipe runs take no DataLoader workers: their fork server's start is half of such a run.
 BENCHES = [
     ("video.py", ["--quick"]),
-    ("gpu_recipe_throughput.py", ["--mode", "vlm", "--toy", "--torch_compile", "false"]),
-    ("gpu_recipe_throughput.py", ["--toy", "--torch_compile", "false"]),
+    ("gpu_recipe_throughput.py", ["--mode", "vlm", "--toy", "--torch_compile", "false", "--workers", "0"]),
     ("data_loading.py", ["--quick"]),
     ("recipe_throughput.py", ["--quick"]),
     ("vlm_dummy.py", ["--quick"]),
-    ("resume_time.py", ["--quick", "--repeats", "1"]),
     ("grad_comm.py", ["--quick"]),
-    ("lora_memory.py", ["--quick"]),
-    ("vlm_packing.py", ["--quick"]),
+    ("resume_time.py", ["--quick", "--repeats", "1"]),
+    ("gpu_recipe_throughput.py", ["--toy", "--torch_compile", "false", "--workers", "0"]),
     ("gpu_clip_throughput.py", ["--toy", "--steps", "2", "--warmup", "1", "--compile", "off"]),
+    ("vlm_packing.py", ["--quick"]),
     ("contrastive_loss.py", ["--quick", "--repeats", "1"]),
+    ("lora_memory.py", ["--quick"]),
     ("vlm_loss_memory.py", ["--quick"]),
     ("patch_dropout.py", ["--quick"]),
 ]
@@ -44,7 +46,7 @@ def bench_runs(tmp_path_factory):
         for script, args in BENCHES[half::HALVES]:
             command += [script, *args, "--"]
         (out_dir / str(half)).mkdir()
-        return run_command(command, timeout=1800, cwd=out_dir)
+        return run_command(command, timeout=1800, cwd=out_dir, environment=run_env({"OMP_NUM_THREADS": "1"}))
 
     with ThreadPoolExecutor(HALVES) as pool:
         list(pool.map(run_half, range(HALVES)))

@@ -11,7 +11,6 @@ from transformers import CLIPModel
 
 from launch import (
     REPO,
-    accelerate_launch,
     assert_same_curves,
     load_recipe,
     losses,
@@ -205,8 +204,8 @@ def test_empty_data_shard_stops_every_rank_with_one_error(tmp_path):
     image = Image.new("RGB", (16, 16), (255, 0, 0))
     image.save(tmp_path / "data" / "0.png")
     (tmp_path / "data" / "metadata.csv").write_text("file_name,text\n0.png,a red square\n")
-    result = accelerate_launch("ddp.yaml", "--dataset_name", tmp_path / "data", "--eval_split", "", "--max_steps", 2,
-                               "--output_dir", tmp_path / "out", timeout=300)
+    result = run_engine("ddp.yaml", "--dataset_name", tmp_path / "data", "--eval_split", "", "--max_steps", 2,
+                        "--output_dir", tmp_path / "out", timeout=300)
     assert result.returncode != 0
     assert result.log.count("RuntimeError: A data rank has no training rows (2 data ranks)") == 2  # both ranks
     assert not losses(result.log)
