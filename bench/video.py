@@ -5,7 +5,9 @@
 
 1. Decoding (`mmrecipes.videos.decode_video`, PyAV, one process = one DataLoader worker): clips/s and
    sampled frames/s at the recipe's defaults (--video_fps 2, --video_max_frames 8) on the embedded clips
-   (48 px, 8 frames at 4 fps) and on a generated 224 px, 10-second clip at 30 fps.
+   (48 px, 8 frames at 4 fps) and on a generated 224 px, 10-second clip at 30 fps. Then Qwen2.5-VL's video
+   processor (its class defaults) on that clip's 8 sampled frames, in the worker: ms and bytes per clip as the
+   float32 it finishes itself and as the uint8 the recipe ships through shared memory (`mmrecipes.videos`).
 2. `vlm_finetune.py` on a tiny Qwen2.5-VL (data_prep/tiny_vlm.py) on the embedded video conversations
    only, at the default DataLoader workers: data_wait (median over log lines after the first) and the
    teacher-forced answer accuracy on the 64 held-out clips.
@@ -27,15 +29,15 @@ from pathlib import Path
 
 import datasets
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2VLVideoProcessor
 
 from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
 from mmrecipes.chat_data import CHAT_COUNTED, encode_row
 from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.paths import VLM_SHAPES
-from mmrecipes.videos import DecodedVideo, VideoArgs, decode_video
+from mmrecipes.videos import UINT8_CLIPS, DecodedVideo, VideoArgs, decode_video
 from mmrecipes.vlm import VLMForTraining, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, trains_videos
+from mmrecipes.vlm_families import dummy_image_inputs, video_path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "video.jsonl"
@@ -60,6 +62,21 @@ def decoding_speed(clips: list[bytes], seconds: float) -> dict:
     return {"clips_per_s": decoded / elapsed, "frames_per_s": frames / elapsed, "frames_per_clip": frames / decoded}
 
 
+def worker_pixels(clip: bytes, seconds: float) -> dict:
+    """Qwen2.5-VL's video processor on one decoded clip, as float32 and as uint8: ms and MiB per clip."""
+    video_processor, (video, _) = Qwen2VLVideoProcessor(), decode_video(clip, VideoArgs())
+    measured = {}
+    for dtype, flags in (("float32", {}), ("uint8", UINT8_CLIPS)):
+        calls, start = 0, time.perf_counter()
+        while not calls or time.perf_counter() - start < seconds:
+            pixels = video_processor(videos=[video.frames], video_metadata=[video.metadata], do_sample_frames=False,
+                                     return_tensors="pt", **flags)["pixel_values_videos"]
+            calls += 1
+        measured[dtype] = {"ms_per_clip": 1000 * (time.perf_counter() - start) / calls,
+                           "mib_per_clip": pixels.numel() * pixels.element_size() / 2 ** 20}
+    return measured
+
+
 def large_clip(seconds: int) -> bytes:
     """A 224 px clip at 30 fps: a shape crossing the frame, upscaled from the embedded drawing."""
     frames = [image.resize((224, 224)) for image in moving_shape("right", "red", "circle", frames=30 * seconds)]
@@ -71,7 +88,7 @@ def direction_accuracy(model_dir: Path, reverse: bool, limit: int) -> float:
     right one."""
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
     processor = AutoProcessor.from_pretrained(model_dir)
-    labeller = AnswerLabeller(processor, stop_token_ids(model, processor), videos=trains_videos(model, processor))
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor), videos=video_path(model, processor))
     collator, step = DummyImageCollator(0, dummy_image_inputs(model, processor)), VLMForTraining(model)
     rows = datasets.load_dataset(str(VLM_SHAPES / "video_chat"), split="test")
     right = total = 0
@@ -109,12 +126,16 @@ def main():
 
     embedded = [row["videos"][0]["bytes"] for row in datasets.load_dataset(str(VLM_SHAPES / "video_chat"),
                                                                             split="train").select(range(32))]
-    speed = {"embedded_48px": decoding_speed(embedded, seconds),
-             "224px_10s_30fps": decoding_speed([large_clip(1 if args.quick else 10)], seconds)}
+    large = large_clip(1 if args.quick else 10)
+    speed = {"embedded_48px": decoding_speed(embedded, seconds), "224px_10s_30fps": decoding_speed([large], seconds)}
     print("decoding in one process (one DataLoader worker), the defaults (--video_fps 2, --video_max_frames 8)")
     for name, numbers in speed.items():
         print(f"  {name:<16} {numbers['clips_per_s']:8.1f} clips/s  {numbers['frames_per_s']:8.1f} frames/s  "
               f"({numbers['frames_per_clip']:.0f} frames a clip)")
+    pixels = worker_pixels(large, seconds)
+    print("Qwen2.5-VL's video processor on the 224 px clip's frames, in the worker: " + ", ".join(
+        f"{dtype} {numbers['ms_per_clip']:.1f} ms and {numbers['mib_per_clip']:.2f} MiB a clip"
+        for dtype, numbers in pixels.items()))
 
     with tempfile.TemporaryDirectory() as scratch:
         checkpoint = save_tiny_vlm("qwen2_5_vl", Path(scratch) / "qwen")
@@ -140,6 +161,7 @@ def main():
 
     record = {"bench": "video", "quick": args.quick, "machine": platform.node(),
               "time": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(), "decoding": speed,
+              "worker_pixels": pixels,
               "steps": steps,
               "data_wait_median": statistics.median(waits), "wall_s": wall, "answer_accuracy": answer_accuracy,
               "direction_accuracy": accuracy}

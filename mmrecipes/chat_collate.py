@@ -12,6 +12,7 @@ from PIL import Image
 
 from .chat_data import CHAT_COUNTED, TOKEN_ALIGNED, encode_row
 from .losses import IGNORE_INDEX, count_target_tokens
+from .videos import CLIP_NORMALIZATION, finish_clip_pixels
 
 MEDIA_KEYS = ("pixel_values", "pixel_values_videos")  # a row holds images, videos or both when it has these
 # What the collator counted on the host, for the loop (not the model): the loop reads no tensor for them.
@@ -65,8 +66,11 @@ class DummyImageCollator:
             if any(key in row["image_inputs"] for row in rows):
                 batch[key] = join([row["image_inputs"].get(key, torch.zeros_like(row["input_ids"])) for row in rows], 0)
         with_media = [row["image_inputs"] for row in rows if {*MEDIA_KEYS} & set(row["image_inputs"])]
-        media_keys = {key for inputs in with_media for key in inputs} - set(TOKEN_ALIGNED)
+        media_keys = {key for inputs in with_media for key in inputs} - {*TOKEN_ALIGNED, CLIP_NORMALIZATION}
         batch |= {key: _cat_padded([inputs[key] for inputs in with_media if key in inputs]) for key in media_keys}
+        # uint8 clips: the constants that finish them on the device (the same for every row)
+        batch |= next(({CLIP_NORMALIZATION: inputs[CLIP_NORMALIZATION]} for inputs in with_media
+                       if CLIP_NORMALIZATION in inputs), {})
         batch["dummy_image"] = "pixel_values" not in batch
         if batch["dummy_image"]:
             batch |= {key: value for key, value in self.dummy_inputs.items() if key != "pixel_values_videos"}
@@ -157,6 +161,10 @@ def check_packing(step, labeller, dummy_inputs):
 
 
 def chat_model_inputs(batch: dict, device) -> dict:
-    """A collated batch's model inputs on `device` (the dummy_image flag stays a Python bool)."""
-    return {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-            for key, value in batch.items() if key not in HOST_COUNTS}
+    """A collated batch's model inputs on `device` (the dummy_image flag stays a Python bool); uint8 clips
+    rescaled and normalised there (`mmrecipes.videos.finish_clip_pixels`)."""
+    inputs = {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+              for key, value in batch.items() if key not in (*HOST_COUNTS, CLIP_NORMALIZATION)}
+    if CLIP_NORMALIZATION in batch and inputs["pixel_values_videos"].dtype == torch.uint8:
+        inputs["pixel_values_videos"] = finish_clip_pixels(inputs["pixel_values_videos"], batch[CLIP_NORMALIZATION])
+    return inputs

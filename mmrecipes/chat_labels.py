@@ -37,6 +37,8 @@ import torch
 from PIL import Image
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from .videos import CLIP_NORMALIZATION, UINT8_CLIPS, clip_normalization
+
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -52,12 +54,14 @@ class AnswerLabeller:
     """`labeller(messages, images, videos)` -> (processor outputs of the conversation, target mask).
 
     `stop_token_ids`: the tokens that end a turn (the generation config's eos ids and the
-    tokenizer's eos). `videos`: whether the model trains on clips (`vlm_families.trains_videos`); they
-    go to the processor as decoded frames (`mmrecipes.videos.DecodedVideo`) with their metadata, already
-    sampled. A conversation whose turns no rule finds raises `TemplateError`.
+    tokenizer's eos). `videos`: how the model trains on clips (`vlm_families.video_path`; None: it does
+    not); they go to the processor as decoded frames (`mmrecipes.videos.DecodedVideo`) with their
+    metadata, already sampled. Clips that reach the model as `pixel_values_videos` come back uint8, with
+    the constants that finish them on the device under `CLIP_NORMALIZATION` (`mmrecipes.videos`). A
+    conversation whose turns no rule finds raises `TemplateError`.
     """
 
-    def __init__(self, processor, stop_token_ids, videos: bool = False):
+    def __init__(self, processor, stop_token_ids, videos: str | None = None):
         self.processor, self.tokenizer = processor, processor.tokenizer
         self.template = processor.chat_template
         if not isinstance(self.template, str):
@@ -67,6 +71,8 @@ class AnswerLabeller:
                                    reverse=True)
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(processor.image_token)
         self.video_token_id = self.tokenizer.convert_tokens_to_ids(processor.video_token) if videos else None
+        as_clips = videos is not None and videos != "as images"  # not frames among the image tiles
+        self.clip_normalization = clip_normalization(processor.video_processor) if as_clips else None
         self.rule = "generation markers" if self.has_markers else "prefix renderings"
 
     def render(self, messages, add_generation_prompt=False, marked=False):
@@ -123,9 +129,12 @@ class AnswerLabeller:
             kwargs["add_special_tokens"] = False
         plain = self.tokenizer(text, return_offsets_mapping=True, **kwargs)
         if videos:  # the frames we sampled, with what the processor reads the sampling rate from
-            kwargs |= dict(videos=[video.frames for video in videos], do_sample_frames=False,
-                           video_metadata=[video.metadata for video in videos])
+            uint8 = UINT8_CLIPS if self.clip_normalization is not None else {}
+            kwargs |= dict(videos=[video.frames for video in videos], videos_kwargs=dict(
+                do_sample_frames=False, video_metadata=[video.metadata for video in videos], **uint8))
         encoded = self.processor(text=text, images=[images] if images else None, **kwargs)
+        if videos and self.clip_normalization is not None and "pixel_values_videos" in encoded:
+            encoded[CLIP_NORMALIZATION] = self.clip_normalization
         input_ids = torch.as_tensor(encoded["input_ids"][0])
         aligned = _aligned_positions(plain["input_ids"], input_ids.tolist())
         target = torch.zeros(len(input_ids), dtype=torch.bool)

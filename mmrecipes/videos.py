@@ -16,6 +16,11 @@ there are none, for the caller to count:
 
 Frames are sampled as the video processors' `fps` / `num_frames` do: `fps` frames per second of
 clip, at most `max_frames`, at least one, evenly spaced (each the middle frame of its stretch).
+
+The video processor resizes (and Qwen-VL's cuts patches) in the workers but leaves the pixels uint8
+(`UINT8_CLIPS`), 4x less to ship through shared memory than float32; `finish_clip_pixels` rescales and
+normalises them on the device, with the constants `clip_normalization` takes from the processor, to the
+processor's own floats.
 """
 
 import logging
@@ -25,6 +30,7 @@ from typing import NamedTuple
 
 import av
 import numpy
+import torch
 from transformers.video_utils import VideoMetadata
 
 from .config import CheckedArgs
@@ -41,6 +47,12 @@ class VideoArgs(CheckedArgs):
     video_fps: float = 2.0  # frames sampled per second of clip (transformers' video processors: fps)
     video_max_frames: int = 8  # at most this many frames per clip (their num_frames)
     video_max_seconds: float = 600.0  # longer clips are skipped and counted (video_too_long)
+
+
+# What a video processor is asked for clips that reach the model as `pixel_values_videos`, and the key that
+# carries the constants that finish them, from the labeller through the collator to `chat_model_inputs`.
+UINT8_CLIPS = {"do_rescale": False, "do_normalize": False}
+CLIP_NORMALIZATION = "clip_normalization"
 
 
 class DecodedVideo(NamedTuple):
@@ -103,3 +115,25 @@ def _seconds(container, stream) -> float | None:
     if container.duration is not None:
         return container.duration / av.time_base
     return None
+
+
+def clip_normalization(video_processor) -> torch.Tensor | None:
+    """[2, channels]: the mean and std that finish uint8 clip pixels, in the fused form of the video processor's
+    own `rescale_and_normalize` (mean / rescale, std / rescale: the same floats to the bit); None when it does
+    not both rescale and normalise (then its pixels are finished in the workers)."""
+    if not (video_processor.do_rescale and video_processor.do_normalize):
+        return None
+    scale = 1.0 / video_processor.rescale_factor
+    return torch.stack([torch.tensor(values) * scale for values in (video_processor.image_mean,
+                                                                    video_processor.image_std)])
+
+
+def finish_clip_pixels(pixels: torch.Tensor, normalization: torch.Tensor) -> torch.Tensor:
+    """uint8 `pixel_values_videos` -> the video processor's float32 values. The channel axis: frames' third from
+    last ([clips, frames, channels, height, width]), or the first factor of each flattened patch (Qwen-VL:
+    [patches, channels x temporal x height x width])."""
+    mean, std = normalization.to(pixels.device)
+    values = pixels.to(torch.float32)  # a copy: normalised in place, as torchvision's normalize does
+    if values.dim() == 2:
+        return values.view(len(values), len(mean), -1).sub_(mean[:, None]).div_(std[:, None]).view(values.shape)
+    return values.sub_(mean[:, None, None]).div_(std[:, None, None])

@@ -127,17 +127,12 @@ def video_as_image_names(model) -> dict[str, str]:
     """{video input: image input}, paired by position in `get_video_features`' and `get_image_features`'
     signatures (Qwen2/2.5/3-VL: pixel_values_videos -> pixel_values, video_grid_thw -> image_grid_thw), or {}
     for a model without video features. Whether the video features really are the image features of those
-    inputs (one tower call can then take both) is `trains_videos`' probe."""
+    inputs (one tower call can then take both) is `video_path`'s probe."""
     if getattr(model, "get_video_features", None) is None:
         return {}
     video, image = ([name for name in inspect.signature(function).parameters if name not in ("self", "kwargs")]
                     for function in (model.get_video_features, model.get_image_features))
     return dict(zip(video, image)) if len(video) == len(image) else {}
-
-
-def trains_videos(model, processor) -> bool:
-    """Whether the recipe trains this model on clips (`video_path`)."""
-    return video_path(model, processor) is not None
 
 
 @torch.no_grad()
@@ -178,7 +173,7 @@ def video_path(model, processor) -> str | None:
 
 def dummy_video_inputs(model, processor) -> dict:
     """A one-frame probe clip as `pixel_values_videos`, for a model whose clips take a video path of their own
-    (see `trains_videos`): the collator gives it to every micro-batch without a clip, so that path runs on every
+    (see `video_path`): the collator gives it to every micro-batch without a clip, so that path runs on every
     rank. {} for any other model: one whose video features are image features, or that has none, is never
     "own", so the probe runs (a second time at start-up, after the labeller's) only for a model that may be."""
     if video_as_image_names(model) or getattr(model, "get_video_features", None) is None:

@@ -49,7 +49,7 @@ from mmrecipes.training import (
     per_device_batch_size,
 )
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, save_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, image_patches, module_groups, optimizer_groups, trains_videos
+from mmrecipes.vlm_families import dummy_image_inputs, image_patches, module_groups, optimizer_groups, video_path
 
 
 @dataclass
@@ -82,7 +82,7 @@ def main(argv=None):
     # The answer tokens of the checkpoint's own chat template, checked on a probe conversation now
     # (a template whose turns no rule finds would otherwise drop every row as no_target).
     stops = stop_token_ids(model, processor)
-    labeller = AnswerLabeller(processor, stops, videos=trains_videos(model, processor))  # else video rows: counted
+    labeller = AnswerLabeller(processor, stops, videos=video_path(model, processor))  # None: video rows counted
     template_line = check_template(labeller, model_args.chat_template_path or model_args.model_name_or_path
                                    or model_args.tokenizer_name)
     dummy_inputs = dummy_image_inputs(model, processor)

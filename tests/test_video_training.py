@@ -1,10 +1,10 @@
 """Video conversations through labels, collation, the vision calls and packing, in process, on the tiny
 families of each video path (their real processors and video processors, their official chat templates):
 Qwen2.5-VL (clips through the tower in the image call), LLaVA-OneVision (a video path of its own, a dummy clip
-where a batch has none) and InternVL3 (frames as image tiles). The answer tokens are exactly the answers, the
-frames reach the loss in their order, a packed video row gives the logits it gives alone, and bad clips are
-counted. The engines (DDP at batch 1 beside text-only ranks, FSDP2 and ZeRO-3 against DDP) run in
-test_vlm_family_runs.py."""
+where a batch has none) and InternVL3 (frames as image tiles). The answer tokens are exactly the answers, clips
+cross from the workers as uint8 and are finished to the processor's floats, the frames reach the loss in their
+order, a packed video row gives the logits it gives alone, and bad clips are counted. The engines (DDP at batch
+1 beside text-only ranks, FSDP2 and ZeRO-3 against DDP) run in test_vlm_family_runs.py."""
 
 import json
 
@@ -18,9 +18,9 @@ from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
 from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, encode_row
 from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.losses import IGNORE_INDEX
-from mmrecipes.videos import DecodedVideo, VideoArgs, decode_video
+from mmrecipes.videos import CLIP_NORMALIZATION, DecodedVideo, VideoArgs, decode_video
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, load_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, trains_videos, video_path
+from mmrecipes.vlm_families import dummy_image_inputs, video_path
 
 VIDEO_CHAT = REPO / "data" / "vlm_shapes" / "video_chat"
 
@@ -31,7 +31,7 @@ PATHS = {"qwen2_5_vl": "with images", "llava_onevision": "own", "internvl3": "as
 def load(directory):
     model = AutoModelForImageTextToText.from_pretrained(directory)
     processor = AutoProcessor.from_pretrained(directory)
-    labeller = AnswerLabeller(processor, stop_token_ids(model, processor), videos=trains_videos(model, processor))
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor), videos=video_path(model, processor))
     return model, processor, labeller, dummy_image_inputs(model, processor)
 
 
@@ -93,6 +93,29 @@ def test_the_answer_tokens_of_a_video_conversation_are_exactly_the_answer(family
         grid = encoded["image_inputs"]["video_grid_thw"]
         assert video_tokens == int(grid.prod()) // 4 > 0 and grid[0, 0] == 2
         assert encoded["image_inputs"]["second_per_grid_ts"].tolist() == [1.0]
+
+
+@torch.no_grad()
+def test_clips_leave_the_workers_as_uint8_and_are_finished_to_the_processors_own_floats(family):
+    """Clips that reach the model as pixel_values_videos cross from the workers as uint8 (a quarter of float32's
+    shared memory) and, rescaled and normalised on the device, equal the video processor's own floats to the bit:
+    the same loss. InternVL3's frames, image tiles beside float images, stay float."""
+    name, (model, processor, labeller, dummy) = family
+    row = clip_rows(1)[0]
+    batch = DummyImageCollator(0, dummy)([video_row(labeller, row)])
+    if name == "internvl3":
+        assert "pixel_values_videos" not in batch and CLIP_NORMALIZATION not in batch
+        assert batch["pixel_values"].dtype == torch.float32
+        return
+    assert batch["pixel_values_videos"].dtype == torch.uint8
+    video, _ = decode_video(row["videos"][0], VideoArgs())
+    own = processor.video_processor(videos=[video.frames], video_metadata=[video.metadata], do_sample_frames=False,
+                                    return_tensors="pt")["pixel_values_videos"]
+    inputs = chat_model_inputs(batch, "cpu")
+    assert torch.equal(inputs["pixel_values_videos"], own)
+    assert not torch.equal(batch["pixel_values_videos"].float(), own)  # the raw uint8 values are not the inputs
+    step = VLMForTraining(model)
+    assert torch.equal(step(**inputs)[0], step(**(inputs | {"pixel_values_videos": own}))[0])
 
 
 def losses_of(model, dummy, rows, packing=False):
