@@ -68,6 +68,9 @@ class DummyImageCollator:
         with_media = [row["image_inputs"] for row in rows if {*MEDIA_KEYS} & set(row["image_inputs"])]
         media_keys = {key for inputs in with_media for key in inputs} - {*TOKEN_ALIGNED, CLIP_NORMALIZATION}
         batch |= {key: _cat_padded([inputs[key] for inputs in with_media if key in inputs]) for key in media_keys}
+        clips = [inputs["pixel_values_videos"] for inputs in with_media if "pixel_values_videos" in inputs]
+        if clips and clips[0].dim() == 5 and len({clip.shape[1] for clip in clips}) > 1:  # frames zero-padded
+            batch["video_frames"] = [frames for row in clips for frames in [row.shape[1]] * len(row)]
         # uint8 clips: the constants that finish them on the device (the same for every row)
         batch |= next(({CLIP_NORMALIZATION: inputs[CLIP_NORMALIZATION]} for inputs in with_media
                        if CLIP_NORMALIZATION in inputs), {})

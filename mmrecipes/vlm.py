@@ -101,9 +101,10 @@ class VLMForTraining(torch.nn.Module):
         self.video_as_image = video_as_image_names(model)
         self.forward_input_names = set(inspect.signature(model.forward).parameters) - {"kwargs"}
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+        self.clip_layout = _clip_layout(model) if not self.video_as_image else None
 
     def forward(self, input_ids, attention_mask, labels, dummy_image: bool, dummy_video=False, sample_lengths=None,
-                media_per_sample=None, return_logits=False, **image_inputs):
+                media_per_sample=None, video_frames=None, return_logits=False, **image_inputs):
         vision_inputs = {name: value for name, value in image_inputs.items() if name in self.vision_input_names}
         videos = {name: value for name, value in image_inputs.items() if name in self.video_as_image}
         # Videos go through the tower in the same call as the images (or the dummy), after them: one call a step.
@@ -117,6 +118,9 @@ class VLMForTraining(torch.nn.Module):
         if "pixel_values_videos" in image_inputs and not self.video_as_image:  # a video path of its own
             encoded["video"] = self.model.get_video_features(pixel_values_videos=image_inputs["pixel_values_videos"],
                                                              return_dict=True)
+            if video_frames is not None:  # clips zero-padded to the longest: each keeps its own frames' rows
+                encoded["video"].pooler_output = _own_frames(encoded["video"].pooler_output, video_frames,
+                                                             self.clip_layout)
         # What the LM takes besides the features: Qwen's image_grid_thw and mm_token_type_ids (mRoPE
         # positions), Gemma 3's token_type_ids, Idefics3's pixel_attention_mask, LLaVA-OneVision's image_sizes.
         # A text-only batch passes only its per-token inputs: the LM sees no image and no image token.
@@ -158,6 +162,43 @@ class VLMForTraining(torch.nn.Module):
     @property
     def _no_split_modules(self):  # what accelerate_configs/fsdp2.yaml wraps
         return fsdp_block_classes(self.model)
+
+
+@torch.no_grad()
+def _clip_layout(model) -> tuple[int, int] | None:
+    """(rows per frame, rows after the frames) of a video path of the model's own, for one clip of
+    `get_video_features`' output (LLaVA-OneVision: each frame's pooled patches, then a newline), read from a
+    1- and a 2-frame probe clip and checked: the 2-frame clip's first frame and last rows are the 1-frame clip's.
+    None without such a path or such a layout."""
+    if getattr(model, "get_video_features", None) is None:
+        return None
+    vision = model.config.vision_config
+    size = getattr(vision, "image_size", 32)
+    height, width = (size[0], size[-1]) if isinstance(size, (list, tuple)) else (size, size)
+    clip = torch.rand(1, 2, getattr(vision, "num_channels", 3), height, width,
+                      generator=torch.Generator().manual_seed(0))
+    try:
+        one, two = (model.get_video_features(pixel_values_videos=clip[:, :frames].to(model.dtype),
+                                             return_dict=True).pooler_output[0] for frames in (1, 2))
+    except (TypeError, ValueError, RuntimeError, AttributeError):
+        return None
+    per_frame = len(two) - len(one)
+    extra = len(one) - per_frame
+    if per_frame <= 0 or extra < 0 or not (torch.allclose(two[:per_frame], one[:per_frame], atol=1e-4)
+                                           and torch.allclose(two[len(two) - extra:], one[per_frame:], atol=1e-4)):
+        return None
+    return per_frame, extra
+
+
+def _own_frames(features, frames: list[int], layout) -> torch.Tensor:
+    """[clips, padded frames' rows, D] -> [1, rows, D]: each clip's own frames' rows and its last rows, in order."""
+    if layout is None:
+        raise ValueError("clips of different frame counts met in one micro-batch, and this model's video features "
+                         "are not laid out frame by frame: give every clip the same frames (--video_max_frames at "
+                         "most the shortest clip's) or --per_device_train_batch_size 1")
+    per_frame, extra = layout
+    return torch.cat([torch.cat([clip[:count * per_frame], clip[len(clip) - extra:]])
+                      for clip, count in zip(features, frames)])[None]
 
 
 def load_vlm(args: VLMModelArgs):
