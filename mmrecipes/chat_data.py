@@ -28,7 +28,6 @@ import os
 import re
 from dataclasses import dataclass
 
-import datasets
 import torch
 
 from .chat_labels import TemplateError, UnalignedAnswer
@@ -37,7 +36,7 @@ from .loader import DropCounter, ResumableShuffle, stream_loader
 from .losses import IGNORE_INDEX
 from .packing import TokenBudgetBatches
 from .paths import VLM_SHAPES
-from .sources import PROBLEM, load_stream
+from .sources import PROBLEM, load_stream, mixed_stream, split_sources
 from .videos import VIDEO_COUNTED, VideoArgs, decode_video
 
 logger = logging.getLogger(__name__)
@@ -92,11 +91,7 @@ class ChatDataArgs(VideoArgs):
 
     def training_sources(self) -> list[tuple]:
         """(name, config, split, data_files) of each training source."""
-        names = [name.strip() for name in self.dataset_name.split(",")]
-        if self.data_files and len(names) > 1:
-            raise ValueError("--data_files goes with a single --dataset_name source (a builder such as json or "
-                             "parquet)")
-        return [(name, self.dataset_config_name, self.train_split, self.data_files) for name in names]
+        return split_sources(self.dataset_name, self.dataset_config_name, self.train_split, self.data_files)
 
 
 class BadRow(ValueError):
@@ -329,38 +324,30 @@ def _as_tensor(value):
     return torch.as_tensor(value)
 
 
+def _check_chat_columns(name, available):
+    if available is not None and not set(available) & {"messages", "conversations"}:
+        raise ValueError(f"{name} has columns {available}: a chat source needs 'messages' (+ 'images') or "
+                         "LLaVA's 'conversations' (+ 'image' paths under --image_folder)")
+
+
 def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size, data_rank, data_world,
                           shuffle_seed=None, eval_split=False):
     """A DataLoader over this data rank's rows: the training mixture, or (eval_split) the held-out set.
 
-    The sources are mixed with `interleave_datasets` at `dataset_weights` (every rank sees the same
-    mixture in expectation), then the mixture is shuffled in blocks and tokenised (`ResumableShuffle`:
-    a checkpoint resumes it exactly). An epoch ends once every source has been read once.
+    The sources are mixed at `dataset_weights` (`mmrecipes.sources.mixed_stream`), then the mixture is shuffled
+    in blocks and tokenised (`ResumableShuffle`: a checkpoint resumes it exactly). An epoch ends once every
+    source has been read once.
     """
-    if eval_split:
-        sources = [(args.eval_dataset_name, args.eval_split, args.eval_data_files)]
-    else:
-        sources = [(name, split, data_files) for name, _, split, data_files in args.training_sources()]
-    weights = [float(w) for w in args.dataset_weights.split(",")] if args.dataset_weights else [1.0] * len(sources)
-    if len(sources) > 1 and (len(weights) != len(sources) or min(weights) < 0 or sum(weights) <= 0):
-        raise ValueError(f"--dataset_weights {args.dataset_weights!r}: give one non-negative weight per "
-                         f"--dataset_name source ({len(sources)})")
-    streams = []
-    for name, split, data_files in sources:
-        stream, available = load_stream(name, args.dataset_config_name, split, data_files, CHAT_COLUMNS,
-                                        data_rank=data_rank, data_world=data_world)
-        if available is not None and not set(available) & {"messages", "conversations"}:
-            raise ValueError(f"{name} has columns {available}: a chat source needs 'messages' (+ 'images') or "
-                             "LLaVA's 'conversations' (+ 'image' paths under --image_folder)")
-        streams.append(stream)
-    stream = streams[0]
-    if len(streams) > 1:  # columns a source lacks are filled with None (so formats may differ)
-        stream = datasets.interleave_datasets(streams, probabilities=[w / sum(weights) for w in weights],
-                                              seed=shuffle_seed or 0, stopping_strategy="all_exhausted")
+    sources = ([(args.eval_dataset_name, args.dataset_config_name, args.eval_split, args.eval_data_files)]
+               if eval_split else args.training_sources())
+    stream = mixed_stream(sources, None if eval_split else args.dataset_weights, CHAT_COLUMNS,
+                          data_rank=data_rank, data_world=data_world, seed=shuffle_seed or 0,
+                          check_columns=_check_chat_columns)
     budget = args.max_tokens_per_batch if shuffle_seed is not None else None  # evaluation keeps fixed batches
     preprocess = ChatPreprocessor(args, labeller, min(args.max_length, budget or args.max_length))
     if shuffle_seed is None:
-        stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=[*CHAT_COLUMNS, PROBLEM])
+        stream = stream.map(preprocess, batched=True, batch_size=batch_size,
+                            remove_columns=[*CHAT_COLUMNS, PROBLEM])
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)

@@ -8,6 +8,7 @@ so they survive DataLoader workers and reach the log).
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import datasets
 import torch
@@ -17,7 +18,7 @@ from .config import CheckedArgs
 from .images import decode_image, device_normalization, processed_pixels
 from .loader import DropCounter, ResumableShuffle, stream_loader
 from .paths import SHAPES_DATA
-from .sources import PROBLEM, load_stream
+from .sources import PROBLEM, SOURCE, mixed_stream, split_sources
 
 # What the log reports: images converted to RGB, and rows skipped because their image does not decode (or
 # is not a regular file), is too large or too elongated, their caption is missing or not UTF-8, or their
@@ -29,7 +30,11 @@ COUNTED = ("converted", "undecodable", "too_large", "no_caption", "bad_text", "b
 class DataArgs(CheckedArgs):
     CHECKS = {"max_caption_length": "count_or_none", "max_image_pixels": "count", "max_image_aspect_ratio": "positive",
               "shuffle_buffer_size": "count", "dataloader_num_workers": "count_or_zero_or_none"}
-    dataset_name: str = str(SHAPES_DATA)  # hub id, local dataset dir, or a builder ('parquet', 'imagefolder')
+    # hub id, local dataset dir, or a builder ('parquet', 'imagefolder'); comma-separated: several sources, mixed
+    dataset_name: str = str(SHAPES_DATA)
+    # Sampling probabilities of comma-separated sources (as the VLM recipe's); None: equal. Each source's rows
+    # trained are counted in the log (rows_<source>); evaluation reads the first source's eval split.
+    dataset_weights: str | None = None
     dataset_config_name: str | None = None
     # Training files for a builder: globs, brace ranges ({00000..00099}), comma-separated, local or
     # fsspec URLs (expand_data_files). The eval files go in eval_data_files.
@@ -52,8 +57,17 @@ class DataArgs(CheckedArgs):
     dataloader_num_workers: int | None = None
 
     def training_sources(self) -> list[tuple]:
-        """(name, config, split, data_files) of each training source (one here)."""
-        return [(self.dataset_name, self.dataset_config_name, self.train_split, self.data_files)]
+        """(name, config, split, data_files) of each training source."""
+        return split_sources(self.dataset_name, self.dataset_config_name, self.train_split, self.data_files)
+
+    def counted(self) -> tuple[str, ...]:
+        """What a batch's `data_counts` holds: `COUNTED`, then the rows of each source where there are several."""
+        sources = self.training_sources()
+        if len(sources) == 1:
+            return COUNTED
+        labels = [Path(name.rstrip("/")).name or name for name, *_ in sources]
+        labels = labels if len(set(labels)) == len(labels) else [str(index) for index in range(len(sources))]
+        return COUNTED + tuple(f"rows_{label}" for label in labels)
 
 
 def evaluation_off_reason(args: DataArgs) -> str | None:
@@ -91,10 +105,11 @@ class ImageTextPreprocessor:
         self.normalize_here = device_normalization(image_processor) is None
 
     def __call__(self, batch):
-        images, captions, counts = [], [], []
+        images, captions, counts, sources = [], [], [], []
         raw_images, raw_captions = batch[self.args.image_column], batch[self.args.caption_column]
         problems = batch.get(PROBLEM) or [None] * len(raw_images)  # rows from load_stream say what failed reading
-        for raw_image, caption, problem in zip(raw_images, raw_captions, problems):
+        tags = batch.get(SOURCE) or [0] * len(raw_images)  # several sources: which one (mixed_stream)
+        for raw_image, caption, problem, source in zip(raw_images, raw_captions, problems, tags):
             if problem is None and isinstance(caption, bytes):  # a binary caption column
                 try:
                     caption = caption.decode("utf-8")
@@ -110,7 +125,8 @@ class ImageTextPreprocessor:
             images.append(image)
             captions.append(caption.strip())
             counts.append(self.drops.keep(problem))
-        out = {"pixel_values": [], "input_ids": []} | {name: [] for name in COUNTED}
+            sources.append(source)
+        out = {"pixel_values": [], "input_ids": [], "source": sources} | {name: [] for name in COUNTED}
         if images:
             out["pixel_values"] = list(processed_pixels(self.image_processor, images, normalize=self.normalize_here))
             out["input_ids"] = self.tokenizer(captions, truncation=True, max_length=self.max_length)["input_ids"]
@@ -122,14 +138,15 @@ class ImageTextPreprocessor:
 class ImageTextCollator:
     """Rows -> {pixel_values, input_ids, attention_mask, data_counts}; pads captions to the batch
     max, or to `pad_to_length`. uint8 pixels come with the `pixel_mean` and `pixel_std` that
-    `model_inputs` finishes them with (`device_normalization`)."""
+    `model_inputs` finishes them with (`device_normalization`). With several `sources`, `data_counts`
+    ends with the rows from each (`DataArgs.counted`)."""
 
-    def __init__(self, tokenizer, image_processor, pad_to_length: int | None = None):
+    def __init__(self, tokenizer, image_processor, pad_to_length: int | None = None, sources: int = 1):
         if tokenizer.pad_token_id is None:
             raise ValueError(f"{type(tokenizer).__name__} has no pad token to pad captions with: set "
                              "tokenizer.pad_token (e.g. to its eos_token) and save it with the model")
         self.pad_token_id, self.padding_side = tokenizer.pad_token_id, tokenizer.padding_side
-        self.pad_to_length = pad_to_length
+        self.pad_to_length, self.sources = pad_to_length, sources
         self.normalization = device_normalization(image_processor)
 
     def __call__(self, rows):
@@ -147,6 +164,9 @@ class ImageTextCollator:
             "attention_mask": attention_mask.long(),
             "data_counts": torch.tensor([sum(row[name] for row in rows) for name in COUNTED]),
         }
+        if self.sources > 1:
+            rows_by_source = torch.bincount(torch.tensor([row["source"] for row in rows]), minlength=self.sources)
+            batch["data_counts"] = torch.cat([batch["data_counts"], rows_by_source])
         if batch["pixel_values"].dtype == torch.uint8:
             if self.normalization is None:
                 raise ValueError("uint8 pixel values, but the image processor does not rescale and normalise them in "
@@ -157,23 +177,30 @@ class ImageTextCollator:
 
 def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_processor, *, batch_size, data_rank,
                      data_world, shuffle_seed=None, pad_to_max_length=False):
-    """A DataLoader over this data rank's rows. Pass it to `accelerator.prepare`? No: it is
-    already split by data rank, and accelerate would shard a datasets stream a second time.
-    `pad_to_max_length`: pad every caption to `caption_length` (SigLIP), not to the batch max."""
+    """A DataLoader over this data rank's rows of `split`: the training sources mixed at `dataset_weights`
+    (`mmrecipes.sources.mixed_stream`), or, for any other split, the first source's. Pass it to
+    `accelerator.prepare`? No: it is already split by data rank, and accelerate would shard a datasets stream
+    a second time. `pad_to_max_length`: pad every caption to `caption_length` (SigLIP), not to the batch max."""
     columns = [args.image_column, args.caption_column]
-    stream, available = load_stream(args.dataset_name, args.dataset_config_name, split, data_files, columns,
-                                    data_rank=data_rank, data_world=data_world)
-    if available is not None and set(columns) - set(available):
-        raise ValueError(f"{args.dataset_name} has columns {available}; set --image_column/--caption_column "
-                         f"(missing {sorted(set(columns) - set(available))})")
+
+    def check_columns(name, available):
+        if available is not None and set(columns) - set(available):
+            raise ValueError(f"{name} has columns {available}; set --image_column/--caption_column "
+                             f"(missing {sorted(set(columns) - set(available))})")
+
+    sources = split_sources(args.dataset_name, args.dataset_config_name, split, data_files)
+    sources = sources if split == args.train_split else sources[:1]
+    stream = mixed_stream(sources, args.dataset_weights, columns, data_rank=data_rank, data_world=data_world,
+                          seed=shuffle_seed or 0, check_columns=check_columns, tag_sources=True)
     max_length = caption_length(args, tokenizer, pad_to_max_length)
     preprocess = ImageTextPreprocessor(args, tokenizer, image_processor, max_length)
     if shuffle_seed is None:
-        stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=[*columns, PROBLEM])
+        stream = stream.map(preprocess, batched=True, batch_size=batch_size,
+                            remove_columns=[*columns, PROBLEM, *[SOURCE] * (len(sources) > 1)])
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)
-    collator = ImageTextCollator(tokenizer, image_processor, max_length if pad_to_max_length else None)
+    collator = ImageTextCollator(tokenizer, image_processor, max_length if pad_to_max_length else None, len(sources))
     return stream_loader(stream, batch_size, collator, args.dataloader_num_workers)
 
 

@@ -30,6 +30,7 @@ from datasets.distributed import split_dataset_by_node
 logger = logging.getLogger(__name__)
 
 PROBLEM = "__problem__"  # a column: None, or why the row could not be read
+SOURCE = "__source__"  # a column of a mixed stream: the index of the source the row came from
 _BAD_TEXT = re.compile("[\udc80-\udcff]")  # what undecodable bytes become under surrogateescape
 
 
@@ -55,7 +56,8 @@ def expand_data_files(spec: str | list[str] | None) -> list[str] | None:
         if "::" in entry and "://" not in entry.split("::")[0]:  # fsspec's chains start with a protocol
             raise ValueError(f"data files {entry!r}: '::' joins sources in open_clip (A::B), but fsspec reads it as a "
                              "URL chain and would read A only; separate the files with commas (one source, read in "
-                             "turn); the VLM recipe also mixes sources by weight (--dataset_weights)")
+                             "turn), or mix sources by weight: each source's files in a directory of its own, "
+                             "--dataset_name 'dirA,dirB' --dataset_weights '0.75,0.25'")
     return [path for entry in entries for path in _expand_braces(entry)]
 
 
@@ -213,6 +215,44 @@ def load_stream(name: str, config: str | None, split: str, data_files, columns: 
         available = stream.column_names
         stream = stream.map(_only, fn_kwargs={"columns": columns}, remove_columns=available)
     return split_by_data_rank(stream, name, data_rank, data_world), available
+
+
+def split_sources(dataset_name: str, config: str | None, split: str, data_files) -> list[tuple]:
+    """(name, config, split, data_files) of each comma-separated `--dataset_name` source."""
+    names = [name.strip() for name in dataset_name.split(",")]
+    if data_files and len(names) > 1:
+        raise ValueError("--data_files goes with a single --dataset_name source (a builder such as json or parquet)")
+    return [(name, config, split, data_files) for name in names]
+
+
+def mixed_stream(sources: list[tuple], weights: str | None, columns: list[str], *, data_rank: int, data_world: int,
+                 seed: int, check_columns=None, tag_sources=False) -> datasets.IterableDataset:
+    """This data rank's rows of `sources` ((name, config, split, data_files) each) mixed at `weights`
+    (comma-separated sampling probabilities, None: equal) by `datasets.interleave_datasets`: every rank sees the
+    same mixture in expectation, an epoch ends once every source has been read once, and the stream's
+    `state_dict` resumes it exactly. `tag_sources`: with several sources each row names its own in `SOURCE`
+    (for per-source counts; a checkpoint's stream position depends on it). `check_columns(name, available)`
+    may refuse a source before the first step."""
+    probabilities = [float(weight) for weight in weights.split(",")] if weights else [1.0] * len(sources)
+    if len(sources) > 1 and (len(probabilities) != len(sources) or min(probabilities) < 0 or sum(probabilities) <= 0):
+        raise ValueError(f"--dataset_weights {weights!r}: give one non-negative weight per --dataset_name source "
+                         f"({len(sources)})")
+    streams = []
+    for index, (name, config, split, data_files) in enumerate(sources):
+        stream, available = load_stream(name, config, split, data_files, columns, data_rank=data_rank,
+                                        data_world=data_world)
+        if check_columns is not None:
+            check_columns(name, available)
+        streams.append(stream.map(_tagged, fn_kwargs={"index": index}) if tag_sources and len(sources) > 1 else stream)
+    if len(streams) == 1:
+        return streams[0]
+    # Columns a source lacks are filled with None (so formats may differ).
+    return datasets.interleave_datasets(streams, probabilities=[p / sum(probabilities) for p in probabilities],
+                                        seed=seed, stopping_strategy="all_exhausted")
+
+
+def _tagged(row: dict, index: int) -> dict:
+    return {SOURCE: index}
 
 
 def _only(row: dict, columns: list[str]) -> dict:

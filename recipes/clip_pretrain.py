@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.config import parse_args
-from mmrecipes.data import COUNTED, DataArgs, build_dataloader, caption_length, evaluation_off_reason, model_inputs
+from mmrecipes.data import DataArgs, build_dataloader, caption_length, evaluation_off_reason, model_inputs
 from mmrecipes.distributed import all_ranks_true, data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config
 from mmrecipes.evaluation import evaluate_retrieval
 from mmrecipes.feature_cache import feature_cache_backward
@@ -132,7 +132,8 @@ def main(argv=None):
     peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
-    logged, history = LogWindow(accelerator.device, COUNTED), History()  # sums of a logging window; all logged
+    counted = data_args.counted()  # bad rows by kind, and the rows of each source where there are several
+    logged, history = LogWindow(accelerator.device, counted), History()  # sums of a logging window; all logged
     # Both take (image_embeds, text_embeds, *what the model returns after them): scale, and SigLIP's bias.
     loss_fn = siglip_loss if model_args.loss == "siglip" else partial(clip_loss, tile_size=args.loss_tile_size)
     for step in progress:
@@ -178,7 +179,7 @@ def main(argv=None):
                        "mfu": sums["samples"] * flops_per_sample / sums["seconds"] / peak / accelerator.num_processes
                        if peak else None,
                        "data_wait": sums["data_wait"] / accelerator.num_processes / sums["seconds"],
-                       "skipped_steps": guard.skipped_steps} | {name: int(logged.total[name]) for name in COUNTED}
+                       "skipped_steps": guard.skipped_steps} | {name: int(logged.total[name]) for name in counted}
             accelerator.log(metrics | {"epoch": epoch}, step=done)
             history.add(done, metrics)
             log(log_line(done, args.max_steps, metrics))

@@ -205,6 +205,35 @@ def test_open_clip_double_colon_sources_are_refused_with_what_to_write():
         expand_data_files("/data/a-{0..3}.tar::/data/b-{0..1}.tar")
 
 
+def test_weighted_sources_mix_at_their_weights_and_count_each(tiny, tmp_path):
+    """The embedded shapes and a folder whose captions name it, at --dataset_weights 0.75,0.25 (the same
+    mechanism as the VLM recipe's): 0.25 of an epoch's rows (it ends once the 4,096 shapes are read) come from
+    the folder within 0.02 on one data rank, and between 0.2 and 0.3 on each of 2 (about 2,700 rows each), and
+    the per-source counts (rows_shapes, rows_other) are the rows whose captions say so."""
+    (tmp_path / "other").mkdir()
+    for index in range(32):
+        Image.new("RGB", (16, 16), (index * 8, 0, 0)).save(tmp_path / "other" / f"{index}.png")
+    (tmp_path / "other" / "metadata.csv").write_text(
+        "file_name,text\n" + "".join(f"{index}.png,from the other source\n" for index in range(32)))
+    args = DataArgs(dataset_name=f"{DataArgs().dataset_name},{tmp_path / 'other'}", dataset_weights="0.75,0.25")
+    assert args.counted() == (*COUNTED, "rows_shapes", "rows_other")
+    tokenizer, _ = tiny
+    marker = tokenizer("from the other source")["input_ids"]
+    for rank, world, tolerance in ((0, 1, 0.02), (0, 2, 0.05), (1, 2, 0.05)):
+        loader = build_dataloader(args, "train", None, *tiny, batch_size=64, data_rank=rank, data_world=world,
+                                  shuffle_seed=0)
+        batches = list(loader)
+        rows = sum(len(batch["input_ids"]) for batch in batches)
+        from_other = sum(ids[mask.bool()].tolist() == marker for batch in batches
+                         for ids, mask in zip(batch["input_ids"], batch["attention_mask"]))
+        counts = dict(zip(args.counted(), sum(batch["data_counts"] for batch in batches).tolist()))
+        assert counts["rows_other"] == from_other and counts["rows_shapes"] + from_other == rows > 4096 / world
+        assert abs(from_other / rows - 0.25) < tolerance, (from_other, rows)
+    with pytest.raises(ValueError, match="give one non-negative weight per --dataset_name source"):
+        build_dataloader(DataArgs(dataset_name=args.dataset_name, dataset_weights="1"), "train", None, *tiny,
+                         batch_size=4, data_rank=0, data_world=1)
+
+
 def test_uneven_shard_split_is_reported_once(caplog):
     """4 shards over 3 data ranks: every rank would read every shard (3x the traffic); rank 0 says so."""
     from mmrecipes.sources import load_stream

@@ -18,6 +18,7 @@ from launch import (
     run_recipe,
     run_recipe_on_ranks,
 )
+from mmrecipes.data import DataArgs
 from mmrecipes.models import ModelArgs, build_contrastive
 from webdataset_shards import make_webdataset
 
@@ -108,11 +109,22 @@ def test_one_control_collective_per_optimizer_step(tmp_path, fused):
 
 
 def test_resume_continues_exactly(tmp_path):
+    """Two sources mixed at --dataset_weights (the embedded shapes and a folder of other captions): the resume
+    repeats the straight run's steps, and the log counts each source's rows."""
+    (tmp_path / "other").mkdir()
+    for index in range(16):
+        Image.new("RGB", (16, 16), (0, index * 16, 0)).save(tmp_path / "other" / f"{index}.png")
+    (tmp_path / "other" / "metadata.csv").write_text(
+        "file_name,text\n" + "".join(f"{index}.png,a green square number {index}\n" for index in range(16)))
     common = ["--max_steps", 4, "--logging_steps", 1, "--per_device_train_batch_size", 16,
-              "--gradient_accumulation_steps", 2, "--eval_split", "", "--output_dir", tmp_path]
+              "--gradient_accumulation_steps", 2, "--eval_split", "", "--output_dir", tmp_path / "run",
+              "--dataset_name", f"{DataArgs().dataset_name},{tmp_path / 'other'}", "--dataset_weights", "0.75,0.25"]
     straight = run_recipe(*common, "--save_steps", 2)
+    rows = [tuple(map(int, found)) for found in re.findall(r"rows_shapes (\d+) \| rows_other (\d+)$", straight.log,
+                                                           re.M)]
+    assert len(rows) == 4 and sum(rows[-1]) == 4 * 32 and 0 < rows[-1][1] < 64, rows
     assert straight.returncode == 0, straight.log[-3000:]
-    assert (tmp_path / "checkpoints" / "checkpoint-2").is_dir()
+    assert (tmp_path / "run" / "checkpoints" / "checkpoint-2").is_dir()
     resumed = run_recipe(*common, "--resume_from_checkpoint", "latest")
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert "resumed from" in resumed.log and "at step 2" in resumed.log
