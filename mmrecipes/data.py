@@ -8,6 +8,7 @@ so they survive DataLoader workers and reach the log).
 """
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import datasets
@@ -15,8 +16,8 @@ import torch
 from torchvision.transforms.v2.functional import normalize as normalize_image
 
 from .config import CheckedArgs
-from .images import decode_image, device_normalization, processed_pixels
-from .loader import DropCounter, ResumableShuffle, stream_loader
+from .images import decode_image, device_normalization, processed_pixels, random_resized_crops
+from .loader import ROW_SEED, DropCounter, ResumableShuffle, stream_loader
 from .paths import SHAPES_DATA
 from .sources import PROBLEM, SOURCE, mixed_stream, split_sources
 
@@ -55,6 +56,10 @@ class DataArgs(CheckedArgs):
     # with CUDA one per spare core, at most one per shard. One worker keeps the sample order of none;
     # more split the shards between them (a checkpoint holds each one's position: docs/long_runs.md).
     dataloader_num_workers: int | None = None
+    # open_clip's training crop (its --aug-cfg defaults): a random 90-100% of each image's area at an aspect
+    # ratio of 3/4 to 4/3, resized to the processor's size, instead of its eval resize and centre crop.
+    # Evaluation is not augmented; each row's crop follows from its place in the stream (exact resume).
+    train_augment: bool = False
 
     def training_sources(self) -> list[tuple]:
         """(name, config, split, data_files) of each training source."""
@@ -97,19 +102,20 @@ def caption_length(args: DataArgs, tokenizer, pad_to_max_length: bool = False) -
 class ImageTextPreprocessor:
     """Batched `datasets.map` function: rows in, model-ready rows out, bad rows dropped and counted."""
 
-    def __init__(self, args: DataArgs, tokenizer, image_processor, max_length: int):
+    def __init__(self, args: DataArgs, tokenizer, image_processor, max_length: int, augment: bool = False):
         self.args, self.tokenizer, self.image_processor = args, tokenizer, image_processor
-        self.max_length = max_length
+        self.max_length, self.augment = max_length, augment
         self.drops = DropCounter()
         # uint8 pixels when the device can finish them (ImageTextCollator, model_inputs)
         self.normalize_here = device_normalization(image_processor) is None
 
     def __call__(self, batch):
-        images, captions, counts, sources = [], [], [], []
+        images, captions, counts, sources, seeds = [], [], [], [], []
         raw_images, raw_captions = batch[self.args.image_column], batch[self.args.caption_column]
         problems = batch.get(PROBLEM) or [None] * len(raw_images)  # rows from load_stream say what failed reading
         tags = batch.get(SOURCE) or [0] * len(raw_images)  # several sources: which one (mixed_stream)
-        for raw_image, caption, problem, source in zip(raw_images, raw_captions, problems, tags):
+        row_seeds = batch.get(ROW_SEED) or [None] * len(raw_images)  # from ResumableShuffle
+        for raw_image, caption, problem, source, seed in zip(raw_images, raw_captions, problems, tags, row_seeds):
             if problem is None and isinstance(caption, bytes):  # a binary caption column
                 try:
                     caption = caption.decode("utf-8")
@@ -126,9 +132,11 @@ class ImageTextPreprocessor:
             captions.append(caption.strip())
             counts.append(self.drops.keep(problem))
             sources.append(source)
+            seeds.append(seed)
         out = {"pixel_values": [], "input_ids": [], "source": sources} | {name: [] for name in COUNTED}
         if images:
-            out["pixel_values"] = list(processed_pixels(self.image_processor, images, normalize=self.normalize_here))
+            transform = partial(random_resized_crops, seeds=seeds) if self.augment else processed_pixels
+            out["pixel_values"] = list(transform(self.image_processor, images, normalize=self.normalize_here))
             out["input_ids"] = self.tokenizer(captions, truncation=True, max_length=self.max_length)["input_ids"]
             for name in COUNTED:
                 out[name] = [row[name] for row in counts]
@@ -193,7 +201,8 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_process
     stream = mixed_stream(sources, args.dataset_weights, columns, data_rank=data_rank, data_world=data_world,
                           seed=shuffle_seed or 0, check_columns=check_columns, tag_sources=True)
     max_length = caption_length(args, tokenizer, pad_to_max_length)
-    preprocess = ImageTextPreprocessor(args, tokenizer, image_processor, max_length)
+    augment = args.train_augment and split == args.train_split and shuffle_seed is not None  # ROW_SEED's source
+    preprocess = ImageTextPreprocessor(args, tokenizer, image_processor, max_length, augment)
     if shuffle_seed is None:
         stream = stream.map(preprocess, batched=True, batch_size=batch_size,
                             remove_columns=[*columns, PROBLEM, *[SOURCE] * (len(sources) > 1)])

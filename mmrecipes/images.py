@@ -12,13 +12,17 @@ other than RGB are converted; 16- and 32-bit grey levels are scaled to 8 bits, n
 
 import io
 import logging
+import math
 import os
+import random
 import stat
 
 import numpy
 import torch
+import torchvision.transforms.v2.functional as tvF
 from PIL import Image
 from transformers.image_processing_backends import TorchvisionBackend
+from transformers.image_utils import PILImageResampling, pil_torch_interpolation_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +101,53 @@ def processed_pixels(image_processor, images: list[Image.Image], normalize: bool
         for index, pixels in zip(indices, _standard_pipeline(image_processor, stack, normalize)):
             pixel_values[index] = pixels
     return torch.stack(pixel_values)
+
+
+def random_resized_crops(image_processor, images: list[Image.Image], seeds: list[int], scale=(0.9, 1.0),
+                         normalize: bool = True) -> torch.Tensor:
+    """open_clip's training transform (its `--aug-cfg` defaults) in the processor's terms: each image a random crop
+    of `scale` of its area at an aspect ratio of 3/4 to 4/3 (torchvision's RandomResizedCrop sampling), resized
+    with the processor's resample to the size its eval transform gives (its crop size, or its size), then
+    rescaled and normalised as its pipeline does (`normalize=False`: uint8, as `processed_pixels`). Each crop
+    is drawn from its row's own seed, so a resumed stream crops every row as the straight run did."""
+    if not _standard_pipeline_applies(image_processor):
+        raise ValueError(f"--train_augment crops with the standard resize and crop pipeline, which "
+                         f"{type(image_processor).__name__} does not run: drop --train_augment")
+    target = image_processor.crop_size if image_processor.do_center_crop else image_processor.size
+    size = [target["height"], target["width"]]
+    resample = image_processor.resample
+    interpolation = (pil_torch_interpolation_mapping[resample] if isinstance(resample, (PILImageResampling, int))
+                     else resample)
+    crops = []
+    for image, seed in zip(images, seeds):
+        pixels = torch.from_numpy(numpy.array(image)).permute(2, 0, 1)
+        top, left, height, width = _crop_box(pixels.shape[1], pixels.shape[2], scale, random.Random(seed))
+        crops.append(tvF.resized_crop(pixels, top, left, height, width, size, interpolation=interpolation,
+                                      antialias=True))
+    stack = torch.stack(crops)
+    if not normalize:
+        return stack
+    return image_processor.rescale_and_normalize(stack, image_processor.do_rescale, image_processor.rescale_factor,
+                                                 image_processor.do_normalize, image_processor.image_mean,
+                                                 image_processor.image_std)
+
+
+def _crop_box(height: int, width: int, scale, rng: random.Random) -> tuple[int, int, int, int]:
+    """(top, left, height, width) as torchvision's RandomResizedCrop.get_params draws it, from `rng`."""
+    area, log_ratio = height * width, (math.log(3 / 4), math.log(4 / 3))
+    for _ in range(10):
+        target_area = area * rng.uniform(*scale)
+        ratio = math.exp(rng.uniform(*log_ratio))
+        crop_width, crop_height = round(math.sqrt(target_area * ratio)), round(math.sqrt(target_area / ratio))
+        if 0 < crop_width <= width and 0 < crop_height <= height:
+            return rng.randint(0, height - crop_height), rng.randint(0, width - crop_width), crop_height, crop_width
+    if width / height < 3 / 4:  # torchvision's fallback: a centred crop at the nearest ratio allowed
+        crop_width, crop_height = width, min(height, round(width * 4 / 3))
+    elif width / height > 4 / 3:
+        crop_width, crop_height = min(width, round(height * 4 / 3)), height
+    else:
+        crop_width, crop_height = width, height
+    return (height - crop_height) // 2, (width - crop_width) // 2, crop_height, crop_width
 
 
 def _standard_pipeline_applies(image_processor) -> bool:

@@ -36,6 +36,9 @@ class DropCounter:
         return counts
 
 
+ROW_SEED = "__row_seed__"  # a column ResumableShuffle gives its preprocess function
+
+
 class ResumableShuffle(torch.utils.data.IterableDataset):
     """This rank's training rows, shuffled and preprocessed, and where the stream stands after the
     last row handed out (`state_dict`), so a checkpoint resumes the data exactly where it stood at
@@ -45,10 +48,12 @@ class ResumableShuffle(torch.utils.data.IterableDataset):
     `source` (a `datasets` stream, unshuffled, whose own `state_dict` resumes exactly) is read in
     blocks of `block_size` rows; each block is permuted by a generator seeded with (seed, epoch,
     block) and handed to `preprocess` (a batched `datasets.map` function) `batch_size` rows at a
-    time. Every row is read once per epoch, as with a shuffle buffer of the same size; a row moves
-    at most `block_size` places within its shard. The shards are read in an order seeded by (seed,
-    epoch): `datasets` permutes a stream's shards by its own epoch, which is set from both, so each
-    epoch reads them in another order (and a rank with `split_dataset_by_node` other shards).
+    time, with a `ROW_SEED` column: each row's own seed, from its place in the stream (random
+    augmentation drawn from it repeats on a resume). Every row is read once per epoch, as with a
+    shuffle buffer of the same size; a row moves at most `block_size` places within its shard. The
+    shards are read in an order seeded by (seed, epoch): `datasets` permutes a stream's shards by its
+    own epoch, which is set from both, so each epoch reads them in another order (and a rank with
+    `split_dataset_by_node` other shards).
 
     With DataLoader workers (torchdata's `StatefulDataLoader`: `stream_loader`), each worker reads
     its own shards and reports its own position; the loader's `state_dict` holds them all and which
@@ -106,6 +111,7 @@ class ResumableShuffle(torch.utils.data.IterableDataset):
         rows = iter(self.source)
         block, rows_done, kept_done = start["block"], start["rows_done"], start["kept"]
         source_state = start["source_state"]  # state_dict() reads the previous pass until a row is read
+        worker = getattr(torch.utils.data.get_worker_info(), "id", 0)
         while True:
             raw = list(itertools.islice(rows, self.block_size))
             if not raw:
@@ -114,7 +120,10 @@ class ResumableShuffle(torch.utils.data.IterableDataset):
             raw = [raw[i] for i in torch.randperm(len(raw), generator=generator).tolist()]
             for chunk_start in range(rows_done, len(raw), self.batch_size):
                 chunk = raw[chunk_start:chunk_start + self.batch_size]
-                out = self.preprocess({column: [row[column] for row in chunk] for column in chunk[0]})
+                columns = {column: [row[column] for row in chunk] for column in chunk[0]}
+                columns[ROW_SEED] = [hash((self.seed, self.epoch, worker, block, chunk_start + index)) % 2**63
+                                     for index in range(len(chunk))]
+                out = self.preprocess(columns)
                 for kept, values in enumerate(zip(*out.values()), start=1):
                     if kept > kept_done:
                         self.position = {"epoch": self.epoch, "block": block, "source_state": source_state,

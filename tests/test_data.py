@@ -304,35 +304,55 @@ def test_one_persistent_worker_reads_the_same_sample_order_as_none_in_every_epoc
 def test_resume_from_the_loader_state_is_exact_with_workers_and_epochs_order_shards_anew(tmp_path, tiny, workers):
     """The loader's state after any batch (each worker's stream position and which worker is next),
     through JSON as a checkpoint holds it, resumes the exact batches that followed, also across an
-    epoch's end; each epoch reads the 4 shards in another order, so epochs differ from the start."""
+    epoch's end, their --train_augment crops included; each epoch reads the 4 shards in another order, so
+    epochs differ from the start."""
     for shard in range(4):
         write_parquet(tmp_path / f"rows-{shard}.parquet", [(png(Image.new("RGB", (8, 8), (i, shard, 0))),
                                                             f"caption {shard} {i}") for i in range(23)])
 
     def loader():
         args = DataArgs(dataset_name="parquet", data_files=str(tmp_path / "*.parquet"), dataloader_num_workers=workers,
-                        shuffle_buffer_size=8)
+                        shuffle_buffer_size=8, train_augment=True)
         return build_dataloader(args, "train", args.data_files, *tiny, batch_size=5, data_rank=0, data_world=1,
                                 shuffle_seed=3)
 
     straight_loader, straight, states = loader(), [], []
     for (epoch, batch), _ in zip(batches_forever(straight_loader), range(45)):
-        straight.append((epoch, batch["input_ids"]))
+        straight.append((epoch, batch["input_ids"], batch["pixel_values"]))
         states.append((epoch, json.loads(json.dumps(straight_loader.state_dict()))))
-    first_epoch_end = [epoch for epoch, _ in straight].index(1) - 1
+    first_epoch_end = [epoch for epoch, *_ in straight].index(1) - 1
     for at in (3, first_epoch_end - 1, first_epoch_end, first_epoch_end + 1, 30):
         resumed_loader = loader()
         epoch, state = states[at]
         resumed_loader.load_state_dict(state)
         resumed = batches_forever(resumed_loader, resumed_epoch=epoch)
-        for (expected_epoch, expected), ((got_epoch, batch), _) in zip(straight[at + 1:], zip(resumed, range(8))):
-            assert got_epoch == expected_epoch and torch.equal(batch["input_ids"], expected), f"resumed after {at}"
+        for (expected_epoch, ids, pixels), ((got_epoch, batch), _) in zip(straight[at + 1:], zip(resumed, range(8))):
+            assert got_epoch == expected_epoch and torch.equal(batch["input_ids"], ids), f"resumed after {at}"
+            assert torch.equal(batch["pixel_values"], pixels), f"crops resumed after {at}"
     tokenizer = tiny[0]
-    shard_order = [list(dict.fromkeys(caption.split()[1] for epoch, ids in straight if epoch == e
+    shard_order = [list(dict.fromkeys(caption.split()[1] for epoch, ids, _ in straight if epoch == e
                                       for caption in tokenizer.batch_decode(ids, skip_special_tokens=True)))
                    for e in (0, 1)]
     assert sorted(shard_order[0]) == sorted(shard_order[1]) == ["0", "1", "2", "3"]
     assert shard_order[0] != shard_order[1], shard_order
+
+
+def test_train_augment_crops_training_rows_only(tiny):
+    """--train_augment: the training rows are open_clip's random crops, at the eval transform's size but other
+    pixels, the same again from the same stream positions; the evaluation split keeps the eval transform."""
+    def first_batch(augment, split, seed):
+        args = DataArgs(train_augment=augment, dataloader_num_workers=0)
+        return next(iter(build_dataloader(args, split, None, *tiny, batch_size=16, data_rank=0, data_world=1,
+                                          shuffle_seed=seed)))
+
+    cropped, again, plain = first_batch(True, "train", 0), first_batch(True, "train", 0), first_batch(False, "train", 0)
+    assert torch.equal(cropped["input_ids"], plain["input_ids"])  # the same rows
+    assert cropped["pixel_values"].shape == plain["pixel_values"].shape
+    assert torch.equal(cropped["pixel_values"], again["pixel_values"])
+    different = (cropped["pixel_values"] != plain["pixel_values"]).flatten(1).any(1)
+    assert different.float().mean() > 0.9, different  # (a crop of the whole image at its own ratio is rare)
+    evaluated = [first_batch(augment, "test", None)["pixel_values"] for augment in (True, False)]
+    assert torch.equal(*evaluated)
 
 
 def test_default_workers_follow_cores_and_shards(monkeypatch):
