@@ -23,6 +23,7 @@ beginning on purpose.
 """
 
 import json
+import math
 import os
 import re
 import shutil
@@ -76,15 +77,17 @@ class Checkpointer:
         self.lock = OutputDirLock(args.output_dir)
         self.train_loader = None  # the training stream whose position saves keep (`resume`)
         self.layout, self.model = dict(layout), model_layout(model)
+        self.resumed_totals = {}  # the log's totals at the checkpoint resumed from (`resume`)
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first (other names beside them, e.g. a copy 'checkpoint-6-backup', are not)."""
         return sorted((path for path in self.root.glob("checkpoint-*")
                        if CHECKPOINT_NAME.fullmatch(path.name) and (path / MARKER).is_file()), key=step_of)
 
-    def save(self, step: int, epoch: int) -> Path:
-        """Model, optimizer, scheduler and RNG state after `step` optimizer steps, and the training stream's
-        position after its last batch, which came from `epoch` (call on every rank)."""
+    def save(self, step: int, epoch: int, totals: dict | None = None) -> Path:
+        """Model, optimizer, scheduler and RNG state after `step` optimizer steps, the training stream's
+        position after its last batch, which came from `epoch`, and the log's `totals` so far (its counters,
+        `LogWindow.totals_so_far`) (call on every rank)."""
         accelerator = self.accelerator
         partial, final = self.root / f"{PARTIAL}checkpoint-{step}", self.root / f"checkpoint-{step}"
         if accelerator.is_main_process and partial.exists():
@@ -101,7 +104,7 @@ class Checkpointer:
                                             checkpoint_files(partial, MARKER)))
         if accelerator.is_main_process:
             (partial / MARKER).write_text(json.dumps({"step": step, "layout": self.layout, "model": self.model,
-                                                      "files": manifest}, indent=1))
+                                                      "files": manifest, "totals": totals or {}}, indent=1))
             replaced = self.root / f"{PARTIAL}replaced-checkpoint-{step}"
             if final.exists():  # the same step saved again, e.g. after resuming from an older checkpoint
                 os.rename(final, replaced)
@@ -249,6 +252,9 @@ class Checkpointer:
         self.accelerator.load_state(checkpoint)
         self.scheduler.load_state_dict(json.loads((checkpoint / SCHEDULER).read_text()))
         start_step = step_of(checkpoint)
+        totals = json.loads((checkpoint / MARKER).read_text()).get("totals")  # counters: finite, >= 0, or left out
+        self.resumed_totals = {name: value for name, value in (totals if isinstance(totals, dict) else {}).items()
+                               if type(value) in (int, float) and math.isfinite(value) and value >= 0}
         if self.ignore_data_skip:
             self.accelerator.print(f"resumed from {checkpoint} at step {start_step}; --ignore_data_skip: the data "
                                    "start from the beginning")

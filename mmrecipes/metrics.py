@@ -22,11 +22,13 @@ class LogWindow:
     - `add(name=value, ..., data_counts=...)`: plain numbers from the CPU batches, and the data counts;
     - `pause(seconds)`: time the window does not count (evaluation);
     - `close()`: every sum over all ranks in one collective, with the window's `seconds` and the data
-      counts by name, and the next window started. `total` keeps the sums of all closed windows.
+      counts by name, and the next window started. `total` keeps the sums of all closed windows, from
+      `total` on (a resumed run's: `Checkpointer.resumed_totals`);
+    - `totals_so_far()`: `total` with the open window's sums (a collective), for a checkpoint.
     """
 
-    def __init__(self, device, counted: tuple[str, ...]):
-        self.device, self.counted, self.total = device, counted, Counter()
+    def __init__(self, device, counted: tuple[str, ...], total: dict | None = None):
+        self.device, self.counted, self.total = device, counted, Counter(total or {})
         self._start()
 
     def _start(self):
@@ -55,15 +57,21 @@ class LogWindow:
 
     def close(self) -> dict[str, float]:
         seconds = time.perf_counter() - self.started
+        sums = self._summed()
+        self.total.update(sums)
+        self._start()
+        return sums | {"seconds": seconds}
+
+    def totals_so_far(self) -> dict[str, float]:
+        return dict(self.total + Counter(self._summed()))
+
+    def _summed(self) -> dict[str, float]:
         names = [*self.on_device, *self.on_host, *self.counted]
         local = torch.cat([torch.stack(list(self.on_device.values())).double() if self.on_device
                            else torch.zeros(0, dtype=torch.float64, device=self.device),
                            torch.tensor(list(self.on_host.values()), dtype=torch.float64, device=self.device),
                            self.data_counts.double().to(self.device)])
-        sums = dict(zip(names, sum_over_ranks(local).tolist()))
-        self.total.update(sums)
-        self._start()
-        return sums | {"seconds": seconds}
+        return dict(zip(names, sum_over_ranks(local).tolist()))
 
 
 def log_line(step: int, max_steps: int, metrics: dict) -> str:

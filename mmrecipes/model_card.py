@@ -71,7 +71,7 @@ def write_model_card(output_dir, history: History, *, pipeline_tag: str, eval_me
                      base_model: str | None, datasets: list[str], tags: list[str], engine: str, seen: str,
                      resumed_at: int):
     """`output_dir/README.md` (a model card) and `output_dir/training_curves.png`. `engine`: the
-    `[engine]` line; `seen`: what this process trained on, from `resumed_at` (0: the start)."""
+    `[engine]` line; `seen`: what the run trained on, before a resume at `resumed_at` too (0: not resumed)."""
     output_dir = Path(output_dir)
     plot_curves(history, output_dir / CURVES, eval_metrics)
     hub_datasets = [name for name in datasets if name and not Path(name).exists()]  # hub ids, not local paths
@@ -89,7 +89,7 @@ def write_model_card(output_dir, history: History, *, pipeline_tag: str, eval_me
         "```",
         "",
         f"- engine: {engine.removeprefix('[engine] ')}",
-        f"- seen: {seen}" + (f" after resuming at step {resumed_at}" if resumed_at else ""),
+        f"- seen: {seen}" + (f" (resumed at step {resumed_at})" if resumed_at else ""),
         f"- base model: {base_model or 'built from a config (random initialisation)'}",
         f"- data: {', '.join(name for name in datasets if name) or '-'}",
         "",

@@ -133,7 +133,8 @@ def main(argv=None):
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
     counted = data_args.counted()  # bad rows by kind, and the rows of each source where there are several
-    logged, history = LogWindow(accelerator.device, counted), History()  # sums of a logging window; all logged
+    # The sums of a logging window, and their totals (from the checkpoint's on a resume); everything logged
+    logged, history = LogWindow(accelerator.device, counted, checkpoints.resumed_totals), History()
     # Both take (image_embeds, text_embeds, *what the model returns after them): scale, and SigLIP's bias.
     loss_fn = siglip_loss if model_args.loss == "siglip" else partial(clip_loss, tile_size=args.loss_tile_size)
     for step in progress:
@@ -197,7 +198,7 @@ def main(argv=None):
                 history.add(done, recall, evaluation=True)
                 log(eval_line(done, recall))
         if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
-            checkpoint = checkpoints.save(done, epoch)
+            checkpoint = checkpoints.save(done, epoch, logged.totals_so_far())
             if guard.stop_requested:
                 guard.exit_preempted(checkpoint)  # exit code 75 on every rank: run the same command again
 

@@ -166,7 +166,7 @@ def main(argv=None):
     peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
-    logged, history = LogWindow(accelerator.device, CHAT_COUNTED), History()  # sums of a logging window; all logged
+    logged, history = LogWindow(accelerator.device, CHAT_COUNTED, checkpoints.resumed_totals), History()  # window sums
     for step in progress:
         epochs, window = zip(*(logged.next(train_batches) for _ in range(args.gradient_accumulation_steps)))
         targets = [batch["target_tokens"] if batch is not None else 0 for batch in window]  # counted by the collator
@@ -223,7 +223,7 @@ def main(argv=None):
                 history.add(done, accuracy, evaluation=True)
                 log(eval_line(done, accuracy))
         if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
-            checkpoint = checkpoints.save(done, epochs[-1])
+            checkpoint = checkpoints.save(done, epochs[-1], logged.totals_so_far())
             if guard.stop_requested:
                 guard.exit_preempted(checkpoint)  # exit code 75 on every rank: run the same command again
 

@@ -110,7 +110,8 @@ def test_one_control_collective_per_optimizer_step(tmp_path, fused):
 
 def test_resume_continues_exactly(tmp_path):
     """Two sources mixed at --dataset_weights (the embedded shapes and a folder of other captions): the resume
-    repeats the straight run's steps, and the log counts each source's rows."""
+    repeats the straight run's steps, the log counts each source's rows, and its counters go on from the
+    checkpoint's (they restarted from zero before)."""
     (tmp_path / "other").mkdir()
     for index in range(16):
         Image.new("RGB", (16, 16), (0, index * 16, 0)).save(tmp_path / "other" / f"{index}.png")
@@ -130,6 +131,8 @@ def test_resume_continues_exactly(tmp_path):
     assert "resumed from" in resumed.log and "at step 2" in resumed.log
     # Same weights, optimizer, schedule and data position: steps 3 and 4 repeat to float precision.
     assert_same_curves(resumed.log, straight.log, [3, 4], abs=1e-6)
+    counters = r"^step 4/4 .*\| skipped_steps 0 (.*)$"  # the data counters and the rows of each source
+    assert re.search(counters, resumed.log, re.M)[1] == re.search(counters, straight.log, re.M)[1]
 
 
 def test_adam_betas_and_the_warmup_stable_decay_schedule_reach_the_run(tmp_path):
