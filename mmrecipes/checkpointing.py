@@ -27,9 +27,11 @@ import math
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
-from accelerate.utils import gather_object
+from accelerate.utils import gather_object, merge_fsdp_weights
+from safetensors.torch import load_file
 
 from .checkpoint_files import UnsafeCheckpoint, check_manifest, checkpoint_files, file_digest, plain_data_problem
 from .loader import ResumableShuffle
@@ -56,6 +58,36 @@ def data_layout(data_args, args, *, data_world: int, batch_size: int) -> dict:
         if hasattr(data_args, name):
             layout[name] = getattr(data_args, name)
     return layout
+
+
+def checkpoint_weights(checkpoint: str | Path) -> dict:
+    """The full state dict of the model a `checkpoint-N` directory of any engine holds, read on the CPU without a
+    process group, for any number of processes: `model.safetensors` (DDP), FSDP2's sharded
+    `pytorch_model_fsdp_0` (accelerate's `merge_fsdp_weights`) or DeepSpeed's ZeRO files (its fp32 recovery).
+    The checkpoint is checked first as a resume checks it: its manifest, and plain data in every pickle."""
+    checkpoint = Path(checkpoint)
+    try:
+        manifest = json.loads((checkpoint / MARKER).read_text())["files"]
+        names = sorted(set(manifest) | set(checkpoint_files(checkpoint, MARKER)))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{checkpoint}: not a checkpoint these recipes saved (no {MARKER} with a file manifest: "
+                         f"{error}); a saved model directory goes to --model_name_or_path") from error
+    if (checkpoint / "pytorch_model").is_dir():  # DeepSpeed's files: its plain-data classes are allowed once imported
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    problems = check_manifest(checkpoint, manifest, names)
+    problems += [problem for name in names if (problem := plain_data_problem(checkpoint, name))] if not problems else []
+    if problems:
+        raise UnsafeCheckpoint(f"{checkpoint} cannot seed a run: " + " | ".join(problems))
+    if (checkpoint / "model.safetensors").is_file():
+        return load_file(checkpoint / "model.safetensors")
+    if (checkpoint / "pytorch_model_fsdp_0").is_dir():
+        with tempfile.TemporaryDirectory() as merged:
+            merge_fsdp_weights(str(checkpoint / "pytorch_model_fsdp_0"), merged)
+            return load_file(Path(merged) / "model.safetensors")
+    if (checkpoint / "pytorch_model").is_dir():
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="pytorch_model")
+    raise ValueError(f"{checkpoint} holds no model weights these recipes know (model.safetensors, "
+                     "pytorch_model_fsdp_0/, pytorch_model/)")
 
 
 def model_layout(model) -> dict:

@@ -50,6 +50,9 @@ class ModelArgs(CheckedArgs):
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     # FLIP's patch dropout: training keeps a random 1 - p of each image's patches (mmrecipes.patch_dropout)
     patch_dropout: float = 0.0
+    # A checkpoint-N directory (any engine's, any number of processes) whose model weights start this run, which
+    # is new: step 0, a fresh optimizer and schedule, the data from the start (resuming: --resume_from_checkpoint)
+    init_from_checkpoint: str | None = None
 
 
 class CLIPForContrastiveTraining(CLIPModel):

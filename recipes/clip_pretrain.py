@@ -21,7 +21,7 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from mmrecipes.checkpointing import Checkpointer, data_layout
+from mmrecipes.checkpointing import Checkpointer, checkpoint_weights, data_layout
 from mmrecipes.config import parse_args
 from mmrecipes.data import DataArgs, build_dataloader, caption_length, evaluation_off_reason, model_inputs
 from mmrecipes.distributed import all_ranks_true, data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config
@@ -75,6 +75,9 @@ def main(argv=None):
     flops_per_sample = clip_train_flops_per_sample(
         model, caption_length(data_args, tokenizer, model.pads_text_to_max_length))
     accelerator = accelerator_from_args(args)
+    if model_args.init_from_checkpoint:  # the weights only, strictly (the checkpoint's model flags); a new run
+        model.load_state_dict(checkpoint_weights(model_args.init_from_checkpoint))
+        accelerator.print(f"model weights from {model_args.init_from_checkpoint}; a new run from step 0")
     for line in lock_towers(model, lock_args):  # frozen before prepare: no optimizer state, no gradients
         accelerator.print(line)
     if model_args.patch_dropout:

@@ -6,6 +6,7 @@ copy each engine updates (DeepSpeed's fp32 master included) for the saved value 
 
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ from huggingface_hub import ModelCard
 from PIL import Image
 from transformers import AutoProcessor, CLIPModel, pipeline
 
-from launch import accelerate_launch, assert_engine, assert_same_curves, losses, run_engine
+from launch import accelerate_launch, assert_engine, assert_same_curves, losses, run_engine, run_recipe
+from mmrecipes.checkpoint_files import UnsafeCheckpoint
+from mmrecipes.checkpointing import checkpoint_weights
 from mmrecipes.model_card import CURVES_SIZE
 
 pytestmark = pytest.mark.launch
@@ -96,6 +99,32 @@ def test_torch_compile_matches_eager(runs, tmp_path):
     assert zeroshot(result.log) == zeroshot(ddp_result.log)
     assert_same_curves(result.log, ddp_result.log, range(1, STEPS + 1))
     assert_same_weights(tmp_path, ddp_dir)
+
+
+def test_every_engines_checkpoint_seeds_a_new_run(runs, tmp_path):
+    """--init_from_checkpoint: step 3's weights read on one process from each engine's checkpoint (DDP's
+    safetensors, FSDP2's shards, ZeRO-2's and ZeRO-3's partitions) are DDP's, as the engines agree; a run seeded
+    from ZeRO-3's starts at step 0 from them (its first loss below a fresh run's); an edited checkpoint is refused."""
+    reference = checkpoint_weights(runs["ddp.yaml"][1] / "checkpoints" / "checkpoint-3")
+    for config in FEATURES:
+        weights = checkpoint_weights(runs[config][1] / "checkpoints" / "checkpoint-3")
+        assert set(weights) == set(reference), config
+        for name, tensor in reference.items():
+            if not name.endswith("k_proj.bias"):  # as assert_same_weights says
+                torch.testing.assert_close(weights[name].float(), tensor.float(), rtol=1e-4, atol=1e-5, msg=name)
+    run = ["--max_steps", 1, "--logging_steps", 1, "--per_device_train_batch_size", 32, "--eval_split", "",
+           "--zeroshot_dataset", "", "--logit_scale_init_value", 5.0]
+    seeded_from = runs["zero3.yaml"][1] / "checkpoints" / "checkpoint-3"
+    seeded = run_recipe(*run, "--init_from_checkpoint", seeded_from, "--output_dir", tmp_path / "seeded")
+    fresh = run_recipe(*run, "--output_dir", tmp_path / "fresh")
+    assert seeded.returncode == 0 == fresh.returncode, seeded.log[-3000:]
+    assert f"model weights from {seeded_from}; a new run from step 0" in seeded.log
+    assert losses(seeded.log)[1] < 0.9 * losses(fresh.log)[1]
+    edited = shutil.copytree(runs["ddp.yaml"][1] / "checkpoints" / "checkpoint-3", tmp_path / "edited")
+    with open(edited / "model.safetensors", "ab") as file:
+        file.write(b"\0")
+    with pytest.raises(UnsafeCheckpoint, match="cannot seed a run"):
+        checkpoint_weights(edited)
 
 
 @pytest.mark.parametrize("config", ["ddp.yaml", "zero3.yaml"])
