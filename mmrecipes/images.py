@@ -124,12 +124,7 @@ def random_resized_crops(image_processor, images: list[Image.Image], seeds: list
         top, left, height, width = _crop_box(pixels.shape[1], pixels.shape[2], scale, random.Random(seed))
         crops.append(tvF.resized_crop(pixels, top, left, height, width, size, interpolation=interpolation,
                                       antialias=True))
-    stack = torch.stack(crops)
-    if not normalize:
-        return stack
-    return image_processor.rescale_and_normalize(stack, image_processor.do_rescale, image_processor.rescale_factor,
-                                                 image_processor.do_normalize, image_processor.image_mean,
-                                                 image_processor.image_std)
+    return _rescaled_and_normalized(image_processor, torch.stack(crops)) if normalize else torch.stack(crops)
 
 
 def _crop_box(height: int, width: int, scale, rng: random.Random) -> tuple[int, int, int, int]:
@@ -161,8 +156,10 @@ def _standard_pipeline(processor, stack, normalize: bool):
         stack = processor.resize(stack, processor.size, resample=processor.resample)
     if processor.do_center_crop:
         stack = processor.center_crop(stack, processor.crop_size)
-    if not normalize:
-        return stack
+    return _rescaled_and_normalized(processor, stack) if normalize else stack
+
+
+def _rescaled_and_normalized(processor, stack):
     return processor.rescale_and_normalize(stack, processor.do_rescale, processor.rescale_factor,
                                            processor.do_normalize, processor.image_mean, processor.image_std)
 

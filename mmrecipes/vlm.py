@@ -56,7 +56,7 @@ from .lora import save_lora
 from .losses import head_cross_entropy_sum, soft_capped, token_cross_entropy_sum
 from .packing import packed_position_ids
 from .paths import TINY_VLM_TOKENIZER
-from .vlm_families import ModuleGroups, check_trainable, lm_features, split_items, video_as_image_names
+from .vlm_families import ModuleGroups, check_trainable, height_width, lm_features, split_items, video_as_image_names
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +173,7 @@ def _clip_layout(model) -> tuple[int, int] | None:
     if getattr(model, "get_video_features", None) is None:
         return None
     vision = model.config.vision_config
-    size = getattr(vision, "image_size", 32)
-    height, width = (size[0], size[-1]) if isinstance(size, (list, tuple)) else (size, size)
+    height, width = height_width(getattr(vision, "image_size", 32))
     clip = torch.rand(1, 2, getattr(vision, "num_channels", 3), height, width,
                       generator=torch.Generator().manual_seed(0))
     try:

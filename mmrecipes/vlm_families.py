@@ -109,16 +109,16 @@ def _dummy_image(model, processor) -> dict:
                 "image_grid_thw": torch.tensor([[1, merge, merge]])}
     if "pixel_attention_mask" in names:
         scale = getattr(model.config, "scale_factor", 1)  # Idefics2 has no pixel shuffle
-        height, width = (scale * side for side in _height_width(vision.patch_size))
+        height, width = (scale * side for side in height_width(vision.patch_size))
         return {"pixel_values": torch.ones(1, 1, channels, height, width),
                 "pixel_attention_mask": torch.ones(1, 1, height, width, dtype=torch.bool)}
     required = {name for name, p in inspect.signature(model.get_image_features).parameters.items()
                 if p.default is inspect.Parameter.empty and name not in ("self", "kwargs")}
     if required == {"pixel_values"}:
-        return {"pixel_values": torch.ones(1, channels, *_height_width(vision.image_size))}
+        return {"pixel_values": torch.ones(1, channels, *height_width(vision.image_size))}
     if processor is None:
         raise ValueError(f"{type(model).__name__}.get_image_features needs {sorted(required)}: pass the processor")
-    height, width = _height_width(getattr(vision, "image_size", 32))
+    height, width = height_width(getattr(vision, "image_size", 32))
     made = processor.image_processor(images=[Image.new("RGB", (width, height), (255, 255, 255))], return_tensors="pt")
     return {name: value for name, value in made.items() if name in names}
 
@@ -210,13 +210,13 @@ def image_patches(batch: dict, vision_config) -> int:
     for the FLOPs count (a clip's patches take the same layout as an image's where the tower takes both)."""
     channels = getattr(vision_config, "in_channels", None) or getattr(vision_config, "num_channels", 3)
     temporal = getattr(vision_config, "temporal_patch_size", 1)
-    height, width = _height_width(vision_config.patch_size)
+    height, width = height_width(vision_config.patch_size)
     pixels = [batch[key] for key in ("pixel_values", "pixel_values_videos")
               if key in batch and not (key == "pixel_values" and batch["dummy_image"])]
     return sum(value.numel() for value in pixels) // (channels * temporal * height * width)
 
 
-def _height_width(size) -> tuple[int, int]:
+def height_width(size) -> tuple[int, int]:
     """A config's image or patch size as (height, width): an int, or a list/tuple (InternVL writes [448, 448])."""
     if isinstance(size, (list, tuple)):
         return (int(size[0]), int(size[-1]))
