@@ -176,11 +176,15 @@ def _clip_layout(model) -> tuple[int, int] | None:
     height, width = height_width(getattr(vision, "image_size", 32))
     clip = torch.rand(1, 2, getattr(vision, "num_channels", 3), height, width,
                       generator=torch.Generator().manual_seed(0))
+    training = model.training
+    model.eval()  # no dropout between the two probes
     try:
         one, two = (model.get_video_features(pixel_values_videos=clip[:, :frames].to(model.dtype),
                                              return_dict=True).pooler_output[0] for frames in (1, 2))
     except (TypeError, ValueError, RuntimeError, AttributeError):
         return None
+    finally:
+        model.train(training)
     per_frame = len(two) - len(one)
     extra = len(one) - per_frame
     if per_frame <= 0 or extra < 0 or not (torch.allclose(two[:per_frame], one[:per_frame], atol=1e-4)
