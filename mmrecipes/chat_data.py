@@ -346,8 +346,7 @@ def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size,
     budget = args.max_tokens_per_batch if shuffle_seed is not None else None  # evaluation keeps fixed batches
     preprocess = ChatPreprocessor(args, labeller, min(args.max_length, budget or args.max_length))
     if shuffle_seed is None:
-        stream = stream.map(preprocess, batched=True, batch_size=batch_size,
-                            remove_columns=[*CHAT_COLUMNS, PROBLEM])
+        stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=[*CHAT_COLUMNS, PROBLEM])
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)

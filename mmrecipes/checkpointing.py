@@ -74,8 +74,8 @@ def checkpoint_weights(checkpoint: str | Path) -> dict:
                          f"{error}); a saved model directory goes to --model_name_or_path") from error
     if (checkpoint / "pytorch_model").is_dir():  # DeepSpeed's files: its plain-data classes are allowed once imported
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    problems = check_manifest(checkpoint, manifest, names)
-    problems += [problem for name in names if (problem := plain_data_problem(checkpoint, name))] if not problems else []
+    problems = (check_manifest(checkpoint, manifest, names)
+                or [problem for name in names if (problem := plain_data_problem(checkpoint, name))])
     if problems:
         raise UnsafeCheckpoint(f"{checkpoint} cannot seed a run: " + " | ".join(problems))
     if (checkpoint / "model.safetensors").is_file():

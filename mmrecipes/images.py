@@ -165,11 +165,15 @@ def _rescaled_and_normalized(processor, stack):
 
 
 def device_normalization(image_processor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(mean, std) for finishing uint8 pixels on the device, in the fused form of the processor's
-    own `rescale_and_normalize` (mean / rescale, std / rescale: the same floats to the bit); None
-    when its pixels are finished in the workers (not the standard pipeline, or no rescale-normalise)."""
-    if not (_standard_pipeline_applies(image_processor) and image_processor.do_rescale
-            and image_processor.do_normalize):
+    """(mean, std) for finishing uint8 pixels on the device (`fused_normalization`); None when its pixels
+    are finished in the workers (not the standard pipeline, or no rescale-normalise)."""
+    return fused_normalization(image_processor) if _standard_pipeline_applies(image_processor) else None
+
+
+def fused_normalization(processor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(mean, std) in the fused form of an image or video processor's own `rescale_and_normalize` (mean /
+    rescale, std / rescale: the same floats to the bit); None unless it both rescales and normalises."""
+    if not (processor.do_rescale and processor.do_normalize):
         return None
-    scale = 1.0 / image_processor.rescale_factor
-    return torch.tensor(image_processor.image_mean) * scale, torch.tensor(image_processor.image_std) * scale
+    scale = 1.0 / processor.rescale_factor
+    return torch.tensor(processor.image_mean) * scale, torch.tensor(processor.image_std) * scale

@@ -31,10 +31,11 @@ from typing import NamedTuple
 import av
 import numpy
 import torch
+from torchvision.transforms.v2.functional import normalize as normalize_image
 from transformers.video_utils import VideoMetadata
 
 from .config import CheckedArgs
-from .images import readable_source
+from .images import fused_normalization, readable_source
 
 logger = logging.getLogger(__name__)
 
@@ -118,14 +119,11 @@ def _seconds(container, stream) -> float | None:
 
 
 def clip_normalization(video_processor) -> torch.Tensor | None:
-    """[2, channels]: the mean and std that finish uint8 clip pixels, in the fused form of the video processor's
-    own `rescale_and_normalize` (mean / rescale, std / rescale: the same floats to the bit); None when it does
-    not both rescale and normalise (then its pixels are finished in the workers)."""
-    if not (video_processor.do_rescale and video_processor.do_normalize):
-        return None
-    scale = 1.0 / video_processor.rescale_factor
-    return torch.stack([torch.tensor(values) * scale for values in (video_processor.image_mean,
-                                                                    video_processor.image_std)])
+    """[2, channels]: the mean and std that finish uint8 clip pixels (`images.fused_normalization`, stacked to
+    travel with a row); None when the processor does not both rescale and normalise (then its pixels are
+    finished in the workers)."""
+    normalization = fused_normalization(video_processor)
+    return torch.stack(normalization) if normalization is not None else None
 
 
 def finish_clip_pixels(pixels: torch.Tensor, normalization: torch.Tensor) -> torch.Tensor:
@@ -133,7 +131,7 @@ def finish_clip_pixels(pixels: torch.Tensor, normalization: torch.Tensor) -> tor
     last ([clips, frames, channels, height, width]), or the first factor of each flattened patch (Qwen-VL:
     [patches, channels x temporal x height x width])."""
     mean, std = normalization.to(pixels.device)
-    values = pixels.to(torch.float32)  # a copy: normalised in place, as torchvision's normalize does
-    if values.dim() == 2:
-        return values.view(len(values), len(mean), -1).sub_(mean[:, None]).div_(std[:, None]).view(values.shape)
-    return values.sub_(mean[:, None, None]).div_(std[:, None, None])
+    values = pixels.to(torch.float32)
+    channels_third_from_last = values.view(len(values), len(mean), -1, 1) if values.dim() == 2 else values
+    # torchvision's normalize, which the processor's own `rescale_and_normalize` calls (as `data.model_inputs`)
+    return normalize_image(channels_third_from_last, mean, std, inplace=True).view(values.shape)
