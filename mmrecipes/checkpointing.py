@@ -54,7 +54,7 @@ def data_layout(data_args, args, *, data_world: int, batch_size: int) -> dict:
               "gradient_accumulation_steps": args.gradient_accumulation_steps, "seed": args.seed,
               "shuffle_buffer_size": data_args.shuffle_buffer_size,
               "data": data_fingerprint(data_args.training_sources())}
-    for name in ("dataset_weights", "max_tokens_per_batch", "packing"):  # the chat recipe's batching
+    for name in ("dataset_weights", "max_tokens_per_batch", "packing", "max_patches_per_batch"):  # batching
         if hasattr(data_args, name):
             layout[name] = getattr(data_args, name)
     return layout

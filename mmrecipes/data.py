@@ -16,8 +16,17 @@ import torch
 from torchvision.transforms.v2.functional import normalize as normalize_image
 
 from .config import CheckedArgs
-from .images import decode_image, device_normalization, processed_pixels, random_resized_crops
+from .images import (
+    decode_image,
+    device_normalization,
+    padded_patches,
+    patch_rows,
+    processed_pixels,
+    random_resized_crops,
+    takes_patch_grids,
+)
 from .loader import ROW_SEED, DropCounter, ResumableShuffle, stream_loader
+from .packing import TokenBudgetBatches
 from .paths import SHAPES_DATA
 from .sources import PROBLEM, SOURCE, mixed_stream, split_sources
 
@@ -30,7 +39,8 @@ COUNTED = ("converted", "undecodable", "too_large", "no_caption", "bad_text", "b
 @dataclass
 class DataArgs(CheckedArgs):
     CHECKS = {"max_caption_length": "count_or_none", "max_image_pixels": "count", "max_image_aspect_ratio": "positive",
-              "shuffle_buffer_size": "count", "dataloader_num_workers": "count_or_zero_or_none"}
+              "shuffle_buffer_size": "count", "dataloader_num_workers": "count_or_zero_or_none",
+              "max_patches_per_batch": "count_or_none"}
     # hub id, local dataset dir, or a builder ('parquet', 'imagefolder'); comma-separated: several sources, mixed
     dataset_name: str = str(SHAPES_DATA)
     # Sampling probabilities of comma-separated sources (as the VLM recipe's); None: equal. Each source's rows
@@ -60,6 +70,10 @@ class DataArgs(CheckedArgs):
     # ratio of 3/4 to 4/3, resized to the processor's size, instead of its eval resize and centre crop.
     # Evaluation is not augmented; each row's crop follows from its place in the stream (exact resume).
     train_augment: bool = False
+    # SigLIP 2 NaFlex: each training micro-batch holds whole rows, in stream order, up to this many image patches
+    # together (images of fewer patches, more rows); per_device_train_batch_size then only sets how many rows are
+    # preprocessed at a time. Ranks may hold different row counts: siglip_loss stays exact.
+    max_patches_per_batch: int | None = None
 
     def training_sources(self) -> list[tuple]:
         """(name, config, split, data_files) of each training source."""
@@ -108,6 +122,7 @@ class ImageTextPreprocessor:
         self.drops = DropCounter()
         # uint8 pixels when the device can finish them (ImageTextCollator, model_inputs)
         self.normalize_here = device_normalization(image_processor) is None
+        self.patch_grids = takes_patch_grids(image_processor)  # SigLIP 2 NaFlex: each row's patches and grid
 
     def __call__(self, batch):
         images, captions, counts, sources, seeds = [], [], [], [], []
@@ -134,9 +149,13 @@ class ImageTextPreprocessor:
             sources.append(source)
             seeds.append(seed)
         out = {"pixel_values": [], "input_ids": [], "source": sources} | {name: [] for name in COUNTED}
-        if images:
+        out |= {"spatial_shapes": []} if self.patch_grids else {}
+        if images and self.patch_grids:
+            out["pixel_values"], out["spatial_shapes"] = patch_rows(self.image_processor, images)
+        elif images:
             transform = partial(random_resized_crops, seeds=seeds) if self.augment else processed_pixels
             out["pixel_values"] = list(transform(self.image_processor, images, normalize=self.normalize_here))
+        if images:
             out["input_ids"] = self.tokenizer(captions, truncation=True, max_length=self.max_length)["input_ids"]
             for name in COUNTED:
                 out[name] = [row[name] for row in counts]
@@ -146,8 +165,9 @@ class ImageTextPreprocessor:
 class ImageTextCollator:
     """Rows -> {pixel_values, input_ids, attention_mask, data_counts}; pads captions to the batch
     max, or to `pad_to_length`. uint8 pixels come with the `pixel_mean` and `pixel_std` that
-    `model_inputs` finishes them with (`device_normalization`). With several `sources`, `data_counts`
-    ends with the rows from each (`DataArgs.counted`)."""
+    `model_inputs` finishes them with (`device_normalization`). NaFlex rows are padded to the batch's
+    longest image (`padded_patches`: with `pixel_attention_mask` and `spatial_shapes`). With several `sources`,
+    `data_counts` ends with the rows from each (`DataArgs.counted`)."""
 
     def __init__(self, tokenizer, image_processor, pad_to_length: int | None = None, sources: int = 1):
         if tokenizer.pad_token_id is None:
@@ -166,8 +186,10 @@ class ImageTextCollator:
         attention_mask = positions < lengths[:, None]
         input_ids = torch.full(attention_mask.shape, self.pad_token_id)
         input_ids[attention_mask] = torch.tensor([token for row in rows for token in row["input_ids"]])
+        pixels = [row["pixel_values"] for row in rows]
         batch = {
-            "pixel_values": torch.stack([row["pixel_values"] for row in rows]),
+            **(padded_patches(pixels, [row["spatial_shapes"] for row in rows]) if "spatial_shapes" in rows[0]
+               else {"pixel_values": torch.stack(pixels)}),
             "input_ids": input_ids,
             "attention_mask": attention_mask.long(),
             "data_counts": torch.tensor([sum(row[name] for row in rows) for name in COUNTED]),
@@ -202,6 +224,8 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_process
                           seed=shuffle_seed or 0, check_columns=check_columns, tag_sources=True)
     max_length = caption_length(args, tokenizer, pad_to_max_length)
     augment = args.train_augment and split == args.train_split and shuffle_seed is not None  # ROW_SEED's source
+    budget = args.max_patches_per_batch if shuffle_seed is not None else None  # evaluation keeps fixed batches
+    check_image_batching(args, image_processor)
     preprocess = ImageTextPreprocessor(args, tokenizer, image_processor, max_length, augment)
     if shuffle_seed is None:
         stream = stream.map(preprocess, batched=True, batch_size=batch_size,
@@ -210,12 +234,35 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_process
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)
     collator = ImageTextCollator(tokenizer, image_processor, max_length if pad_to_max_length else None, len(sources))
+    if budget:  # whole micro-batches from the stream; the loader adds no batching of its own
+        return stream_loader(TokenBudgetBatches(stream, budget, image_patches), None, collator,
+                             args.dataloader_num_workers)
     return stream_loader(stream, batch_size, collator, args.dataloader_num_workers)
+
+
+def image_patches(row) -> int:
+    return int(row["spatial_shapes"].prod())
+
+
+def check_image_batching(args: DataArgs, image_processor):
+    """Refuse, before the first step, image flags this processor cannot serve."""
+    if args.max_patches_per_batch and not takes_patch_grids(image_processor):
+        raise ValueError("--max_patches_per_batch batches SigLIP 2 NaFlex images by their patch counts; this model "
+                         "takes fixed-size images: use --per_device_train_batch_size")
+    if args.max_patches_per_batch and args.max_patches_per_batch < getattr(image_processor, "max_num_patches", 0):
+        raise ValueError(f"--max_patches_per_batch {args.max_patches_per_batch} is below one image's "
+                         f"{image_processor.max_num_patches} patches (--max_num_patches): raise it")
+    if args.train_augment and takes_patch_grids(image_processor):
+        raise ValueError("--train_augment crops to the processor's fixed size; SigLIP 2 NaFlex keeps each image's "
+                         "own size and aspect ratio: drop --train_augment")
+
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "spatial_shapes")
 
 
 def model_inputs(batch, device):
     """The model's tensors of a collated batch, on `device`; uint8 pixels rescaled and normalised there."""
-    inputs = {key: batch[key].to(device, non_blocking=True) for key in ("input_ids", "attention_mask", "pixel_values")}
+    inputs = {key: batch[key].to(device, non_blocking=True) for key in MODEL_INPUTS if key in batch}
     if "pixel_mean" in batch:
         mean, std = (batch[key].to(device, non_blocking=True) for key in ("pixel_mean", "pixel_std"))
         inputs["pixel_values"] = normalize_image(inputs["pixel_values"].to(torch.float32), mean, std, inplace=True)

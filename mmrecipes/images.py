@@ -103,6 +103,39 @@ def processed_pixels(image_processor, images: list[Image.Image], normalize: bool
     return torch.stack(pixel_values)
 
 
+def takes_patch_grids(image_processor) -> bool:
+    """Whether the processor hands out each image as a variable number of patches with its grid (SigLIP 2 NaFlex:
+    `spatial_shapes`, and `pixel_attention_mask` over the padding), not as a fixed-size pixel array."""
+    return "spatial_shapes" in getattr(image_processor, "model_input_names", ())
+
+
+def patch_rows(image_processor, images: list[Image.Image]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A NaFlex processor's output per image: its real patches `[h * w, patch values]`, without the padding to
+    `max_num_patches` (`padded_patches` pads a batch to its longest image), and its grid `(h, w)`."""
+    out = image_processor(images=images, return_tensors="pt")
+    grids = list(out["spatial_shapes"])
+    return [pixels[:int(grid.prod())] for pixels, grid in zip(out["pixel_values"], grids)], grids
+
+
+def padded_patches(patches: list[torch.Tensor], grids: list[torch.Tensor]) -> dict:
+    """NaFlex rows as the model takes a batch: `pixel_values` zero-padded to the longest, `pixel_attention_mask`
+    (1 on real patches, as the processor's) and `spatial_shapes`."""
+    longest = max(len(rows) for rows in patches)
+    pixel_values = patches[0].new_zeros(len(patches), longest, patches[0].shape[-1])
+    mask = torch.zeros(len(patches), longest, dtype=torch.int32)
+    for index, rows in enumerate(patches):
+        pixel_values[index, :len(rows)] = rows
+        mask[index, :len(rows)] = 1
+    return {"pixel_values": pixel_values, "pixel_attention_mask": mask, "spatial_shapes": torch.stack(grids)}
+
+
+def image_inputs(image_processor, images: list[Image.Image]) -> dict:
+    """A batch of RGB images as the model's image inputs: `pixel_values`, or NaFlex's padded patches and grids."""
+    if takes_patch_grids(image_processor):
+        return padded_patches(*patch_rows(image_processor, images))
+    return {"pixel_values": processed_pixels(image_processor, images)}
+
+
 def random_resized_crops(image_processor, images: list[Image.Image], seeds: list[int], scale=(0.9, 1.0),
                          normalize: bool = True) -> torch.Tensor:
     """open_clip's training transform (its `--aug-cfg` defaults) in the processor's terms: each image a random crop

@@ -14,6 +14,9 @@ from transformers import (
     CLIPConfig,
     CLIPImageProcessor,
     CLIPModel,
+    Siglip2Config,
+    Siglip2ImageProcessor,
+    Siglip2Model,
     SiglipConfig,
     SiglipImageProcessor,
     SiglipModel,
@@ -21,7 +24,8 @@ from transformers import (
 
 from .config import CheckedArgs
 from .distributed import fsdp_block_classes
-from .paths import TINY_TOKENIZER
+from .images import takes_patch_grids
+from .paths import TINY_SIGLIP2_TOKENIZER, TINY_TOKENIZER
 
 MAX_LOGIT_SCALE = math.log(100)  # CLIP clamps the temperature at 100
 
@@ -29,14 +33,19 @@ MAX_LOGIT_SCALE = math.log(100)  # CLIP clamps the temperature at 100
 @dataclass
 class ModelArgs(CheckedArgs):
     CHECKS = dict.fromkeys(("image_size", "patch_size", "hidden_size", "num_layers", "projection_dim"), "count") | {
-        "patch_dropout": "fraction"}
+        "patch_dropout": "fraction", "max_num_patches": "count_or_none"}
     UNUSED_WITH = {"model_name_or_path": ("tokenizer_name", "image_size", "patch_size", "hidden_size", "num_layers",
                                           "projection_dim")}
-    # clip: CLIPModel with clip_loss (softmax over the batch); siglip: SiglipModel with siglip_loss (sigmoid per pair)
+    # clip: CLIPModel with clip_loss (softmax over the batch); siglip: SiglipModel or Siglip2Model with siglip_loss
+    # (sigmoid per pair)
     loss: str = field(default="clip", metadata={"choices": ["clip", "siglip"]})
-    model_name_or_path: str | None = None  # a saved CLIP/SigLIP directory or hub id; None builds a tiny one
+    model_name_or_path: str | None = None  # a saved CLIP/SigLIP/SigLIP 2 directory or hub id; None builds a tiny one
+    # SigLIP 2 NaFlex: each image resized to at most this many patches, its aspect ratio kept. With --loss siglip
+    # and no model_name_or_path it builds a tiny Siglip2Model; with a SigLIP 2 checkpoint it replaces its
+    # processor's limit (the position embeddings are resized to each image's grid either way).
+    max_num_patches: int | None = None
     # The rest shape the tiny model only (model_name_or_path=None).
-    tokenizer_name: str = str(TINY_TOKENIZER)
+    tokenizer_name: str | None = None  # default: the embedded tiny one (SigLIP 2: of its own class, Siglip2Tokenizer)
     image_size: int = 32
     patch_size: int = 8
     hidden_size: int = 64
@@ -81,26 +90,35 @@ class CLIPForContrastiveTraining(CLIPModel):
         return self.text_model.embeddings.token_embedding
 
 
-class SiglipForContrastiveTraining(SiglipModel):
-    """HF `SiglipModel` whose forward returns (image_embeds, text_embeds, logit_scale.exp(),
-    logit_bias): what `siglip_loss` takes. Both scalars are [1]-shaped parameters already.
+class SigmoidContrastive:
+    """What SigLIP and SigLIP 2 add to their HF model (same weights and keys): a forward returning
+    (image_embeds, text_embeds, logit_scale.exp(), logit_bias), what `siglip_loss` takes. Both scalars are
+    [1]-shaped parameters already. The image inputs are the processor's: `pixel_values`, and for SigLIP 2
+    NaFlex each image's patches with `pixel_attention_mask` and `spatial_shapes` (its patch grid).
 
     SigLIP pools the text tower's *last position*, padding or not (docs/clip.md, SigLIP): the padded
     length is part of the model, so captions are padded to the tokenizer's `model_max_length`
     (64 for SigLIP, which the zero-shot pipeline hard-codes), in training as in inference.
     """
 
-    hf_architecture = "SiglipModel"
     loss = "siglip"
     max_logit_scale = None  # SigLIP learns its temperature unclamped
     pads_text_to_max_length = True
 
-    def forward(self, input_ids, attention_mask, pixel_values):
-        image_embeds = self.get_image_features(pixel_values=pixel_values).pooler_output
+    def forward(self, input_ids, attention_mask, **image_inputs):
+        image_embeds = self.get_image_features(**image_inputs).pooler_output
         mask = text_attention_mask(self, attention_mask, causal=False)
         text_embeds = self.get_text_features(input_ids=input_ids, attention_mask=mask).pooler_output
         return (F.normalize(image_embeds, dim=-1), F.normalize(text_embeds, dim=-1), self.logit_scale.exp(),
                 self.logit_bias)
+
+
+class SiglipForContrastiveTraining(SigmoidContrastive, SiglipModel):
+    hf_architecture = "SiglipModel"
+
+
+class Siglip2ForContrastiveTraining(SigmoidContrastive, Siglip2Model):
+    hf_architecture = "Siglip2Model"
 
 
 def text_attention_mask(model, attention_mask, causal: bool):
@@ -118,7 +136,9 @@ def text_attention_mask(model, attention_mask, causal: bool):
     return mask
 
 
-TRAINING_CLASSES = {"clip": CLIPForContrastiveTraining, "siglip": SiglipForContrastiveTraining}
+# By the saved config's model_type; each class names the loss it trains with.
+TRAINING_CLASSES = {"clip": CLIPForContrastiveTraining, "siglip": SiglipForContrastiveTraining,
+                    "siglip2": Siglip2ForContrastiveTraining}
 
 
 def build_contrastive(args: ModelArgs):
@@ -129,17 +149,24 @@ def build_contrastive(args: ModelArgs):
     with transformers, and a model constructed afterwards is partitioned at construction with a
     different random init (a different first loss than DDP's and ZeRO-2's).
     """
-    model_class = TRAINING_CLASSES[args.loss]
     if args.model_name_or_path:
         model_type = AutoConfig.from_pretrained(args.model_name_or_path).model_type
-        if model_type != model_class.config_class.model_type:
-            raise ValueError(f"{args.model_name_or_path} is a {model_type!r} model, not {args.loss}: set --loss to "
-                             f"match it ({', '.join(TRAINING_CLASSES)})")
+        model_class = TRAINING_CLASSES.get(model_type)
+        if model_class is None or model_class.loss != args.loss:
+            trains = f"set --loss {model_class.loss}" if model_class else f"it trains {', '.join(TRAINING_CLASSES)}"
+            raise ValueError(f"{args.model_name_or_path} is a {model_type!r} model, not {args.loss}: {trains}")
         model = model_class.from_pretrained(args.model_name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
         image_processor = AutoImageProcessor.from_pretrained(args.model_name_or_path)
+    elif args.loss == "clip":
+        model, tokenizer, image_processor = _tiny_clip(args)
     else:
-        model, tokenizer, image_processor = (_tiny_siglip if args.loss == "siglip" else _tiny_clip)(args)
+        model, tokenizer, image_processor = _tiny_siglip(args)
+    if args.max_num_patches:
+        if not takes_patch_grids(image_processor):
+            raise ValueError(f"--max_num_patches sizes SigLIP 2 NaFlex images; this {model.config.model_type} model "
+                             "takes fixed-size images: drop the flag")
+        image_processor.max_num_patches = args.max_num_patches
     # After loading: CLIP's logit_scale is 0-dim, which FSDP and DeepSpeed reject (saved back as it was).
     model.saved_logit_scale_shape = model.logit_scale.shape
     model.logit_scale = torch.nn.Parameter(model.logit_scale.detach().reshape(1))
@@ -157,25 +184,33 @@ def _tower(args: ModelArgs) -> dict:
 
 
 def _tiny_siglip(args: ModelArgs):
+    """A tiny SiglipModel, or with `max_num_patches` a Siglip2Model (NaFlex): the same towers, its position
+    embeddings an `image_size / patch_size` grid resized to each image's own grid of at most that many patches."""
     # The zero-shot pipeline pads SigLIP captions to 64 tokens: train at that length (docs/clip.md, SigLIP).
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, model_max_length=64)
-    config = SiglipConfig(
-        text_config=dict(_tower(args), vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id),
-        vision_config=dict(_tower(args), image_size=args.image_size, patch_size=args.patch_size),
-    )
-    model = SiglipForContrastiveTraining(config)
-    # SiglipModel initialises both to 0, which leaves a small model at chance: the paper's log(10) and -10.
+    default = TINY_SIGLIP2_TOKENIZER if args.max_num_patches else TINY_TOKENIZER
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or default, model_max_length=64)
+    text_config = dict(_tower(args), vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
+                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id)
+    vision_config = dict(_tower(args), patch_size=args.patch_size)
+    if args.max_num_patches:
+        grid = (args.image_size // args.patch_size) ** 2
+        model = Siglip2ForContrastiveTraining(Siglip2Config(text_config=text_config,
+                                                            vision_config=vision_config | {"num_patches": grid}))
+        image_processor = Siglip2ImageProcessor(patch_size=args.patch_size, max_num_patches=args.max_num_patches)
+    else:
+        config = SiglipConfig(text_config=text_config, vision_config=vision_config | {"image_size": args.image_size})
+        model = SiglipForContrastiveTraining(config)
+        image_processor = SiglipImageProcessor(size={"height": args.image_size, "width": args.image_size})
+    # Both initialise them to 0, which leaves a small model at chance: the paper's log(10) and -10.
     with torch.no_grad():
         model.logit_scale.fill_(math.log(10) if args.logit_scale_init_value is None else args.logit_scale_init_value)
         model.logit_bias.fill_(args.logit_bias_init_value)
-    image_processor = SiglipImageProcessor(size={"height": args.image_size, "width": args.image_size})
     return model, tokenizer, image_processor
 
 
 def _tiny_clip(args: ModelArgs):
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or TINY_TOKENIZER)
     tower = _tower(args)
     config = CLIPConfig(
         text_config=dict(

@@ -25,16 +25,21 @@ import inspect
 import torch
 
 
+def row_tokens(row) -> int:
+    return len(row["input_ids"])
+
+
 class TokenBudgetBatches(torch.utils.data.IterableDataset):
-    """This rank's rows (a `ResumableShuffle`) grouped into micro-batches of at most `max_tokens` tokens.
+    """This rank's rows (a `ResumableShuffle`) grouped into micro-batches of at most `max_tokens` tokens, a row's
+    tokens as `length` counts them (a module-level function: DataLoader workers receive it pickled).
 
     Rows keep their stream order and the next row that does not fit starts the next micro-batch,
     so the grouping depends only on the rows: a resume after a micro-batch's last row (its saved
     position) groups the rest exactly as the straight run did.
     """
 
-    def __init__(self, rows, max_tokens: int):
-        self.rows, self.max_tokens = rows, max_tokens
+    def __init__(self, rows, max_tokens: int, length=row_tokens):
+        self.rows, self.max_tokens, self.length = rows, max_tokens, length
         self.position = None
 
     @property
@@ -59,7 +64,7 @@ class TokenBudgetBatches(torch.utils.data.IterableDataset):
     def __iter__(self):
         batch, tokens, batch_end = [], 0, None
         for row in self.rows:
-            length = len(row["input_ids"])
+            length = self.length(row)
             if batch and tokens + length > self.max_tokens:
                 self.position = batch_end
                 yield batch

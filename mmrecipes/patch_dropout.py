@@ -7,6 +7,8 @@ SigLIP has none and pools all tokens with its attention head). Evaluation (`mode
 saved model carries no hook.
 """
 
+import inspect
+
 import torch
 
 
@@ -29,6 +31,9 @@ class PatchDropout:
 def add_patch_dropout(model, p: float) -> str:
     """Hook patch dropout `p` (0 < p < 1) onto a CLIP or SigLIP model's vision embeddings; returns the log line."""
     embeddings = model.vision_model.embeddings
+    if "spatial_shapes" in inspect.signature(embeddings.forward).parameters:
+        raise ValueError("--patch_dropout keeps a share of a fixed grid's tokens; SigLIP 2 NaFlex pads each image's "
+                         "own grid (pixel_attention_mask), which it would misalign: drop --patch_dropout")
     has_class_token = hasattr(embeddings, "class_embedding")
     embeddings.register_forward_hook(PatchDropout(p, has_class_token))
     kept = "the class token and " if has_class_token else ""

@@ -6,6 +6,7 @@ from pathlib import Path
 _PACKAGED = Path(__file__).resolve().parent / "embedded"
 EMBEDDED = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[1] / "data"
 TINY_TOKENIZER = EMBEDDED / "tokenizer"  # byte-level BPE for captions (data_prep/make_tokenizer.py)
+TINY_SIGLIP2_TOKENIZER = EMBEDDED / "siglip2_tokenizer"  # a Siglip2Tokenizer for captions (the same script)
 TINY_VLM_TOKENIZER = EMBEDDED / "vlm_tokenizer"  # chat tokenizer with <image> and a chat template
 SHAPES_DATA = EMBEDDED / "shapes"  # image-caption pairs (data_prep/make_shapes.py)
 SHAPES_ZEROSHOT = EMBEDDED / "shapes_zeroshot"  # the zero-shot image folder (data_prep/make_zeroshot.py)

@@ -17,7 +17,7 @@ import torch
 from .config import CheckedArgs
 from .distributed import sum_over_ranks
 from .evaluation import batches_in_step
-from .images import processed_pixels
+from .images import image_inputs
 from .paths import SHAPES_ZEROSHOT
 from .sources import split_by_data_rank
 
@@ -71,7 +71,7 @@ class ZeroShotSet:
             raise ValueError(f"--zeroshot_templates {args.zeroshot_templates!r}: each template needs one {{}} for the "
                              "class")
         self.args, self.image_processor = args, image_processor
-        self.filler = processed_pixels(image_processor, [rows[0][args.zeroshot_image_column].convert("RGB")])
+        self.filler = image_inputs(image_processor, [rows[0][args.zeroshot_image_column].convert("RGB")])
         self.rows = split_by_data_rank(rows.to_iterable_dataset(num_shards=data_world), args.zeroshot_dataset,
                                        data_rank, data_world)
         prompts = [template.format(name) for name in self.class_names for template in templates]
@@ -83,7 +83,7 @@ class ZeroShotSet:
         self.templates = len(templates)
 
     def batches(self):
-        """(pixel_values, labels) of this rank's images, preprocessed as the training images are."""
+        """(image inputs, labels) of this rank's images, preprocessed as the training images are."""
         batch = []
         for row in self.rows:
             batch.append(row)
@@ -95,8 +95,8 @@ class ZeroShotSet:
 
     def _collate(self, rows):
         images = [row[self.args.zeroshot_image_column].convert("RGB") for row in rows]
-        return processed_pixels(self.image_processor, images), torch.tensor([row[self.args.zeroshot_label_column]
-                                                                             for row in rows])
+        return image_inputs(self.image_processor, images), torch.tensor([row[self.args.zeroshot_label_column]
+                                                                         for row in rows])
 
 
 @torch.no_grad()
@@ -109,16 +109,15 @@ def evaluate_zeroshot(model, zeroshot: ZeroShotSet, device) -> dict:
     (discarded: `batches_in_step`).
     """
     model.eval()
-    filler = zeroshot.filler.to(device)
-    prompts = {key: value.to(device) for key, value in zeroshot.prompts.items()}
-    class_embeds = model(pixel_values=filler, **prompts)[1].float()
+    prompts = on_device(zeroshot.prompts, device)
+    class_embeds = model(**on_device(zeroshot.filler, device), **prompts)[1].float()
     class_embeds = class_embeds.reshape(len(zeroshot.class_names), zeroshot.templates, -1).mean(dim=1)
     class_embeds = torch.nn.functional.normalize(class_embeds, dim=-1)
     one_prompt = {key: value[:1] for key, value in prompts.items()}
     top_k = min(5, len(zeroshot.class_names))
     totals = torch.zeros(3, device=device)  # top-1 right, top-5 right, images
-    for (pixel_values, labels), real in batches_in_step(zeroshot.batches(), (filler, None), device):
-        image_embeds = model(pixel_values=pixel_values.to(device), **one_prompt)[0].float()
+    for (images, labels), real in batches_in_step(zeroshot.batches(), (zeroshot.filler, None), device):
+        image_embeds = model(**on_device(images, device), **one_prompt)[0].float()
         if real:
             ranked = (image_embeds @ class_embeds.T).topk(top_k, dim=1).indices
             labels = labels.to(device)
@@ -129,3 +128,7 @@ def evaluate_zeroshot(model, zeroshot: ZeroShotSet, device) -> dict:
     if not images:
         return {}
     return {"zeroshot_top1": top1 / images, "zeroshot_top5": top5 / images, "zeroshot_images": int(images)}
+
+
+def on_device(tensors: dict, device) -> dict:
+    return {key: value.to(device) for key, value in tensors.items()}

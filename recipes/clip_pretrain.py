@@ -2,13 +2,15 @@
 
     accelerate launch recipes/clip_pretrain.py
     accelerate launch recipes/clip_pretrain.py --loss siglip
+    accelerate launch recipes/clip_pretrain.py --loss siglip --max_num_patches 16 --max_patches_per_batch 512
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/clip_pretrain.py recipes/configs/clip_tiny.yaml
 
 With no arguments it trains a tiny CLIP on the embedded shapes data in well under a minute on a
 CPU and writes a directory that `CLIPModel.from_pretrained` and
 `pipeline("zero-shot-image-classification", model=...)` load; `--loss siglip` does the same for a
-`SiglipModel` trained with the sigmoid loss. The same file runs under every
-engine in accelerate_configs/ (DDP, FSDP2, ZeRO-2, ZeRO-3, multi-node) and on real data:
+`SiglipModel` trained with the sigmoid loss, and `--max_num_patches N` for a SigLIP 2 NaFlex `Siglip2Model`
+(each image at its own aspect ratio). The same file runs under every engine in accelerate_configs/ (DDP, FSDP2,
+ZeRO-2, ZeRO-3, multi-node) and on real data:
 `--model_name_or_path`, `--dataset_name`/`--data_files`, `--image_column`/`--caption_column`.
 Tested on a 2-core CPU (1 and 2 processes, gloo).
 """
@@ -35,7 +37,7 @@ from mmrecipes.model_card import History, write_model_card
 from mmrecipes.models import ModelArgs, build_contrastive, clamp_logit_scale_, save_contrastive
 from mmrecipes.patch_dropout import add_patch_dropout
 from mmrecipes.step_guard import StepGuard
-from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
+from mmrecipes.throughput import ContrastiveFlops, peak_flops
 from mmrecipes.training import (
     TrainingArgs,
     accelerator_from_args,
@@ -72,8 +74,7 @@ def main(argv=None):
     model, tokenizer, image_processor = build_contrastive(model_args)
     # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
     # SigLIP pads captions to a fixed length: a different --max_caption_length is rejected here.
-    flops_per_sample = clip_train_flops_per_sample(
-        model, caption_length(data_args, tokenizer, model.pads_text_to_max_length))
+    batch_flops = ContrastiveFlops(model, caption_length(data_args, tokenizer, model.pads_text_to_max_length))
     accelerator = accelerator_from_args(args)
     if model_args.init_from_checkpoint:  # the weights only, strictly (the checkpoint's model flags); a new run
         model.load_state_dict(checkpoint_weights(model_args.init_from_checkpoint))
@@ -171,6 +172,7 @@ def main(argv=None):
             clamp_logit_scale_(accelerator, model)
         logged.add_applied(guard.applied, loss=step_losses.mean(), applied_steps=1)  # on the device
         logged.add(samples=sum(len(batch["input_ids"]) for batch in window),
+                   flops=sum(batch_flops(batch) for batch in window),
                    data_counts=sum(batch["data_counts"] for batch in window))
         optimizer.zero_grad()
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
@@ -180,8 +182,7 @@ def main(argv=None):
             sums = logged.close()
             metrics = {"loss": sums["loss"] / sums["applied_steps"] if sums["applied_steps"] else float("nan"),
                        "lr": scheduler.get_last_lr()[0], "samples_per_s": sums["samples"] / sums["seconds"],
-                       "mfu": sums["samples"] * flops_per_sample / sums["seconds"] / peak / accelerator.num_processes
-                       if peak else None,
+                       "mfu": sums["flops"] / sums["seconds"] / peak / accelerator.num_processes if peak else None,
                        "data_wait": sums["data_wait"] / accelerator.num_processes / sums["seconds"],
                        "skipped_steps": guard.skipped_steps} | {name: int(logged.total[name]) for name in counted}
             accelerator.log(metrics | {"epoch": epoch}, step=done)
