@@ -164,6 +164,8 @@ class ChatPreprocessor:
     """Batched `datasets.map` function: chat rows in, {input_ids, labels, image_inputs} rows out,
     bad rows dropped and counted (the counts ride along with the next kept row)."""
 
+    COLUMNS = CHAT_COLUMNS  # what it reads of a row
+
     def __init__(self, args: ChatDataArgs, labeller, max_length: int):
         self.args, self.labeller, self.max_length = args, labeller, max_length
         self.drops = DropCounter()
@@ -222,6 +224,12 @@ class ChatPreprocessor:
         if not (labels[1:] != IGNORE_INDEX).any():  # the first token is never a target after the shift
             return "no_target"
         return (input_ids, labels, image_inputs), note
+
+    @staticmethod
+    def check_columns(name, available):
+        if available is not None and not set(available) & {"messages", "conversations"}:
+            raise ValueError(f"{name} has columns {available}: a chat source needs 'messages' (+ 'images') or "
+                             "LLaVA's 'conversations' (+ 'image' paths under --image_folder)")
 
 
 def row_images(args: ChatDataArgs, folder: str | None, messages, raw_images):
@@ -324,15 +332,12 @@ def _as_tensor(value):
     return torch.as_tensor(value)
 
 
-def _check_chat_columns(name, available):
-    if available is not None and not set(available) & {"messages", "conversations"}:
-        raise ValueError(f"{name} has columns {available}: a chat source needs 'messages' (+ 'images') or "
-                         "LLaVA's 'conversations' (+ 'image' paths under --image_folder)")
 
 
 def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size, data_rank, data_world,
-                          shuffle_seed=None, eval_split=False):
-    """A DataLoader over this data rank's rows: the training mixture, or (eval_split) the held-out set.
+                          shuffle_seed=None, eval_split=False, preprocessor=ChatPreprocessor):
+    """A DataLoader over this data rank's rows: the training mixture, or (eval_split) the held-out set, read by
+    `preprocessor` (conversations; `mmrecipes.preference.PreferencePreprocessor`: preference pairs).
 
     The sources are mixed at `dataset_weights` (`mmrecipes.sources.mixed_stream`), then the mixture is shuffled
     in blocks and tokenised (`ResumableShuffle`: a checkpoint resumes it exactly). An epoch ends once every
@@ -340,13 +345,14 @@ def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size,
     """
     sources = ([(args.eval_dataset_name, args.dataset_config_name, args.eval_split, args.eval_data_files)]
                if eval_split else args.training_sources())
-    stream = mixed_stream(sources, None if eval_split else args.dataset_weights, CHAT_COLUMNS,
+    stream = mixed_stream(sources, None if eval_split else args.dataset_weights, preprocessor.COLUMNS,
                           data_rank=data_rank, data_world=data_world, seed=shuffle_seed or 0,
-                          check_columns=_check_chat_columns)
+                          check_columns=preprocessor.check_columns)
     budget = args.max_tokens_per_batch if shuffle_seed is not None else None  # evaluation keeps fixed batches
-    preprocess = ChatPreprocessor(args, labeller, min(args.max_length, budget or args.max_length))
+    preprocess = preprocessor(args, labeller, min(args.max_length, budget or args.max_length))
     if shuffle_seed is None:
-        stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=[*CHAT_COLUMNS, PROBLEM])
+        stream = stream.map(preprocess, batched=True, batch_size=batch_size,
+                            remove_columns=[*preprocessor.COLUMNS, PROBLEM])
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)

@@ -181,14 +181,18 @@ def _ring_shift(block, rank, world, group):
 # each micro-batch's *summed* CE times `token_loss_scale`.
 
 
-def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token CE over the positions whose (shifted) label is not IGNORE_INDEX, in fp32."""
+def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+    """Summed next-token CE over the positions whose (shifted) label is not IGNORE_INDEX, in fp32; `per_row`: each
+    row's sum (`[batch]`: a sequence's negative log-probability)."""
+    if per_row:
+        return F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels[:, 1:], ignore_index=IGNORE_INDEX,
+                               reduction="none").sum(1)
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
 
 
 def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
-                           num_chunks: int = 8, softcap: float | None = None) -> torch.Tensor:
+                           num_chunks: int = 8, softcap: float | None = None, per_row: bool = False) -> torch.Tensor:
     """`token_cross_entropy_sum(head(hidden), labels)` without the `[batch, tokens, vocab]` fp32 logits.
 
     The shifted positions go through `head` (the LM's output layer) in `num_chunks` slices; each
@@ -198,20 +202,27 @@ def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: 
     times whatever its batch (under ZeRO-3 each call gathers the weight, a collective), and the
     slices' shapes come from the batch's shape, never from its values (no host read, no recompile
     for a new count of targets). Ignored positions (prompt, image, padding) add exactly 0.
-    `softcap`: Gemma-style final logit soft-capping (`tanh(logits / cap) * cap`).
+    `softcap`: Gemma-style final logit soft-capping (`tanh(logits / cap) * cap`). `per_row`: each row's sum.
     """
     positions = hidden[:, :-1].flatten(0, 1)
     targets = labels[:, 1:].flatten()
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for part, part_targets in zip(positions.tensor_split(num_chunks), targets.tensor_split(num_chunks)):
+    rows = torch.arange(len(hidden), device=hidden.device).repeat_interleave(hidden.shape[1] - 1) if per_row else None
+    total = hidden.new_zeros(len(hidden) if per_row else (), dtype=torch.float32)
+    for index, (part, part_targets) in enumerate(zip(positions.tensor_split(num_chunks),
+                                                     targets.tensor_split(num_chunks))):
+        part_rows = rows.tensor_split(num_chunks)[index] if per_row else None
         total = total + torch.utils.checkpoint.checkpoint(_chunk_cross_entropy_sum, part, part_targets, head, softcap,
-                                                          use_reentrant=False)
+                                                          part_rows, len(hidden), use_reentrant=False)
     return total
 
 
-def _chunk_cross_entropy_sum(hidden, targets, head, softcap):
+def _chunk_cross_entropy_sum(hidden, targets, head, softcap, rows=None, num_rows=0):
+    """The chunk's summed CE, or with `rows` (each position's row) its sum per row."""
     logits = soft_capped(head(hidden).float(), softcap)
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    if rows is None:
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    losses = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
+    return losses.new_zeros(num_rows).index_add(0, rows, losses)
 
 
 def soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:

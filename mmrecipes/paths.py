@@ -10,4 +10,5 @@ TINY_SIGLIP2_TOKENIZER = EMBEDDED / "siglip2_tokenizer"  # a Siglip2Tokenizer fo
 TINY_VLM_TOKENIZER = EMBEDDED / "vlm_tokenizer"  # chat tokenizer with <image> and a chat template
 SHAPES_DATA = EMBEDDED / "shapes"  # image-caption pairs (data_prep/make_shapes.py)
 SHAPES_ZEROSHOT = EMBEDDED / "shapes_zeroshot"  # the zero-shot image folder (data_prep/make_zeroshot.py)
+VLM_PREFERENCES = EMBEDDED / "vlm_preferences"  # pairs of its questions (data_prep/make_vlm_preferences.py)
 VLM_SHAPES = EMBEDDED / "vlm_shapes"  # chat data: image_chat, text_chat (data_prep/make_vlm_data.py)

@@ -37,9 +37,9 @@ def recipe_arguments(recipe):
     return module.ARGUMENTS
 
 
-def test_the_pages_document_both_recipes_and_their_scripts_exist():
+def test_the_pages_document_every_recipe_and_their_scripts_exist():
     recipes = {word for launch in documented_launches() for word in launch.values[0] if word.startswith("recipes/")}
-    assert {"recipes/clip_pretrain.py", "recipes/vlm_finetune.py"} <= recipes
+    assert {"recipes/clip_pretrain.py", "recipes/vlm_finetune.py", "recipes/vlm_dpo.py"} <= recipes
     scripts = [shlex.split(command)[1] for page in PAGES for command in bash_commands(page)
                if command.startswith("python ") and shlex.split(command)[1].endswith(".py")]
     assert scripts and all((REPO / script).exists() for script in scripts), scripts

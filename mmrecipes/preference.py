@@ -1,0 +1,245 @@
+"""Preference pairs for DPO of image-text-to-text models: rows -> a chosen and a rejected conversation, labelled as
+in SFT; pairs -> one micro-batch of both; the DPO loss and its rewards with TRL's names; the frozen reference.
+
+Row formats (TRL's DPO data for VLMs, and LLaVA's):
+- `prompt` / `chosen` / `rejected`, each a string or a conversation (a list of `{"role", "content"}`), with an
+  `images` column (one image per image part; a string prompt without `<image>` placeholders gets its images
+  in front of its text);
+- LLaVA: `conversations` (the prompt turns, `<image>` placeholders, an `image` path or list under
+  --image_folder) with `chosen` and `rejected` answers (strings, or `{"from": "gpt", "value"}` turns).
+
+Each side becomes a chat row that `ChatPreprocessor` tokenises and labels with the checkpoint's own chat template,
+so the answer tokens are found exactly as in SFT; a pair with a bad side is skipped and counted by that side's
+reason. `PreferenceCollator` puts the chosen rows first and the rejected rows after them in one
+`DummyImageCollator` batch: the policy and the reference each run one forward over both, as TRL's concatenated
+forward does, so every rank runs the same graph.
+"""
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import DistributedType
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+from .chat_collate import chat_model_inputs
+from .chat_data import CHAT_COUNTED, BadRow, ChatDataArgs, ChatPreprocessor
+from .config import CheckedArgs
+from .distributed import sum_over_ranks
+from .evaluation import batches_in_step
+from .losses import IGNORE_INDEX
+from .paths import VLM_PREFERENCES, VLM_SHAPES
+from .sources import PROBLEM
+
+PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image"]
+
+
+@dataclass
+class PreferenceDataArgs(ChatDataArgs):
+    """The SFT recipe's data flags with the embedded preference pairs as defaults."""
+
+    dataset_name: str = str(VLM_PREFERENCES)
+    dataset_weights: str | None = None
+    eval_dataset_name: str | None = str(VLM_PREFERENCES)  # held-out pairs: reward accuracy; None turns it off
+    # held-out questions (chat rows, eval_split) whose answers are scored as vlm_finetune.py does; None: not scored
+    eval_questions: str | None = str(VLM_SHAPES / "image_chat")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.packing or self.max_tokens_per_batch:
+            raise ValueError("--packing and --max_tokens_per_batch split or join rows; DPO scores each whole "
+                             "sequence beside its pair: use --per_device_train_batch_size")
+
+
+@dataclass
+class DPOArgs(CheckedArgs):
+    CHECKS = {"beta": "positive", "label_smoothing": "fraction", "rpo_alpha": "positive_or_none"}
+    beta: float = 0.1  # how far the policy may move from the reference (TRL's name and default)
+    # sigmoid: the DPO paper's loss; ipo: IPO's squared loss on length-averaged log-probabilities (as TRL)
+    loss_type: str = field(default="sigmoid", metadata={"choices": ["sigmoid", "ipo"]})
+    label_smoothing: float = 0.0  # sigmoid only: the share of pairs assumed mislabelled (conservative DPO)
+    # RPO: adds rpo_alpha x each chosen answer's mean token NLL. 1.0 lets the tiny default learn its answers from
+    # scratch; TRL's default, None (pure DPO), suits a model already fine-tuned on such answers.
+    rpo_alpha: float | None = 1.0
+
+    def describe(self) -> str:
+        rpo = f" + {self.rpo_alpha} x the chosen answers' token NLL (RPO, --rpo_alpha)" if self.rpo_alpha else ""
+        return f"loss: {self.loss_type} DPO, beta {self.beta}{rpo}"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ValueError("--label_smoothing smooths the sigmoid loss: drop it with --loss_type ipo")
+
+
+def preference_chats(row) -> tuple[dict, dict]:
+    """(chosen row, rejected row) in the chat or LLaVA format `ChatPreprocessor` reads; BadRow if neither fits."""
+    if row.get("conversations") is not None:
+        return tuple({"conversations": list(row["conversations"]) + [_llava_answer(row.get(side))],
+                      "image": row.get("image")} for side in ("chosen", "rejected"))
+    prompt, images = row.get("prompt"), list(row.get("images") or [])
+    if isinstance(prompt, str):
+        placeholders = "" if "<image>" in prompt else "<image>" * len(images)
+        prompt = [{"role": "user", "content": placeholders + prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRow("no prompt and no conversations")
+    return tuple({"messages": prompt + _chat_answer(row.get(side)), "images": images}
+                 for side in ("chosen", "rejected"))
+
+
+def _chat_answer(answer) -> list:
+    if isinstance(answer, str):
+        return [{"role": "assistant", "content": answer}]
+    if isinstance(answer, list) and answer:
+        return answer
+    raise BadRow("a chosen or rejected answer is missing")
+
+
+def _llava_answer(answer) -> dict:
+    if isinstance(answer, str):
+        return {"from": "gpt", "value": answer}
+    if isinstance(answer, dict) and isinstance(answer.get("value"), str):
+        return {"from": answer.get("from", "gpt"), "value": answer["value"]}
+    raise BadRow("a chosen or rejected answer is missing")
+
+
+class PreferencePreprocessor(ChatPreprocessor):
+    """Batched map function: preference rows in, {chosen, rejected} rows out (each a collator row), bad pairs
+    dropped and counted by the first bad side's reason."""
+
+    COLUMNS = PREFERENCE_COLUMNS
+
+    def __call__(self, batch):
+        out = {"chosen": [], "rejected": []} | {name: [] for name in CHAT_COUNTED}
+        for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
+            sides = row.get(PROBLEM)
+            if sides is None:
+                try:
+                    sides = [self.example(side) for side in preference_chats(row)]
+                except BadRow:
+                    sides = "bad_row"
+            problem = sides if isinstance(sides, str) else next((s for s in sides if isinstance(s, str)), None)
+            if problem:
+                self.drops.drop(problem)
+                continue
+            (chosen, chosen_note), (rejected, rejected_note) = sides
+            counts = self.drops.keep(chosen_note or rejected_note)
+            for key, (input_ids, labels, image_inputs) in (("chosen", chosen), ("rejected", rejected)):
+                out[key].append({"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs})
+            for name in CHAT_COUNTED:
+                out[name].append(counts[name])
+        return out
+
+    @staticmethod
+    def check_columns(name, available):
+        if available is not None and not ({"prompt", "chosen", "rejected"} <= set(available)
+                                          or {"conversations", "chosen", "rejected"} <= set(available)):
+            raise ValueError(f"{name} has columns {available}: a preference source needs 'prompt', 'chosen' and "
+                             "'rejected' (+ 'images'), or LLaVA's 'conversations' with 'chosen' and 'rejected'")
+
+
+class PreferenceCollator:
+    """Pairs -> one `DummyImageCollator` batch: the chosen rows, then the rejected rows (`num_samples` counts both;
+    the data counts ride on the chosen rows only)."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, pairs):
+        counts = [{name: pair[name] for name in CHAT_COUNTED} for pair in pairs]
+        return self.collator([pair["chosen"] | count for pair, count in zip(pairs, counts)]
+                             + [pair["rejected"] | dict.fromkeys(CHAT_COUNTED, 0) for pair in pairs])
+
+
+def sequence_logps(step, inputs: dict) -> torch.Tensor:
+    """Each row's answer log-probability, `[2 * pairs]` (chosen rows first): the sum over its answer tokens from
+    `step` (a `VLMForTraining`, prepared or not)."""
+    return -step(**inputs, per_row=True)[0]
+
+
+def answer_tokens(inputs: dict) -> torch.Tensor:
+    """Each row's answer tokens (after the shift), on the device."""
+    return (inputs["labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp_min(1)
+
+
+def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, tokens: torch.Tensor, args: DPOArgs):
+    """(per-pair losses, chosen rewards, rejected rewards) of `[2 * pairs]` summed log-probabilities and answer
+    `tokens`, chosen rows first: TRL's `dpo_loss` for `sigmoid` (with `label_smoothing`) and `ipo` (on
+    length-averaged log-probabilities, as TRL), plus `rpo_alpha` x the chosen answer's mean token NLL. Rewards are
+    beta times the log-ratios."""
+    if args.loss_type == "ipo":
+        policy_logps, reference_logps = policy_logps / tokens, reference_logps / tokens
+    chosen, rejected = (policy_logps - reference_logps).chunk(2)
+    margin = chosen - rejected
+    if args.loss_type == "ipo":
+        losses = (margin - 1 / (2 * args.beta)) ** 2
+    else:
+        losses = (-F.logsigmoid(args.beta * margin) * (1 - args.label_smoothing)
+                  - F.logsigmoid(-args.beta * margin) * args.label_smoothing)
+    if args.rpo_alpha:
+        chosen_logps, chosen_tokens = policy_logps.chunk(2)[0], tokens.chunk(2)[0]
+        losses = losses - args.rpo_alpha * (chosen_logps if args.loss_type == "ipo" else chosen_logps / chosen_tokens)
+    return losses, args.beta * chosen.detach(), args.beta * rejected.detach()
+
+
+def frozen_reference(accelerator, step):
+    """A frozen copy of `step` (a `VLMForTraining`, before `prepare`) as the engine keeps it: sharded by FSDP2, and
+    partitioned by ZeRO-3 (a DeepSpeed engine without an optimizer, as TRL prepares its reference), never gathered
+    whole on a rank; on its device under DDP and ZeRO-1/2 (every rank holds the policy whole there too)."""
+    reference = copy.deepcopy(step).requires_grad_(False).eval()
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        import deepspeed
+
+        plugin = accelerator.state.deepspeed_plugin.deepspeed_config
+        stage = plugin["zero_optimization"]["stage"]
+        config = {key: plugin[key] for key in ("train_micro_batch_size_per_gpu", "bf16", "fp16") if key in plugin}
+        config["zero_optimization"] = plugin["zero_optimization"] if stage == 3 else {"stage": 0}
+        engine, *_ = deepspeed.initialize(model=reference, config=config)
+        engine.eval()  # returns None
+        return engine
+    if accelerator.distributed_type == DistributedType.FSDP:  # not registered with the accelerator: not checkpointed
+        return fsdp2_prepare_model(accelerator, reference).eval()
+    return reference.to(accelerator.device)
+
+
+@torch.no_grad()
+def reference_logps(reference, peft_model, inputs: dict) -> torch.Tensor:
+    """The reference's `sequence_logps`: `reference` (a frozen copy, or the prepared policy when `peft_model` is
+    given: then with its adapters disabled, peft's own switch). No graph."""
+    with peft_model.disable_adapter() if peft_model is not None else contextlib.nullcontext():
+        return sequence_logps(reference, inputs)
+
+
+def describe_reference(reference) -> str:
+    """What a frozen copy holds on this rank: its parameter values against the model's (ZeRO-3 and FSDP2 shard it)."""
+    held = total = 0
+    for param in reference.parameters():
+        full = getattr(param, "ds_numel", param.numel())  # ZeRO-3: the full size; numel() is 0 once partitioned
+        total += full
+        held += param.ds_tensor.numel() if hasattr(param, "ds_tensor") else getattr(param, "_local_tensor",
+                                                                                    param).numel()
+    return f"{type(reference).__name__} holding {held:,} of its {total:,} parameter values on this rank"
+
+
+@torch.no_grad()
+def evaluate_preferences(model, reference, peft_model, eval_loader, filler_batch, args: DPOArgs, device) -> dict:
+    """{eval_rewards/accuracies, eval_rewards/margins, eval_pairs} over every rank's held-out pairs: the share whose
+    chosen reward beats the rejected one, and the mean margin. Every rank forwards equally often (a rank that has run
+    out forwards `filler_batch`: `batches_in_step`)."""
+    model.eval()
+    totals = torch.zeros(3, device=device)  # correct pairs, summed margins, pairs
+    for batch, real in batches_in_step(eval_loader, filler_batch, device):
+        inputs = chat_model_inputs(batch, device)
+        policy, reference_side = sequence_logps(model, inputs), reference_logps(reference or model, peft_model, inputs)
+        _, chosen, rejected = dpo_loss(policy, reference_side, answer_tokens(inputs), args)
+        if real:
+            margins = chosen - rejected
+            totals += torch.stack([(margins > 0).sum(), margins.sum(), torch.tensor(len(margins), device=device)])
+    model.train()
+    correct, margins, pairs = sum_over_ranks(totals).tolist()
+    if not pairs:
+        return {}
+    return {"eval_rewards/accuracies": correct / pairs, "eval_rewards/margins": margins / pairs,
+            "eval_pairs": int(pairs)}

@@ -1,0 +1,233 @@
+"""Preference tuning (DPO) of any image-text-to-text model with Accelerate.
+
+    accelerate launch recipes/vlm_dpo.py
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/vlm_dpo.py --use_peft true
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/vlm_dpo.py \
+        --model_name_or_path <your SFT output> --dataset_name <pairs> --learning_rate 5.0e-7
+
+With no arguments it tunes a tiny Llava from scratch on the embedded preference pairs (shapes questions: the right
+answer chosen, a wrong colour, shape or count rejected; 20% text-only) on a CPU, and raises its reward accuracy on
+held-out pairs; the output loads with `AutoModelForImageTextToText` and `pipeline("image-text-to-text")`. Data: TRL's
+`prompt`/`chosen`/`rejected` rows (strings or conversations, with `images`), or LLaVA JSON with `chosen` and
+`rejected` answers. The reference is the policy with its LoRA adapters disabled (`--use_peft true`), or a frozen
+copy the engine shards like the policy. Both sides of a pair run in one forward, a text-only batch with the dummy
+image (as vlm_finetune.py), and the loss is the exact mean over the window's pairs on every rank (docs/dpo.md).
+"""
+
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
+from mmrecipes.chat_data import CHAT_COUNTED, build_chat_dataloader
+from mmrecipes.chat_labels import AnswerLabeller, check_template
+from mmrecipes.checkpointing import Checkpointer, data_layout
+from mmrecipes.config import parse_args
+from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config, sum_over_ranks
+from mmrecipes.evaluation import evaluate_answers
+from mmrecipes.loader import batches_forever
+from mmrecipes.lora import LoraArgs, add_lora, describe_trainable
+from mmrecipes.losses import token_loss_scale
+from mmrecipes.metrics import LogWindow, eval_line, log_line
+from mmrecipes.model_card import History, write_model_card
+from mmrecipes.preference import (
+    DPOArgs,
+    PreferenceCollator,
+    PreferenceDataArgs,
+    PreferencePreprocessor,
+    answer_tokens,
+    describe_reference,
+    dpo_loss,
+    evaluate_preferences,
+    frozen_reference,
+    reference_logps,
+    sequence_logps,
+)
+from mmrecipes.step_guard import StepGuard
+from mmrecipes.throughput import peak_flops, vlm_train_flops
+from mmrecipes.training import TrainingArgs, accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
+from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, save_vlm, stop_token_ids
+from mmrecipes.vlm_families import dummy_image_inputs, module_groups, optimizer_groups
+
+
+@dataclass
+class TrainArgs(TrainingArgs):
+    CHECKS = TrainingArgs.CHECKS | {"vision_tower_learning_rate": "positive",
+                                    "vision_tower_weight_decay": "non_negative"}
+    output_dir: str = "outputs/vlm_dpo"
+    max_steps: int = 300
+    per_device_train_batch_size: int = 16  # pairs
+    learning_rate: float = 1.0e-3  # the tiny default from scratch; TRL's DPO default for real models is 1e-6
+    vision_tower_learning_rate: float = 2.0e-6  # used when --train_modules all (as vlm_finetune.py)
+    vision_tower_weight_decay: float = 0.0
+    weight_decay: float = 0.0
+    per_device_eval_batch_size: int = 64
+    eval_steps: int = 100
+
+
+ARGUMENTS = (VLMModelArgs, LoraArgs, PreferenceDataArgs, DPOArgs, TrainArgs)  # the flags and YAML keys it takes
+
+
+def main(argv=None):
+    model_args, lora_args, data_args, dpo_args, args = parse_args(ARGUMENTS, argv)
+    set_seed(args.seed)
+    # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
+    model, processor = load_vlm(model_args)
+    stops = stop_token_ids(model, processor)
+    labeller = AnswerLabeller(processor, stops)  # the chosen and rejected answers' tokens, as in SFT
+    template_line = check_template(labeller, model_args.chat_template_path or model_args.model_name_or_path
+                                   or model_args.tokenizer_name)
+    dummy_inputs = dummy_image_inputs(model, processor)
+    groups = module_groups(model, dummy_inputs)
+    trainable = apply_train_modules(groups, model_args.train_modules)
+    peft_model = peft_config = None
+    if lora_args.use_peft:  # the reference is this model with its adapters disabled: no second copy
+        peft_model, trainable = add_lora(model, groups, model_args.train_modules, lora_args)
+        peft_config = peft_model.peft_config["default"]
+    if model_args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if not model.get_input_embeddings().weight.requires_grad:  # as vlm_finetune.py: the same backward on every rank
+        model.enable_input_require_grads()
+    # Counted now (ZeRO-3 partitions them at prepare): the policy's step; the reference's forward is not counted.
+    flops_per_token, _ = vlm_train_flops(model, sum(p.numel() for _, p in groups.vision_tower),
+                                         seq_len=data_args.max_length // 2, vision_trains="vision_tower" in trainable,
+                                         lm_weights_train="language_model" in trainable and peft_config is None)
+    accelerator = accelerator_from_args(args)
+    data_rank, data_world = data_parallel_rank_and_world(accelerator)
+    batch_size = per_device_batch_size(args, data_world)
+    accelerator.print(template_line)
+    accelerator.print(describe_trainable(model))
+
+    optimizer = adamw(optimizer_groups(trainable, args), args)
+    scheduler = lr_scheduler(optimizer, args)
+    reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=2 * batch_size,
+                               gradient_accumulation_steps=args.gradient_accumulation_steps,
+                               gradient_clipping=args.max_grad_norm)
+    step_model = VLMForTraining(model)
+    # A frozen copy of the starting weights, made before prepare: sharded like the policy, never gathered whole.
+    reference = None if peft_model else frozen_reference(accelerator, step_model)
+    model, optimizer = accelerator.prepare(step_model, optimizer)
+    engine = engine_line(accelerator, model)
+    accelerator.print(engine)
+    accelerator.print("reference: the policy with its LoRA adapters disabled" if peft_model else
+                      f"reference: a frozen copy of the starting model, {describe_reference(reference)}")
+    accelerator.print(dpo_args.describe())
+
+    collator = PreferenceCollator(DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs))
+    loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world)
+    train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,
+                                         preprocessor=PreferencePreprocessor, **loader_kwargs)
+    eval_loader = question_loader = None
+    if data_args.eval_dataset_name:
+        eval_loader = build_chat_dataloader(data_args, collator=collator, eval_split=True, **loader_kwargs,
+                                            batch_size=args.per_device_eval_batch_size,
+                                            preprocessor=PreferencePreprocessor)
+    if data_args.eval_questions:  # the embedded questions' answers, as vlm_finetune.py scores them
+        question_loader = build_chat_dataloader(replace(data_args, eval_dataset_name=data_args.eval_questions),
+                                                collator=collator.collator, eval_split=True, **loader_kwargs,
+                                                batch_size=args.per_device_eval_batch_size)
+
+    checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
+                               data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
+    guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,
+                      max_skipped_steps=args.max_skipped_steps)
+    start_step, resumed_epoch = checkpoints.resume(args.resume_from_checkpoint, train_loader)
+    train_batches = batches_forever(train_loader, resumed_epoch)
+
+    accelerator.init_trackers("vlm_dpo", asdict(model_args) | asdict(lora_args) | asdict(data_args)
+                              | asdict(dpo_args) | asdict(args))
+    peak = peak_flops(args.peak_tflops)
+    progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
+    log = tqdm.write if accelerator.is_main_process else lambda line: None
+    logged, history = LogWindow(accelerator.device, CHAT_COUNTED, checkpoints.resumed_totals), History()
+    for step in progress:
+        epochs, window = zip(*(logged.next(train_batches) for _ in range(args.gradient_accumulation_steps)))
+        # One collective per optimizer step: the window's pairs on all ranks, and whether a rank ran dry.
+        pairs = [batch["num_samples"] // 2 if batch is not None else 0 for batch in window]
+        local = torch.tensor([sum(pairs), sum(batch is None for batch in window)], device=accelerator.device)
+        window_pairs, empty = sum_over_ranks(local.float())
+        if step == start_step and empty:
+            raise RuntimeError(f"A data rank has no preference pairs ({data_world} data ranks): use more data "
+                               "shards/rows or fewer processes (pairs that cannot be read are skipped).")
+        loss_scale = token_loss_scale(window_pairs, args.gradient_accumulation_steps, data_world)  # mean over pairs
+        sums = []
+        for batch in window:
+            inputs = chat_model_inputs(batch, accelerator.device)
+            reference_side = reference_logps(reference or model, peft_model, inputs)  # no graph
+            with accelerator.accumulate(model):
+                policy_side = sequence_logps(model, inputs)  # chosen rows first, then rejected
+                losses, chosen_rewards, rejected_rewards = dpo_loss(policy_side, reference_side,
+                                                                    answer_tokens(inputs), dpo_args)
+                accelerator.backward(losses.sum() * loss_scale)
+            chosen_logps, rejected_logps = policy_side.detach().chunk(2)
+            sums.append(torch.stack([losses.detach().sum(), chosen_rewards.sum(), rejected_rewards.sum(),
+                                     (chosen_rewards > rejected_rewards).sum(), chosen_logps.sum(),
+                                     rejected_logps.sum()]))
+            logged.add(samples=batch["num_samples"] // 2, tokens=batch["num_tokens"],
+                       dummy_image_batches=batch["dummy_image"], data_counts=batch["data_counts"])
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        done = step + 1
+        step_sums = torch.stack(sums).sum(0)
+        if guard.should_call_optimizer(step_sums[:1], grad_norm, done):
+            optimizer.step()
+            scheduler.step()
+        logged.add_applied(guard.applied, **dict(zip(("loss", "chosen", "rejected", "correct", "logps_chosen",
+                                                      "logps_rejected"), step_sums)), pairs=local[0])
+        optimizer.zero_grad()
+        filler_batch = window[-1]
+
+        if done % args.logging_steps == 0 or done == args.max_steps:
+            sums, ranks = logged.close(), accelerator.num_processes
+            per_pair = {name: sums[name] / sums["pairs"] if sums["pairs"] else float("nan")
+                        for name in ("loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected")}
+            metrics = {"loss": per_pair["loss"], "rewards/chosen": per_pair["chosen"],
+                       "rewards/rejected": per_pair["rejected"], "rewards/accuracies": per_pair["correct"],
+                       "rewards/margins": per_pair["chosen"] - per_pair["rejected"],
+                       "logps/chosen": per_pair["logps_chosen"], "logps/rejected": per_pair["logps_rejected"],
+                       "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                       "samples_per_s": sums["samples"] / sums["seconds"],
+                       "tokens_per_s": sums["tokens"] / sums["seconds"],
+                       "mfu": sums["tokens"] * flops_per_token / sums["seconds"] / (peak * ranks) if peak else None,
+                       "data_wait": sums["data_wait"] / ranks / sums["seconds"],
+                       "dummy_image_batches": int(sums["dummy_image_batches"]), "skipped_steps": guard.skipped_steps}
+            metrics |= {name: int(logged.total[name]) for name in CHAT_COUNTED}  # so far
+            accelerator.log(metrics, step=done)
+            history.add(done, metrics)
+            log(log_line(done, args.max_steps, metrics))
+        if (eval_loader, question_loader) != (None, None) and (done % args.eval_steps == 0 or done == args.max_steps):
+            eval_start = time.perf_counter()
+            scores = {}
+            if eval_loader is not None:
+                scores |= evaluate_preferences(model, reference, peft_model, eval_loader, filler_batch, dpo_args,
+                                               accelerator.device)
+            if question_loader is not None:
+                scores |= evaluate_answers(model, question_loader, filler_batch, accelerator.device)
+            logged.pause(time.perf_counter() - eval_start)  # samples/s measures training only
+            if scores:
+                accelerator.log(scores, step=done)
+                history.add(done, scores, evaluation=True)
+                log(eval_line(done, scores))
+        if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
+            checkpoint = checkpoints.save(done, epochs[-1], logged.totals_so_far())
+            if guard.stop_requested:
+                guard.exit_preempted(checkpoint)  # exit code 75 on every rank: run the same command again
+
+    save_vlm(accelerator, model, processor, args.output_dir, peft_config)
+    if accelerator.is_main_process:
+        write_model_card(
+            args.output_dir, history, pipeline_tag="image-text-to-text",
+            eval_metrics=["eval_rewards/accuracies", "answer_accuracy"], base_model=model_args.model_name_or_path,
+            datasets=data_args.dataset_name.split(","), engine=engine, resumed_at=start_step,
+            tags=["vlm", "dpo", "lora" if peft_config else "full fine-tune",
+                  type(accelerator.unwrap_model(model).model).__name__],
+            seen=f"{int(logged.total['samples']):,} preference pairs, {int(logged.total['tokens']):,} tokens")
+    accelerator.wait_for_everyone()  # every rank leaves together (as vlm_finetune.py)
+    accelerator.print(f"saved model to {args.output_dir}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""recipes/vlm_dpo.py: preference rows in TRL's and LLaVA's formats become labelled chosen/rejected pairs; the loss
+and rewards of a step equal the DPO paper's formula computed from the model's own logits (sigmoid, IPO, label
+smoothing); the reference is the policy with its adapters disabled, or a frozen copy; the default run learns."""
+
+import copy
+import re
+
+import datasets
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
+
+from launch import REPO, assert_engine, assert_same_curves, run_engine, run_recipe
+from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
+from mmrecipes.chat_data import CHAT_COUNTED
+from mmrecipes.chat_labels import AnswerLabeller
+from mmrecipes.lora import LoraArgs, add_lora
+from mmrecipes.losses import IGNORE_INDEX
+from mmrecipes.preference import (
+    DPOArgs,
+    PreferenceCollator,
+    PreferenceDataArgs,
+    PreferencePreprocessor,
+    answer_tokens,
+    dpo_loss,
+    reference_logps,
+    sequence_logps,
+)
+from mmrecipes.vlm import VLMForTraining, VLMModelArgs, load_vlm, stop_token_ids
+from mmrecipes.vlm_families import dummy_image_inputs, module_groups
+
+DPO_RECIPE = REPO / "recipes" / "vlm_dpo.py"
+RED = Image.new("RGB", (32, 32), (220, 40, 40))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model, processor = load_vlm(VLMModelArgs())
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    collator = PreferenceCollator(DummyImageCollator(processor.tokenizer.pad_token_id,
+                                                     dummy_image_inputs(model, processor)))
+    return model, processor, PreferencePreprocessor(PreferenceDataArgs(), labeller, 256), collator
+
+
+def preprocessed(preprocess, rows):
+    columns = {key: [row.get(key) for row in rows] for key in {key for row in rows for key in row}}
+    out = preprocess(columns)
+    return [dict(zip(out, values)) for values in zip(*out.values())]
+
+
+def answer_text(processor, row):
+    return processor.tokenizer.decode(row["input_ids"][row["labels"] != IGNORE_INDEX])
+
+
+def test_trl_and_llava_formats_become_pairs_labelled_as_in_sft_and_bad_pairs_are_counted(tiny, tmp_path):
+    _, processor, preprocess, _ = tiny
+    RED.save(tmp_path / "red.png")
+    conversation = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
+                    "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
+                    "rejected": [{"role": "assistant", "content": [{"type": "text", "text": "blue"}]}],
+                    "images": [RED]}
+    strings = {"prompt": "Colour?", "chosen": "red", "rejected": "blue", "images": [RED]}  # the image goes first
+    llava = {"conversations": [{"from": "human", "value": "<image>\nColour?"}], "image": str(tmp_path / "red.png"),
+             "chosen": "red", "rejected": {"from": "gpt", "value": "blue"}}
+    pairs = preprocessed(preprocess, [conversation, strings, llava])
+    assert len(pairs) == 3
+    for pair in pairs:
+        assert answer_text(processor, pair["chosen"]) == "red<|end|>"
+        assert answer_text(processor, pair["rejected"]) == "blue<|end|>"
+        images = [side["image_inputs"]["pixel_values"] for side in (pair["chosen"], pair["rejected"])]
+        assert torch.equal(*images)
+    # The prompt is the same tokens on both sides; only the answer differs.
+    chosen, rejected = pairs[0]["chosen"], pairs[0]["rejected"]
+    start = int((chosen["labels"] != IGNORE_INDEX).nonzero()[0])
+    assert torch.equal(chosen["input_ids"][:start], rejected["input_ids"][:start])
+
+    bad = [{"prompt": "Colour?", "chosen": "red", "images": [RED]},  # no rejected answer
+           {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
+            "chosen": "red", "rejected": "blue", "images": []},  # an image part without an image
+           llava | {"image": None, "conversations": [{"from": "robot", "value": "Colour?"}]}]
+    out = preprocess({key: [row.get(key) for row in bad + [strings]] for key in {*conversation, *llava}})
+    assert len(out["chosen"]) == 1
+    counts = {name: sum(out[name]) for name in CHAT_COUNTED}
+    assert counts["bad_row"] == 2 and counts["image_mismatch"] == 1
+
+
+def row_logps(model, pair_rows, average):
+    """Each row's answer log-probability from the HF model's own logits, one row at a time, no padding: the sum (or
+    mean) over the labelled tokens of log_softmax at the position before each."""
+    values = []
+    for row in pair_rows:
+        inputs = {"input_ids": row["input_ids"][None], "attention_mask": torch.ones_like(row["input_ids"])[None]}
+        inputs |= {key: value for key, value in row["image_inputs"].items()}
+        logits = model(**inputs).logits[0].float()
+        targets = row["labels"][1:]
+        scored = targets != IGNORE_INDEX
+        token_logps = F.log_softmax(logits[:-1], -1).gather(1, targets.clamp_min(0)[:, None])[:, 0][scored]
+        values.append(token_logps.mean() if average else token_logps.sum())
+    return torch.stack(values)
+
+
+@pytest.mark.parametrize("loss_type, label_smoothing, rpo_alpha", [("sigmoid", 0.0, None), ("sigmoid", 0.2, None),
+                                                                   ("ipo", 0.0, None), ("sigmoid", 0.0, 0.5)])
+def test_loss_and_rewards_equal_the_dpo_formula_from_the_models_own_logits(tiny, loss_type, label_smoothing,
+                                                                           rpo_alpha):
+    """DPO (Rafailov et al. 2023, eq. 7): -log sigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l))), smoothed
+    (cDPO); IPO (Azar et al. 2023): (h - 1 / (2 beta))^2 on length-averaged log-probabilities, as TRL; RPO adds
+    alpha x the chosen answer's mean token NLL. The reference is a perturbed copy, so its terms matter. Image and
+    text-only pairs in one batch."""
+    model, _, preprocess, collator = tiny
+    rows = list(datasets.load_dataset(str(REPO / "data" / "vlm_preferences"), split="train").select(range(40)))
+    rows = [row for row in rows if row["images"]][:3] + [row for row in rows if not row["images"]][:2]
+    pairs = preprocessed(preprocess, rows)
+    assert len(pairs) == 5
+    reference_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in reference_model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    args = DPOArgs(beta=0.5, loss_type=loss_type, label_smoothing=label_smoothing, rpo_alpha=rpo_alpha)
+    average = loss_type == "ipo"
+    model.eval(), reference_model.eval()
+    with torch.no_grad():
+        inputs = chat_model_inputs(collator(pairs), "cpu")
+        policy = sequence_logps(VLMForTraining(model), inputs)
+        reference = reference_logps(VLMForTraining(reference_model), None, inputs)
+        losses, chosen_rewards, rejected_rewards = dpo_loss(policy, reference, answer_tokens(inputs), args)
+
+        ordered = [pair["chosen"] for pair in pairs] + [pair["rejected"] for pair in pairs]
+        pi, ref = row_logps(model, ordered, average), row_logps(reference_model, ordered, average)
+    half = len(pairs)
+    pi_w, pi_l, ref_w, ref_l = pi[:half], pi[half:], ref[:half], ref[half:]
+    h = (pi_w - ref_w) - (pi_l - ref_l)
+    if loss_type == "ipo":
+        expected = (h - 1 / (2 * args.beta)) ** 2
+    else:
+        expected = (-(1 - label_smoothing) * torch.log(torch.sigmoid(args.beta * h))
+                    - label_smoothing * torch.log(torch.sigmoid(-args.beta * h)))
+    if rpo_alpha:
+        expected = expected - rpo_alpha * row_logps(model, ordered[:half], average=True)
+    torch.testing.assert_close(policy, row_logps(model, ordered, average=False), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(losses, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(chosen_rewards, args.beta * (pi_w - ref_w), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(rejected_rewards, args.beta * (pi_l - ref_l), atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(ref, pi, atol=1e-3)  # the reference's terms are not zero
+
+
+def test_flags_that_cannot_serve_dpo_are_refused():
+    with pytest.raises(ValueError, match="--packing and --max_tokens_per_batch"):
+        PreferenceDataArgs(packing=True)
+    with pytest.raises(ValueError, match="--label_smoothing smooths the sigmoid loss"):
+        DPOArgs(loss_type="ipo", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="--beta"):
+        DPOArgs(beta=0)
+
+
+def test_lora_reference_is_the_base_model_and_costs_no_copy(tiny):
+    """With LoRA the reference is the policy with its adapters disabled: the log-probabilities of a live frozen copy
+    of the base model, while the adapted policy's differ."""
+    model, _, preprocess, collator = tiny
+    base = copy.deepcopy(model).eval()
+    adapted = copy.deepcopy(model)
+    peft_model, _ = add_lora(adapted, module_groups(adapted, dummy_image_inputs(adapted)), "projector,language_model",
+                             LoraArgs(use_peft=True, lora_r=4, lora_alpha=8))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)  # LoRA's B starts at 0: give the adapters an effect
+    adapted.eval()
+    rows = list(datasets.load_dataset(str(REPO / "data" / "vlm_preferences"), split="train").select(range(4)))
+    inputs = chat_model_inputs(collator(preprocessed(preprocess, rows)), "cpu")
+    step = VLMForTraining(adapted)
+    with torch.no_grad():
+        reference = reference_logps(step, peft_model, inputs)
+        frozen, policy = sequence_logps(VLMForTraining(base), inputs), sequence_logps(step, inputs)
+    torch.testing.assert_close(reference, frozen, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(policy, frozen, atol=1e-2)
+
+
+MESSAGES = [{"role": datasets.Value("string"),
+             "content": [{"type": datasets.Value("string"), "text": datasets.Value("string")}]}]
+
+
+def preference_row(question, chosen, rejected, image=None):
+    content = ([{"type": "image", "text": None}] if image is not None else []) + [{"type": "text", "text": question}]
+    answer = lambda text: [{"role": "assistant", "content": [{"type": "text", "text": text}]}]  # noqa: E731
+    return {"prompt": [{"role": "user", "content": content}], "chosen": answer(chosen), "rejected": answer(rejected),
+            "images": [image] if image is not None else []}
+
+
+def write_preferences(path, rows):
+    features = datasets.Features({"prompt": MESSAGES, "chosen": MESSAGES, "rejected": MESSAGES,
+                                  "images": [datasets.Image()]})
+    datasets.Dataset.from_list(rows, features=features).to_parquet(str(path))
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    """rank{0,1}.parquet, one shard per data rank read in order at per-device batch 1 and accumulation 2: one rank's
+    first window is text-only while the other's has images, then the reverse; single/all.parquet holds the same
+    windows for one process (batch 4). Text answers are longer: a per-micro-batch mean would weight them unequally."""
+    data = tmp_path_factory.mktemp("dpo_scenario")
+    image = preference_row("What colour is the shape?", "red", "blue", RED)
+    text = preference_row("What is the opposite of above?", "below, below, below, below", "above, above")
+    write_preferences(data / "rank0.parquet", [image, image, text, text, image, text] * 4)
+    write_preferences(data / "rank1.parquet", [text, text, image, image, text, image] * 4)
+    (data / "single").mkdir()
+    write_preferences(data / "single" / "all.parquet", [image, image, text, text] * 12)
+    return data
+
+
+STEPS = 4
+SCENARIO = ["--max_steps", STEPS, "--logging_steps", 1, "--per_device_train_batch_size", 1,
+            "--gradient_accumulation_steps", 2, "--dataset_name", "parquet", "--shuffle_buffer_size", 1,
+            "--eval_dataset_name", "", "--eval_questions", "", "--beta", 0.5]
+
+
+LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout", 0.0]  # dropout 0: same on any ranks
+RUNS = {("ddp.yaml", "full"): [], ("fsdp2.yaml", "full"): [], ("zero2.yaml", "full"): [], ("zero3.yaml", "full"): [],
+        ("ddp.yaml", "lora"): LORA}
+
+
+@pytest.fixture(scope="module")
+def truth(scenario, tmp_path_factory):
+    """One process holding each whole window as one batch of 4 pairs: full fine-tuning and LoRA."""
+    runs = {}
+    for feature, flags in (("full", []), ("lora", LORA)):
+        output_dir = tmp_path_factory.mktemp(f"dpo_single_{feature}")
+        single = ["--per_device_train_batch_size", 4, "--gradient_accumulation_steps", 1, "--data_files",
+                  scenario / "single" / "all.parquet"]
+        result = run_recipe(*SCENARIO, *flags, *single, "--output_dir", output_dir, recipe=DPO_RECIPE)
+        assert result.returncode == 0, result.log[-3000:]
+        runs[feature] = result, output_dir
+    return runs
+
+
+@pytest.fixture(scope="module")
+def engine_runs(scenario, tmp_path_factory):
+    return {(config, feature): run_engine(config, *SCENARIO, *flags, "--data_files", scenario / "rank*.parquet",
+                                          "--output_dir", tmp_path_factory.mktemp(f"dpo_{config[:-5]}_{feature}"),
+                                          recipe=DPO_RECIPE)
+            for (config, feature), flags in RUNS.items()}
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("config, feature", list(RUNS), ids=[f"{c[:-5]}-{f}" for c, f in RUNS])
+def test_mixed_ranks_give_one_processs_losses(engine_runs, truth, config, feature):
+    """Text-only and image pairs on different ranks at batch 1: every step's loss and gradient norm equal one
+    process holding the whole window; a frozen reference is sharded where the policy is (FSDP2, ZeRO-3)."""
+    result = engine_runs[config, feature]
+    assert result.returncode == 0, result.log[-3000:]
+    assert_engine(result.log, config, wrapped="VLMForTraining")
+    assert_same_curves(result.log, truth[feature][0].log, range(1, STEPS + 1), grad_norm=True)
+    if feature == "lora":
+        assert "reference: the policy with its LoRA adapters disabled" in result.log
+        return
+    held, total = map(lambda n: int(n.replace(",", "")),
+                      re.search(r"reference: .* holding ([\d,]+) of its ([\d,]+)", result.log).groups())
+    assert (held < total) == (config in ("fsdp2.yaml", "zero3.yaml")), (held, total)
+
+
+@pytest.mark.launch
+def test_outputs_load_and_the_pipeline_answers_what_the_model_generates(truth):
+    """Full fine-tuning saves a model the pipeline loads; LoRA saves the merged model and the adapter."""
+    output_dir = truth["full"][1]
+    model = AutoModelForImageTextToText.from_pretrained(output_dir)
+    processor = AutoProcessor.from_pretrained(output_dir)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}]
+    inputs = processor(text=processor.apply_chat_template(messages, add_generation_prompt=True), images=[RED],
+                       return_tensors="pt")
+    generated = model.generate(**inputs, max_new_tokens=3, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    messages[0]["content"][0]["image"] = RED
+    answer = pipeline("image-text-to-text", model=str(output_dir))(text=messages, max_new_tokens=3,
+                                                                   do_sample=False, return_full_text=False)
+    assert answer[0]["generated_text"] == processor.decode(generated, skip_special_tokens=True)
+    lora_dir = truth["lora"][1]
+    assert (lora_dir / "adapter" / "adapter_config.json").exists()
+    assert type(AutoModelForImageTextToText.from_pretrained(lora_dir)).__name__ == "LlavaForConditionalGeneration"
