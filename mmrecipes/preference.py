@@ -55,7 +55,7 @@ class PreferenceDataArgs(ChatDataArgs):
 
 @dataclass
 class DPOArgs(CheckedArgs):
-    CHECKS = {"beta": "positive", "label_smoothing": "fraction", "rpo_alpha": "positive_or_none"}
+    CHECKS = {"beta": "positive", "label_smoothing": "fraction", "rpo_alpha": "non_negative_or_none"}
     beta: float = 0.1  # how far the policy may move from the reference (TRL's name and default)
     # sigmoid: the DPO paper's loss; ipo: IPO's squared loss on length-averaged log-probabilities (as TRL)
     loss_type: str = field(default="sigmoid", metadata={"choices": ["sigmoid", "ipo"]})

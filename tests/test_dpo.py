@@ -218,8 +218,8 @@ SCENARIO = ["--max_steps", STEPS, "--logging_steps", 1, "--per_device_train_batc
 
 
 LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout", 0.0]  # dropout 0: same on any ranks
-RUNS = {("ddp.yaml", "full"): [], ("fsdp2.yaml", "full"): [], ("zero2.yaml", "full"): [], ("zero3.yaml", "full"): [],
-        ("ddp.yaml", "lora"): LORA}
+RUNS = {("ddp.yaml", "full"): [], ("fsdp2.yaml", "full"): [], ("zero2.yaml", "full"): [],
+        ("zero3.yaml", "full"): ["--save_steps", 2], ("ddp.yaml", "lora"): LORA}
 
 
 @pytest.fixture(scope="module")
@@ -238,10 +238,12 @@ def truth(scenario, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine_runs(scenario, tmp_path_factory):
-    return {(config, feature): run_engine(config, *SCENARIO, *flags, "--data_files", scenario / "rank*.parquet",
-                                          "--output_dir", tmp_path_factory.mktemp(f"dpo_{config[:-5]}_{feature}"),
-                                          recipe=DPO_RECIPE)
-            for (config, feature), flags in RUNS.items()}
+    runs = {}
+    for (config, feature), flags in RUNS.items():
+        output_dir = tmp_path_factory.mktemp(f"dpo_{config[:-5]}_{feature}")
+        runs[config, feature] = run_engine(config, *SCENARIO, *flags, "--data_files", scenario / "rank*.parquet",
+                                           "--output_dir", output_dir, recipe=DPO_RECIPE), output_dir
+    return runs
 
 
 @pytest.mark.launch
@@ -249,7 +251,7 @@ def engine_runs(scenario, tmp_path_factory):
 def test_mixed_ranks_give_one_processs_losses(engine_runs, truth, config, feature):
     """Text-only and image pairs on different ranks at batch 1: every step's loss and gradient norm equal one
     process holding the whole window; a frozen reference is sharded where the policy is (FSDP2, ZeRO-3)."""
-    result = engine_runs[config, feature]
+    result, _ = engine_runs[config, feature]
     assert result.returncode == 0, result.log[-3000:]
     assert_engine(result.log, config, wrapped="VLMForTraining")
     assert_same_curves(result.log, truth[feature][0].log, range(1, STEPS + 1), grad_norm=True)
@@ -259,6 +261,17 @@ def test_mixed_ranks_give_one_processs_losses(engine_runs, truth, config, featur
     held, total = map(lambda n: int(n.replace(",", "")),
                       re.search(r"reference: .* holding ([\d,]+) of its ([\d,]+)", result.log).groups())
     assert (held < total) == (config in ("fsdp2.yaml", "zero3.yaml")), (held, total)
+
+
+@pytest.mark.launch
+def test_resume_from_a_zero3_checkpoint_repeats_the_straight_run(engine_runs, scenario, tmp_path):
+    """The policy's partitioned state and the data position come back; the frozen reference is built again from the
+    starting weights, as in the straight run."""
+    straight, output_dir = engine_runs["zero3.yaml", "full"]
+    resumed = run_engine("zero3.yaml", *SCENARIO, "--data_files", scenario / "rank*.parquet", "--output_dir", tmp_path,
+                         "--resume_from_checkpoint", output_dir / "checkpoints" / "checkpoint-2", recipe=DPO_RECIPE)
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert_same_curves(resumed.log, straight.log, [3, 4], abs=1e-6, grad_norm=True)
 
 
 @pytest.mark.launch
