@@ -15,8 +15,8 @@ from .losses import IGNORE_INDEX, count_target_tokens
 from .videos import CLIP_NORMALIZATION, finish_clip_pixels
 
 MEDIA_KEYS = ("pixel_values", "pixel_values_videos")  # a row holds images, videos or both when it has these
-# What the collator counted on the host, for the loop (not the model): the loop reads no tensor for them.
-HOST_COUNTS = ("num_samples", "num_tokens", "target_tokens", "data_counts")
+# What the collator counted or noted on the host, for the loop (not the model): the loop reads no tensor for them.
+HOST_COUNTS = ("num_samples", "num_tokens", "target_tokens", "data_counts", "pair_keys")
 
 
 class DummyImageCollator:

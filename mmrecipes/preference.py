@@ -17,6 +17,8 @@ forward does, so every rank runs the same graph.
 
 import contextlib
 import copy
+import hashlib
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +29,7 @@ from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from .chat_collate import chat_model_inputs
 from .chat_data import CHAT_COUNTED, BadRow, ChatDataArgs, ChatPreprocessor
 from .config import CheckedArgs
-from .distributed import sum_over_ranks
+from .distributed import all_ranks_true, sum_over_ranks
 from .evaluation import batches_in_step
 from .losses import IGNORE_INDEX
 from .paths import VLM_PREFERENCES, VLM_SHAPES
@@ -63,6 +65,9 @@ class DPOArgs(CheckedArgs):
     # RPO: adds rpo_alpha x each chosen answer's mean token NLL. 1.0 lets the tiny default learn its answers from
     # scratch; TRL's default, None (pure DPO), suits a model already fine-tuned on such answers.
     rpo_alpha: float | None = 1.0
+    # The reference's log-probabilities of every training and held-out pair computed in a first pass (repeated on a
+    # resume), then the frozen copy let go: training holds one model
+    precompute_ref_log_probs: bool = False
 
     def describe(self) -> str:
         rpo = f" + {self.rpo_alpha} x the chosen answers' token NLL (RPO, --rpo_alpha)" if self.rpo_alpha else ""
@@ -112,7 +117,7 @@ class PreferencePreprocessor(ChatPreprocessor):
     COLUMNS = PREFERENCE_COLUMNS
 
     def __call__(self, batch):
-        out = {"chosen": [], "rejected": []} | {name: [] for name in CHAT_COUNTED}
+        out = {"chosen": [], "rejected": [], "key": []} | {name: [] for name in CHAT_COUNTED}
         for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
             sides = row.get(PROBLEM)
             if sides is None:
@@ -128,6 +133,7 @@ class PreferencePreprocessor(ChatPreprocessor):
             counts = self.drops.keep(chosen_note or rejected_note)
             for key, (input_ids, labels, image_inputs) in (("chosen", chosen), ("rejected", rejected)):
                 out[key].append({"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs})
+            out["key"].append(pair_key(out["chosen"][-1], out["rejected"][-1]))
             for name in CHAT_COUNTED:
                 out[name].append(counts[name])
         return out
@@ -142,15 +148,16 @@ class PreferencePreprocessor(ChatPreprocessor):
 
 class PreferenceCollator:
     """Pairs -> one `DummyImageCollator` batch: the chosen rows, then the rejected rows (`num_samples` counts both;
-    the data counts ride on the chosen rows only)."""
+    the data counts ride on the chosen rows only), and each pair's `pair_key`."""
 
     def __init__(self, collator):
         self.collator = collator
 
     def __call__(self, pairs):
         counts = [{name: pair[name] for name in CHAT_COUNTED} for pair in pairs]
-        return self.collator([pair["chosen"] | count for pair, count in zip(pairs, counts)]
-                             + [pair["rejected"] | dict.fromkeys(CHAT_COUNTED, 0) for pair in pairs])
+        batch = self.collator([pair["chosen"] | count for pair, count in zip(pairs, counts)]
+                              + [pair["rejected"] | dict.fromkeys(CHAT_COUNTED, 0) for pair in pairs])
+        return batch | {"pair_keys": [pair["key"] for pair in pairs]}
 
 
 def sequence_logps(step, inputs: dict) -> torch.Tensor:
@@ -204,27 +211,74 @@ def frozen_reference(accelerator, step):
     return reference.to(accelerator.device)
 
 
+class Reference:
+    """The reference's log-probabilities of a batch's rows (`reference(batch, inputs)`, no graph): from `model`, a
+    frozen copy, or the prepared policy with its LoRA adapters disabled when `peft_model` is given (peft's own
+    switch); or, after `precompute`, from a table kept per pair (`pair_key`), with the frozen copy let go."""
+
+    def __init__(self, model, peft_model=None):
+        self.model, self.peft_model, self.table = model, peft_model, None
+
+    @torch.no_grad()
+    def __call__(self, batch: dict, inputs: dict) -> torch.Tensor:
+        if self.table is not None:
+            keys = batch["pair_keys"]
+            return torch.tensor([self.table[key][0] for key in keys] + [self.table[key][1] for key in keys],
+                                device=inputs["input_ids"].device)
+        return self._computed(inputs)
+
+    @torch.no_grad()
+    def _computed(self, inputs: dict) -> torch.Tensor:
+        with self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext():
+            return sequence_logps(self.model, inputs)
+
+    def describe(self) -> str:
+        if self.peft_model is not None:
+            return "reference: the policy with its LoRA adapters disabled"
+        held = total = 0
+        for param in self.model.parameters():
+            total += getattr(param, "ds_numel", param.numel())  # ZeRO-3: the full size; numel() is 0 once partitioned
+            held += (param.ds_tensor if hasattr(param, "ds_tensor") else getattr(param, "_local_tensor", param)).numel()
+        return (f"reference: a frozen copy of the starting model, {type(self.model).__name__} holding {held:,} of its "
+                f"{total:,} parameter values on this rank")
+
+    def precompute(self, loaders, device) -> str:
+        """Fill the table with every pair of `loaders` (one epoch of this rank's training rows, the held-out pairs),
+        every rank forwarding equally often (`batches_in_step`), and let the frozen copy go. Returns the log line."""
+        table = {}
+        if self.peft_model is not None:
+            self.model.eval()
+        # A DataLoader's iterator draws its seed from the global RNG: the training's draws stay as they were.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for loader in loaders:
+                batches = iter(loader)
+                first = next(batches, None)
+                if not all_ranks_true(first is not None, device):
+                    raise RuntimeError("A data rank has no preference pairs: use more data shards/rows or fewer "
+                                       "processes (pairs that cannot be read are skipped).")
+                for batch, real in batches_in_step(itertools.chain([first], batches), first, device):
+                    logps = self._computed(chat_model_inputs(batch, device)).tolist()
+                    if real:
+                        for index, key in enumerate(batch["pair_keys"]):
+                            table[key] = (logps[index], logps[index + len(batch["pair_keys"])])
+        if self.peft_model is None:
+            self.model = None  # the frozen copy let go
+        else:
+            self.model.train()
+        self.table = table
+        return f"reference: log-probabilities of {len(table):,} pairs on this rank precomputed in a first pass"
+
+
+def pair_key(chosen: dict, rejected: dict) -> str:
+    """A pair's identity across epochs and resumes: a digest of both sides' tokens and the images' inputs."""
+    digest = hashlib.sha1()
+    for tensor in (chosen["input_ids"], rejected["input_ids"], *chosen["image_inputs"].values()):
+        digest.update(torch.as_tensor(tensor).flatten().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 @torch.no_grad()
-def reference_logps(reference, peft_model, inputs: dict) -> torch.Tensor:
-    """The reference's `sequence_logps`: `reference` (a frozen copy, or the prepared policy when `peft_model` is
-    given: then with its adapters disabled, peft's own switch). No graph."""
-    with peft_model.disable_adapter() if peft_model is not None else contextlib.nullcontext():
-        return sequence_logps(reference, inputs)
-
-
-def describe_reference(reference) -> str:
-    """What a frozen copy holds on this rank: its parameter values against the model's (ZeRO-3 and FSDP2 shard it)."""
-    held = total = 0
-    for param in reference.parameters():
-        full = getattr(param, "ds_numel", param.numel())  # ZeRO-3: the full size; numel() is 0 once partitioned
-        total += full
-        held += param.ds_tensor.numel() if hasattr(param, "ds_tensor") else getattr(param, "_local_tensor",
-                                                                                    param).numel()
-    return f"{type(reference).__name__} holding {held:,} of its {total:,} parameter values on this rank"
-
-
-@torch.no_grad()
-def evaluate_preferences(model, reference, peft_model, eval_loader, filler_batch, args: DPOArgs, device) -> dict:
+def evaluate_preferences(model, reference: Reference, eval_loader, filler_batch, args: DPOArgs, device) -> dict:
     """{eval_rewards/accuracies, eval_rewards/margins, eval_pairs} over every rank's held-out pairs: the share whose
     chosen reward beats the rejected one, and the mean margin. Every rank forwards equally often (a rank that has run
     out forwards `filler_batch`: `batches_in_step`)."""
@@ -232,8 +286,8 @@ def evaluate_preferences(model, reference, peft_model, eval_loader, filler_batch
     totals = torch.zeros(3, device=device)  # correct pairs, summed margins, pairs
     for batch, real in batches_in_step(eval_loader, filler_batch, device):
         inputs = chat_model_inputs(batch, device)
-        policy, reference_side = sequence_logps(model, inputs), reference_logps(reference or model, peft_model, inputs)
-        _, chosen, rejected = dpo_loss(policy, reference_side, answer_tokens(inputs), args)
+        _, chosen, rejected = dpo_loss(sequence_logps(model, inputs), reference(batch, inputs), answer_tokens(inputs),
+                                       args)
         if real:
             margins = chosen - rejected
             totals += torch.stack([(margins > 0).sum(), margins.sum(), torch.tensor(len(margins), device=device)])

@@ -38,12 +38,11 @@ from mmrecipes.preference import (
     PreferenceCollator,
     PreferenceDataArgs,
     PreferencePreprocessor,
+    Reference,
     answer_tokens,
-    describe_reference,
     dpo_loss,
     evaluate_preferences,
     frozen_reference,
-    reference_logps,
     sequence_logps,
 )
 from mmrecipes.step_guard import StepGuard
@@ -108,12 +107,13 @@ def main(argv=None):
                                gradient_clipping=args.max_grad_norm)
     step_model = VLMForTraining(model)
     # A frozen copy of the starting weights, made before prepare: sharded like the policy, never gathered whole.
-    reference = None if peft_model else frozen_reference(accelerator, step_model)
+    reference = Reference(None if peft_model else frozen_reference(accelerator, step_model), peft_model)
     model, optimizer = accelerator.prepare(step_model, optimizer)
+    if peft_model:
+        reference.model = model  # with its adapters disabled
     engine = engine_line(accelerator, model)
     accelerator.print(engine)
-    accelerator.print("reference: the policy with its LoRA adapters disabled" if peft_model else
-                      f"reference: a frozen copy of the starting model, {describe_reference(reference)}")
+    accelerator.print(reference.describe())
     accelerator.print(dpo_args.describe())
 
     collator = PreferenceCollator(DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs))
@@ -130,6 +130,11 @@ def main(argv=None):
                                                 collator=collator.collator, eval_split=True, **loader_kwargs,
                                                 batch_size=args.per_device_eval_batch_size)
 
+    if dpo_args.precompute_ref_log_probs:  # one epoch of this rank's pairs, then no reference model in training
+        first_pass = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,
+                                           preprocessor=PreferencePreprocessor, **loader_kwargs)
+        accelerator.print(reference.precompute([first_pass, *[eval_loader] * (eval_loader is not None)],
+                                               accelerator.device))
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
                                data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
     guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,
@@ -156,7 +161,7 @@ def main(argv=None):
         sums = []
         for batch in window:
             inputs = chat_model_inputs(batch, accelerator.device)
-            reference_side = reference_logps(reference or model, peft_model, inputs)  # no graph
+            reference_side = reference(batch, inputs)  # no graph
             with accelerator.accumulate(model):
                 policy_side = sequence_logps(model, inputs)  # chosen rows first, then rejected
                 losses, chosen_rewards, rejected_rewards = dpo_loss(policy_side, reference_side,
@@ -201,7 +206,7 @@ def main(argv=None):
             eval_start = time.perf_counter()
             scores = {}
             if eval_loader is not None:
-                scores |= evaluate_preferences(model, reference, peft_model, eval_loader, filler_batch, dpo_args,
+                scores |= evaluate_preferences(model, reference, eval_loader, filler_batch, dpo_args,
                                                accelerator.device)
             if question_loader is not None:
                 scores |= evaluate_answers(model, question_loader, filler_batch, accelerator.device)

@@ -23,9 +23,9 @@ from mmrecipes.preference import (
     PreferenceCollator,
     PreferenceDataArgs,
     PreferencePreprocessor,
+    Reference,
     answer_tokens,
     dpo_loss,
-    reference_logps,
     sequence_logps,
 )
 from mmrecipes.vlm import VLMForTraining, VLMModelArgs, load_vlm, stop_token_ids
@@ -125,7 +125,7 @@ def test_loss_and_rewards_equal_the_dpo_formula_from_the_models_own_logits(tiny,
     with torch.no_grad():
         inputs = chat_model_inputs(collator(pairs), "cpu")
         policy = sequence_logps(VLMForTraining(model), inputs)
-        reference = reference_logps(VLMForTraining(reference_model), None, inputs)
+        reference = Reference(VLMForTraining(reference_model))(None, inputs)
         losses, chosen_rewards, rejected_rewards = dpo_loss(policy, reference, answer_tokens(inputs), args)
 
         ordered = [pair["chosen"] for pair in pairs] + [pair["rejected"] for pair in pairs]
@@ -173,7 +173,7 @@ def test_lora_reference_is_the_base_model_and_costs_no_copy(tiny):
     inputs = chat_model_inputs(collator(preprocessed(preprocess, rows)), "cpu")
     step = VLMForTraining(adapted)
     with torch.no_grad():
-        reference = reference_logps(step, peft_model, inputs)
+        reference = Reference(step, peft_model)(None, inputs)
         frozen, policy = sequence_logps(VLMForTraining(base), inputs), sequence_logps(step, inputs)
     torch.testing.assert_close(reference, frozen, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(policy, frozen, atol=1e-2)
@@ -217,9 +217,10 @@ SCENARIO = ["--max_steps", STEPS, "--logging_steps", 1, "--per_device_train_batc
             "--eval_dataset_name", "", "--eval_questions", "", "--beta", 0.5]
 
 
+PRECOMPUTED = ["--precompute_ref_log_probs", "true"]
 LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout", 0.0]  # dropout 0: same on any ranks
 RUNS = {("ddp.yaml", "full"): [], ("fsdp2.yaml", "full"): [], ("zero2.yaml", "full"): [],
-        ("zero3.yaml", "full"): ["--save_steps", 2], ("ddp.yaml", "lora"): LORA}
+        ("zero3.yaml", "full"): ["--save_steps", 2, *PRECOMPUTED], ("ddp.yaml", "lora"): LORA}
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +251,8 @@ def engine_runs(scenario, tmp_path_factory):
 @pytest.mark.parametrize("config, feature", list(RUNS), ids=[f"{c[:-5]}-{f}" for c, f in RUNS])
 def test_mixed_ranks_give_one_processs_losses(engine_runs, truth, config, feature):
     """Text-only and image pairs on different ranks at batch 1: every step's loss and gradient norm equal one
-    process holding the whole window; a frozen reference is sharded where the policy is (FSDP2, ZeRO-3)."""
+    process holding the whole window; a frozen reference is sharded where the policy is (FSDP2, ZeRO-3; under
+    ZeRO-3 its log-probabilities precomputed)."""
     result, _ = engine_runs[config, feature]
     assert result.returncode == 0, result.log[-3000:]
     assert_engine(result.log, config, wrapped="VLMForTraining")
@@ -264,11 +266,24 @@ def test_mixed_ranks_give_one_processs_losses(engine_runs, truth, config, featur
 
 
 @pytest.mark.launch
+def test_precomputed_reference_log_probs_give_the_live_frozen_copys_losses(scenario, truth, tmp_path):
+    """--precompute_ref_log_probs: a first pass over the pairs, kept per pair, then no reference model; every step
+    equals the run with the live frozen copy."""
+    result = run_recipe(*SCENARIO, "--precompute_ref_log_probs", "true", "--per_device_train_batch_size", 4,
+                        "--gradient_accumulation_steps", 1, "--data_files", scenario / "single" / "all.parquet",
+                        "--output_dir", tmp_path, recipe=DPO_RECIPE)
+    assert result.returncode == 0, result.log[-3000:]
+    assert "reference: log-probabilities of 2 pairs on this rank precomputed in a first pass" in result.log
+    assert_same_curves(result.log, truth["full"][0].log, range(1, STEPS + 1), grad_norm=True, rel=1e-6)
+
+
+@pytest.mark.launch
 def test_resume_from_a_zero3_checkpoint_repeats_the_straight_run(engine_runs, scenario, tmp_path):
-    """The policy's partitioned state and the data position come back; the frozen reference is built again from the
-    starting weights, as in the straight run."""
+    """The policy's partitioned state and the data position come back; the reference's log-probabilities are
+    precomputed again from the starting weights (the frozen copy partitioned), as in the straight run."""
     straight, output_dir = engine_runs["zero3.yaml", "full"]
-    resumed = run_engine("zero3.yaml", *SCENARIO, "--data_files", scenario / "rank*.parquet", "--output_dir", tmp_path,
+    resumed = run_engine("zero3.yaml", *SCENARIO, *PRECOMPUTED, "--data_files", scenario / "rank*.parquet",
+                         "--output_dir", tmp_path,
                          "--resume_from_checkpoint", output_dir / "checkpoints" / "checkpoint-2", recipe=DPO_RECIPE)
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert_same_curves(resumed.log, straight.log, [3, 4], abs=1e-6, grad_norm=True)
