@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from transformers import Siglip2ImageProcessor, Siglip2Model, Siglip2Tokenizer, SiglipImageProcessor, pipeline
 
-from launch import REPO, assert_engine, assert_same_curves, losses, run_engine
+from launch import REPO, assert_engine, assert_same_curves, losses, run_engine, run_recipe
 from mmrecipes.data import DataArgs, build_dataloader, check_image_batching, model_inputs
 from mmrecipes.models import ModelArgs, build_contrastive
 from mmrecipes.patch_dropout import add_patch_dropout
@@ -169,3 +169,18 @@ def test_zero_shot_in_the_loop_is_what_the_pipeline_gives_on_the_saved_model(run
     for config in ("ddp.yaml", "fsdp2.yaml"):
         logged = float(runs[config][0].log.split("zeroshot_top1 ")[-1].split()[0])
         assert logged == pytest.approx(correct / len(rows), abs=1e-4), config
+
+
+@pytest.mark.launch
+def test_the_feature_cache_takes_naflex_batches_as_one_big_batch(mixed_shapes, tmp_path):
+    """--contrastive_accumulation feature_cache forwards the patches, mask and grids twice (cached, then with the
+    feature gradients): 2 micro-batches of 8 mixed-ratio rows give the loss of one batch of the same 16 rows."""
+    train_files, _ = mixed_shapes
+    common = ["--loss", "siglip", "--max_num_patches", MAX_PATCHES, "--dataset_name", "parquet", "--data_files",
+              train_files, "--eval_split", "", "--zeroshot_dataset", "", "--max_steps", 2, "--logging_steps", 1]
+    cached = run_recipe(*common, "--per_device_train_batch_size", 8, "--gradient_accumulation_steps", 2,
+                        "--contrastive_accumulation", "feature_cache", "--output_dir", tmp_path / "cached")
+    big = run_recipe(*common, "--per_device_train_batch_size", 16, "--output_dir", tmp_path / "big")
+    assert cached.returncode == 0, cached.log[-3000:]
+    assert big.returncode == 0, big.log[-3000:]
+    assert_same_curves(cached.log, big.log, [1, 2], rel=1e-5)
