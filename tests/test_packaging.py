@@ -29,14 +29,21 @@ def installed_wheel(tmp_path_factory):
     return root / "site"
 
 
-def run_copied(recipe: str, project, site, *args):
-    """Copy `recipes/<recipe>` into `project` and run it there, importing mmrecipes from `site` only."""
+def copied_into(project, site, *recipes) -> dict:
+    """Copy `recipes/<recipe>`s into `project`; returns the environment that imports mmrecipes from `site` only."""
     project.mkdir()
-    shutil.copy(REPO / "recipes" / recipe, project)
+    for recipe in recipes:
+        shutil.copy(REPO / "recipes" / recipe, project)
     env = run_env({"PYTHONPATH": str(site)})
     where = subprocess.run([sys.executable, "-c", "import mmrecipes.paths as m; print(m.__file__); print(m.EMBEDDED)"],
                            cwd=project, env=env, capture_output=True, text=True, check=True).stdout.split()
     assert all(path.startswith(str(site)) for path in where), where  # not this checkout
+    return env
+
+
+def run_copied(recipe: str, project, site, *args):
+    """Copy `recipes/<recipe>` into `project` and run it there, importing mmrecipes from `site` only."""
+    env = copied_into(project, site, recipe)
     return run_command([sys.executable, recipe, "--report_to", "none", *args], cwd=project, environment=env)
 
 
@@ -49,9 +56,23 @@ def test_clip_recipe_copied_out_of_the_checkout_trains_and_saves(installed_wheel
     CLIPModel.from_pretrained(project / "outputs" / "clip_pretrain")
 
 
-def test_vlm_recipe_copied_out_of_the_checkout_starts(installed_wheel, tmp_path):
+# Both VLM recipes in one Python process, one after the other: their imports are shared (about 15 s each).
+BOTH_VLM_RECIPES = """
+import runpy, sys
+for recipe in ("vlm_finetune.py", "vlm_dpo.py"):
+    sys.argv = [recipe, "--report_to", "none", "--max_steps", "2", "--eval_steps", "2"]
+    runpy.run_path(recipe, run_name="__main__")
+    print("== finished", recipe, flush=True)
+"""
+
+
+def test_vlm_recipes_copied_out_of_the_checkout_start(installed_wheel, tmp_path):
     project = tmp_path / "my_vlm_project"
-    result = run_copied("vlm_finetune.py", project, installed_wheel, "--max_steps", 2, "--eval_steps", 2)
+    env = copied_into(project, installed_wheel, "vlm_finetune.py", "vlm_dpo.py")
+    result = run_command([sys.executable, "-c", BOTH_VLM_RECIPES], cwd=project, environment=env)
     assert result.returncode == 0, result.log[-3000:]
-    assert sorted(losses(result.log)) == [2] and "answer_accuracy" in result.log
-    assert (project / "outputs" / "vlm_finetune" / "config.json").is_file()
+    finetune, dpo = result.log.split("== finished vlm_finetune.py")
+    assert sorted(losses(finetune)) == [2] and "answer_accuracy" in finetune
+    assert sorted(losses(dpo)) == [2] and "eval_pairs 256" in dpo  # the embedded preference pairs came from the wheel
+    for output in ("vlm_finetune", "vlm_dpo"):
+        assert (project / "outputs" / output / "config.json").is_file()
