@@ -332,8 +332,6 @@ def _as_tensor(value):
     return torch.as_tensor(value)
 
 
-
-
 def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size, data_rank, data_world,
                           shuffle_seed=None, eval_split=False, preprocessor=ChatPreprocessor):
     """A DataLoader over this data rank's rows: the training mixture, or (eval_split) the held-out set, read by

@@ -207,10 +207,10 @@ def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: 
     positions = hidden[:, :-1].flatten(0, 1)
     targets = labels[:, 1:].flatten()
     rows = torch.arange(len(hidden), device=hidden.device).repeat_interleave(hidden.shape[1] - 1) if per_row else None
+    row_parts = rows.tensor_split(num_chunks) if per_row else [None] * num_chunks
     total = hidden.new_zeros(len(hidden) if per_row else (), dtype=torch.float32)
-    for index, (part, part_targets) in enumerate(zip(positions.tensor_split(num_chunks),
-                                                     targets.tensor_split(num_chunks))):
-        part_rows = rows.tensor_split(num_chunks)[index] if per_row else None
+    for part, part_targets, part_rows in zip(positions.tensor_split(num_chunks), targets.tensor_split(num_chunks),
+                                             row_parts):
         total = total + torch.utils.checkpoint.checkpoint(_chunk_cross_entropy_sum, part, part_targets, head, softcap,
                                                           part_rows, len(hidden), use_reentrant=False)
     return total

@@ -117,7 +117,7 @@ class PreferencePreprocessor(ChatPreprocessor):
     COLUMNS = PREFERENCE_COLUMNS
 
     def __call__(self, batch):
-        out = {"chosen": [], "rejected": [], "key": []} | {name: [] for name in CHAT_COUNTED}
+        out = {"chosen": [], "rejected": []} | {name: [] for name in CHAT_COUNTED}
         for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
             sides = row.get(PROBLEM)
             if sides is None:
@@ -133,7 +133,6 @@ class PreferencePreprocessor(ChatPreprocessor):
             counts = self.drops.keep(chosen_note or rejected_note)
             for key, (input_ids, labels, image_inputs) in (("chosen", chosen), ("rejected", rejected)):
                 out[key].append({"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs})
-            out["key"].append(pair_key(out["chosen"][-1], out["rejected"][-1]))
             for name in CHAT_COUNTED:
                 out[name].append(counts[name])
         return out
@@ -148,16 +147,19 @@ class PreferencePreprocessor(ChatPreprocessor):
 
 class PreferenceCollator:
     """Pairs -> one `DummyImageCollator` batch: the chosen rows, then the rejected rows (`num_samples` counts both;
-    the data counts ride on the chosen rows only), and each pair's `pair_key`."""
+    the data counts ride on the chosen rows only); with `keys`, each pair's `pair_key` too (precomputed reference
+    log-probabilities are looked up by it)."""
 
-    def __init__(self, collator):
-        self.collator = collator
+    def __init__(self, collator, keys: bool = False):
+        self.collator, self.keys = collator, keys
 
     def __call__(self, pairs):
         counts = [{name: pair[name] for name in CHAT_COUNTED} for pair in pairs]
         batch = self.collator([pair["chosen"] | count for pair, count in zip(pairs, counts)]
                               + [pair["rejected"] | dict.fromkeys(CHAT_COUNTED, 0) for pair in pairs])
-        return batch | {"pair_keys": [pair["key"] for pair in pairs]}
+        if self.keys:
+            batch["pair_keys"] = [pair_key(pair["chosen"], pair["rejected"]) for pair in pairs]
+        return batch
 
 
 def sequence_logps(step, inputs: dict) -> torch.Tensor:

@@ -116,7 +116,8 @@ def main(argv=None):
     accelerator.print(reference.describe())
     accelerator.print(dpo_args.describe())
 
-    collator = PreferenceCollator(DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs))
+    collator = PreferenceCollator(DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs),
+                                  keys=dpo_args.precompute_ref_log_probs)
     loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world)
     train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,
                                          preprocessor=PreferencePreprocessor, **loader_kwargs)
