@@ -1,14 +1,18 @@
 """Streamed chat data for VLM fine-tuning: formats -> tokens + labels, mixed sources, dummy images.
 
-Two row formats, per row (a file may mix video, image and text-only rows):
-- chat: `messages` = [{"role", "content"}], content a string or parts (`{"type": "text", "text"}`,
-  `{"type": "image"}`, `{"type": "video"}`), plus an `images` column with one image per image part and
-  a `videos` column with one clip (bytes or a path) per video part;
-- LLaVA / LLaVA-Video: `conversations` = [{"from": "human"|"gpt"|"system", "value"}] with `<image>` and
-  `<video>` placeholders in the text, plus `image` / `video`: a path relative to `--image_folder` /
-  `--video_folder` (or a list of them); neither means a text-only row.
+The layouts users bring, told apart per row by their columns (a file may mix video, image and text-only rows):
+- TRL (llava-instruct-mix-vsft): `messages` = [{"role", "content"}], content parts (`{"type": "text", "text"}`,
+  `{"type": "image"}`, `{"type": "video"}`), with `images` (one per image part) and `videos`;
+- ShareGPT: the same `messages` with string content, `<image>` / `<video>` placeholders in the text;
+- LLaMA-Factory: `conversations` of `{"from", "value"}` or `{"role", "content"}` turns, with `images` / `videos` lists;
+- LLaVA / LLaVA-Video: `conversations` of `{"from": "human"|"gpt"|"system", "value"}` turns, `<image>` and
+  `<video>` in the text, with `image` / `video`: one path or a list; neither means a text-only row.
+Images and clips are bytes, `{"bytes", "path"}` dicts or paths. A relative path resolves against `--image_folder`
+(clips: `--video_folder`, else `--image_folder`) when given, else against the folder of the data file the row came
+from (LLaMA-Factory's `media_dir`); a path that resolves outside that folder ('../', absolute, a symlink out) is
+skipped and counted as `outside_folder` unless --allow_images_outside_folder.
 
-Both become image and video content parts, which the checkpoint's own chat template and processor turn
+All become image and video content parts, which the checkpoint's own chat template and processor turn
 into that family's image and video tokens. Clips are decoded in the DataLoader workers
 (`mmrecipes.videos`: PyAV, frames sampled at --video_fps, at most --video_max_frames) and resized and
 normalised by the family's own video processor. A checkpoint whose processor takes no video
@@ -27,16 +31,16 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from .chat_labels import TemplateError, UnalignedAnswer
 from .images import decode_image
-from .loader import DropCounter, ResumableShuffle, stream_loader
+from .loader import DropCounter, ResumableShuffle, Skip, stream_loader
 from .losses import IGNORE_INDEX
 from .packing import TokenBudgetBatches
-from .paths import VLM_SHAPES
-from .sources import PROBLEM, load_stream, mixed_stream, split_sources
+from .sources import DATA_FILE, PROBLEM, evaluation_source, load_stream, mixed_stream, row_name, split_sources
 from .videos import VIDEO_COUNTED, VideoArgs, decode_video
 
 logger = logging.getLogger(__name__)
@@ -50,7 +54,7 @@ logger = logging.getLogger(__name__)
 # not match the clips.
 CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "image_mismatch", "too_long", "no_target",
                 "unaligned", "bad_text", "bad_row", "bad_shard", "video", *VIDEO_COUNTED, "video_mismatch")
-CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video"]
+CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", "id"]
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 MEDIA_PARTS = {"<image>": "image", "<video>": "video"}  # LLaVA's placeholders -> content part types
@@ -62,19 +66,24 @@ class ChatDataArgs(VideoArgs):
         "max_length": "count", "max_tokens_per_batch": "count_or_none", "max_image_pixels": "count",
         "max_image_aspect_ratio": "positive", "shuffle_buffer_size": "count",
         "dataloader_num_workers": "count_or_zero_or_none"}
-    # Comma-separated sources (hub ids, local dataset dirs, or one builder name with --data_files)
-    dataset_name: str = f"{VLM_SHAPES / 'image_chat'},{VLM_SHAPES / 'text_chat'}"
+    EMBEDDED_EVAL: ClassVar[str] = "embedded:vlm_shapes/image_chat"  # what auto evaluates beside embedded data
+    # Comma-separated sources (hub ids, local dataset dirs, one builder name with --data_files, or
+    # embedded:<folder> for the embedded data)
+    dataset_name: str = "embedded:vlm_shapes/image_chat,embedded:vlm_shapes/text_chat"
     # Sampling probabilities of the sources (datasets.interleave_datasets); None: equal
     dataset_weights: str | None = "0.75,0.25"
     dataset_config_name: str | None = None
     data_files: str | None = None  # training files of a single builder source ('json', 'parquet'): a glob
     train_split: str = "train"
-    eval_dataset_name: str | None = str(VLM_SHAPES / "image_chat")  # held-out questions; None turns eval off
+    # Held-out conversations (answer accuracy). auto: the embedded questions beside the embedded training data;
+    # with your own data, --eval_data_files read by the training builder, else none. None turns it off.
+    eval_dataset_name: str | None = "auto"
     eval_data_files: str | None = None
     eval_split: str = "test"
-    image_folder: str | None = None  # LLaVA format: image paths are relative to it
-    video_folder: str | None = None  # LLaVA-Video format: video paths are relative to it (None: --image_folder)
-    # LLaVA paths that resolve outside --image_folder ('../', absolute, symlinks) are skipped and counted
+    # Relative image paths resolve against it; None: against the folder of the data file each row comes from
+    image_folder: str | None = None
+    video_folder: str | None = None  # relative video paths resolve against it (None: as images)
+    # Paths that resolve outside that folder ('../', absolute, symlinks out) are skipped and counted
     # (outside_folder) unless this is true
     allow_images_outside_folder: bool = False
     max_length: int = 256  # longer rows are skipped and counted, never truncated
@@ -89,6 +98,11 @@ class ChatDataArgs(VideoArgs):
     # more than the step, and one worker overlaps them (measured: 150 -> 210 samples/s on 2 cores).
     dataloader_num_workers: int | None = None
 
+    def __post_init__(self):
+        super().__post_init__()
+        self.eval_dataset_name, self.evaluation = evaluation_source(
+            "eval_dataset_name", self.eval_dataset_name, self.eval_data_files, self.dataset_name, self.EMBEDDED_EVAL)
+
     def training_sources(self) -> list[tuple]:
         """(name, config, split, data_files) of each training source."""
         return split_sources(self.dataset_name, self.dataset_config_name, self.train_split, self.data_files)
@@ -98,31 +112,46 @@ class BadRow(ValueError):
     """A row that is not a well-formed conversation."""
 
 
-def to_chat(row, image_folder=None, video_folder=None):
-    """(messages, raw images, raw videos) of a chat-format or LLaVA-format row; raises BadRow for anything else."""
-    if row.get("messages") is not None:
-        if not all(isinstance(row.get(key) or [], list) for key in ("messages", "images", "videos")):
-            raise BadRow("messages, images and videos must be lists")
-        messages = [{"role": _field(message, "role"), "content": _content_parts(_field(message, "content", list))}
-                    for message in row["messages"]]
-        return messages, list(row.get("images") or []), list(row.get("videos") or [])
-    if not isinstance(row.get("conversations"), list) or not row["conversations"]:
+def to_chat(row):
+    """(messages, raw images, raw videos) of a row in any of the layouts in the module docstring; raises BadRow
+    for anything else. Paths are returned as written (`media_folder` says what they are relative to)."""
+    key = "messages" if row.get("messages") is not None else "conversations"
+    if not isinstance(row.get(key), list) or not row[key]:
         raise BadRow("no messages and no conversations")
-    messages = []
-    for turn in row["conversations"]:
+    return [_turn(turn) for turn in row[key]], _media(row, "images", "image"), _media(row, "videos", "video")
+
+
+def _turn(turn) -> dict:
+    """A message of a role/content turn (TRL, LLaMA-Factory) or a from/value one (ShareGPT, LLaVA)."""
+    if isinstance(turn, dict) and "from" in turn:
         if _field(turn, "from") not in LLAVA_ROLES:
             raise BadRow(f"unknown speaker {turn['from']!r}")
-        messages.append({"role": LLAVA_ROLES[turn["from"]], "content": _content_parts(_field(turn, "value"))})
-    return (messages, _paths(row, "image", image_folder),
-            _paths(row, "video", image_folder if video_folder is None else video_folder))
+        return {"role": LLAVA_ROLES[turn["from"]], "content": _content_parts(_field(turn, "value"))}
+    if not (isinstance(turn, dict) and "role" in turn):
+        keys = sorted(turn) if isinstance(turn, dict) else type(turn).__name__
+        raise BadRow(f"a turn with keys {keys}: turns are from/value (ShareGPT, LLaVA) or role/content (TRL, "
+                     "LLaMA-Factory)")
+    return {"role": _field(turn, "role"), "content": _content_parts(_field(turn, "content", list))}
 
 
-def _paths(row, key, folder) -> list[str]:
-    paths = row.get(key) or []
-    paths = [paths] if isinstance(paths, str) else paths
-    if not isinstance(paths, list) or not all(isinstance(path, str) for path in paths):
-        raise BadRow(f"{key} must be a path or a list of paths, not {paths!r}")
-    return [os.path.join(folder or "", path) for path in paths]
+def _media(row, *keys) -> list:
+    """The row's images (or videos) from the first of `keys` that holds any: a list, or one path."""
+    media = next((row[key] for key in keys if row.get(key)), [])
+    media = [media] if isinstance(media, str) else media
+    if not isinstance(media, list) or not all(isinstance(item, (str, bytes, dict)) for item in media):
+        raise BadRow(f"{'/'.join(keys)} must be a path, or a list of paths, bytes or {{bytes, path}} dicts, not "
+                     f"{media!r:.80}")
+    return media
+
+
+def media_folder(row, folder: str | None) -> str | None:
+    """What a row's relative image or video paths resolve against: `folder` (--image_folder / --video_folder),
+    else the folder of the local file the row was read from (as LLaMA-Factory's media_dir), else None (the
+    working directory: `datasets`' own readers do not say which file a row came from)."""
+    if folder:
+        return os.path.realpath(folder)
+    data_file = row.get(DATA_FILE)
+    return os.path.dirname(os.path.realpath(data_file)) if data_file and "://" not in data_file else None
 
 
 def _field(item, key, kind=str):
@@ -169,8 +198,6 @@ class ChatPreprocessor:
     def __init__(self, args: ChatDataArgs, labeller, max_length: int):
         self.args, self.labeller, self.max_length = args, labeller, max_length
         self.drops = DropCounter()
-        self.folder = os.path.realpath(args.image_folder) if args.image_folder else None
-        self.video_folder = os.path.realpath(args.video_folder) if args.video_folder else self.folder
         self.logged = set()  # the kinds of unexpected failure already logged (once each)
 
     def __call__(self, batch):
@@ -178,7 +205,7 @@ class ChatPreprocessor:
         for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
             example = row.get(PROBLEM) or self.example(row)
             if isinstance(example, str):
-                self.drops.drop(example)
+                self.drops.drop(example, row_name(row))
                 continue
             (input_ids, labels, image_inputs), note = example
             counts = self.drops.keep(note)
@@ -190,60 +217,67 @@ class ChatPreprocessor:
 
     def example(self, row):
         """`tokenize`'s answer for a raw row ("video": a video the checkpoint cannot take); any failure is a counted
-        "bad_row",
-        never a crash (logged once per kind: a chat template that refuses a row raises its own errors, and so
-        would a bug)."""
+        "bad_row", never a crash (logged once per kind: a chat template that refuses a row raises its own errors,
+        and so would a bug)."""
         try:
-            messages, raw_images, raw_videos = to_chat(row, self.args.image_folder, self.args.video_folder)
+            messages, raw_images, raw_videos = to_chat(row)
             if self.labeller.video_token_id is None and has_video(row, messages):
-                return "video"
-            return self.tokenize(messages, raw_images, raw_videos)
+                return Skip("video", "this model's processor takes no video")
+            images_folder = media_folder(row, self.args.image_folder)
+            videos_folder = media_folder(row, self.args.video_folder or self.args.image_folder)
+            return self.tokenize(messages, raw_images, raw_videos, images_folder, videos_folder)
+        except BadRow as error:
+            return Skip("bad_row", str(error))
         except Exception as error:
-            if not isinstance(error, BadRow) and type(error) not in self.logged:
+            if type(error) not in self.logged:
                 self.logged.add(type(error))
                 logger.warning("skipping a row (counted as bad_row): %s: %s", type(error).__name__, error)
-            return "bad_row"
+            return Skip("bad_row", f"{type(error).__name__}: {error}")
 
-    def tokenize(self, messages, raw_images, raw_videos=()):
-        """((input_ids, labels, image_inputs), note) or the reason the row is dropped."""
-        loaded = row_images(self.args, self.folder, messages, raw_images)
+    def tokenize(self, messages, raw_images, raw_videos=(), images_folder=None, videos_folder=None):
+        """((input_ids, labels, image_inputs), note) or the reason the row is dropped (a `Skip`). Relative media
+        paths resolve against the folders (`media_folder`)."""
+        loaded = row_images(self.args, images_folder, messages, raw_images)
         if isinstance(loaded, str):
             return loaded
         images, note = loaded
-        videos = row_videos(self.args, self.video_folder, messages, raw_videos)
+        videos = row_videos(self.args, videos_folder, messages, raw_videos)
         if isinstance(videos, str):
             return videos
         try:
             input_ids, labels, image_inputs = encode_row(self.labeller, messages, images, videos)
-        except UnalignedAnswer:
-            return "unaligned"
+        except UnalignedAnswer as error:
+            return Skip("unaligned", str(error))
         except TemplateError:  # the template renders this row's turns differently from its prefixes
-            return "no_target"
+            return Skip("no_target", "the chat template renders its turns differently from their prefixes")
         if len(input_ids) > self.max_length:
-            return "too_long"
+            return Skip("too_long", f"{len(input_ids)} tokens, over {self.max_length}")
         if not (labels[1:] != IGNORE_INDEX).any():  # the first token is never a target after the shift
-            return "no_target"
+            return Skip("no_target", "no assistant answer to learn")
         return (input_ids, labels, image_inputs), note
 
     @staticmethod
     def check_columns(name, available):
         if available is not None and not set(available) & {"messages", "conversations"}:
-            raise ValueError(f"{name} has columns {available}: a chat source needs 'messages' (+ 'images') or "
-                             "LLaVA's 'conversations' (+ 'image' paths under --image_folder)")
+            raise ValueError(f"{name} has columns {available}: a chat source needs 'messages' (TRL, ShareGPT) or "
+                             "'conversations' (LLaVA, LLaMA-Factory), with 'images'/'image' and 'videos'/'video' "
+                             "(the layouts in docs/data.md); rename its columns to one of them")
 
 
 def row_images(args: ChatDataArgs, folder: str | None, messages, raw_images):
-    """(decoded images, a note such as "converted") of a row, or why it is dropped: its placeholders do not
-    match its images, a path leaves `folder` (the resolved --image_folder), or an image does not decode."""
-    if _count_parts(messages, "image") != len(raw_images):
-        return "image_mismatch"
+    """(decoded images, a note such as "converted") of a row, or why it is dropped (a `Skip`): its placeholders do
+    not match its images, a path leaves `folder` (`media_folder`), or an image does not decode."""
+    placeholders = _count_parts(messages, "image")
+    if placeholders != len(raw_images):
+        return Skip("image_mismatch", f"{placeholders} image placeholders or parts, {len(raw_images)} images")
     images, note = [], None
     for raw_image in raw_images:
-        if _outside(args, folder, raw_image):
-            return "outside_folder"
+        raw_image = _resolved(args, folder, raw_image)
+        if isinstance(raw_image, Skip):
+            return raw_image
         image, problem = decode_image(raw_image, args.max_image_pixels, args.max_image_aspect_ratio)
         if image is None:
-            return problem
+            return Skip(problem, _unreadable(raw_image))
         images.append(image)
         note = note or problem
     return images, note
@@ -252,24 +286,37 @@ def row_images(args: ChatDataArgs, folder: str | None, messages, raw_images):
 def row_videos(args: ChatDataArgs, folder: str | None, messages, raw_videos):
     """The decoded clips of a row (`mmrecipes.videos.DecodedVideo`s), or why it is dropped: as for images, and a
     clip that yields no frame or runs over --video_max_seconds."""
-    if _count_parts(messages, "video") != len(raw_videos):
-        return "video_mismatch"
+    placeholders = _count_parts(messages, "video")
+    if placeholders != len(raw_videos):
+        return Skip("video_mismatch", f"{placeholders} video placeholders or parts, {len(raw_videos)} clips")
     videos = []
     for raw_video in raw_videos:
-        if _outside(args, folder, raw_video):
-            return "outside_folder"
+        raw_video = _resolved(args, folder, raw_video)
+        if isinstance(raw_video, Skip):
+            return raw_video
         video, problem = decode_video(raw_video, args)
         if video is None:
-            return problem
+            return Skip(problem, _unreadable(raw_video))
         videos.append(video)
     return videos
 
 
-def _outside(args: ChatDataArgs, folder: str | None, raw_media) -> bool:
-    """A path that resolves outside `folder` (symlinks followed), unless --allow_images_outside_folder."""
-    if not (isinstance(raw_media, str) and folder) or args.allow_images_outside_folder:
-        return False
-    return os.path.commonpath([folder, os.path.realpath(raw_media)]) != folder
+def _resolved(args: ChatDataArgs, folder: str | None, raw_media):
+    """A media path joined to `folder`, or a Skip if it resolves outside it (symlinks followed: '../' and absolute
+    paths), unless --allow_images_outside_folder; bytes and decoded media as they are."""
+    if not isinstance(raw_media, str) or not folder:
+        return raw_media
+    path = os.path.join(folder, raw_media)
+    if not args.allow_images_outside_folder and os.path.commonpath([folder, os.path.realpath(path)]) != folder:
+        return Skip("outside_folder", f"{raw_media!r} resolves to {os.path.realpath(path)}, outside {folder}")
+    return path
+
+
+def _unreadable(raw_media) -> str:
+    """How a skip report names media that could not be used."""
+    if isinstance(raw_media, str):
+        return raw_media if os.path.exists(raw_media) else f"{raw_media} (no such file)"
+    return f"{type(raw_media).__name__} data"
 
 
 def encode_row(labeller, messages, images, videos=()):
@@ -296,18 +343,17 @@ def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: i
         return []
     stream, _ = load_stream(args.eval_dataset_name, args.dataset_config_name, args.eval_split, args.eval_data_files,
                             CHAT_COLUMNS, data_rank=data_rank, data_world=data_world)
-    folder = os.path.realpath(args.image_folder) if args.image_folder else None
     prompts = []
     for row in stream:
         if len(prompts) == rows:
             break
         try:
-            messages, raw_images, _ = to_chat(row, args.image_folder)
+            messages, raw_images, _ = to_chat(row)
             if has_video(row, messages):  # image questions only, for now
                 continue
             last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
             answer = " ".join(part["text"] for part in messages[last]["content"] if part["type"] == "text")
-            loaded = row_images(args, folder, messages, raw_images)
+            loaded = row_images(args, media_folder(row, args.image_folder), messages, raw_images)
             shown = sum(part["type"] == "image" for message in messages[:last] for part in message["content"])
             if row.get(PROBLEM) or isinstance(loaded, str) or shown != len(raw_images):
                 continue  # the rows training would skip, and images after the question
@@ -350,7 +396,7 @@ def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size,
     preprocess = preprocessor(args, labeller, min(args.max_length, budget or args.max_length))
     if shuffle_seed is None:
         stream = stream.map(preprocess, batched=True, batch_size=batch_size,
-                            remove_columns=[*preprocessor.COLUMNS, PROBLEM])
+                            remove_columns=[*preprocessor.COLUMNS, PROBLEM, DATA_FILE])
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)

@@ -31,16 +31,37 @@ def parse_args(dataclass_types, argv=None):
     parser = HfArgumentParser(dataclass_types)
     comments = {name: text for cls in dataclass_types for name, text in field_comments(cls).items()}
     fields = {field.name for cls in dataclass_types for field in dataclasses.fields(cls)}
+    nullable = _nullable_fields(dataclass_types)
     for action in parser._actions:
         if action.dest in fields:
             action.help = f"{comments.get(action.dest, '').replace('%', '%%')} (default: %(default)s)".lstrip()
+        if action.dest in nullable:
+            action.type = _none_or(action.type or str)
     if argv and argv[0].endswith((".yaml", ".yml")):
         with open(argv[0]) as file:
             values = yaml.safe_load(file) or {}
+        values = {key: None if key in nullable and _is_none_word(value) else value for key, value in values.items()}
         check_yaml_values(values, dataclass_types, argv[0])
         parser.set_defaults(**values)
         argv = argv[1:]
     return parser.parse_args_into_dataclasses(args=argv)
+
+
+def _nullable_fields(dataclass_types) -> set[str]:
+    """The fields that may be None: `None`, `none` and an empty value set them to None, on the command line and in
+    YAML alike (what turns an evaluation, a limit or a source off)."""
+    return {field.name for cls in dataclass_types for field in dataclasses.fields(cls)
+            if type(None) in _union_members(typing.get_type_hints(cls)[field.name])}
+
+
+def _is_none_word(value) -> bool:
+    return isinstance(value, str) and value.strip().lower() in ("", "none")
+
+
+def _none_or(convert):
+    def parse(value):
+        return None if _is_none_word(value) else convert(value)
+    return parse
 
 
 def field_comments(cls) -> dict[str, str]:

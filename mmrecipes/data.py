@@ -27,8 +27,8 @@ from .images import (
 )
 from .loader import ROW_SEED, DropCounter, ResumableShuffle, stream_loader
 from .packing import TokenBudgetBatches
-from .paths import SHAPES_DATA
-from .sources import PROBLEM, SOURCE, mixed_stream, split_sources
+from .paths import resolve_name
+from .sources import DATA_FILE, PROBLEM, SOURCE, mixed_stream, split_sources
 
 # What the log reports: images converted to RGB, and rows skipped because their image does not decode (or
 # is not a regular file), is too large or too elongated, their caption is missing or not UTF-8, or their
@@ -41,8 +41,9 @@ class DataArgs(CheckedArgs):
     CHECKS = {"max_caption_length": "count_or_none", "max_image_pixels": "count", "max_image_aspect_ratio": "positive",
               "shuffle_buffer_size": "count", "dataloader_num_workers": "count_or_zero_or_none",
               "max_patches_per_batch": "count_or_none"}
-    # hub id, local dataset dir, or a builder ('parquet', 'imagefolder'); comma-separated: several sources, mixed
-    dataset_name: str = str(SHAPES_DATA)
+    # hub id, local dataset dir, a builder ('parquet', 'imagefolder'), or embedded:<folder> for the embedded data;
+    # comma-separated: several sources, mixed
+    dataset_name: str = "embedded:shapes"
     # Sampling probabilities of comma-separated sources (as the VLM recipe's); None: equal. Each source's rows
     # trained are counted in the log (rows_<source>); evaluation reads the first source's eval split.
     dataset_weights: str | None = None
@@ -84,7 +85,7 @@ class DataArgs(CheckedArgs):
         sources = self.training_sources()
         if len(sources) == 1:
             return COUNTED
-        labels = [Path(name.rstrip("/")).name or name for name, *_ in sources]
+        labels = [Path(resolve_name(name).rstrip("/")).name or name for name, *_ in sources]
         labels = labels if len(set(labels)) == len(labels) else [str(index) for index in range(len(sources))]
         return COUNTED + tuple(f"rows_{label}" for label in labels)
 
@@ -130,7 +131,9 @@ class ImageTextPreprocessor:
         problems = batch.get(PROBLEM) or [None] * len(raw_images)  # rows from load_stream say what failed reading
         tags = batch.get(SOURCE) or [0] * len(raw_images)  # several sources: which one (mixed_stream)
         row_seeds = batch.get(ROW_SEED) or [None] * len(raw_images)  # from ResumableShuffle
-        for raw_image, caption, problem, source, seed in zip(raw_images, raw_captions, problems, tags, row_seeds):
+        files = batch.get(DATA_FILE) or [None] * len(raw_images)
+        for raw_image, caption, problem, source, seed, file in zip(raw_images, raw_captions, problems, tags, row_seeds,
+                                                                   files):
             if problem is None and isinstance(caption, bytes):  # a binary caption column
                 try:
                     caption = caption.decode("utf-8")
@@ -141,7 +144,7 @@ class ImageTextPreprocessor:
             if problem is None:
                 image, problem = decode_image(raw_image, self.args.max_image_pixels, self.args.max_image_aspect_ratio)
             if problem not in (None, "converted"):
-                self.drops.drop(problem)
+                self.drops.drop(problem, f"a row of {file}" if file else "")
                 continue
             images.append(image)
             captions.append(caption.strip())
@@ -229,7 +232,7 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_process
     preprocess = ImageTextPreprocessor(args, tokenizer, image_processor, max_length, augment)
     if shuffle_seed is None:
         stream = stream.map(preprocess, batched=True, batch_size=batch_size,
-                            remove_columns=[*columns, PROBLEM, *[SOURCE] * (len(sources) > 1)])
+                            remove_columns=[*columns, PROBLEM, DATA_FILE, *[SOURCE] * (len(sources) > 1)])
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)

@@ -11,6 +11,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 from huggingface_hub import ModelCard, ModelCardData
 
 CURVES = "training_curves.png"
@@ -68,13 +69,16 @@ answer(text=[{{"role": "user", "content": [{{"type": "image", "image": image}},
 
 
 def write_model_card(output_dir, history: History, *, pipeline_tag: str, eval_metrics: list[str],
-                     base_model: str | None, datasets: list[str], tags: list[str], engine: str, seen: str,
-                     resumed_at: int):
+                     base_model: str | None, datasets: list[str], evaluated: str, tags: list[str], engine: str,
+                     seen: str, resumed_at: int):
     """`output_dir/README.md` (a model card) and `output_dir/training_curves.png`. `engine`: the
-    `[engine]` line; `seen`: what the run trained on, before a resume at `resumed_at` too (0: not resumed)."""
+    `[engine]` line; `seen`: what the run trained on, before a resume at `resumed_at` too (0: not resumed);
+    `evaluated`: what the evaluation metrics measured (the recipe's evaluation line)."""
     output_dir = Path(output_dir)
     plot_curves(history, output_dir / CURVES, eval_metrics)
-    hub_datasets = [name for name in datasets if name and not Path(name).exists()]  # hub ids, not local paths
+    # hub ids only: not local paths, embedded names, or builders such as parquet (their files are the data)
+    hub_datasets = [name for name in datasets if name and not Path(name).exists() and ":" not in name
+                    and name not in _PACKAGED_DATASETS_MODULES]
     data = ModelCardData(library_name="transformers", pipeline_tag=pipeline_tag, base_model=base_model,
                          datasets=hub_datasets or None, tags=["mmrecipes", *tags])
     final = {name: history.last(name) for name in ("loss", "grad_norm", *history.evaluated) if name in history.values}
@@ -92,6 +96,7 @@ def write_model_card(output_dir, history: History, *, pipeline_tag: str, eval_me
         f"- seen: {seen}" + (f" (resumed at step {resumed_at})" if resumed_at else ""),
         f"- base model: {base_model or 'built from a config (random initialisation)'}",
         f"- data: {', '.join(name for name in datasets if name) or '-'}",
+        f"- evaluated: {evaluated}",
         "",
         "## Final metrics",
         "",

@@ -12,3 +12,17 @@ SHAPES_DATA = EMBEDDED / "shapes"  # image-caption pairs (data_prep/make_shapes.
 SHAPES_ZEROSHOT = EMBEDDED / "shapes_zeroshot"  # the zero-shot image folder (data_prep/make_zeroshot.py)
 VLM_PREFERENCES = EMBEDDED / "vlm_preferences"  # pairs of its questions (data_prep/make_vlm_preferences.py)
 VLM_SHAPES = EMBEDDED / "vlm_shapes"  # chat data: image_chat, text_chat (data_prep/make_vlm_data.py)
+
+EMBEDDED_PREFIX = "embedded:"  # `embedded:vlm_shapes/image_chat`: a folder of the embedded data, from any directory
+
+
+def resolve_name(name: str) -> str:
+    """A dataset name as `datasets` takes it: `embedded:<folder>` is that folder of the embedded data (in this
+    checkout or the wheel), so a config names it from any working directory; any other name as it is."""
+    return str(EMBEDDED / name.removeprefix(EMBEDDED_PREFIX)) if name.startswith(EMBEDDED_PREFIX) else name
+
+
+def is_embedded(name: str) -> bool:
+    """Whether a dataset name is the embedded data (by its `embedded:` name or its path)."""
+    path = Path(resolve_name(name.strip()))
+    return path.exists() and path.resolve().is_relative_to(EMBEDDED.resolve())

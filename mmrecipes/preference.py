@@ -20,6 +20,7 @@ import copy
 import hashlib
 import itertools
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -31,25 +32,35 @@ from .chat_data import CHAT_COUNTED, BadRow, ChatDataArgs, ChatPreprocessor
 from .config import CheckedArgs
 from .distributed import all_ranks_true, sum_over_ranks
 from .evaluation import batches_in_step
+from .loader import Skip
 from .losses import IGNORE_INDEX
-from .paths import VLM_PREFERENCES, VLM_SHAPES
-from .sources import PROBLEM
+from .sources import DATA_FILE, PROBLEM, evaluation_source, row_name
 
-PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image"]
+PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image", "id"]
 
 
 @dataclass
 class PreferenceDataArgs(ChatDataArgs):
     """The SFT recipe's data flags with the embedded preference pairs as defaults."""
 
-    dataset_name: str = str(VLM_PREFERENCES)
+    EMBEDDED_EVAL: ClassVar[str] = "embedded:vlm_preferences"
+    EMBEDDED_QUESTIONS: ClassVar[str] = "embedded:vlm_shapes/image_chat"
+    dataset_name: str = "embedded:vlm_preferences"
     dataset_weights: str | None = None
-    eval_dataset_name: str | None = str(VLM_PREFERENCES)  # held-out pairs: reward accuracy; None turns it off
-    # held-out questions (chat rows, eval_split) whose answers are scored as vlm_finetune.py does; None: not scored
-    eval_questions: str | None = str(VLM_SHAPES / "image_chat")
+    # Held-out pairs (reward accuracy), as --eval_dataset_name in vlm_finetune.py: auto is the embedded pairs beside
+    # the embedded training pairs; with your own, --eval_data_files read by the training builder, else none
+    eval_dataset_name: str | None = "auto"
+    # Held-out questions (chat rows, eval_split) whose answers are scored as vlm_finetune.py does; auto as above,
+    # with --eval_questions_data_files; None: not scored
+    eval_questions: str | None = "auto"
+    eval_questions_data_files: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
+        self.eval_questions, questions = evaluation_source(
+            "eval_questions", self.eval_questions, self.eval_questions_data_files, self.dataset_name,
+            self.EMBEDDED_QUESTIONS)
+        self.evaluation += f"; {questions}"
         if self.packing or self.max_tokens_per_batch:
             raise ValueError("--packing and --max_tokens_per_batch split or join rows; DPO scores each whole "
                              "sequence beside its pair: use --per_device_train_batch_size")
@@ -83,14 +94,14 @@ def preference_chats(row) -> tuple[dict, dict]:
     """(chosen row, rejected row) in the chat or LLaVA format `ChatPreprocessor` reads; BadRow if neither fits."""
     if row.get("conversations") is not None:
         return tuple({"conversations": list(row["conversations"]) + [_llava_answer(row.get(side))],
-                      "image": row.get("image")} for side in ("chosen", "rejected"))
+                      "image": row.get("image"), DATA_FILE: row.get(DATA_FILE)} for side in ("chosen", "rejected"))
     prompt, images = row.get("prompt"), list(row.get("images") or [])
     if isinstance(prompt, str):
         placeholders = "" if "<image>" in prompt else "<image>" * len(images)
         prompt = [{"role": "user", "content": placeholders + prompt}]
     if not isinstance(prompt, list) or not prompt:
         raise BadRow("no prompt and no conversations")
-    return tuple({"messages": prompt + _chat_answer(row.get(side)), "images": images}
+    return tuple({"messages": prompt + _chat_answer(row.get(side)), "images": images, DATA_FILE: row.get(DATA_FILE)}
                  for side in ("chosen", "rejected"))
 
 
@@ -123,11 +134,11 @@ class PreferencePreprocessor(ChatPreprocessor):
             if sides is None:
                 try:
                     sides = [self.example(side) for side in preference_chats(row)]
-                except BadRow:
-                    sides = "bad_row"
+                except BadRow as error:
+                    sides = Skip("bad_row", str(error))
             problem = sides if isinstance(sides, str) else next((s for s in sides if isinstance(s, str)), None)
             if problem:
-                self.drops.drop(problem)
+                self.drops.drop(problem, row_name(row))
                 continue
             (chosen, chosen_note), (rejected, rejected_note) = sides
             counts = self.drops.keep(chosen_note or rejected_note)

@@ -10,6 +10,8 @@ becomes a row whose `PROBLEM` column names the kind, which the preprocessors cou
 - `bad_shard`: an empty, unreadable or truncated file (the rows before the damage are kept);
 - `bad_text`: text that is not UTF-8 (a caption, a conversation);
 - `bad_row`: a JSON line that does not parse.
+Each of these rows also names its file in `DATA_FILE` (relative image and video paths resolve against
+its folder).
 Other formats (csv, imagefolder, arrow, hub datasets with a loading script) stream through
 `datasets` with images left undecoded (the preprocessors decode and count).
 """
@@ -27,9 +29,12 @@ import fsspec
 import pyarrow.parquet as pq
 from datasets.distributed import split_dataset_by_node
 
+from .paths import is_embedded, resolve_name
+
 logger = logging.getLogger(__name__)
 
 PROBLEM = "__problem__"  # a column: None, or why the row could not be read
+DATA_FILE = "__data_file__"  # a column: the file a row was read from (None for `datasets`' own readers)
 SOURCE = "__source__"  # a column of a mixed stream: the index of the source the row came from
 _BAD_TEXT = re.compile("[\udc80-\udcff]")  # what undecodable bytes become under surrogateescape
 
@@ -84,6 +89,7 @@ def data_fingerprint(sources: list[tuple]) -> list[str]:
     and sizes of its files (so a moved copy matches and another dataset does not), else the spec itself."""
     prints = []
     for name, config, split, data_files in sources:
+        name = resolve_name(name)
         patterns = expand_data_files(data_files) or ([f"{name}/**"] if Path(name).is_dir() else [])
         files = sorted({Path(path) for pattern in patterns for path in glob.glob(pattern, recursive=True)
                         if Path(path).is_file() and not any(part.startswith(".") for part in Path(path).parts[-2:])})
@@ -182,12 +188,13 @@ def read_files(files: list[str], reader: str, columns: list[str]):
             for row in READERS[reader](file):
                 rows += 1
                 problem = row.get(PROBLEM) or ("bad_text" if _has_bad_text(row) else None)
-                yield {column: None if problem else row.get(column) for column in columns} | {PROBLEM: problem}
+                yield ({column: None if problem else row.get(column) for column in columns}
+                       | {PROBLEM: problem, DATA_FILE: file})
         except Exception as error:  # whatever a damaged file raises (pyarrow, tarfile, json, fsspec)
             logger.warning("skipping the rest of %s after %d rows: %s: %s", file, rows, type(error).__name__, error)
             damaged = True
         if damaged or not rows:
-            yield dict.fromkeys(columns) | {PROBLEM: "bad_shard"}
+            yield dict.fromkeys(columns) | {PROBLEM: "bad_shard", DATA_FILE: file}
 
 
 def resolve_source(name: str, config: str | None, split: str, data_files) -> tuple[str, list[str] | None]:
@@ -202,7 +209,8 @@ def resolve_source(name: str, config: str | None, split: str, data_files) -> tup
 def load_stream(name: str, config: str | None, split: str, data_files, columns: list[str], *, data_rank: int,
                 data_world: int) -> tuple[datasets.IterableDataset, list[str] | None]:
     """(stream, the columns the source has, None if it has no readable row): this data rank's share of a
-    source's split. Every row holds exactly `columns` (images undecoded) and `PROBLEM`."""
+    source's split. Every row holds exactly `columns` (images undecoded), `PROBLEM` and `DATA_FILE`."""
+    name = resolve_name(name)
     builder, files = resolve_source(name, config, split, data_files)
     if builder in READERS and files:
         first = next((row for file in files for row in _first_row(builder, file)), None)
@@ -215,6 +223,31 @@ def load_stream(name: str, config: str | None, split: str, data_files, columns: 
         available = stream.column_names
         stream = stream.map(_only, fn_kwargs={"columns": columns}, remove_columns=available)
     return split_by_data_rank(stream, name, data_rank, data_world), available
+
+
+AUTO = "auto"  # an evaluation flag's default: the embedded held-out set beside the embedded training data only
+
+
+def evaluation_source(flag: str, name: str | None, data_files, training: str, embedded_set: str) -> tuple:
+    """(the source an evaluation reads, or None: off; the line that says which). `name` is --`flag`'s value: a name
+    asks for that source (an embedded one too), None turns it off, and `AUTO` means `embedded_set` when the
+    training data (`training`, --dataset_name) is the embedded data, else the `data_files` given for it (read by
+    the training source's builder), else nothing: a run on the user's own data never reports the embedded set
+    as if it measured theirs."""
+    if not name:
+        return None, f"--{flag} is off"
+    if name != AUTO:
+        return name, f"--{flag} {name}" + (f" (files {data_files})" if data_files else "")
+    names = [source.strip() for source in training.split(",")]
+    if data_files:
+        if len(names) > 1:
+            raise ValueError(f"--{flag} auto reads its files with the training source's builder, but there are "
+                             f"{len(names)} training sources: name the builder (e.g. --{flag} json)")
+        return names[0], f"--{flag} {names[0]} (files {data_files})"
+    if all(is_embedded(source) for source in names):
+        return embedded_set, f"--{flag} {embedded_set} (the embedded held-out set, beside the embedded training data)"
+    return None, (f"--{flag} is off: you train on your own data and name no held-out data for it; the embedded set "
+                  f"is evaluated only beside the embedded training data, or when named (--{flag} {embedded_set})")
 
 
 def split_sources(dataset_name: str, config: str | None, split: str, data_files) -> list[tuple]:
@@ -251,12 +284,18 @@ def mixed_stream(sources: list[tuple], weights: str | None, columns: list[str], 
                                         seed=seed, stopping_strategy="all_exhausted")
 
 
+def row_name(row: dict) -> str:
+    """How a skip report names a row: its `id` column and its file, where known."""
+    name = f"row {row['id']!r}" if isinstance(row.get("id"), (str, int)) else "a row"
+    return f"{name} of {row[DATA_FILE]}" if row.get(DATA_FILE) else name
+
+
 def _tagged(row: dict, index: int) -> dict:
     return {SOURCE: index}
 
 
 def _only(row: dict, columns: list[str]) -> dict:
-    return {column: row.get(column) for column in columns} | {PROBLEM: None}
+    return {column: row.get(column) for column in columns} | {PROBLEM: None, DATA_FILE: None}
 
 
 def _first_row(reader: str, file: str):

@@ -10,6 +10,7 @@ the same `zeroshot_top1` / `zeroshot_top5`.
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import datasets
 import torch
@@ -18,7 +19,7 @@ from .config import CheckedArgs
 from .distributed import sum_over_ranks
 from .evaluation import batches_in_step
 from .images import image_inputs
-from .paths import SHAPES_ZEROSHOT
+from .paths import resolve_name
 from .sources import split_by_data_rank
 
 DEFAULT_TEMPLATES = ("a photo of a {}.|a photo of the {}.|a rendering of a {}.|a {}.|a picture of a small {}.|"
@@ -28,9 +29,11 @@ DEFAULT_TEMPLATES = ("a photo of a {}.|a photo of the {}.|a rendering of a {}.|a
 @dataclass
 class ZeroShotArgs(CheckedArgs):
     CHECKS = {"per_device_zeroshot_batch_size": "count"}
+    EMBEDDED_SET: ClassVar[str] = "embedded:shapes_zeroshot"
     # A hub id, a builder with --zeroshot_data_files, or a local directory (an image folder with one
-    # sub-folder per class is read as imagefolder); None or "" turns zero-shot evaluation off.
-    zeroshot_dataset: str | None = str(SHAPES_ZEROSHOT)
+    # sub-folder per class is read as imagefolder); auto: the embedded shapes beside the embedded training data
+    # only; None turns zero-shot evaluation off.
+    zeroshot_dataset: str | None = "auto"
     zeroshot_data_files: str | None = None
     zeroshot_split: str | None = None  # default: test, or the only split there is
     zeroshot_image_column: str = "image"
@@ -39,6 +42,12 @@ class ZeroShotArgs(CheckedArgs):
     zeroshot_templates: str = DEFAULT_TEMPLATES  # "|"-separated, each with one {} for the class name
     per_device_zeroshot_batch_size: int = 64
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.zeroshot_data_files and self.zeroshot_dataset == "auto":
+            raise ValueError("--zeroshot_data_files is read by the builder --zeroshot_dataset names: set it (e.g. "
+                             "--zeroshot_dataset imagefolder)")
+
 
 class ZeroShotSet:
     """This data rank's share of the zero-shot images (preprocessed), the class names and prompts."""
@@ -46,7 +55,7 @@ class ZeroShotSet:
     def __init__(self, args: ZeroShotArgs, tokenizer, image_processor, *, caption_length: int, pad_to_max_length: bool,
                  data_rank: int, data_world: int):
         files = {"test": args.zeroshot_data_files} if args.zeroshot_data_files else None
-        loaded = datasets.load_dataset(args.zeroshot_dataset, data_files=files)
+        loaded = datasets.load_dataset(resolve_name(args.zeroshot_dataset), data_files=files)
         only = next(iter(loaded)) if len(loaded) == 1 else None
         split = args.zeroshot_split or ("test" if "test" in loaded else only)
         if split not in loaded:

@@ -29,13 +29,14 @@ from mmrecipes.data import DataArgs, build_dataloader, caption_length, evaluatio
 from mmrecipes.distributed import all_ranks_true, data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config
 from mmrecipes.evaluation import evaluate_retrieval
 from mmrecipes.feature_cache import feature_cache_backward
-from mmrecipes.loader import batches_forever
+from mmrecipes.loader import batches_forever, no_rows_error
 from mmrecipes.locking import LockArgs, lock_towers
 from mmrecipes.losses import clip_loss, siglip_loss
 from mmrecipes.metrics import LogWindow, eval_line, log_line
 from mmrecipes.model_card import History, write_model_card
 from mmrecipes.models import ModelArgs, build_contrastive, clamp_logit_scale_, save_contrastive
 from mmrecipes.patch_dropout import add_patch_dropout
+from mmrecipes.sources import evaluation_source
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.throughput import ContrastiveFlops, peak_flops
 from mmrecipes.training import (
@@ -110,13 +111,16 @@ def main(argv=None):
     train_loader = build_dataloader(data_args, data_args.train_split, data_args.data_files, batch_size=batch_size,
                                     shuffle_seed=args.seed, **loader_kwargs)
     eval_loader, no_eval = None, evaluation_off_reason(data_args)
-    if no_eval:
-        accelerator.print(f"evaluation off: {no_eval}")
-    else:
+    evaluated = [f"retrieval off: {no_eval}" if no_eval else f"retrieval on the {data_args.eval_split} split"]
+    if not no_eval:
         eval_loader = build_dataloader(data_args, data_args.eval_split, data_args.eval_data_files,
                                        batch_size=args.per_device_eval_batch_size, **loader_kwargs)
     # Zero-shot classification next to retrieval (open_clip's ImageNet top-1): the embedded shape and
-    # colour classes by default; any image folder, hub id or builder with a label column.
+    # colour classes beside the embedded data; any image folder, hub id or builder with a label column.
+    zeroshot_args.zeroshot_dataset, zeroshot_line = evaluation_source(
+        "zeroshot_dataset", zeroshot_args.zeroshot_dataset, None, data_args.dataset_name, zeroshot_args.EMBEDDED_SET)
+    evaluated.append(zeroshot_line)
+    accelerator.print("evaluation: " + "; ".join(evaluated))
     zeroshot = None
     if zeroshot_args.zeroshot_dataset:
         zeroshot = ZeroShotSet(zeroshot_args, tokenizer, image_processor, data_rank=data_rank, data_world=data_world,
@@ -148,8 +152,7 @@ def main(argv=None):
             # A rank whose share is empty gets None at its first batch (every epoch reads the same
             # rows): the ranks agree on that once, not with a collective and host sync per micro-step.
             if step == start_step and not window and not all_ranks_true(batch is not None, accelerator.device):
-                raise RuntimeError(f"A data rank has no training rows ({data_world} data ranks): use more data "
-                                   "shards/rows or fewer processes (rows that cannot be read are skipped).")
+                raise no_rows_error(train_loader, data_world, batch is None)  # the rank without rows says why
             window.append(batch)
         if args.contrastive_accumulation == "feature_cache":
             # The window's micro-batches act as ONE contrastive batch (k*b negatives per row).
@@ -212,7 +215,7 @@ def main(argv=None):
             args.output_dir, history, pipeline_tag="zero-shot-image-classification",
             eval_metrics=["image_to_text_R@1", "text_to_image_R@1", "zeroshot_top1"],
             base_model=model_args.model_name_or_path, datasets=[data_args.dataset_name],
-            tags=[model_args.loss, "contrastive"], engine=engine,
+            evaluated="; ".join(evaluated), tags=[model_args.loss, "contrastive"], engine=engine,
             seen=f"{int(logged.total['samples']):,} image-text pairs", resumed_at=start_step)
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").

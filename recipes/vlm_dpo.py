@@ -28,7 +28,7 @@ from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.config import parse_args
 from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config, sum_over_ranks
 from mmrecipes.evaluation import evaluate_answers
-from mmrecipes.loader import batches_forever
+from mmrecipes.loader import batches_forever, no_rows_error
 from mmrecipes.lora import LoraArgs, add_lora, describe_trainable
 from mmrecipes.losses import token_loss_scale
 from mmrecipes.metrics import LogWindow, eval_line, log_line
@@ -98,6 +98,7 @@ def main(argv=None):
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
     accelerator.print(template_line)
+    accelerator.print(f"evaluation: {data_args.evaluation}")
     accelerator.print(describe_trainable(model))
 
     optimizer = adamw(optimizer_groups(trainable, args), args)
@@ -126,10 +127,11 @@ def main(argv=None):
         eval_loader = build_chat_dataloader(data_args, collator=collator, eval_split=True, **loader_kwargs,
                                             batch_size=args.per_device_eval_batch_size,
                                             preprocessor=PreferencePreprocessor)
-    if data_args.eval_questions:  # the embedded questions' answers, as vlm_finetune.py scores them
-        question_loader = build_chat_dataloader(replace(data_args, eval_dataset_name=data_args.eval_questions),
-                                                collator=collator.collator, eval_split=True, **loader_kwargs,
-                                                batch_size=args.per_device_eval_batch_size)
+    if data_args.eval_questions:  # held-out questions' answers, as vlm_finetune.py scores them
+        questions = replace(data_args, eval_dataset_name=data_args.eval_questions,
+                            eval_data_files=data_args.eval_questions_data_files)
+        question_loader = build_chat_dataloader(questions, collator=collator.collator, eval_split=True,
+                                                batch_size=args.per_device_eval_batch_size, **loader_kwargs)
 
     if dpo_args.precompute_ref_log_probs:  # one epoch of this rank's pairs, then no reference model in training
         first_pass = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,
@@ -155,9 +157,8 @@ def main(argv=None):
         pairs = [batch["num_samples"] // 2 if batch is not None else 0 for batch in window]
         local = torch.tensor([sum(pairs), sum(batch is None for batch in window)], device=accelerator.device)
         window_pairs, empty = sum_over_ranks(local.float())
-        if step == start_step and empty:
-            raise RuntimeError(f"A data rank has no preference pairs ({data_world} data ranks): use more data "
-                               "shards/rows or fewer processes (pairs that cannot be read are skipped).")
+        if step == start_step and empty:  # the rank without pairs says why
+            raise no_rows_error(train_loader, data_world, bool(local[1]), rows="preference pairs")
         loss_scale = token_loss_scale(window_pairs, args.gradient_accumulation_steps, data_world)  # mean over pairs
         sums = []
         for batch in window:
@@ -226,7 +227,8 @@ def main(argv=None):
         write_model_card(
             args.output_dir, history, pipeline_tag="image-text-to-text",
             eval_metrics=["eval_rewards/accuracies", "answer_accuracy"], base_model=model_args.model_name_or_path,
-            datasets=data_args.dataset_name.split(","), engine=engine, resumed_at=start_step,
+            datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation, engine=engine,
+            resumed_at=start_step,
             tags=["vlm", "dpo", "lora" if peft_config else "full fine-tune",
                   type(accelerator.unwrap_model(model).model).__name__],
             seen=f"{int(logged.total['samples']):,} preference pairs, {int(logged.total['tokens']):,} tokens")

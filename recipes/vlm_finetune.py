@@ -33,7 +33,7 @@ from mmrecipes.distributed import (
     sum_over_ranks,
 )
 from mmrecipes.evaluation import evaluate_answers, evaluate_generation
-from mmrecipes.loader import batches_forever
+from mmrecipes.loader import batches_forever, no_rows_error
 from mmrecipes.lora import LoraArgs, add_lora, describe_trainable
 from mmrecipes.losses import token_loss_scale
 from mmrecipes.metrics import LogWindow, eval_line, log_line
@@ -116,6 +116,7 @@ def main(argv=None):
                              "drop --torch_compile while you debug")
         accelerator.print(compile_blocks(model))
     accelerator.print(template_line)
+    accelerator.print(f"evaluation: {data_args.evaluation}")
     accelerator.print(groups.describe())
     accelerator.print(describe_trainable(model))
     if groups.unreached:
@@ -175,9 +176,8 @@ def main(argv=None):
         # Every epoch reads the same rows, so that is read on the host at the first step only.
         local = torch.tensor([sum(targets), sum(batch is None for batch in window)], device=accelerator.device)
         window_tokens, empty = sum_over_ranks(local.float())
-        if step == start_step and empty:
-            raise RuntimeError(f"A data rank has no training rows ({data_world} data ranks): use more data "
-                               "shards/rows or fewer processes (rows that cannot be read are skipped).")
+        if step == start_step and empty:  # the rank without rows says why
+            raise no_rows_error(train_loader, data_world, bool(local[1]))
         loss_scale = token_loss_scale(window_tokens, args.gradient_accumulation_steps, data_world)
         window_ce = []
         for batch in window:
@@ -232,7 +232,7 @@ def main(argv=None):
         write_model_card(
             args.output_dir, history, pipeline_tag="image-text-to-text",
             eval_metrics=["answer_accuracy", "generated_accuracy"], base_model=model_args.model_name_or_path,
-            datasets=data_args.dataset_name.split(","),
+            datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
             tags=["vlm", "lora" if peft_config else "full fine-tune",
                   type(accelerator.unwrap_model(model).model).__name__],
             engine=engine, resumed_at=start_step,
