@@ -223,7 +223,10 @@ def test_empty_data_shard_stops_every_rank_with_one_error(tmp_path):
                         "--output_dir", tmp_path / "out", timeout=300)
     assert result.returncode != 0
     assert result.log.count("RuntimeError: A data rank has no training rows (2 data ranks)") == 2  # both ranks
+    assert "this rank's share of the data is empty (1 files or shards)" in result.log  # the rank without rows
     assert not losses(result.log)
+    # Own data, no zero-shot flags: the embedded shapes are not evaluated beside it.
+    assert "--zeroshot_dataset is off: you train on your own data" in result.log
 
 
 def test_builder_with_only_training_files_never_globs_the_working_directory(tmp_path):

@@ -2,15 +2,19 @@
 users do (relative to the data file, relative to --image_folder, in nested folders), trains every row; a stream
 that loses its rows says which reason, with an example row and what to change."""
 
+import importlib.util
 import json
 import logging
+import re
 
 import pytest
 from PIL import Image
 
+from launch import QUICK, REPO, VLM_RECIPE, _in_process, run_recipe
 from mmrecipes.chat_collate import DummyImageCollator
 from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader
 from mmrecipes.chat_labels import AnswerLabeller
+from mmrecipes.config import parse_args
 from mmrecipes.loader import DropCounter, Skip, no_rows_error
 from mmrecipes.losses import IGNORE_INDEX
 from mmrecipes.vlm import VLMModelArgs, load_vlm, stop_token_ids
@@ -146,3 +150,57 @@ def test_more_than_half_skipped_is_warned_once_with_the_report(caplog):
     (record,) = caplog.records
     assert "more than half of the first 10 rows" in record.getMessage() and "too_long: 6" in record.getMessage()
     assert "e.g. row 1, 300 tokens, over 256" in record.getMessage() and "raise --max_length" in record.getMessage()
+
+
+SHORT = ["--max_steps", 2, "--logging_steps", 1, "--eval_steps", 2, "--per_device_train_batch_size", 2]
+VLM_ARGS = [*SHORT, "--eval_generation_rows", 0]
+
+
+@pytest.mark.launch
+def test_own_data_is_never_evaluated_on_the_embedded_set_and_configs_run_from_anywhere(tmp_path, monkeypatch):
+    """A run on the user's rows with no evaluation flags says evaluation is off in its first lines, logs no
+    evaluation, and its model card says what was (not) evaluated; before, it reported the embedded questions'
+    accuracy as the model's. The shipped YAML runs from another directory (it named data/ relative to the
+    working directory), and DPO evaluates held-out pairs from --eval_data_files (it crashed looking for the
+    embedded questions under those files' name)."""
+    rows = layouts(tmp_path / "data")
+    result = run_recipe(*VLM_ARGS, "--dataset_name", "json", "--data_files", rows["llama_factory"][0],
+                        "--output_dir", tmp_path / "own", recipe=VLM_RECIPE)
+    assert result.returncode == 0, result.log[-3000:]
+    assert "evaluation: --eval_dataset_name is off: you train on your own data" in result.log
+    assert "eval step" not in result.log and "answer_accuracy" not in result.log
+    card = (tmp_path / "own" / "README.md").read_text()
+    assert "- evaluated: --eval_dataset_name is off" in card and "answer_accuracy" not in card
+    assert "datasets:" not in card.split("---")[1]  # the builder 'json' is not a hub dataset
+
+    monkeypatch.chdir(tmp_path)
+    yaml_first = [str(REPO / "recipes" / "configs" / "vlm_tiny.yaml"), *QUICK, *map(str, VLM_ARGS)]
+    result = _in_process(VLM_RECIPE, [*yaml_first, "--output_dir", str(tmp_path / "yaml")])
+    assert result.returncode == 0, result.log[-3000:]
+    assert "(the embedded held-out set, beside the embedded training data)" in result.log
+    assert re.search(r"eval step 2 \| answer_accuracy [\d.]+", result.log)
+
+    pair = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
+            "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
+            "rejected": [{"role": "assistant", "content": [{"type": "text", "text": "blue"}]}],
+            "images": ["images/red.png"]}
+    pairs = write(tmp_path / "data" / "trl" / "pairs.jsonl", [pair] * 4)
+    result = run_recipe(*SHORT, "--dataset_name", "json", "--data_files", pairs, "--eval_data_files", pairs,
+                        "--output_dir", tmp_path / "dpo", recipe=REPO / "recipes" / "vlm_dpo.py")
+    assert result.returncode == 0, result.log[-3000:]
+    assert "--eval_dataset_name json (files" in result.log and "--eval_questions is off" in result.log
+    assert re.search(r"eval step 2 \| eval_rewards/accuracies [\d.]+", result.log)
+    assert "answer_accuracy" not in result.log
+
+
+def test_off_words_mean_the_same_on_the_command_line_and_in_yaml(tmp_path):
+    spec = importlib.util.spec_from_file_location("vlm_finetune", VLM_RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+
+    (tmp_path / "off.yaml").write_text("eval_dataset_name: None\nmax_tokens_per_batch: none\ndataset_weights: ''\n")
+    for argv in (["--eval_dataset_name", "None", "--max_tokens_per_batch", "none", "--dataset_weights", ""],
+                 [str(tmp_path / "off.yaml")]):
+        _, _, data_args, _ = parse_args(recipe.ARGUMENTS, argv)
+        assert (data_args.eval_dataset_name, data_args.max_tokens_per_batch, data_args.dataset_weights) == (None,) * 3
+        assert data_args.evaluation == "--eval_dataset_name is off"
