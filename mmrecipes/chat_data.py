@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from PIL import Image
 
 from .chat_labels import TemplateError, UnalignedAnswer
 from .images import decode_image
@@ -138,9 +139,9 @@ def _media(row, *keys) -> list:
     """The row's images (or videos) from the first of `keys` that holds any: a list, or one path."""
     media = next((row[key] for key in keys if row.get(key)), [])
     media = [media] if isinstance(media, str) else media
-    if not isinstance(media, list) or not all(isinstance(item, (str, bytes, dict)) for item in media):
-        raise BadRow(f"{'/'.join(keys)} must be a path, or a list of paths, bytes or {{bytes, path}} dicts, not "
-                     f"{media!r:.80}")
+    if not isinstance(media, list) or not all(isinstance(item, (str, bytes, dict, Image.Image)) for item in media):
+        raise BadRow(f"{'/'.join(keys)} must be a path, or a list of paths, bytes, {{bytes, path}} dicts or images, "
+                     f"not {media!r:.80}")
     return media
 
 

@@ -19,7 +19,8 @@ import contextlib
 import copy
 import hashlib
 import itertools
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -66,28 +67,60 @@ class PreferenceDataArgs(ChatDataArgs):
                              "sequence beside its pair: use --per_device_train_batch_size")
 
 
+LOSS_TYPES = ("sigmoid", "ipo", "robust", "sft")  # the TRL 1.16 loss types this recipe computes
+
+
 @dataclass
 class DPOArgs(CheckedArgs):
     CHECKS = {"beta": "positive", "label_smoothing": "fraction", "rpo_alpha": "non_negative_or_none"}
     beta: float = 0.1  # how far the policy may move from the reference (TRL's name and default)
-    # sigmoid: the DPO paper's loss; ipo: IPO's squared loss on length-averaged log-probabilities (as TRL)
-    loss_type: str = field(default="sigmoid", metadata={"choices": ["sigmoid", "ipo"]})
-    label_smoothing: float = 0.0  # sigmoid only: the share of pairs assumed mislabelled (conservative DPO)
-    # RPO: adds rpo_alpha x each chosen answer's mean token NLL. 1.0 lets the tiny default learn its answers from
-    # scratch; TRL's default, None (pure DPO), suits a model already fine-tuned on such answers.
-    rpo_alpha: float | None = 1.0
+    # TRL 1.16's loss types, comma-separated, summed with --loss_weights: sigmoid (the DPO paper), ipo (IPO on
+    # length-averaged log-probabilities), robust (Robust DPO, with --label_smoothing), sft (the chosen answer's mean
+    # token NLL: RPO). sigmoid,sft lets the tiny default learn its answers from scratch; TRL's default is sigmoid.
+    loss_type: str = "sigmoid,sft"
+    loss_weights: str | None = None  # one per loss type, comma-separated; None: 1.0 each (TRL)
+    label_smoothing: float = 0.0  # robust: the share of preference labels assumed flipped, below 0.5 (TRL)
+    # Deprecated, TRL < 1.0's name: the weight of sft in --loss_type (0 drops it). Said with its TRL 1.16 spelling.
+    rpo_alpha: float | None = None
     # The reference's log-probabilities of every training and held-out pair computed in a first pass (repeated on a
     # resume), then the frozen copy let go: training holds one model
     precompute_ref_log_probs: bool = False
 
-    def describe(self) -> str:
-        rpo = f" + {self.rpo_alpha} x the chosen answers' token NLL (RPO, --rpo_alpha)" if self.rpo_alpha else ""
-        return f"loss: {self.loss_type} DPO, beta {self.beta}{rpo}"
-
     def __post_init__(self):
         super().__post_init__()
-        if self.label_smoothing and self.loss_type != "sigmoid":
-            raise ValueError("--label_smoothing smooths the sigmoid loss: drop it with --loss_type ipo")
+        types = [name.strip() for name in self.loss_type.split(",") if name.strip()]
+        try:
+            weights = [float(weight) for weight in (self.loss_weights or ",".join(["1.0"] * len(types))).split(",")]
+        except ValueError:
+            weights = []
+        if not types or set(types) - set(LOSS_TYPES) or len(set(types)) < len(types):
+            raise ValueError(f"--loss_type {self.loss_type!r}: give one or more of {', '.join(LOSS_TYPES)}, "
+                             "comma-separated, each once (TRL 1.16's names)")
+        if len(weights) != len(types) or not all(math.isfinite(weight) and weight >= 0 for weight in weights):
+            raise ValueError(f"--loss_weights {self.loss_weights!r}: give one finite weight, 0 or more, per "
+                             f"--loss_type ({len(types)})")
+        self.losses, self.deprecations = dict(zip(types, weights)), []
+        if self.rpo_alpha is not None:
+            self.losses.pop("sft", None)
+            self.losses |= {"sft": self.rpo_alpha} if self.rpo_alpha else {}
+            self.deprecations.append(f"--rpo_alpha is TRL < 1.0's name: write --loss_type {','.join(self.losses)} "
+                                     f"--loss_weights {','.join(map(str, self.losses.values()))}")
+        if not self.losses:
+            raise ValueError("--rpo_alpha 0 dropped the only loss type: name a preference loss with --loss_type")
+        if self.label_smoothing and ("ipo" in self.losses or not {"sigmoid", "robust"} & set(self.losses)):
+            raise ValueError("--label_smoothing smooths the robust (or the deprecated smoothed sigmoid) loss: drop it "
+                             "with --loss_type ipo")
+        if self.label_smoothing >= 0.5 and "robust" in self.losses:
+            raise ValueError(f"--label_smoothing {self.label_smoothing}: robust DPO needs it below 0.5 (TRL)")
+        if self.label_smoothing and "sigmoid" in self.losses:
+            self.deprecations.append("--label_smoothing with sigmoid is TRL < 1.0's conservative DPO (TRL 1.16's "
+                                     "sigmoid ignores it), kept here; TRL 1.16's label-smoothed loss is --loss_type "
+                                     "robust")
+
+    def describe(self) -> str:
+        terms = " + ".join(f"{weight:g} x {name}" for name, weight in self.losses.items())
+        return "\n".join([f"loss: {terms} (TRL 1.16's loss types), beta {self.beta}",
+                          *[f"deprecated: {line}" for line in self.deprecations]])
 
 
 def preference_chats(row) -> tuple[dict, dict]:
@@ -186,21 +219,24 @@ def answer_tokens(inputs: dict) -> torch.Tensor:
 
 def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, tokens: torch.Tensor, args: DPOArgs):
     """(per-pair losses, chosen rewards, rejected rewards) of `[2 * pairs]` summed log-probabilities and answer
-    `tokens`, chosen rows first: TRL's `dpo_loss` for `sigmoid` (with `label_smoothing`) and `ipo` (on
-    length-averaged log-probabilities, as TRL), plus `rpo_alpha` x the chosen answer's mean token NLL. Rewards are
-    beta times the log-ratios."""
-    if args.loss_type == "ipo":
-        policy_logps, reference_logps = policy_logps / tokens, reference_logps / tokens
+    `tokens`, chosen rows first: TRL 1.16's `DPOTrainer._compute_loss` for its loss types `sigmoid`, `ipo` (on
+    log-ratios averaged over each answer's tokens), `robust` and `sft` (each chosen answer's mean token NLL; TRL
+    averages over a micro-batch's tokens, which cannot be normalised exactly across ranks), summed with their
+    weights. Rewards are beta times the summed log-ratios, whatever the loss (as TRL logs them)."""
     chosen, rejected = (policy_logps - reference_logps).chunk(2)
-    margin = chosen - rejected
-    if args.loss_type == "ipo":
-        losses = (margin - 1 / (2 * args.beta)) ** 2
-    else:
-        losses = (-F.logsigmoid(args.beta * margin) * (1 - args.label_smoothing)
-                  - F.logsigmoid(-args.beta * margin) * args.label_smoothing)
-    if args.rpo_alpha:
-        chosen_logps, chosen_tokens = policy_logps.chunk(2)[0], tokens.chunk(2)[0]
-        losses = losses - args.rpo_alpha * (chosen_logps if args.loss_type == "ipo" else chosen_logps / chosen_tokens)
+    chosen_tokens, rejected_tokens = tokens.chunk(2)
+    margin, smoothing = args.beta * (chosen - rejected), args.label_smoothing
+    losses = torch.zeros_like(chosen)
+    for name, weight in args.losses.items():
+        if name == "sigmoid":  # label_smoothing: the deprecated conservative DPO
+            term = -F.logsigmoid(margin) * (1 - smoothing) - F.logsigmoid(-margin) * smoothing
+        elif name == "robust":
+            term = (-F.logsigmoid(margin) * (1 - smoothing) + F.logsigmoid(-margin) * smoothing) / (1 - 2 * smoothing)
+        elif name == "ipo":
+            term = (chosen / chosen_tokens - rejected / rejected_tokens - 1 / (2 * args.beta)) ** 2
+        else:  # sft
+            term = -policy_logps.chunk(2)[0] / chosen_tokens
+        losses = losses + weight * term
     return losses, args.beta * chosen.detach(), args.beta * rejected.detach()
 
 

@@ -102,14 +102,16 @@ def row_logps(model, pair_rows, average):
     return torch.stack(values)
 
 
-@pytest.mark.parametrize("loss_type, label_smoothing, rpo_alpha", [("sigmoid", 0.0, None), ("sigmoid", 0.2, None),
-                                                                   ("ipo", 0.0, None), ("sigmoid", 0.0, 0.5)])
-def test_loss_and_rewards_equal_the_dpo_formula_from_the_models_own_logits(tiny, loss_type, label_smoothing,
-                                                                           rpo_alpha):
+@pytest.mark.parametrize("loss_type, loss_weights, label_smoothing", [
+    ("sigmoid", None, 0.0), ("sigmoid", None, 0.2), ("ipo", None, 0.0), ("sigmoid,sft", "1.0,0.5", 0.0),
+    ("robust", None, 0.2)])
+def test_loss_and_rewards_equal_the_dpo_formula_from_the_models_own_logits(tiny, loss_type, loss_weights,
+                                                                           label_smoothing):
     """DPO (Rafailov et al. 2023, eq. 7): -log sigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l))), smoothed
-    (cDPO); IPO (Azar et al. 2023): (h - 1 / (2 beta))^2 on length-averaged log-probabilities, as TRL; RPO adds
-    alpha x the chosen answer's mean token NLL. The reference is a perturbed copy, so its terms matter. Image and
-    text-only pairs in one batch."""
+    (cDPO, deprecated); IPO (Azar et al. 2023): (h - 1 / (2 beta))^2 on length-averaged log-probabilities, as TRL;
+    Robust DPO (Chowdhury et al. 2024); sft adds its weight x the chosen answer's mean token NLL. Rewards are beta
+    x the summed log-ratios for every loss (TRL 1.16; IPO's were per-token before). The reference is a perturbed
+    copy, so its terms matter. Image and text-only pairs in one batch."""
     model, _, preprocess, collator = tiny
     rows = list(datasets.load_dataset(str(REPO / "data" / "vlm_preferences"), split="train").select(range(40)))
     rows = [row for row in rows if row["images"]][:3] + [row for row in rows if not row["images"]][:2]
@@ -119,8 +121,7 @@ def test_loss_and_rewards_equal_the_dpo_formula_from_the_models_own_logits(tiny,
     with torch.no_grad():
         for param in reference_model.parameters():
             param.add_(0.05 * torch.randn_like(param))
-    args = DPOArgs(beta=0.5, loss_type=loss_type, label_smoothing=label_smoothing, rpo_alpha=rpo_alpha)
-    average = loss_type == "ipo"
+    args = DPOArgs(beta=0.5, loss_type=loss_type, loss_weights=loss_weights, label_smoothing=label_smoothing)
     model.eval(), reference_model.eval()
     with torch.no_grad():
         inputs = chat_model_inputs(collator(pairs), "cpu")
@@ -129,29 +130,103 @@ def test_loss_and_rewards_equal_the_dpo_formula_from_the_models_own_logits(tiny,
         losses, chosen_rewards, rejected_rewards = dpo_loss(policy, reference, answer_tokens(inputs), args)
 
         ordered = [pair["chosen"] for pair in pairs] + [pair["rejected"] for pair in pairs]
-        pi, ref = row_logps(model, ordered, average), row_logps(reference_model, ordered, average)
-    half = len(pairs)
+        pi, ref = row_logps(model, ordered, average=False), row_logps(reference_model, ordered, average=False)
+        pi_mean, ref_mean = row_logps(model, ordered, average=True), row_logps(reference_model, ordered, average=True)
+    half, beta, smoothing = len(pairs), args.beta, label_smoothing
     pi_w, pi_l, ref_w, ref_l = pi[:half], pi[half:], ref[:half], ref[half:]
     h = (pi_w - ref_w) - (pi_l - ref_l)
     if loss_type == "ipo":
-        expected = (h - 1 / (2 * args.beta)) ** 2
+        h_mean = (pi_mean[:half] - ref_mean[:half]) - (pi_mean[half:] - ref_mean[half:])
+        expected = (h_mean - 1 / (2 * beta)) ** 2
+    elif loss_type == "robust":
+        expected = (-(1 - smoothing) * torch.log(torch.sigmoid(beta * h))
+                    + smoothing * torch.log(torch.sigmoid(-beta * h))) / (1 - 2 * smoothing)
     else:
-        expected = (-(1 - label_smoothing) * torch.log(torch.sigmoid(args.beta * h))
-                    - label_smoothing * torch.log(torch.sigmoid(-args.beta * h)))
-    if rpo_alpha:
-        expected = expected - rpo_alpha * row_logps(model, ordered[:half], average=True)
-    torch.testing.assert_close(policy, row_logps(model, ordered, average=False), atol=1e-4, rtol=1e-5)
+        expected = (-(1 - smoothing) * torch.log(torch.sigmoid(beta * h))
+                    - smoothing * torch.log(torch.sigmoid(-beta * h)))
+    if "sft" in loss_type:
+        expected = expected - 0.5 * pi_mean[:half]
+    torch.testing.assert_close(policy, pi, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(losses, expected, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(chosen_rewards, args.beta * (pi_w - ref_w), atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(rejected_rewards, args.beta * (pi_l - ref_l), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(chosen_rewards, beta * (pi_w - ref_w), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(rejected_rewards, beta * (pi_l - ref_l), atol=1e-5, rtol=1e-4)
     assert not torch.allclose(ref, pi, atol=1e-3)  # the reference's terms are not zero
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_first_step_equals_trl_dpo_trainer(tiny, loss_type):
+    """TRL 1.16's `DPOTrainer` on the same tiny model and pairs computes the loss, the rewards and the log-probs we
+    compute. One convention is taken out: TRL also scores the newline the template writes after the end-of-turn
+    token (the prompt-plus-answer rendering minus the prompt's), where our labels are the SFT labels; here the
+    template writes no newline after an answer. The reference's log-probabilities are handed to TRL as
+    precomputed (its `ref_chosen_logps` inputs), from the reference's own logits on TRL's batch; ours come from our
+    forward. Before, IPO logged per-token rewards: half of TRL's here."""
+    import trl  # a dev dependency: imported here, its import costs seconds
+
+    model, processor, _, collator = tiny
+    processor = copy.deepcopy(processor)
+    template = processor.chat_template.replace("{% endgeneration %}{{ '\n' }}", "{% endgeneration %}")
+    assert template != processor.chat_template
+    processor.chat_template = processor.tokenizer.chat_template = template
+    torch.manual_seed(1)
+    reference_model = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for param in reference_model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    rows = list(datasets.load_dataset(str(REPO / "data" / "vlm_preferences"), split="train").select(range(40)))
+    rows = [row for row in rows if row["images"]][:4]
+
+    config = trl.DPOConfig(output_dir=None, beta=0.5, loss_type=[loss_type], report_to=[], use_cpu=True,
+                           per_device_eval_batch_size=len(rows), max_length=None)
+    trainer = trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model), args=config,
+                             train_dataset=datasets.Dataset.from_list(rows), processing_class=processor,
+                             eval_dataset=datasets.Dataset.from_list(rows))
+    batch = next(iter(trainer.get_eval_dataloader()))  # in row order: chosen rows, then rejected rows
+    targets = batch["input_ids"][:, 1:]
+    with torch.no_grad():
+        logits = reference_model(**{key: value for key, value in batch.items() if key != "completion_mask"}).logits
+        scored = F.log_softmax(logits[:, :-1].float(), -1).gather(-1, targets[..., None])[..., 0]
+        reference_logps = (scored * batch["completion_mask"][:, 1:]).sum(1)
+        batch["ref_chosen_logps"], batch["ref_rejected_logps"] = reference_logps.chunk(2)
+        trainer.precompute_ref_logps = True
+        trainer.model.eval()
+        trl_loss = trainer.compute_loss(trainer.model, batch)
+    trl_metrics = {name: values[-1] for name, values in trainer._metrics["eval"].items()}
+
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    pairs = preprocessed(PreferencePreprocessor(PreferenceDataArgs(), labeller, 256), rows)
+    with torch.no_grad():
+        inputs = chat_model_inputs(collator(pairs), "cpu")
+        policy = sequence_logps(VLMForTraining(model.eval()), inputs)
+        reference = Reference(VLMForTraining(reference_model))(None, inputs)
+        losses, chosen, rejected = dpo_loss(policy, reference, answer_tokens(inputs), DPOArgs(beta=0.5,
+                                                                                              loss_type=loss_type))
+    ours = {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
+            "rewards/margins": (chosen - rejected).mean(), "logps/chosen": policy.chunk(2)[0].mean(),
+            "logps/rejected": policy.chunk(2)[1].mean()}
+    assert float(losses.mean()) == pytest.approx(float(trl_loss), abs=1e-5)
+    for name, value in ours.items():
+        assert float(value) == pytest.approx(trl_metrics[name], abs=1e-5), name
+    assert abs(trl_metrics["rewards/margins"]) > 1e-3  # the reference matters
 
 
 def test_flags_that_cannot_serve_dpo_are_refused():
     with pytest.raises(ValueError, match="--packing and --max_tokens_per_batch"):
         PreferenceDataArgs(packing=True)
-    with pytest.raises(ValueError, match="--label_smoothing smooths the sigmoid loss"):
+    with pytest.raises(ValueError, match="--label_smoothing smooths the robust"):
         DPOArgs(loss_type="ipo", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="robust DPO needs it below 0.5"):
+        DPOArgs(loss_type="robust", label_smoothing=0.6)
+    with pytest.raises(ValueError, match="--loss_type 'sigmoid,hinge'"):
+        DPOArgs(loss_type="sigmoid,hinge")
+    with pytest.raises(ValueError, match="--loss_weights '1.0': give one finite weight"):
+        DPOArgs(loss_type="sigmoid,sft", loss_weights="1.0")
+    # TRL < 1.0's names are accepted, and said in TRL 1.16's spelling.
+    rpo = DPOArgs(loss_type="sigmoid", rpo_alpha=0.5)
+    assert rpo.losses == {"sigmoid": 1.0, "sft": 0.5}
+    assert "write --loss_type sigmoid,sft --loss_weights 1.0,0.5" in rpo.describe()
+    assert DPOArgs(rpo_alpha=0).losses == {"sigmoid": 1.0}  # --rpo_alpha 0: pure DPO, as before
+    assert "conservative DPO" in DPOArgs(loss_type="sigmoid", label_smoothing=0.1).describe()
     with pytest.raises(ValueError, match="--beta"):
         DPOArgs(beta=0)
 
