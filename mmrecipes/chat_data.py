@@ -199,7 +199,7 @@ class ChatPreprocessor:
     def __init__(self, args: ChatDataArgs, labeller, max_length: int):
         self.args, self.labeller, self.max_length = args, labeller, max_length
         self.drops = DropCounter()
-        self.logged = set()  # the kinds of unexpected failure already logged (once each)
+        self.logged = set()  # what was already logged once: "video", and the kinds of unexpected failure
 
     def __call__(self, batch):
         out = {"input_ids": [], "labels": [], "image_inputs": []} | {name: [] for name in CHAT_COUNTED}
@@ -223,6 +223,9 @@ class ChatPreprocessor:
         try:
             messages, raw_images, raw_videos = to_chat(row)
             if self.labeller.video_token_id is None and has_video(row, messages):
+                if "video" not in self.logged:  # said once, not only counted
+                    self.logged.add("video")
+                    logger.warning("skipping video rows (counted as video): this model's processor takes no video")
                 return Skip("video", "this model's processor takes no video")
             images_folder = media_folder(row, self.args.image_folder)
             videos_folder = media_folder(row, self.args.video_folder or self.args.image_folder)

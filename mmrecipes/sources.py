@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 PROBLEM = "__problem__"  # a column: None, or why the row could not be read
 DATA_FILE = "__data_file__"  # a column: the file a row was read from (None for `datasets`' own readers)
 SOURCE = "__source__"  # a column of a mixed stream: the index of the source the row came from
+_WARNED_SHARDS = set()  # (source, shards) already said not to divide the data ranks
 _BAD_TEXT = re.compile("[\udc80-\udcff]")  # what undecodable bytes become under surrogateescape
 
 
@@ -106,7 +107,9 @@ def split_by_data_rank(stream, name: str, data_rank: int, data_world: int):
     """This data rank's share of a stream. Whole shards when their number is a multiple of the data
     world; otherwise `split_dataset_by_node` has every rank read every shard and keep 1/W of its
     rows, which multiplies the read traffic by W: said once in the log, with what to do."""
-    if data_world > 1 and stream.num_shards % data_world and data_rank == 0:
+    said = (name, stream.num_shards)  # once: the evaluation and prompt streams of a source read it again
+    if data_world > 1 and stream.num_shards % data_world and data_rank == 0 and said not in _WARNED_SHARDS:
+        _WARNED_SHARDS.add(said)
         logger.warning(f"{name}: {stream.num_shards} shards over {data_world} data ranks, not a multiple: every rank "
                        f"reads every shard and keeps 1/{data_world} of its rows ({data_world}x the read traffic). "
                        f"Split the data into a multiple of {data_world} files to give each rank whole shards.")
