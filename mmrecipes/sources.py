@@ -107,7 +107,7 @@ def split_by_data_rank(stream, name: str, data_rank: int, data_world: int):
     """This data rank's share of a stream. Whole shards when their number is a multiple of the data
     world; otherwise `split_dataset_by_node` has every rank read every shard and keep 1/W of its
     rows, which multiplies the read traffic by W: said once in the log, with what to do."""
-    said = (name, stream.num_shards)  # once: the evaluation and prompt streams of a source read it again
+    said = (name, stream.num_shards, data_world)  # once: the evaluation and prompt streams read a source again
     if data_world > 1 and stream.num_shards % data_world and data_rank == 0 and said not in _WARNED_SHARDS:
         _WARNED_SHARDS.add(said)
         logger.warning(f"{name}: {stream.num_shards} shards over {data_world} data ranks, not a multiple: every rank "
