@@ -1,6 +1,8 @@
 """What a checkpoint directory may hold, and proof that it holds what was saved.
 
-Two checks run before a resume loads anything:
+Three checks run before a resume (or --init_from_checkpoint) loads anything:
+- `link_problems`: no symbolic link inside the checkpoint folder, so every file a load opens is one the
+  other two checks read (the files behind a linked shard folder are in no listing);
 - `check_manifest`: every file the save wrote is there with its size and SHA-256 (`write_manifest`
   lists them at save time), and nothing else is: a missing, truncated, edited or foreign file is
   named.
@@ -23,6 +25,7 @@ How the engines read the files decides how each is checked:
 
 import hashlib
 import io
+import os
 import pickle
 import re
 import sys
@@ -158,6 +161,19 @@ def file_digest(path: Path) -> list:
             digest.update(chunk)
             size += len(chunk)
     return [size, digest.hexdigest()]
+
+
+def link_problems(checkpoint: Path) -> list[str]:
+    """The symbolic links inside a checkpoint folder, each a problem: a save writes none, and a link can lead a
+    load to files the manifest and the pickle check never saw (a shard folder linked to a prepared `.metadata`).
+    The folder itself may be a link (a checkpoint moved to other storage and linked back)."""
+    problems = []
+    for folder, names, files in os.walk(checkpoint):  # links to folders are listed, not followed
+        for name in sorted(names + files):
+            if (path := Path(folder) / name).is_symlink():
+                problems.append(f"{path.relative_to(checkpoint)} is a symbolic link (to {os.readlink(path)}): a "
+                                "checkpoint these recipes write holds none, and a load would read what it points to")
+    return problems
 
 
 def checkpoint_files(checkpoint: Path, marker: str) -> list[str]:

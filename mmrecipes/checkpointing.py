@@ -33,7 +33,14 @@ from pathlib import Path
 from accelerate.utils import gather_object, merge_fsdp_weights
 from safetensors.torch import load_file
 
-from .checkpoint_files import UnsafeCheckpoint, check_manifest, checkpoint_files, file_digest, plain_data_problem
+from .checkpoint_files import (
+    UnsafeCheckpoint,
+    check_manifest,
+    checkpoint_files,
+    file_digest,
+    link_problems,
+    plain_data_problem,
+)
 from .loader import ResumableShuffle
 from .output_dir import OutputDirBusy, OutputDirLock
 from .sources import data_fingerprint
@@ -42,6 +49,13 @@ MARKER = "checkpoint.json"
 PARTIAL = ".partial-"
 SCHEDULER = "scheduler.json"
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
+PARTIAL_NAME = re.compile(rf"{PARTIAL}(replaced-|deleted-)?checkpoint-\d+")  # what saves leave when cut short
+# What torch's zip writer raises (a RuntimeError) when a write fails: a full disk, an I/O error
+WRITE_FAILED = re.compile(r"iostream error|inline_container|PytorchStreamWriter|file write failed")
+
+
+class CheckpointSaveFailed(RuntimeError):
+    """A save that could not be written; the message says what failed and how to resume."""
 
 
 def step_of(checkpoint: Path) -> int:
@@ -74,7 +88,7 @@ def checkpoint_weights(checkpoint: str | Path) -> dict:
                          f"{error}); a saved model directory goes to --model_name_or_path") from error
     if (checkpoint / "pytorch_model").is_dir():  # DeepSpeed's files: its plain-data classes are allowed once imported
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    problems = (check_manifest(checkpoint, manifest, names)
+    problems = (link_problems(checkpoint) or check_manifest(checkpoint, manifest, names)
                 or [problem for name in names if (problem := plain_data_problem(checkpoint, name))])
     if problems:
         raise UnsafeCheckpoint(f"{checkpoint} cannot seed a run: " + " | ".join(problems))
@@ -119,10 +133,20 @@ class Checkpointer:
     def save(self, step: int, epoch: int, totals: dict | None = None) -> Path:
         """Model, optimizer, scheduler and RNG state after `step` optimizer steps, the training stream's
         position after its last batch, which came from `epoch`, and the log's `totals` so far (its counters,
-        `LogWindow.totals_so_far`) (call on every rank)."""
-        accelerator = self.accelerator
-        partial, final = self.root / f"{PARTIAL}checkpoint-{step}", self.root / f"checkpoint-{step}"
-        if accelerator.is_main_process and partial.exists():
+        `LogWindow.totals_so_far`) (call on every rank). A write that fails (a full or read-only disk, an I/O
+        error) raises CheckpointSaveFailed, saying what failed, the last complete checkpoint and how to resume; what
+        it wrote is removed (or, where it cannot be, removed at the next start)."""
+        partial = self.root / f"{PARTIAL}checkpoint-{step}"
+        try:
+            return self._save(step, epoch, totals, partial)
+        except (OSError, RuntimeError) as error:  # torch's writer raises RuntimeError on a full disk
+            if isinstance(error, RuntimeError) and not WRITE_FAILED.search(str(error)):
+                raise
+            raise self._save_failed(step, partial, error) from None
+
+    def _save(self, step: int, epoch: int, totals: dict | None, partial: Path) -> Path:
+        accelerator, final = self.accelerator, self.root / f"checkpoint-{step}"
+        if accelerator.is_main_process and partial.is_dir() and not partial.is_symlink():
             shutil.rmtree(partial)
         accelerator.wait_for_everyone()
         accelerator.save_state(partial)
@@ -143,12 +167,30 @@ class Checkpointer:
             os.rename(partial, final)  # one step: readers see the whole checkpoint or none of it
             shutil.rmtree(replaced, ignore_errors=True)
             if self.total_limit:
-                for old in self.complete()[:-self.total_limit]:
-                    doomed = self.root / f"{PARTIAL}deleted-{old.name}"
-                    os.rename(old, doomed)  # never picked again, even if the deletion is cut short
-                    shutil.rmtree(doomed)
+                self._rotate()
         accelerator.wait_for_everyone()
         return final
+
+    def _rotate(self):
+        """Remove the oldest checkpoints beyond --save_total_limit: only the folders saves wrote, not a link to a
+        checkpoint moved elsewhere (neither the link nor what it points to); one that cannot be removed stays."""
+        for old in [path for path in self.complete() if not path.is_symlink()][:-self.total_limit]:
+            doomed = self.root / f"{PARTIAL}deleted-{old.name}"
+            try:
+                os.rename(old, doomed)  # never picked again, even if the deletion is cut short
+                shutil.rmtree(doomed)
+            except OSError as error:
+                self.accelerator.print(f"could not remove {old} beyond --save_total_limit ({error}); left in place")
+
+    def _save_failed(self, step: int, partial: Path, error: Exception) -> "CheckpointSaveFailed":
+        """The error that ends a run whose save failed, after removing what it wrote where it can."""
+        shutil.rmtree(partial, ignore_errors=True)
+        complete = self.complete()
+        last = f"the last complete checkpoint is {complete[-1]}" if complete else "no complete checkpoint yet"
+        what = f"{error.strerror} ({error.filename})" if isinstance(error, OSError) and error.strerror else str(error)
+        return CheckpointSaveFailed(
+            f"saving checkpoint-{step} failed: {what.splitlines()[0]}; {last}. Free space or make {self.root} "
+            "writable, then run the same command with --resume_from_checkpoint latest")
 
     def _on_every_rank(self, work, items: list) -> list:
         """`work(item)` (a list) for every item, the items shared out over the ranks; every rank gets all results."""
@@ -171,11 +213,13 @@ class Checkpointer:
             raise OutputDirBusy(problem)
 
     def remove_partial(self):
-        """Remove what saves cut short left behind (main process; call before the first save)."""
+        """Remove what saves cut short left behind (main process; call before the first save): the folders a save
+        names, not a file or a link of another name that merely starts the same."""
         if self.accelerator.is_main_process:
             for leftover in sorted(self.root.glob(f"{PARTIAL}*")):
-                shutil.rmtree(leftover)
-                self.accelerator.print(f"removed {leftover}: a checkpoint save that did not finish")
+                if PARTIAL_NAME.fullmatch(leftover.name) and leftover.is_dir() and not leftover.is_symlink():
+                    shutil.rmtree(leftover)
+                    self.accelerator.print(f"removed {leftover}: a checkpoint save that did not finish")
         self.accelerator.wait_for_everyone()
 
     def find(self, which: str) -> Path | None:
@@ -215,6 +259,8 @@ class Checkpointer:
             return [f"{MARKER} has no file manifest, step and layout (not written by these recipes, or by an older "
                     "version)"]
         self._check_belongs(checkpoint, saved)
+        if links := link_problems(checkpoint):
+            return links
         names = sorted(set(manifest) | set(checkpoint_files(checkpoint, MARKER)))
         problems = self._on_every_rank(lambda name: check_manifest(checkpoint, manifest, [name]), names)
         if problems:

@@ -2,7 +2,8 @@
 
 Two runs writing one `output_dir` destroy each other's work (the second removes the first one's
 checkpoint in progress as a save that did not finish). The run's main process creates
-`<output_dir>/.mmrecipes.lock` with `O_EXCL` (atomic on local and network filesystems), holding
+`<output_dir>/.mmrecipes.lock` with `O_EXCL` (atomic on local and network filesystems), under an flock on the
+directory (so that checking a stale lock and taking it over is one step between processes), holding
 its host, pid, process start time and Slurm job id, and keeps the file's time fresh from a
 background thread. Another run is refused, naming the owner. A lock is stale, and taken over with
 a line in the log, when its process is gone: on the same host the pid no longer runs the process
@@ -13,6 +14,8 @@ Creating it also proves the directory writable, before the first step rather tha
 """
 
 import atexit
+import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -62,6 +65,19 @@ def _runs(pid, start_time) -> bool:
     return start_time is not None and _start_time(pid) == start_time
 
 
+@contextlib.contextmanager
+def _exclusive(directory: Path):
+    """Held by one process at a time (an flock on the directory, dropped by the kernel if the process dies): the
+    check of a lock and its takeover happen as one step, so two runs never both hold it."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):  # a filesystem without flock: O_EXCL alone, as before
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)
+
+
 class OutputDirLock:
     def __init__(self, output_dir: str | Path):
         self.path = Path(output_dir) / LOCK_NAME
@@ -76,8 +92,12 @@ class OutputDirLock:
         except OSError as error:
             raise OutputDirBusy(f"--output_dir {self.path.parent} cannot be created ({error}): choose a writable "
                                 "directory") from None
+        with _exclusive(self.path.parent):  # two runs that find the same stale lock take it over one after the other
+            return self._acquire()
+
+    def _acquire(self) -> str | None:
         note = None
-        for _ in range(3):  # another run may take over the same stale lock at the same moment
+        for _ in range(3):
             try:
                 descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
@@ -96,8 +116,13 @@ class OutputDirLock:
             except OSError as error:
                 raise OutputDirBusy(f"--output_dir {self.path.parent} is not writable ({error}): the run would train "
                                     "and then fail at its first save. Choose a writable directory.") from None
-            with os.fdopen(descriptor, "w") as file:
-                json.dump(self.owner, file)
+            try:
+                with os.fdopen(descriptor, "w") as file:
+                    json.dump(self.owner, file)
+            except OSError as error:  # a full disk: no lock left behind without its owner
+                self.path.unlink(missing_ok=True)
+                raise OutputDirBusy(f"--output_dir {self.path.parent} cannot be written ({error}): free space or "
+                                    "choose another directory") from None
             self.held = True
             _HELD.append(self)
             threading.Thread(target=self._refresh, daemon=True, name="output-dir-lock").start()
@@ -116,8 +141,8 @@ class OutputDirLock:
             owner = json.loads(self.path.read_text())
         except (OSError, ValueError):
             owner = {}
-        if not owner and self._age() < REFRESH_S:
-            return owner, None  # being written right now
+        if not owner:  # being written right now, or its writer died before it wrote its owner
+            return owner, "it names no owner" if self._age() >= REFRESH_S else None
         if owner.get("host") == self.owner["host"] and isinstance(owner.get("pid"), int):
             if owner["pid"] == self.owner["pid"]:
                 return owner, "this process took it before"  # main() called again in one process
