@@ -41,7 +41,16 @@ from .images import decode_image
 from .loader import DropCounter, ResumableShuffle, Skip, stream_loader
 from .losses import IGNORE_INDEX
 from .packing import TokenBudgetBatches
-from .sources import DATA_FILE, PROBLEM, evaluation_source, load_stream, mixed_stream, row_name, split_sources
+from .sources import (
+    DATA_FILE,
+    PROBLEM,
+    evaluation_source,
+    load_stream,
+    mixed_stream,
+    row_name,
+    source_weights,
+    split_sources,
+)
 from .videos import VIDEO_COUNTED, VideoArgs, decode_video
 
 logger = logging.getLogger(__name__)
@@ -101,6 +110,8 @@ class ChatDataArgs(VideoArgs):
 
     def __post_init__(self):
         super().__post_init__()
+        source_weights(self.dataset_weights, len(self.training_sources()),
+                       explicit=self.dataset_weights != type(self).dataset_weights)
         self.eval_dataset_name, self.evaluation = evaluation_source(
             "eval_dataset_name", self.eval_dataset_name, self.eval_data_files, self.dataset_name, self.EMBEDDED_EVAL)
 

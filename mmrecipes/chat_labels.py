@@ -157,10 +157,19 @@ def _aligned_positions(plain: list[int], processed: list[int]) -> dict[int, int]
     return {a + k: b + k for a, b, size in matcher.get_matching_blocks() for k in range(size)}
 
 
-def check_template(labeller: AnswerLabeller, source: str) -> str:
+def check_template(labeller: AnswerLabeller, source: str, max_length: int | None = None) -> str:
     """Label a 2-turn probe conversation with an image (a real one, through the processor) before the
     first step: raise unless the targets are exactly its two answers, each from the end of the generation
-    prompt to its end-of-turn token. Returns a log line naming the rule found."""
+    prompt to its end-of-turn token, and (given `max_length`, --max_length) unless a one-line question and a
+    one-word answer without an image fit in it. Returns a log line naming the rule found."""
+    if max_length is not None:
+        shortest = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
+        overhead = len(labeller(shortest, [])[0]["input_ids"][0])
+        if overhead > max_length:
+            raise ValueError(f"--max_length {max_length} is below what the chat template needs for a one-line "
+                             f"question and a one-word answer ({overhead} tokens): every row would be skipped as "
+                             "too_long. Raise it.")
     answers = ["red", "two"]
     probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": answers[0]}]},

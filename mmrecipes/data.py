@@ -28,7 +28,7 @@ from .images import (
 from .loader import ROW_SEED, DropCounter, ResumableShuffle, stream_loader
 from .packing import TokenBudgetBatches
 from .paths import resolve_name
-from .sources import DATA_FILE, PROBLEM, SOURCE, mixed_stream, split_sources
+from .sources import DATA_FILE, PROBLEM, SOURCE, mixed_stream, source_weights, split_sources
 
 # What the log reports: images converted to RGB, and rows skipped because their image does not decode (or
 # is not a regular file), is too large or too elongated, their caption is missing or not UTF-8, or their
@@ -75,6 +75,10 @@ class DataArgs(CheckedArgs):
     # together (images of fewer patches, more rows); per_device_train_batch_size then only sets how many rows are
     # preprocessed at a time. Ranks may hold different row counts: siglip_loss stays exact.
     max_patches_per_batch: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        source_weights(self.dataset_weights, len(self.training_sources()), explicit=self.dataset_weights is not None)
 
     def training_sources(self) -> list[tuple]:
         """(name, config, split, data_files) of each training source."""

@@ -20,6 +20,7 @@ import glob
 import hashlib
 import json
 import logging
+import math
 import re
 import tarfile
 from pathlib import Path
@@ -261,6 +262,23 @@ def split_sources(dataset_name: str, config: str | None, split: str, data_files)
     return [(name, config, split, data_files) for name in names]
 
 
+def source_weights(weights: str | None, sources: int, explicit: bool = False) -> list[float]:
+    """The sampling probability of each of `sources` from --dataset_weights (None: equal). Weights must be finite, 0
+    or more, not all 0, one per source; given `explicit`ly for a single source they would do nothing, and are
+    refused rather than ignored (a default weighting is ignored there)."""
+    try:
+        values = [float(weight) for weight in weights.split(",")] if weights else [1.0] * sources
+    except ValueError:
+        values = []
+    if sources == 1 and not explicit:
+        return [1.0]
+    if len(values) != sources or not all(math.isfinite(value) and value >= 0 for value in values) or not sum(values):
+        hint = " (one source: nothing to mix, drop --dataset_weights)" if sources == 1 else ""
+        raise ValueError(f"--dataset_weights {weights!r}: give one finite weight, 0 or more, per --dataset_name source "
+                         f"({sources}){hint}")
+    return values
+
+
 def mixed_stream(sources: list[tuple], weights: str | None, columns: list[str], *, data_rank: int, data_world: int,
                  seed: int, check_columns=None, tag_sources=False) -> datasets.IterableDataset:
     """This data rank's rows of `sources` ((name, config, split, data_files) each) mixed at `weights`
@@ -269,10 +287,7 @@ def mixed_stream(sources: list[tuple], weights: str | None, columns: list[str], 
     `state_dict` resumes it exactly. `tag_sources`: with several sources each row names its own in `SOURCE`
     (for per-source counts; a checkpoint's stream position depends on it). `check_columns(name, available)`
     may refuse a source before the first step."""
-    probabilities = [float(weight) for weight in weights.split(",")] if weights else [1.0] * len(sources)
-    if len(sources) > 1 and (len(probabilities) != len(sources) or min(probabilities) < 0 or sum(probabilities) <= 0):
-        raise ValueError(f"--dataset_weights {weights!r}: give one non-negative weight per --dataset_name source "
-                         f"({len(sources)})")
+    probabilities = source_weights(weights, len(sources))
     streams = []
     for index, (name, config, split, data_files) in enumerate(sources):
         stream, available = load_stream(name, config, split, data_files, columns, data_rank=data_rank,

@@ -21,7 +21,7 @@ class TrainingArgs(CheckedArgs):
                                "per_device_eval_batch_size", "eval_steps", "logging_steps", "ddp_timeout"), "count"),
               **dict.fromkeys(("global_batch_size", "save_total_limit"), "count_or_none"),
               **dict.fromkeys(("warmup_steps", "save_steps", "max_skipped_steps"), "count_or_zero"),
-              "learning_rate": "positive", "weight_decay": "non_negative", "max_grad_norm": "non_negative_or_none",
+              "learning_rate": "learning_rate", "weight_decay": "non_negative", "max_grad_norm": "non_negative_or_none",
               "peak_tflops": "positive_or_none", "adam_beta1": "fraction", "adam_beta2": "fraction",
               "adam_epsilon": "positive"}
 
@@ -70,6 +70,9 @@ class TrainingArgs(CheckedArgs):
         if unknown:
             raise ValueError(f"--preemption_signals {self.preemption_signals!r}: {', '.join(unknown)} is not a signal "
                              "a process can catch; write names such as SIGTERM,SIGUSR1 (or '' for none)")
+        if self.mixed_precision == "fp16" and not torch.cuda.is_available():  # accelerate computes fp32 there
+            raise ValueError("--mixed_precision fp16 needs a GPU: on a CPU the run would compute in fp32 while its "
+                             "engine line said fp16. Use --mixed_precision no (or bf16)")
         if not self.max_grad_norm:
             self.max_grad_norm = math.inf  # clip_grad_norm_ then only measures (and DeepSpeed clips nothing)
         lr_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), self)  # refused now, not at step 1

@@ -54,7 +54,7 @@ from mmrecipes.vlm_families import dummy_image_inputs, module_groups, optimizer_
 
 @dataclass
 class TrainArgs(TrainingArgs):
-    CHECKS = TrainingArgs.CHECKS | {"vision_tower_learning_rate": "positive",
+    CHECKS = TrainingArgs.CHECKS | {"vision_tower_learning_rate": "learning_rate",
                                     "vision_tower_weight_decay": "non_negative"}
     output_dir: str = "outputs/vlm_dpo"
     max_steps: int = 300
@@ -78,7 +78,7 @@ def main(argv=None):
     stops = stop_token_ids(model, processor)
     labeller = AnswerLabeller(processor, stops)  # the chosen and rejected answers' tokens, as in SFT
     template_line = check_template(labeller, model_args.chat_template_path or model_args.model_name_or_path
-                                   or model_args.tokenizer_name)
+                                   or model_args.tokenizer_name, data_args.max_length)
     dummy_inputs = dummy_image_inputs(model, processor)
     groups = module_groups(model, dummy_inputs)
     trainable = apply_train_modules(groups, model_args.train_modules)

@@ -54,8 +54,8 @@ from mmrecipes.vlm_families import dummy_image_inputs, image_patches, module_gro
 
 @dataclass
 class TrainArgs(TrainingArgs):
-    CHECKS = TrainingArgs.CHECKS | {"vision_tower_learning_rate": "positive", "eval_generation_rows": "count_or_zero",
-                                    "vision_tower_weight_decay": "non_negative"}
+    CHECKS = TrainingArgs.CHECKS | {"vision_tower_learning_rate": "learning_rate", "eval_generation_rows":
+                                    "count_or_zero", "vision_tower_weight_decay": "non_negative"}
     output_dir: str = "outputs/vlm_finetune"
     max_steps: int = 500
     per_device_train_batch_size: int = 16
@@ -84,7 +84,7 @@ def main(argv=None):
     stops = stop_token_ids(model, processor)
     labeller = AnswerLabeller(processor, stops, videos=video_path(model, processor))  # None: video rows counted
     template_line = check_template(labeller, model_args.chat_template_path or model_args.model_name_or_path
-                                   or model_args.tokenizer_name)
+                                   or model_args.tokenizer_name, data_args.max_length)
     dummy_inputs = dummy_image_inputs(model, processor)
     groups = module_groups(model, dummy_inputs)  # one dummy backward: vision tower, projector, language model
     trainable = apply_train_modules(groups, model_args.train_modules)  # unreached ones frozen: DDP would wait for them

@@ -32,7 +32,7 @@ from transformers import get_scheduler
 from launch import REPO, VLM_RECIPE, assert_same_curves, load_recipe, run_recipe
 from mmrecipes.chat_collate import DummyImageCollator
 from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader
-from mmrecipes.chat_labels import AnswerLabeller
+from mmrecipes.chat_labels import AnswerLabeller, check_template
 from mmrecipes.checkpoint_files import UnsafeCheckpoint, file_digest
 from mmrecipes.checkpointing import MARKER, Checkpointer, data_layout
 from mmrecipes.config import parse_args
@@ -74,6 +74,10 @@ class Payload:
     ("--gradient_accumulation_steps", "0", "--gradient_accumulation_steps 0: must be a positive integer"),
     ("--per_device_train_batch_size", "0", "--per_device_train_batch_size 0: must be a positive integer"),
     ("--learning_rate", "nan", "--learning_rate nan: must be a finite number above 0"),
+    ("--learning_rate", "1e30", "--learning_rate 1e+30: must be a finite number above 0 and at most 1"),  # NaN before
+    ("--dataset_weights", "nan,1", "--dataset_weights 'nan,1': give one finite weight"),  # numpy's NaN error before
+    ("--dataset_weights", "1,inf", "--dataset_weights '1,inf': give one finite weight"),
+    ("--mixed_precision", "fp16", "--mixed_precision fp16 needs a GPU"),  # said fp16, computed fp32
     ("--warmup_steps", "-1", "--warmup_steps -1: must be 0 or a positive integer"),
     ("--preemption_signals", "SIGTERM,SIGFOO", "SIGFOO is not a signal a process can catch"),
     ("--preemption_signals", "SIGKILL", "SIGKILL is not a signal a process can catch"),
@@ -96,6 +100,10 @@ def test_bad_values_from_yaml_and_recipe_flags_are_refused(tmp_path):
         parse_args(CLIP_RECIPE.ARGUMENTS, ["--loss_tile_size", "0"])
     with pytest.raises(ValueError, match="--max_length 0: must be a positive integer"):
         parse_args(VLM.ARGUMENTS, ["--max_length", "0"])
+    # Weights for a single source do nothing: refused, not ignored (a default weighting is ignored there).
+    with pytest.raises(ValueError, match="one source: nothing to mix, drop --dataset_weights"):
+        parse_args(VLM.ARGUMENTS, ["--dataset_name", "json", "--data_files", "a.json", "--dataset_weights", "0.5,0.5"])
+    parse_args(VLM.ARGUMENTS, ["--dataset_name", "json", "--data_files", "a.json"])
     with pytest.raises(ValueError, match="--lora_dropout 1.0: must be a number from 0 up to"):
         parse_args(VLM.ARGUMENTS, ["--lora_dropout", "1"])
     # Several problems are named at once.
@@ -585,6 +593,16 @@ def test_malformed_llava_rows_are_counted_not_raised(tmp_path, vlm_tiny):
     args.allow_images_outside_folder = True
     kept, counts = chat_counts(vlm_tiny, args)
     assert kept == 5 and counts["outside_folder"] == 0
+
+
+def test_a_max_length_below_the_templates_own_overhead_is_refused_before_the_first_step(vlm_tiny):
+    """--max_length 1 gave a ZeroDivisionError; 8 would skip every row as too_long."""
+    labeller = vlm_tiny[0]
+    for max_length in (1, 8):
+        with pytest.raises(ValueError, match=rf"--max_length {max_length} is below what the chat template needs .*"
+                                             r"\(14 tokens\): every row would be skipped as too_long"):
+            check_template(labeller, "the tiny Llava", max_length)
+    assert "assistant turns found by" in check_template(labeller, "the tiny Llava", 14)
 
 
 def test_a_json_array_with_a_non_utf8_byte_keeps_its_other_rows(tmp_path, vlm_tiny):
