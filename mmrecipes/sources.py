@@ -140,7 +140,7 @@ def _json_rows(file: str):
 def _json_line(line: bytes):
     try:
         return json.loads(line.decode("utf-8", errors="surrogateescape"))
-    except ValueError:
+    except (ValueError, RecursionError):  # nested deeper than Python's stack: this line, not the rest of the file
         return {PROBLEM: "bad_row"}
 
 
@@ -149,25 +149,34 @@ def _tar_rows(file: str):
     become strings (non-UTF-8 ones make the sample a `bad_text` row), `.json` ones objects, others bytes."""
     sample = {}
     with fsspec.open(file, "rb") as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
-        for member in tar:
-            if not member.isfile() or "." not in Path(member.name).name:
-                continue
-            directory, name = member.name.rpartition("/")[::2]
-            key, field = f"{directory}/{name.split('.', 1)[0]}", name.split(".", 1)[1].lower()
-            if sample and sample["__key__"] != key:
-                yield sample
-                sample = {}
-            sample["__key__"] = key
-            data = tar.extractfile(member).read()  # a member cut short raises ReadError: the shard is truncated
-            if field.endswith(("txt", "json")):
-                try:
-                    data = data.decode("utf-8")
-                    data = json.loads(data) if field.endswith("json") else data
-                except ValueError:  # UnicodeDecodeError too
-                    sample[PROBLEM] = "bad_text" if isinstance(data, bytes) else "bad_row"
-            sample[field] = data
+        yield from _tar_samples(tar, sample)
+        # tarfile ends quietly where a cut falls inside a member's header: a whole archive ends with two zero blocks
+        if getattr(tar.fileobj, "comptype", "tar") == "tar" and stream.size - tar.offset < 2 * tarfile.BLOCKSIZE:
+            raise tarfile.ReadError(f"the archive ends inside a member header, {stream.size - tar.offset} bytes after "
+                                    "its last whole member (truncated)")
     if sample:
         yield sample
+
+
+def _tar_samples(tar, sample: dict):
+    """The samples of `tar` but its last, left in `sample` (the caller yields it once the archive proves whole)."""
+    for member in tar:
+        if not member.isfile() or "." not in Path(member.name).name:
+            continue
+        directory, name = member.name.rpartition("/")[::2]
+        key, field = f"{directory}/{name.split('.', 1)[0]}", name.split(".", 1)[1].lower()
+        if sample and sample["__key__"] != key:
+            yield dict(sample)
+            sample.clear()
+        sample["__key__"] = key
+        data = tar.extractfile(member).read()  # a member cut short raises ReadError: the shard is truncated
+        if field.endswith(("txt", "json")):
+            try:
+                data = data.decode("utf-8")
+                data = json.loads(data) if field.endswith("json") else data
+            except ValueError:  # UnicodeDecodeError too
+                sample[PROBLEM] = "bad_text" if isinstance(data, bytes) else "bad_row"
+        sample[field] = data
 
 
 READERS = {"parquet": _parquet_rows, "json": _json_rows, "webdataset": _tar_rows}
@@ -223,7 +232,9 @@ def load_stream(name: str, config: str | None, split: str, data_files, columns: 
         available = sorted(first) if first is not None else None
     else:
         stream = datasets.load_dataset(name, config, data_files={split: files} if files else None, split=split,
-                                       streaming=True).decode(False)  # images: decoded and counted by us
+                                       streaming=True)
+        if stream.features is not None:  # csv streams with unknown features: nothing to decode
+            stream = stream.decode(False)  # images: decoded and counted by us
         available = stream.column_names
         stream = stream.map(_only, fn_kwargs={"columns": columns}, remove_columns=available)
     return split_by_data_rank(stream, name, data_rank, data_world), available
