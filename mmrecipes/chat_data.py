@@ -61,9 +61,10 @@ logger = logging.getLogger(__name__)
 # exactly in the processor's ids (chat_labels.UnalignedAnswer); its text is not UTF-8; it is not
 # a well-formed conversation (or the chat template refuses it); its file is empty, unreadable or truncated; or
 # it holds a video and the checkpoint takes none; a clip yields no frame or is too long; the video placeholders do
-# not match the clips.
+# not match the clips; (DPO) a pair whose answers are the same or one of them empty.
 CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "image_mismatch", "too_long", "no_target",
-                "unaligned", "bad_text", "bad_row", "bad_shard", "video", *VIDEO_COUNTED, "video_mismatch")
+                "unaligned", "bad_text", "bad_row", "bad_shard", "video", *VIDEO_COUNTED, "video_mismatch",
+                "no_preference")
 CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", "id"]
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}

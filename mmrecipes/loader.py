@@ -56,6 +56,7 @@ FIXES = {
     "bad_text": "the file holds text that is not UTF-8",
     "bad_shard": "the file is empty, unreadable or truncated",
     "no_caption": "set --caption_column to the caption column",
+    "no_preference": "a pair needs two different answers, neither empty",
 }
 
 

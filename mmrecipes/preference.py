@@ -154,6 +154,16 @@ def _llava_answer(answer) -> dict:
     raise BadRow("a chosen or rejected answer is missing")
 
 
+def last_answer_only(side: tuple) -> tuple:
+    """(input_ids, labels, image_inputs) of a side with only its last answer labelled: a multi-turn prompt's
+    earlier assistant turns are context, not the completion (TRL scores only the completion)."""
+    input_ids, labels, image_inputs = side
+    targets = (labels != IGNORE_INDEX).nonzero()[:, 0]
+    breaks = (targets[1:] - targets[:-1] > 1).nonzero()[:, 0]
+    start = int(targets[breaks[-1] + 1]) if len(breaks) else 0
+    return input_ids, torch.where(torch.arange(len(labels)) < start, IGNORE_INDEX, labels), image_inputs
+
+
 class PreferencePreprocessor(ChatPreprocessor):
     """Batched map function: preference rows in, {chosen, rejected} rows out (each a collator row), bad pairs
     dropped and counted by the first bad side's reason."""
@@ -174,12 +184,27 @@ class PreferencePreprocessor(ChatPreprocessor):
                 self.drops.drop(problem, row_name(row))
                 continue
             (chosen, chosen_note), (rejected, rejected_note) = sides
+            chosen, rejected = last_answer_only(chosen), last_answer_only(rejected)
+            if problem := self.no_preference(chosen, rejected):
+                self.drops.drop(problem, row_name(row))
+                continue
             counts = self.drops.keep(chosen_note or rejected_note)
             for key, (input_ids, labels, image_inputs) in (("chosen", chosen), ("rejected", rejected)):
                 out[key].append({"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs})
             for name in CHAT_COUNTED:
                 out[name].append(counts[name])
         return out
+
+    def no_preference(self, chosen, rejected) -> Skip | None:
+        """Why a pair teaches no preference, or None: its answers are the same tokens, or one says nothing (TRL
+        trains on such pairs; here they are counted and skipped)."""
+        answers = [input_ids[labels != IGNORE_INDEX] for input_ids, labels, _ in (chosen, rejected)]
+        if torch.equal(*answers):
+            return Skip("no_preference", "the chosen and rejected answers are the same")
+        for side, answer in zip(("chosen", "rejected"), answers):
+            if not self.labeller.tokenizer.decode(answer, skip_special_tokens=True).strip():
+                return Skip("no_preference", f"the {side} answer is empty")
+        return None
 
     @staticmethod
     def check_columns(name, available):

@@ -229,7 +229,7 @@ def test_weighted_sources_mix_at_their_weights_and_count_each(tiny, tmp_path):
         counts = dict(zip(args.counted(), sum(batch["data_counts"] for batch in batches).tolist()))
         assert counts["rows_other"] == from_other and counts["rows_shapes"] + from_other == rows > 4096 / world
         assert abs(from_other / rows - 0.25) < tolerance, (from_other, rows)
-    with pytest.raises(ValueError, match="give one non-negative weight per --dataset_name source"):
+    with pytest.raises(ValueError, match="give one finite weight, 0 or more, per --dataset_name source"):
         build_dataloader(DataArgs(dataset_name=args.dataset_name, dataset_weights="1"), "train", None, *tiny,
                          batch_size=4, data_rank=0, data_world=1)
 

@@ -87,6 +87,25 @@ def test_trl_and_llava_formats_become_pairs_labelled_as_in_sft_and_bad_pairs_are
     assert counts["bad_row"] == 2 and counts["image_mismatch"] == 1
 
 
+def test_a_multi_turn_prompt_scores_only_the_completion_and_pairs_without_a_preference_are_counted(tiny):
+    """The prompt's earlier assistant turn was scored as part of both answers (chosen targets
+    `green<|end|>square<|end|>`): TRL scores only the completion. Pairs whose answers are the same, or one of them
+    empty, teach no preference: counted as no_preference and skipped (TRL trains on them)."""
+    _, processor, preprocess, _ = tiny
+    prompt = [{"role": "user", "content": "What colour is it?"}, {"role": "assistant", "content": "green"},
+              {"role": "user", "content": "And its shape?"}]
+    rows = [{"prompt": prompt, "chosen": "square", "rejected": "square"},
+            {"prompt": "Shape?", "chosen": "", "rejected": "circle"},
+            {"prompt": "Shape?", "chosen": "square", "rejected": " "},
+            {"prompt": prompt, "chosen": "square", "rejected": "circle"}]  # kept last: the counts ride with it
+    out = preprocess({key: [row.get(key) for row in rows] for key in ("prompt", "chosen", "rejected", "images")})
+    (pair,) = [dict(zip(out, values)) for values in zip(*out.values())]
+    assert answer_text(processor, pair["chosen"]) == "square<|end|>"
+    assert answer_text(processor, pair["rejected"]) == "circle<|end|>"
+    assert pair["no_preference"] == 3
+    assert "no_preference: 3, e.g. a row, the chosen and rejected answers are the same" in preprocess.drops.report()
+
+
 def row_logps(model, pair_rows, average):
     """Each row's answer log-probability from the HF model's own logits, one row at a time, no padding: the sum (or
     mean) over the labelled tokens of log_softmax at the position before each."""
