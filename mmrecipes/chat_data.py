@@ -66,6 +66,7 @@ CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "imag
                 "unaligned", "bad_text", "bad_row", "bad_shard", "video", *VIDEO_COUNTED, "video_mismatch",
                 "no_preference")
 CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", "id"]
+MAX_CHARS_PER_TOKEN = 32  # a bound on the characters of text one token holds, with a wide margin
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 MEDIA_PARTS = {"<image>": "image", "<video>": "video"}  # LLaVA's placeholders -> content part types
@@ -252,7 +253,11 @@ class ChatPreprocessor:
 
     def tokenize(self, messages, raw_images, raw_videos=(), images_folder=None, videos_folder=None):
         """((input_ids, labels, image_inputs), note) or the reason the row is dropped (a `Skip`). Relative media
-        paths resolve against the folders (`media_folder`)."""
+        paths resolve against the folders (`media_folder`). A row whose text alone cannot fit is dropped first,
+        before its media are decoded and before the labeller's alignment, whose cost grows with the square of
+        the length on repetitive text (a 10,000-word row took 22-92 s)."""
+        if too_long := self.text_too_long(messages):
+            return too_long
         loaded = row_images(self.args, images_folder, messages, raw_images)
         if isinstance(loaded, str):
             return loaded
@@ -271,6 +276,20 @@ class ChatPreprocessor:
         if not (labels[1:] != IGNORE_INDEX).any():  # the first token is never a target after the shift
             return Skip("no_target", "no assistant answer to learn")
         return (input_ids, labels, image_inputs), note
+
+    def text_too_long(self, messages) -> Skip | None:
+        """A too_long Skip when the row's text parts alone cannot fit in `max_length` tokens: over
+        `MAX_CHARS_PER_TOKEN` characters a token (no tokenizer packs natural text so densely), or over the limit
+        once tokenised on their own (a margin of one token a part: in the template a part may merge with its
+        neighbours)."""
+        texts = [part["text"] for message in messages for part in message["content"] if part["type"] == "text"]
+        characters = sum(map(len, texts))
+        if characters > self.max_length * MAX_CHARS_PER_TOKEN:
+            return Skip("too_long", f"{characters} characters of text, more than {self.max_length} tokens hold")
+        tokens = sum(map(len, self.labeller.tokenizer(texts, add_special_tokens=False)["input_ids"])) if texts else 0
+        if tokens > self.max_length + len(texts):
+            return Skip("too_long", f"its text alone is {tokens} tokens, over {self.max_length}")
+        return None
 
     @staticmethod
     def check_columns(name, available):

@@ -162,14 +162,6 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
     first step: raise unless the targets are exactly its two answers, each from the end of the generation
     prompt to its end-of-turn token, and (given `max_length`, --max_length) unless a one-line question and a
     one-word answer without an image fit in it. Returns a log line naming the rule found."""
-    if max_length is not None:
-        shortest = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]},
-                    {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
-        overhead = len(labeller(shortest, [])[0]["input_ids"][0])
-        if overhead > max_length:
-            raise ValueError(f"--max_length {max_length} is below what the chat template needs for a one-line "
-                             f"question and a one-word answer ({overhead} tokens): every row would be skipped as "
-                             "too_long. Raise it.")
     answers = ["red", "two"]
     probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": answers[0]}]},
@@ -190,6 +182,14 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
             f"The chat template of {source} cannot be used for training: {problem}. Give a chat template whose "
             "assistant turns are wrapped in {% generation %} ... {% endgeneration %}, or whose generation prompt "
             "is its assistant header, with --chat_template_path.")
+    if max_length is not None:
+        shortest = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
+        overhead = len(labeller(shortest, [])[0]["input_ids"][0])
+        if overhead > max_length:
+            raise ValueError(f"--max_length {max_length} is below what the chat template needs for a one-line "
+                             f"question and a one-word answer ({overhead} tokens): every row would be skipped as "
+                             "too_long. Raise it.")
     stops = sorted({stop for text in found for stop in labeller.stop_strings if text.endswith(stop)})
     if len(stops) == 1 and all(text.endswith(stops[0]) for text in found):
         ends = f"ends each answer with {stops[0]}, a target"

@@ -39,7 +39,7 @@ FIXES = {
                       "read absolute and '../' paths",
     "undecodable": "check that the path exists relative to --image_folder (else the data file's folder) and that "
                    "the file is an image",
-    "too_large": "raise --max_image_pixels or --max_image_aspect_ratio",
+    "too_large": "raise --max_image_pixels or --max_image_aspect_ratio (clips: --video_max_pixels)",
     "image_mismatch": "give each <image> placeholder or image part one entry in the row's images (or LLaVA's "
                       "image) column",
     "video_mismatch": "give each <video> placeholder or video part one entry in the row's videos (or video) column",

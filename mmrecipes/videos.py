@@ -12,7 +12,10 @@ transformers' video processors take and the loader ships through shared memory, 
 there are none, for the caller to count:
 - "undecodable": zero bytes, truncated, not a video, no video stream, not a regular file;
 - "no_frames": a video stream that yields no frame;
-- "video_too_long": longer than `max_seconds` (read from the container's header, before decoding).
+- "video_too_long": longer than `max_seconds` (read from the container's header, before decoding);
+- "too_large": frames of more than `video_max_pixels` pixels (from the header, before decoding).
+A stream whose header gives no frame count (a raw stream) is counted packet by packet, without decoding, so
+that only the sampled frames are decoded and kept: memory holds `video_max_frames` frames, whatever its length.
 
 Frames are sampled as the video processors' `fps` / `num_frames` do: `fps` frames per second of
 clip, at most `max_frames`, at least one, evenly spaced (each the middle frame of its stretch).
@@ -44,10 +47,14 @@ VIDEO_COUNTED = ("no_frames", "video_too_long")  # besides "undecodable", which 
 
 @dataclass
 class VideoArgs(CheckedArgs):
-    CHECKS = {"video_fps": "positive", "video_max_frames": "count", "video_max_seconds": "positive"}
+    CHECKS = {"video_fps": "positive", "video_max_frames": "count", "video_max_seconds": "positive",
+              "video_max_pixels": "count"}
     video_fps: float = 2.0  # frames sampled per second of clip (transformers' video processors: fps)
     video_max_frames: int = 8  # at most this many frames per clip (their num_frames)
     video_max_seconds: float = 600.0  # longer clips are skipped and counted (video_too_long)
+    # Clips whose frames have more pixels (4K UHD by default) are skipped and counted (too_large), from the header
+    # before any frame is decoded: one frame of 200M pixels cost 4.5 s and 614 MB before it was resized
+    video_max_pixels: int = 3840 * 2160
 
 
 # What a video processor is asked for clips that reach the model as `pixel_values_videos`, and the key that
@@ -80,31 +87,30 @@ def decode_video(raw_video, args: VideoArgs):
             if not container.streams.video:
                 return None, "undecodable"
             stream = container.streams.video[0]
+            if stream.codec_context.width * stream.codec_context.height > args.video_max_pixels:
+                return None, "too_large"
             seconds = _seconds(container, stream)
             if seconds is not None and seconds > args.video_max_seconds:
                 return None, "video_too_long"
             rate = float(stream.average_rate or 0)
             total = stream.frames or (round(seconds * rate) if seconds and rate else 0)
-            # Known length: keep only the sampled frames while decoding. Unknown: decode all, then sample.
-            wanted = set(sampled_indices(total, seconds, args.video_fps, args.video_max_frames)) if total else None
+            if not total:  # no length in the header: count the packets (nothing decoded), then decode from the start
+                total = sum(packet.size > 0 for packet in container.demux(stream))
+                seconds = seconds if seconds and seconds > 0 else total / (rate or 1)
+                container.seek(0, stream=stream)
+            kept = sampled_indices(max(total, 1), seconds, args.video_fps, args.video_max_frames)
             frames = []
             for index, frame in enumerate(container.decode(stream)):
-                if wanted is None or index in wanted:
+                if index in kept:
                     frames.append(frame.to_ndarray(format="rgb24"))
-                if wanted is not None and index >= max(wanted):
+                if index >= kept[-1]:
                     break
     except Exception as error:  # missing files; PyAV raises many types for corrupt or truncated input
         logger.debug("undecodable video: %s", error)
         return None, "undecodable"
     if not frames:
         return None, "no_frames"
-    if wanted is None:
-        total = len(frames)
-        seconds = seconds if seconds and seconds > 0 else total / (rate or 1)
-        kept = sampled_indices(total, seconds, args.video_fps, args.video_max_frames)
-        frames = [frames[index] for index in kept]
-    else:  # fewer than sampled where the header overstated the length
-        kept = sorted(wanted)[:len(frames)]
+    kept = kept[:len(frames)]  # fewer than sampled where the header overstated the length
     rate = rate or (total / seconds if seconds else 1.0)  # no rate in the header: the clip's own
     metadata = VideoMetadata(total_num_frames=total, fps=rate, duration=total / rate, frames_indices=kept)
     return DecodedVideo(numpy.stack(frames), metadata), None

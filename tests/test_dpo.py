@@ -9,6 +9,7 @@ import datasets
 import pytest
 import torch
 import torch.nn.functional as F
+from accelerate.state import AcceleratorState
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
@@ -195,7 +196,7 @@ def test_first_step_equals_trl_dpo_trainer(tiny, loss_type):
     rows = list(datasets.load_dataset(str(REPO / "data" / "vlm_preferences"), split="train").select(range(40)))
     rows = [row for row in rows if row["images"]][:4]
 
-    config = trl.DPOConfig(output_dir=None, beta=0.5, loss_type=[loss_type], report_to=[], use_cpu=True,
+    config = trl.DPOConfig(output_dir=None, beta=0.5, loss_type=[loss_type], report_to=[], use_cpu=True, bf16=False,
                            per_device_eval_batch_size=len(rows), max_length=None)
     trainer = trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model), args=config,
                              train_dataset=datasets.Dataset.from_list(rows), processing_class=processor,
@@ -211,6 +212,7 @@ def test_first_step_equals_trl_dpo_trainer(tiny, loss_type):
         trainer.model.eval()
         trl_loss = trainer.compute_loss(trainer.model, batch)
     trl_metrics = {name: values[-1] for name, values in trainer._metrics["eval"].items()}
+    AcceleratorState._reset_state(reset_partial_state=True)  # the Trainer's accelerator: gone for the next runs
 
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
     pairs = preprocessed(PreferencePreprocessor(PreferenceDataArgs(), labeller, 256), rows)

@@ -241,7 +241,7 @@ def test_builder_with_only_training_files_never_globs_the_working_directory(tmp_
             "--per_device_train_batch_size", 16]
     result = run_recipe(*args, "--output_dir", tmp_path / "out")
     assert result.returncode == 0, result.log[-3000:]
-    assert "evaluation off: --dataset_name parquet reads only the files it is given" in result.log
+    assert "evaluation: retrieval off: --dataset_name parquet reads only the files it is given" in result.log
     assert sorted(losses(result.log)) == [1, 2]
     missing = run_recipe(*args, "--eval_data_files", tmp_path / "missing.parquet", "--output_dir", tmp_path / "out2")
     assert missing.returncode != 0 and "missing.parquet" in missing.log and not losses(missing.log)
