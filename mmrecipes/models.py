@@ -33,7 +33,7 @@ MAX_LOGIT_SCALE = math.log(100)  # CLIP clamps the temperature at 100
 @dataclass
 class ModelArgs(CheckedArgs):
     CHECKS = dict.fromkeys(("image_size", "patch_size", "hidden_size", "num_layers", "projection_dim"), "count") | {
-        "patch_dropout": "fraction", "max_num_patches": "count_or_none"}
+        "patch_dropout": "fraction", "max_num_patches": "patches"}
     UNUSED_WITH = {"model_name_or_path": ("tokenizer_name", "image_size", "patch_size", "hidden_size", "num_layers",
                                           "projection_dim")}
     # clip: CLIPModel with clip_loss (softmax over the batch); siglip: SiglipModel or Siglip2Model with siglip_loss

@@ -96,6 +96,8 @@ def test_bad_values_from_yaml_and_recipe_flags_are_refused(tmp_path):
     (tmp_path / "run.yaml").write_text("max_steps: 0\nlogging_steps: 5\n")
     with pytest.raises(ValueError, match="--max_steps 0: must be a positive integer"):
         parse_args(CLIP_RECIPE.ARGUMENTS, [str(tmp_path / "run.yaml")])
+    with pytest.raises(ValueError, match="--max_num_patches 100000: must be a positive integer, at most 4096"):
+        parse_args(CLIP_RECIPE.ARGUMENTS, ["--max_num_patches", "100000"])  # no step in 300 s before
     with pytest.raises(ValueError, match="--loss_tile_size 0: must be a positive integer, or unset"):
         parse_args(CLIP_RECIPE.ARGUMENTS, ["--loss_tile_size", "0"])
     with pytest.raises(ValueError, match="--max_length 0: must be a positive integer"):

@@ -73,9 +73,8 @@ def test_a_text_row_far_over_max_length_is_dropped_before_its_alignment():
                       ("word " * 12000, "characters of text"),  # 50 s before
                       (words[:4000], "its text alone is")):
         row = {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "yes"}]}
-        start = time.perf_counter()
-        skip = preprocess.example(row)
-        assert skip == "too_long" and why in skip.detail and time.perf_counter() - start < 2
+        skip, seconds, grown = measured(preprocess.example, row)
+        assert skip == "too_long" and why in skip.detail and seconds < 2 and grown < 50, (skip, seconds, grown)
 
 
 def test_silent_data_cases_are_counted_or_read(tmp_path):
