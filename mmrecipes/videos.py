@@ -96,9 +96,11 @@ def decode_video(raw_video, args: VideoArgs):
             total = stream.frames or (round(seconds * rate) if seconds and rate else 0)
             if not total:  # no length in the header: count the packets (nothing decoded), then decode from the start
                 total = sum(packet.size > 0 for packet in container.demux(stream))
+                if not total:
+                    return None, "no_frames"
                 seconds = seconds if seconds and seconds > 0 else total / (rate or 1)
                 container.seek(0, stream=stream)
-            kept = sampled_indices(max(total, 1), seconds, args.video_fps, args.video_max_frames)
+            kept = sampled_indices(total, seconds, args.video_fps, args.video_max_frames)
             frames = []
             for index, frame in enumerate(container.decode(stream)):
                 if index in kept:
