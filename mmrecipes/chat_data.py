@@ -61,10 +61,9 @@ logger = logging.getLogger(__name__)
 # exactly in the processor's ids (chat_labels.UnalignedAnswer); its text is not UTF-8; it is not
 # a well-formed conversation (or the chat template refuses it); its file is empty, unreadable or truncated; or
 # it holds a video and the checkpoint takes none; a clip yields no frame or is too long; the video placeholders do
-# not match the clips; (DPO) a pair whose answers are the same or one of them empty.
+# not match the clips.
 CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "image_mismatch", "too_long", "no_target",
-                "unaligned", "bad_text", "bad_row", "bad_shard", "video", *VIDEO_COUNTED, "video_mismatch",
-                "no_preference")
+                "unaligned", "bad_text", "bad_row", "bad_shard", "video", *VIDEO_COUNTED, "video_mismatch")
 CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", "id"]
 MAX_CHARS_PER_TOKEN = 32  # a bound on the characters of text one token holds, with a wide margin
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded

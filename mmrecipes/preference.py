@@ -38,6 +38,8 @@ from .losses import IGNORE_INDEX
 from .sources import DATA_FILE, PROBLEM, evaluation_source, row_name
 
 PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image", "id"]
+# What the DPO log counts: the SFT recipe's skips, and pairs whose answers are the same or one of them empty
+PREFERENCE_COUNTED = (*CHAT_COUNTED, "no_preference")
 
 
 @dataclass
@@ -171,7 +173,7 @@ class PreferencePreprocessor(ChatPreprocessor):
     COLUMNS = PREFERENCE_COLUMNS
 
     def __call__(self, batch):
-        out = {"chosen": [], "rejected": []} | {name: [] for name in CHAT_COUNTED}
+        out = {"chosen": [], "rejected": []} | {name: [] for name in PREFERENCE_COUNTED}
         for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
             sides = row.get(PROBLEM)
             if sides is None:
@@ -191,7 +193,7 @@ class PreferencePreprocessor(ChatPreprocessor):
             counts = self.drops.keep(chosen_note or rejected_note)
             for key, (input_ids, labels, image_inputs) in (("chosen", chosen), ("rejected", rejected)):
                 out[key].append({"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs})
-            for name in CHAT_COUNTED:
+            for name in PREFERENCE_COUNTED:
                 out[name].append(counts[name])
         return out
 
@@ -216,8 +218,8 @@ class PreferencePreprocessor(ChatPreprocessor):
 
 class PreferenceCollator:
     """Pairs -> one `DummyImageCollator` batch: the chosen rows, then the rejected rows (`num_samples` counts both;
-    the data counts ride on the chosen rows only); with `keys`, each pair's `pair_key` too (precomputed reference
-    log-probabilities are looked up by it)."""
+    the data counts, `PREFERENCE_COUNTED`, ride on the chosen rows only); with `keys`, each pair's `pair_key` too
+    (precomputed reference log-probabilities are looked up by it)."""
 
     def __init__(self, collator, keys: bool = False):
         self.collator, self.keys = collator, keys
@@ -226,6 +228,8 @@ class PreferenceCollator:
         counts = [{name: pair[name] for name in CHAT_COUNTED} for pair in pairs]
         batch = self.collator([pair["chosen"] | count for pair, count in zip(pairs, counts)]
                               + [pair["rejected"] | dict.fromkeys(CHAT_COUNTED, 0) for pair in pairs])
+        no_preference = torch.tensor([sum(pair["no_preference"] for pair in pairs)])  # DPO's own count, last
+        batch["data_counts"] = torch.cat([batch["data_counts"], no_preference])
         if self.keys:
             batch["pair_keys"] = [pair_key(pair["chosen"], pair["rejected"]) for pair in pairs]
         return batch

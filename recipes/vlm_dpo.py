@@ -22,7 +22,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-from mmrecipes.chat_data import CHAT_COUNTED, build_chat_dataloader
+from mmrecipes.chat_data import build_chat_dataloader
 from mmrecipes.chat_labels import AnswerLabeller, check_template
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.config import parse_args
@@ -34,6 +34,7 @@ from mmrecipes.losses import token_loss_scale
 from mmrecipes.metrics import LogWindow, eval_line, log_line
 from mmrecipes.model_card import History, write_model_card
 from mmrecipes.preference import (
+    PREFERENCE_COUNTED,
     DPOArgs,
     PreferenceCollator,
     PreferenceDataArgs,
@@ -150,7 +151,7 @@ def main(argv=None):
     peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     log = tqdm.write if accelerator.is_main_process else lambda line: None
-    logged, history = LogWindow(accelerator.device, CHAT_COUNTED, checkpoints.resumed_totals), History()
+    logged, history = LogWindow(accelerator.device, PREFERENCE_COUNTED, checkpoints.resumed_totals), History()
     for step in progress:
         epochs, window = zip(*(logged.next(train_batches) for _ in range(args.gradient_accumulation_steps)))
         # One collective per optimizer step: the window's pairs on all ranks, and whether a rank ran dry.
@@ -200,7 +201,7 @@ def main(argv=None):
                        "mfu": sums["tokens"] * flops_per_token / sums["seconds"] / (peak * ranks) if peak else None,
                        "data_wait": sums["data_wait"] / ranks / sums["seconds"],
                        "dummy_image_batches": int(sums["dummy_image_batches"]), "skipped_steps": guard.skipped_steps}
-            metrics |= {name: int(logged.total[name]) for name in CHAT_COUNTED}  # so far
+            metrics |= {name: int(logged.total[name]) for name in PREFERENCE_COUNTED}  # so far
             accelerator.log(metrics, step=done)
             history.add(done, metrics)
             log(log_line(done, args.max_steps, metrics))

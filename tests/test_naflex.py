@@ -138,6 +138,7 @@ def runs(mixed_shapes, tmp_path_factory):
             config, "--loss", "siglip", "--max_num_patches", MAX_PATCHES, "--max_patches_per_batch", BUDGET,
             "--dataset_name", "parquet", "--data_files", train_files, "--eval_data_files", test_file,
             "--max_steps", STEPS, "--logging_steps", 1, "--eval_steps", STEPS, "--learning_rate", 3e-3,
+            "--zeroshot_dataset", "embedded:shapes_zeroshot",  # named: the files above are not the embedded set
             "--zeroshot_templates", PIPELINE_TEMPLATE, "--output_dir", output_dir), output_dir
     return results
 
