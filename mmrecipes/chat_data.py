@@ -30,12 +30,11 @@ image or clip and rows whose placeholders do not match their images or clips.
 import logging
 import os
 import re
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from PIL import Image
 
+from .arguments import ChatDataArgs
 from .chat_labels import TemplateError, UnalignedAnswer
 from .images import decode_image
 from .loader import DropCounter, ResumableShuffle, Skip, stream_loader
@@ -44,14 +43,11 @@ from .packing import TokenBudgetBatches
 from .sources import (
     DATA_FILE,
     PROBLEM,
-    evaluation_source,
     load_stream,
     mixed_stream,
     row_name,
-    source_weights,
-    split_sources,
 )
-from .videos import VIDEO_COUNTED, VideoArgs, decode_video
+from .videos import VIDEO_COUNTED, decode_video
 
 logger = logging.getLogger(__name__)
 
@@ -69,56 +65,6 @@ MAX_CHARS_PER_TOKEN = 32  # a bound on the characters of text one token holds, w
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 MEDIA_PARTS = {"<image>": "image", "<video>": "video"}  # LLaVA's placeholders -> content part types
-
-
-@dataclass
-class ChatDataArgs(VideoArgs):
-    CHECKS = VideoArgs.CHECKS | {
-        "max_length": "count", "max_tokens_per_batch": "count_or_none", "max_image_pixels": "count",
-        "max_image_aspect_ratio": "positive", "shuffle_buffer_size": "count",
-        "dataloader_num_workers": "count_or_zero_or_none"}
-    EMBEDDED_EVAL: ClassVar[str] = "embedded:vlm_shapes/image_chat"  # what auto evaluates beside embedded data
-    # Comma-separated sources (hub ids, local dataset dirs, one builder name with --data_files, or
-    # embedded:<folder> for the embedded data)
-    dataset_name: str = "embedded:vlm_shapes/image_chat,embedded:vlm_shapes/text_chat"
-    # Sampling probabilities of the sources (datasets.interleave_datasets); None: equal
-    dataset_weights: str | None = "0.75,0.25"
-    dataset_config_name: str | None = None
-    data_files: str | None = None  # training files of a single builder source ('json', 'parquet'): a glob
-    train_split: str = "train"
-    # Held-out conversations (answer accuracy). auto: the embedded questions beside the embedded training data;
-    # with your own data, --eval_data_files read by the training builder, else none. None turns it off.
-    eval_dataset_name: str | None = "auto"
-    eval_data_files: str | None = None
-    eval_split: str = "test"
-    # Relative image paths resolve against it; None: against the folder of the data file each row comes from
-    image_folder: str | None = None
-    video_folder: str | None = None  # relative video paths resolve against it (None: as images)
-    # Paths that resolve outside that folder ('../', absolute, symlinks out) are skipped and counted
-    # (outside_folder) unless this is true
-    allow_images_outside_folder: bool = False
-    max_length: int = 256  # longer rows are skipped and counted, never truncated
-    # Micro-batches of whole rows up to this many tokens (image tokens included) instead of a fixed row
-    # count; ranks then carry different row counts (mmrecipes.packing). Rows over it count as too_long.
-    max_tokens_per_batch: int | None = None
-    packing: bool = False  # rows packed into sequences of up to max_length tokens, each sample attending only to itself
-    max_image_pixels: int = 50_000_000
-    max_image_aspect_ratio: float = 50.0  # as for CLIP (mmrecipes.data.DataArgs)
-    shuffle_buffer_size: int = 1000
-    # None: mmrecipes.data.default_num_workers, which on a CPU gives 1 here: per-row chat templates cost
-    # more than the step, and one worker overlaps them (measured: 150 -> 210 samples/s on 2 cores).
-    dataloader_num_workers: int | None = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        source_weights(self.dataset_weights, len(self.training_sources()),
-                       explicit=self.dataset_weights != type(self).dataset_weights)
-        self.eval_dataset_name, self.evaluation = evaluation_source(
-            "eval_dataset_name", self.eval_dataset_name, self.eval_data_files, self.dataset_name, self.EMBEDDED_EVAL)
-
-    def training_sources(self) -> list[tuple]:
-        """(name, config, split, data_files) of each training source."""
-        return split_sources(self.dataset_name, self.dataset_config_name, self.train_split, self.data_files)
 
 
 class BadRow(ValueError):

@@ -7,15 +7,13 @@ inside the stream and counted by kind (`COUNTED`; the counts ride along with the
 so they survive DataLoader workers and reach the log).
 """
 
-from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import datasets
 import torch
 from torchvision.transforms.v2.functional import normalize as normalize_image
 
-from .config import CheckedArgs
+from .arguments import DataArgs
 from .images import (
     decode_image,
     device_normalization,
@@ -27,71 +25,12 @@ from .images import (
 )
 from .loader import ROW_SEED, DropCounter, ResumableShuffle, stream_loader
 from .packing import TokenBudgetBatches
-from .paths import resolve_name
-from .sources import DATA_FILE, PROBLEM, SOURCE, mixed_stream, source_weights, split_sources
+from .sources import DATA_FILE, PROBLEM, SOURCE, mixed_stream, split_sources
 
 # What the log reports: images converted to RGB, and rows skipped because their image does not decode (or
 # is not a regular file), is too large or too elongated, their caption is missing or not UTF-8, or their
 # file is empty, unreadable or truncated (mmrecipes.sources).
 COUNTED = ("converted", "undecodable", "too_large", "no_caption", "bad_text", "bad_row", "bad_shard")
-
-
-@dataclass
-class DataArgs(CheckedArgs):
-    CHECKS = {"max_caption_length": "count_or_none", "max_image_pixels": "count", "max_image_aspect_ratio": "positive",
-              "shuffle_buffer_size": "count", "dataloader_num_workers": "count_or_zero_or_none",
-              "max_patches_per_batch": "count_or_none"}
-    # hub id, local dataset dir, a builder ('parquet', 'imagefolder'), or embedded:<folder> for the embedded data;
-    # comma-separated: several sources, mixed
-    dataset_name: str = "embedded:shapes"
-    # Sampling probabilities of comma-separated sources (as the VLM recipe's); None: equal. Each source's rows
-    # trained are counted in the log (rows_<source>); evaluation reads the first source's eval split.
-    dataset_weights: str | None = None
-    dataset_config_name: str | None = None
-    # Training files for a builder: globs, brace ranges ({00000..00099}), comma-separated, local or
-    # fsspec URLs (expand_data_files). The eval files go in eval_data_files.
-    data_files: str | None = None
-    eval_data_files: str | None = None
-    train_split: str = "train"
-    eval_split: str | None = "test"  # None (or an empty eval set) turns evaluation off
-    image_column: str = "image"
-    caption_column: str = "text"
-    max_caption_length: int | None = None  # tokens; default the tokenizer's model_max_length
-    max_image_pixels: int = 50_000_000  # larger images are skipped before they are decoded
-    # longer side / shorter side; more elongated images are skipped before they are decoded (the resize
-    # to the processor's short side would make them huge)
-    max_image_aspect_ratio: float = 50.0
-    shuffle_buffer_size: int = 1000  # rows per shuffled block (ResumableShuffle)
-    # None: chosen per rank (default_num_workers): none on a CPU, where the step already uses every core
-    # (on 2 cores one worker halves data_wait but makes the default run slower: bench/data_loading.py);
-    # with CUDA one per spare core, at most one per shard. One worker keeps the sample order of none;
-    # more split the shards between them (a checkpoint holds each one's position: docs/long_runs.md).
-    dataloader_num_workers: int | None = None
-    # open_clip's training crop (its --aug-cfg defaults): a random 90-100% of each image's area at an aspect
-    # ratio of 3/4 to 4/3, resized to the processor's size, instead of its eval resize and centre crop.
-    # Evaluation is not augmented; each row's crop follows from its place in the stream (exact resume).
-    train_augment: bool = False
-    # SigLIP 2 NaFlex: each training micro-batch holds whole rows, in stream order, up to this many image patches
-    # together (images of fewer patches, more rows); per_device_train_batch_size then only sets how many rows are
-    # preprocessed at a time. Ranks may hold different row counts: siglip_loss stays exact.
-    max_patches_per_batch: int | None = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        source_weights(self.dataset_weights, len(self.training_sources()), explicit=self.dataset_weights is not None)
-
-    def training_sources(self) -> list[tuple]:
-        """(name, config, split, data_files) of each training source."""
-        return split_sources(self.dataset_name, self.dataset_config_name, self.train_split, self.data_files)
-
-    def counted(self) -> tuple[str, ...]:
-        """What a batch's `data_counts` holds: `COUNTED`, then the rows of each source where there are several."""
-        sources = self.training_sources()
-        if len(sources) == 1:
-            return COUNTED
-        labels = [Path(resolve_name(name).rstrip("/")).name or name for name, *_ in sources]
-        labels = labels if len(set(labels)) == len(labels) else [str(index) for index in range(len(sources))]
-        return COUNTED + tuple(f"rows_{label}" for label in labels)
 
 
 def evaluation_off_reason(args: DataArgs) -> str | None:

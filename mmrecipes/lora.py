@@ -21,27 +21,13 @@ full fine-tune.
 
 import os
 from copy import deepcopy
-from dataclasses import dataclass
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers.modeling_utils import set_zero3_state
 
-from .config import CheckedArgs
+from .arguments import LoraArgs
 from .vlm_families import ModuleGroups, covering_modules
-
-
-@dataclass
-class LoraArgs(CheckedArgs):
-    CHECKS = {"lora_r": "count", "lora_alpha": "count", "lora_dropout": "fraction"}
-    use_peft: bool = False  # train LoRA adapters instead of the weights (TRL's flag names)
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    # None: every linear layer of the language model (and of the vision tower with --train_modules all);
-    # all-linear (PEFT's meaning: the tower and the projector too); or comma-separated module names
-    lora_target_modules: str | None = None
-    lora_modules_to_save: str | None = None  # comma-separated modules trained in full, beside the projector
 
 
 def lora_config(model, groups: ModuleGroups, train_modules: str, args: LoraArgs) -> LoraConfig:

@@ -2,7 +2,6 @@
 or a saved directory, and what every engine needs of them."""
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -22,46 +21,12 @@ from transformers import (
     SiglipModel,
 )
 
-from .config import CheckedArgs
+from .arguments import ModelArgs
 from .distributed import fsdp_block_classes
 from .images import takes_patch_grids
 from .paths import TINY_SIGLIP2_TOKENIZER, TINY_TOKENIZER
 
 MAX_LOGIT_SCALE = math.log(100)  # CLIP clamps the temperature at 100
-
-
-@dataclass
-class ModelArgs(CheckedArgs):
-    CHECKS = dict.fromkeys(("image_size", "patch_size", "hidden_size", "num_layers", "projection_dim"), "count") | {
-        "patch_dropout": "fraction", "max_num_patches": "patches"}
-    UNUSED_WITH = {"model_name_or_path": ("tokenizer_name", "image_size", "patch_size", "hidden_size", "num_layers",
-                                          "projection_dim")}
-    # clip: CLIPModel with clip_loss (softmax over the batch); siglip: SiglipModel or Siglip2Model with siglip_loss
-    # (sigmoid per pair)
-    loss: str = field(default="clip", metadata={"choices": ["clip", "siglip"]})
-    model_name_or_path: str | None = None  # a saved CLIP/SigLIP/SigLIP 2 directory or hub id; None builds a tiny one
-    # SigLIP 2 NaFlex: each image resized to at most this many patches, its aspect ratio kept. With --loss siglip
-    # and no model_name_or_path it builds a tiny Siglip2Model; with a SigLIP 2 checkpoint it replaces its
-    # processor's limit (the position embeddings are resized to each image's grid either way).
-    max_num_patches: int | None = None
-    # The rest shape the tiny model only (model_name_or_path=None).
-    tokenizer_name: str | None = None  # default: the embedded tiny one (SigLIP 2: of its own class, Siglip2Tokenizer)
-    image_size: int = 32
-    patch_size: int = 8
-    hidden_size: int = 64
-    num_layers: int = 2
-    projection_dim: int = 64  # CLIP only: SigLIP has no projection
-    logit_scale_init_value: float | None = None  # default ln(1/0.07) (CLIP) or ln(10) (SigLIP paper)
-    logit_bias_init_value: float = -10.0  # SigLIP only (paper)
-    # sdpa: PyTorch's fused attention (flash/memory-efficient kernels on CUDA); eager: the reference
-    # math; flash_attention_2 needs the flash-attn package. Checked when the model is built.
-    attn_implementation: str = "sdpa"
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
-    # FLIP's patch dropout: training keeps a random 1 - p of each image's patches (mmrecipes.patch_dropout)
-    patch_dropout: float = 0.0
-    # A checkpoint-N directory (any engine's, any number of processes) whose model weights start this run, which
-    # is new: step 0, a fresh optimizer and schedule, the data from the start (resuming: --resume_from_checkpoint)
-    init_from_checkpoint: str | None = None
 
 
 class CLIPForContrastiveTraining(CLIPModel):

@@ -19,110 +19,24 @@ import contextlib
 import copy
 import hashlib
 import itertools
-import math
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from accelerate.utils import DistributedType
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
+from .arguments import DPOArgs
 from .chat_collate import chat_model_inputs
-from .chat_data import CHAT_COUNTED, BadRow, ChatDataArgs, ChatPreprocessor
-from .config import CheckedArgs
+from .chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor
 from .distributed import all_ranks_true, sum_over_ranks
 from .evaluation import batches_in_step
 from .loader import Skip
 from .losses import IGNORE_INDEX
-from .sources import DATA_FILE, PROBLEM, evaluation_source, row_name
+from .sources import DATA_FILE, PROBLEM, row_name
 
 PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image", "id"]
 # What the DPO log counts: the SFT recipe's skips, and pairs whose answers are the same or one of them empty
 PREFERENCE_COUNTED = (*CHAT_COUNTED, "no_preference")
-
-
-@dataclass
-class PreferenceDataArgs(ChatDataArgs):
-    """The SFT recipe's data flags with the embedded preference pairs as defaults."""
-
-    EMBEDDED_EVAL: ClassVar[str] = "embedded:vlm_preferences"
-    EMBEDDED_QUESTIONS: ClassVar[str] = "embedded:vlm_shapes/image_chat"
-    dataset_name: str = "embedded:vlm_preferences"
-    dataset_weights: str | None = None
-    # Held-out pairs (reward accuracy), as --eval_dataset_name in vlm_finetune.py: auto is the embedded pairs beside
-    # the embedded training pairs; with your own, --eval_data_files read by the training builder, else none
-    eval_dataset_name: str | None = "auto"
-    # Held-out questions (chat rows, eval_split) whose answers are scored as vlm_finetune.py does; auto as above,
-    # with --eval_questions_data_files; None: not scored
-    eval_questions: str | None = "auto"
-    eval_questions_data_files: str | None = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.eval_questions, questions = evaluation_source(
-            "eval_questions", self.eval_questions, self.eval_questions_data_files, self.dataset_name,
-            self.EMBEDDED_QUESTIONS)
-        self.evaluation += f"; {questions}"
-        if self.packing or self.max_tokens_per_batch:
-            raise ValueError("--packing and --max_tokens_per_batch split or join rows; DPO scores each whole "
-                             "sequence beside its pair: use --per_device_train_batch_size")
-
-
-LOSS_TYPES = ("sigmoid", "ipo", "robust", "sft")  # the TRL 1.16 loss types this recipe computes
-
-
-@dataclass
-class DPOArgs(CheckedArgs):
-    CHECKS = {"beta": "positive", "label_smoothing": "fraction", "rpo_alpha": "non_negative_or_none"}
-    beta: float = 0.1  # how far the policy may move from the reference (TRL's name and default)
-    # TRL 1.16's loss types, comma-separated, summed with --loss_weights: sigmoid (the DPO paper), ipo (IPO on
-    # length-averaged log-probabilities), robust (Robust DPO, with --label_smoothing), sft (the chosen answer's mean
-    # token NLL: RPO). sigmoid,sft lets the tiny default learn its answers from scratch; TRL's default is sigmoid.
-    loss_type: str = "sigmoid,sft"
-    loss_weights: str | None = None  # one per loss type, comma-separated; None: 1.0 each (TRL)
-    label_smoothing: float = 0.0  # robust: the share of preference labels assumed flipped, below 0.5 (TRL)
-    # Deprecated, TRL < 1.0's name: the weight of sft in --loss_type (0 drops it). Said with its TRL 1.16 spelling.
-    rpo_alpha: float | None = None
-    # The reference's log-probabilities of every training and held-out pair computed in a first pass (repeated on a
-    # resume), then the frozen copy let go: training holds one model
-    precompute_ref_log_probs: bool = False
-
-    def __post_init__(self):
-        super().__post_init__()
-        types = [name.strip() for name in self.loss_type.split(",") if name.strip()]
-        try:
-            weights = [float(weight) for weight in (self.loss_weights or ",".join(["1.0"] * len(types))).split(",")]
-        except ValueError:
-            weights = []
-        if not types or set(types) - set(LOSS_TYPES) or len(set(types)) < len(types):
-            raise ValueError(f"--loss_type {self.loss_type!r}: give one or more of {', '.join(LOSS_TYPES)}, "
-                             "comma-separated, each once (TRL 1.16's names)")
-        if len(weights) != len(types) or not all(math.isfinite(weight) and weight >= 0 for weight in weights):
-            raise ValueError(f"--loss_weights {self.loss_weights!r}: give one finite weight, 0 or more, per "
-                             f"--loss_type ({len(types)})")
-        self.losses, self.deprecations = dict(zip(types, weights)), []
-        if self.rpo_alpha is not None:
-            self.losses.pop("sft", None)
-            self.losses |= {"sft": self.rpo_alpha} if self.rpo_alpha else {}
-            self.deprecations.append(f"--rpo_alpha is TRL < 1.0's name: write --loss_type {','.join(self.losses)} "
-                                     f"--loss_weights {','.join(map(str, self.losses.values()))}")
-        if not self.losses:
-            raise ValueError("--rpo_alpha 0 dropped the only loss type: name a preference loss with --loss_type")
-        if self.label_smoothing and ("ipo" in self.losses or not {"sigmoid", "robust"} & set(self.losses)):
-            raise ValueError("--label_smoothing smooths the robust (or the deprecated smoothed sigmoid) loss: drop it "
-                             "with --loss_type ipo")
-        if self.label_smoothing >= 0.5 and "robust" in self.losses:
-            raise ValueError(f"--label_smoothing {self.label_smoothing}: robust DPO needs it below 0.5 (TRL)")
-        if self.label_smoothing and "sigmoid" in self.losses:
-            self.deprecations.append("--label_smoothing with sigmoid is TRL < 1.0's conservative DPO (TRL 1.16's "
-                                     "sigmoid ignores it), kept here; TRL 1.16's label-smoothed loss is --loss_type "
-                                     "robust")
-
-    def describe(self) -> str:
-        terms = " + ".join(f"{weight:g} x {name}" for name, weight in self.losses.items())
-        return "\n".join([f"loss: {terms} (TRL 1.16's loss types), beta {self.beta}",
-                          *[f"deprecated: {line}" for line in self.deprecations]])
 
 
 def preference_chats(row) -> tuple[dict, dict]:

@@ -3,79 +3,12 @@ batch, mixed precision and tracker choice. The loop itself stays in the recipe."
 
 import json
 import math
-import signal
-from dataclasses import dataclass
 
 import torch
 from transformers import get_scheduler
 
-from .config import CheckedArgs
+from .arguments import TrainingArgs
 from .distributed import make_accelerator
-
-
-@dataclass
-class TrainingArgs(CheckedArgs):
-    """Arguments every recipe shares; a recipe subclasses it to add its own and change defaults."""
-
-    CHECKS = {**dict.fromkeys(("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
-                               "per_device_eval_batch_size", "eval_steps", "logging_steps", "ddp_timeout"), "count"),
-              **dict.fromkeys(("global_batch_size", "save_total_limit"), "count_or_none"),
-              **dict.fromkeys(("warmup_steps", "save_steps", "max_skipped_steps"), "count_or_zero"),
-              "learning_rate": "learning_rate", "weight_decay": "non_negative", "max_grad_norm": "non_negative_or_none",
-              "peak_tflops": "positive_or_none", "adam_beta1": "fraction", "adam_beta2": "fraction",
-              "adam_epsilon": "positive"}
-
-    output_dir: str = "outputs/run"
-    max_steps: int = 300  # optimizer steps
-    per_device_train_batch_size: int = 64
-    global_batch_size: int | None = None  # if set: per-device batch = global / (data ranks * accumulation)
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 2.0e-3
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9  # AdamW's betas and eps (HF TrainingArguments' names; open_clip's ViTs: 0.98, 1e-6)
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1.0e-8
-    warmup_steps: int = 20
-    lr_scheduler_type: str = "cosine"  # any of transformers' get_scheduler types the loop can step
-    # JSON of the scheduler's own arguments, e.g. '{"num_decay_steps": 60}' for warmup_stable_decay
-    lr_scheduler_kwargs: str | None = None
-    max_grad_norm: float | None = 1.0  # 0 or None: no clipping (the norm is still logged and checked)
-    mixed_precision: str = "auto"  # auto: bf16 on GPUs that support it, else fp32; or no / bf16 / fp16
-    seed: int = 42
-    per_device_eval_batch_size: int = 128
-    eval_steps: int = 100
-    logging_steps: int = 20
-    save_steps: int = 0  # 0: save only the final model (and a checkpoint on preemption)
-    save_total_limit: int | None = None  # keep only the newest K complete checkpoints (K >= 1)
-    # "latest" (the newest complete checkpoint that validates; none yet: start fresh) or a checkpoint directory
-    resume_from_checkpoint: str | None = None
-    # Resume model, optimizer and schedule but read the data from the beginning (HF Trainer's flag): for
-    # a checkpoint saved with other data, data layout or seed, which is otherwise refused
-    ignore_data_skip: bool = False
-    # On these signals: checkpoint at the next optimizer step, exit 75 (mmrecipes.step_guard); "" for none
-    preemption_signals: str = "SIGTERM,SIGUSR1"
-    max_skipped_steps: int = 5  # non-finite steps in a row (each skipped) before the run stops
-    report_to: str = "auto"  # tensorboard when installed; or wandb, none
-    peak_tflops: float | None = None  # per-device peak for the MFU estimate; default: known GPUs
-    ddp_timeout: int = 1800  # seconds a collective may wait before the run fails instead of hanging
-    # torch.compile (inductor) each transformer block in place (compile_blocks); the first steps
-    # are slow while it compiles
-    torch_compile: bool = False
-    fused_adamw: bool | None = None  # one kernel for the whole update; default: on CUDA only
-
-    def __post_init__(self):
-        super().__post_init__()
-        names = [name.strip() for name in self.preemption_signals.split(",") if name.strip()]
-        unknown = [name for name in names if name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP")]
-        if unknown:
-            raise ValueError(f"--preemption_signals {self.preemption_signals!r}: {', '.join(unknown)} is not a signal "
-                             "a process can catch; write names such as SIGTERM,SIGUSR1 (or '' for none)")
-        if self.mixed_precision == "fp16" and not torch.cuda.is_available():  # accelerate computes fp32 there
-            raise ValueError("--mixed_precision fp16 needs a GPU: on a CPU the run would compute in fp32 while its "
-                             "engine line said fp16. Use --mixed_precision no (or bf16)")
-        if not self.max_grad_norm:
-            self.max_grad_norm = math.inf  # clip_grad_norm_ then only measures (and DeepSpeed clips nothing)
-        lr_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), self)  # refused now, not at step 1
 
 
 def per_device_batch_size(args: TrainingArgs, data_world: int) -> int:

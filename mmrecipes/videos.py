@@ -28,7 +28,6 @@ processor's own floats.
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import av
@@ -37,24 +36,12 @@ import torch
 from torchvision.transforms.v2.functional import normalize as normalize_image
 from transformers.video_utils import VideoMetadata
 
-from .config import CheckedArgs
+from .arguments import VideoArgs
 from .images import fused_normalization, readable_source
 
 logger = logging.getLogger(__name__)
 
 VIDEO_COUNTED = ("no_frames", "video_too_long")  # besides "undecodable", which images share
-
-
-@dataclass
-class VideoArgs(CheckedArgs):
-    CHECKS = {"video_fps": "positive", "video_max_frames": "count", "video_max_seconds": "positive",
-              "video_max_pixels": "count"}
-    video_fps: float = 2.0  # frames sampled per second of clip (transformers' video processors: fps)
-    video_max_frames: int = 8  # at most this many frames per clip (their num_frames)
-    video_max_seconds: float = 600.0  # longer clips are skipped and counted (video_too_long)
-    # Clips whose frames have more pixels (4K UHD by default) are skipped and counted (too_large), from the header
-    # before any frame is decoded: one frame of 200M pixels cost 4.5 s and 614 MB before it was resized
-    video_max_pixels: int = 3840 * 2160
 
 
 # What a video processor is asked for clips that reach the model as `pixel_values_videos`, and the key that

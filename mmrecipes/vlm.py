@@ -37,7 +37,6 @@ that step; train the tower with `weight_decay=0` (the recipe's default for it) i
 
 import inspect
 import logging
-from dataclasses import dataclass
 
 import torch
 from transformers import (
@@ -50,39 +49,16 @@ from transformers import (
     LlavaProcessor,
 )
 
-from .config import CheckedArgs
+from .arguments import VLMModelArgs
 from .distributed import fsdp_block_classes
 from .lora import save_lora
 from .losses import head_cross_entropy_sum, soft_capped, token_cross_entropy_sum
 from .packing import packed_position_ids
-from .paths import TINY_VLM_TOKENIZER
 from .vlm_families import ModuleGroups, check_trainable, height_width, lm_features, split_items, video_as_image_names
 
 logger = logging.getLogger(__name__)
 
 TRAIN_MODULE_CHOICES = ("projector", "projector,language_model", "all")
-
-
-@dataclass
-class VLMModelArgs(CheckedArgs):
-    CHECKS = dict.fromkeys(("image_size", "patch_size", "vision_hidden_size", "vision_layers", "text_hidden_size",
-                            "text_layers"), "count")
-    UNUSED_WITH = {"model_name_or_path": ("tokenizer_name", *CHECKS)}
-    # A saved image-text-to-text directory or hub id (Llava, Qwen2.5-VL, Qwen3-VL, SmolVLM, Gemma 3, ...),
-    # loaded with AutoModelForImageTextToText and AutoProcessor; None builds the tiny Llava below
-    model_name_or_path: str | None = None
-    chat_template_path: str | None = None  # a .jinja file replacing the processor's chat template (TRL's name)
-    tokenizer_name: str = str(TINY_VLM_TOKENIZER)  # used only with model_name_or_path=None
-    # What trains: projector (LLaVA stage 1), projector,language_model (stage 2), all (tower too, at its own lr)
-    train_modules: str = "projector,language_model"
-    gradient_checkpointing: bool = False
-    attn_implementation: str = "sdpa"  # as for CLIP (mmrecipes.models.ModelArgs)
-    image_size: int = 32
-    patch_size: int = 8
-    vision_hidden_size: int = 64
-    vision_layers: int = 2
-    text_hidden_size: int = 128
-    text_layers: int = 2
 
 
 class VLMForTraining(torch.nn.Module):

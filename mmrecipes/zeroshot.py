@@ -9,44 +9,16 @@ need) and its own share of the images; correct counts are summed over ranks, so 
 the same `zeroshot_top1` / `zeroshot_top5`.
 """
 
-from dataclasses import dataclass
-from typing import ClassVar
 
 import datasets
 import torch
 
-from .config import CheckedArgs
+from .arguments import ZeroShotArgs
 from .distributed import sum_over_ranks
 from .evaluation import batches_in_step
 from .images import image_inputs
 from .paths import resolve_name
 from .sources import split_by_data_rank
-
-DEFAULT_TEMPLATES = ("a photo of a {}.|a photo of the {}.|a rendering of a {}.|a {}.|a picture of a small {}.|"
-                     "a picture of a large {}.")
-
-
-@dataclass
-class ZeroShotArgs(CheckedArgs):
-    CHECKS = {"per_device_zeroshot_batch_size": "count"}
-    EMBEDDED_SET: ClassVar[str] = "embedded:shapes_zeroshot"
-    # A hub id, a builder with --zeroshot_data_files, or a local directory (an image folder with one
-    # sub-folder per class is read as imagefolder); auto: the embedded shapes beside the embedded training data
-    # only; None turns zero-shot evaluation off.
-    zeroshot_dataset: str | None = "auto"
-    zeroshot_data_files: str | None = None
-    zeroshot_split: str | None = None  # default: test, or the only split there is
-    zeroshot_image_column: str = "image"
-    zeroshot_label_column: str = "label"
-    zeroshot_class_names: str | None = None  # comma-separated; default: the label column's ClassLabel names
-    zeroshot_templates: str = DEFAULT_TEMPLATES  # "|"-separated, each with one {} for the class name
-    per_device_zeroshot_batch_size: int = 64
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.zeroshot_data_files and self.zeroshot_dataset == "auto":
-            raise ValueError("--zeroshot_data_files is read by the builder --zeroshot_dataset names: set it (e.g. "
-                             "--zeroshot_dataset imagefolder)")
 
 
 class ZeroShotSet:

@@ -15,39 +15,11 @@ ZeRO-2, ZeRO-3, multi-node) and on real data:
 Tested on a 2-core CPU (1 and 2 processes, gloo).
 """
 
-import time
 from dataclasses import asdict, dataclass, field
-from functools import partial
 
-import torch
-from accelerate.utils import set_seed
-from tqdm.auto import tqdm
-
-from mmrecipes.checkpointing import Checkpointer, checkpoint_weights, data_layout
+from mmrecipes.arguments import DataArgs, ModelArgs, TrainingArgs, ZeroShotArgs
 from mmrecipes.config import parse_args
-from mmrecipes.data import DataArgs, build_dataloader, caption_length, evaluation_off_reason, model_inputs
-from mmrecipes.distributed import all_ranks_true, data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config
-from mmrecipes.evaluation import evaluate_retrieval
-from mmrecipes.feature_cache import feature_cache_backward
-from mmrecipes.loader import batches_forever, no_rows_error
 from mmrecipes.locking import LockArgs, lock_towers
-from mmrecipes.losses import clip_loss, siglip_loss
-from mmrecipes.metrics import LogWindow, eval_line, log_line
-from mmrecipes.model_card import History, write_model_card
-from mmrecipes.models import ModelArgs, build_contrastive, clamp_logit_scale_, save_contrastive
-from mmrecipes.patch_dropout import add_patch_dropout
-from mmrecipes.sources import evaluation_source
-from mmrecipes.step_guard import StepGuard
-from mmrecipes.throughput import ContrastiveFlops, peak_flops
-from mmrecipes.training import (
-    TrainingArgs,
-    accelerator_from_args,
-    adamw,
-    compile_blocks,
-    lr_scheduler,
-    per_device_batch_size,
-)
-from mmrecipes.zeroshot import ZeroShotArgs, ZeroShotSet, evaluate_zeroshot
 
 
 @dataclass
@@ -61,6 +33,38 @@ class TrainArgs(TrainingArgs):
 
 
 ARGUMENTS = (ModelArgs, LockArgs, DataArgs, ZeroShotArgs, TrainArgs)  # the flags and YAML keys this recipe takes
+if __name__ == "__main__":
+    parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
+
+import time
+from functools import partial
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from mmrecipes.checkpointing import Checkpointer, checkpoint_weights, data_layout
+from mmrecipes.data import build_dataloader, caption_length, evaluation_off_reason, model_inputs
+from mmrecipes.distributed import all_ranks_true, data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config
+from mmrecipes.evaluation import evaluate_retrieval
+from mmrecipes.feature_cache import feature_cache_backward
+from mmrecipes.loader import batches_forever, no_rows_error
+from mmrecipes.losses import clip_loss, siglip_loss
+from mmrecipes.metrics import LogWindow, eval_line, log_line
+from mmrecipes.model_card import History, write_model_card
+from mmrecipes.models import build_contrastive, clamp_logit_scale_, save_contrastive
+from mmrecipes.patch_dropout import add_patch_dropout
+from mmrecipes.sources import evaluation_source
+from mmrecipes.step_guard import StepGuard
+from mmrecipes.throughput import ContrastiveFlops, peak_flops
+from mmrecipes.training import (
+    accelerator_from_args,
+    adamw,
+    compile_blocks,
+    lr_scheduler,
+    per_device_batch_size,
+)
+from mmrecipes.zeroshot import ZeroShotSet, evaluate_zeroshot
 
 
 def main(argv=None):

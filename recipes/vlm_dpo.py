@@ -14,43 +14,10 @@ copy the engine shards like the policy. Both sides of a pair run in one forward,
 image (as vlm_finetune.py), and the loss is the exact mean over the window's pairs on every rank (docs/dpo.md).
 """
 
-import time
 from dataclasses import asdict, dataclass, replace
 
-import torch
-from accelerate.utils import set_seed
-from tqdm.auto import tqdm
-
-from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-from mmrecipes.chat_data import build_chat_dataloader
-from mmrecipes.chat_labels import AnswerLabeller, check_template
-from mmrecipes.checkpointing import Checkpointer, data_layout
+from mmrecipes.arguments import DPOArgs, LoraArgs, PreferenceDataArgs, TrainingArgs, VLMModelArgs
 from mmrecipes.config import parse_args
-from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config, sum_over_ranks
-from mmrecipes.evaluation import evaluate_answers
-from mmrecipes.loader import batches_forever, no_rows_error
-from mmrecipes.lora import LoraArgs, add_lora, describe_trainable
-from mmrecipes.losses import token_loss_scale
-from mmrecipes.metrics import LogWindow, eval_line, log_line
-from mmrecipes.model_card import History, write_model_card
-from mmrecipes.preference import (
-    PREFERENCE_COUNTED,
-    DPOArgs,
-    PreferenceCollator,
-    PreferenceDataArgs,
-    PreferencePreprocessor,
-    Reference,
-    answer_tokens,
-    dpo_loss,
-    evaluate_preferences,
-    frozen_reference,
-    sequence_logps,
-)
-from mmrecipes.step_guard import StepGuard
-from mmrecipes.throughput import peak_flops, vlm_train_flops
-from mmrecipes.training import TrainingArgs, accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, save_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, module_groups, optimizer_groups
 
 
 @dataclass
@@ -69,6 +36,42 @@ class TrainArgs(TrainingArgs):
 
 
 ARGUMENTS = (VLMModelArgs, LoraArgs, PreferenceDataArgs, DPOArgs, TrainArgs)  # the flags and YAML keys it takes
+if __name__ == "__main__":
+    parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
+
+import time
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
+from mmrecipes.chat_data import build_chat_dataloader
+from mmrecipes.chat_labels import AnswerLabeller, check_template
+from mmrecipes.checkpointing import Checkpointer, data_layout
+from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config, sum_over_ranks
+from mmrecipes.evaluation import evaluate_answers
+from mmrecipes.loader import batches_forever, no_rows_error
+from mmrecipes.lora import add_lora, describe_trainable
+from mmrecipes.losses import token_loss_scale
+from mmrecipes.metrics import LogWindow, eval_line, log_line
+from mmrecipes.model_card import History, write_model_card
+from mmrecipes.preference import (
+    PREFERENCE_COUNTED,
+    PreferenceCollator,
+    PreferencePreprocessor,
+    Reference,
+    answer_tokens,
+    dpo_loss,
+    evaluate_preferences,
+    frozen_reference,
+    sequence_logps,
+)
+from mmrecipes.step_guard import StepGuard
+from mmrecipes.throughput import peak_flops, vlm_train_flops
+from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
+from mmrecipes.vlm import VLMForTraining, apply_train_modules, load_vlm, save_vlm, stop_token_ids
+from mmrecipes.vlm_families import dummy_image_inputs, module_groups, optimizer_groups
 
 
 def main(argv=None):

@@ -13,43 +13,10 @@ and the loss is the exact token mean over the accumulation window on all ranks (
 (`--dataset_name json --data_files llava.json --image_folder images/`) or `messages` + `images` (+ `videos`) rows.
 """
 
-import time
 from dataclasses import asdict, dataclass
 
-import torch
-from accelerate.utils import set_seed
-from tqdm.auto import tqdm
-
-from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs, check_packing
-from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, generation_prompts
-from mmrecipes.chat_labels import AnswerLabeller, check_template
-from mmrecipes.checkpointing import Checkpointer, data_layout
+from mmrecipes.arguments import ChatDataArgs, LoraArgs, TrainingArgs, VLMModelArgs
 from mmrecipes.config import parse_args
-from mmrecipes.distributed import (
-    DivergenceGuard,
-    data_parallel_rank_and_world,
-    engine_line,
-    reconcile_deepspeed_config,
-    sum_over_ranks,
-)
-from mmrecipes.evaluation import evaluate_answers, evaluate_generation
-from mmrecipes.loader import batches_forever, no_rows_error
-from mmrecipes.lora import LoraArgs, add_lora, describe_trainable
-from mmrecipes.losses import token_loss_scale
-from mmrecipes.metrics import LogWindow, eval_line, log_line
-from mmrecipes.model_card import History, write_model_card
-from mmrecipes.step_guard import StepGuard
-from mmrecipes.throughput import peak_flops, vlm_train_flops
-from mmrecipes.training import (
-    TrainingArgs,
-    accelerator_from_args,
-    adamw,
-    compile_blocks,
-    lr_scheduler,
-    per_device_batch_size,
-)
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, save_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, image_patches, module_groups, optimizer_groups, video_path
 
 
 @dataclass
@@ -72,6 +39,43 @@ class TrainArgs(TrainingArgs):
 
 
 ARGUMENTS = (VLMModelArgs, LoraArgs, ChatDataArgs, TrainArgs)  # the flags and YAML keys this recipe takes
+if __name__ == "__main__":
+    parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
+
+import time
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs, check_packing
+from mmrecipes.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
+from mmrecipes.chat_labels import AnswerLabeller, check_template
+from mmrecipes.checkpointing import Checkpointer, data_layout
+from mmrecipes.distributed import (
+    DivergenceGuard,
+    data_parallel_rank_and_world,
+    engine_line,
+    reconcile_deepspeed_config,
+    sum_over_ranks,
+)
+from mmrecipes.evaluation import evaluate_answers, evaluate_generation
+from mmrecipes.loader import batches_forever, no_rows_error
+from mmrecipes.lora import add_lora, describe_trainable
+from mmrecipes.losses import token_loss_scale
+from mmrecipes.metrics import LogWindow, eval_line, log_line
+from mmrecipes.model_card import History, write_model_card
+from mmrecipes.step_guard import StepGuard
+from mmrecipes.throughput import peak_flops, vlm_train_flops
+from mmrecipes.training import (
+    accelerator_from_args,
+    adamw,
+    compile_blocks,
+    lr_scheduler,
+    per_device_batch_size,
+)
+from mmrecipes.vlm import VLMForTraining, apply_train_modules, load_vlm, save_vlm, stop_token_ids
+from mmrecipes.vlm_families import dummy_image_inputs, image_patches, module_groups, optimizer_groups, video_path
 
 
 def main(argv=None):

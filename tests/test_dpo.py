@@ -14,6 +14,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
 from launch import REPO, assert_engine, assert_same_curves, run_engine, run_recipe
+from mmrecipes.arguments import PreferenceDataArgs
 from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
 from mmrecipes.chat_data import CHAT_COUNTED
 from mmrecipes.chat_labels import AnswerLabeller
@@ -22,7 +23,6 @@ from mmrecipes.losses import IGNORE_INDEX
 from mmrecipes.preference import (
     DPOArgs,
     PreferenceCollator,
-    PreferenceDataArgs,
     PreferencePreprocessor,
     Reference,
     answer_tokens,
