@@ -27,6 +27,7 @@ a row longer than `max_length` is skipped and counted, as are rows with a missin
 image or clip and rows whose placeholders do not match their images or clips.
 """
 
+import functools
 import logging
 import os
 import re
@@ -62,6 +63,7 @@ CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "imag
                 "unaligned", "bad_text", "bad_row", "bad_shard", "video", *VIDEO_COUNTED, "video_mismatch")
 CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", "id"]
 MAX_CHARS_PER_TOKEN = 32  # a bound on the characters of text one token holds, with a wide margin
+TYPICAL_CHARS_PER_TOKEN = 4  # about what a token holds of English: longer texts are tokenised before labelling
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 MEDIA_PARTS = {"<image>": "image", "<video>": "video"}  # LLaVA's placeholders -> content part types
@@ -108,9 +110,15 @@ def media_folder(row, folder: str | None) -> str | None:
     else the folder of the local file the row was read from (as LLaMA-Factory's media_dir), else None (the
     working directory: `datasets`' own readers do not say which file a row came from)."""
     if folder:
-        return os.path.realpath(folder)
+        return _resolved_folder(folder)
     data_file = row.get(DATA_FILE)
-    return os.path.dirname(os.path.realpath(data_file)) if data_file and "://" not in data_file else None
+    return _resolved_folder(data_file, parent=True) if data_file and "://" not in data_file else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _resolved_folder(path: str, parent: bool = False) -> str:
+    """The real path of a folder (or of a file's folder), resolved once: a stream asks for the same few per row."""
+    return os.path.dirname(os.path.realpath(path)) if parent else os.path.realpath(path)
 
 
 def _field(item, key, kind=str):
@@ -224,13 +232,15 @@ class ChatPreprocessor:
 
     def text_too_long(self, messages) -> Skip | None:
         """A too_long Skip when the row's text parts alone cannot fit in `max_length` tokens: over
-        `MAX_CHARS_PER_TOKEN` characters a token (no tokenizer packs natural text so densely), or over the limit
-        once tokenised on their own (a margin of one token a part: in the template a part may merge with its
-        neighbours)."""
+        `MAX_CHARS_PER_TOKEN` characters a token (no tokenizer packs natural text so densely), or, for a text long
+        enough to be in doubt, over the limit once tokenised on their own (a margin of one token a part: in the
+        template a part may merge with its neighbours)."""
         texts = [part["text"] for message in messages for part in message["content"] if part["type"] == "text"]
         characters = sum(map(len, texts))
         if characters > self.max_length * MAX_CHARS_PER_TOKEN:
             return Skip("too_long", f"{characters} characters of text, more than {self.max_length} tokens hold")
+        if characters <= self.max_length * TYPICAL_CHARS_PER_TOKEN:
+            return None  # most rows: the labeller measures them, without a tokenisation of their own here
         tokens = sum(map(len, self.labeller.tokenizer(texts, add_special_tokens=False)["input_ids"])) if texts else 0
         if tokens > self.max_length + len(texts):
             return Skip("too_long", f"its text alone is {tokens} tokens, over {self.max_length}")
