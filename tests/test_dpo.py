@@ -174,7 +174,7 @@ def test_loss_and_rewards_equal_the_dpo_formula_from_the_models_own_logits(tiny,
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_first_step_equals_trl_dpo_trainer(tiny, loss_type):
+def test_first_step_equals_trl_dpo_trainer(tiny, loss_type, tmp_path):
     """TRL 1.16's `DPOTrainer` on the same tiny model and pairs computes the loss, the rewards and the log-probs we
     compute. One convention is taken out: TRL also scores the newline the template writes after the end-of-turn
     token (the prompt-plus-answer rendering minus the prompt's), where our labels are the SFT labels; here the
@@ -196,8 +196,8 @@ def test_first_step_equals_trl_dpo_trainer(tiny, loss_type):
     rows = list(datasets.load_dataset(str(REPO / "data" / "vlm_preferences"), split="train").select(range(40)))
     rows = [row for row in rows if row["images"]][:4]
 
-    config = trl.DPOConfig(output_dir=None, beta=0.5, loss_type=[loss_type], report_to=[], use_cpu=True, bf16=False,
-                           per_device_eval_batch_size=len(rows), max_length=None)
+    config = trl.DPOConfig(output_dir=str(tmp_path), beta=0.5, loss_type=[loss_type], report_to=[], use_cpu=True,
+                           bf16=False, per_device_eval_batch_size=len(rows), max_length=None)
     trainer = trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model), args=config,
                              train_dataset=datasets.Dataset.from_list(rows), processing_class=processor,
                              eval_dataset=datasets.Dataset.from_list(rows))
