@@ -120,6 +120,7 @@ class Checkpointer:
         self.accelerator, self.scheduler = accelerator, scheduler
         self.root = Path(args.output_dir) / "checkpoints"
         self.total_limit, self.ignore_data_skip = args.save_total_limit, args.ignore_data_skip
+        self.save_steps, self.max_steps = args.save_steps, args.max_steps
         self.lock = OutputDirLock(args.output_dir)
         self.train_loader = None  # the training stream whose position saves keep (`resume`)
         self.layout, self.model = dict(layout), model_layout(model)
@@ -130,10 +131,18 @@ class Checkpointer:
         return sorted((path for path in self.root.glob("checkpoint-*")
                        if CHECKPOINT_NAME.fullmatch(path.name) and (path / MARKER).is_file()), key=step_of)
 
+    def save_if_due(self, step: int, epoch: int, guard, report):
+        """Save at every --save_steps step and when a preemption signal reached any rank (`guard.stop_requested`;
+        then exit with `PREEMPTED_EXIT_CODE` on every rank); never at the last step, which saves the model."""
+        if step < self.max_steps and (guard.stop_requested or self.save_steps and step % self.save_steps == 0):
+            checkpoint = self.save(step, epoch, report.totals_so_far())
+            if guard.stop_requested:
+                guard.exit_preempted(checkpoint)  # run the same command again to continue
+
     def save(self, step: int, epoch: int, totals: dict | None = None) -> Path:
         """Model, optimizer, scheduler and RNG state after `step` optimizer steps, the training stream's
         position after its last batch, which came from `epoch`, and the log's `totals` so far (its counters,
-        `LogWindow.totals_so_far`) (call on every rank). A write that fails (a full or read-only disk, an I/O
+        `Report.totals_so_far`) (call on every rank). A write that fails (a full or read-only disk, an I/O
         error) raises CheckpointSaveFailed, saying what failed, the last complete checkpoint and how to resume; what
         it wrote is removed (or, where it cannot be, removed at the next start)."""
         partial = self.root / f"{PARTIAL}checkpoint-{step}"
@@ -313,10 +322,11 @@ class Checkpointer:
                              "--shuffle_buffer_size and data it was saved with, or pass --ignore_data_skip true to "
                              "restore the rest and start the data from the beginning.")
 
-    def resume(self, which: str | None, train_loader) -> tuple[int, int | None]:
-        """(start_step, epoch): restore model, optimizer, scheduler and RNG from `which` and the training
-        stream's position into `train_loader`, and say which epoch that position is in (None: the data
-        start from the beginning). Iterating from there repeats the uninterrupted run exactly."""
+    def open_run(self, which: str | None, train_loader) -> tuple[int, int | None]:
+        """(start_step, epoch): take the output directory (its lock), remove saves cut short, and, with `which`
+        (--resume_from_checkpoint), restore model, optimizer, scheduler and RNG from it and the training stream's
+        position into `train_loader`, saying which epoch that position is in (None: the data start from the
+        beginning). Iterating from there repeats the uninterrupted run exactly."""
         self.claim_output_dir()
         self.remove_partial()
         self.train_loader = train_loader

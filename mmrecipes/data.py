@@ -109,7 +109,7 @@ class ImageTextPreprocessor:
 
 
 class ImageTextCollator:
-    """Rows -> {pixel_values, input_ids, attention_mask, data_counts}; pads captions to the batch
+    """Rows -> {pixel_values, input_ids, attention_mask, num_samples, data_counts}; pads captions to the batch
     max, or to `pad_to_length`. uint8 pixels come with the `pixel_mean` and `pixel_std` that
     `model_inputs` finishes them with (`device_normalization`). NaFlex rows are padded to the batch's
     longest image (`padded_patches`: with `pixel_attention_mask` and `spatial_shapes`). With several `sources`,
@@ -138,6 +138,7 @@ class ImageTextCollator:
                else {"pixel_values": torch.stack(pixels)}),
             "input_ids": input_ids,
             "attention_mask": attention_mask.long(),
+            "num_samples": len(rows),
             "data_counts": torch.tensor([sum(row[name] for row in rows) for name in COUNTED]),
         }
         if self.sources > 1:

@@ -13,11 +13,14 @@ import os
 import select
 import signal
 import threading
+import time
 from collections import Counter
 from functools import partial
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+from .distributed import all_ranks_true
 
 logger = logging.getLogger(__name__)
 
@@ -304,13 +307,42 @@ def no_rows_error(dataloader, data_world: int, this_rank_empty: bool, rows: str 
     return RuntimeError(f"{message}: {drops.report()}")
 
 
+class TrainBatches:
+    """`next(batches)`: this rank's next training batch, over epochs (`batches_forever`; None: the rank has no rows),
+    timed: `epoch` is the epoch of the batch last taken, and `take_wait()` the seconds spent waiting for batches
+    since it was last called (the report's data_wait)."""
+
+    def __init__(self, dataloader, resumed_epoch: int | None = None):
+        self.dataloader, self._batches = dataloader, batches_forever(dataloader, resumed_epoch)
+        self.epoch, self._waited = resumed_epoch or 0, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        self.epoch, batch = next(self._batches)
+        self._waited += time.perf_counter() - start
+        return batch
+
+    def take_wait(self) -> float:
+        waited, self._waited = self._waited, 0.0
+        return waited
+
+    def check_rows(self, window: list, accelerator, data_world: int, rows: str = "training rows"):
+        """At the first step: every rank raises together if a data rank got no batch (every epoch reads the same
+        rows, so once is enough); the rank without rows says why (`no_rows_error`)."""
+        if not all_ranks_true(None not in window, accelerator.device):
+            raise no_rows_error(self.dataloader, data_world, None in window, rows)
+
+
 def batches_forever(dataloader, resumed_epoch: int | None = None):
     """Yield (epoch, batch) over epochs of this rank's stream; (epoch, None) after an empty epoch.
 
     Each rank loops over its own rows, so a rank never runs dry while others train: every
     rank stops at the same optimizer step. The recipe agrees on "got a batch" once, at the
     first batch, so an empty shard stops every rank with one clear error instead of a hang.
-    `resumed_epoch`: the epoch of a position loaded into the loader (`Checkpointer.resume`), which
+    `resumed_epoch`: the epoch of a position loaded into the loader (`Checkpointer.open_run`), which
     continues there (and may have nothing left).
     """
     epoch, resumed = (0, False) if resumed_epoch is None else (resumed_epoch, True)

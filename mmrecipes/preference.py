@@ -131,7 +131,7 @@ class PreferencePreprocessor(ChatPreprocessor):
 
 
 class PreferenceCollator:
-    """Pairs -> one `DummyImageCollator` batch: the chosen rows, then the rejected rows (`num_samples` counts both;
+    """Pairs -> one `DummyImageCollator` batch: the chosen rows, then the rejected rows (`num_samples` counts pairs;
     the data counts, `PREFERENCE_COUNTED`, ride on the chosen rows only); with `keys`, each pair's `pair_key` too
     (precomputed reference log-probabilities are looked up by it)."""
 
@@ -142,6 +142,7 @@ class PreferenceCollator:
         counts = [{name: pair[name] for name in CHAT_COUNTED} for pair in pairs]
         batch = self.collator([pair["chosen"] | count for pair, count in zip(pairs, counts)]
                               + [pair["rejected"] | dict.fromkeys(CHAT_COUNTED, 0) for pair in pairs])
+        batch["num_samples"] = len(pairs)  # what the DPO loss averages over, and samples/s counts
         no_preference = torch.tensor([sum(pair["no_preference"] for pair in pairs)])  # DPO's own count, last
         batch["data_counts"] = torch.cat([batch["data_counts"], no_preference])
         if self.keys:

@@ -55,9 +55,8 @@ class StepGuard:
     def _on_signal(self, signum, frame):
         self.signal = self.signal or signal.Signals(signum).name  # acted on at the next step boundary
 
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped so far (for the log line; reads a pending verdict)."""
+    def skipped_so_far(self) -> int:
+        """Optimizer steps skipped so far, the previous step's pending verdict read first (which can end the run)."""
         self._read_pending()
         return self._skipped_steps
 

@@ -11,7 +11,6 @@ From those, the configs and the module tree this module derives:
 - `lm_features`: the tensors of that call the language model consumes (the projected features,
   and Qwen3-VL's deepstack features);
 - `module_groups`: vision tower / projector / language model, from one dummy backward;
-- `image_patches`: what the tower embeds, for the FLOPs count.
 """
 
 import inspect
@@ -203,17 +202,6 @@ def split_items(features, count: int) -> tuple:
 
     per_item = {name: value for name, value in features.items() if isinstance(value, (tuple, list))}
     return tuple(type(features)(**{name: split(value, part) for name, value in per_item.items()}) for part in (0, 1))
-
-
-def image_patches(batch: dict, vision_config) -> int:
-    """Patches the tower embeds for a collated batch's images (not the dummy) and clips, padding tiles included,
-    for the FLOPs count (a clip's patches take the same layout as an image's where the tower takes both)."""
-    channels = getattr(vision_config, "in_channels", None) or getattr(vision_config, "num_channels", 3)
-    temporal = getattr(vision_config, "temporal_patch_size", 1)
-    height, width = height_width(vision_config.patch_size)
-    pixels = [batch[key] for key in ("pixel_values", "pixel_values_videos")
-              if key in batch and not (key == "pixel_values" and batch["dummy_image"])]
-    return sum(value.numel() for value in pixels) // (channels * temporal * height * width)
 
 
 def height_width(size) -> tuple[int, int]:

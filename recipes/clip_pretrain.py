@@ -36,7 +36,6 @@ ARGUMENTS = (ModelArgs, LockArgs, DataArgs, ZeroShotArgs, TrainArgs)  # the flag
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
 
-import time
 from functools import partial
 
 import torch
@@ -45,18 +44,18 @@ from tqdm.auto import tqdm
 
 from mmrecipes.checkpointing import Checkpointer, checkpoint_weights, data_layout
 from mmrecipes.data import build_dataloader, caption_length, evaluation_off_reason, model_inputs
-from mmrecipes.distributed import all_ranks_true, data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config
+from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config
 from mmrecipes.evaluation import evaluate_retrieval
 from mmrecipes.feature_cache import feature_cache_backward
-from mmrecipes.loader import batches_forever, no_rows_error
+from mmrecipes.loader import TrainBatches
 from mmrecipes.losses import clip_loss, siglip_loss
-from mmrecipes.metrics import LogWindow, eval_line, log_line
-from mmrecipes.model_card import History, write_model_card
+from mmrecipes.model_card import write_model_card
 from mmrecipes.models import build_contrastive, clamp_logit_scale_, save_contrastive
 from mmrecipes.patch_dropout import add_patch_dropout
+from mmrecipes.reporting import Report, ratio
 from mmrecipes.sources import evaluation_source
 from mmrecipes.step_guard import StepGuard
-from mmrecipes.throughput import ContrastiveFlops, peak_flops
+from mmrecipes.throughput import ContrastiveFlops
 from mmrecipes.training import (
     accelerator_from_args,
     adamw,
@@ -137,27 +136,21 @@ def main(argv=None):
     # whether a preemption signal arrived (then: checkpoint and exit).
     guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,
                       max_skipped_steps=args.max_skipped_steps)
-    start_step, resumed_epoch = checkpoints.resume(args.resume_from_checkpoint, train_loader)
-    train_batches = batches_forever(train_loader, resumed_epoch)
+    start_step, resumed_epoch = checkpoints.open_run(args.resume_from_checkpoint, train_loader)
+    batches = TrainBatches(train_loader, resumed_epoch)
 
     accelerator.init_trackers(f"{model_args.loss}_pretrain", asdict(model_args) | asdict(data_args) | asdict(args))
-    peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
-    log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
-    counted = data_args.counted()  # bad rows by kind, and the rows of each source where there are several
-    # The sums of a logging window, and their totals (from the checkpoint's on a resume); everything logged
-    logged, history = LogWindow(accelerator.device, counted, checkpoints.resumed_totals), History()
+    # The data counters: bad rows by kind, and the rows of each source where there are several
+    report = Report(accelerator, args, batches, data_args.counted(), guard=guard, flops=batch_flops,
+                    total=checkpoints.resumed_totals)
     # Both take (image_embeds, text_embeds, *what the model returns after them): scale, and SigLIP's bias.
     loss_fn = siglip_loss if model_args.loss == "siglip" else partial(clip_loss, tile_size=args.loss_tile_size)
     for step in progress:
-        window = []
-        for _ in range(args.gradient_accumulation_steps):
-            epoch, batch = logged.next(train_batches)
-            # A rank whose share is empty gets None at its first batch (every epoch reads the same
-            # rows): the ranks agree on that once, not with a collective and host sync per micro-step.
-            if step == start_step and not window and not all_ranks_true(batch is not None, accelerator.device):
-                raise no_rows_error(train_loader, data_world, batch is None)  # the rank without rows says why
-            window.append(batch)
+        window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
+        if step == start_step:
+            batches.check_rows(window, accelerator, data_world)  # a rank without rows says why, on every rank
+        report.add_batches(window)
         if args.contrastive_accumulation == "feature_cache":
             # The window's micro-batches act as ONE contrastive batch (k*b negatives per row).
             window_losses = [feature_cache_backward(accelerator, model, window, loss_fn)]
@@ -177,50 +170,31 @@ def main(argv=None):
             optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
             scheduler.step()
             clamp_logit_scale_(accelerator, model)
-        logged.add_applied(guard.applied, loss=step_losses.mean(), applied_steps=1)  # on the device
-        logged.add(samples=sum(len(batch["input_ids"]) for batch in window),
-                   flops=sum(batch_flops(batch) for batch in window),
-                   data_counts=sum(batch["data_counts"] for batch in window))
+        report.add_step(guard.applied, loss=step_losses.mean(), applied_steps=1)  # on the device
         optimizer.zero_grad()
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
-        if done % args.logging_steps == 0 or done == args.max_steps:
+        if report.due(done):
             # Mean over ranks of the local losses is the global-batch loss (mmrecipes.losses).
-            sums = logged.close()
-            metrics = {"loss": sums["loss"] / sums["applied_steps"] if sums["applied_steps"] else float("nan"),
-                       "lr": scheduler.get_last_lr()[0], "samples_per_s": sums["samples"] / sums["seconds"],
-                       "mfu": sums["flops"] / sums["seconds"] / peak / accelerator.num_processes if peak else None,
-                       "data_wait": sums["data_wait"] / accelerator.num_processes / sums["seconds"],
-                       "skipped_steps": guard.skipped_steps} | {name: int(logged.total[name]) for name in counted}
-            accelerator.log(metrics | {"epoch": epoch}, step=done)
-            history.add(done, metrics)
-            log(log_line(done, args.max_steps, metrics))
-        evaluating = eval_loader is not None or zeroshot is not None
-        if evaluating and (done % args.eval_steps == 0 or done == args.max_steps):
-            eval_start = time.perf_counter()
-            recall = {}
-            if eval_loader is not None:
-                recall = evaluate_retrieval(model, eval_loader, filler_batch, accelerator.device)
-            if zeroshot is not None:
-                recall |= evaluate_zeroshot(model, zeroshot, accelerator.device)
-            logged.pause(time.perf_counter() - eval_start)  # samples/s measures training only
-            if recall:
-                accelerator.log(recall, step=done)
-                history.add(done, recall, evaluation=True)
-                log(eval_line(done, recall))
-        if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
-            checkpoint = checkpoints.save(done, epoch, logged.totals_so_far())
-            if guard.stop_requested:
-                guard.exit_preempted(checkpoint)  # exit code 75 on every rank: run the same command again
+            sums = report.close()
+            report.log(done, {"loss": ratio(sums["loss"], sums["applied_steps"]), "lr": scheduler.get_last_lr()[0]},
+                       sums)
+        if (eval_loader, zeroshot) != (None, None) and report.evaluation_due(done):
+            with report.evaluating(done) as scores:
+                if eval_loader is not None:
+                    scores |= evaluate_retrieval(model, eval_loader, filler_batch, accelerator.device)
+                if zeroshot is not None:
+                    scores |= evaluate_zeroshot(model, zeroshot, accelerator.device)
+        checkpoints.save_if_due(done, batches.epoch, guard, report)
 
     save_contrastive(accelerator, model, tokenizer, image_processor, args.output_dir)
     if accelerator.is_main_process:
         write_model_card(
-            args.output_dir, history, pipeline_tag="zero-shot-image-classification",
+            args.output_dir, report.history, pipeline_tag="zero-shot-image-classification",
             eval_metrics=["image_to_text_R@1", "text_to_image_R@1", "zeroshot_top1"],
             base_model=model_args.model_name_or_path, datasets=[data_args.dataset_name],
             evaluated="; ".join(evaluated), tags=[model_args.loss, "contrastive"], engine=engine,
-            seen=f"{int(logged.total['samples']):,} image-text pairs", resumed_at=start_step)
+            seen=f"{int(report.total['samples']):,} image-text pairs", resumed_at=start_step)
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").
     accelerator.wait_for_everyone()

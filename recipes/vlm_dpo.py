@@ -39,8 +39,6 @@ ARGUMENTS = (VLMModelArgs, LoraArgs, PreferenceDataArgs, DPOArgs, TrainArgs)  # 
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
 
-import time
-
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
@@ -51,11 +49,10 @@ from mmrecipes.chat_labels import AnswerLabeller, check_template
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config, sum_over_ranks
 from mmrecipes.evaluation import evaluate_answers
-from mmrecipes.loader import batches_forever, no_rows_error
+from mmrecipes.loader import TrainBatches
 from mmrecipes.lora import add_lora, describe_trainable
 from mmrecipes.losses import token_loss_scale
-from mmrecipes.metrics import LogWindow, eval_line, log_line
-from mmrecipes.model_card import History, write_model_card
+from mmrecipes.model_card import write_model_card
 from mmrecipes.preference import (
     PREFERENCE_COUNTED,
     PreferenceCollator,
@@ -67,11 +64,14 @@ from mmrecipes.preference import (
     frozen_reference,
     sequence_logps,
 )
+from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
-from mmrecipes.throughput import peak_flops, vlm_train_flops
+from mmrecipes.throughput import VLMFlops
 from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
 from mmrecipes.vlm import VLMForTraining, apply_train_modules, load_vlm, save_vlm, stop_token_ids
 from mmrecipes.vlm_families import dummy_image_inputs, module_groups, optimizer_groups
+
+PAIR_SUMS = ("loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected")  # each step's, over its pairs
 
 
 def main(argv=None):
@@ -95,9 +95,9 @@ def main(argv=None):
     if not model.get_input_embeddings().weight.requires_grad:  # as vlm_finetune.py: the same backward on every rank
         model.enable_input_require_grads()
     # Counted now (ZeRO-3 partitions them at prepare): the policy's step; the reference's forward is not counted.
-    flops_per_token, _ = vlm_train_flops(model, sum(p.numel() for _, p in groups.vision_tower),
-                                         seq_len=data_args.max_length // 2, vision_trains="vision_tower" in trainable,
-                                         lm_weights_train="language_model" in trainable and peft_config is None)
+    batch_flops = VLMFlops(model, sum(p.numel() for _, p in groups.vision_tower), seq_len=data_args.max_length // 2,
+                           lm_weights_train="language_model" in trainable and peft_config is None,
+                           vision_trains="vision_tower" in trainable)
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
@@ -146,25 +146,23 @@ def main(argv=None):
                                data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
     guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,
                       max_skipped_steps=args.max_skipped_steps)
-    start_step, resumed_epoch = checkpoints.resume(args.resume_from_checkpoint, train_loader)
-    train_batches = batches_forever(train_loader, resumed_epoch)
+    start_step, resumed_epoch = checkpoints.open_run(args.resume_from_checkpoint, train_loader)
+    batches = TrainBatches(train_loader, resumed_epoch)
 
     accelerator.init_trackers("vlm_dpo", asdict(model_args) | asdict(lora_args) | asdict(data_args)
                               | asdict(dpo_args) | asdict(args))
-    peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
-    log = tqdm.write if accelerator.is_main_process else lambda line: None
-    logged, history = LogWindow(accelerator.device, PREFERENCE_COUNTED, checkpoints.resumed_totals), History()
+    report = Report(accelerator, args, batches, PREFERENCE_COUNTED, guard=guard, flops=batch_flops,
+                    total=checkpoints.resumed_totals)
     for step in progress:
-        epochs, window = zip(*(logged.next(train_batches) for _ in range(args.gradient_accumulation_steps)))
-        # One collective per optimizer step: the window's pairs on all ranks, and whether a rank ran dry.
-        pairs = [batch["num_samples"] // 2 if batch is not None else 0 for batch in window]
-        local = torch.tensor([sum(pairs), sum(batch is None for batch in window)], device=accelerator.device)
-        window_pairs, empty = sum_over_ranks(local.float())
-        if step == start_step and empty:  # the rank without pairs says why
-            raise no_rows_error(train_loader, data_world, bool(local[1]), rows="preference pairs")
-        loss_scale = token_loss_scale(window_pairs, args.gradient_accumulation_steps, data_world)  # mean over pairs
-        sums = []
+        window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
+        if step == start_step:
+            batches.check_rows(window, accelerator, data_world, "preference pairs")  # as in vlm_finetune.py
+        report.add_batches(window)
+        # One collective per optimizer step: the window's pairs on all ranks (the loss is their mean).
+        local_pairs = torch.tensor(float(sum(batch["num_samples"] for batch in window)), device=accelerator.device)
+        loss_scale = token_loss_scale(sum_over_ranks(local_pairs), args.gradient_accumulation_steps, data_world)
+        window_sums = []
         for batch in window:
             inputs = chat_model_inputs(batch, accelerator.device)
             reference_side = reference(batch, inputs)  # no graph
@@ -174,68 +172,46 @@ def main(argv=None):
                                                                     answer_tokens(inputs), dpo_args)
                 accelerator.backward(losses.sum() * loss_scale)
             chosen_logps, rejected_logps = policy_side.detach().chunk(2)
-            sums.append(torch.stack([losses.detach().sum(), chosen_rewards.sum(), rejected_rewards.sum(),
-                                     (chosen_rewards > rejected_rewards).sum(), chosen_logps.sum(),
-                                     rejected_logps.sum()]))
-            logged.add(samples=batch["num_samples"] // 2, tokens=batch["num_tokens"],
-                       dummy_image_batches=batch["dummy_image"], data_counts=batch["data_counts"])
+            window_sums.append(torch.stack([losses.detach().sum(), chosen_rewards.sum(), rejected_rewards.sum(),
+                                            (chosen_rewards > rejected_rewards).sum(), chosen_logps.sum(),
+                                            rejected_logps.sum()]))
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         done = step + 1
-        step_sums = torch.stack(sums).sum(0)
+        step_sums = torch.stack(window_sums).sum(0)
         if guard.should_call_optimizer(step_sums[:1], grad_norm, done):
             optimizer.step()
             scheduler.step()
-        logged.add_applied(guard.applied, **dict(zip(("loss", "chosen", "rejected", "correct", "logps_chosen",
-                                                      "logps_rejected"), step_sums)), pairs=local[0])
+        report.add_step(guard.applied, pairs=local_pairs, **dict(zip(PAIR_SUMS, step_sums)))
         optimizer.zero_grad()
         filler_batch = window[-1]
 
-        if done % args.logging_steps == 0 or done == args.max_steps:
-            sums, ranks = logged.close(), accelerator.num_processes
-            per_pair = {name: sums[name] / sums["pairs"] if sums["pairs"] else float("nan")
-                        for name in ("loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected")}
-            metrics = {"loss": per_pair["loss"], "rewards/chosen": per_pair["chosen"],
-                       "rewards/rejected": per_pair["rejected"], "rewards/accuracies": per_pair["correct"],
-                       "rewards/margins": per_pair["chosen"] - per_pair["rejected"],
-                       "logps/chosen": per_pair["logps_chosen"], "logps/rejected": per_pair["logps_rejected"],
-                       "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
-                       "samples_per_s": sums["samples"] / sums["seconds"],
-                       "tokens_per_s": sums["tokens"] / sums["seconds"],
-                       "mfu": sums["tokens"] * flops_per_token / sums["seconds"] / (peak * ranks) if peak else None,
-                       "data_wait": sums["data_wait"] / ranks / sums["seconds"],
-                       "dummy_image_batches": int(sums["dummy_image_batches"]), "skipped_steps": guard.skipped_steps}
-            metrics |= {name: int(logged.total[name]) for name in PREFERENCE_COUNTED}  # so far
-            accelerator.log(metrics, step=done)
-            history.add(done, metrics)
-            log(log_line(done, args.max_steps, metrics))
-        if (eval_loader, question_loader) != (None, None) and (done % args.eval_steps == 0 or done == args.max_steps):
-            eval_start = time.perf_counter()
-            scores = {}
-            if eval_loader is not None:
-                scores |= evaluate_preferences(model, reference, eval_loader, filler_batch, dpo_args,
-                                               accelerator.device)
-            if question_loader is not None:
-                scores |= evaluate_answers(model, question_loader, filler_batch, accelerator.device)
-            logged.pause(time.perf_counter() - eval_start)  # samples/s measures training only
-            if scores:
-                accelerator.log(scores, step=done)
-                history.add(done, scores, evaluation=True)
-                log(eval_line(done, scores))
-        if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
-            checkpoint = checkpoints.save(done, epochs[-1], logged.totals_so_far())
-            if guard.stop_requested:
-                guard.exit_preempted(checkpoint)  # exit code 75 on every rank: run the same command again
+        if report.due(done):
+            sums = report.close()
+            per_pair = {name: ratio(sums[name], sums["pairs"]) for name in PAIR_SUMS}
+            report.log(done, {"loss": per_pair["loss"], "rewards/chosen": per_pair["chosen"],
+                              "rewards/rejected": per_pair["rejected"], "rewards/accuracies": per_pair["correct"],
+                              "rewards/margins": per_pair["chosen"] - per_pair["rejected"],
+                              "logps/chosen": per_pair["logps_chosen"], "logps/rejected": per_pair["logps_rejected"],
+                              "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]}, sums)
+        if (eval_loader, question_loader) != (None, None) and report.evaluation_due(done):
+            with report.evaluating(done) as scores:
+                if eval_loader is not None:
+                    scores |= evaluate_preferences(model, reference, eval_loader, filler_batch, dpo_args,
+                                                   accelerator.device)
+                if question_loader is not None:
+                    scores |= evaluate_answers(model, question_loader, filler_batch, accelerator.device)
+        checkpoints.save_if_due(done, batches.epoch, guard, report)
 
     save_vlm(accelerator, model, processor, args.output_dir, peft_config)
     if accelerator.is_main_process:
         write_model_card(
-            args.output_dir, history, pipeline_tag="image-text-to-text",
+            args.output_dir, report.history, pipeline_tag="image-text-to-text",
             eval_metrics=["eval_rewards/accuracies", "answer_accuracy"], base_model=model_args.model_name_or_path,
             datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation, engine=engine,
             resumed_at=start_step,
             tags=["vlm", "dpo", "lora" if peft_config else "full fine-tune",
                   type(accelerator.unwrap_model(model).model).__name__],
-            seen=f"{int(logged.total['samples']):,} preference pairs, {int(logged.total['tokens']):,} tokens")
+            seen=f"{int(report.total['samples']):,} preference pairs, {int(report.total['tokens']):,} tokens")
     accelerator.wait_for_everyone()  # every rank leaves together (as vlm_finetune.py)
     accelerator.print(f"saved model to {args.output_dir}")
     accelerator.end_training()

@@ -42,8 +42,6 @@ ARGUMENTS = (VLMModelArgs, LoraArgs, ChatDataArgs, TrainArgs)  # the flags and Y
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
 
-import time
-
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
@@ -60,13 +58,13 @@ from mmrecipes.distributed import (
     sum_over_ranks,
 )
 from mmrecipes.evaluation import evaluate_answers, evaluate_generation
-from mmrecipes.loader import batches_forever, no_rows_error
+from mmrecipes.loader import TrainBatches
 from mmrecipes.lora import add_lora, describe_trainable
 from mmrecipes.losses import token_loss_scale
-from mmrecipes.metrics import LogWindow, eval_line, log_line
-from mmrecipes.model_card import History, write_model_card
+from mmrecipes.model_card import write_model_card
+from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
-from mmrecipes.throughput import peak_flops, vlm_train_flops
+from mmrecipes.throughput import VLMFlops
 from mmrecipes.training import (
     accelerator_from_args,
     adamw,
@@ -75,7 +73,7 @@ from mmrecipes.training import (
     per_device_batch_size,
 )
 from mmrecipes.vlm import VLMForTraining, apply_train_modules, load_vlm, save_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, image_patches, module_groups, optimizer_groups, video_path
+from mmrecipes.vlm_families import dummy_image_inputs, module_groups, optimizer_groups, video_path
 
 
 def main(argv=None):
@@ -106,11 +104,9 @@ def main(argv=None):
         # gather different parameters (and checkpointed layers would get no gradients).
         model.enable_input_require_grads()
     # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
-    flops_per_token, flops_per_patch = vlm_train_flops(
-        model, sum(p.numel() for _, p in groups.vision_tower), seq_len=data_args.max_length // 2,
-        lm_weights_train="language_model" in trainable and peft_config is None,
-        vision_trains="vision_tower" in trainable)
-    vision_config = model.config.vision_config  # the patch count per batch reads it
+    batch_flops = VLMFlops(model, sum(p.numel() for _, p in groups.vision_tower), seq_len=data_args.max_length // 2,
+                           lm_weights_train="language_model" in trainable and peft_config is None,
+                           vision_trains="vision_tower" in trainable)
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
@@ -164,25 +160,21 @@ def main(argv=None):
     # whether a preemption signal arrived (then: checkpoint and exit).
     guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,
                       max_skipped_steps=args.max_skipped_steps)
-    start_step, resumed_epoch = checkpoints.resume(args.resume_from_checkpoint, train_loader)
-    train_batches = batches_forever(train_loader, resumed_epoch)
+    start_step, resumed_epoch = checkpoints.open_run(args.resume_from_checkpoint, train_loader)
+    batches = TrainBatches(train_loader, resumed_epoch)
 
     accelerator.init_trackers("vlm_finetune", asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args))
-    peak = peak_flops(args.peak_tflops)
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
-    log = tqdm.write if accelerator.is_main_process else lambda line: None  # lines that keep the bar intact
-    logged, history = LogWindow(accelerator.device, CHAT_COUNTED, checkpoints.resumed_totals), History()  # window sums
+    report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=batch_flops,
+                    total=checkpoints.resumed_totals)
     for step in progress:
-        epochs, window = zip(*(logged.next(train_batches) for _ in range(args.gradient_accumulation_steps)))
-        targets = [batch["target_tokens"] if batch is not None else 0 for batch in window]  # counted by the collator
-        # One collective per optimizer step: the window's target tokens N on all ranks, and whether
-        # any rank ran out of data (then every rank stops here with the same error, not a hang).
-        # Every epoch reads the same rows, so that is read on the host at the first step only.
-        local = torch.tensor([sum(targets), sum(batch is None for batch in window)], device=accelerator.device)
-        window_tokens, empty = sum_over_ranks(local.float())
-        if step == start_step and empty:  # the rank without rows says why
-            raise no_rows_error(train_loader, data_world, bool(local[1]))
-        loss_scale = token_loss_scale(window_tokens, args.gradient_accumulation_steps, data_world)
+        window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
+        if step == start_step:
+            batches.check_rows(window, accelerator, data_world)  # a rank without rows says why, on every rank
+        report.add_batches(window)
+        # One collective per optimizer step: the window's target tokens N on all ranks (counted by the collator).
+        local_tokens = torch.tensor(float(sum(batch["target_tokens"] for batch in window)), device=accelerator.device)
+        loss_scale = token_loss_scale(sum_over_ranks(local_tokens), args.gradient_accumulation_steps, data_world)
         window_ce = []
         for batch in window:
             # Gradients are all-reduced only on the last micro-batch of the window (no_sync before it).
@@ -190,57 +182,36 @@ def main(argv=None):
                 loss_sum, _ = model(**chat_model_inputs(batch, accelerator.device))
                 accelerator.backward(loss_sum * loss_scale)
             window_ce.append(loss_sum.detach())
-            logged.add(samples=batch["num_samples"], tokens=batch["num_tokens"],
-                       patches=image_patches(batch, vision_config),
-                       dummy_image_batches=batch["dummy_image"], data_counts=batch["data_counts"])
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
         done = step + 1
         if guard.should_call_optimizer(torch.stack(window_ce), grad_norm, done):  # a fused AdamW is always called
             optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
             scheduler.step()
-        logged.add_applied(guard.applied, ce=sum(window_ce), target_tokens=local[0])  # on the device
+        report.add_step(guard.applied, ce=sum(window_ce), target_tokens=local_tokens)  # on the device
         optimizer.zero_grad()
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
-        if done % args.logging_steps == 0 or done == args.max_steps:
-            sums, ranks = logged.close(), accelerator.num_processes
-            flops = sums["tokens"] * flops_per_token + sums["patches"] * flops_per_patch
-            metrics = {"loss": sums["ce"] / sums["target_tokens"] if sums["target_tokens"] else float("nan"),
-                       "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
-                       "samples_per_s": sums["samples"] / sums["seconds"],
-                       "tokens_per_s": sums["tokens"] / sums["seconds"],
-                       "mfu": flops / sums["seconds"] / (peak * ranks) if peak else None,
-                       "data_wait": sums["data_wait"] / ranks / sums["seconds"],
-                       "dummy_image_batches": int(sums["dummy_image_batches"]), "skipped_steps": guard.skipped_steps}
-            metrics |= {name: int(logged.total[name]) for name in CHAT_COUNTED}  # so far
-            accelerator.log(metrics, step=done)
-            history.add(done, metrics)
-            log(log_line(done, args.max_steps, metrics))
-        if eval_loader is not None and (done % args.eval_steps == 0 or done == args.max_steps):
-            eval_start = time.perf_counter()
-            accuracy = evaluate_answers(model, eval_loader, filler_batch, accelerator.device)
-            accuracy |= evaluate_generation(model, prompts, filler_batch, eval_collator, processor.tokenizer, stops,
-                                            accelerator.device)
-            logged.pause(time.perf_counter() - eval_start)  # samples/s measures training only
-            if accuracy:
-                accelerator.log(accuracy, step=done)
-                history.add(done, accuracy, evaluation=True)
-                log(eval_line(done, accuracy))
-        if done < args.max_steps and (guard.stop_requested or args.save_steps and done % args.save_steps == 0):
-            checkpoint = checkpoints.save(done, epochs[-1], logged.totals_so_far())
-            if guard.stop_requested:
-                guard.exit_preempted(checkpoint)  # exit code 75 on every rank: run the same command again
+        if report.due(done):
+            sums = report.close()
+            report.log(done, {"loss": ratio(sums["ce"], sums["target_tokens"]), "grad_norm": float(grad_norm),
+                              "lr": scheduler.get_last_lr()[0]}, sums)
+        if eval_loader is not None and report.evaluation_due(done):
+            with report.evaluating(done) as scores:
+                scores |= evaluate_answers(model, eval_loader, filler_batch, accelerator.device)
+                scores |= evaluate_generation(model, prompts, filler_batch, eval_collator, processor.tokenizer, stops,
+                                              accelerator.device)
+        checkpoints.save_if_due(done, batches.epoch, guard, report)
 
     save_vlm(accelerator, model, processor, args.output_dir, peft_config)
     if accelerator.is_main_process:
         write_model_card(
-            args.output_dir, history, pipeline_tag="image-text-to-text",
+            args.output_dir, report.history, pipeline_tag="image-text-to-text",
             eval_metrics=["answer_accuracy", "generated_accuracy"], base_model=model_args.model_name_or_path,
             datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
             tags=["vlm", "lora" if peft_config else "full fine-tune",
                   type(accelerator.unwrap_model(model).model).__name__],
             engine=engine, resumed_at=start_step,
-            seen=f"{int(logged.total['samples']):,} conversations, {int(logged.total['tokens']):,} tokens")
+            seen=f"{int(report.total['samples']):,} conversations, {int(report.total['tokens']):,} tokens")
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").
     accelerator.wait_for_everyone()

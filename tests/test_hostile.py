@@ -151,7 +151,7 @@ def saved(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("run")
     model, tokenizer, image_processor = build_contrastive(ModelArgs())
     run = make_checkpointer(output_dir, model, tokenizer, image_processor)
-    _, resumed_epoch = run.checkpoints.resume(None, run.loader)
+    _, resumed_epoch = run.checkpoints.open_run(None, run.loader)
     batches = batches_forever(run.loader, resumed_epoch)
     for step in range(1, 5):
         epoch, _ = next(batches)
@@ -199,7 +199,7 @@ def refit_manifest(checkpoint: Path):
 def test_a_clean_checkpoint_validates_and_resumes_where_the_run_stood(run, saved):
     checkpoint = run.checkpoints.root / "checkpoint-4"
     assert run.checkpoints.problems(checkpoint) == []
-    start, resumed_epoch = run.checkpoints.resume("latest", run.loader)
+    start, resumed_epoch = run.checkpoints.open_run("latest", run.loader)
     assert start == 4 and resumed_epoch == 0
     batches = batches_forever(run.loader, resumed_epoch)
     for expected in saved.after:
@@ -313,7 +313,7 @@ def test_a_resume_with_another_dataset_or_model_is_refused_unless_asked(saved, t
     # --ignore_data_skip: the rest is restored, the data start from the beginning.
     anyway = make_checkpointer(tmp_path, saved.model, saved.tokenizer, saved.image_processor, data_args=args,
                                ignore_data_skip=True)
-    assert anyway.checkpoints.resume("latest", anyway.loader) == (4, None)
+    assert anyway.checkpoints.open_run("latest", anyway.loader) == (4, None)
     anyway.checkpoints.lock.release()
 
     other_model, _, _ = build_contrastive(ModelArgs(hidden_size=32))
@@ -362,13 +362,13 @@ def test_a_second_run_in_one_output_dir_is_refused_and_deletes_nothing(run, tmp_
         write_lock(tmp_path, pid=owner.pid, start_time=start_time(owner.pid))
         (run.checkpoints.root / ".partial-checkpoint-6").mkdir()
         with pytest.raises(OutputDirBusy, match=f"is in use by pid {owner.pid} on {socket.gethostname()}"):
-            run.checkpoints.resume("latest", run.loader)
+            run.checkpoints.open_run("latest", run.loader)
         assert (run.checkpoints.root / ".partial-checkpoint-6").is_dir()
     finally:
         owner.kill()
         owner.wait()
     # Its process is gone: the lock is stale and taken over, and the leftover save removed.
-    start, _ = run.checkpoints.resume("latest", run.loader)
+    start, _ = run.checkpoints.open_run("latest", run.loader)
     assert start == 4 and not (run.checkpoints.root / ".partial-checkpoint-6").exists()
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     run.checkpoints.lock.release()

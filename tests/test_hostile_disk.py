@@ -52,7 +52,7 @@ def test_a_checkpoint_moved_away_and_linked_back_resumes(run, tmp_path):  # noqa
     shutil.move(run.checkpoints.root / "checkpoint-4", moved)
     (run.checkpoints.root / "checkpoint-4").symlink_to(moved, target_is_directory=True)
     assert run.checkpoints.problems(run.checkpoints.root / "checkpoint-4") == []
-    assert run.checkpoints.resume("latest", run.loader)[0] == 4
+    assert run.checkpoints.open_run("latest", run.loader)[0] == 4
 
 
 def _a_bug(folder):
@@ -72,7 +72,7 @@ def test_a_save_that_fails_ends_with_one_line_and_the_next_run_resumes(run, save
     ended the run (`basic_ios::clear: iostream error`), and its partial folder and a lock without an owner stopped
     the next run."""
     checkpoints = run.checkpoints
-    checkpoints.resume("latest", run.loader)
+    checkpoints.open_run("latest", run.loader)
     save_state = checkpoints.accelerator.save_state
 
     def full_disk(folder):
@@ -97,7 +97,7 @@ def test_a_save_that_fails_ends_with_one_line_and_the_next_run_resumes(run, save
     old = time.time() - REFRESH_S - 1
     os.utime(checkpoints.lock.path, (old, old))
     rerun = make_checkpointer(checkpoints.root.parent, saved.model, saved.tokenizer, saved.image_processor)
-    assert rerun.checkpoints.resume("latest", rerun.loader)[0] == 4
+    assert rerun.checkpoints.open_run("latest", rerun.loader)[0] == 4
     assert not (checkpoints.root / ".partial-checkpoint-6").exists()
     rerun.checkpoints.lock.release()
 
@@ -112,7 +112,7 @@ def test_rotation_and_the_start_tolerate_stray_files_and_linked_checkpoints(run,
     (root / "checkpoint-1").symlink_to(moved, target_is_directory=True)
     (root / ".partial-checkpoint-9").symlink_to(moved, target_is_directory=True)
     run.checkpoints.total_limit = 1
-    assert run.checkpoints.resume("latest", run.loader)[0] == 4
+    assert run.checkpoints.open_run("latest", run.loader)[0] == 4
     run.checkpoints.save(6, 0)
     assert sorted(path.name for path in root.iterdir()) == [".partial-checkpoint-9", ".partial-notes.txt",
                                                             "checkpoint-1", "checkpoint-6"]

@@ -1,0 +1,186 @@
+"""What a recipe reports: one call writes the tracker, the model card's history and the console line.
+
+The loop hands the report its batches once per step (`add_batches`: samples, tokens, text-only batches, FLOPs and the
+data counts, as each collator counts them) and its own sums (`add_step`: the loss parts, kept on the device, left
+out on a skipped step). At a logging step, `close` sums the window over all ranks in one collective and `log` writes
+the recipe's own metrics followed by the throughput every recipe reports (`throughput`) and the counters so far.
+"""
+
+import time
+from collections import Counter
+from contextlib import contextmanager
+
+import torch
+from tqdm.auto import tqdm
+
+from .distributed import sum_over_ranks
+from .model_card import History
+from .throughput import peak_flops
+
+# How the log line writes a value (others: as they are); the tracker gets the numbers.
+FORMATS = {"loss": ".6f", "grad_norm": ".6f", "lr": ".2e", "samples_per_s": ".1f", "tokens_per_s": ".0f",
+           "mfu": ".2%", "data_wait": ".3f", "rewards/accuracies": ".3f"}
+FORMATS |= dict.fromkeys(("rewards/chosen", "rewards/rejected", "rewards/margins"), ".5f")  # the DPO recipe's
+FORMATS |= dict.fromkeys(("logps/chosen", "logps/rejected"), ".4f")
+LABELS = {"samples_per_s": "samples/s", "tokens_per_s": "tokens/s", "mfu": "MFU"}
+
+
+class WindowSums:
+    """The sums of one logging window on this rank, by name.
+
+    - `add_applied(applied, name=value, ...)`: sums over the optimizer steps the guard applied, kept on the
+      device (`applied` is its verdict there: no host read per step);
+    - `add(name=value, ..., data_counts=...)`: plain numbers from the CPU batches, and the data counts;
+    - `pause(seconds)`: time the window does not count (evaluation);
+    - `close()`: every sum over all ranks in one collective, with the window's `seconds` and the data
+      counts by name, and the next window started. `total` keeps the sums of all closed windows, from
+      `total` on (a resumed run's: `Checkpointer.resumed_totals`);
+    - `totals_so_far()`: `total` with the open window's sums (a collective), for a checkpoint.
+    """
+
+    def __init__(self, device, counted: tuple[str, ...], total: dict | None = None):
+        self.device, self.counted, self.total = device, counted, Counter(total or {})
+        self._start()
+
+    def _start(self):
+        self.on_device, self.on_host = {}, Counter()
+        self.data_counts = torch.zeros(len(self.counted), dtype=torch.long)
+        self.started = time.perf_counter()
+
+    def add_applied(self, applied: torch.Tensor, **values):
+        for name, value in values.items():
+            value = torch.where(applied, torch.as_tensor(value, device=self.device).float(), 0)
+            self.on_device[name] = self.on_device[name] + value if name in self.on_device else value
+
+    def add(self, data_counts: torch.Tensor | None = None, **values):
+        self.on_host.update({name: float(value) for name, value in values.items()})
+        if data_counts is not None:
+            self.data_counts += data_counts
+
+    def pause(self, seconds: float):
+        self.started += seconds
+
+    def close(self) -> dict[str, float]:
+        seconds = time.perf_counter() - self.started
+        sums = self._summed()
+        self.total.update(sums)
+        self._start()
+        return sums | {"seconds": seconds}
+
+    def totals_so_far(self) -> dict[str, float]:
+        return dict(self.total + Counter(self._summed()))
+
+    def _summed(self) -> dict[str, float]:
+        names = [*self.on_device, *self.on_host, *self.counted]
+        local = torch.cat([torch.stack(list(self.on_device.values())).double() if self.on_device
+                           else torch.zeros(0, dtype=torch.float64, device=self.device),
+                           torch.tensor(list(self.on_host.values()), dtype=torch.float64, device=self.device),
+                           self.data_counts.double().to(self.device)])
+        return dict(zip(names, sum_over_ranks(local).tolist()))
+
+
+class Report:
+    """One run's reporting: when a report or an evaluation is due, the window's sums, and the lines they make.
+
+    `batches`: the loop's `loader.TrainBatches` (its wait for data is the report's `data_wait`, its epoch goes to
+    the tracker); `counted`: the names of the collator's `data_counts`; `flops(batch)`: a batch's training FLOPs
+    (MFU; None: not reported); `guard`: the run's `StepGuard` (its skipped steps are reported);
+    `total`: the sums a resumed run starts from (`Checkpointer.resumed_totals`).
+    """
+
+    def __init__(self, accelerator, args, batches, counted: tuple[str, ...], *, guard, flops=None, total=None):
+        self.accelerator, self.batches, self.counted, self.guard, self.flops = (
+            accelerator, batches, counted, guard, flops)
+        self.logging_steps, self.eval_steps, self.max_steps = args.logging_steps, args.eval_steps, args.max_steps
+        self.peak = peak_flops(args.peak_tflops)
+        self.window, self.history = WindowSums(accelerator.device, counted, total), History()
+        self.write = tqdm.write if accelerator.is_main_process else lambda line: None  # keeps the bar intact
+
+    @property
+    def total(self) -> Counter:
+        return self.window.total
+
+    def due(self, step: int) -> bool:
+        return step % self.logging_steps == 0 or step == self.max_steps
+
+    def evaluation_due(self, step: int) -> bool:
+        return step % self.eval_steps == 0 or step == self.max_steps
+
+    def add_batches(self, window: list):
+        """Count a step's micro-batches: rows (`num_samples`), tokens and text-only batches where the collator
+        counts them, FLOPs, and the data counts."""
+        for batch in window:
+            counts = {"samples": batch["num_samples"]}
+            if "num_tokens" in batch:
+                counts |= {"tokens": batch["num_tokens"], "dummy_image_batches": batch["dummy_image"]}
+            if self.flops is not None:
+                counts["flops"] = self.flops(batch)
+            self.window.add(data_counts=batch["data_counts"], **counts)
+
+    def add_step(self, applied: torch.Tensor, **sums):
+        """The step's own sums (loss parts), on the device, counted only if the step was `applied`."""
+        self.window.add_applied(applied, **sums)
+
+    def close(self) -> dict[str, float]:
+        """The window's sums over all ranks (one collective), with its `seconds`; the next window starts."""
+        self.window.add(data_wait=self.batches.take_wait())
+        return self.window.close()
+
+    def totals_so_far(self) -> dict[str, float]:
+        self.window.add(data_wait=self.batches.take_wait())
+        return self.window.totals_so_far()
+
+    def throughput(self, sums: dict) -> dict:
+        """samples/s, tokens/s (where counted), MFU (None without a known peak), the share of time spent waiting
+        for data, text-only batches (where counted), skipped steps and the data counters so far."""
+        ranks, seconds = self.accelerator.num_processes, sums["seconds"]
+        metrics = {"samples_per_s": sums["samples"] / seconds}
+        if "tokens" in sums:
+            metrics["tokens_per_s"] = sums["tokens"] / seconds
+        metrics["mfu"] = sums["flops"] / seconds / (self.peak * ranks) if self.peak and "flops" in sums else None
+        metrics["data_wait"] = sums["data_wait"] / ranks / seconds
+        if "dummy_image_batches" in sums:
+            metrics["dummy_image_batches"] = int(sums["dummy_image_batches"])
+        metrics["skipped_steps"] = self.guard.skipped_so_far()
+        return metrics | {name: int(self.total[name]) for name in self.counted}
+
+    def log(self, step: int, metrics: dict, sums: dict):
+        """The recipe's `metrics`, then `throughput(sums)`: to the trackers (with the epoch), the history and the
+        console."""
+        metrics = metrics | self.throughput(sums)
+        self.accelerator.log(metrics | {"epoch": self.batches.epoch}, step=step)
+        self.history.add(step, metrics)
+        self.write(log_line(step, self.max_steps, metrics))
+
+    @contextmanager
+    def evaluating(self, step: int):
+        """`with report.evaluating(step) as scores:` the block's time is left out of samples/s, and what it puts
+        into `scores` is logged after it."""
+        start, scores = time.perf_counter(), {}
+        yield scores
+        self.window.pause(time.perf_counter() - start)
+        if scores:
+            self.accelerator.log(scores, step=step)
+            self.history.add(step, scores, evaluation=True)
+            self.write(eval_line(step, scores))
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """A window's mean; nan when nothing was counted (every step skipped)."""
+    return numerator / denominator if denominator else float("nan")
+
+
+def log_line(step: int, max_steps: int, metrics: dict) -> str:
+    """`step N/M | name value | ...`, each value as FORMATS writes it."""
+    return f"step {step}/{max_steps} | " + " | ".join(_pair(name, value) for name, value in metrics.items())
+
+
+def eval_line(step: int, metrics: dict) -> str:
+    return f"eval step {step} | " + " | ".join(
+        f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}" for name, value in metrics.items())
+
+
+def _pair(name, value) -> str:
+    if value is None:
+        return f"{LABELS.get(name, name)} n/a"
+    return f"{LABELS.get(name, name)} {format(value, FORMATS.get(name, ''))}"
