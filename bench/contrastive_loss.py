@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmrecipes.losses import local_clip_loss, local_siglip_loss
+from mmrecipes.contrastive.losses import local_clip_loss, local_siglip_loss
 
 RESULTS = Path(__file__).resolve().parent / "results" / "contrastive_loss.jsonl"
 

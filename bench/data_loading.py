@@ -4,7 +4,7 @@
     python bench/data_loading.py --quick      # a smoke run (CI): tiny sizes, the recipe with 1 worker only
 
 1. Loader alone, samples/s over the embedded training rows (batch 64, 0 workers, median of
-   --repeats after a warm-up round, taken round-robin): `mmrecipes.data.build_dataloader`
+   --repeats after a warm-up round, taken round-robin): `mmrecipes.contrastive.data.build_dataloader`
    (streamed, batched decode + image processor + tokeniser, collated) against the pipeline the
    first version of the recipe had: a map-style Dataset whose `__getitem__` decodes one PIL image, builds a
    `transforms.Compose` and tokenises one caption with `padding="max_length"`, under the default
@@ -34,9 +34,10 @@ import torch
 from torchvision import transforms
 from transformers import CLIPImageProcessor
 
-from mmrecipes.data import DataArgs, build_dataloader
+from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
+from mmrecipes.contrastive.data import build_dataloader
+from mmrecipes.contrastive.models import build_contrastive
 from mmrecipes.images import decode_image, processed_pixels
-from mmrecipes.models import ModelArgs, build_contrastive
 from mmrecipes.paths import SHAPES_DATA
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +109,7 @@ def main():
         pipeline = PerRowPILPipeline(rows, tokenizer, image_processor, tokenizer.model_max_length)
         return torch.utils.data.DataLoader(pipeline, batch_size=64, shuffle=True)
 
-    # mmrecipes.data turns the tokenizer's thread pool off (TOKENIZERS_PARALLELISM, read at every call);
+    # mmrecipes.contrastive.data turns the tokenizer's thread pool off (TOKENIZERS_PARALLELISM, read at every call);
     # the baseline runs with the tokenizers default, as the per-row pipeline would.
     tokenizer_parallelism = {"mmrecipes": "false", "per_row_pil": "true"}
     pipelines = (("mmrecipes", ours), ("per_row_pil", per_row_pil))

@@ -6,7 +6,7 @@ autocast, synthetic data already on the device, `torch.compile` off and on.
 
 The step is the recipe's: `CLIPForContrastiveTraining` (sdpa attention), `clip_loss`, AdamW (fused
 on CUDA), gradient clipping. FLOPs per sample are the recipe's estimate
-(`mmrecipes.throughput.clip_train_flops_per_sample`: 6 N per token plus attention, both towers);
+(`mmrecipes.contrastive.flops.clip_train_flops_per_sample`: 6 N per token plus attention, both towers);
 MFU divides the achieved FLOP/s by the card's dense bf16 peak (`mmrecipes.throughput.peak_flops`).
 Anchors: open_clip ViT-B/16 trains at about 330 samples/s per A100 (11-13% MFU); NeMo's CLIP
 reports about 21% MFU on H100. Prints a table and appends a JSON line to
@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 from transformers import CLIPConfig
 
-from mmrecipes.losses import clip_loss
-from mmrecipes.models import CLIPForContrastiveTraining
-from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
+from mmrecipes.contrastive.flops import clip_train_flops_per_sample
+from mmrecipes.contrastive.losses import clip_loss
+from mmrecipes.contrastive.models import CLIPForContrastiveTraining
+from mmrecipes.throughput import peak_flops
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_clip_throughput.jsonl"
 VIT_B_16 = dict(text=dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8,

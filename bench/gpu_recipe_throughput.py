@@ -53,14 +53,17 @@ from PIL import Image, ImageDraw
 from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
 
 from gpu_clip_throughput import TOY, VIT_B_16, build, measure, timed_steps
-from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-from mmrecipes.chat_data import ChatDataArgs, build_chat_dataloader
-from mmrecipes.chat_labels import AnswerLabeller
+from mmrecipes.contrastive.flops import clip_train_flops_per_sample
 from mmrecipes.paths import TINY_TOKENIZER
-from mmrecipes.throughput import clip_train_flops_per_sample, peak_flops
+from mmrecipes.throughput import peak_flops
 from mmrecipes.training import resolve_mixed_precision
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, module_groups
+from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
+from mmrecipes.vlm.chat_data import build_chat_dataloader
+from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
+from mmrecipes.vlm.module_groups import module_groups
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "gpu_recipe_throughput.jsonl"
@@ -152,7 +155,7 @@ def vlm_compute_only(directory: Path, batch_size: int, max_length: int, steps: i
     model, processor = load_vlm(VLMModelArgs(model_name_or_path=str(directory)))
     dummy = dummy_image_inputs(model, processor)
     trainable = apply_train_modules(module_groups(model, dummy), "projector,language_model")
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy)
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy)
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
     loader = build_chat_dataloader(ChatDataArgs(max_length=max_length, dataloader_num_workers=0), labeller, collator,
                                    batch_size=batch_size, data_rank=0, data_world=1, shuffle_seed=0)

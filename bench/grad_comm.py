@@ -35,9 +35,10 @@ def worker(accumulation: int, mode: str, out: str):
     from accelerate.utils import set_seed
     from torch.profiler import ProfilerActivity, profile
 
+    from mmrecipes.contrastive.arguments import ModelArgs
+    from mmrecipes.contrastive.losses import local_clip_loss
+    from mmrecipes.contrastive.models import build_contrastive
     from mmrecipes.distributed import make_accelerator, reconcile_deepspeed_config
-    from mmrecipes.losses import local_clip_loss
-    from mmrecipes.models import ModelArgs, build_contrastive
 
     set_seed(0)
     model, _, _ = build_contrastive(ModelArgs())

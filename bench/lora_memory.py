@@ -26,12 +26,14 @@ RESULTS = Path(__file__).resolve().parent / "results" / "lora_memory.jsonl"
 
 
 def _variant(use_peft, sizes, steps, batch_size, queue):
-    from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-    from mmrecipes.chat_data import ChatDataArgs, build_chat_dataloader
-    from mmrecipes.chat_labels import AnswerLabeller
-    from mmrecipes.lora import LoraArgs, add_lora
-    from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, stop_token_ids
-    from mmrecipes.vlm_families import dummy_image_inputs, module_groups
+    from mmrecipes.vlm.arguments import ChatDataArgs, LoraArgs, VLMModelArgs
+    from mmrecipes.vlm.chat_data import build_chat_dataloader
+    from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+    from mmrecipes.vlm.families import dummy_image_inputs
+    from mmrecipes.vlm.labels import AnswerLabeller
+    from mmrecipes.vlm.lora import add_lora
+    from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
+    from mmrecipes.vlm.module_groups import module_groups
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,7 +49,7 @@ def _variant(use_peft, sizes, steps, batch_size, queue):
     wrapper = VLMForTraining(model).to(device)
     args = ChatDataArgs(dataloader_num_workers=0, eval_dataset_name=None)
     loader = build_chat_dataloader(args, AnswerLabeller(processor, stop_token_ids(model, processor)),
-                                   DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs),
+                                   ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs),
                                    batch_size=batch_size, data_rank=0, data_world=1, shuffle_seed=0)
     batches = [chat_model_inputs(batch, device) for _, batch in zip(range(steps), loader)]
     before = torch.cuda.memory_allocated() if device == "cuda" else resident_bytes()

@@ -1,5 +1,5 @@
-"""What FLIP's patch dropout (`--patch_dropout`, mmrecipes.patch_dropout) saves per training step, as a ratio
-measured in one run on the same model and batch.
+"""What FLIP's patch dropout (`--patch_dropout`, mmrecipes.contrastive.patch_dropout) saves per training step, as a
+ratio measured in one run on the same model and batch.
 
     python bench/patch_dropout.py            # a small ViT-B/16-shaped CLIP (224 px, 196 patches), CPU or GPU
     python bench/patch_dropout.py --quick    # the toy CLIP (16 patches), to know it starts
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from gpu_clip_throughput import TOY, build, measure
-from mmrecipes.patch_dropout import add_patch_dropout
+from mmrecipes.contrastive.patch_dropout import add_patch_dropout
 from mmrecipes.training import resolve_mixed_precision
 
 RESULTS = Path(__file__).resolve().parent / "results" / "patch_dropout.jsonl"

@@ -6,7 +6,7 @@
 Runs `recipes/clip_pretrain.py` as a user does (no config: 1 process; `accelerate_configs/ddp.yaml`
 with 2 processes), without evaluation, and reads samples/s and data_wait from its log lines
 after the first (which holds the start-up). FLOPs per sample are the recipe's own estimate
-(`mmrecipes.throughput.clip_train_flops_per_sample`), so samples/s x FLOPs is the achieved
+(`mmrecipes.contrastive.flops.clip_train_flops_per_sample`), so samples/s x FLOPs is the achieved
 FLOP/s; MFU needs a device peak, which a CPU does not have. Prints the table and appends a JSON
 line to bench/results/recipe_throughput.jsonl.
 """
@@ -22,9 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from mmrecipes.data import DataArgs, caption_length
-from mmrecipes.models import ModelArgs, build_contrastive
-from mmrecipes.throughput import clip_train_flops_per_sample
+from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
+from mmrecipes.contrastive.data import caption_length
+from mmrecipes.contrastive.flops import clip_train_flops_per_sample
+from mmrecipes.contrastive.models import build_contrastive
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "recipe_throughput.jsonl"

@@ -4,7 +4,7 @@
     python bench/resume_time.py --quick       # a smoke run: 6400 rows, up to step 50
     python bench/resume_time.py --workers 0   # the loop's own process reads
 
-The CLIP training stream (`mmrecipes.data.build_dataloader`, batch 64, shuffled) over a parquet
+The CLIP training stream (`mmrecipes.contrastive.data.build_dataloader`, batch 64, shuffled) over a parquet
 stream of small rows (8x8 PNG + caption) written to a temporary directory:
 - saved position (what the recipes do): a new loader, `load_state_dict` of the state the
   checkpoint saved after step S (each worker's position, through JSON as a checkpoint holds it),
@@ -30,8 +30,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from mmrecipes.data import DataArgs, build_dataloader
-from mmrecipes.models import ModelArgs, build_contrastive
+from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
+from mmrecipes.contrastive.data import build_dataloader
+from mmrecipes.contrastive.models import build_contrastive
 
 RESULTS = Path(__file__).resolve().parent / "results" / "resume_time.jsonl"
 

@@ -3,11 +3,11 @@
     python bench/video.py            # 300 recipe steps (about 2 minutes on 2 cores)
     python bench/video.py --quick    # a smoke run: 10 steps, 2 motion questions
 
-1. Decoding (`mmrecipes.videos.decode_video`, PyAV, one process = one DataLoader worker): clips/s and
+1. Decoding (`mmrecipes.vlm.videos.decode_video`, PyAV, one process = one DataLoader worker): clips/s and
    sampled frames/s at the recipe's defaults (--video_fps 2, --video_max_frames 8) on the embedded clips
    (48 px, 8 frames at 4 fps) and on a generated 224 px, 10-second clip at 30 fps. Then Qwen2.5-VL's video
    processor (its class defaults) on that clip's 8 sampled frames, in the worker: ms and bytes per clip as the
-   float32 it finishes itself and as the uint8 the recipe ships through shared memory (`mmrecipes.videos`).
+   float32 it finishes itself and as the uint8 the recipe ships through shared memory (`mmrecipes.vlm.videos`).
 2. `vlm_finetune.py` on a tiny Qwen2.5-VL (data_prep/tiny_vlm.py) on the embedded video conversations
    only, at the default DataLoader workers: data_wait (median over log lines after the first) and the
    teacher-forced answer accuracy on the 64 held-out clips.
@@ -31,13 +31,14 @@ import datasets
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2VLVideoProcessor
 
-from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-from mmrecipes.chat_data import CHAT_COUNTED, encode_row
-from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.paths import VLM_SHAPES
-from mmrecipes.videos import UINT8_CLIPS, DecodedVideo, VideoArgs, decode_video
-from mmrecipes.vlm import VLMForTraining, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, video_path
+from mmrecipes.vlm.arguments import VideoArgs
+from mmrecipes.vlm.chat_data import CHAT_COUNTED, encode_row
+from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.families import dummy_image_inputs, video_path
+from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.models import VLMForTraining, stop_token_ids
+from mmrecipes.vlm.videos import UINT8_CLIPS, DecodedVideo, decode_video
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "video.jsonl"
@@ -89,7 +90,7 @@ def direction_accuracy(model_dir: Path, reverse: bool, limit: int) -> float:
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
     processor = AutoProcessor.from_pretrained(model_dir)
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor), videos=video_path(model, processor))
-    collator, step = DummyImageCollator(0, dummy_image_inputs(model, processor)), VLMForTraining(model)
+    collator, step = ChatCollator(0, dummy_image_inputs(model, processor)), VLMForTraining(model)
     rows = datasets.load_dataset(str(VLM_SHAPES / "video_chat"), split="test")
     right = total = 0
     for row in rows:
@@ -106,7 +107,7 @@ def direction_accuracy(model_dir: Path, reverse: bool, limit: int) -> float:
             messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]},
                         {"role": "assistant", "content": [{"type": "text", "text": candidate}]}]
             input_ids, labels, inputs = encode_row(labeller, messages, [], [video])
-            batch = collator([{"input_ids": input_ids, "labels": labels, "image_inputs": inputs}
+            batch = collator([{"input_ids": input_ids, "labels": labels, "media_inputs": inputs}
                               | dict.fromkeys(CHAT_COUNTED, 0)])
             with torch.no_grad():
                 losses[candidate] = float(step(**chat_model_inputs(batch, "cpu"))[0])

@@ -23,13 +23,15 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-from mmrecipes.chat_data import ChatDataArgs, build_chat_dataloader
-from mmrecipes.chat_labels import AnswerLabeller
-from mmrecipes.losses import token_cross_entropy_sum
 from mmrecipes.paths import VLM_SHAPES
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, module_groups
+from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
+from mmrecipes.vlm.chat_data import build_chat_dataloader
+from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.losses import token_cross_entropy_sum
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
+from mmrecipes.vlm.module_groups import module_groups
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vlm_dummy.jsonl"
 
@@ -39,7 +41,7 @@ def setup(batch_size, dataset):
     model, processor = load_vlm(VLMModelArgs())
     dummy_inputs = dummy_image_inputs(model, processor)
     apply_train_modules(module_groups(model, dummy_inputs), "projector,language_model")  # the recipe's default
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs)
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs)
     args = ChatDataArgs(dataset_name=dataset, dataset_weights=None, dataloader_num_workers=0)
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
     loader = build_chat_dataloader(args, labeller, collator, batch_size=batch_size, data_rank=0, data_world=1,

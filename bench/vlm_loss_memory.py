@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from fresh_process import resident_bytes, run_in_fresh_process
-from mmrecipes.losses import IGNORE_INDEX, head_cross_entropy_sum, token_cross_entropy_sum
+from mmrecipes.vlm.losses import IGNORE_INDEX, head_cross_entropy_sum, token_cross_entropy_sum
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vlm_loss_memory.jsonl"
 

@@ -51,13 +51,15 @@ def long_tail_source(directory: Path) -> str:
 
 
 def _variant(mode, mixture, budget, steps, queue):
-    from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-    from mmrecipes.chat_data import ChatDataArgs, build_chat_dataloader
-    from mmrecipes.chat_labels import AnswerLabeller
-    from mmrecipes.losses import count_target_tokens
     from mmrecipes.paths import VLM_SHAPES
-    from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, stop_token_ids
-    from mmrecipes.vlm_families import dummy_image_inputs, module_groups
+    from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
+    from mmrecipes.vlm.chat_data import build_chat_dataloader
+    from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+    from mmrecipes.vlm.families import dummy_image_inputs
+    from mmrecipes.vlm.labels import AnswerLabeller
+    from mmrecipes.vlm.losses import count_target_tokens
+    from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
+    from mmrecipes.vlm.module_groups import module_groups
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,7 +72,7 @@ def _variant(mode, mixture, budget, steps, queue):
     weights = "0.75,0.25" if not mixture else "0.675,0.225,0.1"
     args = ChatDataArgs(dataset_name=sources, dataset_weights=weights, dataloader_num_workers=0, max_length=512,
                         max_tokens_per_batch=None if mode == "padded" else budget, packing=mode == "packed")
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs, packing=mode == "packed",
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs, packing=mode == "packed",
                                   pack_length=PACK_LENGTH)
     loader = build_chat_dataloader(args, AnswerLabeller(processor, stop_token_ids(model, processor)), collator,
                                    batch_size=16, data_rank=0, data_world=1, shuffle_seed=0)

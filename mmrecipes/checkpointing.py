@@ -13,7 +13,7 @@ and the `StatefulDataLoader`'s state, which holds each DataLoader worker's posit
 and which worker comes next), so a resume costs the same at step 10 and at step 100k.
 
 Before a resume loads anything, the checkpoint is validated (`problems`): the manifest (a missing,
-truncated, edited or foreign file is named), every pickle (mmrecipes.checkpoint_files: nothing but
+truncated, edited or foreign file is named), every pickle (mmrecipes.checkpoint_validation: nothing but
 tensors and plain data), the scheduler's state, and the data positions (in range). `latest` takes
 the newest checkpoint that validates and says why it passed over newer ones. The checkpoint must
 also belong to this run: a different model (parameter names and shapes) is refused, and so is a
@@ -33,7 +33,7 @@ from pathlib import Path
 from accelerate.utils import gather_object, merge_fsdp_weights
 from safetensors.torch import load_file
 
-from .checkpoint_files import (
+from .checkpoint_validation import (
     UnsafeCheckpoint,
     check_manifest,
     checkpoint_files,

@@ -7,6 +7,7 @@ Values are checked too (`CheckedArgs`): a count of 0, a negative limit or a NaN 
 names the flag and what to write, before any model is built.
 """
 
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -28,7 +29,7 @@ def parse_args(dataclass_types, argv=None):
     """One instance per dataclass in `dataclass_types`, from `argv` (default: sys.argv[1:]). `--help` shows each
     flag's comment in its dataclass and its default."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(dataclass_types)
+    parser = _Parser(dataclass_types)
     comments = {name: text for cls in dataclass_types for name, text in field_comments(cls).items()}
     fields = {field.name for cls in dataclass_types for field in dataclasses.fields(cls)}
     nullable = _nullable_fields(dataclass_types)
@@ -45,6 +46,17 @@ def parse_args(dataclass_types, argv=None):
         parser.set_defaults(**values)
         argv = argv[1:]
     return parser.parse_args_into_dataclasses(args=argv)
+
+
+class _Parser(HfArgumentParser):
+    """HfArgumentParser, with each field's value rule (`checked`) kept out of argparse's keyword arguments."""
+
+    @staticmethod
+    def _parse_dataclass_field(parser, field: dataclasses.Field):
+        if RULE in field.metadata:
+            field = copy.copy(field)
+            field.metadata = types.MappingProxyType({k: v for k, v in field.metadata.items() if k != RULE})
+        HfArgumentParser._parse_dataclass_field(parser, field)
 
 
 def _nullable_fields(dataclass_types) -> set[str]:
@@ -163,19 +175,39 @@ RULES = {
 }
 
 
+RULE = "rule"  # the metadata key of a field's value rule
+
+
+def checked(default, rule: str, **kwargs):
+    """A dataclass field whose value must follow `rule` (a name in `RULES`), beside the field it checks: a renamed
+    field keeps its rule, and a subclass that only changes the default keeps it too (`CheckedArgs.rules`)."""
+    if rule not in RULES:
+        raise KeyError(f"no value rule {rule!r}: one of {', '.join(RULES)}")
+    return dataclasses.field(default=default, metadata={RULE: rule} | kwargs.pop("metadata", {}), **kwargs)
+
+
 class CheckedArgs:
-    """Mixin for argument dataclasses: `CHECKS` maps field names to a rule in `RULES`, checked when the
+    """Mixin for argument dataclasses: each field made with `checked` is tested against its rule when the
     dataclass is built (HfArgumentParser builds it from flags and YAML), so a bad value stops the run
     before anything else happens."""
 
-    CHECKS: ClassVar[dict[str, str]] = {}
     # {flag: fields it makes unused}: a field changed from its default beside that flag is refused, not ignored
     UNUSED_WITH: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    @classmethod
+    def rules(cls) -> dict[str, str]:
+        """{field: its rule}: a field redefined in a subclass without a rule (a new default) keeps its base's."""
+        rules = {}
+        for klass in reversed(cls.__mro__):
+            for field in getattr(klass, "__dataclass_fields__", {}).values():
+                if RULE in field.metadata:
+                    rules[field.name] = field.metadata[RULE]
+        return rules
 
     def __post_init__(self):
         problems = []
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, rule in self.CHECKS.items():
+        for name, rule in self.rules().items():
             test, expected = RULES[rule]
             if not test(getattr(self, name)):
                 default = defaults.get(name)

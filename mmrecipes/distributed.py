@@ -189,8 +189,20 @@ class DivergenceGuard:
             raise RuntimeError(
                 f"divergence guard: ranks run different modules at module call {self.calls}: {calls}. Every rank must "
                 "call the same modules in the same order, or the engine's collectives hang or abort (for a VLM: give "
-                "text-only batches the dummy image, mmrecipes.vlm).")
+                "text-only batches the dummy image, mmrecipes.vlm.models).")
 
     def remove(self):
         for handle in self.handles:
             handle.remove()
+
+
+def batches_in_step(batches, filler, device):
+    """(batch, real) for this rank's `batches`, then (`filler`, False) until every rank has run out.
+
+    Ranks may hold different numbers of eval batches, but FSDP and ZeRO-3 run collectives inside
+    the forward, so every rank must run it equally often: a rank that has run out forwards
+    `filler` (any valid batch) and discards the result until all are done.
+    """
+    batches = iter(batches)
+    while not all_ranks_true((batch := next(batches, None)) is None, device):
+        yield (filler, False) if batch is None else (batch, True)

@@ -214,7 +214,28 @@ def default_num_workers(num_shards: int, cpu_workers: int = 0) -> int:
     return max(0, min(spare_cores, num_shards))
 
 
-def stream_loader(stream, batch_size: int, collate_fn, num_workers: int | None, cpu_workers: int = 0):
+def rank_loader(stream, preprocess, collator, args, *, batch_size: int, shuffle_seed: int | None,
+                remove_columns: list[str], budget: int | None = None, length=None, cpu_workers: int = 0):
+    """The DataLoader over a data rank's rows `stream`, which both pipelines build the same way: for training
+    (`shuffle_seed` set) shuffled in blocks and preprocessed (`ResumableShuffle`: a checkpoint resumes it exactly),
+    then cut into micro-batches of `batch_size` rows or, with `budget`, of whole rows up to that many tokens or
+    patches (`TokenBudgetBatches`, `length(row)`); for evaluation preprocessed in stream order (`remove_columns`:
+    the raw columns) in fixed batches. `args`: the data arguments (`SourceArgs`). The workers' fork server imports
+    the preprocessing's and the collator's modules once."""
+    if shuffle_seed is None:
+        stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=remove_columns)
+    else:  # same seed on every rank; each rank shuffles its own rows
+        stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
+                                  batch_size=batch_size)
+    preload = (type(preprocess).__module__, type(collator).__module__)
+    if budget:  # whole micro-batches from the stream; the loader adds no batching of its own
+        return stream_loader(TokenBudgetBatches(stream, budget, length or row_tokens), None, collator,
+                             args.dataloader_num_workers, cpu_workers, preload)
+    return stream_loader(stream, batch_size, collator, args.dataloader_num_workers, cpu_workers, preload)
+
+
+def stream_loader(stream, batch_size: int, collate_fn, num_workers: int | None, cpu_workers: int = 0,
+                  preload: tuple[str, ...] = ()):
     """The DataLoader over a rank's stream (never passed to `accelerator.prepare`: already split).
     `num_workers` None: `default_num_workers`. Workers persist across epochs (ResumableShuffle
     keeps its epoch in shared memory), each keeps 2 batches ready, and batches are pinned on CUDA.
@@ -226,7 +247,7 @@ def stream_loader(stream, batch_size: int, collate_fn, num_workers: int | None, 
     batch that process runs threads (gloo, pyarrow's jemalloc, datasets' readers), and a child
     forked while one of them holds a lock can hang for good (our suspect for a CI run in which
     a rank never reached its first all-reduce). Forking from the server, which imports the data
-    pipeline once, is cheap.
+    pipeline once (`preload`: the modules of the caller's preprocessing and collator), is cheap.
     """
     # The tokenizer's thread pool only competes with torch's for the cores on batches of short captions:
     # tokenising took twice as long with it on the 2-core machine. An explicit setting wins.
@@ -234,7 +255,7 @@ def stream_loader(stream, batch_size: int, collate_fn, num_workers: int | None, 
     if num_workers is None:
         num_workers = default_num_workers(stream.num_shards, cpu_workers)
     if num_workers:
-        start_worker_server()
+        start_worker_server(preload)
     return StatefulDataLoader(
         stream, batch_size=batch_size, collate_fn=collate_fn, num_workers=num_workers,
         pin_memory=torch.cuda.is_available(), worker_init_fn=partial(init_worker, training_pid=os.getpid()),
@@ -248,8 +269,8 @@ GROUP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def start_worker_server(preload=()):
-    """Start the fork server (once per process) ignoring GROUP_SIGNALS, which it inherits; it imports the
-    data pipeline, and the modules `preload` names (tests fork whole ranks from it), once.
+    """Start the fork server (once per process) ignoring GROUP_SIGNALS, which it inherits; it imports the modules
+    `preload` names once: the data pipeline's (what the workers run), and in the tests what their ranks import.
 
     The training process handles a preemption signal (StepGuard: checkpoint at the next step
     boundary, then exit), but the server shares its process group and would die of it, and then
@@ -257,8 +278,7 @@ def start_worker_server(preload=()):
     """
     # What the workers run, imported once in the server (Python 3.11 would re-import the recipe in
     # every worker otherwise: its preload of '__main__' is a no-op, fixed only in 3.12).
-    multiprocessing.set_forkserver_preload(["mmrecipes.data", "mmrecipes.chat_data", "mmrecipes.chat_collate",
-                                            *preload])
+    multiprocessing.set_forkserver_preload(list(preload))
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in GROUP_SIGNALS}
     try:
         multiprocessing.forkserver.ensure_running()
@@ -355,3 +375,55 @@ def batches_forever(dataloader, resumed_epoch: int | None = None):
         if empty and not resumed:
             yield epoch, None
         epoch, resumed = epoch + 1, False
+
+
+def row_tokens(row) -> int:
+    return len(row["input_ids"])
+
+
+class TokenBudgetBatches(torch.utils.data.IterableDataset):
+    """This rank's rows (a `ResumableShuffle`) grouped into micro-batches of at most `max_tokens` tokens, a row's
+    tokens as `length` counts them (a module-level function: DataLoader workers receive it pickled).
+
+    Rows keep their stream order and the next row that does not fit starts the next micro-batch,
+    so the grouping depends only on the rows: a resume after a micro-batch's last row (its saved
+    position) groups the rest exactly as the straight run did.
+    """
+
+    def __init__(self, rows, max_tokens: int, length=row_tokens):
+        self.rows, self.max_tokens, self.length = rows, max_tokens, length
+        self.position = None
+
+    @property
+    def num_shards(self) -> int:
+        return self.rows.num_shards
+
+    @property
+    def epoch(self) -> int:
+        return self.rows.epoch
+
+    def set_epoch(self, epoch: int):
+        self.rows.set_epoch(epoch)
+
+    def state_dict(self) -> dict | None:
+        """After the last row of the last micro-batch handed out (the rows have read one further)."""
+        return self.position
+
+    def load_state_dict(self, position: dict | None):
+        self.position = position
+        self.rows.load_state_dict(position)
+
+    def __iter__(self):
+        batch, tokens, batch_end = [], 0, None
+        for row in self.rows:
+            length = self.length(row)
+            if batch and tokens + length > self.max_tokens:
+                self.position = batch_end
+                yield batch
+                batch, tokens = [], 0
+            batch.append(row)
+            tokens += length
+            batch_end = self.rows.state_dict()  # after this row: the stream position the batch ends at
+        if batch:
+            self.position = batch_end
+            yield batch

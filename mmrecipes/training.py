@@ -99,3 +99,17 @@ def compile_blocks(model) -> str:
     for module in compiled:
         module.compile(dynamic=True)
     return f"compiled {len(compiled)} blocks ({', '.join(sorted({type(module).__name__ for module in compiled}))})"
+
+
+def optimizer_groups(trainable: dict[str, list[torch.nn.Parameter]], *, learning_rate: float, weight_decay: float,
+                     own_rates: dict[str, tuple[float, float]] | None = None) -> list[dict]:
+    """AdamW parameter groups of each part's trainable parameters (`trainable`: {part: parameters}): weight decay
+    on matrices only, not on norms, biases or scales. A part named in `own_rates` trains at its own (learning rate,
+    weight decay) (a VLM's vision tower), in groups after the others: the logged lr is the first group's."""
+    own_rates, groups = own_rates or {}, []
+    for part, params in sorted(trainable.items(), key=lambda item: item[0] in own_rates):
+        params = [p for p in params if p.requires_grad]
+        lr, decay = own_rates.get(part, (learning_rate, weight_decay))
+        groups += [{"params": [p for p in params if p.ndim >= 2], "lr": lr, "weight_decay": decay},
+                   {"params": [p for p in params if p.ndim < 2], "lr": lr, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]

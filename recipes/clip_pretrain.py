@@ -17,19 +17,20 @@ Tested on a 2-core CPU (1 and 2 processes, gloo).
 
 from dataclasses import asdict, dataclass, field
 
-from mmrecipes.arguments import DataArgs, ModelArgs, TrainingArgs, ZeroShotArgs
-from mmrecipes.config import parse_args
-from mmrecipes.locking import LockArgs, lock_towers
+from mmrecipes.arguments import TrainingArgs
+from mmrecipes.config import checked, parse_args
+from mmrecipes.contrastive.arguments import DataArgs, ModelArgs, ZeroShotArgs
+from mmrecipes.contrastive.tower_locking import LockArgs, lock_towers
 
 
 @dataclass
 class TrainArgs(TrainingArgs):
-    CHECKS = TrainingArgs.CHECKS | {"loss_tile_size": "count_or_none"}
     output_dir: str = "outputs/clip_pretrain"
     # plain: each micro-batch is its own contrastive batch (b negatives per row); feature_cache: the
     # accumulation window is ONE batch of k*b negatives (GradCache: one extra forward per micro-batch)
     contrastive_accumulation: str = field(default="plain", metadata={"choices": ["plain", "feature_cache"]})
-    loss_tile_size: int | None = None  # clip_loss in tiles: no [b, N] logits matrix (siglip_loss never has one)
+    # clip_loss in tiles: no [b, N] logits matrix (siglip_loss never has one)
+    loss_tile_size: int | None = checked(None, "count_or_none")
 
 
 ARGUMENTS = (ModelArgs, LockArgs, DataArgs, ZeroShotArgs, TrainArgs)  # the flags and YAML keys this recipe takes
@@ -43,27 +44,28 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from mmrecipes.checkpointing import Checkpointer, checkpoint_weights, data_layout
-from mmrecipes.data import build_dataloader, caption_length, evaluation_off_reason, model_inputs
+from mmrecipes.contrastive.data import build_dataloader, caption_length, evaluation_off_reason, model_inputs
+from mmrecipes.contrastive.evaluation import evaluate_retrieval
+from mmrecipes.contrastive.flops import ContrastiveFlops
+from mmrecipes.contrastive.grad_cache import grad_cache_backward
+from mmrecipes.contrastive.losses import clip_loss, siglip_loss
+from mmrecipes.contrastive.models import build_contrastive, clamp_logit_scale_, save_contrastive
+from mmrecipes.contrastive.patch_dropout import add_patch_dropout
+from mmrecipes.contrastive.zeroshot import ZeroShotSet, evaluate_zeroshot
 from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config
-from mmrecipes.evaluation import evaluate_retrieval
-from mmrecipes.feature_cache import feature_cache_backward
 from mmrecipes.loader import TrainBatches
-from mmrecipes.losses import clip_loss, siglip_loss
 from mmrecipes.model_card import write_model_card
-from mmrecipes.models import build_contrastive, clamp_logit_scale_, save_contrastive
-from mmrecipes.patch_dropout import add_patch_dropout
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.sources import evaluation_source
 from mmrecipes.step_guard import StepGuard
-from mmrecipes.throughput import ContrastiveFlops
 from mmrecipes.training import (
     accelerator_from_args,
     adamw,
     compile_blocks,
     lr_scheduler,
+    optimizer_groups,
     per_device_batch_size,
 )
-from mmrecipes.zeroshot import ZeroShotSet, evaluate_zeroshot
 
 
 def main(argv=None):
@@ -92,11 +94,9 @@ def main(argv=None):
     if args.torch_compile:  # in place, before prepare wraps the model
         accelerator.print(compile_blocks(model))
 
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trainable if p.ndim >= 2]  # no decay on norms, biases, logit scale
-    no_decay = [p for p in trainable if p.ndim < 2]
-    optimizer = adamw([{"params": decay, "weight_decay": args.weight_decay},
-                       {"params": no_decay, "weight_decay": 0.0}], args)
+    # No decay on norms, biases, the logit scale; frozen (locked) parameters are not in the optimizer.
+    optimizer = adamw(optimizer_groups({"model": list(model.parameters())}, learning_rate=args.learning_rate,
+                                       weight_decay=args.weight_decay), args)
     # Stepped by hand once per optimizer step (accelerate's prepared scheduler steps per process).
     scheduler = lr_scheduler(optimizer, args)
     reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=batch_size,
@@ -153,7 +153,7 @@ def main(argv=None):
         report.add_batches(window)
         if args.contrastive_accumulation == "feature_cache":
             # The window's micro-batches act as ONE contrastive batch (k*b negatives per row).
-            window_losses = [feature_cache_backward(accelerator, model, window, loss_fn)]
+            window_losses = [grad_cache_backward(accelerator, model, window, loss_fn)]
         else:
             # Each micro-batch is its own contrastive batch (b negatives); the gradients add up.
             window_losses = []
@@ -175,7 +175,7 @@ def main(argv=None):
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
         if report.due(done):
-            # Mean over ranks of the local losses is the global-batch loss (mmrecipes.losses).
+            # Mean over ranks of the local losses is the global-batch loss (mmrecipes.contrastive.losses).
             sums = report.close()
             report.log(done, {"loss": ratio(sums["loss"], sums["applied_steps"]), "lr": scheduler.get_last_lr()[0]},
                        sums)

@@ -16,20 +16,20 @@ image (as vlm_finetune.py), and the loss is the exact mean over the window's pai
 
 from dataclasses import asdict, dataclass, replace
 
-from mmrecipes.arguments import DPOArgs, LoraArgs, PreferenceDataArgs, TrainingArgs, VLMModelArgs
-from mmrecipes.config import parse_args
+from mmrecipes.arguments import TrainingArgs
+from mmrecipes.config import checked, parse_args
+from mmrecipes.vlm.arguments import DPOArgs, LoraArgs, PreferenceDataArgs, VLMModelArgs
 
 
 @dataclass
 class TrainArgs(TrainingArgs):
-    CHECKS = TrainingArgs.CHECKS | {"vision_tower_learning_rate": "learning_rate",
-                                    "vision_tower_weight_decay": "non_negative"}
     output_dir: str = "outputs/vlm_dpo"
     max_steps: int = 300
     per_device_train_batch_size: int = 16  # pairs
     learning_rate: float = 1.0e-3  # the tiny default from scratch; TRL's DPO default for real models is 1e-6
-    vision_tower_learning_rate: float = 2.0e-6  # used when --train_modules all (as vlm_finetune.py)
-    vision_tower_weight_decay: float = 0.0
+    # used when --train_modules all (as vlm_finetune.py)
+    vision_tower_learning_rate: float = checked(2.0e-6, "learning_rate")
+    vision_tower_weight_decay: float = checked(0.0, "non_negative")
     weight_decay: float = 0.0
     per_device_eval_batch_size: int = 64
     eval_steps: int = 100
@@ -43,17 +43,24 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-from mmrecipes.chat_data import build_chat_dataloader
-from mmrecipes.chat_labels import AnswerLabeller, check_template
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config, sum_over_ranks
-from mmrecipes.evaluation import evaluate_answers
 from mmrecipes.loader import TrainBatches
-from mmrecipes.lora import add_lora, describe_trainable
-from mmrecipes.losses import token_loss_scale
 from mmrecipes.model_card import write_model_card
-from mmrecipes.preference import (
+from mmrecipes.reporting import Report, ratio
+from mmrecipes.step_guard import StepGuard
+from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, optimizer_groups, per_device_batch_size
+from mmrecipes.vlm.chat_data import build_chat_dataloader
+from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.evaluation import evaluate_answers
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.flops import VLMFlops
+from mmrecipes.vlm.labels import AnswerLabeller, check_template
+from mmrecipes.vlm.lora import add_lora, describe_trainable
+from mmrecipes.vlm.losses import token_loss_scale
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, save_vlm, stop_token_ids
+from mmrecipes.vlm.module_groups import module_groups
+from mmrecipes.vlm.preference import (
     PREFERENCE_COUNTED,
     PreferenceCollator,
     PreferencePreprocessor,
@@ -64,12 +71,6 @@ from mmrecipes.preference import (
     frozen_reference,
     sequence_logps,
 )
-from mmrecipes.reporting import Report, ratio
-from mmrecipes.step_guard import StepGuard
-from mmrecipes.throughput import VLMFlops
-from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
-from mmrecipes.vlm import VLMForTraining, apply_train_modules, load_vlm, save_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, module_groups, optimizer_groups
 
 PAIR_SUMS = ("loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected")  # each step's, over its pairs
 
@@ -105,7 +106,9 @@ def main(argv=None):
     accelerator.print(f"evaluation: {data_args.evaluation}")
     accelerator.print(describe_trainable(model))
 
-    optimizer = adamw(optimizer_groups(trainable, args), args)
+    optimizer = adamw(optimizer_groups(trainable, learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                                       own_rates={"vision_tower": (args.vision_tower_learning_rate,
+                                                                   args.vision_tower_weight_decay)}), args)
     scheduler = lr_scheduler(optimizer, args)
     reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=2 * batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -121,7 +124,7 @@ def main(argv=None):
     accelerator.print(reference.describe())
     accelerator.print(dpo_args.describe())
 
-    collator = PreferenceCollator(DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs),
+    collator = PreferenceCollator(ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs),
                                   keys=dpo_args.precompute_ref_log_probs)
     loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world)
     train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,

@@ -15,25 +15,25 @@ and the loss is the exact token mean over the accumulation window on all ranks (
 
 from dataclasses import asdict, dataclass
 
-from mmrecipes.arguments import ChatDataArgs, LoraArgs, TrainingArgs, VLMModelArgs
-from mmrecipes.config import parse_args
+from mmrecipes.arguments import TrainingArgs
+from mmrecipes.config import checked, parse_args
+from mmrecipes.vlm.arguments import ChatDataArgs, LoraArgs, VLMModelArgs
 
 
 @dataclass
 class TrainArgs(TrainingArgs):
-    CHECKS = TrainingArgs.CHECKS | {"vision_tower_learning_rate": "learning_rate", "eval_generation_rows":
-                                    "count_or_zero", "vision_tower_weight_decay": "non_negative"}
     output_dir: str = "outputs/vlm_finetune"
     max_steps: int = 500
     per_device_train_batch_size: int = 16
     learning_rate: float = 1.0e-3  # the tiny default from scratch; LLaVA stage 2 uses 2e-5, stage 1 1e-3
-    vision_tower_learning_rate: float = 2.0e-6  # used when --train_modules all
+    vision_tower_learning_rate: float = checked(2.0e-6, "learning_rate")  # used when --train_modules all
     # 0 keeps AdamW from decaying the tower on steps where it only saw a dummy image (zero gradient)
-    vision_tower_weight_decay: float = 0.0
+    vision_tower_weight_decay: float = checked(0.0, "non_negative")
     weight_decay: float = 0.0
     per_device_eval_batch_size: int = 64
     eval_steps: int = 200
-    eval_generation_rows: int = 64  # held-out questions answered by greedy generation at each evaluation; 0: none
+    # held-out questions answered by greedy generation at each evaluation; 0: none
+    eval_generation_rows: int = checked(64, "count_or_zero")
     # Ranks check before each module that they run the same one (a collective each; or MMRECIPES_DEBUG_DIVERGENCE=1)
     debug_divergence: bool = False
 
@@ -46,9 +46,6 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs, check_packing
-from mmrecipes.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
-from mmrecipes.chat_labels import AnswerLabeller, check_template
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.distributed import (
     DivergenceGuard,
@@ -57,23 +54,28 @@ from mmrecipes.distributed import (
     reconcile_deepspeed_config,
     sum_over_ranks,
 )
-from mmrecipes.evaluation import evaluate_answers, evaluate_generation
 from mmrecipes.loader import TrainBatches
-from mmrecipes.lora import add_lora, describe_trainable
-from mmrecipes.losses import token_loss_scale
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
-from mmrecipes.throughput import VLMFlops
 from mmrecipes.training import (
     accelerator_from_args,
     adamw,
     compile_blocks,
     lr_scheduler,
+    optimizer_groups,
     per_device_batch_size,
 )
-from mmrecipes.vlm import VLMForTraining, apply_train_modules, load_vlm, save_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, module_groups, optimizer_groups, video_path
+from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
+from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs, check_packing
+from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
+from mmrecipes.vlm.families import dummy_image_inputs, video_path
+from mmrecipes.vlm.flops import VLMFlops
+from mmrecipes.vlm.labels import AnswerLabeller, check_template
+from mmrecipes.vlm.lora import add_lora, describe_trainable
+from mmrecipes.vlm.losses import token_loss_scale
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, save_vlm, stop_token_ids
+from mmrecipes.vlm.module_groups import module_groups
 
 
 def main(argv=None):
@@ -124,7 +126,9 @@ def main(argv=None):
                           + ", ".join(groups.unreached))
 
     # Frozen parameters are not in the optimizer (no state); the tower, if it trains, has its own lr.
-    optimizer = adamw(optimizer_groups(trainable, args), args)
+    optimizer = adamw(optimizer_groups(trainable, learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                                       own_rates={"vision_tower": (args.vision_tower_learning_rate,
+                                                                   args.vision_tower_weight_decay)}), args)
     scheduler = lr_scheduler(optimizer, args)
     reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -140,15 +144,15 @@ def main(argv=None):
 
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare.
     # With --max_tokens_per_batch each micro-batch holds whole rows up to that many tokens; with --packing
-    # they form one sequence without padding (mmrecipes.packing). Evaluation keeps fixed, padded batches.
+    # they form one sequence without padding (mmrecipes.vlm.packing). Evaluation keeps fixed, padded batches.
     pack_length = min(data_args.max_length, data_args.max_tokens_per_batch or data_args.max_length)
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs, data_args.packing, pack_length)
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs, data_args.packing, pack_length)
     loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world)
     train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,
                                          **loader_kwargs)
     eval_loader = None
     if data_args.eval_dataset_name:
-        eval_collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs)
+        eval_collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs)
         eval_loader = build_chat_dataloader(data_args, collator=eval_collator, eval_split=True,
                                             batch_size=args.per_device_eval_batch_size, **loader_kwargs)
         prompts = generation_prompts(data_args, processor, rows=-(-args.eval_generation_rows // data_world),

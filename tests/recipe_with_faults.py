@@ -27,8 +27,8 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
 
-import mmrecipes.chat_collate
-import mmrecipes.data
+import mmrecipes.contrastive.data
+import mmrecipes.vlm.collate
 from mmrecipes.step_guard import StepGuard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,8 +121,8 @@ def pausing_save_state(self, output_dir=None, **kwargs):
 
 if __name__ == "__main__":
     StepGuard.should_call_optimizer = faulty_should_call_optimizer
-    mmrecipes.data.model_inputs = with_nan_pixels(mmrecipes.data.model_inputs)
-    mmrecipes.chat_collate.chat_model_inputs = with_nan_pixels(mmrecipes.chat_collate.chat_model_inputs)
+    mmrecipes.contrastive.data.model_inputs = with_nan_pixels(mmrecipes.contrastive.data.model_inputs)
+    mmrecipes.vlm.collate.chat_model_inputs = with_nan_pixels(mmrecipes.vlm.collate.chat_model_inputs)
     accelerate.Accelerator.save_state = pausing_save_state
     if os.environ.get("FAULT_WEIGHTS_LOG"):
         accelerate.Accelerator.prepare = remembering_prepare

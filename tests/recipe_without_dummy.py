@@ -9,17 +9,17 @@ image (so the passing runs prove something).
 import runpy
 from pathlib import Path
 
-from mmrecipes.losses import token_cross_entropy_sum
-from mmrecipes.vlm import VLMForTraining
+from mmrecipes.vlm.losses import token_cross_entropy_sum
+from mmrecipes.vlm.models import VLMForTraining
 
 with_dummy = VLMForTraining.forward
 
 
-def skip_tower_on_text_only(self, input_ids, attention_mask, labels, dummy_image, return_logits=False, **image_inputs):
+def skip_tower_on_text_only(self, input_ids, attention_mask, labels, dummy_image, return_logits=False, **media_inputs):
     if not dummy_image:
         return with_dummy(self, input_ids, attention_mask, labels, dummy_image, return_logits=return_logits,
-                          **image_inputs)
-    text_inputs = {name: value for name, value in image_inputs.items() if name not in self.vision_input_names}
+                          **media_inputs)
+    text_inputs = {name: value for name, value in media_inputs.items() if name not in self.vision_input_names}
     logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **text_inputs).logits
     return token_cross_entropy_sum(logits, labels), logits
 

@@ -9,18 +9,19 @@ import pytest
 import torch
 from PIL import Image
 
-from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, generation_prompts
-from mmrecipes.chat_labels import AnswerLabeller
-from mmrecipes.losses import IGNORE_INDEX
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, load_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs
+from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
+from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
+from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.losses import IGNORE_INDEX
+from mmrecipes.vlm.models import VLMForTraining, load_vlm, stop_token_ids
 
 
 @pytest.fixture(scope="module")
 def tiny():
     model, processor = load_vlm(VLMModelArgs())
-    return model, processor, DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model))
+    return model, processor, ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model))
 
 
 def load_all(args, tiny, batch_size=64, max_batches=None, **kwargs):

@@ -11,8 +11,8 @@ import yaml
 
 from launch import RECIPE, REPO, VLM_RECIPE, load_recipe
 from mmrecipes.config import parse_args
-from mmrecipes.models import ModelArgs
-from mmrecipes.vlm import VLMModelArgs
+from mmrecipes.contrastive.arguments import ModelArgs
+from mmrecipes.vlm.arguments import VLMModelArgs
 
 
 @pytest.mark.parametrize("text, message", [

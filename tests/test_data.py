@@ -15,11 +15,12 @@ import torch
 from PIL import Image
 
 from gloo import run_on_ranks
-from mmrecipes.data import COUNTED, DataArgs, ImageTextCollator, build_dataloader, model_inputs
-from mmrecipes.evaluation import evaluate_retrieval, retrieval_recall_at_1
+from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
+from mmrecipes.contrastive.data import COUNTED, ImageTextCollator, build_dataloader, model_inputs
+from mmrecipes.contrastive.evaluation import evaluate_retrieval, retrieval_recall_at_1
+from mmrecipes.contrastive.models import build_contrastive
 from mmrecipes.images import processed_pixels
 from mmrecipes.loader import batches_forever
-from mmrecipes.models import ModelArgs, build_contrastive
 from mmrecipes.sources import expand_data_files
 from webdataset_shards import make_webdataset
 

@@ -14,14 +14,16 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
 from launch import REPO, assert_engine, assert_same_curves, run_engine, run_recipe
-from mmrecipes.arguments import PreferenceDataArgs
-from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-from mmrecipes.chat_data import CHAT_COUNTED
-from mmrecipes.chat_labels import AnswerLabeller
-from mmrecipes.lora import LoraArgs, add_lora
-from mmrecipes.losses import IGNORE_INDEX
-from mmrecipes.preference import (
-    DPOArgs,
+from mmrecipes.vlm.arguments import DPOArgs, LoraArgs, PreferenceDataArgs, VLMModelArgs
+from mmrecipes.vlm.chat_data import CHAT_COUNTED
+from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.lora import add_lora
+from mmrecipes.vlm.losses import IGNORE_INDEX
+from mmrecipes.vlm.models import VLMForTraining, load_vlm, stop_token_ids
+from mmrecipes.vlm.module_groups import module_groups
+from mmrecipes.vlm.preference import (
     PreferenceCollator,
     PreferencePreprocessor,
     Reference,
@@ -29,8 +31,6 @@ from mmrecipes.preference import (
     dpo_loss,
     sequence_logps,
 )
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, load_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, module_groups
 
 DPO_RECIPE = REPO / "recipes" / "vlm_dpo.py"
 RED = Image.new("RGB", (32, 32), (220, 40, 40))
@@ -41,7 +41,7 @@ def tiny():
     torch.manual_seed(0)
     model, processor = load_vlm(VLMModelArgs())
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
-    collator = PreferenceCollator(DummyImageCollator(processor.tokenizer.pad_token_id,
+    collator = PreferenceCollator(ChatCollator(processor.tokenizer.pad_token_id,
                                                      dummy_image_inputs(model, processor)))
     return model, processor, PreferencePreprocessor(PreferenceDataArgs(), labeller, 256), collator
 
@@ -71,7 +71,7 @@ def test_trl_and_llava_formats_become_pairs_labelled_as_in_sft_and_bad_pairs_are
     for pair in pairs:
         assert answer_text(processor, pair["chosen"]) == "red<|end|>"
         assert answer_text(processor, pair["rejected"]) == "blue<|end|>"
-        images = [side["image_inputs"]["pixel_values"] for side in (pair["chosen"], pair["rejected"])]
+        images = [side["media_inputs"]["pixel_values"] for side in (pair["chosen"], pair["rejected"])]
         assert torch.equal(*images)
     # The prompt is the same tokens on both sides; only the answer differs.
     chosen, rejected = pairs[0]["chosen"], pairs[0]["rejected"]
@@ -113,7 +113,7 @@ def row_logps(model, pair_rows, average):
     values = []
     for row in pair_rows:
         inputs = {"input_ids": row["input_ids"][None], "attention_mask": torch.ones_like(row["input_ids"])[None]}
-        inputs |= {key: value for key, value in row["image_inputs"].items()}
+        inputs |= {key: value for key, value in row["media_inputs"].items()}
         logits = model(**inputs).logits[0].float()
         targets = row["labels"][1:]
         scored = targets != IGNORE_INDEX

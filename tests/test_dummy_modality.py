@@ -7,17 +7,19 @@ from accelerate.utils import set_seed
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
 from gloo import run_on_ranks
-from mmrecipes.chat_collate import DummyImageCollator
-from mmrecipes.chat_data import CHAT_COUNTED
-from mmrecipes.losses import (
+from mmrecipes.vlm.arguments import VLMModelArgs
+from mmrecipes.vlm.chat_data import CHAT_COUNTED
+from mmrecipes.vlm.collate import ChatCollator
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.losses import (
     IGNORE_INDEX,
     count_target_tokens,
     head_cross_entropy_sum,
     token_cross_entropy_sum,
     token_loss_scale,
 )
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm
-from mmrecipes.vlm_families import dummy_image_inputs, module_groups
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm
+from mmrecipes.vlm.module_groups import module_groups
 from recipe_without_dummy import SkipsTowerOnTextOnly
 
 USER = 3  # any ordinary token id
@@ -52,25 +54,25 @@ def row(model, targets: int, image: bool, generator):
     config = model.config
     vocab = config.text_config.vocab_size
     words = lambda n: torch.randint(4, min(vocab, 60), (n,), generator=generator).tolist()  # noqa: E731
-    image_tokens, image_inputs = [], {}
+    image_tokens, media_inputs = [], {}
     if image:
         if hasattr(config.vision_config, "spatial_merge_size"):  # Qwen2-VL: a 4x4 patch grid = 4 tokens
             grid = torch.tensor([[1, 4, 4]])
             image_tokens = [config.vision_start_token_id] + [config.image_token_id] * 4 + [config.vision_end_token_id]
-            image_inputs = {"pixel_values": torch.randn(16, 3 * 2 * 4 * 4, generator=generator), "image_grid_thw": grid}
+            media_inputs = {"pixel_values": torch.randn(16, 3 * 2 * 4 * 4, generator=generator), "image_grid_thw": grid}
         else:  # Llava: (32/8)^2 patch tokens
             image_tokens = [config.image_token_id] * 16
-            image_inputs = {"pixel_values": torch.randn(1, 3, 32, 32, generator=generator)}
+            media_inputs = {"pixel_values": torch.randn(1, 3, 32, 32, generator=generator)}
     prompt = [USER] + image_tokens + words(5)
     input_ids = torch.tensor(prompt + words(targets))
     if "image_grid_thw" in dummy_image_inputs(model):
-        image_inputs["mm_token_type_ids"] = (input_ids == config.image_token_id).long()
+        media_inputs["mm_token_type_ids"] = (input_ids == config.image_token_id).long()
     labels = torch.cat([torch.full((len(prompt),), IGNORE_INDEX), input_ids[len(prompt):]])
-    return {"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs} | {name: 0 for name in CHAT_COUNTED}
+    return {"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs} | {name: 0 for name in CHAT_COUNTED}
 
 
 def collate(model, rows, packing=False):
-    return DummyImageCollator(0, dummy_image_inputs(model), packing=packing)(rows)
+    return ChatCollator(0, dummy_image_inputs(model), packing=packing)(rows)
 
 
 def inputs(batch):

@@ -15,7 +15,7 @@ from PIL import Image
 from transformers import AutoProcessor, CLIPModel, pipeline
 
 from launch import accelerate_launch, assert_engine, assert_same_curves, losses, run_engine, run_recipe
-from mmrecipes.checkpoint_files import UnsafeCheckpoint
+from mmrecipes.checkpoint_validation import UnsafeCheckpoint
 from mmrecipes.checkpointing import checkpoint_weights
 from mmrecipes.model_card import CURVES_SIZE
 

@@ -17,12 +17,13 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig, pipeline
 
 from gloo import run_on_ranks
-from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-from mmrecipes.chat_data import CHAT_COUNTED, encode_row
-from mmrecipes.chat_labels import AnswerLabeller
-from mmrecipes.lora import LoraArgs, add_lora, save_lora
-from mmrecipes.vlm import VLMForTraining, apply_train_modules, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs
+from mmrecipes.vlm.arguments import LoraArgs
+from mmrecipes.vlm.chat_data import CHAT_COUNTED, encode_row
+from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.lora import add_lora, save_lora
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, stop_token_ids
 from test_lora import tiny
 from test_vlm_engines import settings
 from test_vlm_families import END_OF_TURN, FAMILIES
@@ -60,7 +61,7 @@ def train(model, processor, parameters, steps, shown=square, family=None) -> lis
     """`steps` AdamW steps on shuffled colour rows, 8 a step; the token-mean losses."""
     torch.manual_seed(0)
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
     rows = [collator_row(labeller, colour_conversation(colour, family), [shown(colour)]) for colour in COLOURS]
     wrapper = VLMForTraining(model)
     optimizer = torch.optim.AdamW(parameters, lr=3e-3, weight_decay=0.0)
@@ -89,8 +90,8 @@ def test_the_same_steps_on_images_that_show_no_colour_teach_no_colour(tiny_vlms,
 
 
 def collator_row(labeller, conversation, images) -> dict:
-    input_ids, labels, image_inputs = encode_row(labeller, conversation, images)
-    return {"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs} | dict.fromkeys(CHAT_COUNTED, 0)
+    input_ids, labels, media_inputs = encode_row(labeller, conversation, images)
+    return {"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs} | dict.fromkeys(CHAT_COUNTED, 0)
 
 
 def _mixed_ranks_steps(rank, world_size, directories):
@@ -105,7 +106,7 @@ def _mixed_ranks_steps(rank, world_size, directories):
         model, processor, groups = tiny(directory)
         apply_train_modules(groups, "all")
         labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
-        collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+        collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
         conversation, images = (colour_conversation("red"), [square("red")]) if rank == 0 else (text, [])
         batch = collator([collator_row(labeller, conversation, images)])
         assert batch["dummy_image"] == (rank == 1)

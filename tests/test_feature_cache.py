@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from gloo import run_on_ranks
+from mmrecipes.contrastive.arguments import ModelArgs
+from mmrecipes.contrastive.grad_cache import grad_cache_backward
+from mmrecipes.contrastive.losses import clip_loss
+from mmrecipes.contrastive.models import build_contrastive
 from mmrecipes.distributed import make_accelerator
-from mmrecipes.feature_cache import feature_cache_backward
-from mmrecipes.losses import clip_loss
-from mmrecipes.models import ModelArgs, build_contrastive
 
 MICRO_SIZES = {0: [3, 5], 1: [2, 4]}  # rows per micro-batch on each rank: uneven everywhere
 
@@ -38,7 +39,7 @@ def _feature_cache_grads(rank, world_size):
     batches = [micro_batch(rank, i, n, tokenizer) for i, n in enumerate(MICRO_SIZES[rank])]
     accelerator = make_accelerator(gradient_accumulation_steps=len(batches))
     prepared = accelerator.prepare(model)
-    loss = feature_cache_backward(accelerator, prepared, batches, clip_loss)
+    loss = grad_cache_backward(accelerator, prepared, batches, clip_loss)
     return loss, {name: p.grad.clone() for name, p in accelerator.unwrap_model(prepared).named_parameters()}
 
 
@@ -74,7 +75,7 @@ def _dropout_replay_grads(rank, world_size, cached):
     accelerator = make_accelerator(gradient_accumulation_steps=len(batches))
     torch.manual_seed(1)
     if cached:
-        feature_cache_backward(accelerator, model, batches, clip_loss)
+        grad_cache_backward(accelerator, model, batches, clip_loss)
     else:
         outputs = [model(**batch) for batch in batches]
         images, texts = torch.cat([o[0] for o in outputs]), torch.cat([o[1] for o in outputs])

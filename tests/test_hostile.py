@@ -30,22 +30,24 @@ from PIL import Image
 from transformers import get_scheduler
 
 from launch import REPO, VLM_RECIPE, assert_same_curves, load_recipe, run_recipe
-from mmrecipes.chat_collate import DummyImageCollator
-from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader
-from mmrecipes.chat_labels import AnswerLabeller, check_template
-from mmrecipes.checkpoint_files import UnsafeCheckpoint, file_digest
+from mmrecipes.arguments import TrainingArgs
+from mmrecipes.checkpoint_validation import UnsafeCheckpoint, file_digest
 from mmrecipes.checkpointing import MARKER, Checkpointer, data_layout
 from mmrecipes.config import parse_args
-from mmrecipes.data import COUNTED, DataArgs, build_dataloader
+from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
+from mmrecipes.contrastive.data import COUNTED, build_dataloader
+from mmrecipes.contrastive.models import build_contrastive
 from mmrecipes.distributed import make_accelerator
 from mmrecipes.images import decode_image
 from mmrecipes.loader import batches_forever
-from mmrecipes.models import ModelArgs, build_contrastive
 from mmrecipes.output_dir import LOCK_NAME, STALE_AFTER_S, OutputDirBusy, OutputDirLock
 from mmrecipes.paths import SHAPES_DATA
-from mmrecipes.training import TrainingArgs
-from mmrecipes.vlm import VLMModelArgs, load_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs
+from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
+from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader
+from mmrecipes.vlm.collate import ChatCollator
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.labels import AnswerLabeller, check_template
+from mmrecipes.vlm.models import load_vlm, stop_token_ids
 
 CLIP_RECIPE, VLM = load_recipe(), load_recipe(VLM_RECIPE)
 
@@ -548,7 +550,7 @@ def test_sixteen_bit_and_extreme_images(tmp_path):
 def vlm_tiny():
     model, processor = load_vlm(VLMModelArgs())
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
-    return labeller, DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model))
+    return labeller, ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model))
 
 
 def chat_counts(vlm_tiny, args):

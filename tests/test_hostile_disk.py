@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mmrecipes.checkpoint_files import UnsafeCheckpoint
+from mmrecipes.checkpoint_validation import UnsafeCheckpoint
 from mmrecipes.checkpointing import MARKER, CheckpointSaveFailed, checkpoint_weights
 from mmrecipes.output_dir import LOCK_NAME, REFRESH_S, OutputDirBusy, OutputDirLock
 from test_hostile import Payload, make_checkpointer, refit_manifest, run, saved  # noqa: F401 (fixtures)

@@ -10,11 +10,12 @@ import time
 import av
 import numpy
 
-from mmrecipes.chat_data import ChatDataArgs, ChatPreprocessor
-from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.sources import PROBLEM, load_stream, read_files
-from mmrecipes.videos import VideoArgs, decode_video
-from mmrecipes.vlm import VLMModelArgs, load_vlm, stop_token_ids
+from mmrecipes.vlm.arguments import ChatDataArgs, VideoArgs, VLMModelArgs
+from mmrecipes.vlm.chat_data import ChatPreprocessor
+from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.models import load_vlm, stop_token_ids
+from mmrecipes.vlm.videos import decode_video
 
 
 def clip(container: str, codec: str, frames: int, width: int, height: int) -> bytes:

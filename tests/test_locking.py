@@ -1,13 +1,14 @@
-"""Locked towers (LiT, mmrecipes.locking) in clip_pretrain.py: the saved model against the recipe's own initial
-weights, tensor by tensor. Under DDP (the image tower locked) and FSDP2 (its last layer unlocked)."""
+"""Locked towers (LiT, mmrecipes.contrastive.tower_locking) in clip_pretrain.py: the saved model against the recipe's
+own initial weights, tensor by tensor. Under DDP (the image tower locked) and FSDP2 (its last layer unlocked)."""
 
 import pytest
 from accelerate.utils import set_seed
 from transformers import CLIPModel
 
 from launch import run_engine
-from mmrecipes.locking import LockArgs, lock_towers
-from mmrecipes.models import ModelArgs, build_contrastive
+from mmrecipes.contrastive.arguments import ModelArgs
+from mmrecipes.contrastive.models import build_contrastive
+from mmrecipes.contrastive.tower_locking import LockArgs, lock_towers
 
 RUN = ["--max_steps", 4, "--logging_steps", 2, "--per_device_train_batch_size", 16, "--eval_split", "",
        "--zeroshot_dataset", ""]

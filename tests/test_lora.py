@@ -9,9 +9,11 @@ from peft import get_peft_model
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from launch import VLM_RECIPE, load_recipe
-from mmrecipes.lora import LoraArgs, lora_config
-from mmrecipes.vlm import VLMModelArgs, load_vlm
-from mmrecipes.vlm_families import dummy_image_inputs, module_groups
+from mmrecipes.vlm.arguments import LoraArgs, VLMModelArgs
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.lora import lora_config
+from mmrecipes.vlm.models import load_vlm
+from mmrecipes.vlm.module_groups import module_groups
 
 
 def tiny(family_dir=None):

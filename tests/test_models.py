@@ -3,7 +3,8 @@ coverage."""
 
 import torch
 
-from mmrecipes.models import ModelArgs, build_contrastive
+from mmrecipes.contrastive.arguments import ModelArgs
+from mmrecipes.contrastive.models import build_contrastive
 
 
 def test_every_caption_ends_in_eos_even_truncated_and_arbitrary_text():

@@ -11,10 +11,11 @@ from PIL import Image
 from transformers import Siglip2ImageProcessor, Siglip2Model, Siglip2Tokenizer, SiglipImageProcessor, pipeline
 
 from launch import REPO, assert_engine, assert_same_curves, losses, run_engine, run_recipe
-from mmrecipes.data import DataArgs, build_dataloader, check_image_batching, model_inputs
-from mmrecipes.models import ModelArgs, build_contrastive
-from mmrecipes.patch_dropout import add_patch_dropout
-from mmrecipes.throughput import ContrastiveFlops, clip_train_flops_per_sample
+from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
+from mmrecipes.contrastive.data import build_dataloader, check_image_batching, model_inputs
+from mmrecipes.contrastive.flops import ContrastiveFlops, clip_train_flops_per_sample
+from mmrecipes.contrastive.models import build_contrastive
+from mmrecipes.contrastive.patch_dropout import add_patch_dropout
 
 MAX_PATCHES = 16  # 8-pixel patches: a square image is 4 x 4 of them, a 3:2 one 3 x 5, a 2:3 one 5 x 3
 BUDGET = 160  # patches per micro-batch: 10 square images, or more of the others

@@ -1,4 +1,4 @@
-"""Token-budget micro-batches and packed sequences (mmrecipes.packing): a packed micro-batch equals its
+"""Token-budget micro-batches and packed sequences (mmrecipes.vlm.packing): a packed micro-batch equals its
 samples run one by one on every family that packs, the ways of getting it wrong fail, budgets group
 whole rows and resume exactly, and launched under every engine packing gives the losses of the same
 token-budget batches padded. (The 2-rank gradient of packed windows: test_dummy_modality.py.)"""
@@ -13,11 +13,12 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from launch import VLM_RECIPE, assert_engine, assert_same_curves, run_engine
-from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs, check_packing
-from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, encode_row
-from mmrecipes.chat_labels import AnswerLabeller
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, load_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs
+from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
+from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row
+from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs, check_packing
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.models import VLMForTraining, load_vlm, stop_token_ids
 
 PACKING_FAMILIES = [None, "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3",
                     "llava_onevision", "mistral3"]  # None: the tiny default Llava
@@ -40,9 +41,9 @@ def rows_of(labeller):
         content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
         messages = [{"role": "user", "content": content},
                     {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
-        input_ids, labels, image_inputs = encode_row(labeller, messages, images)
+        input_ids, labels, media_inputs = encode_row(labeller, messages, images)
         rows.append({"input_ids": input_ids, "labels": labels,
-                     "image_inputs": image_inputs} | dict.fromkeys(CHAT_COUNTED, 0))
+                     "media_inputs": media_inputs} | dict.fromkeys(CHAT_COUNTED, 0))
     return rows
 
 
@@ -58,10 +59,10 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
     dummy_inputs = dummy_image_inputs(model, processor)
     rows = rows_of(labeller)
     step = partial(VLMForTraining(model), return_logits=True)
-    alone = [step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs)([row]), "cpu")) for row in rows]
+    alone = [step(**chat_model_inputs(ChatCollator(0, dummy_inputs)([row]), "cpu")) for row in rows]
     lengths = [len(row["input_ids"]) for row in rows]
     for pack_length, sequences in ((None, [[0, 1, 2]]), (lengths[0] + lengths[1], [[0, 1], [2]])):
-        batch = chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True, pack_length=pack_length)(rows),
+        batch = chat_model_inputs(ChatCollator(0, dummy_inputs, packing=True, pack_length=pack_length)(rows),
                                   "cpu")
         loss, logits = step(**batch)
         assert logits.shape[0] == len(sequences)
@@ -70,7 +71,7 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
             torch.testing.assert_close(logits[index, :len(expected)], expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(loss, sum(a[0] for a in alone), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(step.func(**batch)[0], loss, rtol=1e-5, atol=1e-5)  # the training loss, in slices
-    packed = chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True)(rows), "cpu")
+    packed = chat_model_inputs(ChatCollator(0, dummy_inputs, packing=True)(rows), "cpu")
     logits = step(**packed)[1]
     check_packing(VLMForTraining(model), labeller, dummy_inputs)
 
@@ -97,7 +98,7 @@ def test_a_family_that_does_not_keep_packed_samples_apart_is_rejected(tiny_vlms)
 def test_token_budget_batches_hold_whole_rows_and_resume_exactly():
     model, processor = load_vlm(VLMModelArgs())
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model))
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model))
 
     def loader(budget):
         args = ChatDataArgs(max_tokens_per_batch=budget, dataloader_num_workers=0, shuffle_buffer_size=64)

@@ -1,12 +1,13 @@
-"""FLIP's patch dropout (mmrecipes.patch_dropout) on the tiny CLIP and SigLIP, in process: what the encoder sees in
-training and in evaluation, and a recipe run with it."""
+"""FLIP's patch dropout (mmrecipes.contrastive.patch_dropout) on the tiny CLIP and SigLIP, in process: what the encoder
+sees in training and in evaluation, and a recipe run with it."""
 
 import pytest
 import torch
 
 from launch import run_recipe
-from mmrecipes.models import ModelArgs, build_contrastive
-from mmrecipes.patch_dropout import add_patch_dropout
+from mmrecipes.contrastive.arguments import ModelArgs
+from mmrecipes.contrastive.models import build_contrastive
+from mmrecipes.contrastive.patch_dropout import add_patch_dropout
 
 
 def encoder_inputs(model, pixel_values) -> torch.Tensor:

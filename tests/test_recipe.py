@@ -18,8 +18,8 @@ from launch import (
     run_recipe,
     run_recipe_on_ranks,
 )
-from mmrecipes.data import DataArgs
-from mmrecipes.models import ModelArgs, build_contrastive
+from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
+from mmrecipes.contrastive.models import build_contrastive
 from webdataset_shards import make_webdataset
 
 pytestmark = pytest.mark.launch

@@ -27,7 +27,7 @@ from launch import (
     run_env,
     run_recipe,
 )
-from mmrecipes.checkpoint_files import check_plain_data
+from mmrecipes.checkpoint_validation import check_plain_data
 
 pytestmark = pytest.mark.launch
 

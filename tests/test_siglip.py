@@ -18,8 +18,9 @@ from launch import (
     run_engine,
     run_recipe,
 )
-from mmrecipes.data import DataArgs, ImageTextCollator, ImageTextPreprocessor, model_inputs
-from mmrecipes.models import ModelArgs, build_contrastive
+from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
+from mmrecipes.contrastive.data import ImageTextCollator, ImageTextPreprocessor, model_inputs
+from mmrecipes.contrastive.models import build_contrastive
 
 pytestmark = pytest.mark.launch
 

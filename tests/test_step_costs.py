@@ -9,7 +9,8 @@ import torch
 
 import recipe_counting_steps
 from launch import RECIPE, REPO, VLM_RECIPE, run_script
-from mmrecipes.models import ModelArgs, build_contrastive, text_attention_mask
+from mmrecipes.contrastive.arguments import ModelArgs
+from mmrecipes.contrastive.models import build_contrastive, text_attention_mask
 
 COUNTING = REPO / "tests" / "recipe_counting_steps.py"
 

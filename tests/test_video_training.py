@@ -14,13 +14,14 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from launch import REPO
-from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, encode_row
-from mmrecipes.chat_labels import AnswerLabeller
-from mmrecipes.losses import IGNORE_INDEX
-from mmrecipes.videos import CLIP_NORMALIZATION, DecodedVideo, VideoArgs, decode_video
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, load_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs, video_path
+from mmrecipes.vlm.arguments import ChatDataArgs, VideoArgs, VLMModelArgs
+from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row
+from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.families import dummy_image_inputs, video_path
+from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.losses import IGNORE_INDEX
+from mmrecipes.vlm.models import VLMForTraining, load_vlm, stop_token_ids
+from mmrecipes.vlm.videos import CLIP_NORMALIZATION, DecodedVideo, decode_video
 
 VIDEO_CHAT = REPO / "data" / "vlm_shapes" / "video_chat"
 
@@ -58,14 +59,14 @@ def video_row(labeller, row, reverse=False, max_frames=8):
     messages = [{"role": m["role"], "content": [{"type": p["type"]} if p["type"] == "video" else p
                                                 for p in m["content"]]} for m in row["messages"]]
     input_ids, labels, inputs = encode_row(labeller, messages, [], [video])
-    return {"input_ids": input_ids, "labels": labels, "image_inputs": inputs} | dict.fromkeys(CHAT_COUNTED, 0)
+    return {"input_ids": input_ids, "labels": labels, "media_inputs": inputs} | dict.fromkeys(CHAT_COUNTED, 0)
 
 
 def text_row(labeller, question, answer):
     messages = [{"role": "user", "content": [{"type": "text", "text": question}]},
                 {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
     input_ids, labels, inputs = encode_row(labeller, messages, [])
-    return {"input_ids": input_ids, "labels": labels, "image_inputs": inputs} | dict.fromkeys(CHAT_COUNTED, 0)
+    return {"input_ids": input_ids, "labels": labels, "media_inputs": inputs} | dict.fromkeys(CHAT_COUNTED, 0)
 
 
 def test_which_families_train_on_video(tiny_vlms):
@@ -90,9 +91,9 @@ def test_the_answer_tokens_of_a_video_conversation_are_exactly_the_answer(family
     assert processor.tokenizer.decode(labels[labels != IGNORE_INDEX]) == f"{answer}<|im_end|>"
     if name == "qwen2_5_vl":  # mRoPE's temporal axis: 4 frames make 2 temporal patches of 1 second each
         video_tokens = int((ids == labeller.video_token_id).sum())
-        grid = encoded["image_inputs"]["video_grid_thw"]
+        grid = encoded["media_inputs"]["video_grid_thw"]
         assert video_tokens == int(grid.prod()) // 4 > 0 and grid[0, 0] == 2
-        assert encoded["image_inputs"]["second_per_grid_ts"].tolist() == [1.0]
+        assert encoded["media_inputs"]["second_per_grid_ts"].tolist() == [1.0]
 
 
 @torch.no_grad()
@@ -102,7 +103,7 @@ def test_clips_leave_the_workers_as_uint8_and_are_finished_to_the_processors_own
     the same loss. InternVL3's frames, image tiles beside float images, stay float."""
     name, (model, processor, labeller, dummy) = family
     row = clip_rows(1)[0]
-    batch = DummyImageCollator(0, dummy)([video_row(labeller, row)])
+    batch = ChatCollator(0, dummy)([video_row(labeller, row)])
     if name == "internvl3":
         assert "pixel_values_videos" not in batch and CLIP_NORMALIZATION not in batch
         assert batch["pixel_values"].dtype == torch.float32
@@ -120,7 +121,7 @@ def test_clips_leave_the_workers_as_uint8_and_are_finished_to_the_processors_own
 
 def losses_of(model, dummy, rows, packing=False):
     step = VLMForTraining(model)
-    batch = DummyImageCollator(0, dummy, packing=packing)(rows)
+    batch = ChatCollator(0, dummy, packing=packing)(rows)
     return step(**chat_model_inputs(batch, "cpu"), return_logits=True)
 
 
@@ -151,7 +152,7 @@ def test_every_batch_makes_the_same_tower_calls(tiny_vlms, name, calls):
         counted = []
         hook = tower.register_forward_hook(lambda *args: counted.append(1))
         try:
-            batch = DummyImageCollator(0, dummy)(rows)
+            batch = ChatCollator(0, dummy)(rows)
             model.zero_grad()
             step(**chat_model_inputs(batch, "cpu"))[0].backward()
         finally:
@@ -172,7 +173,7 @@ def test_clips_of_different_lengths_in_one_batch_give_the_losses_they_give_alone
     model, _, labeller, dummy = load(tiny_vlms[name])
     long, short = clip_rows(2)
     rows = [video_row(labeller, long), video_row(labeller, short, max_frames=2)]
-    batch = DummyImageCollator(0, dummy)(rows)
+    batch = ChatCollator(0, dummy)(rows)
     assert ("video_frames" in batch) == (name == "llava_onevision")
     together = losses_of(model, dummy, rows)[0]
     alone = sum(losses_of(model, dummy, [row])[0] for row in rows)
@@ -207,7 +208,7 @@ def test_bad_clips_are_counted_and_the_rest_train(qwen, tmp_path):
     (tmp_path / "rows.jsonl").write_text("\n".join(map(json.dumps, rows)))
     args = ChatDataArgs(dataset_name="json", data_files=str(tmp_path / "rows.jsonl"), dataset_weights=None,
                         video_folder=str(tmp_path), dataloader_num_workers=0)
-    loader = build_chat_dataloader(args, labeller, DummyImageCollator(0, dummy), batch_size=8, data_rank=0,
+    loader = build_chat_dataloader(args, labeller, ChatCollator(0, dummy), batch_size=8, data_rank=0,
                                    data_world=1)
     (batch,) = list(loader)
     counts = {name: count for name, count in zip(CHAT_COUNTED, batch["data_counts"].tolist()) if count}
@@ -218,6 +219,6 @@ def test_bad_clips_are_counted_and_the_rest_train(qwen, tmp_path):
     (tmp_path / "long.jsonl").write_text("\n".join(map(json.dumps, [rows[-1], text])))
     short = ChatDataArgs(dataset_name="json", data_files=str(tmp_path / "long.jsonl"), dataset_weights=None,
                          video_folder=str(tmp_path), dataloader_num_workers=0, video_max_seconds=1.0)
-    (batch,) = list(build_chat_dataloader(short, labeller, DummyImageCollator(0, dummy), batch_size=8, data_rank=0,
+    (batch,) = list(build_chat_dataloader(short, labeller, ChatCollator(0, dummy), batch_size=8, data_rank=0,
                                           data_world=1))
     assert batch["data_counts"][CHAT_COUNTED.index("video_too_long")] == 1 and "pixel_values_videos" not in batch

@@ -34,7 +34,8 @@ from launch import (
     run_engine,
     run_recipe,
 )
-from mmrecipes.lora import LoraArgs, lora_config
+from mmrecipes.vlm.arguments import LoraArgs
+from mmrecipes.vlm.lora import lora_config
 from test_chat_data import chat_row, write_chat_parquet
 from test_lora import adapted_layers, tiny
 

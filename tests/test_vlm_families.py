@@ -11,14 +11,16 @@ from PIL import Image
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, CLIPConfig, Pix2StructConfig
 
 from launch import VLM_RECIPE, load_recipe
-from mmrecipes.chat_collate import DummyImageCollator, chat_model_inputs
-from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader, generation_prompts, prompt_row
-from mmrecipes.chat_labels import AnswerLabeller, TemplateError, check_template
 from mmrecipes.distributed import fsdp_block_classes
-from mmrecipes.evaluation import greedy_tokens
-from mmrecipes.losses import IGNORE_INDEX, token_cross_entropy_sum
-from mmrecipes.vlm import VLMForTraining, VLMModelArgs, apply_train_modules, load_vlm, stop_token_ids
-from mmrecipes.vlm_families import PROJECTORS, check_trainable, dummy_image_inputs, module_groups
+from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
+from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts, prompt_row
+from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.evaluation import greedy_tokens
+from mmrecipes.vlm.families import PROJECTORS, check_trainable, dummy_image_inputs
+from mmrecipes.vlm.labels import AnswerLabeller, TemplateError, check_template
+from mmrecipes.vlm.losses import IGNORE_INDEX, token_cross_entropy_sum
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
+from mmrecipes.vlm.module_groups import module_groups
 
 FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3", "gemma3",
             "llava_onevision", "mistral3"]
@@ -143,7 +145,7 @@ def test_a_row_the_template_refuses_is_a_counted_skip(tiny_vlms, tmp_path):
     (tmp_path / "rows.json").write_text(json.dumps(rows))
     args = ChatDataArgs(dataset_name="json", data_files=str(tmp_path / "rows.json"), dataset_weights=None,
                         dataloader_num_workers=0)
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
     (batch,) = build_chat_dataloader(args, labeller, collator, batch_size=2, data_rank=0, data_world=1)
     assert len(batch["input_ids"]) == 1 and batch["data_counts"][CHAT_COUNTED.index("no_target")] == 1
     with pytest.raises(TemplateError, match="the template refuses the conversation: Conversation roles must alternate"):
@@ -239,7 +241,7 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
     dummy_inputs = dummy_image_inputs(model, processor)
     language_model = {name for name, _ in module_groups(model, dummy_inputs).language_model}
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_inputs)
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs)
 
     def batches(file, batch_size):
         # Mistral 3.1's template writes its 500-token default system prompt into every row
@@ -284,7 +286,7 @@ def test_a_two_image_llava_row_brings_both_images_to_the_loss(tiny_vlms, tmp_pat
     row is kept, the row carries both images' tokens, and swapping the two images changes the loss."""
     model, processor = load(tiny_vlms[family])
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
     Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "red.png")
     Image.new("RGB", (32, 32), (30, 30, 200)).save(tmp_path / "blue.png")  # same size: only the pixels differ
     one = {"image": "red.png", "conversations": [{"from": "human", "value": "<image>\nWhat colour is it?"},
@@ -316,7 +318,7 @@ def test_greedy_decoding_in_the_evaluation_is_what_generate_gives(tiny_vlms, fam
     inputs = processor(text=processor.apply_chat_template(conversation, add_generation_prompt=True), images=[[image]],
                        return_tensors="pt")
     expected = model.generate(**inputs, max_new_tokens=5, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
-    collator = DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
     batch = collator([prompt_row(processor, conversation, [image])])
     assert greedy_tokens(VLMForTraining(model), chat_model_inputs(batch, "cpu"), 5)[:len(expected)] == expected
 

@@ -19,7 +19,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
 from launch import REPO, VLM_RECIPE, assert_engine, assert_same_curves, losses, run_engine
 from mmrecipes.paths import VLM_SHAPES
-from mmrecipes.vlm_families import dummy_image_inputs, module_groups
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.module_groups import module_groups
 
 pytestmark = pytest.mark.launch
 

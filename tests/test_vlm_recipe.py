@@ -22,7 +22,8 @@ from launch import (
     run_recipe,
 )
 from mmrecipes.model_card import CURVES_SIZE
-from mmrecipes.vlm import VLMModelArgs, load_vlm
+from mmrecipes.vlm.arguments import VLMModelArgs
+from mmrecipes.vlm.models import load_vlm
 
 pytestmark = pytest.mark.launch
 

@@ -11,21 +11,22 @@ import pytest
 from PIL import Image
 
 from launch import QUICK, REPO, VLM_RECIPE, _in_process, run_recipe
-from mmrecipes.chat_collate import DummyImageCollator
-from mmrecipes.chat_data import CHAT_COUNTED, ChatDataArgs, build_chat_dataloader
-from mmrecipes.chat_labels import AnswerLabeller
 from mmrecipes.config import parse_args
 from mmrecipes.loader import DropCounter, Skip, no_rows_error
-from mmrecipes.losses import IGNORE_INDEX
-from mmrecipes.vlm import VLMModelArgs, load_vlm, stop_token_ids
-from mmrecipes.vlm_families import dummy_image_inputs
+from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
+from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader
+from mmrecipes.vlm.collate import ChatCollator
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.losses import IGNORE_INDEX
+from mmrecipes.vlm.models import load_vlm, stop_token_ids
 
 
 @pytest.fixture(scope="module")
 def llava():
     model, processor = load_vlm(VLMModelArgs())
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
-    return processor, labeller, DummyImageCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model))
+    return processor, labeller, ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model))
 
 
 def loader_of(labeller, collator, data_file, **flags):
@@ -106,7 +107,7 @@ def test_llava_video_paths_resolve_against_the_data_file(tiny_vlms, tmp_path):
     (tmp_path / "clips" / "move.mp4").write_bytes(clip_rows(1)[0]["videos"][0]["bytes"])
     rows = [{"conversations": [{"from": "human", "value": "<video>\nWhich way does it move?"},
                                {"from": "gpt", "value": "up"}], "video": "clips/move.mp4"}]
-    (batch,) = list(loader_of(labeller, DummyImageCollator(0, dummy), write(tmp_path / "video.json", rows)))
+    (batch,) = list(loader_of(labeller, ChatCollator(0, dummy), write(tmp_path / "video.json", rows)))
     assert not batch["data_counts"].any() and len(batch["video_grid_thw"]) == 1
 
 

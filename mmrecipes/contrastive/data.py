@@ -13,8 +13,7 @@ import datasets
 import torch
 from torchvision.transforms.v2.functional import normalize as normalize_image
 
-from .arguments import DataArgs
-from .images import (
+from ..images import (
     decode_image,
     device_normalization,
     padded_patches,
@@ -23,9 +22,9 @@ from .images import (
     random_resized_crops,
     takes_patch_grids,
 )
-from .loader import ROW_SEED, DropCounter, ResumableShuffle, stream_loader
-from .packing import TokenBudgetBatches
-from .sources import DATA_FILE, PROBLEM, SOURCE, mixed_stream, split_sources
+from ..loader import ROW_SEED, DropCounter, rank_loader
+from ..sources import DATA_FILE, PROBLEM, SOURCE, mixed_stream, split_sources
+from .arguments import DataArgs
 
 # What the log reports: images converted to RGB, and rows skipped because their image does not decode (or
 # is not a regular file), is too large or too elongated, their caption is missing or not UTF-8, or their
@@ -174,17 +173,10 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_process
     budget = args.max_patches_per_batch if shuffle_seed is not None else None  # evaluation keeps fixed batches
     check_image_batching(args, image_processor)
     preprocess = ImageTextPreprocessor(args, tokenizer, image_processor, max_length, augment)
-    if shuffle_seed is None:
-        stream = stream.map(preprocess, batched=True, batch_size=batch_size,
-                            remove_columns=[*columns, PROBLEM, DATA_FILE, *[SOURCE] * (len(sources) > 1)])
-    else:  # same seed on every rank; each rank shuffles its own rows
-        stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
-                                  batch_size=batch_size)
     collator = ImageTextCollator(tokenizer, image_processor, max_length if pad_to_max_length else None, len(sources))
-    if budget:  # whole micro-batches from the stream; the loader adds no batching of its own
-        return stream_loader(TokenBudgetBatches(stream, budget, image_patches), None, collator,
-                             args.dataloader_num_workers)
-    return stream_loader(stream, batch_size, collator, args.dataloader_num_workers)
+    return rank_loader(stream, preprocess, collator, args, batch_size=batch_size, shuffle_seed=shuffle_seed,
+                       remove_columns=[*columns, PROBLEM, DATA_FILE, *[SOURCE] * (len(sources) > 1)],
+                       budget=budget, length=image_patches)
 
 
 def image_patches(row) -> int:

@@ -14,12 +14,12 @@ skipped and counted as `outside_folder` unless --allow_images_outside_folder.
 
 All become image and video content parts, which the checkpoint's own chat template and processor turn
 into that family's image and video tokens. Clips are decoded in the DataLoader workers
-(`mmrecipes.videos`: PyAV, frames sampled at --video_fps, at most --video_max_frames) and resized and
+(`mmrecipes.vlm.videos`: PyAV, frames sampled at --video_fps, at most --video_max_frames) and resized and
 normalised by the family's own video processor. A checkpoint whose processor takes no video
 (`AnswerLabeller.video_token_id` None) skips video rows and counts them as `video`: a `<video>`
 placeholder must never reach the model as the text it looks like.
 
-Labels come from `mmrecipes.chat_labels.AnswerLabeller`: the input ids on the assistant turns (each
+Labels come from `mmrecipes.vlm.labels.AnswerLabeller`: the input ids on the assistant turns (each
 with its end-of-turn token) and IGNORE_INDEX everywhere else (prompts, image and video tokens,
 padding), found with the template's `{% generation %}` markers or, for templates without them, by
 rendering prefixes. Nothing is truncated, so truncation can never cut through image or frame tokens:
@@ -35,19 +35,12 @@ import re
 import torch
 from PIL import Image
 
+from ..images import decode_image
+from ..loader import DropCounter, Skip, rank_loader
+from ..sources import DATA_FILE, PROBLEM, load_stream, mixed_stream, row_name
 from .arguments import ChatDataArgs
-from .chat_labels import TemplateError, UnalignedAnswer
-from .images import decode_image
-from .loader import DropCounter, ResumableShuffle, Skip, stream_loader
+from .labels import TemplateError, UnalignedAnswer
 from .losses import IGNORE_INDEX
-from .packing import TokenBudgetBatches
-from .sources import (
-    DATA_FILE,
-    PROBLEM,
-    load_stream,
-    mixed_stream,
-    row_name,
-)
 from .videos import VIDEO_COUNTED, decode_video
 
 logger = logging.getLogger(__name__)
@@ -157,7 +150,7 @@ def _count_parts(messages, kind) -> int:
 
 
 class ChatPreprocessor:
-    """Batched `datasets.map` function: chat rows in, {input_ids, labels, image_inputs} rows out,
+    """Batched `datasets.map` function: chat rows in, {input_ids, labels, media_inputs} rows out,
     bad rows dropped and counted (the counts ride along with the next kept row)."""
 
     COLUMNS = CHAT_COLUMNS  # what it reads of a row
@@ -168,15 +161,15 @@ class ChatPreprocessor:
         self.logged = set()  # what was already logged once: "video", and the kinds of unexpected failure
 
     def __call__(self, batch):
-        out = {"input_ids": [], "labels": [], "image_inputs": []} | {name: [] for name in CHAT_COUNTED}
+        out = {"input_ids": [], "labels": [], "media_inputs": []} | {name: [] for name in CHAT_COUNTED}
         for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
             example = row.get(PROBLEM) or self.example(row)
             if isinstance(example, str):
                 self.drops.drop(example, row_name(row))
                 continue
-            (input_ids, labels, image_inputs), note = example
+            (input_ids, labels, media_inputs), note = example
             counts = self.drops.keep(note)
-            for key, value in (("input_ids", input_ids), ("labels", labels), ("image_inputs", image_inputs)):
+            for key, value in (("input_ids", input_ids), ("labels", labels), ("media_inputs", media_inputs)):
                 out[key].append(value)
             for name in CHAT_COUNTED:
                 out[name].append(counts[name])
@@ -205,7 +198,7 @@ class ChatPreprocessor:
             return Skip("bad_row", f"{type(error).__name__}: {error}")
 
     def tokenize(self, messages, raw_images, raw_videos=(), images_folder=None, videos_folder=None):
-        """((input_ids, labels, image_inputs), note) or the reason the row is dropped (a `Skip`). Relative media
+        """((input_ids, labels, media_inputs), note) or the reason the row is dropped (a `Skip`). Relative media
         paths resolve against the folders (`media_folder`). A row whose text alone cannot fit is dropped first,
         before its media are decoded and before the labeller's alignment, whose cost grows with the square of
         the length on repetitive text (a 10,000-word row took 22-92 s)."""
@@ -219,7 +212,7 @@ class ChatPreprocessor:
         if isinstance(videos, str):
             return videos
         try:
-            input_ids, labels, image_inputs = encode_row(self.labeller, messages, images, videos)
+            input_ids, labels, media_inputs = encode_row(self.labeller, messages, images, videos)
         except UnalignedAnswer as error:
             return Skip("unaligned", str(error))
         except TemplateError:  # the template renders this row's turns differently from its prefixes
@@ -228,7 +221,7 @@ class ChatPreprocessor:
             return Skip("too_long", f"{len(input_ids)} tokens, over {self.max_length}")
         if not (labels[1:] != IGNORE_INDEX).any():  # the first token is never a target after the shift
             return Skip("no_target", "no assistant answer to learn")
-        return (input_ids, labels, image_inputs), note
+        return (input_ids, labels, media_inputs), note
 
     def text_too_long(self, messages) -> Skip | None:
         """A too_long Skip when the row's text parts alone cannot fit in `max_length` tokens: over
@@ -274,7 +267,7 @@ def row_images(args: ChatDataArgs, folder: str | None, messages, raw_images):
 
 
 def row_videos(args: ChatDataArgs, folder: str | None, messages, raw_videos):
-    """The decoded clips of a row (`mmrecipes.videos.DecodedVideo`s), or why it is dropped: as for images, and a
+    """The decoded clips of a row (`mmrecipes.vlm.videos.DecodedVideo`s), or why it is dropped: as for images, and a
     clip that yields no frame or runs over --video_max_seconds."""
     placeholders = _count_parts(messages, "video")
     if placeholders != len(raw_videos):
@@ -310,11 +303,11 @@ def _unreadable(raw_media) -> str:
 
 
 def encode_row(labeller, messages, images, videos=()):
-    """(input_ids, labels, image_inputs) of one conversation: the labeller's tokens and targets, and the
+    """(input_ids, labels, media_inputs) of one conversation: the labeller's tokens and targets, and the
     processor's other outputs (image and video inputs; per-token ones like mm_token_type_ids unbatched)."""
     encoded, target = labeller(messages, images, videos)
-    input_ids, image_inputs = _unbatched(encoded)
-    return input_ids, torch.where(target, input_ids, IGNORE_INDEX), image_inputs
+    input_ids, media_inputs = _unbatched(encoded)
+    return input_ids, torch.where(target, input_ids, IGNORE_INDEX), media_inputs
 
 
 def _unbatched(encoded) -> tuple[torch.Tensor, dict]:
@@ -356,9 +349,9 @@ def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: i
 def prompt_row(processor, messages, images) -> dict:
     """A collator row of `messages` rendered with the generation prompt (no target): what `generate` is given."""
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    input_ids, image_inputs = _unbatched(processor(text=text, images=[images] if images else None))
+    input_ids, media_inputs = _unbatched(processor(text=text, images=[images] if images else None))
     return {"input_ids": input_ids, "labels": torch.full_like(input_ids, IGNORE_INDEX),
-            "image_inputs": image_inputs} | dict.fromkeys(CHAT_COUNTED, 0)
+            "media_inputs": media_inputs} | dict.fromkeys(CHAT_COUNTED, 0)
 
 
 def _as_tensor(value):
@@ -371,7 +364,7 @@ def _as_tensor(value):
 def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size, data_rank, data_world,
                           shuffle_seed=None, eval_split=False, preprocessor=ChatPreprocessor):
     """A DataLoader over this data rank's rows: the training mixture, or (eval_split) the held-out set, read by
-    `preprocessor` (conversations; `mmrecipes.preference.PreferencePreprocessor`: preference pairs).
+    `preprocessor` (conversations; `mmrecipes.vlm.preference.PreferencePreprocessor`: preference pairs).
 
     The sources are mixed at `dataset_weights` (`mmrecipes.sources.mixed_stream`), then the mixture is shuffled
     in blocks and tokenised (`ResumableShuffle`: a checkpoint resumes it exactly). An epoch ends once every
@@ -384,13 +377,5 @@ def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size,
                           check_columns=preprocessor.check_columns)
     budget = args.max_tokens_per_batch if shuffle_seed is not None else None  # evaluation keeps fixed batches
     preprocess = preprocessor(args, labeller, min(args.max_length, budget or args.max_length))
-    if shuffle_seed is None:
-        stream = stream.map(preprocess, batched=True, batch_size=batch_size,
-                            remove_columns=[*preprocessor.COLUMNS, PROBLEM, DATA_FILE])
-    else:  # same seed on every rank; each rank shuffles its own rows
-        stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
-                                  batch_size=batch_size)
-    if budget:
-        return stream_loader(TokenBudgetBatches(stream, budget), None, collator, args.dataloader_num_workers,
-                             cpu_workers=1)
-    return stream_loader(stream, batch_size, collator, args.dataloader_num_workers, cpu_workers=1)
+    return rank_loader(stream, preprocess, collator, args, batch_size=batch_size, shuffle_seed=shuffle_seed,
+                       remove_columns=[*preprocessor.COLUMNS, PROBLEM, DATA_FILE], budget=budget, cpu_workers=1)

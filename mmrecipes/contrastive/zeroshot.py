@@ -13,12 +13,11 @@ the same `zeroshot_top1` / `zeroshot_top5`.
 import datasets
 import torch
 
+from ..distributed import batches_in_step, sum_over_ranks
+from ..images import image_inputs
+from ..paths import resolve_name
+from ..sources import split_by_data_rank
 from .arguments import ZeroShotArgs
-from .distributed import sum_over_ranks
-from .evaluation import batches_in_step
-from .images import image_inputs
-from .paths import resolve_name
-from .sources import split_by_data_rank
 
 
 class ZeroShotSet:

@@ -7,13 +7,13 @@ FSDP and ZeRO-3 issue mismatched all-gathers (docs/vlm.md, "The dummy image"). `
 every micro-batch calls the vision step exactly once, in the same module order on every rank:
 
 1. image features: `model.get_image_features(...)` on the batch's images, or on the one tiny
-   dummy image `DummyImageCollator` puts into a text-only batch (`vlm_families.dummy_image_inputs`);
+   dummy image `ChatCollator` puts into a text-only batch (`families.dummy_image_inputs`);
    a batch's clips go through the same call where the video features are the image features of the
    same inputs (Qwen), or through the model's own `get_video_features` on every micro-batch, on a
-   dummy clip where there is none (LLaVA-OneVision; `vlm_families.video_path`);
+   dummy clip where there is none (LLaVA-OneVision; `families.video_path`);
 2. the model's own forward, given real features as `mm_encoder_outputs`, or no images at all;
 3. the summed token cross-entropy, plus, for a dummy, a zero-length slice of every feature tensor
-   the language model would read (`vlm_families.lm_features`): the vision parameters get an
+   the language model would read (`families.lm_features`): the vision parameters get an
    exact-zero gradient and the loss and LM gradients stay bitwise unchanged. Slicing, not
    `0 * features`, because `0 * inf = nan`.
 
@@ -25,7 +25,7 @@ does after its base model (`base_model_prefix`) is `lm_head(hidden_states)`, for
 Gemma's LM does. Evaluation asks for the logits (`return_logits=True`).
 
 Family differences (dummy shapes, extra image inputs, module groups) come from the model's
-signatures, configs and module tree (`mmrecipes.vlm_families`), never from its name.
+signatures, configs and module tree (`mmrecipes.vlm.families`), never from its name.
 
 The wrapper reads no parameter itself: under ZeRO-3, reading a sub-module's parameter (its dtype,
 say) in a parent's forward gathers it on that rank only and breaks the next collective
@@ -49,12 +49,13 @@ from transformers import (
     LlavaProcessor,
 )
 
+from ..distributed import fsdp_block_classes
 from .arguments import VLMModelArgs
-from .distributed import fsdp_block_classes
+from .families import check_trainable, height_width, lm_features, split_items, video_as_image_names
 from .lora import save_lora
 from .losses import head_cross_entropy_sum, soft_capped, token_cross_entropy_sum
+from .module_groups import ModuleGroups
 from .packing import packed_position_ids
-from .vlm_families import ModuleGroups, check_trainable, height_width, lm_features, split_items, video_as_image_names
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ TRAIN_MODULE_CHOICES = ("projector", "projector,language_model", "all")
 class VLMForTraining(torch.nn.Module):
     """One training/eval step of an image-text-to-text model that is the same graph on every rank.
 
-    `forward(batch)` takes a `DummyImageCollator` batch and returns (summed token CE, logits or
+    `forward(batch)` takes a `ChatCollator` batch and returns (summed token CE, logits or
     None): the logits only with `return_logits=True`; `per_row=True`: each row's summed CE (its answers'
     negative log-probability; unpacked batches). Wrap the model *before* `accelerator.prepare`:
     the dummy's features must enter the loss inside the module the engine wraps, or DDP sees the
@@ -81,9 +82,9 @@ class VLMForTraining(torch.nn.Module):
         self.clip_layout = _clip_layout(model) if not self.video_as_image else None
 
     def forward(self, input_ids, attention_mask, labels, dummy_image: bool, dummy_video=False, sample_lengths=None,
-                media_per_sample=None, video_frames=None, return_logits=False, per_row=False, **image_inputs):
-        vision_inputs = {name: value for name, value in image_inputs.items() if name in self.vision_input_names}
-        videos = {name: value for name, value in image_inputs.items() if name in self.video_as_image}
+                media_per_sample=None, video_frames=None, return_logits=False, per_row=False, **media_inputs):
+        vision_inputs = {name: value for name, value in media_inputs.items() if name in self.vision_input_names}
+        videos = {name: value for name, value in media_inputs.items() if name in self.video_as_image}
         # Videos go through the tower in the same call as the images (or the dummy), after them: one call a step.
         joined = {self.video_as_image[name]: torch.cat([vision_inputs[self.video_as_image[name]], value])
                   for name, value in videos.items()}
@@ -92,8 +93,8 @@ class VLMForTraining(torch.nn.Module):
         if videos:
             grid = next(value for name, value in videos.items() if self.video_as_image[name] != "pixel_values")
             features, encoded["video"] = split_items(features, len(features.pooler_output) - len(grid))
-        if "pixel_values_videos" in image_inputs and not self.video_as_image:  # a video path of its own
-            encoded["video"] = self.model.get_video_features(pixel_values_videos=image_inputs["pixel_values_videos"],
+        if "pixel_values_videos" in media_inputs and not self.video_as_image:  # a video path of its own
+            encoded["video"] = self.model.get_video_features(pixel_values_videos=media_inputs["pixel_values_videos"],
                                                              return_dict=True)
             if video_frames is not None:  # clips zero-padded to the longest: each keeps its own frames' rows
                 encoded["video"].pooler_output = _own_frames(encoded["video"].pooler_output, video_frames,
@@ -103,7 +104,7 @@ class VLMForTraining(torch.nn.Module):
         # A text-only batch passes only its per-token inputs: the LM sees no image and no image token.
         pixels = {"pixel_values", "pixel_values_videos"}
         keep = self.forward_input_names - pixels - (self.vision_input_names if dummy_image else set())
-        other_inputs = {name: value for name, value in image_inputs.items() if name in keep}
+        other_inputs = {name: value for name, value in media_inputs.items() if name in keep}
         dummies = [features] if dummy_image else []
         if dummy_video:
             dummies.append(encoded.pop("video"))
@@ -111,9 +112,9 @@ class VLMForTraining(torch.nn.Module):
             encoded["image"] = features
         if encoded:
             other_inputs["mm_encoder_outputs"] = encoded
-        if sample_lengths is not None:  # packed: no mask, positions restart per sample (mmrecipes.packing)
+        if sample_lengths is not None:  # packed: no mask, positions restart per sample (mmrecipes.vlm.packing)
             other_inputs["position_ids"] = packed_position_ids(self.model, input_ids, sample_lengths, media_per_sample,
-                                                               image_inputs)
+                                                               media_inputs)
             attention_mask = None
         # No KV cache: training needs none, and transformers reads packed positions only without one.
         hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,

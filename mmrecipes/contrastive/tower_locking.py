@@ -10,18 +10,19 @@ state for them, DDP reduces no gradient for them, and FSDP2 and ZeRO-3 shard the
 
 from dataclasses import dataclass
 
-from .config import CheckedArgs
+from ..config import CheckedArgs, checked
 
 TOWERS = {"image": ("vision_model", "visual_projection"), "text": ("text_model", "text_projection")}
 
 
 @dataclass
 class LockArgs(CheckedArgs):
-    CHECKS = {"lock_image_unlocked_layers": "count_or_zero", "lock_text_unlocked_layers": "count_or_zero"}
     lock_image: bool = False  # freeze the image tower (LiT: a pretrained image tower, a text tower that learns)
-    lock_image_unlocked_layers: int = 0  # with --lock_image: its last N layers and what follows them still train
+    # with --lock_image: its last N layers and what follows them still train
+    lock_image_unlocked_layers: int = checked(0, "count_or_zero")
     lock_text: bool = False  # freeze the text tower
-    lock_text_unlocked_layers: int = 0  # with --lock_text: its last N layers and what follows them still train
+    # with --lock_text: its last N layers and what follows them still train
+    lock_text_unlocked_layers: int = checked(0, "count_or_zero")
 
     def __post_init__(self):
         super().__post_init__()

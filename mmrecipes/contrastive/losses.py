@@ -19,8 +19,6 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-IGNORE_INDEX = -100  # label of positions that are not trained on (prompt, image tokens, padding)
-
 
 def _group_rank_world(group):
     if not (dist.is_available() and dist.is_initialized()):
@@ -172,75 +170,3 @@ def _ring_shift(block, rank, world, group):
     send[(rank + 1) % world] = block.shape[0]
     receive[(rank - 1) % world] = block.shape[0]
     return funcol.all_to_all_single_autograd(block.contiguous(), receive, send, group)
-
-
-# Token-level losses (captioning, SFT) under accumulation and data parallelism.
-# The right gradient is (1/N) * grad(sum of CE over every target token of the window on all ranks),
-# N = the window's target tokens on all data ranks. A per-micro-batch mean weights a micro-batch of
-# 3 target tokens like one of 300. Count N once per window (one all-reduce), then back-propagate
-# each micro-batch's *summed* CE times `token_loss_scale`.
-
-
-def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, per_row: bool = False) -> torch.Tensor:
-    """Summed next-token CE over the positions whose (shifted) label is not IGNORE_INDEX, in fp32; `per_row`: each
-    row's sum (`[batch]`: a sequence's negative log-probability)."""
-    if per_row:
-        return F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels[:, 1:], ignore_index=IGNORE_INDEX,
-                               reduction="none").sum(1)
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-
-
-def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
-                           num_chunks: int = 8, softcap: float | None = None, per_row: bool = False) -> torch.Tensor:
-    """`token_cross_entropy_sum(head(hidden), labels)` without the `[batch, tokens, vocab]` fp32 logits.
-
-    The shifted positions go through `head` (the LM's output layer) in `num_chunks` slices; each
-    slice's logits are upcast to fp32 and recomputed in backward (activation checkpointing), so the
-    peak holds one slice's logits instead of every position's (torchtune's `num_output_chunks`).
-    A fixed number of slices, not a fixed slice size: every rank calls `head` the same number of
-    times whatever its batch (under ZeRO-3 each call gathers the weight, a collective), and the
-    slices' shapes come from the batch's shape, never from its values (no host read, no recompile
-    for a new count of targets). Ignored positions (prompt, image, padding) add exactly 0.
-    `softcap`: Gemma-style final logit soft-capping (`tanh(logits / cap) * cap`). `per_row`: each row's sum.
-    """
-    positions = hidden[:, :-1].flatten(0, 1)
-    targets = labels[:, 1:].flatten()
-    rows = torch.arange(len(hidden), device=hidden.device).repeat_interleave(hidden.shape[1] - 1) if per_row else None
-    row_parts = rows.tensor_split(num_chunks) if per_row else [None] * num_chunks
-    total = hidden.new_zeros(len(hidden) if per_row else (), dtype=torch.float32)
-    for part, part_targets, part_rows in zip(positions.tensor_split(num_chunks), targets.tensor_split(num_chunks),
-                                             row_parts):
-        total = total + torch.utils.checkpoint.checkpoint(_chunk_cross_entropy_sum, part, part_targets, head, softcap,
-                                                          part_rows, len(hidden), use_reentrant=False)
-    return total
-
-
-def _chunk_cross_entropy_sum(hidden, targets, head, softcap, rows=None, num_rows=0):
-    """The chunk's summed CE, or with `rows` (each position's row) its sum per row."""
-    logits = soft_capped(head(hidden).float(), softcap)
-    if rows is None:
-        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    losses = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
-    return losses.new_zeros(num_rows).index_add(0, rows, losses)
-
-
-def soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Gemma-style final logit soft-capping, `tanh(logits / cap) * cap`; the logits as they are for None."""
-    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
-
-
-def count_target_tokens(labels: torch.Tensor) -> int:
-    """Target tokens of a batch after the shift (what `token_cross_entropy_sum` sums over)."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
-
-
-def token_loss_scale(window_tokens: torch.Tensor, accumulation_steps: int, data_world: int) -> torch.Tensor:
-    """Multiplier for a micro-batch's summed CE so that the engine's gradient is the exact
-    token mean over the window: GA cancels `accelerator.backward`'s (or DeepSpeed's) division by
-    the accumulation steps, W cancels the gradient averaging over data ranks, N normalises.
-
-    `window_tokens`: N, the window's target tokens summed over data ranks (count each data replica
-    once: tensor-parallel peers hold the same batch). A window with none gives 0 (no update).
-    """
-    return accumulation_steps * data_world / window_tokens.clamp_min(1)

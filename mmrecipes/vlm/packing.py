@@ -9,7 +9,7 @@ sets everyone's step time and memory.
   row counts. The token loss stays the exact mean over the window on all ranks, because
   `losses.token_loss_scale` already counts the window's target tokens globally. A row over N
   tokens is skipped and counted as `too_long`.
-- packing (`--packing true`, `DummyImageCollator(packing=True)`): the micro-batch's rows are
+- packing (`--packing true`, `ChatCollator(packing=True)`): the micro-batch's rows are
   concatenated, in order, into sequences of up to `--max_length` tokens (the attention cost of a
   sequence grows with its square: one long sequence would cost more than the padding it saves),
   padded only at each sequence's end. Each sample attends only to itself and its
@@ -17,7 +17,7 @@ sets everyone's step time and memory.
   language models, and each sample's own 3-D mRoPE positions (its `get_rope_index`) for the Qwen
   families, with the text positions in front that transformers reads to build the block-diagonal
   mask (flash-attention's variable-length path on GPUs, a block-diagonal mask with `sdpa` here).
-  `chat_collate.check_packing` verifies that on the model before the first step.
+  `collate.check_packing` verifies that on the model before the first step.
 """
 
 import inspect
@@ -25,59 +25,7 @@ import inspect
 import torch
 
 
-def row_tokens(row) -> int:
-    return len(row["input_ids"])
-
-
-class TokenBudgetBatches(torch.utils.data.IterableDataset):
-    """This rank's rows (a `ResumableShuffle`) grouped into micro-batches of at most `max_tokens` tokens, a row's
-    tokens as `length` counts them (a module-level function: DataLoader workers receive it pickled).
-
-    Rows keep their stream order and the next row that does not fit starts the next micro-batch,
-    so the grouping depends only on the rows: a resume after a micro-batch's last row (its saved
-    position) groups the rest exactly as the straight run did.
-    """
-
-    def __init__(self, rows, max_tokens: int, length=row_tokens):
-        self.rows, self.max_tokens, self.length = rows, max_tokens, length
-        self.position = None
-
-    @property
-    def num_shards(self) -> int:
-        return self.rows.num_shards
-
-    @property
-    def epoch(self) -> int:
-        return self.rows.epoch
-
-    def set_epoch(self, epoch: int):
-        self.rows.set_epoch(epoch)
-
-    def state_dict(self) -> dict | None:
-        """After the last row of the last micro-batch handed out (the rows have read one further)."""
-        return self.position
-
-    def load_state_dict(self, position: dict | None):
-        self.position = position
-        self.rows.load_state_dict(position)
-
-    def __iter__(self):
-        batch, tokens, batch_end = [], 0, None
-        for row in self.rows:
-            length = self.length(row)
-            if batch and tokens + length > self.max_tokens:
-                self.position = batch_end
-                yield batch
-                batch, tokens = [], 0
-            batch.append(row)
-            tokens += length
-            batch_end = self.rows.state_dict()  # after this row: the stream position the batch ends at
-        if batch:
-            self.position = batch_end
-            yield batch
-
-
-def packed_position_ids(model, input_ids, sample_lengths, media_per_sample, image_inputs) -> torch.Tensor:
+def packed_position_ids(model, input_ids, sample_lengths, media_per_sample, media_inputs) -> torch.Tensor:
     """Position ids of a packed `[sequences, L]` batch whose segments (samples, and each sequence's
     padding) have `sample_lengths` in order: positions restart at every segment. `media_per_sample`:
     each segment's image count, and its video count as a second row where the batch has videos.
@@ -94,10 +42,10 @@ def packed_position_ids(model, input_ids, sample_lengths, media_per_sample, imag
     if rope_index is None:
         return text.reshape(shape)
     flat = input_ids.reshape(1, -1)
-    per_token = {name: image_inputs[name].reshape(1, -1) for name in ("mm_token_type_ids", "token_type_ids")
-                 if name in image_inputs and name in inspect.signature(rope_index).parameters}
+    per_token = {name: media_inputs[name].reshape(1, -1) for name in ("mm_token_type_ids", "token_type_ids")
+                 if name in media_inputs and name in inspect.signature(rope_index).parameters}
     # Per image: its grid; per video: its grid and seconds per temporal patch.
-    media = [{key: image_inputs[key] for key in keys if key in image_inputs}
+    media = [{key: media_inputs[key] for key in keys if key in media_inputs}
              for keys in (("image_grid_thw",), ("video_grid_thw", "second_per_grid_ts"))]
     counts = media_per_sample.reshape(-1, len(sample_lengths)).T.tolist()
     positions, start, firsts = [], 0, [0, 0]

@@ -17,7 +17,7 @@ import torch
 from .data import model_inputs
 
 
-def feature_cache_backward(accelerator, model, micro_batches, loss_fn) -> torch.Tensor:
+def grad_cache_backward(accelerator, model, micro_batches, loss_fn) -> torch.Tensor:
     """Backward of `loss_fn(image_embeds, text_embeds, *scalars)` over all `micro_batches` at once.
 
     The model returns (image_embeds, text_embeds, *scalars) as `CLIPForContrastiveTraining`

@@ -36,8 +36,8 @@ import torch
 from torchvision.transforms.v2.functional import normalize as normalize_image
 from transformers.video_utils import VideoMetadata
 
+from ..images import fused_normalization, readable_source
 from .arguments import VideoArgs
-from .images import fused_normalization, readable_source
 
 logger = logging.getLogger(__name__)
 

@@ -54,10 +54,10 @@ class AnswerLabeller:
     """`labeller(messages, images, videos)` -> (processor outputs of the conversation, target mask).
 
     `stop_token_ids`: the tokens that end a turn (the generation config's eos ids and the
-    tokenizer's eos). `videos`: how the model trains on clips (`vlm_families.video_path`; None: it does
-    not); they go to the processor as decoded frames (`mmrecipes.videos.DecodedVideo`) with their
+    tokenizer's eos). `videos`: how the model trains on clips (`families.video_path`; None: it does
+    not); they go to the processor as decoded frames (`mmrecipes.vlm.videos.DecodedVideo`) with their
     metadata, already sampled. Clips that reach the model as `pixel_values_videos` come back uint8, with
-    the constants that finish them on the device under `CLIP_NORMALIZATION` (`mmrecipes.videos`). A
+    the constants that finish them on the device under `CLIP_NORMALIZATION` (`mmrecipes.vlm.videos`). A
     conversation whose turns no rule finds raises `TemplateError`.
     """
 

@@ -1,8 +1,8 @@
 """Rows to micro-batches for VLM fine-tuning: the dummy-image collator (padding or packing), and the
 checks before the first step that use it.
 
-`DummyImageCollator` gives a batch without any image the model's tiny dummy image, so the vision step
-runs on every rank for every micro-batch (see mmrecipes.vlm); it also counts, on the host, what the
+`ChatCollator` gives a batch without any image the model's tiny dummy image, so the vision step
+runs on every rank for every micro-batch (see mmrecipes.vlm.models); it also counts, on the host, what the
 loop needs (`HOST_COUNTS`: rows, tokens, target tokens, data counts). `probe_rows` and `check_packing` run it
 on two probe conversations before training.
 """
@@ -19,18 +19,18 @@ MEDIA_KEYS = ("pixel_values", "pixel_values_videos")  # a row holds images, vide
 HOST_COUNTS = ("num_samples", "num_tokens", "target_tokens", "data_counts", "pair_keys")
 
 
-class DummyImageCollator:
-    """Rows -> one micro-batch that runs the same graph on every rank (see mmrecipes.vlm).
+class ChatCollator:
+    """Rows -> one micro-batch that runs the same graph on every rank (see mmrecipes.vlm.models).
 
     Pads each row to the longest on the right (labels with IGNORE_INDEX). With `packing`, the rows
     are first packed in order into sequences of up to `pack_length` tokens (one sequence if None),
     each row's first label ignored (it is never predicted from the sample before it), and
     `sample_lengths` / `media_per_sample` (images, and videos where the batch has any) list every
     segment of the padded `[sequences, L]` batch in order (a sequence's padding is a segment of its
-    own), for per-sample positions and attention (mmrecipes.packing). Concatenates the rows' image
+    own), for per-sample positions and attention (mmrecipes.vlm.packing). Concatenates the rows' image
     and video inputs in row order, and gives a batch without any image the model's tiny dummy image
     (`dummy_image_inputs`) with `dummy_image=True`, so the vision step runs on every micro-batch (a
-    batch's videos go through the tower in the same call: `mmrecipes.vlm.VLMForTraining`). Where the
+    batch's videos go through the tower in the same call: `mmrecipes.vlm.models.VLMForTraining`). Where the
     dummy inputs hold a clip (a video path of the model's own), a batch without a clip gets it, with
     `dummy_video=True`.
     """
@@ -53,7 +53,7 @@ class DummyImageCollator:
         batch = {"input_ids": join([row["input_ids"] for row in rows], self.pad_token_id),
                  "attention_mask": join([torch.ones_like(row["input_ids"]) for row in rows], 0),
                  "labels": join(labels, IGNORE_INDEX)}
-        videos = any("pixel_values_videos" in row["image_inputs"] for row in rows)
+        videos = any("pixel_values_videos" in row["media_inputs"] for row in rows)
         if self.packing:
             segments = []
             for pack in packs:
@@ -63,9 +63,9 @@ class DummyImageCollator:
             batch["sample_lengths"], *counts = torch.tensor(segments).T.clone()
             batch["media_per_sample"] = torch.stack(counts)
         for key in TOKEN_ALIGNED[2:]:  # a text-only row may lack them (zeros: no image token)
-            if any(key in row["image_inputs"] for row in rows):
-                batch[key] = join([row["image_inputs"].get(key, torch.zeros_like(row["input_ids"])) for row in rows], 0)
-        with_media = [row["image_inputs"] for row in rows if {*MEDIA_KEYS} & set(row["image_inputs"])]
+            if any(key in row["media_inputs"] for row in rows):
+                batch[key] = join([row["media_inputs"].get(key, torch.zeros_like(row["input_ids"])) for row in rows], 0)
+        with_media = [row["media_inputs"] for row in rows if {*MEDIA_KEYS} & set(row["media_inputs"])]
         media_keys = {key for inputs in with_media for key in inputs} - {*TOKEN_ALIGNED, CLIP_NORMALIZATION}
         batch |= {key: _cat_padded([inputs[key] for inputs in with_media if key in inputs]) for key in media_keys}
         clips = [inputs["pixel_values_videos"] for inputs in with_media if "pixel_values_videos" in inputs]
@@ -101,7 +101,7 @@ def _next_fit(lengths, capacity):
 
 def _media_counts(row) -> tuple[int, int]:
     """(images, videos) of a row: its grid rows (Qwen), else its pixel values' first dimension."""
-    inputs = row["image_inputs"]
+    inputs = row["media_inputs"]
     return tuple(len(inputs[grid]) if grid in inputs else len(inputs[pixels]) if pixels in inputs else 0
                  for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")))
 
@@ -134,8 +134,8 @@ def probe_rows(labeller) -> list[dict]:
         content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
         messages = [{"role": "user", "content": content},
                     {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
-        input_ids, labels, image_inputs = encode_row(labeller, messages, images)
-        rows.append({"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs}
+        input_ids, labels, media_inputs = encode_row(labeller, messages, images)
+        rows.append({"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs}
                     | dict.fromkeys(CHAT_COUNTED, 0))
     return rows
 
@@ -145,14 +145,14 @@ def probe_rows(labeller) -> list[dict]:
 def check_packing(step, labeller, dummy_inputs):
     """Raise before the first step unless an image conversation and a text one, packed into one
     sequence, give the logits each gives alone (the model keeps packed samples apart). `step`: the
-    model's `mmrecipes.vlm.VLMForTraining`."""
+    model's `mmrecipes.vlm.models.VLMForTraining`."""
     rows = probe_rows(labeller)
     model, training = step.model, step.model.training
     model.eval()
     try:
-        _, packed = step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs, packing=True)(rows), "cpu"),
+        _, packed = step(**chat_model_inputs(ChatCollator(0, dummy_inputs, packing=True)(rows), "cpu"),
                          return_logits=True)
-        alone = torch.cat([step(**chat_model_inputs(DummyImageCollator(0, dummy_inputs)([row]), "cpu"),
+        alone = torch.cat([step(**chat_model_inputs(ChatCollator(0, dummy_inputs)([row]), "cpu"),
                                 return_logits=True)[1] for row in rows], dim=1)
     finally:
         model.train(training)
@@ -165,7 +165,7 @@ def check_packing(step, labeller, dummy_inputs):
 
 def chat_model_inputs(batch: dict, device) -> dict:
     """A collated batch's model inputs on `device` (the dummy_image flag stays a Python bool); uint8 clips
-    rescaled and normalised there (`mmrecipes.videos.finish_clip_pixels`)."""
+    rescaled and normalised there (`mmrecipes.vlm.videos.finish_clip_pixels`)."""
     inputs = {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
               for key, value in batch.items() if key not in (*HOST_COUNTS, CLIP_NORMALIZATION)}
     if CLIP_NORMALIZATION in batch and inputs["pixel_values_videos"].dtype == torch.uint8:

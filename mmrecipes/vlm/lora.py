@@ -1,6 +1,6 @@
 """LoRA adapters for any image-text-to-text family, with TRL's flag names, correct under every engine.
 
-Where the adapters go follows the family rule of `vlm_families.module_groups`, not a list of names:
+Where the adapters go follows the family rule of `families.module_groups`, not a list of names:
 - by default every linear layer of the language model (`get_decoder()`, not the output head),
   never the vision tower or the projector. PEFT's `target_modules="all-linear"` would put them on
   the tower and the projector too, since attention and MLP layers share their names across the
@@ -27,7 +27,7 @@ from peft import LoraConfig, get_peft_model
 from transformers.modeling_utils import set_zero3_state
 
 from .arguments import LoraArgs
-from .vlm_families import ModuleGroups, covering_modules
+from .module_groups import ModuleGroups, covering_modules
 
 
 def lora_config(model, groups: ModuleGroups, train_modules: str, args: LoraArgs) -> LoraConfig:

@@ -21,10 +21,10 @@ from transformers import (
     SiglipModel,
 )
 
+from ..distributed import fsdp_block_classes
+from ..images import takes_patch_grids
+from ..paths import TINY_SIGLIP2_TOKENIZER, TINY_TOKENIZER
 from .arguments import ModelArgs
-from .distributed import fsdp_block_classes
-from .images import takes_patch_grids
-from .paths import TINY_SIGLIP2_TOKENIZER, TINY_TOKENIZER
 
 MAX_LOGIT_SCALE = math.log(100)  # CLIP clamps the temperature at 100
 

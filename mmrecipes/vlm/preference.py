@@ -11,7 +11,7 @@ Row formats (TRL's DPO data for VLMs, and LLaVA's):
 Each side becomes a chat row that `ChatPreprocessor` tokenises and labels with the checkpoint's own chat template,
 so the answer tokens are found exactly as in SFT; a pair with a bad side is skipped and counted by that side's
 reason. `PreferenceCollator` puts the chosen rows first and the rejected rows after them in one
-`DummyImageCollator` batch: the policy and the reference each run one forward over both, as TRL's concatenated
+`ChatCollator` batch: the policy and the reference each run one forward over both, as TRL's concatenated
 forward does, so every rank runs the same graph.
 """
 
@@ -25,14 +25,13 @@ import torch.nn.functional as F
 from accelerate.utils import DistributedType
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
+from ..distributed import all_ranks_true, batches_in_step, sum_over_ranks
+from ..loader import Skip
+from ..sources import DATA_FILE, PROBLEM, row_name
 from .arguments import DPOArgs
-from .chat_collate import chat_model_inputs
 from .chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor
-from .distributed import all_ranks_true, sum_over_ranks
-from .evaluation import batches_in_step
-from .loader import Skip
+from .collate import chat_model_inputs
 from .losses import IGNORE_INDEX
-from .sources import DATA_FILE, PROBLEM, row_name
 
 PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image", "id"]
 # What the DPO log counts: the SFT recipe's skips, and pairs whose answers are the same or one of them empty
@@ -71,13 +70,13 @@ def _llava_answer(answer) -> dict:
 
 
 def last_answer_only(side: tuple) -> tuple:
-    """(input_ids, labels, image_inputs) of a side with only its last answer labelled: a multi-turn prompt's
+    """(input_ids, labels, media_inputs) of a side with only its last answer labelled: a multi-turn prompt's
     earlier assistant turns are context, not the completion (TRL scores only the completion)."""
-    input_ids, labels, image_inputs = side
+    input_ids, labels, media_inputs = side
     targets = (labels != IGNORE_INDEX).nonzero()[:, 0]
     breaks = (targets[1:] - targets[:-1] > 1).nonzero()[:, 0]
     start = int(targets[breaks[-1] + 1]) if len(breaks) else 0
-    return input_ids, torch.where(torch.arange(len(labels)) < start, IGNORE_INDEX, labels), image_inputs
+    return input_ids, torch.where(torch.arange(len(labels)) < start, IGNORE_INDEX, labels), media_inputs
 
 
 class PreferencePreprocessor(ChatPreprocessor):
@@ -105,8 +104,8 @@ class PreferencePreprocessor(ChatPreprocessor):
                 self.drops.drop(problem, row_name(row))
                 continue
             counts = self.drops.keep(chosen_note or rejected_note)
-            for key, (input_ids, labels, image_inputs) in (("chosen", chosen), ("rejected", rejected)):
-                out[key].append({"input_ids": input_ids, "labels": labels, "image_inputs": image_inputs})
+            for key, (input_ids, labels, media_inputs) in (("chosen", chosen), ("rejected", rejected)):
+                out[key].append({"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs})
             for name in PREFERENCE_COUNTED:
                 out[name].append(counts[name])
         return out
@@ -131,7 +130,7 @@ class PreferencePreprocessor(ChatPreprocessor):
 
 
 class PreferenceCollator:
-    """Pairs -> one `DummyImageCollator` batch: the chosen rows, then the rejected rows (`num_samples` counts pairs;
+    """Pairs -> one `ChatCollator` batch: the chosen rows, then the rejected rows (`num_samples` counts pairs;
     the data counts, `PREFERENCE_COUNTED`, ride on the chosen rows only); with `keys`, each pair's `pair_key` too
     (precomputed reference log-probabilities are looked up by it)."""
 
@@ -265,7 +264,7 @@ class Reference:
 def pair_key(chosen: dict, rejected: dict) -> str:
     """A pair's identity across epochs and resumes: a digest of both sides' tokens and the images' inputs."""
     digest = hashlib.sha1()
-    for tensor in (chosen["input_ids"], rejected["input_ids"], *chosen["image_inputs"].values()):
+    for tensor in (chosen["input_ids"], rejected["input_ids"], *chosen["media_inputs"].values()):
         digest.update(torch.as_tensor(tensor).flatten().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 

@@ -1,0 +1,167 @@
+"""The VLM recipes' arguments (model, LoRA, chat and preference data, videos, DPO), each with its value rules; no
+torch (`--help`)."""
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..arguments import SourceArgs
+from ..config import CheckedArgs, checked
+from ..paths import TINY_VLM_TOKENIZER
+from ..sources import evaluation_source
+
+
+@dataclass
+class VLMModelArgs(CheckedArgs):
+    UNUSED_WITH = {"model_name_or_path": ("tokenizer_name", "image_size", "patch_size", "vision_hidden_size",
+                                          "vision_layers", "text_hidden_size", "text_layers")}
+    # A saved image-text-to-text directory or hub id (Llava, Qwen2.5-VL, Qwen3-VL, SmolVLM, Gemma 3, ...),
+    # loaded with AutoModelForImageTextToText and AutoProcessor; None builds the tiny Llava below
+    model_name_or_path: str | None = None
+    chat_template_path: str | None = None  # a .jinja file replacing the processor's chat template (TRL's name)
+    tokenizer_name: str = str(TINY_VLM_TOKENIZER)  # used only with model_name_or_path=None
+    # What trains: projector (LLaVA stage 1), projector,language_model (stage 2), all (tower too, at its own lr)
+    train_modules: str = "projector,language_model"
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"  # as for CLIP (mmrecipes.models.ModelArgs)
+    image_size: int = checked(32, "count")
+    patch_size: int = checked(8, "count")
+    vision_hidden_size: int = checked(64, "count")
+    vision_layers: int = checked(2, "count")
+    text_hidden_size: int = checked(128, "count")
+    text_layers: int = checked(2, "count")
+
+
+@dataclass
+class LoraArgs(CheckedArgs):
+    use_peft: bool = False  # train LoRA adapters instead of the weights (TRL's flag names)
+    lora_r: int = checked(16, "count")
+    lora_alpha: int = checked(32, "count")
+    lora_dropout: float = checked(0.05, "fraction")
+    # None: every linear layer of the language model (and of the vision tower with --train_modules all);
+    # all-linear (PEFT's meaning: the tower and the projector too); or comma-separated module names
+    lora_target_modules: str | None = None
+    lora_modules_to_save: str | None = None  # comma-separated modules trained in full, beside the projector
+
+
+@dataclass
+class VideoArgs(CheckedArgs):
+    # frames sampled per second of clip (transformers' video processors: fps)
+    video_fps: float = checked(2.0, "positive")
+    video_max_frames: int = checked(8, "count")  # at most this many frames per clip (their num_frames)
+    video_max_seconds: float = checked(600.0, "positive")  # longer clips are skipped and counted (video_too_long)
+    # Clips whose frames have more pixels (4K UHD by default) are skipped and counted (too_large), from the header
+    # before any frame is decoded: one frame of 200M pixels cost 4.5 s and 614 MB before it was resized
+    video_max_pixels: int = checked(3840 * 2160, "count")
+
+
+@dataclass
+class ChatDataArgs(SourceArgs, VideoArgs):
+    """Conversations: the shared data flags (`SourceArgs`), the clips' (`VideoArgs`) and the chat pipeline's own."""
+
+    EMBEDDED_EVAL: ClassVar[str] = "embedded:vlm_shapes/image_chat"  # what auto evaluates beside embedded data
+    dataset_name: str = "embedded:vlm_shapes/image_chat,embedded:vlm_shapes/text_chat"
+    dataset_weights: str | None = "0.75,0.25"
+    # Held-out conversations (answer accuracy). auto: the embedded questions beside the embedded training data;
+    # with your own data, --eval_data_files read by the training builder, else none. None turns it off.
+    eval_dataset_name: str | None = "auto"
+    eval_split: str = "test"
+    # Relative image paths resolve against it; None: against the folder of the data file each row comes from
+    image_folder: str | None = None
+    video_folder: str | None = None  # relative video paths resolve against it (None: as images)
+    # Paths that resolve outside that folder ('../', absolute, symlinks out) are skipped and counted
+    # (outside_folder) unless this is true
+    allow_images_outside_folder: bool = False
+    max_length: int = checked(256, "count")  # longer rows are skipped and counted, never truncated
+    # Micro-batches of whole rows up to this many tokens (image tokens included) instead of a fixed row
+    # count; ranks then carry different row counts (loader.TokenBudgetBatches). Rows over it count as too_long.
+    max_tokens_per_batch: int | None = checked(None, "count_or_none")
+    packing: bool = False  # rows packed into sequences of up to max_length tokens, each sample attending only to itself
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.eval_dataset_name, self.evaluation = evaluation_source(
+            "eval_dataset_name", self.eval_dataset_name, self.eval_data_files, self.dataset_name, self.EMBEDDED_EVAL)
+
+
+@dataclass
+class PreferenceDataArgs(ChatDataArgs):
+    """The SFT recipe's data flags with the embedded preference pairs as defaults."""
+
+    EMBEDDED_EVAL: ClassVar[str] = "embedded:vlm_preferences"
+    EMBEDDED_QUESTIONS: ClassVar[str] = "embedded:vlm_shapes/image_chat"
+    dataset_name: str = "embedded:vlm_preferences"
+    dataset_weights: str | None = None
+    # Held-out pairs (reward accuracy), as --eval_dataset_name in vlm_finetune.py: auto is the embedded pairs beside
+    # the embedded training pairs; with your own, --eval_data_files read by the training builder, else none
+    eval_dataset_name: str | None = "auto"
+    # Held-out questions (chat rows, eval_split) whose answers are scored as vlm_finetune.py does; auto as above,
+    # with --eval_questions_data_files; None: not scored
+    eval_questions: str | None = "auto"
+    eval_questions_data_files: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.eval_questions, questions = evaluation_source(
+            "eval_questions", self.eval_questions, self.eval_questions_data_files, self.dataset_name,
+            self.EMBEDDED_QUESTIONS)
+        self.evaluation += f"; {questions}"
+        if self.packing or self.max_tokens_per_batch:
+            raise ValueError("--packing and --max_tokens_per_batch split or join rows; DPO scores each whole "
+                             "sequence beside its pair: use --per_device_train_batch_size")
+
+
+LOSS_TYPES = ("sigmoid", "ipo", "robust", "sft")  # the TRL 1.16 loss types this recipe computes
+
+
+@dataclass
+class DPOArgs(CheckedArgs):
+    beta: float = checked(0.1, "positive")  # how far the policy may move from the reference (TRL's name and default)
+    # TRL 1.16's loss types, comma-separated, summed with --loss_weights: sigmoid (the DPO paper), ipo (IPO on
+    # length-averaged log-probabilities), robust (Robust DPO, with --label_smoothing), sft (the chosen answer's mean
+    # token NLL: RPO). sigmoid,sft lets the tiny default learn its answers from scratch; TRL's default is sigmoid.
+    loss_type: str = "sigmoid,sft"
+    loss_weights: str | None = None  # one per loss type, comma-separated; None: 1.0 each (TRL)
+    # robust: the share of preference labels assumed flipped, below 0.5 (TRL)
+    label_smoothing: float = checked(0.0, "fraction")
+    # Deprecated, TRL < 1.0's name: the weight of sft in --loss_type (0 drops it). Said with its TRL 1.16 spelling.
+    rpo_alpha: float | None = checked(None, "non_negative_or_none")
+    # The reference's log-probabilities of every training and held-out pair computed in a first pass (repeated on a
+    # resume), then the frozen copy let go: training holds one model
+    precompute_ref_log_probs: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        types = [name.strip() for name in self.loss_type.split(",") if name.strip()]
+        try:
+            weights = [float(weight) for weight in (self.loss_weights or ",".join(["1.0"] * len(types))).split(",")]
+        except ValueError:
+            weights = []
+        if not types or set(types) - set(LOSS_TYPES) or len(set(types)) < len(types):
+            raise ValueError(f"--loss_type {self.loss_type!r}: give one or more of {', '.join(LOSS_TYPES)}, "
+                             "comma-separated, each once (TRL 1.16's names)")
+        if len(weights) != len(types) or not all(math.isfinite(weight) and weight >= 0 for weight in weights):
+            raise ValueError(f"--loss_weights {self.loss_weights!r}: give one finite weight, 0 or more, per "
+                             f"--loss_type ({len(types)})")
+        self.losses, self.deprecations = dict(zip(types, weights)), []
+        if self.rpo_alpha is not None:
+            self.losses.pop("sft", None)
+            self.losses |= {"sft": self.rpo_alpha} if self.rpo_alpha else {}
+            self.deprecations.append(f"--rpo_alpha is TRL < 1.0's name: write --loss_type {','.join(self.losses)} "
+                                     f"--loss_weights {','.join(map(str, self.losses.values()))}")
+        if not self.losses:
+            raise ValueError("--rpo_alpha 0 dropped the only loss type: name a preference loss with --loss_type")
+        if self.label_smoothing and ("ipo" in self.losses or not {"sigmoid", "robust"} & set(self.losses)):
+            raise ValueError("--label_smoothing smooths the robust (or the deprecated smoothed sigmoid) loss: drop it "
+                             "with --loss_type ipo")
+        if self.label_smoothing >= 0.5 and "robust" in self.losses:
+            raise ValueError(f"--label_smoothing {self.label_smoothing}: robust DPO needs it below 0.5 (TRL)")
+        if self.label_smoothing and "sigmoid" in self.losses:
+            self.deprecations.append("--label_smoothing with sigmoid is TRL < 1.0's conservative DPO (TRL 1.16's "
+                                     "sigmoid ignores it), kept here; TRL 1.16's label-smoothed loss is --loss_type "
+                                     "robust")
+
+    def describe(self) -> str:
+        terms = " + ".join(f"{weight:g} x {name}" for name, weight in self.losses.items())
+        return "\n".join([f"loss: {terms} (TRL 1.16's loss types), beta {self.beta}",
+                          *[f"deprecated: {line}" for line in self.deprecations]])

@@ -1,0 +1,152 @@
+"""Vision tower, projector and language model of any image-text-to-text family, found from one dummy backward."""
+
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from .families import PROJECTORS, lm_features
+
+
+@dataclass
+class ModuleGroups:
+    """The model's parameters by part, found by `module_groups`: (name, parameter) pairs."""
+
+    vision_tower: list = field(default_factory=list)
+    projector: list = field(default_factory=list)
+    language_model: list = field(default_factory=list)
+    unreached: list = field(default_factory=list)  # names: trainable parameters no forward path reaches
+    projector_by: str = "rule"  # or "table" (PROJECTORS)
+
+    def items(self):
+        return [("vision_tower", self.vision_tower), ("projector", self.projector),
+                ("language_model", self.language_model)]
+
+    def describe(self) -> str:
+        parts = []
+        for name, params in self.items():
+            modules = ", ".join(covering_modules([n for n, _ in params], self._all_names())) or "-"
+            parts.append(f"{name} {sum(p.numel() for _, p in params):,} params ({modules})")
+        return f"module groups: {'; '.join(parts)} [projector by {self.projector_by}]"
+
+    def _all_names(self):
+        return {n: group for group, params in self.items() for n, _ in params}
+
+
+def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
+    """Vision tower, projector and language model of any family, from one dummy backward (before `prepare`).
+
+    - language model: `get_decoder()` plus the output embeddings;
+    - vision step: the parameters that one backward of the dummy's `lm_features` reaches. Trainable
+      parameters of neither (CLIP's `post_layernorm`, which only feeds a pooled output Llava discards;
+      the tower's last layer at LLaVA's `vision_feature_layer=-2`) never get a gradient, so DDP would
+      wait for them forever: they are listed in `unreached` for the caller to freeze;
+    - projector: the part of the vision step that feeds the language model. The tower is the largest
+      module holding the vision encoder's blocks (`_no_split_modules`) and nothing of the language
+      model; the projector is every vision parameter outside it (Llava's `multi_modal_projector`,
+      Idefics3's `connector`, LLaVA-OneVision's `image_newline`), plus the tower's direct
+      sub-modules that hold no block and output the language model's width (Qwen's
+      `visual.merger`, Qwen3-VL's deepstack mergers). Where the tower is as wide as the language
+      model that width says nothing, and `PROJECTORS` decides by model type.
+    """
+    language_model = {id(p) for p in [*model.get_decoder().parameters(), *model.get_output_embeddings().parameters()]}
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    widths = {}  # output width of each module the vision step calls
+
+    def record(name, module, args, output):
+        widths.setdefault(name, _width(output))
+
+    handles = [module.register_forward_hook(partial(record, name)) for name, module in model.named_modules()]
+    try:
+        image_inputs = {name: value for name, value in dummy_inputs.items() if name != "pixel_values_videos"}
+        features = lm_features(model.get_image_features(**image_inputs, return_dict=True))
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.cat([feature.flatten() for feature in features]).sum().backward()
+    reached = {id(p) for p in model.parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    modules = dict(model.named_modules())
+    lm_width = model.get_input_embeddings().embedding_dim
+    called_blocks = [name for name in widths if type(modules[name]).__name__ in blocks and name]
+    vision_blocks = [name for name in called_blocks
+                     if not any(id(p) in language_model for p in modules[name].parameters())]
+    towers = {_highest_vision_ancestor(name, modules, language_model) for name in vision_blocks}
+    ambiguous = any(widths[name] == lm_width for name in vision_blocks)
+    projector_prefixes, projector_by = [], "rule"
+    if ambiguous or not towers:
+        projector_prefixes, projector_by = list(PROJECTORS.get(model.config.model_type, ())), "table"
+        if not projector_prefixes:
+            raise ValueError(
+                f"Cannot tell the projector of model type {model.config.model_type!r} from its vision tower "
+                f"(the tower is as wide as the language model, {lm_width}): add its projector modules to "
+                "PROJECTORS in mmrecipes/vlm_families.py")
+    else:
+        for tower in towers:
+            for child, module in modules[tower].named_children():
+                inner = [f"{tower}.{child}"] + ([f"{tower}.{child}.{i}" for i, _ in module.named_children()]
+                                                if isinstance(module, torch.nn.ModuleList) else [])
+                for name in inner:
+                    holds_block = any(b == name or b.startswith(name + ".") for b in vision_blocks)
+                    has_parameters = any(True for _ in modules[name].parameters())
+                    if not holds_block and widths.get(name) == lm_width and has_parameters:
+                        projector_prefixes.append(name)
+
+    groups = ModuleGroups(projector_by=projector_by)
+    for name, param in model.named_parameters():
+        if id(param) in language_model:
+            groups.language_model.append((name, param))
+            continue
+        if param.requires_grad and id(param) not in reached:
+            groups.unreached.append(name)
+        in_tower = any(name.startswith(tower + ".") for tower in towers)
+        if any(name == prefix or name.startswith(prefix + ".") for prefix in projector_prefixes) or (
+                projector_by == "rule" and not in_tower):
+            groups.projector.append((name, param))
+        else:
+            groups.vision_tower.append((name, param))
+    return groups
+
+
+def _width(output):
+    """Last dimension of a module's (first) output tensor, or None."""
+    while isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if hasattr(output, "last_hidden_state"):
+        output = output.last_hidden_state
+    return output.shape[-1] if isinstance(output, torch.Tensor) and output.ndim else None
+
+
+def _highest_vision_ancestor(name, modules, language_model):
+    """The largest module above `name` that holds no language-model parameter."""
+    parts = name.split(".")
+    best = name
+    for end in range(len(parts) - 1, 0, -1):
+        ancestor = ".".join(parts[:end])
+        if any(id(p) in language_model for p in modules[ancestor].parameters()):
+            break
+        best = ancestor
+    return best
+
+
+def covering_modules(names, all_names):
+    """The fewest module paths whose parameters are exactly `names` (for the log line)."""
+    names, total, inside = set(names), Counter(), Counter()
+    for name in all_names:
+        parts = name.split(".")
+        for end in range(1, len(parts)):
+            prefix = ".".join(parts[:end])
+            total[prefix] += 1
+            inside[prefix] += name in names
+    covered = {}
+    for name in sorted(names):
+        parts, best = name.split("."), name
+        for end in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:end])
+            if inside[prefix] != total[prefix]:
+                break
+            best = prefix
+        covered[best] = None
+    return list(covered)
