@@ -309,11 +309,12 @@ def _exit_with(pid: int):
     os._exit(1)
 
 
-def no_rows_error(dataloader, data_world: int, this_rank_empty: bool, rows: str = "training rows") -> RuntimeError:
-    """The error every rank raises, together, when a data rank has no `rows` at its first step. The rank without
+def no_rows_error(dataloader, data_world: int, this_rank_empty: bool) -> RuntimeError:
+    """The error every rank raises, together, when a data rank has no training rows at its first step (one message
+    for every recipe). The rank without
     rows says why: its skip report (`DropCounter.report`) from this process's preprocessing or, where DataLoader
     workers did that, from its share of the stream read again here."""
-    message = f"A data rank has no {rows} ({data_world} data ranks)"
+    message = f"A data rank has no training rows ({data_world} data ranks)"
     if not this_rank_empty:
         return RuntimeError(f"{message}; that rank's error says why")
     shuffle = getattr(dataloader.dataset, "rows", dataloader.dataset)  # under TokenBudgetBatches
@@ -349,11 +350,11 @@ class TrainBatches:
         waited, self._waited = self._waited, 0.0
         return waited
 
-    def check_rows(self, window: list, accelerator, data_world: int, rows: str = "training rows"):
+    def check_rows(self, window: list, accelerator, data_world: int):
         """At the first step: every rank raises together if a data rank got no batch (every epoch reads the same
         rows, so once is enough); the rank without rows says why (`no_rows_error`)."""
         if not all_ranks_true(None not in window, accelerator.device):
-            raise no_rows_error(self.dataloader, data_world, None in window, rows)
+            raise no_rows_error(self.dataloader, data_world, None in window)
 
 
 def batches_forever(dataloader, resumed_epoch: int | None = None):

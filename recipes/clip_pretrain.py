@@ -81,7 +81,11 @@ def main(argv=None):
     # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
     # SigLIP pads captions to a fixed length: a different --max_caption_length is rejected here.
     batch_flops = ContrastiveFlops(model, caption_length(data_args, tokenizer, model.pads_text_to_max_length))
+    # shared: accelerator
     accelerator = accelerator_from_args(args)
+    data_rank, data_world = data_parallel_rank_and_world(accelerator)
+    batch_size = per_device_batch_size(args, data_world)
+
     if model_args.init_from_checkpoint:  # the weights only, strictly (the checkpoint's model flags); a new run
         model.load_state_dict(checkpoint_weights(model_args.init_from_checkpoint))
         accelerator.print(f"model weights from {model_args.init_from_checkpoint}; a new run from step 0")
@@ -89,8 +93,6 @@ def main(argv=None):
         accelerator.print(line)
     if model_args.patch_dropout:
         accelerator.print(add_patch_dropout(model, model_args.patch_dropout))
-    data_rank, data_world = data_parallel_rank_and_world(accelerator)
-    batch_size = per_device_batch_size(args, data_world)
     if args.torch_compile:  # in place, before prepare wraps the model
         accelerator.print(compile_blocks(model))
 
@@ -99,9 +101,12 @@ def main(argv=None):
                                        weight_decay=args.weight_decay), args)
     # Stepped by hand once per optimizer step (accelerate's prepared scheduler steps per process).
     scheduler = lr_scheduler(optimizer, args)
+
+    # shared: deepspeed
     reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
                                gradient_clipping=args.max_grad_norm)
+
     model, optimizer = accelerator.prepare(model, optimizer)
     engine = engine_line(accelerator, model)
     accelerator.print(engine)
@@ -130,6 +135,7 @@ def main(argv=None):
                                caption_length=caption_length(data_args, tokenizer, loader_kwargs["pad_to_max_length"]),
                                pad_to_max_length=loader_kwargs["pad_to_max_length"])
 
+    # shared: run state
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
                                data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
@@ -138,19 +144,21 @@ def main(argv=None):
                       max_skipped_steps=args.max_skipped_steps)
     start_step, resumed_epoch = checkpoints.open_run(args.resume_from_checkpoint, train_loader)
     batches = TrainBatches(train_loader, resumed_epoch)
+    progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
 
     accelerator.init_trackers(f"{model_args.loss}_pretrain", asdict(model_args) | asdict(data_args) | asdict(args))
-    progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     # The data counters: bad rows by kind, and the rows of each source where there are several
     report = Report(accelerator, args, batches, data_args.counted(), guard=guard, flops=batch_flops,
                     total=checkpoints.resumed_totals)
     # Both take (image_embeds, text_embeds, *what the model returns after them): scale, and SigLIP's bias.
     loss_fn = siglip_loss if model_args.loss == "siglip" else partial(clip_loss, tile_size=args.loss_tile_size)
+    # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
         if step == start_step:
             batches.check_rows(window, accelerator, data_world)  # a rank without rows says why, on every rank
         report.add_batches(window)
+
         if args.contrastive_accumulation == "feature_cache":
             # The window's micro-batches act as ONE contrastive batch (k*b negatives per row).
             window_losses = [grad_cache_backward(accelerator, model, window, loss_fn)]
@@ -163,16 +171,18 @@ def main(argv=None):
                     loss = loss_fn(*model(**model_inputs(batch, accelerator.device)))
                     accelerator.backward(loss)
                 window_losses.append(loss.detach())
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        done = step + 1
         step_losses = torch.stack(window_losses)
+        # shared: optimizer step
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
+        done = step + 1
         if guard.should_call_optimizer(step_losses, grad_norm, done):  # a fused AdamW is always called
             optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
             scheduler.step()
-            clamp_logit_scale_(accelerator, model)
-        report.add_step(guard.applied, loss=step_losses.mean(), applied_steps=1)  # on the device
         optimizer.zero_grad()
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
+
+        clamp_logit_scale_(accelerator, model)  # after a skipped step a no-op: the scale was clamped before
+        report.add_step(guard.applied, loss=step_losses.mean(), applied_steps=1)  # on the device
 
         if report.due(done):
             # Mean over ranks of the local losses is the global-batch loss (mmrecipes.contrastive.losses).
@@ -185,6 +195,7 @@ def main(argv=None):
                     scores |= evaluate_retrieval(model, eval_loader, filler_batch, accelerator.device)
                 if zeroshot is not None:
                     scores |= evaluate_zeroshot(model, zeroshot, accelerator.device)
+        # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
     save_contrastive(accelerator, model, tokenizer, image_processor, args.output_dir)
@@ -195,6 +206,7 @@ def main(argv=None):
             base_model=model_args.model_name_or_path, datasets=[data_args.dataset_name],
             evaluated="; ".join(evaluated), tags=[model_args.loss, "contrastive"], engine=engine,
             seen=f"{int(report.total['samples']):,} image-text pairs", resumed_at=start_step)
+    # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").
     accelerator.wait_for_everyone()

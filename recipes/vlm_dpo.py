@@ -77,44 +77,57 @@ PAIR_SUMS = ("loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rej
 
 def main(argv=None):
     model_args, lora_args, data_args, dpo_args, args = parse_args(ARGUMENTS, argv)
+    # shared: vlm model
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     model, processor = load_vlm(model_args)
     stops = stop_token_ids(model, processor)
+
     labeller = AnswerLabeller(processor, stops)  # the chosen and rejected answers' tokens, as in SFT
     template_line = check_template(labeller, model_args.chat_template_path or model_args.model_name_or_path
                                    or model_args.tokenizer_name, data_args.max_length)
+    # shared: vlm parts
     dummy_inputs = dummy_image_inputs(model, processor)
-    groups = module_groups(model, dummy_inputs)
-    trainable = apply_train_modules(groups, model_args.train_modules)
+    groups = module_groups(model, dummy_inputs)  # one dummy backward: vision tower, projector, language model
+    trainable = apply_train_modules(groups, model_args.train_modules)  # unreached ones frozen: DDP would wait for them
     peft_model = peft_config = None
-    if lora_args.use_peft:  # the reference is this model with its adapters disabled: no second copy
+    if lora_args.use_peft:  # adapters injected into `model` itself; everything but them and the projector frozen
         peft_model, trainable = add_lora(model, groups, model_args.train_modules, lora_args)
         peft_config = peft_model.peft_config["default"]
     if model_args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    if not model.get_input_embeddings().weight.requires_grad:  # as vlm_finetune.py: the same backward on every rank
+    if not model.get_input_embeddings().weight.requires_grad:
+        # A frozen embedding (LoRA, the projector preset) gives a text-only batch an LM input without grad: its
+        # backward would skip the LM where an image batch's runs through it, so ZeRO-3 and FSDP2 ranks would
+        # gather different parameters (and checkpointed layers would get no gradients).
         model.enable_input_require_grads()
-    # Counted now (ZeRO-3 partitions them at prepare): the policy's step; the reference's forward is not counted.
+    # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
     batch_flops = VLMFlops(model, sum(p.numel() for _, p in groups.vision_tower), seq_len=data_args.max_length // 2,
                            lm_weights_train="language_model" in trainable and peft_config is None,
                            vision_trains="vision_tower" in trainable)
+
+    # shared: accelerator
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
+
     accelerator.print(template_line)
     accelerator.print(f"evaluation: {data_args.evaluation}")
     accelerator.print(describe_trainable(model))
 
+    # shared: vlm optimizer
+    # Frozen parameters are not in the optimizer (no state); the tower, if it trains, has its own lr.
     optimizer = adamw(optimizer_groups(trainable, learning_rate=args.learning_rate, weight_decay=args.weight_decay,
                                        own_rates={"vision_tower": (args.vision_tower_learning_rate,
                                                                    args.vision_tower_weight_decay)}), args)
     scheduler = lr_scheduler(optimizer, args)
+
     reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=2 * batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
                                gradient_clipping=args.max_grad_norm)
     step_model = VLMForTraining(model)
-    # A frozen copy of the starting weights, made before prepare: sharded like the policy, never gathered whole.
+    # The reference is the policy with its LoRA adapters disabled (no second copy), or a frozen copy of the starting
+    # weights, made before prepare: sharded like the policy, never gathered whole. MFU counts the policy's step only.
     reference = Reference(None if peft_model else frozen_reference(accelerator, step_model), peft_model)
     model, optimizer = accelerator.prepare(step_model, optimizer)
     if peft_model:
@@ -145,23 +158,28 @@ def main(argv=None):
                                            preprocessor=PreferencePreprocessor, **loader_kwargs)
         accelerator.print(reference.precompute([first_pass, *[eval_loader] * (eval_loader is not None)],
                                                accelerator.device))
+    # shared: run state
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
                                data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
+    # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
+    # whether a preemption signal arrived (then: checkpoint and exit).
     guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,
                       max_skipped_steps=args.max_skipped_steps)
     start_step, resumed_epoch = checkpoints.open_run(args.resume_from_checkpoint, train_loader)
     batches = TrainBatches(train_loader, resumed_epoch)
+    progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
 
     accelerator.init_trackers("vlm_dpo", asdict(model_args) | asdict(lora_args) | asdict(data_args)
                               | asdict(dpo_args) | asdict(args))
-    progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     report = Report(accelerator, args, batches, PREFERENCE_COUNTED, guard=guard, flops=batch_flops,
                     total=checkpoints.resumed_totals)
+    # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
         if step == start_step:
-            batches.check_rows(window, accelerator, data_world, "preference pairs")  # as in vlm_finetune.py
+            batches.check_rows(window, accelerator, data_world)  # a rank without rows says why, on every rank
         report.add_batches(window)
+
         # One collective per optimizer step: the window's pairs on all ranks (the loss is their mean).
         local_pairs = torch.tensor(float(sum(batch["num_samples"] for batch in window)), device=accelerator.device)
         loss_scale = token_loss_scale(sum_over_ranks(local_pairs), args.gradient_accumulation_steps, data_world)
@@ -178,15 +196,18 @@ def main(argv=None):
             window_sums.append(torch.stack([losses.detach().sum(), chosen_rewards.sum(), rejected_rewards.sum(),
                                             (chosen_rewards > rejected_rewards).sum(), chosen_logps.sum(),
                                             rejected_logps.sum()]))
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        done = step + 1
         step_sums = torch.stack(window_sums).sum(0)
-        if guard.should_call_optimizer(step_sums[:1], grad_norm, done):
-            optimizer.step()
+        step_losses = step_sums[:1]
+        # shared: optimizer step
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
+        done = step + 1
+        if guard.should_call_optimizer(step_losses, grad_norm, done):  # a fused AdamW is always called
+            optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
             scheduler.step()
-        report.add_step(guard.applied, pairs=local_pairs, **dict(zip(PAIR_SUMS, step_sums)))
         optimizer.zero_grad()
-        filler_batch = window[-1]
+        filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
+
+        report.add_step(guard.applied, pairs=local_pairs, **dict(zip(PAIR_SUMS, step_sums)))
 
         if report.due(done):
             sums = report.close()
@@ -203,19 +224,22 @@ def main(argv=None):
                                                    accelerator.device)
                 if question_loader is not None:
                     scores |= evaluate_answers(model, question_loader, filler_batch, accelerator.device)
+        # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
     save_vlm(accelerator, model, processor, args.output_dir, peft_config)
     if accelerator.is_main_process:
-        write_model_card(
-            args.output_dir, report.history, pipeline_tag="image-text-to-text",
-            eval_metrics=["eval_rewards/accuracies", "answer_accuracy"], base_model=model_args.model_name_or_path,
-            datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation, engine=engine,
-            resumed_at=start_step,
-            tags=["vlm", "dpo", "lora" if peft_config else "full fine-tune",
-                  type(accelerator.unwrap_model(model).model).__name__],
-            seen=f"{int(report.total['samples']):,} preference pairs, {int(report.total['tokens']):,} tokens")
-    accelerator.wait_for_everyone()  # every rank leaves together (as vlm_finetune.py)
+        write_model_card(args.output_dir, report.history, eval_metrics=["eval_rewards/accuracies", "answer_accuracy"],
+                         pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
+                         datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation, engine=engine,
+                         resumed_at=start_step, tags=["vlm", "dpo", "lora" if peft_config else "full fine-tune",
+                                                      type(accelerator.unwrap_model(model).model).__name__],
+                         seen=f"{int(report.total['samples']):,} preference pairs, "
+                              f"{int(report.total['tokens']):,} tokens")
+    # shared: the end
+    # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
+    # the card aborted once under ZeRO-3 ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
     accelerator.print(f"saved model to {args.output_dir}")
     accelerator.end_training()
 

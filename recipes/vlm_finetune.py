@@ -80,26 +80,27 @@ from mmrecipes.vlm.module_groups import module_groups
 
 def main(argv=None):
     model_args, lora_args, data_args, args = parse_args(ARGUMENTS, argv)
+    # shared: vlm model
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     model, processor = load_vlm(model_args)
+    stops = stop_token_ids(model, processor)
+
     # The answer tokens of the checkpoint's own chat template, checked on a probe conversation now
     # (a template whose turns no rule finds would otherwise drop every row as no_target).
-    stops = stop_token_ids(model, processor)
     labeller = AnswerLabeller(processor, stops, videos=video_path(model, processor))  # None: video rows counted
     template_line = check_template(labeller, model_args.chat_template_path or model_args.model_name_or_path
                                    or model_args.tokenizer_name, data_args.max_length)
+    # shared: vlm parts
     dummy_inputs = dummy_image_inputs(model, processor)
     groups = module_groups(model, dummy_inputs)  # one dummy backward: vision tower, projector, language model
     trainable = apply_train_modules(groups, model_args.train_modules)  # unreached ones frozen: DDP would wait for them
-    peft_config = None
+    peft_model = peft_config = None
     if lora_args.use_peft:  # adapters injected into `model` itself; everything but them and the projector frozen
         peft_model, trainable = add_lora(model, groups, model_args.train_modules, lora_args)
         peft_config = peft_model.peft_config["default"]
     if model_args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    if data_args.packing:
-        check_packing(VLMForTraining(model), labeller, dummy_inputs)  # samples kept apart in one sequence
     if not model.get_input_embeddings().weight.requires_grad:
         # A frozen embedding (LoRA, the projector preset) gives a text-only batch an LM input without grad: its
         # backward would skip the LM where an image batch's runs through it, so ZeRO-3 and FSDP2 ranks would
@@ -109,9 +110,14 @@ def main(argv=None):
     batch_flops = VLMFlops(model, sum(p.numel() for _, p in groups.vision_tower), seq_len=data_args.max_length // 2,
                            lm_weights_train="language_model" in trainable and peft_config is None,
                            vision_trains="vision_tower" in trainable)
+
+    if data_args.packing:
+        check_packing(VLMForTraining(model), labeller, dummy_inputs)  # samples kept apart in one sequence
+    # shared: accelerator
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
+
     if args.torch_compile:  # in place, before prepare wraps the model
         if DivergenceGuard.requested(args.debug_divergence):
             raise ValueError("--debug_divergence checks every module call from Python, which compiled blocks skip: "
@@ -125,14 +131,18 @@ def main(argv=None):
         accelerator.print(f"froze {len(groups.unreached)} parameters no forward path reaches: "
                           + ", ".join(groups.unreached))
 
+    # shared: vlm optimizer
     # Frozen parameters are not in the optimizer (no state); the tower, if it trains, has its own lr.
     optimizer = adamw(optimizer_groups(trainable, learning_rate=args.learning_rate, weight_decay=args.weight_decay,
                                        own_rates={"vision_tower": (args.vision_tower_learning_rate,
                                                                    args.vision_tower_weight_decay)}), args)
     scheduler = lr_scheduler(optimizer, args)
+
+    # shared: deepspeed
     reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
                                gradient_clipping=args.max_grad_norm)
+
     # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
     model, optimizer = accelerator.prepare(VLMForTraining(model), optimizer)
     engine = engine_line(accelerator, model)
@@ -158,6 +168,7 @@ def main(argv=None):
         prompts = generation_prompts(data_args, processor, rows=-(-args.eval_generation_rows // data_world),
                                      data_rank=data_rank, data_world=data_world)
 
+    # shared: run state
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
                                data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
@@ -166,16 +177,18 @@ def main(argv=None):
                       max_skipped_steps=args.max_skipped_steps)
     start_step, resumed_epoch = checkpoints.open_run(args.resume_from_checkpoint, train_loader)
     batches = TrainBatches(train_loader, resumed_epoch)
+    progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
 
     accelerator.init_trackers("vlm_finetune", asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args))
-    progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=batch_flops,
                     total=checkpoints.resumed_totals)
+    # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
         if step == start_step:
             batches.check_rows(window, accelerator, data_world)  # a rank without rows says why, on every rank
         report.add_batches(window)
+
         # One collective per optimizer step: the window's target tokens N on all ranks (counted by the collator).
         local_tokens = torch.tensor(float(sum(batch["target_tokens"] for batch in window)), device=accelerator.device)
         loss_scale = token_loss_scale(sum_over_ranks(local_tokens), args.gradient_accumulation_steps, data_world)
@@ -186,14 +199,17 @@ def main(argv=None):
                 loss_sum, _ = model(**chat_model_inputs(batch, accelerator.device))
                 accelerator.backward(loss_sum * loss_scale)
             window_ce.append(loss_sum.detach())
+        step_losses = torch.stack(window_ce)
+        # shared: optimizer step
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
         done = step + 1
-        if guard.should_call_optimizer(torch.stack(window_ce), grad_norm, done):  # a fused AdamW is always called
+        if guard.should_call_optimizer(step_losses, grad_norm, done):  # a fused AdamW is always called
             optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
             scheduler.step()
-        report.add_step(guard.applied, ce=sum(window_ce), target_tokens=local_tokens)  # on the device
         optimizer.zero_grad()
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
+
+        report.add_step(guard.applied, ce=step_losses.sum(), target_tokens=local_tokens)  # on the device
 
         if report.due(done):
             sums = report.close()
@@ -204,23 +220,24 @@ def main(argv=None):
                 scores |= evaluate_answers(model, eval_loader, filler_batch, accelerator.device)
                 scores |= evaluate_generation(model, prompts, filler_batch, eval_collator, processor.tokenizer, stops,
                                               accelerator.device)
+        # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
     save_vlm(accelerator, model, processor, args.output_dir, peft_config)
     if accelerator.is_main_process:
-        write_model_card(
-            args.output_dir, report.history, pipeline_tag="image-text-to-text",
-            eval_metrics=["answer_accuracy", "generated_accuracy"], base_model=model_args.model_name_or_path,
-            datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
-            tags=["vlm", "lora" if peft_config else "full fine-tune",
-                  type(accelerator.unwrap_model(model).model).__name__],
-            engine=engine, resumed_at=start_step,
-            seen=f"{int(report.total['samples']):,} conversations, {int(report.total['tokens']):,} tokens")
+        write_model_card(args.output_dir, report.history, eval_metrics=["answer_accuracy", "generated_accuracy"],
+                         pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
+                         datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
+                         tags=["vlm", "lora" if peft_config else "full fine-tune",
+                               type(accelerator.unwrap_model(model).model).__name__],
+                         engine=engine, resumed_at=start_step,
+                         seen=f"{int(report.total['samples']):,} conversations, {int(report.total['tokens']):,} tokens")
+    if divergence_guard is not None:
+        divergence_guard.remove()
+    # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").
     accelerator.wait_for_everyone()
-    if divergence_guard is not None:
-        divergence_guard.remove()
     accelerator.print(f"saved model to {args.output_dir}")
     accelerator.end_training()
 

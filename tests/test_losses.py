@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from gloo import run_on_ranks
-from mmrecipes import losses
+from mmrecipes.contrastive import losses
+from mmrecipes.vlm import losses as token_losses
 
 D = 8
 SIZES = {2: [(4, 4), (3, 5)], 3: [(3, 5, 1), (2, 2, 2)]}
@@ -194,15 +195,15 @@ def test_head_cross_entropy_equals_the_loss_of_the_full_logits(softcap):
     hidden = torch.randn(3, 37, 16, requires_grad=True)
     head = torch.nn.Linear(16, 101, bias=False)
     labels = torch.randint(0, 101, (3, 37))
-    labels[:, :5] = losses.IGNORE_INDEX
-    labels[1, 20:] = losses.IGNORE_INDEX
+    labels[:, :5] = token_losses.IGNORE_INDEX
+    labels[1, 20:] = token_losses.IGNORE_INDEX
     logits = head(hidden)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    expected = losses.token_cross_entropy_sum(logits, labels)
+    expected = token_losses.token_cross_entropy_sum(logits, labels)
     expected_grads = torch.autograd.grad(expected, [hidden, head.weight])
     for num_chunks in (1, 5, 200):
-        got = losses.head_cross_entropy_sum(hidden, head, labels, num_chunks=num_chunks, softcap=softcap)
+        got = token_losses.head_cross_entropy_sum(hidden, head, labels, num_chunks=num_chunks, softcap=softcap)
         grads = torch.autograd.grad(got, [hidden, head.weight])
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-4)
         for grad, expected_grad in zip(grads, expected_grads):

@@ -1,0 +1,71 @@
+"""The library's layout: a flat core and two pipeline packages, `mmrecipes.contrastive` and `mmrecipes.vlm`, that
+never import each other, so a CLIP forker reads the core and the contrastive package only. Checked on the import
+statements (every module, lazy imports inside functions included) and by importing each package alone."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[1] / "mmrecipes"
+PIPELINES = ("contrastive", "vlm")
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
+    """The absolute names of the mmrecipes modules that `source`, the text of `module`, imports."""
+    package = module if is_package else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.add(name)
+            found.update(f"{name}.{alias.name}" for alias in node.names)  # `from mmrecipes import vlm`
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.split(".")[0] == "mmrecipes"}
+
+
+def pipeline_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in PIPELINES else None
+
+
+def crossings() -> list[str]:
+    """Each import from a module into a pipeline package other than its own (core modules: into any)."""
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        home = pipeline_of(module_name(path))
+        imports = imported_modules(path.read_text(), module_name(path), path.name == "__init__.py")
+        for imported in sorted(imports):
+            if (other := pipeline_of(imported)) and other != home:
+                problems.append(f"{module_name(path)} imports {imported}")
+    return problems
+
+
+def test_neither_pipeline_imports_the_other_and_the_core_imports_neither():
+    assert {pipeline_of(module_name(path)) for path in PACKAGE.rglob("*.py")} == {None, *PIPELINES}
+    assert crossings() == []
+
+
+def test_the_check_sees_a_lazy_cross_import():
+    source = (PACKAGE / "contrastive" / "data.py").read_text() + "\n\ndef _peek():\n    from ..vlm import collate\n"
+    assert "mmrecipes.vlm.collate" in imported_modules(source, "mmrecipes.contrastive.data")
+    assert "mmrecipes.vlm" in imported_modules("import mmrecipes.vlm", "mmrecipes.loader")
+
+
+def test_each_pipeline_imports_alone():
+    """Every module of one pipeline imported in a fresh process loads no module of the other."""
+    for pipeline, other in (PIPELINES, PIPELINES[::-1]):
+        modules = [module_name(path) for path in sorted((PACKAGE / pipeline).glob("*.py"))]
+        code = (f"import sys\nfor name in {modules!r}:\n    __import__(name)\n"
+                f"print(sorted(name for name in sys.modules if name.startswith('mmrecipes.{other}')))")
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert result.stdout.strip() == "[]", (pipeline, result.stdout)
