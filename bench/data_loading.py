@@ -12,8 +12,11 @@
 2. `data_wait` of the default recipe (`recipes/clip_pretrain.py`, mean over its log lines) with
    `--dataloader_num_workers 0` (the CPU default) against 1.
 3. A worker's pixels at ViT-B/16 size (64 random 256 px images -> 224): `processed_pixels` finished in
-   the worker (float32) against uint8 (what the loader ships since 2026-11-24; `model_inputs`
+   the worker (float32) against uint8 (what the loader ships since 2026-11-24; `images.to_device`
    rescales and normalises on the device): milliseconds per batch and bytes per batch.
+4. A VLM worker's pixels: LLaVA-1.5's image processor (336 px) and Qwen2-VL's (its defaults, patches) on 8 random
+   640 x 480 images, as the float32 they finish themselves and as the uint8 the VLM loader ships where the
+   processor gives its own floats that way (`mmrecipes.images.uint8_normalization`, since 2026-11-25).
 Prints the ratios and appends a JSON line to bench/results/data_loading.jsonl.
 """
 
@@ -32,12 +35,12 @@ from pathlib import Path
 import datasets
 import torch
 from torchvision import transforms
-from transformers import CLIPImageProcessor
+from transformers import CLIPImageProcessor, Qwen2VLImageProcessor
 
 from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
 from mmrecipes.contrastive.data import build_dataloader
 from mmrecipes.contrastive.models import build_contrastive
-from mmrecipes.images import decode_image, processed_pixels
+from mmrecipes.images import UINT8_PIXELS, decode_image, finish_pixels, processed_pixels, uint8_normalization
 from mmrecipes.paths import SHAPES_DATA
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,6 +86,26 @@ def recipe_data_wait(workers: int, steps: int, output_dir: str) -> tuple[float, 
                          capture_output=True, text=True, check=True).stdout
     waits = [float(value) for value in re.findall(r"\| data_wait ([\d.]+) \|", log)]
     return statistics.mean(waits), time.perf_counter() - start
+
+
+def vlm_worker_pixels(image_processor, rounds: int) -> dict:
+    """{dtype: (median ms per call, bytes)} of one image processor call on 8 random 640 x 480 images, as float32 and
+    as uint8 (`UINT8_PIXELS`); the uint8 values finished as `to_device` does equal the floats to the bit."""
+    generator = torch.Generator().manual_seed(1)
+    images = [transforms.functional.to_pil_image(torch.randint(0, 256, (3, 480, 640), dtype=torch.uint8,
+                                                               generator=generator)) for _ in range(8)]
+    normalization = uint8_normalization(image_processor)
+    assert normalization is not None, type(image_processor).__name__
+    times, sizes, outputs = {"float32": [], "uint8": []}, {}, {}
+    for round_ in range(rounds + 1):
+        for dtype, flags in (("float32", {}), ("uint8", UINT8_PIXELS)):
+            start = time.perf_counter()
+            outputs[dtype] = image_processor(images=images, return_tensors="pt", **flags)["pixel_values"]
+            if round_:
+                times[dtype].append((time.perf_counter() - start) * 1000)
+            sizes[dtype] = outputs[dtype].numel() * outputs[dtype].element_size()
+    assert torch.equal(finish_pixels(outputs["uint8"], normalization), outputs["float32"])
+    return {dtype: (statistics.median(times[dtype]), sizes[dtype]) for dtype in times}
 
 
 def main():
@@ -152,6 +175,17 @@ def main():
     print(f"  uint8 / float32: {pixel_ms['uint8'] / pixel_ms['float32']:.2f}x the time, "
           f"{pixel_bytes['uint8'] / pixel_bytes['float32']:.2f}x the bytes")
 
+    vlm_pixels = {name: vlm_worker_pixels(processor, max(repeats, 3)) for name, processor in (
+        ("llava_1_5_336px", CLIPImageProcessor(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})),
+        ("qwen2_vl", Qwen2VLImageProcessor()))}
+    print("\nVLM worker pixels, 8 images 640 x 480 (median ms per call; MiB):")
+    for name, measured_pixels in vlm_pixels.items():
+        for dtype, (ms, size) in measured_pixels.items():
+            print(f"  {name:<16} {dtype:<8} {ms:7.1f} ms  {size / 2**20:6.2f} MiB")
+        (float_ms, float_size), (uint8_ms, uint8_size) = measured_pixels.values()
+        print(f"  {name:<16} uint8 / float32: {uint8_ms / float_ms:.2f}x the time, "
+              f"{uint8_size / float_size:.2f}x the bytes")
+
     record = {"bench": "data_loading", "quick": args.quick, "machine": platform.node(), "processor": platform.machine(),
               "cpus": torch.get_num_threads(), "time": time.strftime("%Y-%m-%d %H:%M"),
               "loader_samples_per_s": {name: {"median": median[name], "all": values}
@@ -160,7 +194,8 @@ def main():
               "recipe": {f"workers_{workers}": {"data_wait": wait, "wall_s": wall}
                          for workers, (wait, wall) in waits.items()},
               "worker_pixels_ms": pixel_ms,
-              "worker_pixels_bytes": pixel_bytes}
+              "worker_pixels_bytes": pixel_bytes,
+              "vlm_worker_pixels": vlm_pixels}
     with open(args.results, "a") as results:
         results.write(json.dumps(record) + "\n")
 

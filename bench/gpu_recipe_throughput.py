@@ -54,12 +54,13 @@ from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPMode
 
 from gpu_clip_throughput import TOY, VIT_B_16, build, measure, timed_steps
 from mmrecipes.contrastive.flops import clip_train_flops_per_sample
+from mmrecipes.images import to_device
 from mmrecipes.paths import TINY_TOKENIZER
 from mmrecipes.throughput import peak_flops
 from mmrecipes.training import resolve_mixed_precision
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import build_chat_dataloader
-from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
@@ -161,7 +162,7 @@ def vlm_compute_only(directory: Path, batch_size: int, max_length: int, steps: i
                                    batch_size=batch_size, data_rank=0, data_world=1, shuffle_seed=0)
     batch = next(batch for batch in loader if not batch["dummy_image"])
     tokens = int(batch["attention_mask"].sum())
-    inputs = chat_model_inputs(batch, device)
+    inputs = to_device(batch, device)
     step = VLMForTraining(model).to(device)
     optimizer = torch.optim.AdamW([p for params in trainable.values() for p in params], lr=1e-5,
                                   fused=device.type == "cuda")

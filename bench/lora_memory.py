@@ -26,9 +26,10 @@ RESULTS = Path(__file__).resolve().parent / "results" / "lora_memory.jsonl"
 
 
 def _variant(use_peft, sizes, steps, batch_size, queue):
+    from mmrecipes.images import to_device
     from mmrecipes.vlm.arguments import ChatDataArgs, LoraArgs, VLMModelArgs
     from mmrecipes.vlm.chat_data import build_chat_dataloader
-    from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+    from mmrecipes.vlm.collate import ChatCollator
     from mmrecipes.vlm.families import dummy_image_inputs
     from mmrecipes.vlm.labels import AnswerLabeller
     from mmrecipes.vlm.lora import add_lora
@@ -51,7 +52,7 @@ def _variant(use_peft, sizes, steps, batch_size, queue):
     loader = build_chat_dataloader(args, AnswerLabeller(processor, stop_token_ids(model, processor)),
                                    ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs),
                                    batch_size=batch_size, data_rank=0, data_world=1, shuffle_seed=0)
-    batches = [chat_model_inputs(batch, device) for _, batch in zip(range(steps), loader)]
+    batches = [to_device(batch, device) for _, batch in zip(range(steps), loader)]
     before = torch.cuda.memory_allocated() if device == "cuda" else resident_bytes()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -31,14 +31,15 @@ import datasets
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2VLVideoProcessor
 
+from mmrecipes.images import UINT8_PIXELS, to_device
 from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.vlm.arguments import VideoArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, encode_row
-from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs, video_path
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.models import VLMForTraining, stop_token_ids
-from mmrecipes.vlm.videos import UINT8_CLIPS, DecodedVideo, decode_video
+from mmrecipes.vlm.videos import DecodedVideo, decode_video
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "video.jsonl"
@@ -67,7 +68,7 @@ def worker_pixels(clip: bytes, seconds: float) -> dict:
     """Qwen2.5-VL's video processor on one decoded clip, as float32 and as uint8: ms and MiB per clip."""
     video_processor, (video, _) = Qwen2VLVideoProcessor(), decode_video(clip, VideoArgs())
     measured = {}
-    for dtype, flags in (("float32", {}), ("uint8", UINT8_CLIPS)):
+    for dtype, flags in (("float32", {}), ("uint8", UINT8_PIXELS)):
         calls, start = 0, time.perf_counter()
         while not calls or time.perf_counter() - start < seconds:
             pixels = video_processor(videos=[video.frames], video_metadata=[video.metadata], do_sample_frames=False,
@@ -110,7 +111,7 @@ def direction_accuracy(model_dir: Path, reverse: bool, limit: int) -> float:
             batch = collator([{"input_ids": input_ids, "labels": labels, "media_inputs": inputs}
                               | dict.fromkeys(CHAT_COUNTED, 0)])
             with torch.no_grad():
-                losses[candidate] = float(step(**chat_model_inputs(batch, "cpu"))[0])
+                losses[candidate] = float(step(**to_device(batch, "cpu"))[0])
         right += min(losses, key=losses.get) == answer
         total += 1
     return right / total

@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from mmrecipes.images import to_device
 from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import build_chat_dataloader
-from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.losses import token_cross_entropy_sum
@@ -62,7 +63,7 @@ def dummy_overhead(batch_size, repeats):
     model, loader = setup(batch_size, str(VLM_SHAPES / "text_chat"))
     batch = next(iter(loader))
     assert batch["dummy_image"]
-    wrapper, inputs = VLMForTraining(model), chat_model_inputs(batch, "cpu")
+    wrapper, inputs = VLMForTraining(model), to_device(batch, "cpu")
 
     def with_dummy():
         wrapper(**inputs)[0].backward()
@@ -89,7 +90,7 @@ def _guard_worker(rank, world, port, batch_size, repeats, out_dir):
     model, loader = setup(batch_size, ChatDataArgs.dataset_name)
     wrapper = VLMForTraining(model)
     ddp = torch.nn.parallel.DistributedDataParallel(wrapper)
-    batches = [chat_model_inputs(batch, "cpu") for _, batch in zip(range(10), loader)]
+    batches = [to_device(batch, "cpu") for _, batch in zip(range(10), loader)]
 
     def step():
         for batch in batches:

@@ -51,10 +51,11 @@ def long_tail_source(directory: Path) -> str:
 
 
 def _variant(mode, mixture, budget, steps, queue):
+    from mmrecipes.images import to_device
     from mmrecipes.paths import VLM_SHAPES
     from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
     from mmrecipes.vlm.chat_data import build_chat_dataloader
-    from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+    from mmrecipes.vlm.collate import ChatCollator
     from mmrecipes.vlm.families import dummy_image_inputs
     from mmrecipes.vlm.labels import AnswerLabeller
     from mmrecipes.vlm.losses import count_target_tokens
@@ -82,7 +83,7 @@ def _variant(mode, mixture, budget, steps, queue):
     before = torch.cuda.memory_allocated() if device == "cuda" else resident_bytes()
     for index in range(steps + 3):  # 3 warm-up steps
         batch = next(batches)
-        inputs = chat_model_inputs(batch, device)
+        inputs = to_device(batch, device)
         start = time.perf_counter()
         loss_sum, _ = step(**inputs)
         (loss_sum / max(1, count_target_tokens(batch["labels"]))).backward()

@@ -26,6 +26,13 @@ from transformers.image_utils import PILImageResampling, pil_torch_interpolation
 
 logger = logging.getLogger(__name__)
 
+# What a processor is asked for pixels that cross the loader as uint8 (a quarter of float32's bytes through shared
+# memory, pinning and the copy to the device), and the batch keys that carry the constants finishing them there.
+UINT8_PIXELS = {"do_rescale": False, "do_normalize": False}
+NORMALIZED_BY = {"pixel_values": "pixel_normalization", "pixel_values_videos": "clip_normalization"}
+# What collators add beside the model's inputs: the log's counts, DPO's pair keys, the pixels' constants
+HOST_KEYS = ("num_samples", "num_tokens", "target_tokens", "data_counts", "pair_keys", *NORMALIZED_BY.values())
+
 
 def decode_image(raw_image, max_pixels: int, max_aspect_ratio: float = float("inf")):
     """(RGB image or None, problem or None); problem is "converted", "undecodable" or "too_large"."""
@@ -88,7 +95,7 @@ def processed_pixels(image_processor, images: list[Image.Image], normalize: bool
     at a time, about 4x the time on the embedded images. Any other processor is called as it is.
     `normalize=False`: the standard pipeline stops before rescale-normalise and returns uint8 pixels
     (a quarter of float32's bytes through the loader's shared memory, pinning and the copy to the
-    device); `model_inputs` finishes them on the device (`device_normalization`), to the same floats.
+    device); `to_device` finishes them on the device (`device_normalization`), to the same floats.
     """
     if not _standard_pipeline_applies(image_processor):
         return image_processor(images=images, return_tensors="pt")["pixel_values"]
@@ -197,16 +204,57 @@ def _rescaled_and_normalized(processor, stack):
                                            processor.do_normalize, processor.image_mean, processor.image_std)
 
 
-def device_normalization(image_processor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(mean, std) for finishing uint8 pixels on the device (`fused_normalization`); None when its pixels
-    are finished in the workers (not the standard pipeline, or no rescale-normalise)."""
+def device_normalization(image_processor) -> torch.Tensor | None:
+    """[2, channels] for finishing the standard pipeline's uint8 pixels on the device (`fused_normalization`); None
+    when its pixels are finished in the workers (not the standard pipeline, or no rescale-normalise)."""
     return fused_normalization(image_processor) if _standard_pipeline_applies(image_processor) else None
 
 
-def fused_normalization(processor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(mean, std) in the fused form of an image or video processor's own `rescale_and_normalize` (mean /
-    rescale, std / rescale: the same floats to the bit); None unless it both rescales and normalises."""
+def fused_normalization(processor) -> torch.Tensor | None:
+    """[2, channels]: the mean and std in the fused form of an image or video processor's own `rescale_and_normalize`
+    (mean / rescale, std / rescale: the same floats to the bit); None unless it both rescales and normalises."""
     if not (processor.do_rescale and processor.do_normalize):
         return None
     scale = 1.0 / processor.rescale_factor
-    return torch.tensor(processor.image_mean) * scale, torch.tensor(processor.image_std) * scale
+    return torch.stack([torch.tensor(processor.image_mean) * scale, torch.tensor(processor.image_std) * scale])
+
+
+def uint8_normalization(image_processor) -> torch.Tensor | None:
+    """The `fused_normalization` with which a processor's images may cross the loader as uint8 (`UINT8_PIXELS`) and
+    be finished on the device: only where that gives its own float32 to the bit on two probe images of different
+    sizes, in one call (every resize, crop, patching and padding happens before its rescale-normalise). None: its
+    floats cross the loader (a processor that pads after normalising, or returns no uint8)."""
+    normalization = fused_normalization(image_processor)
+    if normalization is None:
+        return None
+    random = numpy.random.default_rng(0)
+    probes = [Image.fromarray(random.integers(0, 256, (height, width, 3), dtype=numpy.uint8))
+              for height, width in ((45, 61), (70, 33))]
+    floats = image_processor(images=probes, return_tensors="pt")["pixel_values"]
+    raw = image_processor(images=probes, return_tensors="pt", **UINT8_PIXELS)["pixel_values"]
+    if raw.dtype != torch.uint8 or not torch.equal(finish_pixels(raw, normalization), floats):
+        return None
+    return normalization
+
+
+def finish_pixels(pixels: torch.Tensor, normalization: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels -> the processor's float32 values, on the pixels' device: images and clips, with the
+    channel axis third from last ([..., channels, height, width]) or the first factor of each flattened patch
+    (Qwen-VL: [patches, channels x temporal x height x width])."""
+    mean, std = normalization.to(pixels.device)
+    values = pixels.to(torch.float32)
+    channels_third_from_last = values.view(len(values), len(mean), -1, 1) if values.dim() == 2 else values
+    # torchvision's normalize, which the processors' own `rescale_and_normalize` calls
+    return tvF.normalize(channels_third_from_last, mean, std, inplace=True).view(values.shape)
+
+
+def to_device(batch: dict, device) -> dict:
+    """A collated batch's model inputs on `device`, for training, evaluation and the feature cache alike: every
+    entry but the collator's host-side ones (`HOST_KEYS`; a Python value such as `dummy_image` stays as it is),
+    with uint8 images and clips rescaled and normalised there by the constants their batch carries (`NORMALIZED_BY`)."""
+    inputs = {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+              for key, value in batch.items() if key not in HOST_KEYS}
+    for pixels, normalization in NORMALIZED_BY.items():
+        if normalization in batch and pixels in inputs and inputs[pixels].dtype == torch.uint8:
+            inputs[pixels] = finish_pixels(inputs[pixels], batch[normalization])
+    return inputs

@@ -44,7 +44,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from mmrecipes.checkpointing import Checkpointer, checkpoint_weights, data_layout
-from mmrecipes.contrastive.data import build_dataloader, caption_length, evaluation_off_reason, model_inputs
+from mmrecipes.contrastive.data import build_dataloader, caption_length, evaluation_off_reason
 from mmrecipes.contrastive.evaluation import evaluate_retrieval
 from mmrecipes.contrastive.flops import ContrastiveFlops
 from mmrecipes.contrastive.grad_cache import grad_cache_backward
@@ -53,6 +53,7 @@ from mmrecipes.contrastive.models import build_contrastive, clamp_logit_scale_, 
 from mmrecipes.contrastive.patch_dropout import add_patch_dropout
 from mmrecipes.contrastive.zeroshot import ZeroShotSet, evaluate_zeroshot
 from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config
+from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
@@ -168,7 +169,7 @@ def main(argv=None):
             for batch in window:
                 # Gradients are all-reduced only on the last micro-batch of the window (no_sync before it).
                 with accelerator.accumulate(model):
-                    loss = loss_fn(*model(**model_inputs(batch, accelerator.device)))
+                    loss = loss_fn(*model(**to_device(batch, accelerator.device)))
                     accelerator.backward(loss)
                 window_losses.append(loss.detach())
         step_losses = torch.stack(window_losses)

@@ -45,13 +45,14 @@ from tqdm.auto import tqdm
 
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config, sum_over_ranks
+from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, optimizer_groups, per_device_batch_size
 from mmrecipes.vlm.chat_data import build_chat_dataloader
-from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import evaluate_answers
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.flops import VLMFlops
@@ -185,7 +186,7 @@ def main(argv=None):
         loss_scale = token_loss_scale(sum_over_ranks(local_pairs), args.gradient_accumulation_steps, data_world)
         window_sums = []
         for batch in window:
-            inputs = chat_model_inputs(batch, accelerator.device)
+            inputs = to_device(batch, accelerator.device)
             reference_side = reference(batch, inputs)  # no graph
             with accelerator.accumulate(model):
                 policy_side = sequence_logps(model, inputs)  # chosen rows first, then rejected

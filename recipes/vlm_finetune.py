@@ -54,6 +54,7 @@ from mmrecipes.distributed import (
     reconcile_deepspeed_config,
     sum_over_ranks,
 )
+from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
@@ -67,7 +68,7 @@ from mmrecipes.training import (
     per_device_batch_size,
 )
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
-from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs, check_packing
+from mmrecipes.vlm.collate import ChatCollator, check_packing
 from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
 from mmrecipes.vlm.families import dummy_image_inputs, video_path
 from mmrecipes.vlm.flops import VLMFlops
@@ -196,7 +197,7 @@ def main(argv=None):
         for batch in window:
             # Gradients are all-reduced only on the last micro-batch of the window (no_sync before it).
             with accelerator.accumulate(model):
-                loss_sum, _ = model(**chat_model_inputs(batch, accelerator.device))
+                loss_sum, _ = model(**to_device(batch, accelerator.device))
                 accelerator.backward(loss_sum * loss_scale)
             window_ce.append(loss_sum.detach())
         step_losses = torch.stack(window_ce)

@@ -27,8 +27,7 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
 
-import mmrecipes.contrastive.data
-import mmrecipes.vlm.collate
+import mmrecipes.images
 from mmrecipes.step_guard import StepGuard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,8 +120,7 @@ def pausing_save_state(self, output_dir=None, **kwargs):
 
 if __name__ == "__main__":
     StepGuard.should_call_optimizer = faulty_should_call_optimizer
-    mmrecipes.contrastive.data.model_inputs = with_nan_pixels(mmrecipes.contrastive.data.model_inputs)
-    mmrecipes.vlm.collate.chat_model_inputs = with_nan_pixels(mmrecipes.vlm.collate.chat_model_inputs)
+    mmrecipes.images.to_device = with_nan_pixels(mmrecipes.images.to_device)
     accelerate.Accelerator.save_state = pausing_save_state
     if os.environ.get("FAULT_WEIGHTS_LOG"):
         accelerate.Accelerator.prepare = remembering_prepare

@@ -9,9 +9,10 @@ import pytest
 import torch
 from PIL import Image
 
+from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
-from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.losses import IGNORE_INDEX
@@ -134,10 +135,10 @@ def test_chat_format_text_only_batch_gets_the_dummy_image(tmp_path, tiny):
     # The same forward runs on both, and on the text-only batch it equals the plain LM loss.
     wrapper = VLMForTraining(model)
     for batch in (image_batch, text_batch):
-        loss_sum, logits = wrapper(**chat_model_inputs(batch, "cpu"), return_logits=True)
+        loss_sum, logits = wrapper(**to_device(batch, "cpu"), return_logits=True)
         assert torch.isfinite(loss_sum) and logits.shape[:2] == batch["input_ids"].shape
     plain = model(input_ids=text_batch["input_ids"], attention_mask=text_batch["attention_mask"]).logits
-    assert torch.equal(wrapper(**chat_model_inputs(text_batch, "cpu"), return_logits=True)[1], plain)
+    assert torch.equal(wrapper(**to_device(text_batch, "cpu"), return_logits=True)[1], plain)
 
 
 def test_every_rank_sees_the_weighted_mixture(tiny):

@@ -16,10 +16,10 @@ from PIL import Image
 
 from gloo import run_on_ranks
 from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
-from mmrecipes.contrastive.data import COUNTED, ImageTextCollator, build_dataloader, model_inputs
+from mmrecipes.contrastive.data import COUNTED, ImageTextCollator, build_dataloader
 from mmrecipes.contrastive.evaluation import evaluate_retrieval, retrieval_recall_at_1
 from mmrecipes.contrastive.models import build_contrastive
-from mmrecipes.images import processed_pixels
+from mmrecipes.images import processed_pixels, to_device
 from mmrecipes.loader import batches_forever
 from mmrecipes.sources import expand_data_files
 from webdataset_shards import make_webdataset
@@ -69,7 +69,7 @@ def test_bad_rows_are_converted_or_skipped_and_counted(tmp_path, tiny):
     assert counts == {"converted": 4, "undecodable": 2, "too_large": 2, "no_caption": 2,
                       "bad_text": 0, "bad_row": 0, "bad_shard": 0}
     for batch in batches:
-        pixels = model_inputs(batch, torch.device("cpu"))["pixel_values"]
+        pixels = to_device(batch, torch.device("cpu"))["pixel_values"]
         assert pixels.shape[1:] == (3, 32, 32) and torch.isfinite(pixels).all()
         # one EOS each
         assert (batch["input_ids"][batch["attention_mask"].bool()] == 0).sum() == len(batch["input_ids"])
@@ -92,7 +92,7 @@ def test_batched_pixels_equal_the_image_processor(loss):
     collated = ImageTextCollator(build_contrastive(ModelArgs(loss=loss))[1], image_processor)(
         [{"pixel_values": row, "input_ids": [5, 6]} | dict.fromkeys(COUNTED, 0) for row in pixels])
     assert collated["pixel_values"].dtype == torch.uint8
-    assert torch.equal(model_inputs(collated, torch.device("cpu"))["pixel_values"], expected)
+    assert torch.equal(to_device(collated, torch.device("cpu"))["pixel_values"], expected)
 
 
 def test_collator_pads_as_the_tokenizer_does(tiny):
@@ -185,7 +185,7 @@ def test_eval_with_unequal_shares_stops_together_and_matches_one_process(tmp_pat
     loader = build_dataloader(args, "train", files, tokenizer, image_processor, batch_size=14, data_rank=0,
                               data_world=1)
     with torch.no_grad():
-        image_embeds, text_embeds, _ = model(**model_inputs(next(iter(loader)), torch.device("cpu")))
+        image_embeds, text_embeds, _ = model(**to_device(next(iter(loader)), torch.device("cpu")))
     assert recall0 == retrieval_recall_at_1(image_embeds, text_embeds)
 
 

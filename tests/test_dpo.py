@@ -14,9 +14,10 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
 from launch import REPO, assert_engine, assert_same_curves, run_engine, run_recipe
+from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import DPOArgs, LoraArgs, PreferenceDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED
-from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.lora import add_lora
@@ -144,7 +145,7 @@ def test_loss_and_rewards_equal_the_dpo_formula_from_the_models_own_logits(tiny,
     args = DPOArgs(beta=0.5, loss_type=loss_type, loss_weights=loss_weights, label_smoothing=label_smoothing)
     model.eval(), reference_model.eval()
     with torch.no_grad():
-        inputs = chat_model_inputs(collator(pairs), "cpu")
+        inputs = to_device(collator(pairs), "cpu")
         policy = sequence_logps(VLMForTraining(model), inputs)
         reference = Reference(VLMForTraining(reference_model))(None, inputs)
         losses, chosen_rewards, rejected_rewards = dpo_loss(policy, reference, answer_tokens(inputs), args)
@@ -217,7 +218,7 @@ def test_first_step_equals_trl_dpo_trainer(tiny, loss_type, tmp_path):
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
     pairs = preprocessed(PreferencePreprocessor(PreferenceDataArgs(), labeller, 256), rows)
     with torch.no_grad():
-        inputs = chat_model_inputs(collator(pairs), "cpu")
+        inputs = to_device(collator(pairs), "cpu")
         policy = sequence_logps(VLMForTraining(model.eval()), inputs)
         reference = Reference(VLMForTraining(reference_model))(None, inputs)
         losses, chosen, rejected = dpo_loss(policy, reference, answer_tokens(inputs), DPOArgs(beta=0.5,
@@ -266,7 +267,7 @@ def test_lora_reference_is_the_base_model_and_costs_no_copy(tiny):
                 param.normal_(std=0.5)  # LoRA's B starts at 0: give the adapters an effect
     adapted.eval()
     rows = list(datasets.load_dataset(str(REPO / "data" / "vlm_preferences"), split="train").select(range(4)))
-    inputs = chat_model_inputs(collator(preprocessed(preprocess, rows)), "cpu")
+    inputs = to_device(collator(preprocessed(preprocess, rows)), "cpu")
     step = VLMForTraining(adapted)
     with torch.no_grad():
         reference = Reference(step, peft_model)(None, inputs)

@@ -17,9 +17,10 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig, pipeline
 
 from gloo import run_on_ranks
+from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import LoraArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, encode_row
-from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.lora import add_lora, save_lora
@@ -68,7 +69,7 @@ def train(model, processor, parameters, steps, shown=square, family=None) -> lis
     shuffle, losses = random.Random(0), []
     for _ in range(steps):
         batch = collator(shuffle.sample(rows * 2, 8))
-        loss_sum, _ = wrapper(**chat_model_inputs(batch, "cpu"))
+        loss_sum, _ = wrapper(**to_device(batch, "cpu"))
         (loss_sum / batch["target_tokens"]).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -112,7 +113,7 @@ def _mixed_ranks_steps(rank, world_size, directories):
         assert batch["dummy_image"] == (rank == 1)
         ddp = DistributedDataParallel(VLMForTraining(model))
         for _ in range(2):
-            loss_sum, _ = ddp(**chat_model_inputs(batch, "cpu"))
+            loss_sum, _ = ddp(**to_device(batch, "cpu"))
             loss_sum.backward()
         grads[family] = {name: param.grad for name, param in model.named_parameters() if param.requires_grad}
     return grads

@@ -12,10 +12,11 @@ from transformers import Siglip2ImageProcessor, Siglip2Model, Siglip2Tokenizer, 
 
 from launch import REPO, assert_engine, assert_same_curves, losses, run_engine, run_recipe
 from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
-from mmrecipes.contrastive.data import build_dataloader, check_image_batching, model_inputs
+from mmrecipes.contrastive.data import build_dataloader, check_image_batching
 from mmrecipes.contrastive.flops import ContrastiveFlops, clip_train_flops_per_sample
 from mmrecipes.contrastive.models import build_contrastive
 from mmrecipes.contrastive.patch_dropout import add_patch_dropout
+from mmrecipes.images import to_device
 
 MAX_PATCHES = 16  # 8-pixel patches: a square image is 4 x 4 of them, a 3:2 one 3 x 5, a 2:3 one 5 x 3
 BUDGET = 160  # patches per micro-batch: 10 square images, or more of the others
@@ -87,7 +88,7 @@ def test_batches_hold_mixed_aspect_ratios_within_the_budget_and_padding_changes_
     batch = batches[0]
     model.eval()
     with torch.no_grad():
-        together = model(**model_inputs(batch, torch.device("cpu")))[0]
+        together = model(**to_device(batch, torch.device("cpu")))[0]
         for row in range(len(batch["input_ids"])):
             patches = int(batch["spatial_shapes"][row].prod())
             one = slice(row, row + 1)

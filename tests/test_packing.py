@@ -13,9 +13,10 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from launch import VLM_RECIPE, assert_engine, assert_same_curves, run_engine
+from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row
-from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs, check_packing
+from mmrecipes.vlm.collate import ChatCollator, check_packing
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.models import VLMForTraining, load_vlm, stop_token_ids
@@ -59,10 +60,10 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
     dummy_inputs = dummy_image_inputs(model, processor)
     rows = rows_of(labeller)
     step = partial(VLMForTraining(model), return_logits=True)
-    alone = [step(**chat_model_inputs(ChatCollator(0, dummy_inputs)([row]), "cpu")) for row in rows]
+    alone = [step(**to_device(ChatCollator(0, dummy_inputs)([row]), "cpu")) for row in rows]
     lengths = [len(row["input_ids"]) for row in rows]
     for pack_length, sequences in ((None, [[0, 1, 2]]), (lengths[0] + lengths[1], [[0, 1], [2]])):
-        batch = chat_model_inputs(ChatCollator(0, dummy_inputs, packing=True, pack_length=pack_length)(rows),
+        batch = to_device(ChatCollator(0, dummy_inputs, packing=True, pack_length=pack_length)(rows),
                                   "cpu")
         loss, logits = step(**batch)
         assert logits.shape[0] == len(sequences)
@@ -71,7 +72,7 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
             torch.testing.assert_close(logits[index, :len(expected)], expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(loss, sum(a[0] for a in alone), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(step.func(**batch)[0], loss, rtol=1e-5, atol=1e-5)  # the training loss, in slices
-    packed = chat_model_inputs(ChatCollator(0, dummy_inputs, packing=True)(rows), "cpu")
+    packed = to_device(ChatCollator(0, dummy_inputs, packing=True)(rows), "cpu")
     logits = step(**packed)[1]
     check_packing(VLMForTraining(model), labeller, dummy_inputs)
 

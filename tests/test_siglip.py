@@ -19,8 +19,9 @@ from launch import (
     run_recipe,
 )
 from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
-from mmrecipes.contrastive.data import ImageTextCollator, ImageTextPreprocessor, model_inputs
+from mmrecipes.contrastive.data import ImageTextCollator, ImageTextPreprocessor
 from mmrecipes.contrastive.models import build_contrastive
+from mmrecipes.images import to_device
 
 pytestmark = pytest.mark.launch
 
@@ -142,7 +143,7 @@ def test_pipeline_scores_what_training_computed(default_run):
         [dict(zip(out, values)) for values in zip(*out.values())])
     assert batch["input_ids"].shape == (3, 64)
     with torch.no_grad():
-        image_embeds, text_embeds, scale, bias = model(**model_inputs(batch, torch.device("cpu")))
+        image_embeds, text_embeds, scale, bias = model(**to_device(batch, torch.device("cpu")))
     expected = torch.sigmoid(scale * image_embeds[0] @ text_embeds.T + bias)
     classify = pipeline("zero-shot-image-classification", model=str(output_dir))
     scores = classify(row["image"], candidate_labels=captions, hypothesis_template="{}")  # the caption as is

@@ -14,14 +14,15 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from launch import REPO
+from mmrecipes.images import NORMALIZED_BY, to_device
 from mmrecipes.vlm.arguments import ChatDataArgs, VideoArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row
-from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs, video_path
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.losses import IGNORE_INDEX
 from mmrecipes.vlm.models import VLMForTraining, load_vlm, stop_token_ids
-from mmrecipes.vlm.videos import CLIP_NORMALIZATION, DecodedVideo, decode_video
+from mmrecipes.vlm.videos import DecodedVideo, decode_video
 
 VIDEO_CHAT = REPO / "data" / "vlm_shapes" / "video_chat"
 
@@ -105,14 +106,14 @@ def test_clips_leave_the_workers_as_uint8_and_are_finished_to_the_processors_own
     row = clip_rows(1)[0]
     batch = ChatCollator(0, dummy)([video_row(labeller, row)])
     if name == "internvl3":
-        assert "pixel_values_videos" not in batch and CLIP_NORMALIZATION not in batch
+        assert "pixel_values_videos" not in batch and NORMALIZED_BY["pixel_values_videos"] not in batch
         assert batch["pixel_values"].dtype == torch.float32
         return
     assert batch["pixel_values_videos"].dtype == torch.uint8
     video, _ = decode_video(row["videos"][0], VideoArgs())
     own = processor.video_processor(videos=[video.frames], video_metadata=[video.metadata], do_sample_frames=False,
                                     return_tensors="pt")["pixel_values_videos"]
-    inputs = chat_model_inputs(batch, "cpu")
+    inputs = to_device(batch, "cpu")
     assert torch.equal(inputs["pixel_values_videos"], own)
     assert not torch.equal(batch["pixel_values_videos"].float(), own)  # the raw uint8 values are not the inputs
     step = VLMForTraining(model)
@@ -122,7 +123,7 @@ def test_clips_leave_the_workers_as_uint8_and_are_finished_to_the_processors_own
 def losses_of(model, dummy, rows, packing=False):
     step = VLMForTraining(model)
     batch = ChatCollator(0, dummy, packing=packing)(rows)
-    return step(**chat_model_inputs(batch, "cpu"), return_logits=True)
+    return step(**to_device(batch, "cpu"), return_logits=True)
 
 
 @torch.no_grad()
@@ -154,7 +155,7 @@ def test_every_batch_makes_the_same_tower_calls(tiny_vlms, name, calls):
         try:
             batch = ChatCollator(0, dummy)(rows)
             model.zero_grad()
-            step(**chat_model_inputs(batch, "cpu"))[0].backward()
+            step(**to_device(batch, "cpu"))[0].backward()
         finally:
             hook.remove()
         assert batch["dummy_image"] and len(counted) == calls[kind], (kind, counted)

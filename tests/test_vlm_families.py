@@ -5,6 +5,7 @@ collator and dummy-image step. Checkpoints: tiny models saved in their hub layou
 
 import json
 
+import numpy
 import pytest
 import torch
 from PIL import Image
@@ -12,9 +13,10 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor,
 
 from launch import VLM_RECIPE, load_recipe
 from mmrecipes.distributed import fsdp_block_classes
+from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
-from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts, prompt_row
-from mmrecipes.vlm.collate import ChatCollator, chat_model_inputs
+from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row, generation_prompts, prompt_row
+from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import greedy_tokens
 from mmrecipes.vlm.families import PROJECTORS, check_trainable, dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller, TemplateError, check_template
@@ -258,7 +260,7 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
     assert decoded == ["red" + end, "blue" + end, "two" + end]
     assert [(row == labeller.image_token_id).any().item() for row in batch["input_ids"]] == [True, True, False]
     wrapper = VLMForTraining(model)
-    loss_sum, _ = wrapper(**chat_model_inputs(batch, "cpu"))
+    loss_sum, _ = wrapper(**to_device(batch, "cpu"))
     loss_sum.backward()
     assert torch.isfinite(loss_sum)
     # The loss from the base model's hidden states and the output layer in slices is the loss of the
@@ -276,7 +278,7 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
     (text_only,) = batches("text_only.json", 1)
     assert text_only["dummy_image"]
     model.zero_grad(set_to_none=True)
-    wrapper(**chat_model_inputs(text_only, "cpu"))[0].backward()
+    wrapper(**to_device(text_only, "cpu"))[0].backward()
     assert all(p.grad is not None and not p.grad.any() for p in vision_step)
 
 
@@ -303,8 +305,34 @@ def test_a_two_image_llava_row_brings_both_images_to_the_loss(tiny_vlms, tmp_pat
         image_tokens = (batch["input_ids"] == labeller.image_token_id).sum(dim=1)
         assert image_tokens[1] > image_tokens[0] > 0  # both images expanded in the two-image row
         with torch.no_grad():
-            losses.append(wrapper(**chat_model_inputs(batch, "cpu"))[0])
+            losses.append(wrapper(**to_device(batch, "cpu"))[0])
     assert not torch.isclose(losses[0], losses[1], rtol=1e-6, atol=0)
+
+
+# The families whose image processors give their own floats from uint8 finished on the device (the others pad after
+# normalising, or return floats: their images cross the loader as float32)
+UINT8_IMAGES = {"llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "gemma3"}
+
+
+def test_images_cross_the_loader_as_uint8_where_the_processor_gives_its_own_floats(tiny_vlms):
+    """Two images of different sizes in one row, through each family's labeller: as uint8 finished by `to_device`,
+    the same pixel values to the bit as the processor's own float32; uint8 exactly where the probe allows it."""
+    random = numpy.random.default_rng(3)
+    images = [Image.fromarray(random.integers(0, 256, (height, width, 3), dtype=numpy.uint8))
+              for height, width in ((50, 40), (31, 77))]
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "?"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "a red circle"}]}]
+    crossing = set()
+    for family in FAMILIES:
+        labeller = labeller_of(tiny_vlms[family])
+        _, _, shipped = encode_row(labeller, conversation, images)
+        labeller.normalization["pixel_values"] = None  # what the processor gives on its own
+        _, _, floats = encode_row(labeller, conversation, images)
+        assert floats["pixel_values"].dtype == torch.float32
+        assert torch.equal(to_device(shipped, "cpu")["pixel_values"], floats["pixel_values"]), family
+        if shipped["pixel_values"].dtype == torch.uint8:
+            crossing.add(family)
+    assert crossing == UINT8_IMAGES
 
 
 @pytest.mark.parametrize("family", ["llava_next", "qwen2_5_vl", "gemma3"])
@@ -320,7 +348,7 @@ def test_greedy_decoding_in_the_evaluation_is_what_generate_gives(tiny_vlms, fam
     expected = model.generate(**inputs, max_new_tokens=5, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
     batch = collator([prompt_row(processor, conversation, [image])])
-    assert greedy_tokens(VLMForTraining(model), chat_model_inputs(batch, "cpu"), 5)[:len(expected)] == expected
+    assert greedy_tokens(VLMForTraining(model), to_device(batch, "cpu"), 5)[:len(expected)] == expected
 
 
 def test_paligemma2_gets_eager_attention_and_is_refused_for_its_missing_template(tiny_vlms, tmp_path, caplog):

@@ -11,9 +11,9 @@ from functools import partial
 
 import datasets
 import torch
-from torchvision.transforms.v2.functional import normalize as normalize_image
 
 from ..images import (
+    NORMALIZED_BY,
     decode_image,
     device_normalization,
     padded_patches,
@@ -63,7 +63,7 @@ class ImageTextPreprocessor:
         self.args, self.tokenizer, self.image_processor = args, tokenizer, image_processor
         self.max_length, self.augment = max_length, augment
         self.drops = DropCounter()
-        # uint8 pixels when the device can finish them (ImageTextCollator, model_inputs)
+        # uint8 pixels when the device can finish them (ImageTextCollator, images.to_device)
         self.normalize_here = device_normalization(image_processor) is None
         self.patch_grids = takes_patch_grids(image_processor)  # SigLIP 2 NaFlex: each row's patches and grid
 
@@ -109,8 +109,8 @@ class ImageTextPreprocessor:
 
 class ImageTextCollator:
     """Rows -> {pixel_values, input_ids, attention_mask, num_samples, data_counts}; pads captions to the batch
-    max, or to `pad_to_length`. uint8 pixels come with the `pixel_mean` and `pixel_std` that
-    `model_inputs` finishes them with (`device_normalization`). NaFlex rows are padded to the batch's
+    max, or to `pad_to_length`. uint8 pixels come with the constants (`images.NORMALIZED_BY`) that
+    `images.to_device` finishes them with (`device_normalization`). NaFlex rows are padded to the batch's
     longest image (`padded_patches`: with `pixel_attention_mask` and `spatial_shapes`). With several `sources`,
     `data_counts` ends with the rows from each (`DataArgs.counted`)."""
 
@@ -147,7 +147,7 @@ class ImageTextCollator:
             if self.normalization is None:
                 raise ValueError("uint8 pixel values, but the image processor does not rescale and normalise them in "
                                  "its standard pipeline: preprocess with processed_pixels(..., normalize=True)")
-            batch["pixel_mean"], batch["pixel_std"] = self.normalization
+            batch[NORMALIZED_BY["pixel_values"]] = self.normalization
         return batch
 
 
@@ -194,17 +194,3 @@ def check_image_batching(args: DataArgs, image_processor):
     if args.train_augment and takes_patch_grids(image_processor):
         raise ValueError("--train_augment crops to the processor's fixed size; SigLIP 2 NaFlex keeps each image's "
                          "own size and aspect ratio: drop --train_augment")
-
-
-MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "spatial_shapes")
-
-
-def model_inputs(batch, device):
-    """The model's tensors of a collated batch, on `device`; uint8 pixels rescaled and normalised there."""
-    inputs = {key: batch[key].to(device, non_blocking=True) for key in MODEL_INPUTS if key in batch}
-    if "pixel_mean" in batch:
-        mean, std = (batch[key].to(device, non_blocking=True) for key in ("pixel_mean", "pixel_std"))
-        inputs["pixel_values"] = normalize_image(inputs["pixel_values"].to(torch.float32), mean, std, inplace=True)
-    return inputs
-
-

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import batches_in_step
-from .data import model_inputs
+from ..images import to_device
 from .losses import all_gather_with_grad, gather_sizes
 
 
@@ -27,7 +27,7 @@ def evaluate_retrieval(model, eval_loader, filler_batch, device) -> dict:
     model.eval()
     image_parts, text_parts, width = [], [], None
     for batch, real in batches_in_step(eval_loader, filler_batch, device):
-        image_embeds, text_embeds = model(**model_inputs(batch, device))[:2]
+        image_embeds, text_embeds = model(**to_device(batch, device))[:2]
         width = image_embeds.shape[1]
         if real:
             image_parts.append(image_embeds.float())

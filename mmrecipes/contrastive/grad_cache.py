@@ -14,7 +14,7 @@ times (open_clip's `--accum-freq` applies it k times). Costs one extra forward p
 
 import torch
 
-from .data import model_inputs
+from ..images import to_device
 
 
 def grad_cache_backward(accelerator, model, micro_batches, loss_fn) -> torch.Tensor:
@@ -30,7 +30,7 @@ def grad_cache_backward(accelerator, model, micro_batches, loss_fn) -> torch.Ten
     with torch.no_grad():
         for batch in micro_batches:
             rng_states.append(_rng_state(device))
-            image_embeds, text_embeds, *scalars = model(**model_inputs(batch, device))
+            image_embeds, text_embeds, *scalars = model(**to_device(batch, device))
             image_parts.append(image_embeds)
             text_parts.append(text_embeds)
     images = torch.cat(image_parts).requires_grad_()
@@ -46,7 +46,7 @@ def grad_cache_backward(accelerator, model, micro_batches, loss_fn) -> torch.Ten
         offset = rows.stop
         _set_rng_state(rng_state, device)
         with accelerator.accumulate(model):
-            image_embeds, text_embeds, *scalars = model(**model_inputs(batch, device))
+            image_embeds, text_embeds, *scalars = model(**to_device(batch, device))
             feature_terms = (image_embeds * images.grad[rows]).sum() + (text_embeds * texts.grad[rows]).sum()
             scalar_terms = sum((scalar * cached.grad).sum() for scalar, cached in zip(scalars, cached_scalars))
             # accelerate and DeepSpeed divide each backward by the window length k: the feature terms

@@ -14,7 +14,7 @@ import datasets
 import torch
 
 from ..distributed import batches_in_step, sum_over_ranks
-from ..images import image_inputs
+from ..images import image_inputs, to_device
 from ..paths import resolve_name
 from ..sources import split_by_data_rank
 from .arguments import ZeroShotArgs
@@ -89,15 +89,15 @@ def evaluate_zeroshot(model, zeroshot: ZeroShotSet, device) -> dict:
     (discarded: `batches_in_step`).
     """
     model.eval()
-    prompts = on_device(zeroshot.prompts, device)
-    class_embeds = model(**on_device(zeroshot.filler, device), **prompts)[1].float()
+    prompts = to_device(zeroshot.prompts, device)
+    class_embeds = model(**to_device(zeroshot.filler, device), **prompts)[1].float()
     class_embeds = class_embeds.reshape(len(zeroshot.class_names), zeroshot.templates, -1).mean(dim=1)
     class_embeds = torch.nn.functional.normalize(class_embeds, dim=-1)
     one_prompt = {key: value[:1] for key, value in prompts.items()}
     top_k = min(5, len(zeroshot.class_names))
     totals = torch.zeros(3, device=device)  # top-1 right, top-5 right, images
     for (images, labels), real in batches_in_step(zeroshot.batches(), (zeroshot.filler, None), device):
-        image_embeds = model(**on_device(images, device), **one_prompt)[0].float()
+        image_embeds = model(**to_device(images, device), **one_prompt)[0].float()
         if real:
             ranked = (image_embeds @ class_embeds.T).topk(top_k, dim=1).indices
             labels = labels.to(device)
@@ -108,7 +108,3 @@ def evaluate_zeroshot(model, zeroshot: ZeroShotSet, device) -> dict:
     if not images:
         return {}
     return {"zeroshot_top1": top1 / images, "zeroshot_top5": top5 / images, "zeroshot_images": int(images)}
-
-
-def on_device(tensors: dict, device) -> dict:
-    return {key: value.to(device) for key, value in tensors.items()}

@@ -3,20 +3,19 @@ checks before the first step that use it.
 
 `ChatCollator` gives a batch without any image the model's tiny dummy image, so the vision step
 runs on every rank for every micro-batch (see mmrecipes.vlm.models); it also counts, on the host, what the
-loop needs (`HOST_COUNTS`: rows, tokens, target tokens, data counts). `probe_rows` and `check_packing` run it
+loop needs (rows, tokens, target tokens, data counts: `images.HOST_KEYS`, which `images.to_device` leaves on the
+host). `probe_rows` and `check_packing` run it
 on two probe conversations before training.
 """
 
 import torch
 from PIL import Image
 
+from ..images import NORMALIZED_BY, to_device
 from .chat_data import CHAT_COUNTED, TOKEN_ALIGNED, encode_row
 from .losses import IGNORE_INDEX, count_target_tokens
-from .videos import CLIP_NORMALIZATION, finish_clip_pixels
 
 MEDIA_KEYS = ("pixel_values", "pixel_values_videos")  # a row holds images, videos or both when it has these
-# What the collator counted or noted on the host, for the loop (not the model): the loop reads no tensor for them.
-HOST_COUNTS = ("num_samples", "num_tokens", "target_tokens", "data_counts", "pair_keys")
 
 
 class ChatCollator:
@@ -66,14 +65,13 @@ class ChatCollator:
             if any(key in row["media_inputs"] for row in rows):
                 batch[key] = join([row["media_inputs"].get(key, torch.zeros_like(row["input_ids"])) for row in rows], 0)
         with_media = [row["media_inputs"] for row in rows if {*MEDIA_KEYS} & set(row["media_inputs"])]
-        media_keys = {key for inputs in with_media for key in inputs} - {*TOKEN_ALIGNED, CLIP_NORMALIZATION}
+        media_keys = {key for inputs in with_media for key in inputs} - {*TOKEN_ALIGNED, *NORMALIZED_BY.values()}
         batch |= {key: _cat_padded([inputs[key] for inputs in with_media if key in inputs]) for key in media_keys}
         clips = [inputs["pixel_values_videos"] for inputs in with_media if "pixel_values_videos" in inputs]
         if clips and clips[0].dim() == 5 and len({clip.shape[1] for clip in clips}) > 1:  # frames zero-padded
             batch["video_frames"] = [frames for row in clips for frames in [row.shape[1]] * len(row)]
-        # uint8 clips: the constants that finish them on the device (the same for every row)
-        batch |= next(({CLIP_NORMALIZATION: inputs[CLIP_NORMALIZATION]} for inputs in with_media
-                       if CLIP_NORMALIZATION in inputs), {})
+        # uint8 images and clips: the constants that finish them on the device (the same for every row)
+        batch |= {key: inputs[key] for inputs in with_media for key in NORMALIZED_BY.values() if key in inputs}
         batch["dummy_image"] = "pixel_values" not in batch
         if batch["dummy_image"]:
             batch |= {key: value for key, value in self.dummy_inputs.items() if key != "pixel_values_videos"}
@@ -150,9 +148,9 @@ def check_packing(step, labeller, dummy_inputs):
     model, training = step.model, step.model.training
     model.eval()
     try:
-        _, packed = step(**chat_model_inputs(ChatCollator(0, dummy_inputs, packing=True)(rows), "cpu"),
+        _, packed = step(**to_device(ChatCollator(0, dummy_inputs, packing=True)(rows), "cpu"),
                          return_logits=True)
-        alone = torch.cat([step(**chat_model_inputs(ChatCollator(0, dummy_inputs)([row]), "cpu"),
+        alone = torch.cat([step(**to_device(ChatCollator(0, dummy_inputs)([row]), "cpu"),
                                 return_logits=True)[1] for row in rows], dim=1)
     finally:
         model.train(training)
@@ -160,14 +158,3 @@ def check_packing(step, labeller, dummy_inputs):
         raise ValueError(f"--packing: {type(model).__name__} does not keep packed samples apart (its logits differ by "
                          f"{(packed - alone).abs().max().item():.3g} from the samples run alone): drop --packing, or "
                          "keep --max_tokens_per_batch without it")
-
-
-
-def chat_model_inputs(batch: dict, device) -> dict:
-    """A collated batch's model inputs on `device` (the dummy_image flag stays a Python bool); uint8 clips
-    rescaled and normalised there (`mmrecipes.vlm.videos.finish_clip_pixels`)."""
-    inputs = {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-              for key, value in batch.items() if key not in (*HOST_COUNTS, CLIP_NORMALIZATION)}
-    if CLIP_NORMALIZATION in batch and inputs["pixel_values_videos"].dtype == torch.uint8:
-        inputs["pixel_values_videos"] = finish_clip_pixels(inputs["pixel_values_videos"], batch[CLIP_NORMALIZATION])
-    return inputs

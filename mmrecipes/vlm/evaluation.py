@@ -3,8 +3,8 @@
 import torch
 
 from ..distributed import batches_in_step, max_over_ranks, sum_over_ranks
+from ..images import to_device
 from .chat_data import TOKEN_ALIGNED
-from .collate import chat_model_inputs
 from .losses import IGNORE_INDEX
 
 
@@ -22,7 +22,7 @@ def evaluate_answers(model, eval_loader, filler_batch, device) -> dict:
     model.eval()
     totals = torch.zeros(2, device=device)  # correct answers, answers
     for batch, real in batches_in_step(eval_loader, filler_batch, device):
-        inputs = chat_model_inputs(batch, device)
+        inputs = to_device(batch, device)
         _, logits = model(**inputs, return_logits=True)
         if real:
             targets = inputs["labels"][:, 1:]
@@ -54,7 +54,7 @@ def evaluate_generation(model, prompts, filler, collator, tokenizer, stop_token_
     # A packed filler decodes unpacked: its outputs are discarded, and appending would break its segments.
     filler = {key: value for key, value in filler.items() if key not in ("sample_lengths", "media_per_sample")}
     for (batch, answer), real in batches_in_step(batches, (filler, None), device):
-        generated = greedy_tokens(model, chat_model_inputs(batch, device), new_tokens)
+        generated = greedy_tokens(model, to_device(batch, device), new_tokens)
         if real:
             ended = next((i for i, token in enumerate(generated) if token in stops), len(generated))
             text = tokenizer.decode(generated[:ended], skip_special_tokens=True).strip()

@@ -37,7 +37,7 @@ import torch
 from PIL import Image
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from .videos import CLIP_NORMALIZATION, UINT8_CLIPS, clip_normalization
+from ..images import NORMALIZED_BY, UINT8_PIXELS, fused_normalization, uint8_normalization
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -56,8 +56,9 @@ class AnswerLabeller:
     `stop_token_ids`: the tokens that end a turn (the generation config's eos ids and the
     tokenizer's eos). `videos`: how the model trains on clips (`families.video_path`; None: it does
     not); they go to the processor as decoded frames (`mmrecipes.vlm.videos.DecodedVideo`) with their
-    metadata, already sampled. Clips that reach the model as `pixel_values_videos` come back uint8, with
-    the constants that finish them on the device under `CLIP_NORMALIZATION` (`mmrecipes.vlm.videos`). A
+    metadata, already sampled. Images (where the image processor gives its own floats that way:
+    `images.uint8_normalization`) and clips that reach the model as `pixel_values_videos` come back uint8, with
+    the constants that finish them on the device (`images.NORMALIZED_BY`, `images.to_device`). A
     conversation whose turns no rule finds raises `TemplateError`.
     """
 
@@ -72,7 +73,10 @@ class AnswerLabeller:
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(processor.image_token)
         self.video_token_id = self.tokenizer.convert_tokens_to_ids(processor.video_token) if videos else None
         as_clips = videos is not None and videos != "as images"  # not frames among the image tiles
-        self.clip_normalization = clip_normalization(processor.video_processor) if as_clips else None
+        # {pixel key: the constants that finish its uint8 values on the device, or None: floats from the processor}
+        self.normalization = {"pixel_values": uint8_normalization(processor.image_processor),
+                              "pixel_values_videos": fused_normalization(processor.video_processor) if as_clips
+                              else None}
         self.rule = "generation markers" if self.has_markers else "prefix renderings"
 
     def render(self, messages, add_generation_prompt=False, marked=False):
@@ -128,13 +132,16 @@ class AnswerLabeller:
         if bos is not None and text.startswith(bos):  # as apply_chat_template does: the template wrote it
             kwargs["add_special_tokens"] = False
         plain = self.tokenizer(text, return_offsets_mapping=True, **kwargs)
+        if images and self.normalization["pixel_values"] is not None:
+            kwargs["images_kwargs"] = dict(UINT8_PIXELS)
         if videos:  # the frames we sampled, with what the processor reads the sampling rate from
-            uint8 = UINT8_CLIPS if self.clip_normalization is not None else {}
+            uint8 = UINT8_PIXELS if self.normalization["pixel_values_videos"] is not None else {}
             kwargs |= dict(videos=[video.frames for video in videos], videos_kwargs=dict(
                 do_sample_frames=False, video_metadata=[video.metadata for video in videos], **uint8))
         encoded = self.processor(text=text, images=[images] if images else None, **kwargs)
-        if videos and self.clip_normalization is not None and "pixel_values_videos" in encoded:
-            encoded[CLIP_NORMALIZATION] = self.clip_normalization
+        for pixels, normalization in self.normalization.items():
+            if normalization is not None and pixels in encoded:
+                encoded[NORMALIZED_BY[pixels]] = normalization
         input_ids = torch.as_tensor(encoded["input_ids"][0])
         aligned = _aligned_positions(plain["input_ids"], input_ids.tolist())
         target = torch.zeros(len(input_ids), dtype=torch.bool)

@@ -51,49 +51,10 @@ def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
       model that width says nothing, and `PROJECTORS` decides by model type.
     """
     language_model = {id(p) for p in [*model.get_decoder().parameters(), *model.get_output_embeddings().parameters()]}
-    blocks = set(getattr(model, "_no_split_modules", None) or [])
-    widths = {}  # output width of each module the vision step calls
-
-    def record(name, module, args, output):
-        widths.setdefault(name, _width(output))
-
-    handles = [module.register_forward_hook(partial(record, name)) for name, module in model.named_modules()]
-    try:
-        image_inputs = {name: value for name, value in dummy_inputs.items() if name != "pixel_values_videos"}
-        features = lm_features(model.get_image_features(**image_inputs, return_dict=True))
-    finally:
-        for handle in handles:
-            handle.remove()
-    torch.cat([feature.flatten() for feature in features]).sum().backward()
-    reached = {id(p) for p in model.parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-
+    widths, reached = _vision_step(model, dummy_inputs)
     modules = dict(model.named_modules())
-    lm_width = model.get_input_embeddings().embedding_dim
-    called_blocks = [name for name in widths if type(modules[name]).__name__ in blocks and name]
-    vision_blocks = [name for name in called_blocks
-                     if not any(id(p) in language_model for p in modules[name].parameters())]
-    towers = {_highest_vision_ancestor(name, modules, language_model) for name in vision_blocks}
-    ambiguous = any(widths[name] == lm_width for name in vision_blocks)
-    projector_prefixes, projector_by = [], "rule"
-    if ambiguous or not towers:
-        projector_prefixes, projector_by = list(PROJECTORS.get(model.config.model_type, ())), "table"
-        if not projector_prefixes:
-            raise ValueError(
-                f"Cannot tell the projector of model type {model.config.model_type!r} from its vision tower "
-                f"(the tower is as wide as the language model, {lm_width}): add its projector modules to "
-                "PROJECTORS in mmrecipes/vlm_families.py")
-    else:
-        for tower in towers:
-            for child, module in modules[tower].named_children():
-                inner = [f"{tower}.{child}"] + ([f"{tower}.{child}.{i}" for i, _ in module.named_children()]
-                                                if isinstance(module, torch.nn.ModuleList) else [])
-                for name in inner:
-                    holds_block = any(b == name or b.startswith(name + ".") for b in vision_blocks)
-                    has_parameters = any(True for _ in modules[name].parameters())
-                    if not holds_block and widths.get(name) == lm_width and has_parameters:
-                        projector_prefixes.append(name)
-
+    vision_blocks, towers = _vision_towers(model, modules, widths, language_model)
+    projector_prefixes, projector_by = _projector_prefixes(model, modules, widths, vision_blocks, towers)
     groups = ModuleGroups(projector_by=projector_by)
     for name, param in model.named_parameters():
         if id(param) in language_model:
@@ -108,6 +69,62 @@ def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
         else:
             groups.vision_tower.append((name, param))
     return groups
+
+
+def _vision_step(model, dummy_inputs: dict) -> tuple[dict, set]:
+    """One forward and backward of the dummy image's `lm_features`: (the output width of each module it calls, the
+    ids of the parameters its backward reaches)."""
+    widths = {}
+
+    def record(name, module, args, output):
+        widths.setdefault(name, _width(output))
+
+    handles = [module.register_forward_hook(partial(record, name)) for name, module in model.named_modules()]
+    try:
+        image_inputs = {name: value for name, value in dummy_inputs.items() if name != "pixel_values_videos"}
+        features = lm_features(model.get_image_features(**image_inputs, return_dict=True))
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.cat([feature.flatten() for feature in features]).sum().backward()
+    reached = {id(p) for p in model.parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return widths, reached
+
+
+def _vision_towers(model, modules: dict, widths: dict, language_model: set) -> tuple[list[str], set[str]]:
+    """(the encoder blocks the vision step called that hold nothing of the language model, the towers: the largest
+    modules holding them and nothing of the language model)."""
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    called_blocks = [name for name in widths if type(modules[name]).__name__ in blocks and name]
+    vision_blocks = [name for name in called_blocks
+                     if not any(id(p) in language_model for p in modules[name].parameters())]
+    return vision_blocks, {_highest_vision_ancestor(name, modules, language_model) for name in vision_blocks}
+
+
+def _projector_prefixes(model, modules: dict, widths: dict, vision_blocks: list[str], towers: set[str]):
+    """(the module paths of the projector inside the towers, "rule"), or, where the towers' widths cannot tell (a
+    tower as wide as the language model) or no tower was found, (PROJECTORS' entry for the model type, "table")."""
+    lm_width = model.get_input_embeddings().embedding_dim
+    if any(widths[name] == lm_width for name in vision_blocks) or not towers:
+        prefixes = list(PROJECTORS.get(model.config.model_type, ()))
+        if not prefixes:
+            raise ValueError(
+                f"Cannot tell the projector of model type {model.config.model_type!r} from its vision tower "
+                f"(the tower is as wide as the language model, {lm_width}): add its projector modules to "
+                "PROJECTORS in mmrecipes/vlm/families.py")
+        return prefixes, "table"
+    prefixes = []
+    for tower in towers:
+        for child, module in modules[tower].named_children():
+            inner = [f"{tower}.{child}"] + ([f"{tower}.{child}.{i}" for i, _ in module.named_children()]
+                                            if isinstance(module, torch.nn.ModuleList) else [])
+            for name in inner:
+                holds_block = any(b == name or b.startswith(name + ".") for b in vision_blocks)
+                has_parameters = any(True for _ in modules[name].parameters())
+                if not holds_block and widths.get(name) == lm_width and has_parameters:
+                    prefixes.append(name)
+    return prefixes, "rule"
 
 
 def _width(output):

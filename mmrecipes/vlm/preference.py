@@ -26,11 +26,11 @@ from accelerate.utils import DistributedType
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
 from ..distributed import all_ranks_true, batches_in_step, sum_over_ranks
+from ..images import to_device
 from ..loader import Skip
 from ..sources import DATA_FILE, PROBLEM, row_name
 from .arguments import DPOArgs
 from .chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor
-from .collate import chat_model_inputs
 from .losses import IGNORE_INDEX
 
 PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image", "id"]
@@ -249,7 +249,7 @@ class Reference:
                     raise RuntimeError("A data rank has no preference pairs: use more data shards/rows or fewer "
                                        "processes (pairs that cannot be read are skipped).")
                 for batch, real in batches_in_step(itertools.chain([first], batches), first, device):
-                    logps = self._computed(chat_model_inputs(batch, device)).tolist()
+                    logps = self._computed(to_device(batch, device)).tolist()
                     if real:
                         for index, key in enumerate(batch["pair_keys"]):
                             table[key] = (logps[index], logps[index + len(batch["pair_keys"])])
@@ -277,7 +277,7 @@ def evaluate_preferences(model, reference: Reference, eval_loader, filler_batch,
     model.eval()
     totals = torch.zeros(3, device=device)  # correct pairs, summed margins, pairs
     for batch, real in batches_in_step(eval_loader, filler_batch, device):
-        inputs = chat_model_inputs(batch, device)
+        inputs = to_device(batch, device)
         _, chosen, rejected = dpo_loss(sequence_logps(model, inputs), reference(batch, inputs), answer_tokens(inputs),
                                        args)
         if real:

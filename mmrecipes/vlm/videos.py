@@ -21,9 +21,9 @@ Frames are sampled as the video processors' `fps` / `num_frames` do: `fps` frame
 clip, at most `max_frames`, at least one, evenly spaced (each the middle frame of its stretch).
 
 The video processor resizes (and Qwen-VL's cuts patches) in the workers but leaves the pixels uint8
-(`UINT8_CLIPS`), 4x less to ship through shared memory than float32; `finish_clip_pixels` rescales and
-normalises them on the device, with the constants `clip_normalization` takes from the processor, to the
-processor's own floats.
+(`images.UINT8_PIXELS`), 4x less to ship through shared memory than float32; `images.to_device` rescales and
+normalises them on the device, with the constants `images.fused_normalization` takes from the processor, to the
+processor's own floats (as for images).
 """
 
 import logging
@@ -32,22 +32,14 @@ from typing import NamedTuple
 
 import av
 import numpy
-import torch
-from torchvision.transforms.v2.functional import normalize as normalize_image
 from transformers.video_utils import VideoMetadata
 
-from ..images import fused_normalization, readable_source
+from ..images import readable_source
 from .arguments import VideoArgs
 
 logger = logging.getLogger(__name__)
 
 VIDEO_COUNTED = ("no_frames", "video_too_long")  # besides "undecodable", which images share
-
-
-# What a video processor is asked for clips that reach the model as `pixel_values_videos`, and the key that
-# carries the constants that finish them, from the labeller through the collator to `chat_model_inputs`.
-UINT8_CLIPS = {"do_rescale": False, "do_normalize": False}
-CLIP_NORMALIZATION = "clip_normalization"
 
 
 class DecodedVideo(NamedTuple):
@@ -111,22 +103,3 @@ def _seconds(container, stream) -> float | None:
     if container.duration is not None:
         return container.duration / av.time_base
     return None
-
-
-def clip_normalization(video_processor) -> torch.Tensor | None:
-    """[2, channels]: the mean and std that finish uint8 clip pixels (`images.fused_normalization`, stacked to
-    travel with a row); None when the processor does not both rescale and normalise (then its pixels are
-    finished in the workers)."""
-    normalization = fused_normalization(video_processor)
-    return torch.stack(normalization) if normalization is not None else None
-
-
-def finish_clip_pixels(pixels: torch.Tensor, normalization: torch.Tensor) -> torch.Tensor:
-    """uint8 `pixel_values_videos` -> the video processor's float32 values. The channel axis: frames' third from
-    last ([clips, frames, channels, height, width]), or the first factor of each flattened patch (Qwen-VL:
-    [patches, channels x temporal x height x width])."""
-    mean, std = normalization.to(pixels.device)
-    values = pixels.to(torch.float32)
-    channels_third_from_last = values.view(len(values), len(mean), -1, 1) if values.dim() == 2 else values
-    # torchvision's normalize, which the processor's own `rescale_and_normalize` calls (as `data.model_inputs`)
-    return normalize_image(channels_third_from_last, mean, std, inplace=True).view(values.shape)
