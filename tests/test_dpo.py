@@ -114,7 +114,7 @@ def row_logps(model, pair_rows, average):
     values = []
     for row in pair_rows:
         inputs = {"input_ids": row["input_ids"][None], "attention_mask": torch.ones_like(row["input_ids"])[None]}
-        inputs |= {key: value for key, value in row["media_inputs"].items()}
+        inputs |= to_device(row["media_inputs"], "cpu")  # uint8 images finished as in training
         logits = model(**inputs).logits[0].float()
         targets = row["labels"][1:]
         scored = targets != IGNORE_INDEX
