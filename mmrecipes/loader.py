@@ -1,9 +1,9 @@
-"""A rank's stream as batches: resumable block shuffling, skip counts that ride along, and the DataLoader.
+"""A rank's stream as batches: resumable block shuffling, token budgets, the DataLoader and the loop's batches.
 
 `ResumableShuffle` shuffles a rank's rows in blocks and knows where it stands after every row, so
 a checkpoint resumes the stream exactly; `stream_loader` is the torchdata `StatefulDataLoader`
-over it, whose state holds every DataLoader worker's position; `batches_forever` loops over
-epochs. Both pipelines (image-caption pairs, conversations) use these.
+over it, whose state holds every DataLoader worker's position; `rank_loader` builds both for either pipeline
+(image-caption pairs, conversations); `TrainBatches` is what the training loop takes batches from, over epochs.
 """
 
 import itertools
@@ -14,95 +14,15 @@ import select
 import signal
 import threading
 import time
-from collections import Counter
 from functools import partial
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .distributed import all_ranks_true
+from .skips import no_rows_error
 
 logger = logging.getLogger(__name__)
-
-
-class Skip(str):
-    """Why a row is skipped (a counted reason such as "outside_folder"), with what was found (`detail`): the
-    path tried, the column missing. It compares and counts as the reason alone."""
-
-    def __new__(cls, reason: str, detail: str = ""):
-        skip = super().__new__(cls, reason)
-        skip.detail = detail
-        return skip
-
-
-# What to change, by skip reason: the line a skip report gives after each reason's count and example.
-FIXES = {
-    "outside_folder": "relative paths resolve against --image_folder / --video_folder, else the data file's own "
-                      "folder; set the folder the paths are relative to, or --allow_images_outside_folder true to "
-                      "read absolute and '../' paths",
-    "undecodable": "check that the path exists relative to --image_folder (else the data file's folder) and that "
-                   "the file is an image",
-    "too_large": "raise --max_image_pixels or --max_image_aspect_ratio (clips: --video_max_pixels)",
-    "image_mismatch": "give each <image> placeholder or image part one entry in the row's images (or LLaVA's "
-                      "image) column",
-    "video_mismatch": "give each <video> placeholder or video part one entry in the row's videos (or video) column",
-    "video": "this model's processor takes no video: use a checkpoint with a video processor, or leave the video "
-             "rows out",
-    "no_frames": "check the clip's path and that PyAV can decode it",
-    "video_too_long": "raise --video_max_seconds",
-    "too_long": "raise --max_length (rows are never truncated)",
-    "no_target": "each conversation needs an assistant answer after its prompt",
-    "unaligned": "the processor's tokens differ from the chat template's rendering of the answer: check the "
-                 "tokenizer's chat template",
-    "bad_row": "rows need 'messages' (role/content) or 'conversations' (from/value or role/content): see "
-               "docs/data.md for the layouts read",
-    "bad_text": "the file holds text that is not UTF-8",
-    "bad_shard": "the file is empty, unreadable or truncated",
-    "no_caption": "set --caption_column to the caption column",
-    "no_preference": "a pair needs two different answers, neither empty",
-}
-
-
-class DropCounter:
-    """Counts of dropped rows, attached to the next kept row: they ride along inside the stream,
-    so they survive DataLoader workers and reach the log. It also keeps the whole tally, and the first
-    example of each reason, for `report`: once `warn_after` rows are seen, more than half of them
-    skipped is said in a warning with the report (and a rank left with no rows raises it)."""
-
-    def __init__(self, warn_after: int = 200):
-        self.pending, self.totals, self.examples = Counter(), Counter(), {}
-        self.kept, self.warn_after = 0, warn_after
-
-    def drop(self, reason: str, where: str = ""):
-        """Count a skipped row; `reason` may be a `Skip` with what was found, `where` names the row."""
-        self.pending[reason] += 1
-        self.totals[reason] += 1
-        self.examples.setdefault(str(reason), ", ".join(filter(None, [where, getattr(reason, "detail", "")])))
-        self._warn_once()
-
-    def keep(self, note: str | None = None) -> Counter:
-        """The counts to attach to a kept row (`note`: what was done to it, e.g. "converted")."""
-        self.kept += 1
-        self._warn_once()
-        counts = self.pending + Counter({note: 1} if note else {})
-        self.pending = Counter()
-        return counts
-
-    def _warn_once(self):
-        dropped = sum(self.totals.values())
-        if dropped + self.kept == self.warn_after and dropped * 2 > self.warn_after:
-            logger.warning("more than half of the first %d rows were skipped: %s", self.warn_after, self.report())
-
-    def report(self) -> str:
-        """The rows skipped so far by reason, each with its first example and what to change."""
-        dropped = sum(self.totals.values())
-        lines = [f"{dropped} of {dropped + self.kept} rows read were skipped"]
-        for reason, count in self.totals.most_common():
-            example = f", e.g. {self.examples[reason]}" if self.examples[reason] else ""
-            lines.append(f"  {reason}: {count}{example}")
-            if reason in FIXES:
-                lines.append(f"    to change: {FIXES[reason]}")
-        return "\n".join(lines)
 
 
 ROW_SEED = "__row_seed__"  # a column ResumableShuffle gives its preprocess function
@@ -307,25 +227,6 @@ def _exit_with(pid: int):
         os._exit(1)
     select.select([process], [], [])
     os._exit(1)
-
-
-def no_rows_error(dataloader, data_world: int, this_rank_empty: bool) -> RuntimeError:
-    """The error every rank raises, together, when a data rank has no training rows at its first step (one message
-    for every recipe). The rank without
-    rows says why: its skip report (`DropCounter.report`) from this process's preprocessing or, where DataLoader
-    workers did that, from its share of the stream read again here."""
-    message = f"A data rank has no training rows ({data_world} data ranks)"
-    if not this_rank_empty:
-        return RuntimeError(f"{message}; that rank's error says why")
-    shuffle = getattr(dataloader.dataset, "rows", dataloader.dataset)  # under TokenBudgetBatches
-    drops = shuffle.preprocess.drops
-    if not drops.totals:
-        for _ in shuffle:  # nothing is kept: this reads to the end of the share
-            pass
-    if not drops.totals:
-        return RuntimeError(f"{message}: this rank's share of the data is empty ({shuffle.num_shards} files or "
-                            "shards): use more data files or fewer processes")
-    return RuntimeError(f"{message}: {drops.report()}")
 
 
 class TrainBatches:

@@ -12,7 +12,7 @@ from PIL import Image
 
 from launch import QUICK, REPO, VLM_RECIPE, _in_process, run_recipe
 from mmrecipes.config import parse_args
-from mmrecipes.loader import DropCounter, Skip, no_rows_error
+from mmrecipes.skips import DropCounter, Skip, no_rows_error
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader
 from mmrecipes.vlm.collate import ChatCollator
@@ -145,7 +145,7 @@ def test_an_empty_stream_says_why_with_an_example_and_the_fix(llava, tmp_path):
 
 def test_more_than_half_skipped_is_warned_once_with_the_report(caplog):
     drops = DropCounter(warn_after=10)
-    with caplog.at_level(logging.WARNING, logger="mmrecipes.loader"):
+    with caplog.at_level(logging.WARNING, logger="mmrecipes.skips"):
         for index in range(30):
             drops.drop(Skip("too_long", "300 tokens, over 256"), f"row {index}") if index % 3 else drops.keep()
     (record,) = caplog.records

@@ -22,7 +22,8 @@ from ..images import (
     random_resized_crops,
     takes_patch_grids,
 )
-from ..loader import ROW_SEED, DropCounter, rank_loader
+from ..loader import ROW_SEED, rank_loader
+from ..skips import DropCounter
 from ..sources import DATA_FILE, PROBLEM, SOURCE, mixed_stream, split_sources
 from .arguments import DataArgs
 

@@ -36,7 +36,8 @@ import torch
 from PIL import Image
 
 from ..images import decode_image
-from ..loader import DropCounter, Skip, rank_loader
+from ..loader import rank_loader
+from ..skips import DropCounter, Skip
 from ..sources import DATA_FILE, PROBLEM, load_stream, mixed_stream, row_name
 from .arguments import ChatDataArgs
 from .labels import TemplateError, UnalignedAnswer

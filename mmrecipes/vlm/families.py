@@ -10,7 +10,7 @@ From those, the configs and the module tree this module derives:
   `get_image_features`' signature (Qwen needs `image_grid_thw`, Idefics3 a 5-D `pixel_values`);
 - `lm_features`: the tensors of that call the language model consumes (the projected features,
   and Qwen3-VL's deepstack features);
-- `module_groups`: vision tower / projector / language model, from one dummy backward;
+- `PROJECTORS`: the projector's modules where the widths cannot tell (`module_groups` reads it).
 """
 
 import inspect

@@ -27,7 +27,7 @@ from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
 from ..distributed import all_ranks_true, batches_in_step, sum_over_ranks
 from ..images import to_device
-from ..loader import Skip
+from ..skips import Skip
 from ..sources import DATA_FILE, PROBLEM, row_name
 from .arguments import DPOArgs
 from .chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor
