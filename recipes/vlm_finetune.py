@@ -210,7 +210,7 @@ def main(argv=None):
         optimizer.zero_grad()
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
-        report.add_step(guard.applied, ce=step_losses.sum(), target_tokens=local_tokens)  # on the device
+        report.add_step(guard.applied, ce=sum(window_ce), target_tokens=local_tokens)  # on the device
 
         if report.due(done):
             sums = report.close()
