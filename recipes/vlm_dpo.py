@@ -85,8 +85,7 @@ def main(argv=None):
     stops = stop_token_ids(model, processor)
 
     labeller = AnswerLabeller(processor, stops)  # the chosen and rejected answers' tokens, as in SFT
-    template_line = check_template(labeller, model_args.chat_template_path or model_args.model_name_or_path
-                                   or model_args.tokenizer_name, data_args.max_length)
+    template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
     # shared: vlm parts
     dummy_inputs = dummy_image_inputs(model, processor)
     groups = module_groups(model, dummy_inputs)  # one dummy backward: vision tower, projector, language model

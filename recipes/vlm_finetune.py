@@ -90,8 +90,7 @@ def main(argv=None):
     # The answer tokens of the checkpoint's own chat template, checked on a probe conversation now
     # (a template whose turns no rule finds would otherwise drop every row as no_target).
     labeller = AnswerLabeller(processor, stops, videos=video_path(model, processor))  # None: video rows counted
-    template_line = check_template(labeller, model_args.chat_template_path or model_args.model_name_or_path
-                                   or model_args.tokenizer_name, data_args.max_length)
+    template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
     # shared: vlm parts
     dummy_inputs = dummy_image_inputs(model, processor)
     groups = module_groups(model, dummy_inputs)  # one dummy backward: vision tower, projector, language model

@@ -13,8 +13,9 @@ from ..sources import evaluation_source
 
 @dataclass
 class VLMModelArgs(CheckedArgs):
-    UNUSED_WITH = {"model_name_or_path": ("tokenizer_name", "image_size", "patch_size", "vision_hidden_size",
-                                          "vision_layers", "text_hidden_size", "text_layers")}
+    TINY_SHAPE: ClassVar[tuple[str, ...]] = ("tokenizer_name", "image_size", "patch_size", "vision_hidden_size",
+                                             "vision_layers", "text_hidden_size", "text_layers")
+    UNUSED_WITH = {"model_name_or_path": TINY_SHAPE, "vision_model_name_or_path": TINY_SHAPE}
     # A saved image-text-to-text directory or hub id (Llava, Qwen2.5-VL, Qwen3-VL, SmolVLM, Gemma 3, ...),
     # loaded with AutoModelForImageTextToText and AutoProcessor; None builds the tiny Llava below
     model_name_or_path: str | None = None
@@ -30,6 +31,34 @@ class VLMModelArgs(CheckedArgs):
     vision_layers: int = checked(2, "count")
     text_hidden_size: int = checked(128, "count")
     text_layers: int = checked(2, "count")
+    # Or compose a LLaVA (mmrecipes.vlm.compose): the vision half of a CLIP or SigLIP checkpoint (clip_pretrain.py's
+    # output included) and any causal language model with its tokenizer, joined by a fresh two-layer projector
+    vision_model_name_or_path: str | None = None
+    language_model_name_or_path: str | None = None
+    vision_feature_layer: int = -2  # the tower's layer the projector reads (LLaVA's penultimate); later ones frozen
+    # plain: LLaVA's stage-1 format (the images, then the caption as the only target); None: the language model's own
+    chat_template: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        parts = (self.vision_model_name_or_path, self.language_model_name_or_path)
+        if any(parts) and not all(parts):
+            raise ValueError("composing a VLM takes both --vision_model_name_or_path and --language_model_name_or_path")
+        if all(parts) and self.model_name_or_path:
+            raise ValueError("--model_name_or_path loads a built VLM; --vision_model_name_or_path and "
+                             "--language_model_name_or_path compose one: give one or the other")
+        if (self.chat_template is not None or self.vision_feature_layer != -2) and not all(parts):
+            raise ValueError("--chat_template and --vision_feature_layer shape a composed VLM: give "
+                             "--vision_model_name_or_path and --language_model_name_or_path (a built model's template "
+                             "goes to --chat_template_path)")
+
+    def template_source(self) -> str:
+        """Where the chat template comes from, for messages about it."""
+        if self.chat_template_path:
+            return self.chat_template_path
+        if self.chat_template:
+            return f"the {self.chat_template} chat template"
+        return self.model_name_or_path or self.language_model_name_or_path or self.tokenizer_name
 
 
 @dataclass

@@ -6,7 +6,9 @@ The layouts users bring, told apart per row by their columns (a file may mix vid
 - ShareGPT: the same `messages` with string content, `<image>` / `<video>` placeholders in the text;
 - LLaMA-Factory: `conversations` of `{"from", "value"}` or `{"role", "content"}` turns, with `images` / `videos` lists;
 - LLaVA / LLaVA-Video: `conversations` of `{"from": "human"|"gpt"|"system", "value"}` turns, `<image>` and
-  `<video>` in the text, with `image` / `video`: one path or a list; neither means a text-only row.
+  `<video>` in the text, with `image` / `video`: one path or a list; neither means a text-only row;
+- image-caption rows (the CLIP data, LLaVA's stage 1): `image` (or `images`) and `text` (or `caption`), no
+  conversation: the image, then the caption as the answer.
 Images and clips are bytes, `{"bytes", "path"}` dicts or paths. A relative path resolves against `--image_folder`
 (clips: `--video_folder`, else `--image_folder`) when given, else against the folder of the data file the row came
 from (LLaMA-Factory's `media_dir`); a path that resolves outside that folder ('../', absolute, a symlink out) is
@@ -55,7 +57,8 @@ logger = logging.getLogger(__name__)
 # not match the clips.
 CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "image_mismatch", "too_long", "no_target",
                 "unaligned", "bad_text", "bad_row", "bad_shard", "video", *VIDEO_COUNTED, "video_mismatch")
-CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", "id"]
+CAPTIONS = ("caption", "text")  # image-caption rows: a conversation of the image and its caption
+CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", "id", *CAPTIONS]
 MAX_CHARS_PER_TOKEN = 32  # a bound on the characters of text one token holds, with a wide margin
 TYPICAL_CHARS_PER_TOKEN = 4  # about what a token holds of English: longer texts are tokenised before labelling
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
@@ -71,9 +74,20 @@ def to_chat(row):
     """(messages, raw images, raw videos) of a row in any of the layouts in the module docstring; raises BadRow
     for anything else. Paths are returned as written (`media_folder` says what they are relative to)."""
     key = "messages" if row.get("messages") is not None else "conversations"
+    if row.get(key) is None and (caption := next((row[name] for name in CAPTIONS if row.get(name) is not None),
+                                                  None)) is not None:
+        return _captioned(caption), _media(row, "images", "image"), []
     if not isinstance(row.get(key), list) or not row[key]:
         raise BadRow("no messages and no conversations")
     return [_turn(turn) for turn in row[key]], _media(row, "images", "image"), _media(row, "videos", "video")
+
+
+def _captioned(caption) -> list[dict]:
+    """An image-caption row (the CLIP data; LLaVA's stage 1) as a conversation: the image, then the caption."""
+    if not isinstance(caption, str) or not caption.strip():
+        raise BadRow(f"a caption that is not text: {caption!r:.80}")
+    return [{"role": "user", "content": [{"type": "image"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": caption.strip()}]}]
 
 
 def _turn(turn) -> dict:
@@ -90,9 +104,9 @@ def _turn(turn) -> dict:
 
 
 def _media(row, *keys) -> list:
-    """The row's images (or videos) from the first of `keys` that holds any: a list, or one path."""
+    """The row's images (or videos) from the first of `keys` that holds any: a list, or one of them."""
     media = next((row[key] for key in keys if row.get(key)), [])
-    media = [media] if isinstance(media, str) else media
+    media = [media] if isinstance(media, (str, bytes, dict, Image.Image)) else media
     if not isinstance(media, list) or not all(isinstance(item, (str, bytes, dict, Image.Image)) for item in media):
         raise BadRow(f"{'/'.join(keys)} must be a path, or a list of paths, bytes, {{bytes, path}} dicts or images, "
                      f"not {media!r:.80}")
@@ -242,10 +256,11 @@ class ChatPreprocessor:
 
     @staticmethod
     def check_columns(name, available):
-        if available is not None and not set(available) & {"messages", "conversations"}:
+        if available is not None and not set(available) & {"messages", "conversations", *CAPTIONS}:
             raise ValueError(f"{name} has columns {available}: a chat source needs 'messages' (TRL, ShareGPT) or "
-                             "'conversations' (LLaVA, LLaMA-Factory), with 'images'/'image' and 'videos'/'video' "
-                             "(the layouts in docs/data.md); rename its columns to one of them")
+                             "'conversations' (LLaVA, LLaMA-Factory), with 'images'/'image' and 'videos'/'video', or "
+                             "image-caption rows ('image' and 'text' or 'caption') (the layouts in docs/data.md); "
+                             "rename its columns to one of them")
 
 
 def row_images(args: ChatDataArgs, folder: str | None, messages, raw_images):

@@ -51,6 +51,7 @@ from transformers import (
 
 from ..distributed import fsdp_block_classes
 from .arguments import VLMModelArgs
+from .compose import compose_llava
 from .families import check_trainable, height_width, lm_features, split_items, video_as_image_names
 from .lora import save_lora
 from .losses import head_cross_entropy_sum, soft_capped, token_cross_entropy_sum
@@ -183,13 +184,18 @@ def _own_frames(features, frames: list[int], layout) -> torch.Tensor:
 
 
 def load_vlm(args: VLMModelArgs):
-    """(model, processor): any `AutoModelForImageTextToText` checkpoint, or the tiny Llava built from a config.
+    """(model, processor): any `AutoModelForImageTextToText` checkpoint, a Llava composed from a vision tower and a
+    language model (`mmrecipes.vlm.compose`), or the tiny Llava built from a config.
 
     A family the recipe cannot train is rejected from its config, before any weight is read.
     Build it *before* `Accelerator()` (under ZeRO-3 a model built afterwards is partitioned and
     re-initialised, as for CLIP).
     """
-    if args.model_name_or_path:
+    if args.vision_model_name_or_path:
+        model, processor = compose_llava(args.vision_model_name_or_path, args.language_model_name_or_path,
+                                         vision_feature_layer=args.vision_feature_layer,
+                                         chat_template=args.chat_template)
+    elif args.model_name_or_path:
         check_trainable(args.model_name_or_path)
         model = AutoModelForImageTextToText.from_pretrained(args.model_name_or_path)
         processor = AutoProcessor.from_pretrained(args.model_name_or_path)

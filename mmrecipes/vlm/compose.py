@@ -1,0 +1,129 @@
+"""A LLaVA built from parts: a vision tower, any causal language model and a fresh projector between them.
+
+`compose_llava` gives a standard `LlavaForConditionalGeneration` with its `LlavaProcessor`, so every later stage
+(LLaVA's stage 1 on captions, stage 2 on conversations, DPO) is a `vlm_finetune.py` / `vlm_dpo.py` run and every
+output loads with the Auto classes and the pipeline. What the field gets wrong, decided from the checkpoints'
+own configs and modules, never from a name table:
+
+- the image token count: a tower with a class token (CLIP) drops it (`vision_feature_select_strategy="default"`,
+  one additional token in the processor's count), one without (SigLIP) keeps every patch (`"full"`), so the
+  processor writes as many `<image>` tokens as the tower gives features;
+- the feature layer (`vision_feature_layer`, LLaVA's -2): the tower's layers after it and its post-layernorm get no
+  gradient; `module_groups` finds them from a dummy backward and the recipe freezes and names them;
+- the tokens: `<image>` is added, and a pad token where the LM has none; the new embedding rows (input and output)
+  start at the mean of the existing rows, and tied embeddings stay tied;
+- the chat template (`chat_template_for`): LLaVA's `plain` format for stage 1, else the LM's own, with a prelude
+  that writes each image as `<image>` before the text for templates that read a message's content as a string;
+- the image processor: the tower's own, as its checkpoint saved it (mean, std, size).
+A SigLIP 2 NaFlex tower (each image its own patch grid) cannot sit inside Llava, whose processor and projector
+take one fixed grid: it is refused with that reason.
+"""
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+)
+
+from ..paths import PLAIN_CHAT_TEMPLATE
+
+IMAGE_TOKEN = "<image>"
+PAD_TOKEN = "<pad>"
+# Renders a message whose content is a list of parts as one string, each image as `<image>` and a new line before
+# its text (LLaVA's convention), for a language model's template that reads `message.content` as a string.
+FLATTEN_CONTENT = (
+    "{%- set flattened = namespace(messages=[]) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.content is string -%}{%- set flattened.messages = flattened.messages + [message] -%}"
+    "{%- else -%}{%- set text = namespace(value='') -%}"
+    "{%- for part in message.content -%}"
+    "{%- if part.type == 'image' -%}{%- set text.value = text.value + '" + IMAGE_TOKEN + "\\n' -%}"
+    "{%- elif part.type == 'text' -%}{%- set text.value = text.value + part.text -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- set flattened.messages = flattened.messages + [{'role': message.role, 'content': text.value}] -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- set messages = flattened.messages -%}\n"
+)
+
+
+def compose_llava(vision_name_or_path: str, language_name_or_path: str, *, vision_feature_layer: int = -2,
+                  chat_template: str | None = None):
+    """(LlavaForConditionalGeneration, LlavaProcessor) of the vision half of `vision_name_or_path` (a CLIPModel,
+    SiglipModel or vision-only checkpoint: the tower and its image processor) and the causal LM at
+    `language_name_or_path` (with its tokenizer), joined by LLaVA's two-layer GELU projector, freshly initialised.
+    `chat_template`: "plain" (LLaVA's stage-1 format) or None (the LM's own; refused where it has none)."""
+    vision_config = _vision_config(vision_name_or_path)
+    tower = AutoModel.from_pretrained(vision_name_or_path)
+    tower = getattr(tower, "vision_model", tower)  # the vision half of a two-tower model
+    language_model = AutoModelForCausalLM.from_pretrained(language_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(language_name_or_path)
+    template = chat_template_for(tokenizer, chat_template, language_name_or_path)
+    _add_tokens(language_model, tokenizer)
+    class_token = hasattr(tower.embeddings, "class_embedding")  # CLIP's CLS position; SigLIP has none
+    strategy = "default" if class_token else "full"
+    grid = (vision_config.image_size // vision_config.patch_size) ** 2
+    text_config = language_model.config
+    config = LlavaConfig(
+        vision_config=vision_config, text_config=text_config,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), image_seq_length=grid,
+        vision_feature_layer=vision_feature_layer, vision_feature_select_strategy=strategy,
+        projector_hidden_act="gelu", tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=text_config.eos_token_id)
+    model = LlavaForConditionalGeneration(config)
+    model.model.vision_tower.load_state_dict(tower.state_dict())
+    model.get_decoder().load_state_dict(language_model.get_decoder().state_dict())
+    model.get_output_embeddings().load_state_dict(language_model.get_output_embeddings().state_dict())
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = language_model.generation_config.eos_token_id or tokenizer.eos_token_id
+    processor = LlavaProcessor(
+        image_processor=AutoImageProcessor.from_pretrained(vision_name_or_path), tokenizer=tokenizer,
+        patch_size=vision_config.patch_size, vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=int(class_token), image_token=IMAGE_TOKEN, chat_template=template)
+    return model, processor
+
+
+def _vision_config(name_or_path: str):
+    config = AutoConfig.from_pretrained(name_or_path)
+    vision_config = getattr(config, "vision_config", config)
+    if not hasattr(vision_config, "image_size"):  # SigLIP 2 NaFlex: a patch budget, no fixed size
+        raise ValueError(f"{name_or_path} is a {config.model_type} tower whose images keep their aspect ratio as "
+                         "patch grids of their own (NaFlex); Llava's processor and projector take one fixed grid: "
+                         "use a fixed-resolution CLIP or SigLIP tower")
+    return vision_config
+
+
+def _add_tokens(language_model, tokenizer):
+    """`<image>` (and a pad token where there is none) added to the tokenizer; the new embedding rows, input and
+    output, start at the mean of the existing rows (a tied output layer is the same matrix and stays so)."""
+    old_rows = len(tokenizer)
+    tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    old_rows = min(old_rows, language_model.get_input_embeddings().num_embeddings)
+    language_model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        for embedding in {id(m.weight): m.weight for m in (language_model.get_input_embeddings(),
+                                                            language_model.get_output_embeddings())}.values():
+            embedding[old_rows:] = embedding[:old_rows].mean(dim=0)
+    language_model.config.pad_token_id = tokenizer.pad_token_id
+
+
+def chat_template_for(tokenizer, chat_template: str | None, name: str) -> str:
+    """LLaVA's `plain` stage-1 template ("plain": each image, then the caption as the only target), or the LM's own
+    template behind `FLATTEN_CONTENT`. A base LM without one is refused with the fix."""
+    if chat_template == "plain":
+        return PLAIN_CHAT_TEMPLATE.read_text()
+    if chat_template is not None:
+        raise ValueError(f"--chat_template {chat_template!r}: plain (LLaVA's stage 1) or unset (the language model's "
+                         "own); another template goes to --chat_template_path")
+    if not isinstance(tokenizer.chat_template, str):
+        raise ValueError(f"{name} has no chat template (a base model): stage 2 trains on conversations in one. Give "
+                         "its instruct sibling's with --chat_template_path, or train stage 1 with --chat_template "
+                         "plain")
+    return FLATTEN_CONTENT + tokenizer.chat_template
