@@ -84,7 +84,8 @@ def main(argv=None):
     model, processor = load_vlm(model_args)
     stops = stop_token_ids(model, processor)
 
-    labeller = AnswerLabeller(processor, stops)  # the chosen and rejected answers' tokens, as in SFT
+    # The chosen and rejected answers' tokens, as in SFT
+    labeller = AnswerLabeller(processor, stops, template=model_args.training_template())
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
     # shared: vlm parts
     dummy_inputs = dummy_image_inputs(model, processor)

@@ -89,7 +89,8 @@ def main(argv=None):
 
     # The answer tokens of the checkpoint's own chat template, checked on a probe conversation now
     # (a template whose turns no rule finds would otherwise drop every row as no_target).
-    labeller = AnswerLabeller(processor, stops, videos=video_path(model, processor))  # None: video rows counted
+    labeller = AnswerLabeller(processor, stops, videos=video_path(model, processor),  # None: video rows counted
+                              template=model_args.training_template())
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
     # shared: vlm parts
     dummy_inputs = dummy_image_inputs(model, processor)

@@ -29,7 +29,7 @@ from transformers import (
 
 from launch import VLM_RECIPE, run_recipe
 from mmrecipes.images import to_device
-from mmrecipes.paths import SHAPES_DATA, TINY_TOKENIZER
+from mmrecipes.paths import PLAIN_CHAT_TEMPLATE, SHAPES_DATA, TINY_TOKENIZER
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, encode_row
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.compose import FLATTEN_CONTENT, IMAGE_TOKEN, compose_llava
@@ -44,8 +44,8 @@ TEXT_TOWER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidde
                   max_position_embeddings=16)
 MEAN, STD = [0.25, 0.5, 0.75], [0.2, 0.3, 0.4]  # not the processor's defaults: they must survive into the VLM
 # Renders a message's content as a string, as a text-only LM's template does (the compose prelude feeds it one)
-STRING_TEMPLATE = ("{% for message in messages %}{{ message.role }}: {{ message.content }}{{ eos_token }}\n"
-                   "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+STRING_TEMPLATE = ("{% for message in messages %}{{ message.role }}:\n{{ message.content }}{{ eos_token }}\n"
+                   "{% endfor %}{% if add_generation_prompt %}assistant:\n{% endif %}")
 CAPTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
            {"role": "assistant", "content": [{"type": "text", "text": "a red circle"}]}]
 
@@ -144,7 +144,8 @@ def test_a_composed_llava_counts_its_image_tokens_keeps_its_parts_and_stage_1_tr
 
     # Stage 1: only the projector moves
     trainable = apply_train_modules(groups, "projector")
-    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    assert processor.chat_template == FLATTEN_CONTENT + STRING_TEMPLATE  # kept for stage 2; stage 1 trains in plain
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor), template=PLAIN_CHAT_TEMPLATE.read_text())
     check_template(labeller, "the plain chat template")
     input_ids, labels, media = encode_row(labeller, CAPTION, [image()])
     target = tokenizer.decode(input_ids[labels != -100]).strip()
@@ -174,8 +175,8 @@ def test_stage_2_uses_the_language_models_template_with_images_written_before_th
     _, processor = compose_llava(towers["clip"], languages["llama"])
     assert processor.chat_template == FLATTEN_CONTENT + STRING_TEMPLATE
     text = processor.apply_chat_template(CAPTION)
-    assert text == (f"user: {IMAGE_TOKEN}\nDescribe it.{processor.tokenizer.eos_token}\n"
-                    f"assistant: a red circle{processor.tokenizer.eos_token}\n")
+    assert text == (f"user:\n{IMAGE_TOKEN}\nDescribe it.{processor.tokenizer.eos_token}\n"
+                    f"assistant:\na red circle{processor.tokenizer.eos_token}\n")
 
 
 def test_what_cannot_be_composed_is_refused_with_the_reason(parts, tmp_path):
@@ -185,15 +186,17 @@ def test_what_cannot_be_composed_is_refused_with_the_reason(parts, tmp_path):
     base = save_language_model("llama", tmp_path / "base", chat_template=None)
     with pytest.raises(ValueError, match="no chat template \\(a base model\\).*--chat_template_path.*plain"):
         compose_llava(towers["clip"], base)
-    compose_llava(towers["clip"], base, chat_template="plain")  # stage 1 needs none
+    _, processor = compose_llava(towers["clip"], base, chat_template="plain")  # stage 1 needs none
+    assert processor.chat_template == PLAIN_CHAT_TEMPLATE.read_text()  # and the model keeps plain
     with pytest.raises(ValueError, match="plain \\(LLaVA's stage 1\\) or unset"):
         compose_llava(towers["clip"], base, chat_template="chatml")
 
 
 @pytest.mark.launch
-def test_stage_1_on_clip_pretrains_output_trains_on_the_caption_rows(parts, tmp_path):
-    """clip_pretrain.py's own output as the tower, stage 1 on the CLIP data as caption rows: the tower's unused
-    layer frozen and named, only the projector trains, every readable caption kept."""
+def test_stage_1_on_clip_pretrains_output_then_stage_2_from_its_output(parts, tmp_path):
+    """clip_pretrain.py's own output as the tower, stage 1 on the CLIP data as caption rows in the plain format:
+    the tower's unused layer frozen and named, only the projector trains, every readable caption kept; stage 2
+    then starts from stage 1's output in the language model's own template, with no template flag."""
     _, languages = parts
     tower = tmp_path / "clip"
     assert run_recipe("--max_steps", 2, "--output_dir", tower).returncode == 0
@@ -205,3 +208,9 @@ def test_stage_1_on_clip_pretrains_output_trains_on_the_caption_rows(parts, tmp_
     assert "froze 18 parameters no forward path reaches: model.vision_tower.encoder.layers.1." in result.log
     assert "trainable parameters" in result.log and "no_target 0" in result.log
     assert AutoModelForImageTextToText.from_pretrained(tmp_path / "stage1").config.vision_feature_layer == -2
+    assert AutoProcessor.from_pretrained(tmp_path / "stage1").chat_template == FLATTEN_CONTENT + STRING_TEMPLATE
+    result = run_recipe("--model_name_or_path", tmp_path / "stage1", "--max_steps", 2, "--eval_steps", 2,
+                        "--eval_generation_rows", 0, "--output_dir", tmp_path / "stage2", recipe=VLM_RECIPE)
+    assert result.returncode == 0, result.log[-3000:]
+    assert f"chat template of {tmp_path / 'stage1'}: assistant turns found by prefix renderings" in result.log
+    assert "no_target 0" in result.log

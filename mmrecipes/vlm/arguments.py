@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from ..arguments import SourceArgs
 from ..config import CheckedArgs, checked
-from ..paths import TINY_VLM_TOKENIZER
+from ..paths import PLAIN_CHAT_TEMPLATE, TINY_VLM_TOKENIZER
 from ..sources import evaluation_source
 
 
@@ -51,6 +51,11 @@ class VLMModelArgs(CheckedArgs):
             raise ValueError("--chat_template and --vision_feature_layer shape a composed VLM: give "
                              "--vision_model_name_or_path and --language_model_name_or_path (a built model's template "
                              "goes to --chat_template_path)")
+
+    def training_template(self) -> str | None:
+        """The chat template the labels are made in when it is not the model's own (--chat_template plain: LLaVA's
+        stage-1 format, while the composed model keeps its language model's template for stage 2), else None."""
+        return PLAIN_CHAT_TEMPLATE.read_text() if self.chat_template == "plain" else None
 
     def template_source(self) -> str:
         """Where the chat template comes from, for messages about it."""

@@ -12,8 +12,10 @@ own configs and modules, never from a name table:
   gradient; `module_groups` finds them from a dummy backward and the recipe freezes and names them;
 - the tokens: `<image>` is added, and a pad token where the LM has none; the new embedding rows (input and output)
   start at the mean of the existing rows, and tied embeddings stay tied;
-- the chat template (`chat_template_for`): LLaVA's `plain` format for stage 1, else the LM's own, with a prelude
-  that writes each image as `<image>` before the text for templates that read a message's content as a string;
+- the chat template (`chat_template_for`): the LM's own, with a prelude that writes each image as `<image>` before
+  the text for templates that read a message's content as a string; stage 1 trains in LLaVA's `plain` format
+  (`VLMModelArgs.training_template`) but the model keeps the LM's template, so stage 2 starts from stage 1's output
+  with no flag (a base LM without a template keeps `plain`);
 - the image processor: the tower's own, as its checkpoint saved it (mean, std, size).
 A SigLIP 2 NaFlex tower (each image its own patch grid) cannot sit inside Llava, whose processor and projector
 take one fixed grid: it is refused with that reason.
@@ -57,7 +59,7 @@ def compose_llava(vision_name_or_path: str, language_name_or_path: str, *, visio
     """(LlavaForConditionalGeneration, LlavaProcessor) of the vision half of `vision_name_or_path` (a CLIPModel,
     SiglipModel or vision-only checkpoint: the tower and its image processor) and the causal LM at
     `language_name_or_path` (with its tokenizer), joined by LLaVA's two-layer GELU projector, freshly initialised.
-    `chat_template`: "plain" (LLaVA's stage-1 format) or None (the LM's own; refused where it has none)."""
+    `chat_template`: "plain" (stage 1 trains in LLaVA's format) or None; the processor gets `chat_template_for`'s."""
     vision_config = _vision_config(vision_name_or_path)
     tower = AutoModel.from_pretrained(vision_name_or_path)
     tower = getattr(tower, "vision_model", tower)  # the vision half of a two-tower model
@@ -115,15 +117,15 @@ def _add_tokens(language_model, tokenizer):
 
 
 def chat_template_for(tokenizer, chat_template: str | None, name: str) -> str:
-    """LLaVA's `plain` stage-1 template ("plain": each image, then the caption as the only target), or the LM's own
-    template behind `FLATTEN_CONTENT`. A base LM without one is refused with the fix."""
-    if chat_template == "plain":
-        return PLAIN_CHAT_TEMPLATE.read_text()
-    if chat_template is not None:
+    """The composed model's own chat template, the one it is saved with: the LM's behind `FLATTEN_CONTENT`. A base LM
+    without one gets LLaVA's `plain` format where stage 1 trains in it (`chat_template` "plain"), and is refused
+    otherwise, with the fix."""
+    if chat_template not in (None, "plain"):
         raise ValueError(f"--chat_template {chat_template!r}: plain (LLaVA's stage 1) or unset (the language model's "
                          "own); another template goes to --chat_template_path")
-    if not isinstance(tokenizer.chat_template, str):
-        raise ValueError(f"{name} has no chat template (a base model): stage 2 trains on conversations in one. Give "
-                         "its instruct sibling's with --chat_template_path, or train stage 1 with --chat_template "
-                         "plain")
-    return FLATTEN_CONTENT + tokenizer.chat_template
+    if isinstance(tokenizer.chat_template, str):
+        return FLATTEN_CONTENT + tokenizer.chat_template
+    if chat_template == "plain":
+        return PLAIN_CHAT_TEMPLATE.read_text()
+    raise ValueError(f"{name} has no chat template (a base model): stage 2 trains on conversations in one. Give its "
+                     "instruct sibling's with --chat_template_path, or train stage 1 with --chat_template plain")

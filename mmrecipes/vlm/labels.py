@@ -63,9 +63,9 @@ class AnswerLabeller:
     conversation whose turns no rule finds raises `TemplateError`.
     """
 
-    def __init__(self, processor, stop_token_ids, videos: str | None = None):
+    def __init__(self, processor, stop_token_ids, videos: str | None = None, template: str | None = None):
         self.processor, self.tokenizer = processor, processor.tokenizer
-        self.template = processor.chat_template
+        self.template = template or processor.chat_template  # `template`: a training format the model is not saved with
         if not isinstance(self.template, str):
             raise TemplateError("the processor has no chat template (or several): give one with --chat_template_path")
         self.has_markers = bool(GENERATION_MARKER.search(self.template))
