@@ -15,6 +15,7 @@ Features across engines, not every feature under every engine (tests/README.md):
 | full fine-tuning = one process | yes | yes, divergence guard on | yes | yes, resumed |
 | LoRA = one process | Llava, resumed | Llava, checkpointing | | Qwen2.5-VL, checkpointing |
 | without the dummy image: fails | yes | divergence guard names the modules | | yes |
+| a Llava composed from a CLIP tower and a Llama = one process | stage 2 | stage 1 (projector only) | | stage 2 |
 """
 
 import pytest
@@ -37,6 +38,7 @@ from launch import (
 from mmrecipes.vlm.arguments import LoraArgs
 from mmrecipes.vlm.lora import lora_config
 from test_chat_data import chat_row, write_chat_parquet
+from test_compose import save_language_model, save_tower
 from test_lora import adapted_layers, tiny
 
 pytestmark = pytest.mark.launch
@@ -49,7 +51,9 @@ SCENARIO = [*COMMON, "--dataset_name", "parquet", "--dataset_weights", "", "--sh
             "--eval_dataset_name", ""]
 LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout", 0.0]  # dropout 0: same on any ranks
 # What each run trains, on top of the scenario: its single-process ground truth has the same flags.
-FEATURES = {"full": [], "lora": LORA, "lora_qwen": LORA}
+FEATURES = {"full": [], "lora": LORA, "lora_qwen": LORA,
+            # a Llava composed from a CLIP tower and a Llama (mmrecipes.vlm.compose): stage 2, and stage 1's preset
+            "composed": [], "composed_stage1": ["--train_modules", "projector"]}
 RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("ddp.yaml", "full"): [],
     ("fsdp2.yaml", "full"): [],  # with the divergence guard switched on by its environment variable
@@ -58,6 +62,9 @@ RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("ddp.yaml", "lora"): ["--save_steps", 3],
     ("fsdp2.yaml", "lora"): ["--gradient_checkpointing", "true"],
     ("zero3.yaml", "lora_qwen"): ["--gradient_checkpointing", "true"],
+    ("ddp.yaml", "composed"): [],
+    ("fsdp2.yaml", "composed_stage1"): [],
+    ("zero3.yaml", "composed"): [],
 }
 
 
@@ -84,35 +91,46 @@ def scenario(tmp_path_factory):
     return write_scenario(tmp_path_factory.mktemp("scenario"))
 
 
-def feature_args(feature, tiny_vlms):
-    return [*FEATURES[feature], *(["--model_name_or_path", tiny_vlms["qwen2_5_vl"]] if feature == "lora_qwen" else [])]
+@pytest.fixture(scope="module")
+def composed_parts(tmp_path_factory):
+    """A tiny CLIP tower and a tiny Llama with a chat template, as tests/test_compose.py builds them."""
+    root = tmp_path_factory.mktemp("composed_parts")
+    return ["--vision_model_name_or_path", save_tower("clip", root / "clip"),
+            "--language_model_name_or_path", save_language_model("llama", root / "llama")]
+
+
+def feature_args(feature, tiny_vlms, composed_parts):
+    model = {"lora_qwen": ["--model_name_or_path", tiny_vlms["qwen2_5_vl"]]}.get(feature, [])
+    return [*FEATURES[feature], *model, *(composed_parts if feature.startswith("composed") else [])]
 
 
 @pytest.fixture(scope="module")
-def truth(scenario, tiny_vlms, tmp_path_factory):
+def truth(scenario, tiny_vlms, composed_parts, tmp_path_factory):
     """The ground truth of each feature: one process holds each whole window as ONE batch of 4 rows, where the
     mean over the batch's tokens is the token mean (a per-micro-batch mean on 2 ranks x 2 micro-batches of 1
     row would weight a 2-token answer like a 15-token one, and fail the comparison)."""
     runs = {}
     for feature in FEATURES:
         output_dir = tmp_path_factory.mktemp(f"single_{feature}")
-        result = run_recipe(*SCENARIO, *feature_args(feature, tiny_vlms), "--per_device_train_batch_size", 4,
-                            "--gradient_accumulation_steps", 1, "--data_files", scenario / "single" / "all.parquet",
-                            "--output_dir", output_dir, recipe=VLM_RECIPE)
+        result = run_recipe(*SCENARIO, *feature_args(feature, tiny_vlms, composed_parts),
+                            "--per_device_train_batch_size", 4, "--gradient_accumulation_steps", 1,
+                            "--data_files", scenario / "single" / "all.parquet", "--output_dir", output_dir,
+                            recipe=VLM_RECIPE)
         assert result.returncode == 0, result.log[-3000:]
         runs[feature] = result, output_dir
     return runs
 
 
 @pytest.fixture(scope="module")
-def runs(scenario, tiny_vlms, tmp_path_factory):
+def runs(scenario, tiny_vlms, composed_parts, tmp_path_factory):
     results = {}
     for (config, feature), extra in RUNS.items():
         output_dir = tmp_path_factory.mktemp(f"{feature}_{config[:-5]}")
         env = {"MMRECIPES_DEBUG_DIVERGENCE": "1"} if (config, feature) == ("fsdp2.yaml", "full") else None
         results[config, feature] = run_engine(
-            config, *SCENARIO, *feature_args(feature, tiny_vlms), *extra, "--data_files", scenario / "rank*.parquet",
-            "--output_dir", output_dir, recipe=VLM_RECIPE, env=env), output_dir
+            config, *SCENARIO, *feature_args(feature, tiny_vlms, composed_parts), *extra,
+            "--data_files", scenario / "rank*.parquet", "--output_dir", output_dir, recipe=VLM_RECIPE,
+            env=env), output_dir
     return results
 
 
@@ -127,7 +145,7 @@ def test_mixed_ranks_match_one_process(runs, truth, config, feature):
     reference, reference_dir = truth[feature]
     assert_same_curves(result.log, reference.log, range(1, STEPS + 1), grad_norm=True)
     assert losses(result.log)[STEPS] < losses(result.log)[1]
-    if feature == "full":
+    if feature in ("full", "composed"):
         expected = LlavaForConditionalGeneration.from_pretrained(reference_dir).state_dict()
         for name, tensor in LlavaForConditionalGeneration.from_pretrained(output_dir).state_dict().items():
             torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=1e-5, msg=name)
@@ -138,7 +156,7 @@ def test_mixed_ranks_match_one_process(runs, truth, config, feature):
 
 
 @pytest.mark.parametrize("config, feature", [("zero3.yaml", "full"), ("ddp.yaml", "lora")])
-def test_resume_repeats_the_straight_run(runs, scenario, tiny_vlms, config, feature, tmp_path):
+def test_resume_repeats_the_straight_run(runs, scenario, tiny_vlms, composed_parts, config, feature, tmp_path):
     """From checkpoint-3: the same losses and the same weights (ZeRO-3's partitions; LoRA's adapter).
     LoRA's frozen weights hold no optimizer state."""
     straight, output_dir = runs[config, feature]
@@ -148,7 +166,7 @@ def test_resume_repeats_the_straight_run(runs, scenario, tiny_vlms, config, feat
         model = load_file(checkpoint / "model.safetensors")
         trainable = [name for name in model if ".lora_" in name or ".modules_to_save." in name]
         assert len(optimizer["state"]) == len(trainable) < len(model)  # adapters and projector copy only
-    resumed = run_engine(config, *SCENARIO, *feature_args(feature, tiny_vlms), *RUNS[config, feature],
+    resumed = run_engine(config, *SCENARIO, *feature_args(feature, tiny_vlms, composed_parts), *RUNS[config, feature],
                                 "--data_files", scenario / "rank*.parquet", "--output_dir", tmp_path,
                                 "--resume_from_checkpoint", checkpoint, recipe=VLM_RECIPE)
     assert resumed.returncode == 0, resumed.log[-3000:]
