@@ -27,9 +27,9 @@ from transformers import (
     pipeline,
 )
 
-from launch import VLM_RECIPE, run_recipe
+from launch import REPO, VLM_RECIPE, run_recipe
 from mmrecipes.images import to_device
-from mmrecipes.paths import PLAIN_CHAT_TEMPLATE, SHAPES_DATA, TINY_TOKENIZER
+from mmrecipes.paths import PLAIN_CHAT_TEMPLATE, TINY_LM, TINY_TOKENIZER
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, encode_row
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.compose import FLATTEN_CONTENT, IMAGE_TOKEN, compose_llava
@@ -38,6 +38,7 @@ from mmrecipes.vlm.labels import AnswerLabeller, check_template
 from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, stop_token_ids
 from mmrecipes.vlm.module_groups import module_groups
 
+DPO_RECIPE = REPO / "recipes" / "vlm_dpo.py"
 VISION = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2, image_size=32,
               patch_size=8)
 TEXT_TOWER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -193,24 +194,34 @@ def test_what_cannot_be_composed_is_refused_with_the_reason(parts, tmp_path):
 
 
 @pytest.mark.launch
-def test_stage_1_on_clip_pretrains_output_then_stage_2_from_its_output(parts, tmp_path):
-    """clip_pretrain.py's own output as the tower, stage 1 on the CLIP data as caption rows in the plain format:
-    the tower's unused layer frozen and named, only the projector trains, every readable caption kept; stage 2
-    then starts from stage 1's output in the language model's own template, with no template flag."""
-    _, languages = parts
+def test_the_embedded_pipeline_from_clip_pretrain_to_dpo(tmp_path):
+    """README's "Build your own VLM" at a few steps each: clip_pretrain.py's output composed with the embedded tiny
+    base LM; stage 1 on the CLIP captions in the plain format (the tower's unused layer frozen and named, only the
+    projector trains, every readable caption kept); stage 2 from stage 1's output in the LM's own template with no
+    template flag; DPO from stage 2's. Each output loads with the Auto classes and answers through the pipeline."""
     tower = tmp_path / "clip"
     assert run_recipe("--max_steps", 2, "--output_dir", tower).returncode == 0
-    result = run_recipe("--vision_model_name_or_path", tower, "--language_model_name_or_path", languages["tied"],
+    result = run_recipe("--vision_model_name_or_path", tower, "--language_model_name_or_path", "embedded:tiny_lm",
                         "--chat_template", "plain", "--train_modules", "projector", "--dataset_name",
-                        SHAPES_DATA, "--dataset_weights", "none", "--eval_dataset_name", "none", "--max_steps", 3,
-                        "--logging_steps", 3, "--output_dir", tmp_path / "stage1", recipe=VLM_RECIPE)
+                        "embedded:shapes", "--dataset_weights", "none", "--eval_dataset_name", "none",
+                        "--max_steps", 3, "--logging_steps", 3, "--output_dir", tmp_path / "stage1", recipe=VLM_RECIPE)
     assert result.returncode == 0, result.log[-3000:]
     assert "froze 18 parameters no forward path reaches: model.vision_tower.encoder.layers.1." in result.log
     assert "trainable parameters" in result.log and "no_target 0" in result.log
-    assert AutoModelForImageTextToText.from_pretrained(tmp_path / "stage1").config.vision_feature_layer == -2
-    assert AutoProcessor.from_pretrained(tmp_path / "stage1").chat_template == FLATTEN_CONTENT + STRING_TEMPLATE
+    language_template = AutoTokenizer.from_pretrained(TINY_LM).chat_template
+    assert AutoProcessor.from_pretrained(tmp_path / "stage1").chat_template == FLATTEN_CONTENT + language_template
     result = run_recipe("--model_name_or_path", tmp_path / "stage1", "--max_steps", 2, "--eval_steps", 2,
                         "--eval_generation_rows", 0, "--output_dir", tmp_path / "stage2", recipe=VLM_RECIPE)
     assert result.returncode == 0, result.log[-3000:]
-    assert f"chat template of {tmp_path / 'stage1'}: assistant turns found by prefix renderings" in result.log
+    assert f"chat template of {tmp_path / 'stage1'}: assistant turns found by generation markers" in result.log
     assert "no_target 0" in result.log
+    result = run_recipe("--model_name_or_path", tmp_path / "stage2", "--max_steps", 2, "--eval_steps", 2,
+                        "--output_dir", tmp_path / "dpo", recipe=DPO_RECIPE)
+    assert result.returncode == 0, result.log[-3000:]
+    for stage in ("stage1", "stage2", "dpo"):
+        assert type(AutoModelForImageTextToText.from_pretrained(tmp_path / stage)).__name__ == (
+            "LlavaForConditionalGeneration")
+        answer = pipeline("image-text-to-text", model=str(tmp_path / stage))(
+            text=[{"role": "user", "content": [{"type": "image", "image": image()}, {"type": "text", "text": "?"}]}],
+            max_new_tokens=2)
+        assert answer[0]["generated_text"][-1]["role"] == "assistant"

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from ..arguments import SourceArgs
 from ..config import CheckedArgs, checked
-from ..paths import PLAIN_CHAT_TEMPLATE, TINY_VLM_TOKENIZER
+from ..paths import PLAIN_CHAT_TEMPLATE, TINY_VLM_TOKENIZER, resolve_name
 from ..sources import evaluation_source
 
 
@@ -32,7 +32,8 @@ class VLMModelArgs(CheckedArgs):
     text_hidden_size: int = checked(128, "count")
     text_layers: int = checked(2, "count")
     # Or compose a LLaVA (mmrecipes.vlm.compose): the vision half of a CLIP or SigLIP checkpoint (clip_pretrain.py's
-    # output included) and any causal language model with its tokenizer, joined by a fresh two-layer projector
+    # output included) and any causal language model with its tokenizer (embedded:tiny_lm: a tiny base one), joined
+    # by a fresh two-layer projector
     vision_model_name_or_path: str | None = None
     language_model_name_or_path: str | None = None
     vision_feature_layer: int = -2  # the tower's layer the projector reads (LLaVA's penultimate); later ones frozen
@@ -41,6 +42,9 @@ class VLMModelArgs(CheckedArgs):
 
     def __post_init__(self):
         super().__post_init__()
+        # embedded:tiny_lm, as the data sources name the embedded data
+        self.language_model_name_or_path = self.language_model_name_or_path and resolve_name(
+            self.language_model_name_or_path)
         parts = (self.vision_model_name_or_path, self.language_model_name_or_path)
         if any(parts) and not all(parts):
             raise ValueError("composing a VLM takes both --vision_model_name_or_path and --language_model_name_or_path")
