@@ -113,11 +113,13 @@ def model_layout(model) -> dict:
 class Checkpointer:
     """Saves and restores one run's checkpoints under `<args.output_dir>/checkpoints`.
 
-    `model`: the unwrapped model (its parameter layout is recorded); `layout`: `data_layout(...)`.
+    `model`: the unwrapped model (its parameter layout is recorded); `layout`: `data_layout(...)`; `saved_with`:
+    what writes JSON beside the weights with `save_pretrained` (the model's config, its image processor), so that a
+    checkpoint names its model as a saved directory does (`mmrecipes.vlm.compose` takes a CLIP checkpoint as a tower).
     """
 
-    def __init__(self, accelerator, args, scheduler, model, layout: dict):
-        self.accelerator, self.scheduler = accelerator, scheduler
+    def __init__(self, accelerator, args, scheduler, model, layout: dict, saved_with: tuple = ()):
+        self.accelerator, self.scheduler, self.saved_with = accelerator, scheduler, saved_with
         self.root = Path(args.output_dir) / "checkpoints"
         self.total_limit, self.ignore_data_skip = args.save_total_limit, args.ignore_data_skip
         self.save_steps, self.max_steps = args.save_steps, args.max_steps
@@ -161,6 +163,8 @@ class Checkpointer:
         accelerator.save_state(partial)
         if accelerator.is_main_process:  # plain data (the schedule's functions are the recipe's code)
             (partial / SCHEDULER).write_text(json.dumps(self.scheduler.state_dict()))
+            for item in self.saved_with:
+                item.save_pretrained(partial)
         if self.train_loader is not None:  # after the last batch the loop took: the loader reads none ahead
             data_state = {"epoch": epoch, "loader": self.train_loader.state_dict()}
             (partial / f"data_state_{accelerator.process_index}.json").write_text(json.dumps(data_state))

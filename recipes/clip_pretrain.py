@@ -136,9 +136,11 @@ def main(argv=None):
                                caption_length=caption_length(data_args, tokenizer, loader_kwargs["pad_to_max_length"]),
                                pad_to_max_length=loader_kwargs["pad_to_max_length"])
 
-    # shared: run state
+    # A checkpoint also holds the config and image processor: compose takes it as a VLM's vision tower.
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
-                               data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
+                               data_layout(data_args, args, data_world=data_world, batch_size=batch_size),
+                               saved_with=(accelerator.unwrap_model(model).config, image_processor))
+    # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
     guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,

@@ -159,9 +159,9 @@ def main(argv=None):
                                            preprocessor=PreferencePreprocessor, **loader_kwargs)
         accelerator.print(reference.precompute([first_pass, *[eval_loader] * (eval_loader is not None)],
                                                accelerator.device))
-    # shared: run state
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
                                data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
+    # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
     guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,

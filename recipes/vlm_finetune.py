@@ -169,9 +169,9 @@ def main(argv=None):
         prompts = generation_prompts(data_args, processor, rows=-(-args.eval_generation_rows // data_world),
                                      data_rank=data_rank, data_world=data_world)
 
-    # shared: run state
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
                                data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
+    # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
     guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,

@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from launch import REPO, VLM_RECIPE, run_recipe
+from mmrecipes.checkpointing import checkpoint_weights
 from mmrecipes.images import to_device
 from mmrecipes.paths import PLAIN_CHAT_TEMPLATE, TINY_LM, TINY_TOKENIZER
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, encode_row
@@ -184,6 +185,11 @@ def test_what_cannot_be_composed_is_refused_with_the_reason(parts, tmp_path):
     towers, languages = parts
     with pytest.raises(ValueError, match="NaFlex.*one fixed grid"):
         compose_llava(towers["siglip2"], languages["llama"])
+    old = tmp_path / "checkpoint-4"  # written before checkpoints held their model's config
+    old.mkdir()
+    (old / "checkpoint.json").write_text("{}")
+    with pytest.raises(ValueError, match="saved before checkpoints held their model's config"):
+        compose_llava(old, languages["llama"])
     base = save_language_model("llama", tmp_path / "base", chat_template=None)
     with pytest.raises(ValueError, match="no chat template \\(a base model\\).*--chat_template_path.*plain"):
         compose_llava(towers["clip"], base)
@@ -200,7 +206,13 @@ def test_the_embedded_pipeline_from_clip_pretrain_to_dpo(tmp_path):
     projector trains, every readable caption kept); stage 2 from stage 1's output in the LM's own template with no
     template flag; DPO from stage 2's. Each output loads with the Auto classes and answers through the pipeline."""
     tower = tmp_path / "clip"
-    assert run_recipe("--max_steps", 2, "--output_dir", tower).returncode == 0
+    assert run_recipe("--max_steps", 2, "--save_steps", 1, "--output_dir", tower).returncode == 0
+    # A checkpoint of that run is a tower too (its config and image processor are saved beside the weights)
+    checkpoint = tower / "checkpoints" / "checkpoint-1"
+    model, _ = compose_llava(checkpoint, TINY_LM, chat_template="plain")
+    expected = checkpoint_weights(checkpoint)["vision_model.embeddings.patch_embedding.weight"]
+    assert torch.equal(model.model.vision_tower.embeddings.patch_embedding.weight, expected)
+    assert not torch.equal(expected, CLIPModel.from_pretrained(tower).vision_model.embeddings.patch_embedding.weight)
     result = run_recipe("--vision_model_name_or_path", tower, "--language_model_name_or_path", "embedded:tiny_lm",
                         "--chat_template", "plain", "--train_modules", "projector", "--dataset_name",
                         "embedded:shapes", "--dataset_weights", "none", "--eval_dataset_name", "none",

@@ -90,4 +90,4 @@ def test_a_shared_block_edited_in_one_recipe_alone_fails():
     unmarked = recipe_texts()
     unmarked["vlm_dpo.py"] = unmarked["vlm_dpo.py"].replace("    # shared: run state\n", "", 1)
     assert unmarked_repeats(unmarked)[0].startswith("vlm_dpo.py holds, unmarked, what clip_pretrain.py holds: "
-                                                    "checkpoints = Checkpointer(")
+                                                    "guard = StepGuard(")

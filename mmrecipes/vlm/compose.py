@@ -1,5 +1,6 @@
 """A LLaVA built from parts: a vision tower, any causal language model and a fresh projector between them.
 
+The tower is a saved CLIP or SigLIP model, or a `checkpoint-N` of a `clip_pretrain.py` run (any engine's).
 `compose_llava` gives a standard `LlavaForConditionalGeneration` with its `LlavaProcessor`, so every later stage
 (LLaVA's stage 1 on captions, stage 2 on conversations, DPO) is a `vlm_finetune.py` / `vlm_dpo.py` run and every
 output loads with the Auto classes and the pipeline. What the field gets wrong, decided from the checkpoints'
@@ -21,6 +22,8 @@ A SigLIP 2 NaFlex tower (each image its own patch grid) cannot sit inside Llava,
 take one fixed grid: it is refused with that reason.
 """
 
+from pathlib import Path
+
 import torch
 from transformers import (
     AutoConfig,
@@ -32,7 +35,9 @@ from transformers import (
     LlavaForConditionalGeneration,
     LlavaProcessor,
 )
+from transformers.utils import CONFIG_NAME
 
+from ..checkpointing import MARKER, checkpoint_weights
 from ..paths import PLAIN_CHAT_TEMPLATE
 
 IMAGE_TOKEN = "<image>"
@@ -61,8 +66,7 @@ def compose_llava(vision_name_or_path: str, language_name_or_path: str, *, visio
     `language_name_or_path` (with its tokenizer), joined by LLaVA's two-layer GELU projector, freshly initialised.
     `chat_template`: "plain" (stage 1 trains in LLaVA's format) or None; the processor gets `chat_template_for`'s."""
     vision_config = _vision_config(vision_name_or_path)
-    tower = AutoModel.from_pretrained(vision_name_or_path)
-    tower = getattr(tower, "vision_model", tower)  # the vision half of a two-tower model
+    tower = _tower(vision_name_or_path)
     language_model = AutoModelForCausalLM.from_pretrained(language_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(language_name_or_path)
     template = chat_template_for(tokenizer, chat_template, language_name_or_path)
@@ -90,7 +94,23 @@ def compose_llava(vision_name_or_path: str, language_name_or_path: str, *, visio
     return model, processor
 
 
+def _tower(name_or_path: str):
+    """The vision half of a saved model, or of a `checkpoint-N` of a clip_pretrain.py run: its weights read from any
+    engine's files (`checkpoint_weights`, validated first), its config beside them."""
+    if not (Path(name_or_path) / MARKER).is_file():
+        model = AutoModel.from_pretrained(name_or_path)
+        return getattr(model, "vision_model", model)  # the vision half of a two-tower model
+    model = AutoModel.from_config(AutoConfig.from_pretrained(name_or_path))
+    weights = {name.removeprefix("vision_model."): tensor for name, tensor in checkpoint_weights(name_or_path).items()
+               if name.startswith("vision_model.")}
+    model.vision_model.load_state_dict(weights)
+    return model.vision_model
+
+
 def _vision_config(name_or_path: str):
+    if (Path(name_or_path) / MARKER).is_file() and not (Path(name_or_path) / CONFIG_NAME).is_file():
+        raise ValueError(f"{name_or_path} is a checkpoint saved before checkpoints held their model's config: compose "
+                         "from the run's saved model, or from a checkpoint of a newer run")
     config = AutoConfig.from_pretrained(name_or_path)
     vision_config = getattr(config, "vision_config", config)
     if not hasattr(vision_config, "image_size"):  # SigLIP 2 NaFlex: a patch budget, no fixed size
