@@ -13,10 +13,10 @@ own configs and modules, never from a name table:
   gradient; `module_groups` finds them from a dummy backward and the recipe freezes and names them;
 - the tokens: `<image>` is added, and a pad token where the LM has none; the new embedding rows (input and output)
   start at the mean of the existing rows, and tied embeddings stay tied;
-- the chat template (`chat_template_for`): the LM's own, with a prelude that writes each image as `<image>` before
-  the text for templates that read a message's content as a string; stage 1 trains in LLaVA's `plain` format
-  (`VLMModelArgs.training_template`) but the model keeps the LM's template, so stage 2 starts from stage 1's output
-  with no flag (a base LM without a template keeps `plain`);
+- the chat template (`chat_template_for`): the LM's own, behind a prelude that hands it each message's content as
+  one string, each image as `<image>` and a new line before the text (LLaVA's convention); stage 1 trains in
+  LLaVA's `plain` format (`VLMModelArgs.training_template`) but the model keeps the LM's template, so stage 2
+  starts from stage 1's output with no flag (a base LM without a template keeps `plain`);
 - the image processor: the tower's own, as its checkpoint saved it (mean, std, size).
 A SigLIP 2 NaFlex tower (each image its own patch grid) cannot sit inside Llava, whose processor and projector
 take one fixed grid: it is refused with that reason.
