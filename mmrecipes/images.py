@@ -227,8 +227,8 @@ def uint8_normalization(image_processor) -> torch.Tensor | None:
     normalization = fused_normalization(image_processor)
     if normalization is None:
         return None
-    random = numpy.random.default_rng(0)
-    probes = [Image.fromarray(random.integers(0, 256, (height, width, 3), dtype=numpy.uint8))
+    generator = numpy.random.default_rng(0)
+    probes = [Image.fromarray(generator.integers(0, 256, (height, width, 3), dtype=numpy.uint8))
               for height, width in ((45, 61), (70, 33))]
     floats = image_processor(images=probes, return_tensors="pt")["pixel_values"]
     raw = image_processor(images=probes, return_tensors="pt", **UINT8_PIXELS)["pixel_values"]
