@@ -7,7 +7,6 @@ over it, whose state holds every DataLoader worker's position; `rank_loader` bui
 """
 
 import itertools
-import logging
 import multiprocessing.forkserver
 import os
 import select
@@ -21,9 +20,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .distributed import all_ranks_true
 from .skips import no_rows_error
-
-logger = logging.getLogger(__name__)
-
 
 ROW_SEED = "__row_seed__"  # a column ResumableShuffle gives its preprocess function
 
