@@ -69,12 +69,13 @@ def save_tower(kind: str, directory) -> str:
     return str(directory)
 
 
-def save_language_model(kind: str, directory, chat_template: str | None = STRING_TEMPLATE) -> str:
-    """A tiny causal LM with the embedded byte-level tokenizer, its pad token removed (the composer adds one)."""
+def save_language_model(kind: str, directory, chat_template: str | None = STRING_TEMPLATE, padded_rows: int = 0) -> str:
+    """A tiny causal LM with the embedded byte-level tokenizer, its pad token removed (the composer adds one);
+    `padded_rows`: embedding rows past the tokenizer's (Qwen pads its vocabulary to a multiple of 128)."""
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER)
     tokenizer.pad_token = None
     tokenizer.chat_template = chat_template
-    size = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    size = dict(vocab_size=len(tokenizer) + padded_rows, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id)
     if kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**size, head_dim=32, tie_word_embeddings=False))
@@ -170,6 +171,21 @@ def test_a_composed_llava_counts_its_image_tokens_keeps_its_parts_and_stage_1_tr
     answer = pipeline("image-text-to-text", model=str(tmp_path))(
         text=[{"role": "user", "content": [{"type": "image", "image": image()}]}], max_new_tokens=2)
     assert answer[0]["generated_text"][-1]["role"] == "assistant"
+
+
+def test_a_vocabulary_padded_past_its_tokenizer_is_not_shrunk(parts, tmp_path):
+    """Qwen's embeddings have more rows than its tokenizer has tokens: the new tokens take padding rows, set to the
+    mean of the real tokens' rows, and no row is dropped."""
+    towers, _ = parts
+    language = save_language_model("qwen3", tmp_path / "padded", padded_rows=20)
+    source = Qwen3ForCausalLM.from_pretrained(language).get_input_embeddings().weight
+    model, processor = compose_llava(towers["clip"], language)
+    real = len(AutoTokenizer.from_pretrained(language))
+    assert len(processor.tokenizer) == real + 2 < len(source)
+    weight = model.get_input_embeddings().weight
+    assert weight.shape == source.shape
+    assert torch.allclose(weight[real:real + 2], source[:real].mean(dim=0).expand(2, -1), atol=1e-6)
+    assert torch.equal(weight[:real], source[:real]) and torch.equal(weight[real + 2:], source[real + 2:])
 
 
 def test_stage_2_uses_the_language_models_template_with_images_written_before_the_text(parts):

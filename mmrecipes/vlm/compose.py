@@ -121,18 +121,19 @@ def _vision_config(name_or_path: str):
 
 
 def _add_tokens(language_model, tokenizer):
-    """`<image>` (and a pad token where there is none) added to the tokenizer; the new embedding rows, input and
-    output, start at the mean of the existing rows (a tied output layer is the same matrix and stays so)."""
-    old_rows = len(tokenizer)
+    """`<image>` (and a pad token where there is none) added to the tokenizer; their embedding rows, input and
+    output, start at the mean of the rows of the tokens it had (a tied output layer is the same matrix and stays
+    so). A vocabulary padded past its tokenizer (Qwen's) is never shrunk: the new tokens take padding rows."""
+    first_new = min(len(tokenizer), language_model.get_input_embeddings().num_embeddings)
     tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
     if tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
-    old_rows = min(old_rows, language_model.get_input_embeddings().num_embeddings)
-    language_model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    if len(tokenizer) > language_model.get_input_embeddings().num_embeddings:
+        language_model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     with torch.no_grad():
         for embedding in {id(m.weight): m.weight for m in (language_model.get_input_embeddings(),
                                                             language_model.get_output_embeddings())}.values():
-            embedding[old_rows:] = embedding[:old_rows].mean(dim=0)
+            embedding[first_new:len(tokenizer)] = embedding[:first_new].mean(dim=0)
     language_model.config.pad_token_id = tokenizer.pad_token_id
 
 
