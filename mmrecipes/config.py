@@ -178,12 +178,12 @@ RULES = {
 RULE = "rule"  # the metadata key of a field's value rule
 
 
-def checked(default, rule: str, **kwargs):
+def checked(default, rule: str):
     """A dataclass field whose value must follow `rule` (a name in `RULES`), beside the field it checks: a renamed
     field keeps its rule, and a subclass that only changes the default keeps it too (`CheckedArgs.rules`)."""
     if rule not in RULES:
         raise KeyError(f"no value rule {rule!r}: one of {', '.join(RULES)}")
-    return dataclasses.field(default=default, metadata={RULE: rule} | kwargs.pop("metadata", {}), **kwargs)
+    return dataclasses.field(default=default, metadata={RULE: rule})
 
 
 class CheckedArgs:

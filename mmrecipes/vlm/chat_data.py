@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 # What the log reports: images converted to RGB, and rows skipped because an image does not decode (or is not
 # a regular file), is too large or too elongated, or lies outside --image_folder; the image placeholders do
 # not match the images; the row is over max_length or has no answer token; its answer tokens are not found
-# exactly in the processor's ids (chat_labels.UnalignedAnswer); its text is not UTF-8; it is not
+# exactly in the processor's ids (labels.UnalignedAnswer); its text is not UTF-8; it is not
 # a well-formed conversation (or the chat template refuses it); its file is empty, unreadable or truncated; or
 # it holds a video and the checkpoint takes none; a clip yields no frame or is too long; the video placeholders do
 # not match the clips.
