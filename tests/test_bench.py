@@ -32,6 +32,7 @@ BENCHES = [
     ("lora_memory.py", ["--quick"]),
     ("vlm_loss_memory.py", ["--quick"]),
     ("patch_dropout.py", ["--quick"]),
+    ("answers_by_kind.py", ["--quick"]),
 ]
 HALVES = 2
 

@@ -1,23 +1,23 @@
 """A LLaVA composed from a vision tower and a language model (mmrecipes.vlm.compose), in process, on tiny
-checkpoints built from their configs: towers with a class token (CLIP) and without (SigLIP), language models with
-untied (Llama, Qwen3) and tied embeddings (SmolLM2's Llama layout); and the recipe's stage 1 on clip_pretrain.py's
-own output."""
+checkpoints built from their configs: towers with a class token (CLIP) and without (SigLIP); language models with
+their own tokenizer classes and official chat templates (data_prep/tiny_language_models.py: Llama 3.2 and Gemma 3
+text with tied embeddings, Qwen3 untied and padded past its tokenizer); and the recipe's stage 1 on
+clip_pretrain.py's own output."""
+from pathlib import Path
 
 import numpy
 import pytest
 import torch
+import trl
 from PIL import Image
 from transformers import (
+    AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoProcessor,
     AutoTokenizer,
     CLIPConfig,
     CLIPImageProcessor,
     CLIPModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
     Siglip2Config,
     Siglip2ImageProcessor,
     Siglip2Model,
@@ -30,14 +30,15 @@ from transformers import (
 from launch import REPO, VLM_RECIPE, run_recipe
 from mmrecipes.checkpointing import checkpoint_weights
 from mmrecipes.images import to_device
-from mmrecipes.paths import PLAIN_CHAT_TEMPLATE, TINY_LM, TINY_TOKENIZER
+from mmrecipes.paths import PLAIN_CHAT_TEMPLATE, TINY_LM
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, encode_row
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.compose import FLATTEN_CONTENT, IMAGE_TOKEN, compose_llava
 from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller, check_template
+from mmrecipes.vlm.labels import AnswerLabeller, TemplateError, _runs, check_template
 from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, stop_token_ids
 from mmrecipes.vlm.module_groups import module_groups
+from tiny_language_models import save_tiny_language_model
 
 DPO_RECIPE = REPO / "recipes" / "vlm_dpo.py"
 VISION = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2, image_size=32,
@@ -45,9 +46,10 @@ VISION = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_att
 TEXT_TOWER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   max_position_embeddings=16)
 MEAN, STD = [0.25, 0.5, 0.75], [0.2, 0.3, 0.4]  # not the processor's defaults: they must survive into the VLM
-# Renders a message's content as a string, as a text-only LM's template does (the compose prelude feeds it one)
-STRING_TEMPLATE = ("{% for message in messages %}{{ message.role }}:\n{{ message.content }}{{ eos_token }}\n"
-                   "{% endfor %}{% if add_generation_prompt %}assistant:\n{% endif %}")
+LANGUAGE_MODELS = ("llama3", "qwen3", "gemma3_text")
+TIED = ("llama3", "gemma3_text")  # Llama 3.2 1B/3B and Gemma 3 tie their embeddings; Qwen3 8B and up do not
+# TRL's training patch of Qwen3's template: the think block before every answer, {% generation %} markers
+QWEN3_TRAINING = Path(trl.__file__).parent / "chat_templates" / "qwen3_training.jinja"
 CAPTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
            {"role": "assistant", "content": [{"type": "text", "text": "a red circle"}]}]
 
@@ -69,28 +71,11 @@ def save_tower(kind: str, directory) -> str:
     return str(directory)
 
 
-def save_language_model(kind: str, directory, chat_template: str | None = STRING_TEMPLATE, padded_rows: int = 0) -> str:
-    """A tiny causal LM with the embedded byte-level tokenizer, its pad token removed (the composer adds one);
-    `padded_rows`: embedding rows past the tokenizer's (Qwen pads its vocabulary to a multiple of 128)."""
-    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER)
-    tokenizer.pad_token = None
-    tokenizer.chat_template = chat_template
-    size = dict(vocab_size=len(tokenizer) + padded_rows, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id)
-    if kind == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**size, head_dim=32, tie_word_embeddings=False))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**size, tie_word_embeddings=kind == "tied"))
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory)
-
-
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
     root = tmp_path_factory.mktemp("parts")
     towers = {kind: save_tower(kind, root / kind) for kind in ("clip", "siglip", "siglip2")}
-    languages = {kind: save_language_model(kind, root / kind) for kind in ("llama", "qwen3", "tied")}
+    languages = {family: str(save_tiny_language_model(family, root / family)) for family in LANGUAGE_MODELS}
     return towers, languages
 
 
@@ -99,14 +84,16 @@ def image():
 
 
 @pytest.mark.parametrize("tower", ["clip", "siglip"])
-@pytest.mark.parametrize("language", ["llama", "qwen3", "tied"])
+@pytest.mark.parametrize("language", LANGUAGE_MODELS)
 def test_a_composed_llava_counts_its_image_tokens_keeps_its_parts_and_stage_1_trains_the_projector_only(
         parts, tmp_path, tower, language):
     towers, languages = parts
     model, processor = compose_llava(towers[tower], languages[language], chat_template="plain")
     source_tower = (CLIPModel if tower == "clip" else SiglipModel).from_pretrained(towers[tower]).vision_model
-    source_lm = (Qwen3ForCausalLM if language == "qwen3" else LlamaForCausalLM).from_pretrained(languages[language])
+    source_lm = AutoModelForCausalLM.from_pretrained(languages[language])
+    source_tokenizer = AutoTokenizer.from_pretrained(languages[language])
     tokenizer = processor.tokenizer
+    assert type(tokenizer) is type(source_tokenizer)  # the LM's own tokenizer class, special tokens and BOS rule
 
     # The parts' own weights, the strategy their class token calls for, the processor's constants
     assert torch.equal(model.model.vision_tower.embeddings.patch_embedding.weight,
@@ -117,17 +104,22 @@ def test_a_composed_llava_counts_its_image_tokens_keeps_its_parts_and_stage_1_tr
     assert model.config.vision_feature_layer == -2
     assert list(processor.image_processor.image_mean) == MEAN and list(processor.image_processor.image_std) == STD
 
-    # <image> and a pad token added; the new rows start at the mean of the old ones; a tie stays a tie
-    old_rows = source_lm.get_input_embeddings().num_embeddings
-    assert len(tokenizer) == old_rows + 2 and tokenizer.pad_token is not None
-    assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == model.config.image_token_id >= old_rows
+    # <image> added, and a pad token where the LM has none (Llama 3); the new rows start at the mean of the
+    # tokenizer's rows; a vocabulary padded past its tokenizer (Qwen's) is never shrunk; a tie stays a tie
+    old, added = len(source_tokenizer), 1 + (source_tokenizer.pad_token is None)
+    assert len(tokenizer) == old + added and tokenizer.pad_token is not None
+    assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == model.config.image_token_id >= old
+    rows = source_lm.get_input_embeddings().num_embeddings
+    assert (rows > old + added) == (language == "qwen3")
     for layer, source in ((model.get_input_embeddings(), source_lm.get_input_embeddings()),
                           (model.get_output_embeddings(), source_lm.get_output_embeddings())):
-        assert torch.equal(layer.weight[:old_rows], source.weight)
-        mean = source.weight.mean(dim=0)
-        assert all(torch.allclose(row, mean, atol=1e-6) for row in layer.weight[old_rows:])
+        assert layer.weight.shape[0] == max(rows, old + added)
+        assert torch.equal(layer.weight[:old], source.weight[:old])
+        assert torch.equal(layer.weight[old + added:], source.weight[old + added:])
+        mean = source.weight[:old].mean(dim=0)
+        assert all(torch.allclose(row, mean, atol=1e-6) for row in layer.weight[old:old + added])
     tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
-    assert tied == (language == "tied")
+    assert tied == (language in TIED)
 
     # As many <image> tokens as the tower gives features (the "tokens 729, features 728" error otherwise)
     inputs = processor(text=processor.apply_chat_template(CAPTION), images=[image()], return_tensors="pt")
@@ -147,7 +139,7 @@ def test_a_composed_llava_counts_its_image_tokens_keeps_its_parts_and_stage_1_tr
 
     # Stage 1: only the projector moves
     trainable = apply_train_modules(groups, "projector")
-    assert processor.chat_template == FLATTEN_CONTENT + STRING_TEMPLATE  # kept for stage 2; stage 1 trains in plain
+    assert processor.chat_template == FLATTEN_CONTENT + source_tokenizer.chat_template  # stage 2's; stage 1: plain
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor), template=PLAIN_CHAT_TEMPLATE.read_text())
     check_template(labeller, "the plain chat template")
     input_ids, labels, media = encode_row(labeller, CAPTION, [image()])
@@ -173,42 +165,50 @@ def test_a_composed_llava_counts_its_image_tokens_keeps_its_parts_and_stage_1_tr
     assert answer[0]["generated_text"][-1]["role"] == "assistant"
 
 
-def test_a_vocabulary_padded_past_its_tokenizer_is_not_shrunk(parts, tmp_path):
-    """Qwen's embeddings have more rows than its tokenizer has tokens: the new tokens take padding rows, set to the
-    mean of the real tokens' rows, and no row is dropped."""
-    towers, _ = parts
-    language = save_language_model("qwen3", tmp_path / "padded", padded_rows=20)
-    source = Qwen3ForCausalLM.from_pretrained(language).get_input_embeddings().weight
-    model, processor = compose_llava(towers["clip"], language)
-    real = len(AutoTokenizer.from_pretrained(language))
-    assert len(processor.tokenizer) == real + 2 < len(source)
-    weight = model.get_input_embeddings().weight
-    assert weight.shape == source.shape
-    assert torch.allclose(weight[real:real + 2], source[:real].mean(dim=0).expand(2, -1), atol=1e-6)
-    assert torch.equal(weight[:real], source[:real]) and torch.equal(weight[real + 2:], source[real + 2:])
-
-
-def test_stage_2_uses_the_language_models_template_with_images_written_before_the_text(parts):
+@pytest.mark.parametrize("language", LANGUAGE_MODELS)
+def test_stage_2_labels_the_answers_in_the_language_models_own_template(parts, language):
+    """Each LM's official template, images written before the text: the targets are the answers and the
+    end-of-turn token. Qwen3's writes its empty think block before the last answer only, so a conversation's
+    renderings are not prefixes of each other: refused with the reason, and TRL's training patch of it (given as
+    --chat_template_path) trains the think block before every answer."""
     towers, languages = parts
-    _, processor = compose_llava(towers["clip"], languages["llama"])
-    assert processor.chat_template == FLATTEN_CONTENT + STRING_TEMPLATE
-    text = processor.apply_chat_template(CAPTION)
-    assert text == (f"user:\n{IMAGE_TOKEN}\nDescribe it.{processor.tokenizer.eos_token}\n"
-                    f"assistant:\na red circle{processor.tokenizer.eos_token}\n")
+    model, processor = compose_llava(towers["clip"], languages[language])
+    conversation = CAPTION + [{"role": "user", "content": [{"type": "text", "text": "And the shape?"}]},
+                              {"role": "assistant", "content": [{"type": "text", "text": "circle"}]}]
+    assert f"{IMAGE_TOKEN}\nDescribe it." in processor.apply_chat_template(conversation)
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    lead = ""
+    if language == "qwen3":
+        with pytest.raises(TemplateError, match="not a prefix.*_training.jinja"):
+            check_template(labeller, languages[language])
+        model, processor = compose_llava(towers["clip"], languages[language], chat_template_path=QWEN3_TRAINING)
+        assert processor.chat_template == FLATTEN_CONTENT + QWEN3_TRAINING.read_text()
+        labeller, lead = AnswerLabeller(processor, stop_token_ids(model, processor)), "<think>\n\n</think>\n\n"
+    line = check_template(labeller, languages[language])
+    end = {"llama3": "<|eot_id|>", "qwen3": "<|im_end|>", "gemma3_text": "<end_of_turn>"}[language]
+    assert f"ends each answer with {end}, a target" in line and (repr(lead) in line) == bool(lead)
+    input_ids, labels, _ = encode_row(labeller, conversation, [image()])
+    targets = [processor.tokenizer.decode(input_ids[run]) for run in _runs(labels != -100)]
+    assert targets == [f"{lead}a red circle{end}", f"{lead}circle{end}"]
+    assert int((input_ids == model.config.image_token_id).sum()) == 16
 
 
 def test_what_cannot_be_composed_is_refused_with_the_reason(parts, tmp_path):
     towers, languages = parts
     with pytest.raises(ValueError, match="NaFlex.*one fixed grid"):
-        compose_llava(towers["siglip2"], languages["llama"])
+        compose_llava(towers["siglip2"], languages["llama3"])
     old = tmp_path / "checkpoint-4"  # written before checkpoints held their model's config
     old.mkdir()
     (old / "checkpoint.json").write_text("{}")
     with pytest.raises(ValueError, match="saved before checkpoints held their model's config"):
-        compose_llava(old, languages["llama"])
-    base = save_language_model("llama", tmp_path / "base", chat_template=None)
+        compose_llava(old, languages["llama3"])
+    base = save_tiny_language_model("llama3", tmp_path / "base")
+    (base / "chat_template.jinja").unlink()  # a base model ships none
     with pytest.raises(ValueError, match="no chat template \\(a base model\\).*--chat_template_path.*plain"):
         compose_llava(towers["clip"], base)
+    instruct = Path(languages["llama3"]) / "chat_template.jinja"  # the fix named: the instruct sibling's template
+    _, processor = compose_llava(towers["clip"], base, chat_template_path=instruct)
+    assert processor.chat_template == FLATTEN_CONTENT + instruct.read_text()
     _, processor = compose_llava(towers["clip"], base, chat_template="plain")  # stage 1 needs none
     assert processor.chat_template == PLAIN_CHAT_TEMPLATE.read_text()  # and the model keeps plain
     with pytest.raises(ValueError, match="plain \\(LLaVA's stage 1\\) or unset"):

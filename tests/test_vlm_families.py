@@ -169,6 +169,31 @@ def test_a_template_whose_turns_no_rule_finds_is_rejected_before_the_first_step(
                                       str(template), "--report_to", "none", "--output_dir", str(tmp_path / "out")])
 
 
+def test_generation_markers_must_start_after_the_generation_prompt_and_lead_every_answer_alike(tiny_vlms):
+    """A template's own text inside the markers before the answer is a target only when it follows the generation
+    prompt and precedes every answer alike (Qwen3's empty think block); markers around the assistant header, or a
+    text before one answer only, are refused."""
+    model, processor = load_vlm(VLMModelArgs(model_name_or_path=str(tiny_vlms["qwen2_5_vl"])))
+
+    def labeller(assistant_turn):
+        processor.chat_template = (
+            "{% for m in messages %}{% if m['role'] == 'assistant' %}" + assistant_turn + "<|im_end|>\n"
+            "{% else %}<|im_start|>user\n{% for p in m['content'] %}{{ p['text'] if p['type'] == 'text' else "
+            "'<|vision_start|><|image_pad|><|vision_end|>' }}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        return AnswerLabeller(processor, stop_token_ids(model, processor))
+
+    answer = "{{ m['content'][0]['text'] }}"
+    line = check_template(labeller("<|im_start|>assistant\n{% generation %}(ok) " + answer + "{% endgeneration %}"),
+                          "t")
+    assert "it writes '(ok) ' before each answer, a target" in line
+    with pytest.raises(TemplateError, match="markers of assistant turn 1 start inside its generation prompt"):
+        check_template(labeller("{% generation %}<|im_start|>assistant\n" + answer + "{% endgeneration %}"), "t")
+    with pytest.raises(TemplateError, match="not the answers"):
+        check_template(labeller("<|im_start|>assistant\n{% generation %}{{ '(ok) ' if loop.index0 == 1 }}" + answer
+                                + "{% endgeneration %}"), "t")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_module_groups_by_rule_agree_with_the_table(tiny_vlms, family):
     """The projector found by the rule is exactly the table's modules; the language model is the

@@ -19,7 +19,8 @@ class VLMModelArgs(CheckedArgs):
     # A saved image-text-to-text directory or hub id (Llava, Qwen2.5-VL, Qwen3-VL, SmolVLM, Gemma 3, ...),
     # loaded with AutoModelForImageTextToText and AutoProcessor; None builds the tiny Llava below
     model_name_or_path: str | None = None
-    chat_template_path: str | None = None  # a .jinja file replacing the processor's chat template (TRL's name)
+    # a .jinja file replacing the processor's chat template (TRL's name); composing, the language model's
+    chat_template_path: str | None = None
     tokenizer_name: str = str(TINY_VLM_TOKENIZER)  # used only with model_name_or_path=None
     # What trains: projector (LLaVA stage 1), projector,language_model (stage 2), all (tower too, at its own lr)
     train_modules: str = "projector,language_model"
@@ -63,10 +64,10 @@ class VLMModelArgs(CheckedArgs):
 
     def template_source(self) -> str:
         """Where the chat template comes from, for messages about it."""
+        if self.chat_template:  # the labels are made in it even where the model keeps --chat_template_path's
+            return f"the {self.chat_template} chat template"
         if self.chat_template_path:
             return self.chat_template_path
-        if self.chat_template:
-            return f"the {self.chat_template} chat template"
         return self.model_name_or_path or self.language_model_name_or_path or self.tokenizer_name
 
 

@@ -13,10 +13,10 @@ own configs and modules, never from a name table:
   gradient; `module_groups` finds them from a dummy backward and the recipe freezes and names them;
 - the tokens: `<image>` is added, and a pad token where the LM has none; the new embedding rows (input and output)
   start at the mean of the existing rows, and tied embeddings stay tied;
-- the chat template (`chat_template_for`): the LM's own, behind a prelude that hands it each message's content as
-  one string, each image as `<image>` and a new line before the text (LLaVA's convention); stage 1 trains in
-  LLaVA's `plain` format (`VLMModelArgs.training_template`) but the model keeps the LM's template, so stage 2
-  starts from stage 1's output with no flag (a base LM without a template keeps `plain`);
+- the chat template (`chat_template_for`): the LM's own (or `--chat_template_path`'s), behind a prelude that hands
+  it each message's content as one string, each image as `<image>` and a new line before the text (LLaVA's
+  convention); stage 1 trains in LLaVA's `plain` format (`VLMModelArgs.training_template`) but the model keeps the
+  LM's template, so stage 2 starts from stage 1's output with no flag (a base LM without a template keeps `plain`);
 - the image processor: the tower's own, as its checkpoint saved it (mean, std, size).
 A SigLIP 2 NaFlex tower (each image its own patch grid) cannot sit inside Llava, whose processor and projector
 take one fixed grid: it is refused with that reason.
@@ -60,16 +60,20 @@ FLATTEN_CONTENT = (
 
 
 def compose_llava(vision_name_or_path: str, language_name_or_path: str, *, vision_feature_layer: int = -2,
-                  chat_template: str | None = None):
+                  chat_template: str | None = None, chat_template_path: str | None = None):
     """(LlavaForConditionalGeneration, LlavaProcessor) of the vision half of `vision_name_or_path` (a CLIPModel,
     SiglipModel or vision-only checkpoint: the tower and its image processor) and the causal LM at
     `language_name_or_path` (with its tokenizer), joined by LLaVA's two-layer GELU projector, freshly initialised.
-    `chat_template`: "plain" (stage 1 trains in LLaVA's format) or None; the processor gets `chat_template_for`'s."""
+    `chat_template`: "plain" (stage 1 trains in LLaVA's format) or None; `chat_template_path`: a .jinja file that
+    replaces the language model's template (a base LM's instruct sibling's, TRL's training patch of Qwen3's); the
+    processor gets `chat_template_for`'s."""
     vision_config = _vision_config(vision_name_or_path)
     tower = _tower(vision_name_or_path)
     language_model = AutoModelForCausalLM.from_pretrained(language_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(language_name_or_path)
-    template = chat_template_for(tokenizer, chat_template, language_name_or_path)
+    if chat_template_path:
+        tokenizer.chat_template = Path(chat_template_path).read_text()
+    template = chat_template_for(tokenizer, chat_template, chat_template_path or language_name_or_path)
     _add_tokens(language_model, tokenizer)
     class_token = hasattr(tower.embeddings, "class_embedding")  # CLIP's CLS position; SigLIP has none
     strategy = "default" if class_token else "full"

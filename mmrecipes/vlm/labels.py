@@ -102,8 +102,11 @@ class AnswerLabeller:
             start = self.render(messages[:index], add_generation_prompt=True)[0]
             if self.has_markers:
                 begin, end = marked[number]
+                if text.startswith(start) and begin < len(start):  # the model would learn to write its prompt
+                    raise TemplateError(f"the generation markers of assistant turn {index} start inside its "
+                                        "generation prompt")
                 # The generation prompt's end, if only whitespace lies between it and the marker
-                if text.startswith(start) and len(start) <= begin and not text[len(start):begin].strip():
+                if text.startswith(start) and not text[len(start):begin].strip():
                     begin = len(start)
             else:
                 end = self.render(messages[:index + 1])[0]
@@ -168,9 +171,11 @@ def _aligned_positions(plain: list[int], processed: list[int]) -> dict[int, int]
 def check_template(labeller: AnswerLabeller, source: str, max_length: int | None = None) -> str:
     """Label a 2-turn probe conversation with an image (a real one, through the processor; its first turn alone
     where the template refuses two, as LLaVA's plain does) before the first step: raise unless the targets are
-    exactly its answers, each from the end of the generation
-    prompt to its end-of-turn token, and (given `max_length`, --max_length) unless a one-line question and a
-    one-word answer without an image fit in it. Returns a log line naming the rule found."""
+    exactly its answers, each from the end of the generation prompt to its end-of-turn token (markers that start
+    inside the generation prompt are refused), and (given `max_length`, --max_length) unless a one-line question
+    and a one-word answer without an image fit in it. A text the template writes after the generation prompt before
+    every answer (Qwen3's empty think block) is a target, as the model must write it; the log line names it and the
+    rule found."""
     answers = ["red", "two"]
     probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": answers[0]}]},
@@ -191,13 +196,17 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
         ids = torch.as_tensor(encoded["input_ids"][0])
         found = [labeller.tokenizer.decode(ids[run]).strip() for run in _runs(target)]
         problem = None
-        if [_without_stop(text, labeller.stop_strings) for text in found] != answers:
+        texts = [_without_stop(text, labeller.stop_strings) for text in found]
+        # What the template writes after its generation prompt and before every answer (Qwen3's empty think block)
+        leads = {text.removesuffix(answer) for text, answer in zip(texts, answers) if text.endswith(answer)}
+        if len(texts) != len(answers) or len(leads) != 1 or not all(map(str.endswith, texts, answers)):
             problem = f"the targets found by {labeller.rule} are {found!r}, not the answers {answers!r}"
     if problem:
         raise TemplateError(
             f"The chat template of {source} cannot be used for training: {problem}. Give a chat template whose "
             "assistant turns are wrapped in {% generation %} ... {% endgeneration %}, or whose generation prompt "
-            "is its assistant header, with --chat_template_path.")
+            "is its assistant header, with --chat_template_path (TRL ships such patches of common templates: "
+            "trl/chat_templates/*_training.jinja).")
     if max_length is not None:
         shortest = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]},
                     {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
@@ -211,7 +220,9 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
         ends = f"ends each answer with {stops[0]}, a target"
     else:
         ends = "ends answers with no end-of-turn token: a fine-tuned model will not learn to stop"
-    return f"chat template of {source}: assistant turns found by {labeller.rule}; it {ends}"
+    lead = leads.pop() if not problem and leads else ""
+    writes = f"; it writes {lead!r} before each answer, a target (the model learns to write it)" if lead else ""
+    return f"chat template of {source}: assistant turns found by {labeller.rule}; it {ends}{writes}"
 
 
 def _runs(mask):

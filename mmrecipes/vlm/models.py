@@ -194,14 +194,14 @@ def load_vlm(args: VLMModelArgs):
     if args.vision_model_name_or_path:
         model, processor = compose_llava(args.vision_model_name_or_path, args.language_model_name_or_path,
                                          vision_feature_layer=args.vision_feature_layer,
-                                         chat_template=args.chat_template)
+                                         chat_template=args.chat_template, chat_template_path=args.chat_template_path)
     elif args.model_name_or_path:
         check_trainable(args.model_name_or_path)
         model = AutoModelForImageTextToText.from_pretrained(args.model_name_or_path)
         processor = AutoProcessor.from_pretrained(args.model_name_or_path)
     else:
         model, processor = _tiny_llava(args)
-    if args.chat_template_path:
+    if args.chat_template_path and not args.vision_model_name_or_path:  # compose_llava took it as the LM's
         with open(args.chat_template_path) as file:
             processor.chat_template = file.read()
     try:
