@@ -15,7 +15,7 @@ Features across engines, not every feature under every engine (tests/README.md):
 | full fine-tuning = one process | yes | yes, divergence guard on | yes | yes, resumed |
 | LoRA = one process | Llava, resumed | Llava, checkpointing | | Qwen2.5-VL, checkpointing |
 | without the dummy image: fails | yes | divergence guard names the modules | | yes |
-| a Llava composed from a CLIP tower and a Llama = one process | stage 2 | stage 1 (projector only) | | stage 2 |
+| a Llava composed from a CLIP tower and Gemma 3 text = one process | stage 2 | stage 1 (projector only) | | stage 2 |
 """
 
 import pytest
@@ -38,7 +38,8 @@ from launch import (
 from mmrecipes.vlm.arguments import LoraArgs
 from mmrecipes.vlm.lora import lora_config
 from test_chat_data import chat_row, write_chat_parquet
-from test_compose import save_language_model, save_tower
+from test_compose import save_tower
+from tiny_language_models import save_tiny_language_model
 from test_lora import adapted_layers, tiny
 
 pytestmark = pytest.mark.launch
@@ -52,7 +53,7 @@ SCENARIO = [*COMMON, "--dataset_name", "parquet", "--dataset_weights", "", "--sh
 LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout", 0.0]  # dropout 0: same on any ranks
 # What each run trains, on top of the scenario: its single-process ground truth has the same flags.
 FEATURES = {"full": [], "lora": LORA, "lora_qwen": LORA,
-            # a Llava composed from a CLIP tower and a Llama (mmrecipes.vlm.compose): stage 2, and stage 1's preset
+            # a Llava composed from a CLIP tower and a Gemma 3 text LM (mmrecipes.vlm.compose): stage 2, and stage 1's preset
             "composed": [], "composed_stage1": ["--train_modules", "projector"]}
 RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("ddp.yaml", "full"): [],
@@ -93,10 +94,11 @@ def scenario(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def composed_parts(tmp_path_factory):
-    """A tiny CLIP tower and a tiny Llama with a chat template, as tests/test_compose.py builds them."""
+    """A tiny CLIP tower and a tiny Gemma 3 text LM with its official template (tests/test_compose.py's parts; not
+    Llama 3.2, whose template writes today's date: a run across midnight would compare different prompts)."""
     root = tmp_path_factory.mktemp("composed_parts")
     return ["--vision_model_name_or_path", save_tower("clip", root / "clip"),
-            "--language_model_name_or_path", save_language_model("llama", root / "llama")]
+            "--language_model_name_or_path", str(save_tiny_language_model("gemma3_text", root / "gemma3_text"))]
 
 
 def feature_args(feature, tiny_vlms, composed_parts):
