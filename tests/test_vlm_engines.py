@@ -39,8 +39,8 @@ from mmrecipes.vlm.arguments import LoraArgs
 from mmrecipes.vlm.lora import lora_config
 from test_chat_data import chat_row, write_chat_parquet
 from test_compose import save_tower
-from tiny_language_models import save_tiny_language_model
 from test_lora import adapted_layers, tiny
+from tiny_language_models import save_tiny_language_model
 
 pytestmark = pytest.mark.launch
 
@@ -53,7 +53,7 @@ SCENARIO = [*COMMON, "--dataset_name", "parquet", "--dataset_weights", "", "--sh
 LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout", 0.0]  # dropout 0: same on any ranks
 # What each run trains, on top of the scenario: its single-process ground truth has the same flags.
 FEATURES = {"full": [], "lora": LORA, "lora_qwen": LORA,
-            # a Llava composed from a CLIP tower and a Gemma 3 text LM (mmrecipes.vlm.compose): stage 2, and stage 1's preset
+            # a Llava composed from a CLIP tower and Gemma 3 text (mmrecipes.vlm.compose): stage 2, and stage 1's preset
             "composed": [], "composed_stage1": ["--train_modules", "projector"]}
 RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("ddp.yaml", "full"): [],

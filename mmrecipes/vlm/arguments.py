@@ -204,3 +204,66 @@ class DPOArgs(CheckedArgs):
         terms = " + ".join(f"{weight:g} x {name}" for name, weight in self.losses.items())
         return "\n".join([f"loss: {terms} (TRL 1.16's loss types), beta {self.beta}",
                           *[f"deprecated: {line}" for line in self.deprecations]])
+
+
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # TRL 1.16's names for the losses this recipe computes
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+@dataclass
+class PromptDataArgs(ChatDataArgs):
+    """Prompts to sample completions for: TRL's `prompt` (string or conversation) with `images` and the columns the
+    reward functions read (`solution`), or chat rows whose last assistant turn is the solution."""
+
+    dataset_name: str = "embedded:vlm_shapes/image_chat,embedded:vlm_shapes/text_chat"
+    eval_generation_rows: int = checked(64, "non_negative")  # held-out questions answered by greedy decoding
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.packing or self.max_tokens_per_batch:
+            raise ValueError("--packing and --max_tokens_per_batch split or join rows; GRPO samples whole completions "
+                             "per prompt: use --per_device_train_batch_size")
+
+
+@dataclass
+class GRPOArgs(CheckedArgs):
+    """TRL 1.16's GRPOConfig names; defaults TRL's unless said."""
+
+    num_generations: int = checked(4, "count")  # completions per prompt, one group (TRL: 8)
+    temperature: float = checked(1.0, "positive")
+    top_p: float = checked(1.0, "probability")
+    max_completion_length: int = checked(8, "count")  # a completion stops here, truncated (TRL: 512)
+    # grpo: each completion's token mean, averaged; dr_grpo: token sum / (completions x max_completion_length);
+    # dapo and bnpo: token sum / tokens. Each over the optimizer step on every rank (TRL's bnpo: per rank).
+    loss_type: str = "dapo"
+    beta: float = checked(0.0, "non_negative")  # weight of the KL to the reference (k3 estimator)
+    epsilon: float = checked(0.2, "positive")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float | None = checked(None, "non_negative_or_none")  # None: epsilon (DAPO: 0.28)
+    num_iterations: int = checked(1, "count")  # optimizer steps on each batch of completions (old log-probs kept)
+    scale_rewards: str = "group"  # the advantage divided by the std of its group's rewards, the batch's, or none
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss
+    # Built-in: accuracy (exact match with the solution, numbers compared as numbers), format (--format_pattern);
+    # or a user function by import path, module:function (TRL's signature), comma-separated
+    reward_funcs: str = "accuracy"
+    reward_weights: str | None = None  # one per reward function; None: 1.0 each
+    format_pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.loss_type not in GRPO_LOSS_TYPES:
+            raise ValueError(f"--loss_type {self.loss_type!r}: one of {', '.join(GRPO_LOSS_TYPES)} (TRL 1.16's names)")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"--scale_rewards {self.scale_rewards!r}: one of {', '.join(SCALE_REWARDS)}")
+        if self.num_generations < 2:
+            raise ValueError("--num_generations 1: a group of one completion has no spread to learn from; give 2 or "
+                             "more")
+        self.funcs = [name.strip() for name in self.reward_funcs.split(",") if name.strip()]
+        try:
+            weights = [float(w) for w in (self.reward_weights or ",".join(["1.0"] * len(self.funcs))).split(",")]
+        except ValueError:
+            weights = []
+        if not self.funcs or len(weights) != len(self.funcs) or not all(map(math.isfinite, weights)):
+            raise ValueError(f"--reward_weights {self.reward_weights!r}: give one finite weight per --reward_funcs "
+                             f"({len(self.funcs)})")
+        self.weights = weights
+        self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high

@@ -72,11 +72,11 @@ def greedy_tokens(model, inputs: dict, new_tokens: int) -> list[int]:
         _, logits = model(**inputs, return_logits=True)
         token = logits[:, -1].argmax(-1)
         generated.append(int(token[0]))
-        inputs = _appended(inputs, token)
+        inputs = with_token_appended(inputs, token)
     return generated
 
 
-def _appended(inputs: dict, token: torch.Tensor) -> dict:
+def with_token_appended(inputs: dict, token: torch.Tensor) -> dict:
     """The model inputs with `token` appended to every row: a text token (no image, not a target)."""
     extended = dict(inputs)
     column = token[:, None]

@@ -1,4 +1,4 @@
-"""Token-level losses (captioning, SFT, DPO) under accumulation and data parallelism.
+"""Token-level losses (captioning, SFT, DPO, GRPO) under accumulation and data parallelism.
 
 The right gradient is (1/N) * grad(sum of CE over every target token of the window on all ranks), N = the window's
 target tokens on all data ranks. A per-micro-batch mean weights a micro-batch of 3 target tokens like one of 300.
@@ -24,7 +24,8 @@ def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, per_row:
 
 
 def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
-                           num_chunks: int = 8, softcap: float | None = None, per_row: bool = False) -> torch.Tensor:
+                           num_chunks: int = 8, softcap: float | None = None, per_row: bool = False,
+                           per_token: bool = False) -> torch.Tensor:
     """`token_cross_entropy_sum(head(hidden), labels)` without the `[batch, tokens, vocab]` fp32 logits.
 
     The shifted positions go through `head` (the LM's output layer) in `num_chunks` slices; each
@@ -34,10 +35,16 @@ def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: 
     times whatever its batch (under ZeRO-3 each call gathers the weight, a collective), and the
     slices' shapes come from the batch's shape, never from its values (no host read, no recompile
     for a new count of targets). Ignored positions (prompt, image, padding) add exactly 0.
-    `softcap`: Gemma-style final logit soft-capping (`tanh(logits / cap) * cap`). `per_row`: each row's sum.
+    `softcap`: Gemma-style final logit soft-capping (`tanh(logits / cap) * cap`). `per_row`: each row's sum;
+    `per_token`: no sum, `[batch, tokens - 1]` (each target's negative log-probability, 0 elsewhere: GRPO's ratios).
     """
     positions = hidden[:, :-1].flatten(0, 1)
     targets = labels[:, 1:].flatten()
+    if per_token:
+        parts = [torch.utils.checkpoint.checkpoint(_chunk_token_cross_entropy, part, part_targets, head, softcap,
+                                                   use_reentrant=False)
+                 for part, part_targets in zip(positions.tensor_split(num_chunks), targets.tensor_split(num_chunks))]
+        return torch.cat(parts).view(len(hidden), hidden.shape[1] - 1)
     rows = torch.arange(len(hidden), device=hidden.device).repeat_interleave(hidden.shape[1] - 1) if per_row else None
     row_parts = rows.tensor_split(num_chunks) if per_row else [None] * num_chunks
     total = hidden.new_zeros(len(hidden) if per_row else (), dtype=torch.float32)
@@ -55,6 +62,11 @@ def _chunk_cross_entropy_sum(hidden, targets, head, softcap, rows=None, num_rows
         return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
     losses = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
     return losses.new_zeros(num_rows).index_add(0, rows, losses)
+
+
+def _chunk_token_cross_entropy(hidden, targets, head, softcap):
+    return F.cross_entropy(soft_capped(head(hidden).float(), softcap), targets, ignore_index=IGNORE_INDEX,
+                           reduction="none")
 
 
 def soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:

@@ -224,6 +224,12 @@ class Reference:
         with self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext():
             return sequence_logps(self.model, inputs)
 
+    @torch.no_grad()
+    def token_logps(self, inputs: dict) -> torch.Tensor:
+        """Each target token's log-probability, `[rows, tokens - 1]` (0 elsewhere): GRPO's KL to the reference."""
+        with self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext():
+            return -self.model(**inputs, per_token=True)[0]
+
     def describe(self) -> str:
         if self.peft_model is not None:
             return "reference: the policy with its LoRA adapters disabled"

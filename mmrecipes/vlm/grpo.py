@@ -1,0 +1,243 @@
+"""GRPO and its variants (TRL 1.16's loss types grpo, bnpo, dr_grpo, dapo) for image-text-to-text models.
+
+- Prompts (`PromptPreprocessor`): TRL's rows (`prompt`: a string or a conversation, `images`, `solution`) or chat rows
+  in any layout `chat_data` reads whose last assistant turn is the solution, rendered with the processor's generation
+  prompt; unreadable rows are skipped and counted as in SFT.
+- Rollouts (`sample_group`): a prompt's G completions, sampled a token at a time by whole-sequence forwards of the
+  prepared model without a cache (as the evaluation's greedy decoding), until every rank's completions have stopped:
+  a rank whose completions end early keeps forwarding (`synced_gpus`), so FSDP2's and ZeRO-3's collectives never
+  part. The model is never gathered whole on a rank (TRL's `ds3_gather_for_generation=False`: slower, no memory
+  peak). Each completion draws from its own generator, seeded from the run's seed, the prompt's tokens and pixels and
+  its index in the group: one process and W ranks sample the same completions. A vLLM server would replace
+  `sample_group`; none runs here, so there is none.
+- Advantages (`group_advantages`): each reward minus its group's mean, divided by the group's (or the whole step's,
+  over every rank) unbiased std + 1e-4, or not; a completion a reward function failed on gets 0 and is left out of
+  the statistics. A group lives on one rank, so its statistics are exact wherever its completions' micro-batches sit.
+- Loss (`token_losses`, `LossNormaliser`): the clipped surrogate with the k3 KL, per token, then normalised over the
+  optimizer step on every rank: grpo, each completion's token mean averaged over completions; dr_grpo, the token sum
+  over completions x max_completion_length; dapo and bnpo, the token sum over tokens (TRL's bnpo divides per rank and
+  micro-batch, so here bnpo is dapo).
+"""
+
+import json
+import zlib
+
+import torch
+
+from ..distributed import max_over_ranks, sum_over_ranks
+from ..images import to_device
+from ..skips import Skip
+from ..sources import row_name
+from .arguments import GRPOArgs
+from .chat_data import (
+    CHAT_COLUMNS,
+    CHAT_COUNTED,
+    BadRow,
+    ChatPreprocessor,
+    _media,
+    _turn,
+    has_video,
+    media_folder,
+    prompt_row,
+    row_images,
+    to_chat,
+)
+from .evaluation import with_token_appended
+from .losses import IGNORE_INDEX
+
+PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution"]
+CLIP_COUNTS = ("low", "high", "region")  # TRL's clip_ratio/low_mean, high_mean, region_mean
+
+
+def prompt_chat(row) -> tuple[list, list, str | None]:
+    """(prompt messages, raw images, solution) of a TRL prompt row or of a chat row (its last answer: the solution)."""
+    if row.get("prompt") is not None:
+        images, prompt = _media(row, "images", "image"), row["prompt"]
+        if isinstance(prompt, str):
+            return [{"role": "user", "content": [*[{"type": "image"}] * len(images),
+                                                 {"type": "text", "text": prompt}]}], images, row.get("solution")
+        if not isinstance(prompt, list) or not prompt:
+            raise BadRow("prompt is neither a string nor a conversation")
+        return [_turn(turn) for turn in prompt], images, row.get("solution")
+    messages, images, _ = to_chat(row)
+    answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    if not answers:
+        raise BadRow("no prompt column and no assistant turn to take the solution from")
+    solution = " ".join(part["text"] for part in messages[answers[-1]]["content"] if part["type"] == "text")
+    return messages[:answers[-1]], images, solution.strip()
+
+
+class PromptPreprocessor(ChatPreprocessor):
+    """Batched `datasets.map` function: prompt rows in; {input_ids, media_inputs, messages (JSON), solution} out,
+    each rendered with the generation prompt; bad rows dropped and counted (`ChatPreprocessor`'s counts). Its
+    `max_length` is the prompt's: the recipe gives --max_length less --max_completion_length."""
+
+    COLUMNS = PROMPT_COLUMNS
+
+    def __call__(self, batch):
+        out = {key: [] for key in ("input_ids", "media_inputs", "messages", "solution", *CHAT_COUNTED)}
+        for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
+            example = self.example(row)
+            if isinstance(example, str):
+                self.drops.drop(example, row_name(row))
+                continue
+            (prompt, messages, solution), note = example
+            counts = self.drops.keep(note)
+            for key, value in (("input_ids", prompt["input_ids"]), ("media_inputs", prompt["media_inputs"]),
+                               ("messages", json.dumps(messages)), ("solution", solution)):
+                out[key].append(value)
+            for name in CHAT_COUNTED:
+                out[name].append(counts[name])
+        return out
+
+    def example(self, row):
+        try:
+            messages, raw_images, solution = prompt_chat(row)
+            if has_video(row, messages):
+                return Skip("video", "GRPO samples image and text prompts")
+            loaded = row_images(self.args, media_folder(row, self.args.image_folder), messages, raw_images)
+            if isinstance(loaded, str):
+                return loaded
+            images, note = loaded
+            prompt = prompt_row(self.labeller.processor, messages, images)
+        except BadRow as error:
+            return Skip("bad_row", str(error))
+        except Exception as error:  # a template that refuses the prompt, say: counted, never a crash
+            return Skip("bad_row", f"{type(error).__name__}: {error}")
+        if len(prompt["input_ids"]) > self.max_length:
+            return Skip("too_long", f"{len(prompt['input_ids'])} prompt tokens, over {self.max_length}")
+        return (prompt, messages, solution), note
+
+    @staticmethod
+    def check_columns(name, available):
+        if not {"prompt", "messages", "conversations"} & set(available):
+            raise ValueError(f"{name} has none of the columns prompt, messages or conversations (it has "
+                             f"{', '.join(sorted(available))})")
+
+
+class PromptCollator:
+    """A micro-batch of prompts as they are (each is sampled on its own): {prompts, num_samples, data_counts}."""
+
+    def __call__(self, rows):
+        prompts = [{"input_ids": torch.as_tensor(row["input_ids"]), "media_inputs": row["media_inputs"],
+                    "messages": json.loads(row["messages"]), "solution": row["solution"]} for row in rows]
+        return {"prompts": prompts, "num_samples": len(rows),
+                "data_counts": torch.tensor([sum(row[name] for row in rows) for name in CHAT_COUNTED])}
+
+
+def prompt_seed(seed: int, prompt: dict) -> int:
+    """A seed from the run's seed, the prompt's tokens and its pixels: the same prompt samples alike on any rank."""
+    digest = zlib.crc32(prompt["input_ids"].numpy().tobytes(), seed & 0xFFFFFFFF)
+    for key in sorted(prompt["media_inputs"]):
+        value = prompt["media_inputs"][key]
+        if isinstance(value, torch.Tensor):
+            digest = zlib.crc32(value.contiguous().numpy().tobytes(), digest)
+    return digest
+
+
+def chat_rows(prompt: dict, completions: list[list[int]], labelled: list[bool]) -> list[dict]:
+    """Collator rows (`ChatCollator`) of a prompt and its completions: the completion tokens are the targets (none
+    where `labelled` is False: a masked truncated completion)."""
+    rows = []
+    for completion, target in zip(completions, labelled):
+        tokens = torch.tensor(completion, dtype=prompt["input_ids"].dtype)
+        labels = torch.cat([torch.full_like(prompt["input_ids"], IGNORE_INDEX),
+                            tokens if target else torch.full_like(tokens, IGNORE_INDEX)])
+        rows.append({"input_ids": torch.cat([prompt["input_ids"], tokens]), "labels": labels,
+                     "media_inputs": prompt["media_inputs"]} | dict.fromkeys(CHAT_COUNTED, 0))
+    return rows
+
+
+@torch.no_grad()
+def sample_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed: int, device):
+    """[(completion token ids, truncated)] of `args.num_generations` completions of `prompt`, sampled at
+    --temperature within --top_p, each up to its first stop token (included) or --max_completion_length tokens
+    (truncated), with forwards until every rank's completions have stopped."""
+    group = args.num_generations
+    inputs = to_device(collator(chat_rows(prompt, [[]] * group, [False] * group)), device)
+    generators = [torch.Generator().manual_seed(seed + index) for index in range(group)]
+    completions, stopped = [[] for _ in range(group)], [False] * group
+    for _ in range(args.max_completion_length):
+        if not max_over_ranks(torch.tensor(float(not all(stopped)), device=device)).item():
+            break  # every rank's completions have stopped
+        _, logits = model(**inputs, return_logits=True)
+        tokens = torch.tensor([_sampled(row, generator, args.temperature, args.top_p)
+                               for row, generator in zip(logits[:, -1].float().cpu(), generators)])
+        for index, token in enumerate(tokens.tolist()):
+            if not stopped[index]:
+                completions[index].append(token)
+                stopped[index] = token in stop_ids
+        inputs = with_token_appended(inputs, tokens.to(device))
+    return [(completion, not done) for completion, done in zip(completions, stopped)]
+
+
+def _sampled(logits: torch.Tensor, generator, temperature: float, top_p: float) -> int:
+    probabilities = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1:  # the smallest set of most likely tokens whose probability reaches top_p
+        ordered, order = probabilities.sort(descending=True)
+        keep = ordered.cumsum(0) - ordered < top_p
+        probabilities = torch.zeros_like(probabilities).scatter(0, order[keep], ordered[keep])
+    return int(torch.multinomial(probabilities, 1, generator=generator))
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, zero-std flags) of `rewards` (`[groups x group_size]` in group order, NaN where a reward function
+    failed): each reward minus its group's mean, divided by the group's unbiased std (`scale` group) or by the
+    step's over every rank (batch; a collective), + 1e-4, or not divided (none); 0 for a failed completion, which
+    the statistics leave out. The flags mark completions whose group's std is 0 (TRL's frac_reward_zero_std)."""
+    grouped = rewards.view(-1, group_size)
+    valid = ~grouped.isnan()
+    count = valid.sum(1, keepdim=True)
+    values = grouped.nan_to_num(0.0)
+    mean = values.sum(1, keepdim=True) / count.clamp_min(1)
+    squares = ((values - mean) ** 2 * valid).sum(1, keepdim=True)
+    std = (squares / (count - 1).clamp_min(1)).sqrt() * (count > 1)
+    advantages = values - mean
+    if scale == "group":
+        advantages = advantages / (std + 1e-4)
+    elif scale == "batch":
+        sums = sum_over_ranks(torch.stack([values.sum(), (values ** 2).sum(), valid.sum().double()]).to(device)).cpu()
+        batch_mean = sums[0] / sums[2].clamp_min(1)
+        batch_std = ((sums[1] - sums[2] * batch_mean ** 2) / (sums[2] - 1).clamp_min(1)).clamp_min(0).sqrt()
+        advantages = advantages / (batch_std + 1e-4)
+    zero_std = torch.isclose(std, torch.zeros_like(std)).expand_as(grouped)
+    return (advantages * valid).flatten(), zero_std.flatten()
+
+
+def token_losses(logps, old_logps, ref_logps, advantages, mask, args: GRPOArgs) -> dict:
+    """Per-token terms of the clipped surrogate (PPO's, with DAPO's asymmetric clip): `loss` = -min(r A, clip(r, 1 -
+    epsilon, 1 + epsilon_high) A) + beta KL, r = exp(logp - old logp), KL the k3 estimator exp(ref - logp) - (ref -
+    logp) - 1; and the clip flags TRL logs. Every tensor `[rows, tokens]`, zero where `mask` is False."""
+    ratio = torch.exp(logps - old_logps)
+    advantages = advantages[:, None]
+    clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)
+    loss = -torch.min(ratio * advantages, clipped * advantages)
+    terms = {}
+    if args.beta:
+        delta = ref_logps - logps
+        terms["kl"] = (torch.exp(delta) - delta - 1) * mask
+        loss = loss + args.beta * terms["kl"]
+    low = (ratio < 1 - args.epsilon) & (advantages < 0) & mask
+    high = (ratio > 1 + args.epsilon_high) & (advantages > 0) & mask
+    return terms | {"loss": loss * mask, "low": low, "high": high, "region": low | high}
+
+
+class LossNormaliser:
+    """The weight of each token and the step's normaliser N for `loss_type`: the step's gradient is that of
+    sum(weight x token loss) / N over every rank's window; `count` is this rank's share of N."""
+
+    def __init__(self, args: GRPOArgs):
+        self.loss_type, self.max_completion_length = args.loss_type, args.max_completion_length
+
+    def weights(self, mask: torch.Tensor) -> torch.Tensor:
+        if self.loss_type == "grpo":  # each completion's token mean
+            return mask / mask.sum(1, keepdim=True).clamp_min(1)
+        return mask.float()
+
+    def count(self, masks: list[torch.Tensor]) -> float:
+        completions = sum(len(mask) for mask in masks)
+        if self.loss_type == "grpo":
+            return float(completions)
+        if self.loss_type == "dr_grpo":
+            return float(completions * self.max_completion_length)
+        return float(sum(int(mask.sum()) for mask in masks))  # dapo, bnpo: tokens
