@@ -43,9 +43,10 @@ class VLMModelArgs(CheckedArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        # embedded:tiny_lm, as the data sources name the embedded data
+        # embedded:tiny_lm (embedded:tiny_sft_vlm), as the data sources name the embedded data
         self.language_model_name_or_path = self.language_model_name_or_path and resolve_name(
             self.language_model_name_or_path)
+        self.model_name_or_path = self.model_name_or_path and resolve_name(self.model_name_or_path)
         parts = (self.vision_model_name_or_path, self.language_model_name_or_path)
         if any(parts) and not all(parts):
             raise ValueError("composing a VLM takes both --vision_model_name_or_path and --language_model_name_or_path")

@@ -21,6 +21,7 @@
 
 import json
 import zlib
+from dataclasses import dataclass, field
 
 import torch
 
@@ -116,13 +117,18 @@ class PromptPreprocessor(ChatPreprocessor):
 
 
 class PromptCollator:
-    """A micro-batch of prompts as they are (each is sampled on its own): {prompts, num_samples, data_counts}."""
+    """A micro-batch of prompts as they are (each is sampled on its own): {prompts, num_samples, data_counts, chat:
+    the prompts through `chat_collator` (no target), what a rank with no held-out prompt left decodes}."""
+
+    def __init__(self, chat_collator):
+        self.chat_collator = chat_collator
 
     def __call__(self, rows):
         prompts = [{"input_ids": torch.as_tensor(row["input_ids"]), "media_inputs": row["media_inputs"],
                     "messages": json.loads(row["messages"]), "solution": row["solution"]} for row in rows]
         return {"prompts": prompts, "num_samples": len(rows),
-                "data_counts": torch.tensor([sum(row[name] for row in rows) for name in CHAT_COUNTED])}
+                "data_counts": torch.tensor([sum(row[name] for row in rows) for name in CHAT_COUNTED]),
+                "chat": self.chat_collator([row for prompt in prompts for row in chat_rows(prompt, [[]], [False])])}
 
 
 def prompt_seed(seed: int, prompt: dict) -> int:
@@ -229,10 +235,11 @@ class LossNormaliser:
     def __init__(self, args: GRPOArgs):
         self.loss_type, self.max_completion_length = args.loss_type, args.max_completion_length
 
-    def weights(self, mask: torch.Tensor) -> torch.Tensor:
+    def weights(self, mask: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+        mask = mask.to(dtype)
         if self.loss_type == "grpo":  # each completion's token mean
             return mask / mask.sum(1, keepdim=True).clamp_min(1)
-        return mask.float()
+        return mask
 
     def count(self, masks: list[torch.Tensor]) -> float:
         completions = sum(len(mask) for mask in masks)
@@ -241,3 +248,63 @@ class LossNormaliser:
         if self.loss_type == "dr_grpo":
             return float(completions * self.max_completion_length)
         return float(sum(int(mask.sum()) for mask in masks))  # dapo, bnpo: tokens
+
+
+@dataclass
+class Rollouts:
+    """A window's completions on this rank, group after group: the micro-batches to train on (`ChatCollator`
+    batches), each completion's rewards per function (NaN where one failed), length and truncation."""
+
+    micro_batches: list = field(default_factory=list)
+    scores: list = field(default_factory=list)
+    lengths: list = field(default_factory=list)
+    truncated: list = field(default_factory=list)
+
+    def add(self, model, prompts, collator, scorer, tokenizer, args: GRPOArgs, stop_ids, seed, device):
+        """Sample, decode and score each prompt's group (`sample_group`, `RewardScorer`): one micro-batch."""
+        rows = []
+        for prompt in prompts:
+            group = sample_group(model, prompt, collator, args, stop_ids, prompt_seed(seed, prompt), device)
+            completions = [ids for ids, _ in group]
+            texts = [tokenizer.decode([t for t in ids if t not in stop_ids], skip_special_tokens=True)
+                     for ids in completions]
+            self.scores.append(scorer([prompt["messages"]] * len(texts), texts, completions,
+                                      {"solution": [prompt["solution"]] * len(texts)}))
+            self.lengths += [len(ids) for ids in completions]
+            self.truncated += [cut for _, cut in group]
+            rows += chat_rows(prompt, completions, [not (cut and args.mask_truncated_completions) for _, cut in group])
+        self.micro_batches.append(collator(rows))
+
+    def step_sums(self, rewards, zero_std, failures, names, batch_flops, device) -> dict:
+        """This rank's sums for the step's log line (summed over ranks and steps by `Report`): the rewards, the
+        completions, and the trained micro-batches' tokens and FLOPs (`batch_flops`: MFU counts training only)."""
+        scores, valid = torch.cat(self.scores), ~rewards.isnan()
+        sums = {"tokens": sum(batch["num_tokens"] for batch in self.micro_batches),
+                "flops": sum(map(batch_flops, self.micro_batches)),
+                "completions": len(rewards), "scored": valid.sum(), "reward": rewards[valid].sum(),
+                "reward_square": (rewards[valid] ** 2).sum(), "zero_std": zero_std.sum(), "length": sum(self.lengths),
+                "truncated": sum(self.truncated)}
+        for index, name in enumerate(names):
+            sums |= {f"reward_{name}": scores[:, index].nan_to_num(0).sum(), f"failed_{name}": failures[name],
+                     f"scored_{name}": (~scores[:, index].isnan()).sum()}
+        return {key: torch.as_tensor(value, dtype=torch.float32, device=device) for key, value in sums.items()}
+
+
+def grpo_metrics(sums: dict, names, beta: float) -> dict:
+    """TRL's GRPO metric names from a logging window's sums over ranks."""
+    def ratio(part, whole):
+        return part / whole if whole else float("nan")
+
+    reward = ratio(sums["reward"], sums["scored"])
+    metrics = {"loss": ratio(sums["loss"], sums["normaliser"]), "reward": reward,
+               "reward_std": max(ratio(sums["reward_square"], sums["scored"]) - reward ** 2, 0) ** 0.5,
+               "frac_reward_zero_std": ratio(sums["zero_std"], sums["completions"]),
+               "completions/mean_length": ratio(sums["length"], sums["completions"]),
+               "completions/clipped_ratio": ratio(sums["truncated"], sums["completions"])}
+    for name in names:
+        metrics |= {f"rewards/{name}/mean": ratio(sums[f"reward_{name}"], sums[f"scored_{name}"]),
+                    f"rewards/{name}/failed": int(sums[f"failed_{name}"])}
+    metrics |= {f"clip_ratio/{name}_mean": ratio(sums[f"clip_{name}"], sums["tokens_trained"]) for name in CLIP_COUNTS}
+    if beta:
+        metrics["kl"] = ratio(sums["kl"], sums["tokens_trained"])
+    return metrics

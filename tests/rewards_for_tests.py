@@ -1,0 +1,13 @@
+"""Reward functions a test names by import path (`--reward_funcs rewards_for_tests:flaky`)."""
+
+import math
+
+calls = {"flaky": 0}
+
+
+def flaky(prompts, completions, completion_ids, **columns):
+    """Raises on every other call; otherwise NaN for the first completion, None for the second, 1.0 for the rest."""
+    calls["flaky"] += 1
+    if calls["flaky"] % 2 == 0:
+        raise RuntimeError("the judge is down")
+    return [math.nan, None] + [1.0] * (len(completions) - 2)

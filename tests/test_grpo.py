@@ -1,0 +1,127 @@
+"""GRPO (recipes/vlm_grpo.py, mmrecipes.vlm.grpo and .rewards), in process: the loss of each TRL 1.16 loss type equals
+the papers' formulas written out here, for fixed completions, rewards and old log-probabilities (clipping active,
+with and without the KL), whatever the micro-batches; the group statistics; rewards that raise or give NaN counted,
+never a crash; and the recipe from the embedded SFT'd model, its output loading with the Auto classes."""
+
+import math
+import statistics
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+
+from launch import REPO, load_recipe
+from mmrecipes.vlm.arguments import GRPOArgs
+from mmrecipes.vlm.grpo import LossNormaliser, group_advantages, token_losses
+from mmrecipes.vlm.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
+
+GRPO_RECIPE = REPO / "recipes" / "vlm_grpo.py"
+LENGTHS = [3, 7, 1, 5, 4, 6]  # two groups of three completions, of different lengths
+MAX_LENGTH = 8
+
+
+def reference_loss(logps, old, ref, advantages, loss_type, beta, epsilon_low, epsilon_high):
+    """The papers' objectives, negated, one completion and token at a time: GRPO (DeepSeekMath, eq. 3: each
+    completion's token mean, averaged over completions), DAPO (eq. 8: the token sum over all tokens; TRL's bnpo is
+    the same over the whole step), Dr. GRPO (the token sum over completions x the maximum length)."""
+    per_completion, tokens = [], 0
+    for i, length in enumerate(LENGTHS):
+        terms = []
+        for t in range(length):
+            ratio = math.exp(logps[i][t] - old[i][t])
+            clipped = min(max(ratio, 1 - epsilon_low), 1 + epsilon_high)
+            term = -min(ratio * advantages[i], clipped * advantages[i])
+            kl = math.exp(ref[i][t] - logps[i][t]) - (ref[i][t] - logps[i][t]) - 1
+            terms.append(term + beta * kl)
+        per_completion.append(terms)
+        tokens += length
+    if loss_type == "grpo":
+        return sum(sum(terms) / len(terms) for terms in per_completion) / len(LENGTHS)
+    if loss_type == "dr_grpo":
+        return sum(map(sum, per_completion)) / (len(LENGTHS) * MAX_LENGTH)
+    return sum(map(sum, per_completion)) / tokens  # dapo, bnpo
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_each_loss_type_equals_the_papers_formula_whatever_the_micro_batches(loss_type, beta):
+    generator = torch.Generator().manual_seed(0)
+    width = max(LENGTHS)
+    mask = torch.tensor([[t < length for t in range(width)] for length in LENGTHS])
+    logps = -torch.rand(len(LENGTHS), width, generator=generator, dtype=torch.float64) * 3
+    old = logps + torch.randn(logps.shape, generator=generator, dtype=torch.float64) * 0.5  # num_iterations 2
+    ref = logps + torch.randn(logps.shape, generator=generator, dtype=torch.float64) * 0.3
+    advantages = torch.tensor([1.2, -0.4, -0.8, 0.9, 0.1, -1.0], dtype=torch.float64)
+    args = GRPOArgs(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, max_completion_length=MAX_LENGTH)
+    expected = reference_loss(logps.tolist(), old.tolist(), ref.tolist(), advantages.tolist(), loss_type, beta,
+                              0.2, 0.28)
+    normaliser = LossNormaliser(args)
+    for split in ([6], [2, 4], [1, 1, 1, 3]):  # micro-batches (or ranks) of the step: one normaliser N for all
+        parts = list(zip(*(tensor.split(split) for tensor in (logps, old, ref, advantages, mask))))
+        total = normaliser.count([part[4] for part in parts])
+        loss = 0.0
+        for part_logps, part_old, part_ref, part_advantages, part_mask in parts:
+            terms = token_losses(part_logps, part_old, part_ref, part_advantages, part_mask, args)
+            loss += float((terms["loss"] * normaliser.weights(part_mask, torch.float64)).sum()) / total
+        assert loss == pytest.approx(expected, rel=1e-12)
+    terms = token_losses(logps, old, ref, advantages, mask, args)
+    assert terms["low"].any() and terms["high"].any()  # the clipping is active on both sides
+    if loss_type in ("bnpo", "dapo"):  # TRL's bnpo, a token mean per micro-batch (or rank), averaged: not the step's
+        means = [float(token_losses(*(t[:2] for t in (logps, old, ref, advantages)), mask[:2], args)["loss"].sum()
+                       / mask[:2].sum()),
+                 float(token_losses(*(t[2:] for t in (logps, old, ref, advantages)), mask[2:], args)["loss"].sum()
+                       / mask[2:].sum())]
+        assert statistics.mean(means) != pytest.approx(expected, rel=1e-3)
+
+
+def test_group_advantages_leave_failed_completions_out_of_their_groups_statistics():
+    rewards = torch.tensor([1.0, 0.0, math.nan, 1.0, 2.0, 2.0, 2.0, 2.0], dtype=torch.float64)
+    advantages, zero_std = group_advantages(rewards, 4, "group", "cpu")
+    valid = [1.0, 0.0, 1.0]
+    mean, std = statistics.mean(valid), statistics.stdev(valid)  # unbiased, as TRL's nanstd
+    assert advantages[:4].tolist() == pytest.approx([(r - mean) / (std + 1e-4) for r in [1.0, 0.0]] + [0.0]
+                                                    + [(1.0 - mean) / (std + 1e-4)])
+    assert advantages[4:].tolist() == [0.0] * 4 and zero_std.tolist() == [False] * 4 + [True] * 4
+    unscaled, _ = group_advantages(rewards, 4, "none", "cpu")
+    assert unscaled[:2].tolist() == pytest.approx([1.0 - mean, -mean])
+    batch, _ = group_advantages(rewards, 4, "batch", "cpu")
+    everything = [1.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert batch[0].item() == pytest.approx((1.0 - mean) / (statistics.stdev(everything) + 1e-4))
+
+
+def test_the_built_in_rewards():
+    completions = ["Red.", "<answer>blue</answer>", "3.0", "two", [{"role": "assistant", "content": "circle"}]]
+    solutions = ["red", "Blue", "3", "2", "circle"]
+    assert accuracy(None, completions, solution=solutions) == [1.0, 1.0, 1.0, 0.0, 1.0]
+    form = format_reward(GRPOArgs().format_pattern)
+    assert form(None, ["<think>x</think> <answer>3</answer>", "3"]) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="module:function"):
+        load_reward_funcs(["nonsense"], "")
+
+
+def test_a_reward_function_that_raises_or_gives_nan_fails_only_what_it_scored():
+    scorer = RewardScorer(load_reward_funcs(["accuracy", "rewards_for_tests:flaky"], ""), [1.0, 0.5])
+    columns = {"solution": ["red"] * 4}
+    scores = scorer(None, ["red", "red", "blue", "red"], None, columns)
+    assert scores[:, 0].tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert torch.isnan(scores[:2, 1]).all() and scores[2:, 1].tolist() == [1.0, 1.0]
+    assert torch.isnan(scorer.total(scores)[:2]).all() and scorer.total(scores)[2:].tolist() == [0.5, 1.5]
+    scores = scorer(None, ["red"] * 4, None, columns)  # the second call raises: every completion failed
+    assert torch.isnan(scores[:, 1]).all()
+    failures, errors = scorer.take_failures()
+    assert failures == {"rewards_for_tests:flaky": 6}
+    assert errors == {"rewards_for_tests:flaky": "RuntimeError: the judge is down"}
+    assert scorer.take_failures() == ({}, {})
+
+
+def test_the_recipe_samples_scores_and_trains_from_the_embedded_sft_model(tmp_path, capsys):
+    """Two steps of 2 prompts x 4 completions, with a reward function that fails: counted in the log, not a crash."""
+    load_recipe(GRPO_RECIPE).main(["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2",
+                                   "--per_device_train_batch_size", "8", "--reward_funcs",
+                                   "accuracy,rewards_for_tests:flaky", "--eval_generation_rows", "4",
+                                   "--report_to", "none", "--output_dir", str(tmp_path)])
+    log = capsys.readouterr().out
+    assert "step 2/2 | loss" in log and "rewards/rewards_for_tests:flaky/failed" in log
+    assert "reward function rewards_for_tests:flaky failed on rank 0: RuntimeError: the judge is down" in log
+    assert "eval step 2 | generated_accuracy" in log
+    assert type(AutoModelForImageTextToText.from_pretrained(tmp_path)).__name__ == "LlavaForConditionalGeneration"
