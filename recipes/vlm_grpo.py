@@ -22,16 +22,17 @@ from mmrecipes.vlm.arguments import GRPOArgs, LoraArgs, PromptDataArgs, VLMModel
 
 @dataclass
 class ModelArgs(VLMModelArgs):
-    # The tiny Llava after 150 steps of vlm_finetune.py (data_prep/tiny_sft_vlm.py): it answers sometimes
+    # The tiny Llava after 60 steps of vlm_finetune.py (data_prep/tiny_sft_vlm.py): it answers sometimes
     model_name_or_path: str | None = "embedded:tiny_sft_vlm"
 
 
 @dataclass
 class TrainArgs(TrainingArgs):
     output_dir: str = "outputs/vlm_grpo"
-    max_steps: int = 100
-    per_device_train_batch_size: int = 16  # completions: whole groups of --num_generations
-    learning_rate: float = 1.0e-4  # for the tiny SFT'd default; TRL's default for real models is 1e-6
+    max_steps: int = 150
+    per_device_train_batch_size: int = 32  # completions: whole groups of --num_generations
+    learning_rate: float = 3.0e-4  # for the tiny SFT'd default; TRL's default for real models is 1e-6
+    warmup_steps: int = 0
     # used when --train_modules all (as vlm_finetune.py)
     vision_tower_learning_rate: float = checked(2.0e-6, "learning_rate")
     vision_tower_weight_decay: float = checked(0.0, "non_negative")
@@ -89,6 +90,10 @@ def main(argv=None):
     if grpo_args.max_completion_length >= data_args.max_length:
         raise ValueError(f"--max_completion_length {grpo_args.max_completion_length} leaves no room for a prompt "
                          f"within --max_length {data_args.max_length}: raise --max_length")
+    if grpo_args.num_iterations != 1:
+        raise ValueError(f"--num_iterations {grpo_args.num_iterations}: this recipe trains one optimizer step on each "
+                         "batch of completions (TRL's default, 1); reusing them with old log-probabilities is not "
+                         "built yet")
     reward_funcs = load_reward_funcs(grpo_args.funcs, grpo_args.format_pattern)  # an unknown name stops here
     # shared: vlm model
     set_seed(args.seed)
@@ -185,7 +190,7 @@ def main(argv=None):
         # Rollouts: each prompt's group sampled and scored, each micro-batch's completions one training batch
         started, rollouts = time.perf_counter(), Rollouts()
         for batch in window:
-            rollouts.add(model, batch["prompts"], chat_collator, scorer, processor.tokenizer, grpo_args, stops,
+            rollouts.add(model, batch["prompts"], chat_collator, scorer, processor, grpo_args, stops,
                          args.seed, accelerator.device)
         scores = torch.cat(rollouts.scores)
         rewards = scorer.total(scores)  # NaN where a reward function failed: no advantage, out of the statistics

@@ -3,19 +3,25 @@ the papers' formulas written out here, for fixed completions, rewards and old lo
 with and without the KL), whatever the micro-batches; the group statistics; rewards that raise or give NaN counted,
 never a crash; and the recipe from the embedded SFT'd model, its output loading with the Auto classes."""
 
+import json
 import math
 import statistics
 
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from launch import REPO, load_recipe
-from mmrecipes.vlm.arguments import GRPOArgs
-from mmrecipes.vlm.grpo import LossNormaliser, group_advantages, token_losses
+from mmrecipes.paths import EMBEDDED
+from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs
+from mmrecipes.vlm.grpo import LossNormaliser, PromptPreprocessor, group_advantages, token_losses
+from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
+from test_chat_data import chat_row
 
 GRPO_RECIPE = REPO / "recipes" / "vlm_grpo.py"
+TINY_SFT_VLM = EMBEDDED / "tiny_sft_vlm"
 LENGTHS = [3, 7, 1, 5, 4, 6]  # two groups of three completions, of different lengths
 MAX_LENGTH = 8
 
@@ -97,6 +103,8 @@ def test_the_built_in_rewards():
     assert form(None, ["<think>x</think> <answer>3</answer>", "3"]) == [1.0, 0.0]
     with pytest.raises(ValueError, match="module:function"):
         load_reward_funcs(["nonsense"], "")
+    with pytest.raises(ValueError, match="a prompt without a solution"):  # RewardScorer counts it as failed
+        accuracy(None, ["red"], solution=[None])
 
 
 def test_a_reward_function_that_raises_or_gives_nan_fails_only_what_it_scored():
@@ -125,3 +133,38 @@ def test_the_recipe_samples_scores_and_trains_from_the_embedded_sft_model(tmp_pa
     assert "reward function rewards_for_tests:flaky failed on rank 0: RuntimeError: the judge is down" in log
     assert "eval step 2 | generated_accuracy" in log
     assert type(AutoModelForImageTextToText.from_pretrained(tmp_path)).__name__ == "LlavaForConditionalGeneration"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--per_device_train_batch_size", "6"], "counts completions, in whole groups of --num_generations 8"),
+    (["--num_iterations", "2"], "not built yet"),
+    (["--max_completion_length", "256"], "leaves no room for a prompt"),
+    (["--reward_funcs", "accuracy,nope"], "accuracy, format, or a function's import path"),
+    (["--reward_funcs", "no_such_module:f"], "cannot import it"),
+    (["--loss_type", "ppo"], "one of grpo, bnpo, dr_grpo, dapo"),
+    (["--reward_weights", "1,2"], "one finite weight per --reward_funcs"),
+    (["--num_generations", "1"], "a group of one completion has no spread"),
+])
+def test_bad_settings_are_refused_before_the_model_loads(flags, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        load_recipe(GRPO_RECIPE).main([*flags, "--report_to", "none", "--output_dir", str(tmp_path)])
+
+
+def test_prompt_rows_in_trl_and_chat_layouts_become_generation_prompts():
+    """TRL's `prompt` (a string or a conversation) with `images` and `solution`, and a chat row whose last answer is
+    the solution, rendered with the checkpoint's generation prompt; a row with nothing to answer is counted."""
+    processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
+    preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, [processor.tokenizer.eos_token_id]),
+                                    max_length=64)
+    red = Image.new("RGB", (32, 32), (220, 40, 40))
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}]
+    rows = [{"prompt": "What colour is it?", "images": [red], "solution": "red"},
+            {"prompt": question, "images": [red], "solution": "red"},
+            chat_row("What colour is it?", "red", red),
+            {"messages": question, "images": [red]},  # no answer: no solution
+            {"prompt": "What colour is it? " * 40, "solution": "red"}]  # over max_length
+    out = preprocess({key: [row.get(key) for row in rows] for key in {key for row in rows for key in row}})
+    expected = processor(text=processor.apply_chat_template(question, add_generation_prompt=True), images=[red])
+    assert [list(ids) for ids in out["input_ids"]] == [list(expected["input_ids"][0])] * 3
+    assert out["solution"] == ["red"] * 3 and [json.loads(m) for m in out["messages"]] == [question] * 3
+    assert preprocess.drops.totals == {"bad_row": 1, "too_long": 1}

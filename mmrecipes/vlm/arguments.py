@@ -217,7 +217,7 @@ class PromptDataArgs(ChatDataArgs):
     reward functions read (`solution`), or chat rows whose last assistant turn is the solution."""
 
     dataset_name: str = "embedded:vlm_shapes/image_chat,embedded:vlm_shapes/text_chat"
-    eval_generation_rows: int = checked(64, "non_negative")  # held-out questions answered by greedy decoding
+    eval_generation_rows: int = checked(256, "non_negative")  # held-out questions answered by greedy decoding
 
     def __post_init__(self):
         super().__post_init__()
@@ -230,7 +230,7 @@ class PromptDataArgs(ChatDataArgs):
 class GRPOArgs(CheckedArgs):
     """TRL 1.16's GRPOConfig names; defaults TRL's unless said."""
 
-    num_generations: int = checked(4, "count")  # completions per prompt, one group (TRL: 8)
+    num_generations: int = checked(8, "count")  # completions per prompt, one group
     temperature: float = checked(1.0, "positive")
     top_p: float = checked(1.0, "probability")
     max_completion_length: int = checked(8, "count")  # a completion stops here, truncated (TRL: 512)

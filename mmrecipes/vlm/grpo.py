@@ -154,11 +154,19 @@ def chat_rows(prompt: dict, completions: list[list[int]], labelled: list[bool]) 
     return rows
 
 
+def media_token_ids(processor) -> list[int]:
+    """The image and video placeholder tokens: never sampled (the next forward would find one more placeholder
+    than images, "Image features and image tokens do not match")."""
+    tokens = [getattr(processor, name, None) for name in ("image_token", "video_token")]
+    return [processor.tokenizer.convert_tokens_to_ids(token) for token in tokens if token is not None]
+
+
 @torch.no_grad()
-def sample_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed: int, device):
+def sample_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed: int, device, suppressed=()):
     """[(completion token ids, truncated)] of `args.num_generations` completions of `prompt`, sampled at
-    --temperature within --top_p, each up to its first stop token (included) or --max_completion_length tokens
-    (truncated), with forwards until every rank's completions have stopped."""
+    --temperature within --top_p (never a `suppressed` token: `media_token_ids`), each up to its first stop token
+    (included) or --max_completion_length tokens (truncated), with forwards until every rank's completions have
+    stopped."""
     group = args.num_generations
     inputs = to_device(collator(chat_rows(prompt, [[]] * group, [False] * group)), device)
     generators = [torch.Generator().manual_seed(seed + index) for index in range(group)]
@@ -167,8 +175,10 @@ def sample_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed: 
         if not max_over_ranks(torch.tensor(float(not all(stopped)), device=device)).item():
             break  # every rank's completions have stopped
         _, logits = model(**inputs, return_logits=True)
+        last = logits[:, -1].float().cpu()
+        last[:, list(suppressed)] = -torch.inf
         tokens = torch.tensor([_sampled(row, generator, args.temperature, args.top_p)
-                               for row, generator in zip(logits[:, -1].float().cpu(), generators)])
+                               for row, generator in zip(last, generators)])
         for index, token in enumerate(tokens.tolist()):
             if not stopped[index]:
                 completions[index].append(token)
@@ -260,13 +270,14 @@ class Rollouts:
     lengths: list = field(default_factory=list)
     truncated: list = field(default_factory=list)
 
-    def add(self, model, prompts, collator, scorer, tokenizer, args: GRPOArgs, stop_ids, seed, device):
+    def add(self, model, prompts, collator, scorer, processor, args: GRPOArgs, stop_ids, seed, device):
         """Sample, decode and score each prompt's group (`sample_group`, `RewardScorer`): one micro-batch."""
         rows = []
         for prompt in prompts:
-            group = sample_group(model, prompt, collator, args, stop_ids, prompt_seed(seed, prompt), device)
+            group = sample_group(model, prompt, collator, args, stop_ids, prompt_seed(seed, prompt), device,
+                                 suppressed=media_token_ids(processor))
             completions = [ids for ids, _ in group]
-            texts = [tokenizer.decode([t for t in ids if t not in stop_ids], skip_special_tokens=True)
+            texts = [processor.tokenizer.decode([t for t in ids if t not in stop_ids], skip_special_tokens=True)
                      for ids in completions]
             self.scores.append(scorer([prompt["messages"]] * len(texts), texts, completions,
                                       {"solution": [prompt["solution"]] * len(texts)}))

@@ -42,6 +42,8 @@ def accuracy(prompts, completions, completion_ids=None, *, solution, **columns) 
     """1.0 where the completion matches the solution after `normalised` (numbers as numbers: "3.0" is "3"), else 0."""
     rewards = []
     for completion, answer in zip(completions, solution):
+        if answer is None:  # failed and counted, never scored against the text "None"
+            raise ValueError("a prompt without a solution")
         given, expected = normalised(completion_text(completion)), normalised(str(answer))
         numbers = _number(given), _number(expected)
         same = numbers[0] == numbers[1] if None not in numbers else given == expected

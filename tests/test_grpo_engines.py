@@ -1,0 +1,123 @@
+"""vlm_grpo.py on 2 CPU processes under every engine gives what one process holding the whole window gives: the same
+completions (each prompt sampled from its own seed), rewards, gradient norms and weights, with text-only and image
+prompts on different ranks, completions of different lengths and gradient accumulation 2; and a resume repeats the
+straight run.
+
+Scenario data (one parquet shard per data rank, read in order): 4 completions a prompt, one prompt a micro-batch,
+2 micro-batches a step; the single process reads the same prompts, both ranks' windows as one batch of 4 prompts.
+Features across engines (tests/README.md):
+
+| run | DDP | FSDP2 | ZeRO-2 | ZeRO-3 |
+|---|---|---|---|---|
+| = one process | --scale_rewards batch (a step-wide std) | LoRA | --beta 0.04 (a frozen reference copy) | --loss_type grpo, --mask_truncated_completions; resumed |
+"""
+
+import re
+
+import pytest
+import torch
+from PIL import Image
+from transformers import LlavaForConditionalGeneration
+
+from launch import REPO, assert_engine, run_engine, run_recipe
+from test_chat_data import chat_row, write_chat_parquet
+
+pytestmark = pytest.mark.launch
+
+GRPO_RECIPE = REPO / "recipes" / "vlm_grpo.py"
+STEPS = 4
+COMMON = ["--max_steps", STEPS, "--logging_steps", 1, "--eval_steps", 100, "--num_generations", 4,
+          "--max_completion_length", 6, "--learning_rate", 1e-3, "--warmup_steps", 0, "--dataset_name", "parquet",
+          "--dataset_weights", "", "--shuffle_buffer_size", 1, "--eval_dataset_name", "", "--ddp_timeout", 60]
+RANKS = ["--per_device_train_batch_size", 4, "--gradient_accumulation_steps", 2]
+SINGLE = ["--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 1]
+LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout", 0.0]
+RUNS = {  # engine -> the feature's flags, the same for its one-process ground truth
+    "ddp.yaml": ["--scale_rewards", "batch"],
+    "fsdp2.yaml": LORA,
+    "zero2.yaml": ["--beta", 0.04],
+    "zero3.yaml": ["--loss_type", "grpo", "--mask_truncated_completions", "true", "--save_steps", 2],
+}
+METRIC = r"^step (\d+)/\d+ \|(?:.*\|)? {name} (-?[\d.e+-]+)"
+
+
+def metric(log: str, name: str) -> dict[int, float]:
+    return {int(step): float(value) for step, value in re.findall(METRIC.format(name=re.escape(name)), log, re.M)}
+
+
+def image(colour):
+    return Image.new("RGB", (32, 32), colour)
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    """rank{0,1}.parquet and single/all.parquet: at each step rank 0 holds two image prompts and rank 1 two
+    text-only ones, then the reverse; the single process holds all four."""
+    data = tmp_path_factory.mktemp("grpo_scenario")
+    pictures = [chat_row("What colour is the shape?", name, image(rgb)) for name, rgb in
+                (("red", (220, 40, 40)), ("blue", (40, 40, 220)), ("green", (40, 200, 40)), ("yellow", (230, 220, 40)))]
+    texts = [chat_row(question, answer) for question, answer in
+             (("What colour is the sky?", "blue"), ("What number comes after one?", "two"),
+              ("What colour is snow?", "white"), ("What is the opposite of below?", "above"))]
+    rank0 = [pictures[0], pictures[1], texts[2], texts[3]] * 2
+    rank1 = [texts[0], texts[1], pictures[2], pictures[3]] * 2
+    write_chat_parquet(data / "rank0.parquet", rank0)
+    write_chat_parquet(data / "rank1.parquet", rank1)
+    (data / "single").mkdir()
+    single = [row for step in range(4) for row in rank0[2 * step:2 * step + 2] + rank1[2 * step:2 * step + 2]]
+    write_chat_parquet(data / "single" / "all.parquet", single)
+    return data
+
+
+@pytest.fixture(scope="module")
+def runs(scenario, tmp_path_factory):
+    """{engine: (2-process result, its output, one-process result, its output)}."""
+    results = {}
+    for config, flags in RUNS.items():
+        single_dir, ranks_dir = tmp_path_factory.mktemp(f"grpo_single_{config[:-5]}"), tmp_path_factory.mktemp(
+            f"grpo_{config[:-5]}")
+        single = run_recipe(*COMMON, *SINGLE, *flags, "--data_files", scenario / "single" / "all.parquet",
+                            "--output_dir", single_dir, recipe=GRPO_RECIPE)
+        assert single.returncode == 0, single.log[-3000:]
+        ranks = run_engine(config, *COMMON, *RANKS, *flags, "--data_files", scenario / "rank*.parquet",
+                           "--output_dir", ranks_dir, recipe=GRPO_RECIPE)
+        results[config] = ranks, ranks_dir, single, single_dir
+    return results
+
+
+@pytest.mark.parametrize("config", list(RUNS), ids=[config[:-5] for config in RUNS])
+def test_two_ranks_sample_score_and_step_as_one_process(runs, config):
+    ranks, ranks_dir, single, single_dir = runs[config]
+    assert ranks.returncode == 0, ranks.log[-3000:]
+    assert_engine(ranks.log, config, wrapped="VLMForTraining")
+    # The same completions (lengths and rewards), the same advantages' effect (gradient norms), every step
+    for name in ("completions/mean_length", "reward", "frac_reward_zero_std", "grad_norm", "loss"):
+        got, expected = metric(ranks.log, name), metric(single.log, name)
+        assert sorted(got) == list(range(1, STEPS + 1)), (name, ranks.log[-2000:])
+        for step in got:
+            assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-6), (name, step)
+    assert len(set(metric(ranks.log, "completions/mean_length").values())) > 1  # lengths differ from step to step
+    assert max(metric(ranks.log, "grad_norm").values()) > 0
+    if "--use_peft" not in RUNS[config]:
+        expected = LlavaForConditionalGeneration.from_pretrained(single_dir).state_dict()
+        for name, tensor in LlavaForConditionalGeneration.from_pretrained(ranks_dir).state_dict().items():
+            # AdamW turns rounding in a near-zero gradient into a step of up to lr: one value in 65,536 moved 1.4e-5
+            torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=1e-4, msg=name)
+    if "--beta" in RUNS[config]:
+        assert "reference: a frozen copy of the starting model" in ranks.log
+        assert min(metric(ranks.log, "kl").values()) >= 0 and max(metric(ranks.log, "kl").values()) > 0
+
+
+def test_a_resume_repeats_the_straight_run(runs, scenario, tmp_path):
+    """From ZeRO-3's checkpoint-2: the same completions (the sampling seeds come from the prompts), rewards and
+    gradient norms at steps 3 and 4."""
+    straight, output_dir, _, _ = runs["zero3.yaml"]
+    resumed = run_engine("zero3.yaml", *COMMON, *RANKS, *RUNS["zero3.yaml"], "--data_files",
+                         scenario / "rank*.parquet", "--output_dir", tmp_path, "--resume_from_checkpoint",
+                         output_dir / "checkpoints" / "checkpoint-2", recipe=GRPO_RECIPE)
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    for name in ("completions/mean_length", "reward", "grad_norm"):
+        got, expected = metric(resumed.log, name), metric(straight.log, name)
+        assert sorted(got) == [3, 4]
+        for step in got:
+            assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-6), (name, step)
