@@ -12,11 +12,23 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from gloo import run_on_ranks
 from launch import REPO, load_recipe
 from mmrecipes.paths import EMBEDDED
 from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs
-from mmrecipes.vlm.grpo import LossNormaliser, PromptPreprocessor, group_advantages, token_losses
+from mmrecipes.vlm.collate import ChatCollator
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.grpo import (
+    LossNormaliser,
+    PromptPreprocessor,
+    group_advantages,
+    media_token_ids,
+    prompt_seed,
+    sample_group,
+    token_losses,
+)
 from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.models import VLMForTraining, stop_token_ids
 from mmrecipes.vlm.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
 from test_chat_data import chat_row
 
@@ -168,3 +180,33 @@ def test_prompt_rows_in_trl_and_chat_layouts_become_generation_prompts():
     assert [list(ids) for ids in out["input_ids"]] == [list(expected["input_ids"][0])] * 3
     assert out["solution"] == ["red"] * 3 and [json.loads(m) for m in out["messages"]] == [question] * 3
     assert preprocess.drops.totals == {"bad_row": 1, "too_long": 1}
+
+
+def _sample_on_ranks(rank, world):
+    """Rank 0 samples nearly greedily (its completions stop after an answer), rank 1 at temperature 50 (its
+    completions run to the length limit): each rank's completions, and how many forwards it ran."""
+    model = AutoModelForImageTextToText.from_pretrained(TINY_SFT_VLM)
+    processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
+    stops = stop_token_ids(model, processor)
+    preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=64)
+    (prompt, _, _), _ = preprocess.example(chat_row("What colour is the shape?", "red",
+                                                    Image.new("RGB", (32, 32), (220, 40, 40))))
+    prompt["input_ids"] = torch.as_tensor(prompt["input_ids"])
+    step = VLMForTraining(model).eval()
+    forwards = []
+    step.register_forward_hook(lambda *_: forwards.append(1))
+    args = GRPOArgs(num_generations=4, max_completion_length=10, temperature=0.05 if rank == 0 else 50.0)
+    group = sample_group(step, prompt, ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(
+        model, processor)), args, stops, prompt_seed(0, prompt), torch.device("cpu"),
+                         suppressed=media_token_ids(processor))
+    return group, len(forwards)
+
+
+def test_ranks_whose_completions_end_at_different_lengths_forward_together():
+    """The ranks agree after every token whether any completion anywhere still runs: the rank whose completions
+    stopped after two tokens forwards as often as the one whose completions run to the limit (under FSDP2 and
+    ZeRO-3 every forward gathers parameters, a collective), and neither waits forever."""
+    (short, forwards0), (long, forwards1) = run_on_ranks(_sample_on_ranks, 2)
+    assert forwards0 == forwards1 == 10
+    assert max(len(ids) for ids, _ in short) <= 3 and not any(cut for _, cut in short)
+    assert any(cut for _, cut in long) and max(len(ids) for ids, _ in long) == 10
