@@ -17,7 +17,8 @@ own configs and modules, never from a name table:
   it each message's content as one string, each image as `<image>` and a new line before the text (LLaVA's
   convention); stage 1 trains in LLaVA's `plain` format (`VLMModelArgs.training_template`) but the model keeps the
   LM's template, so stage 2 starts from stage 1's output with no flag (a base LM without a template keeps `plain`);
-- the image processor: the tower's own, as its checkpoint saved it (mean, std, size).
+- the image processor: the tower's own, as its checkpoint saved it (mean, std, size);
+- memory: the Llava takes the loaded parts' modules themselves (built on the meta device), never a second copy.
 A SigLIP 2 NaFlex tower (each image its own patch grid) cannot sit inside Llava, whose processor and projector
 take one fixed grid: it is refused with that reason.
 """
@@ -85,10 +86,14 @@ def compose_llava(vision_name_or_path: str, language_name_or_path: str, *, visio
         vision_feature_layer=vision_feature_layer, vision_feature_select_strategy=strategy,
         projector_hidden_act="gelu", tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
         pad_token_id=tokenizer.pad_token_id, eos_token_id=text_config.eos_token_id)
-    model = LlavaForConditionalGeneration(config)
-    model.model.vision_tower.load_state_dict(tower.state_dict())
-    model.get_decoder().load_state_dict(language_model.get_decoder().state_dict())
-    model.get_output_embeddings().load_state_dict(language_model.get_output_embeddings().state_dict())
+    # The parts' own modules go in as they are: built on the meta device, the Llava never holds a second (random)
+    # copy of the language model or the tower; only the projector is made and initialised here.
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(config)
+    model.model.vision_tower, model.model.language_model = tower, language_model.get_decoder()
+    model.lm_head = language_model.get_output_embeddings()  # a tied head is the embedding matrix itself
+    projector = model.model.multi_modal_projector.to_empty(device=language_model.device)
+    projector.apply(model._init_weights)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = language_model.generation_config.eos_token_id or tokenizer.eos_token_id
     processor = LlavaProcessor(
