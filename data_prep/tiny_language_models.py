@@ -20,11 +20,9 @@ template copied verbatim (chat_templates/, sources in chat_templates/README.md):
 The test suite builds its fixtures with `save_tiny_language_model`; nothing here is used by the recipes.
 """
 
-import argparse
 import json
 from pathlib import Path
 
-import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     Gemma3ForCausalLM,
@@ -38,7 +36,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from tiny_vlm import _chat_texts, template
+from tiny_vlm import _chat_texts, family_main, save_family, template
 
 SIZE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, max_position_embeddings=512)
@@ -64,6 +62,12 @@ def _retrained(tokenizer_class, special_tokens, **kwargs):
     return tokenizer
 
 
+def _stopping(model):
+    """The model with its hub generation_config.json's stop tokens (the config's eos ids)."""
+    model.generation_config.eos_token_id = model.config.eos_token_id
+    return model
+
+
 def llama3():
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
                 "<|eot_id|>", "<|python_tag|>"]
@@ -84,7 +88,7 @@ def llama3():
     config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=ids("<|begin_of_text|>"),
                          eos_token_id=[ids("<|end_of_text|>"), ids("<|eom_id|>"), ids("<|eot_id|>")],
                          tie_word_embeddings=True, **SIZE)
-    return LlamaForCausalLM(config), tokenizer
+    return _stopping(LlamaForCausalLM(config)), tokenizer
 
 
 def qwen3():
@@ -95,7 +99,7 @@ def qwen3():
     rows = -(-len(tokenizer) // 128) * 128  # Qwen's embedding matrices are padded past the tokenizer
     config = Qwen3Config(vocab_size=rows, eos_token_id=[ids("<|im_end|>"), ids("<|endoftext|>")],
                          pad_token_id=ids("<|endoftext|>"), tie_word_embeddings=False, **SIZE)
-    return Qwen3ForCausalLM(config), tokenizer
+    return _stopping(Qwen3ForCausalLM(config)), tokenizer
 
 
 def gemma3_text():
@@ -106,29 +110,15 @@ def gemma3_text():
     config = Gemma3TextConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                               bos_token_id=tokenizer.bos_token_id, eos_token_id=[ids("<eos>"), ids("<end_of_turn>")],
                               sliding_window=64, query_pre_attn_scalar=16, **SIZE)
-    return Gemma3ForCausalLM(config), tokenizer
+    return _stopping(Gemma3ForCausalLM(config)), tokenizer
 
 
 FAMILIES = {"llama3": llama3, "qwen3": qwen3, "gemma3_text": gemma3_text}
 
 
 def save_tiny_language_model(family: str, output_dir) -> Path:
-    """Build the tiny `family` checkpoint and `save_pretrained` model and tokenizer to `output_dir` (seeded)."""
-    torch.manual_seed(0)
-    model, tokenizer = FAMILIES[family]()
-    model.generation_config.eos_token_id = model.config.eos_token_id  # the hub's generation_config.json stops
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-    return Path(output_dir)
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
-    parser.add_argument("--output_dir", required=True)
-    args = parser.parse_args()
-    print(f"wrote {save_tiny_language_model(args.family, args.output_dir)}")
+    return save_family(FAMILIES, family, output_dir)
 
 
 if __name__ == "__main__":
-    main()
+    family_main(__doc__, FAMILIES)

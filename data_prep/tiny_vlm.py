@@ -371,22 +371,27 @@ FAMILIES = {"llava": llava, "llava_next": llava_next, "qwen2_vl": qwen2_vl, "qwe
 
 
 def save_tiny_vlm(family: str, output_dir) -> Path:
-    """Build the tiny `family` checkpoint and `save_pretrained` model and processor to `output_dir` (the same
-    weights every time: seeded)."""
+    return save_family(FAMILIES, family, output_dir)
+
+
+def save_family(families: dict, family: str, output_dir) -> Path:
+    """Build `families[family]()` (the same weights every time: seeded) and `save_pretrained` what it returns, the
+    model and its processor (or tokenizer), to `output_dir`."""
     torch.manual_seed(0)
-    model, processor = FAMILIES[family]()
+    model, processor = families[family]()
     model.save_pretrained(output_dir)
     processor.save_pretrained(output_dir)
     return Path(output_dir)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
+def family_main(description: str, families: dict):
+    """The command line of a tiny-checkpoint script: --family, --output_dir."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(families), required=True)
     parser.add_argument("--output_dir", required=True)
     args = parser.parse_args()
-    print(f"wrote {save_tiny_vlm(args.family, args.output_dir)}")
+    print(f"wrote {save_family(families, args.family, args.output_dir)}")
 
 
 if __name__ == "__main__":
-    main()
+    family_main(__doc__, FAMILIES)

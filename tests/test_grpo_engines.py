@@ -5,11 +5,9 @@ straight run.
 
 Scenario data (one parquet shard per data rank, read in order): 4 completions a prompt, one prompt a micro-batch,
 2 micro-batches a step; the single process reads the same prompts, both ranks' windows as one batch of 4 prompts.
-Features across engines (tests/README.md):
-
-| run | DDP | FSDP2 | ZeRO-2 | ZeRO-3 |
-|---|---|---|---|---|
-| = one process | --scale_rewards batch (a step-wide std) | LoRA | --beta 0.04 (a frozen reference copy) | --loss_type grpo, --mask_truncated_completions; resumed |
+Features across engines (tests/README.md): DDP with --scale_rewards batch (a std over every rank), FSDP2 with LoRA,
+ZeRO-2 with --beta 0.04 (a frozen reference copy), ZeRO-3 with --loss_type grpo and --mask_truncated_completions,
+resumed.
 """
 
 import re
