@@ -69,6 +69,7 @@ from mmrecipes.vlm.grpo import (
     PromptCollator,
     PromptPreprocessor,
     Rollouts,
+    check_settings,
     group_advantages,
     grpo_metrics,
     token_losses,
@@ -84,16 +85,7 @@ from mmrecipes.vlm.rewards import RewardScorer, load_reward_funcs
 
 def main(argv=None):
     model_args, lora_args, data_args, grpo_args, args = parse_args(ARGUMENTS, argv)
-    if args.per_device_train_batch_size % grpo_args.num_generations:
-        raise ValueError(f"--per_device_train_batch_size {args.per_device_train_batch_size} counts completions, in "
-                         f"whole groups of --num_generations {grpo_args.num_generations}: give a multiple of it")
-    if grpo_args.max_completion_length >= data_args.max_length:
-        raise ValueError(f"--max_completion_length {grpo_args.max_completion_length} leaves no room for a prompt "
-                         f"within --max_length {data_args.max_length}: raise --max_length")
-    if grpo_args.num_iterations != 1:
-        raise ValueError(f"--num_iterations {grpo_args.num_iterations}: this recipe trains one optimizer step on each "
-                         "batch of completions (TRL's default, 1); reusing them with old log-probabilities is not "
-                         "built yet")
+    check_settings(grpo_args, args.per_device_train_batch_size, data_args.max_length)
     reward_funcs = load_reward_funcs(grpo_args.funcs, grpo_args.format_pattern)  # an unknown name stops here
     # shared: vlm model
     set_seed(args.seed)

@@ -50,6 +50,19 @@ PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution"]
 CLIP_COUNTS = ("low", "high", "region")  # TRL's clip_ratio/low_mean, high_mean, region_mean
 
 
+def check_settings(args: GRPOArgs, per_device_train_batch_size: int, max_length: int):
+    """Refuse, before anything loads, what the recipe cannot run as asked."""
+    if per_device_train_batch_size % args.num_generations:
+        raise ValueError(f"--per_device_train_batch_size {per_device_train_batch_size} counts completions, in whole "
+                         f"groups of --num_generations {args.num_generations}: give a multiple of it")
+    if args.max_completion_length >= max_length:
+        raise ValueError(f"--max_completion_length {args.max_completion_length} leaves no room for a prompt within "
+                         f"--max_length {max_length}: raise --max_length")
+    if args.num_iterations != 1:
+        raise ValueError(f"--num_iterations {args.num_iterations}: this recipe trains one optimizer step on each batch "
+                         "of completions (TRL's default, 1); reusing them with old log-probabilities is not built yet")
+
+
 def prompt_chat(row) -> tuple[list, list, str | None]:
     """(prompt messages, raw images, solution) of a TRL prompt row or of a chat row (its last answer: the solution)."""
     if row.get("prompt") is not None:

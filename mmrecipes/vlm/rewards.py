@@ -90,11 +90,12 @@ def _finite(value) -> float | None:
 
 class RewardScorer:
     """`scorer(prompts, completions, completion_ids, columns)` -> [completions, functions] rewards, NaN where a
-    function failed (raised, or gave None or NaN); `failures` counts them per function since the last `take`."""
+    function failed (raised, or gave None or NaN); `failures` counts them per function since the last `take`, and
+    `errors` holds the first error each function raised in the run (once)."""
 
     def __init__(self, funcs: dict, weights: list[float]):
         self.funcs, self.weights = funcs, torch.tensor(weights, dtype=torch.float64)
-        self.failures, self.errors = Counter(), {}
+        self.failures, self.errors, self.reported = Counter(), {}, set()
 
     def __call__(self, prompts, completions, completion_ids, columns: dict) -> torch.Tensor:
         scores = torch.full((len(completions), len(self.funcs)), math.nan, dtype=torch.float64)
@@ -103,8 +104,10 @@ class RewardScorer:
                 values = list(func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
                 if len(values) != len(completions):
                     raise ValueError(f"gave {len(values)} rewards for {len(completions)} completions")
-            except Exception as error:  # a user's function must not end the run: counted, the reason kept
-                self.errors.setdefault(name, f"{type(error).__name__}: {error}")
+            except Exception as error:  # a user's function must not end the run: counted, the reason said once
+                if name not in self.reported:
+                    self.reported.add(name)
+                    self.errors[name] = f"{type(error).__name__}: {error}"
                 values = [None] * len(completions)
             for row, value in enumerate(values):
                 number = _finite(value)
@@ -119,7 +122,7 @@ class RewardScorer:
         return (scores * self.weights).sum(dim=1)
 
     def take_failures(self) -> tuple[Counter, dict]:
-        """(failed completions per function, the first error each raised) since the last call, then reset."""
+        """(failed completions per function, errors not yet said) since the last call, then reset."""
         taken = self.failures, self.errors
         self.failures, self.errors = Counter(), {}
         return taken
