@@ -72,6 +72,7 @@ from mmrecipes.vlm.grpo import (
     check_settings,
     group_advantages,
     grpo_metrics,
+    token_logps,
     token_losses,
 )
 from mmrecipes.vlm.labels import AnswerLabeller
@@ -195,20 +196,29 @@ def main(argv=None):
         local_count = torch.tensor(normaliser.count(masks), device=accelerator.device)
         loss_scale = token_loss_scale(sum_over_ranks(local_count), args.gradient_accumulation_steps, data_world)
         step_sums = dict.fromkeys(["loss", "kl", "tokens_trained", *[f"clip_{name}" for name in CLIP_COUNTS]], 0)
-        first = 0
-        for batch, mask in zip(rollouts.micro_batches, masks):
-            inputs, mask = to_device(batch, accelerator.device), mask.to(accelerator.device)
-            batch_advantages = advantages[first:first + len(mask)].to(accelerator.device, torch.float32)
-            first += len(mask)
-            reference_logps = reference.token_logps(inputs) if reference is not None else None
-            with accelerator.accumulate(model):
-                logps = -model(**inputs, per_token=True)[0]
-                terms = token_losses(logps, logps.detach(), reference_logps, batch_advantages, mask, grpo_args)
-                weighted = (terms["loss"] * normaliser.weights(mask)).sum()
-                accelerator.backward(weighted * loss_scale)
-            for name, value in [("loss", weighted), ("kl", terms.get("kl", weighted.new_zeros(()))),
-                                ("tokens_trained", mask)] + [(f"clip_{name}", terms[name]) for name in CLIP_COUNTS]:
-                step_sums[name] = step_sums[name] + value.detach().sum().float()
+        # Before any update: the sampling policy's log-probabilities (--num_iterations > 1 reuses the completions for
+        # that many optimizer steps, the last one in the block below) and the reference's (--beta), no graph
+        inputs = [to_device(batch, accelerator.device) for batch in rollouts.micro_batches]
+        masks = [mask.to(accelerator.device) for mask in masks]
+        advantages = advantages.to(accelerator.device, torch.float32).split([len(mask) for mask in masks])
+        old_logps = [token_logps(model, batch) if grpo_args.num_iterations > 1 else None for batch in inputs]
+        reference_logps = [reference.token_logps(batch) if reference is not None else None for batch in inputs]
+        for iteration in range(grpo_args.num_iterations):
+            for batch, mask, batch_advantages, old, ref in zip(inputs, masks, advantages, old_logps, reference_logps):
+                with accelerator.accumulate(model):
+                    logps = -model(**batch, per_token=True)[0]
+                    terms = token_losses(logps, logps.detach() if old is None else old, ref, batch_advantages, mask,
+                                         grpo_args)
+                    weighted = (terms["loss"] * normaliser.weights(mask)).sum()
+                    accelerator.backward(weighted * loss_scale)
+                for name, value in [("loss", weighted), ("kl", terms.get("kl", weighted.new_zeros(()))),
+                                    ("tokens_trained", mask)] + [(f"clip_{name}", terms[name]) for name in CLIP_COUNTS]:
+                    step_sums[name] = step_sums[name] + value.detach().sum().float()
+            if iteration + 1 < grpo_args.num_iterations:  # an earlier optimizer step on the same completions
+                earlier_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if guard.should_call_optimizer(step_sums["loss"][None], earlier_norm, step + 1):
+                    optimizer.step()  # the scheduler steps once per batch of completions, below
+                optimizer.zero_grad()
         step_losses = step_sums["loss"][None]
         # shared: optimizer step
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
@@ -223,7 +233,7 @@ def main(argv=None):
         for name, error in errors.items():
             accelerator.print(f"reward function {name} failed on rank {accelerator.process_index}: {error}")
         device = accelerator.device
-        report.add_step(guard.applied, **step_sums, normaliser=local_count,
+        report.add_step(guard.applied, **step_sums, normaliser=local_count * grpo_args.num_iterations,
                         **rollouts.step_sums(rewards, zero_std, failures, reward_funcs, batch_flops, device),
                         generation_seconds=torch.tensor(generation_seconds, device=device))
 

@@ -149,7 +149,6 @@ def test_the_recipe_samples_scores_and_trains_from_the_embedded_sft_model(tmp_pa
 
 @pytest.mark.parametrize("flags, message", [
     (["--per_device_train_batch_size", "6"], "counts completions, in whole groups of --num_generations 8"),
-    (["--num_iterations", "2"], "not built yet"),
     (["--max_completion_length", "256"], "leaves no room for a prompt"),
     (["--reward_funcs", "accuracy,nope"], "accuracy, format, or a function's import path"),
     (["--reward_funcs", "no_such_module:f"], "cannot import it"),

@@ -5,9 +5,10 @@ straight run.
 
 Scenario data (one parquet shard per data rank, read in order): 4 completions a prompt, one prompt a micro-batch,
 2 micro-batches a step; the single process reads the same prompts, both ranks' windows as one batch of 4 prompts.
-Features across engines (tests/README.md): DDP with --scale_rewards batch (a std over every rank), FSDP2 with LoRA,
-ZeRO-2 with --beta 0.04 (a frozen reference copy), ZeRO-3 with --loss_type grpo and --mask_truncated_completions,
-resumed.
+Features across engines (tests/README.md): DDP with --scale_rewards batch (a std over every rank) and
+--num_iterations 2 (two optimizer steps on each batch of completions, against their old log-probabilities), FSDP2
+with LoRA, ZeRO-2 with --beta 0.04 (a frozen reference copy), ZeRO-3 with --loss_type grpo and
+--mask_truncated_completions, resumed.
 """
 
 import re
@@ -31,7 +32,7 @@ RANKS = ["--per_device_train_batch_size", 4, "--gradient_accumulation_steps", 2]
 SINGLE = ["--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 1]
 LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout", 0.0]
 RUNS = {  # engine -> the feature's flags, the same for its one-process ground truth
-    "ddp.yaml": ["--scale_rewards", "batch"],
+    "ddp.yaml": ["--scale_rewards", "batch", "--num_iterations", 2],
     "fsdp2.yaml": LORA,
     "zero2.yaml": ["--beta", 0.04],
     "zero3.yaml": ["--loss_type", "grpo", "--mask_truncated_completions", "true", "--save_steps", 2],

@@ -240,7 +240,9 @@ class GRPOArgs(CheckedArgs):
     beta: float = checked(0.0, "non_negative")  # weight of the KL to the reference (k3 estimator)
     epsilon: float = checked(0.2, "positive")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float | None = checked(None, "non_negative_or_none")  # None: epsilon (DAPO: 0.28)
-    num_iterations: int = checked(1, "count")  # optimizer steps on each batch of completions (old log-probs kept)
+    # optimizer steps on each batch of completions, against the log-probabilities they were sampled with (the
+    # learning rate schedule moves once per batch)
+    num_iterations: int = checked(1, "count")
     scale_rewards: str = "group"  # the advantage divided by the std of its group's rewards, the batch's, or none
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss
     # Built-in: accuracy (exact match with the solution, numbers compared as numbers), format (--format_pattern);

@@ -58,9 +58,6 @@ def check_settings(args: GRPOArgs, per_device_train_batch_size: int, max_length:
     if args.max_completion_length >= max_length:
         raise ValueError(f"--max_completion_length {args.max_completion_length} leaves no room for a prompt within "
                          f"--max_length {max_length}: raise --max_length")
-    if args.num_iterations != 1:
-        raise ValueError(f"--num_iterations {args.num_iterations}: this recipe trains one optimizer step on each batch "
-                         "of completions (TRL's default, 1); reusing them with old log-probabilities is not built yet")
 
 
 def prompt_chat(row) -> tuple[list, list, str | None]:
@@ -249,6 +246,13 @@ def token_losses(logps, old_logps, ref_logps, advantages, mask, args: GRPOArgs) 
     low = (ratio < 1 - args.epsilon) & (advantages < 0) & mask
     high = (ratio > 1 + args.epsilon_high) & (advantages > 0) & mask
     return terms | {"loss": loss * mask, "low": low, "high": high, "region": low | high}
+
+
+@torch.no_grad()
+def token_logps(model, inputs: dict) -> torch.Tensor:
+    """Each target token's log-probability under `model` now, `[rows, tokens - 1]`: the old policy's for
+    --num_iterations > 1."""
+    return -model(**inputs, per_token=True)[0]
 
 
 class LossNormaliser:
