@@ -201,12 +201,15 @@ def main(argv=None):
         inputs = [to_device(batch, accelerator.device) for batch in rollouts.micro_batches]
         masks = [mask.to(accelerator.device) for mask in masks]
         advantages = advantages.to(accelerator.device, torch.float32).split([len(mask) for mask in masks])
-        old_logps = [token_logps(model, batch) if grpo_args.num_iterations > 1 else None for batch in inputs]
-        reference_logps = [reference.token_logps(batch) if reference is not None else None for batch in inputs]
+        temperature = grpo_args.temperature  # log-probabilities of the distribution the completions came from
+        with torch.no_grad():
+            old_logps = [token_logps(model, batch, temperature) if grpo_args.num_iterations > 1 else None
+                         for batch in inputs]
+        reference_logps = [reference.token_logps(batch, temperature) if reference else None for batch in inputs]
         for iteration in range(grpo_args.num_iterations):
             for batch, mask, batch_advantages, old, ref in zip(inputs, masks, advantages, old_logps, reference_logps):
                 with accelerator.accumulate(model):
-                    logps = -model(**batch, per_token=True)[0]
+                    logps = token_logps(model, batch, temperature)
                     terms = token_losses(logps, logps.detach() if old is None else old, ref, batch_advantages, mask,
                                          grpo_args)
                     weighted = (terms["loss"] * normaliser.weights(mask)).sum()

@@ -7,6 +7,7 @@ import json
 import math
 import statistics
 
+import datasets
 import pytest
 import torch
 from PIL import Image
@@ -14,6 +15,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from gloo import run_on_ranks
 from launch import REPO, load_recipe
+from mmrecipes.images import to_device
 from mmrecipes.paths import EMBEDDED
 from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs
 from mmrecipes.vlm.collate import ChatCollator
@@ -21,13 +23,16 @@ from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.grpo import (
     LossNormaliser,
     PromptPreprocessor,
+    chat_rows,
     group_advantages,
     media_token_ids,
     prompt_seed,
     sample_group,
+    token_logps,
     token_losses,
 )
 from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.losses import IGNORE_INDEX
 from mmrecipes.vlm.models import VLMForTraining, stop_token_ids
 from mmrecipes.vlm.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
 from test_chat_data import chat_row
@@ -38,10 +43,11 @@ LENGTHS = [3, 7, 1, 5, 4, 6]  # two groups of three completions, of different le
 MAX_LENGTH = 8
 
 
-def reference_loss(logps, old, ref, advantages, loss_type, beta, epsilon_low, epsilon_high):
+def reference_loss(logps, old, ref, advantages, loss_type, beta, epsilon_low, epsilon_high, corrected):
     """The papers' objectives, negated, one completion and token at a time: GRPO (DeepSeekMath, eq. 3: each
     completion's token mean, averaged over completions), DAPO (eq. 8: the token sum over all tokens; TRL's bnpo is
-    the same over the whole step), Dr. GRPO (the token sum over completions x the maximum length)."""
+    the same over the whole step), Dr. GRPO (the token sum over completions x the maximum length); the KL (k3)
+    weighted by the ratio where `corrected` (TRL 1.16's use_bias_correction_kl)."""
     per_completion, tokens = [], 0
     for i, length in enumerate(LENGTHS):
         terms = []
@@ -49,7 +55,7 @@ def reference_loss(logps, old, ref, advantages, loss_type, beta, epsilon_low, ep
             ratio = math.exp(logps[i][t] - old[i][t])
             clipped = min(max(ratio, 1 - epsilon_low), 1 + epsilon_high)
             term = -min(ratio * advantages[i], clipped * advantages[i])
-            kl = math.exp(ref[i][t] - logps[i][t]) - (ref[i][t] - logps[i][t]) - 1
+            kl = (math.exp(ref[i][t] - logps[i][t]) - (ref[i][t] - logps[i][t]) - 1) * (ratio if corrected else 1)
             terms.append(term + beta * kl)
         per_completion.append(terms)
         tokens += length
@@ -60,9 +66,9 @@ def reference_loss(logps, old, ref, advantages, loss_type, beta, epsilon_low, ep
     return sum(map(sum, per_completion)) / tokens  # dapo, bnpo
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("beta, corrected", [(0.0, True), (0.04, True), (0.04, False)])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_each_loss_type_equals_the_papers_formula_whatever_the_micro_batches(loss_type, beta):
+def test_each_loss_type_equals_the_papers_formula_whatever_the_micro_batches(loss_type, beta, corrected):
     generator = torch.Generator().manual_seed(0)
     width = max(LENGTHS)
     mask = torch.tensor([[t < length for t in range(width)] for length in LENGTHS])
@@ -70,9 +76,10 @@ def test_each_loss_type_equals_the_papers_formula_whatever_the_micro_batches(los
     old = logps + torch.randn(logps.shape, generator=generator, dtype=torch.float64) * 0.5  # num_iterations 2
     ref = logps + torch.randn(logps.shape, generator=generator, dtype=torch.float64) * 0.3
     advantages = torch.tensor([1.2, -0.4, -0.8, 0.9, 0.1, -1.0], dtype=torch.float64)
-    args = GRPOArgs(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, max_completion_length=MAX_LENGTH)
+    args = GRPOArgs(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, max_completion_length=MAX_LENGTH,
+                    use_bias_correction_kl=corrected)
     expected = reference_loss(logps.tolist(), old.tolist(), ref.tolist(), advantages.tolist(), loss_type, beta,
-                              0.2, 0.28)
+                              0.2, 0.28, corrected)
     normaliser = LossNormaliser(args)
     for split in ([6], [2, 4], [1, 1, 1, 3]):  # micro-batches (or ranks) of the step: one normaliser N for all
         parts = list(zip(*(tensor.split(split) for tensor in (logps, old, ref, advantages, mask))))
@@ -209,3 +216,70 @@ def test_ranks_whose_completions_end_at_different_lengths_forward_together():
     assert forwards0 == forwards1 == 10
     assert max(len(ids) for ids, _ in short) <= 3 and not any(cut for _, cut in short)
     assert any(cut for _, cut in long) and max(len(ids) for ids, _ in long) == 10
+
+
+@pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("dapo", 0.04), ("dr_grpo", 0.0), ("bnpo", 0.04)])
+def test_one_micro_batch_equals_trl_grpo_trainer(loss_type, beta, tmp_path):
+    """TRL 1.16's `GRPOTrainer._compute_loss` on the same model, image prompt, fixed completions of different lengths,
+    advantages, old log-probabilities (clipping active) and reference log-probabilities gives our loss, at a
+    sampling temperature of 0.7 (both score the tempered distribution). One micro-batch on one process, where TRL's
+    per-micro-batch normalisations are the step's."""
+    import trl  # a dev dependency: imported here, its import costs seconds
+    from accelerate.state import AcceleratorState
+
+    model = AutoModelForImageTextToText.from_pretrained(TINY_SFT_VLM)
+    processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
+    stops = stop_token_ids(model, processor)
+    preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=64)
+    red = Image.new("RGB", (32, 32), (220, 40, 40))
+    (prompt, messages, _), _ = preprocess.example(chat_row("What colour is the shape?", "red", red))
+    prompt["input_ids"] = torch.as_tensor(prompt["input_ids"])
+    tokenizer, eos = processor.tokenizer, stops[0]
+    completions = [tokenizer("red")["input_ids"] + [eos], tokenizer("a blue circle")["input_ids"] + [eos],
+                   tokenizer("green")["input_ids"], tokenizer("two")["input_ids"] + [eos]]
+    completions = [[t for t in ids if t != tokenizer.bos_token_id] for ids in completions]
+    width = max(map(len, completions))
+    generator = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, width, generator=generator) * 4
+    ref = -torch.rand(4, width, generator=generator) * 4
+    advantages = torch.tensor([1.1, -0.3, -0.9, 0.2])
+    args = GRPOArgs(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, temperature=0.7,
+                    max_completion_length=width, num_generations=4)
+
+    # Ours: the recipe's rows and per-token log-probabilities, the old and reference ones put at the same positions
+    batch = ChatCollator(tokenizer.pad_token_id, dummy_image_inputs(model, processor))(
+        chat_rows(prompt, completions, [True] * 4))
+    inputs = to_device(batch, "cpu")
+    mask = inputs["labels"][:, 1:] != IGNORE_INDEX
+    start = len(prompt["input_ids"]) - 1
+    placed = [torch.zeros(mask.shape) for _ in range(2)]
+    for row, ids in enumerate(completions):
+        for tensor, source in zip(placed, (old, ref)):
+            tensor[row, start:start + len(ids)] = source[row, :len(ids)]
+    with torch.no_grad():
+        logps = token_logps(VLMForTraining(model), inputs, 0.7)
+        terms = token_losses(logps, placed[0], placed[1], advantages, mask, args)
+        normaliser = LossNormaliser(args)
+        ours = float((terms["loss"] * normaliser.weights(mask)).sum() / normaliser.count([mask]))
+    assert terms["region"].any()  # the clip is active
+
+    config = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], num_generations=4,
+                            per_device_train_batch_size=4, loss_type=loss_type, beta=beta, epsilon=0.2,
+                            epsilon_high=0.28, temperature=0.7, max_completion_length=width)
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+                              args=config, processing_class=processor,
+                              train_dataset=datasets.Dataset.from_list([{"prompt": messages, "images": [red]}]))
+    padded = torch.full((4, width), tokenizer.pad_token_id)
+    completion_mask = torch.zeros(4, width, dtype=torch.long)
+    for row, ids in enumerate(completions):
+        padded[row, :len(ids)], completion_mask[row, :len(ids)] = torch.tensor(ids), 1
+    trl_inputs = {"prompt_ids": prompt["input_ids"].repeat(4, 1),
+                  "prompt_mask": torch.ones(4, len(prompt["input_ids"]), dtype=torch.long),
+                  "completion_ids": padded, "completion_mask": completion_mask, "advantages": advantages,
+                  "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": completion_mask.sum(),
+                  "pixel_values": batch["pixel_values"], "num_images": [1] * 4}
+    trainer.current_gradient_accumulation_steps = 1
+    with torch.no_grad():
+        trl_loss = float(trainer._compute_loss(trainer.model, trl_inputs))
+    AcceleratorState._reset_state(reset_partial_state=True)  # the Trainer's accelerator: gone for the next runs
+    assert ours == pytest.approx(trl_loss, rel=1e-4, abs=1e-6)

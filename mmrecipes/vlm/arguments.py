@@ -238,6 +238,7 @@ class GRPOArgs(CheckedArgs):
     # dapo and bnpo: token sum / tokens. Each over the optimizer step on every rank (TRL's bnpo: per rank).
     loss_type: str = "dapo"
     beta: float = checked(0.0, "non_negative")  # weight of the KL to the reference (k3 estimator)
+    use_bias_correction_kl: bool = True  # the KL weighted by the importance ratio, as TRL 1.16 does by default
     epsilon: float = checked(0.2, "positive")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float | None = checked(None, "non_negative_or_none")  # None: epsilon (DAPO: 0.28)
     # optimizer steps on each batch of completions, against the log-probabilities they were sampled with (the

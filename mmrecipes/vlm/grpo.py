@@ -233,7 +233,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, device)
 def token_losses(logps, old_logps, ref_logps, advantages, mask, args: GRPOArgs) -> dict:
     """Per-token terms of the clipped surrogate (PPO's, with DAPO's asymmetric clip): `loss` = -min(r A, clip(r, 1 -
     epsilon, 1 + epsilon_high) A) + beta KL, r = exp(logp - old logp), KL the k3 estimator exp(ref - logp) - (ref -
-    logp) - 1; and the clip flags TRL logs. Every tensor `[rows, tokens]`, zero where `mask` is False."""
+    logp) - 1, times r with --use_bias_correction_kl (TRL 1.16's default: the KL of the sampling policy's tokens);
+    and the clip flags TRL logs. Every tensor `[rows, tokens]`, zero where `mask` is False."""
     ratio = torch.exp(logps - old_logps)
     advantages = advantages[:, None]
     clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)
@@ -241,18 +242,17 @@ def token_losses(logps, old_logps, ref_logps, advantages, mask, args: GRPOArgs) 
     terms = {}
     if args.beta:
         delta = ref_logps - logps
-        terms["kl"] = (torch.exp(delta) - delta - 1) * mask
+        terms["kl"] = (torch.exp(delta) - delta - 1) * (ratio if args.use_bias_correction_kl else 1) * mask
         loss = loss + args.beta * terms["kl"]
     low = (ratio < 1 - args.epsilon) & (advantages < 0) & mask
     high = (ratio > 1 + args.epsilon_high) & (advantages > 0) & mask
     return terms | {"loss": loss * mask, "low": low, "high": high, "region": low | high}
 
 
-@torch.no_grad()
-def token_logps(model, inputs: dict) -> torch.Tensor:
-    """Each target token's log-probability under `model` now, `[rows, tokens - 1]`: the old policy's for
-    --num_iterations > 1."""
-    return -model(**inputs, per_token=True)[0]
+def token_logps(model, inputs: dict, temperature: float) -> torch.Tensor:
+    """Each target token's log-probability under `model` at the sampling `temperature` (as TRL scores them),
+    `[rows, tokens - 1]`, 0 elsewhere; with a graph where gradients are on."""
+    return -model(**inputs, per_token=True, temperature=temperature)[0]
 
 
 class LossNormaliser:

@@ -25,7 +25,7 @@ def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, per_row:
 
 def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
                            num_chunks: int = 8, softcap: float | None = None, per_row: bool = False,
-                           per_token: bool = False) -> torch.Tensor:
+                           per_token: bool = False, temperature: float = 1.0) -> torch.Tensor:
     """`token_cross_entropy_sum(head(hidden), labels)` without the `[batch, tokens, vocab]` fp32 logits.
 
     The shifted positions go through `head` (the LM's output layer) in `num_chunks` slices; each
@@ -36,13 +36,14 @@ def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: 
     slices' shapes come from the batch's shape, never from its values (no host read, no recompile
     for a new count of targets). Ignored positions (prompt, image, padding) add exactly 0.
     `softcap`: Gemma-style final logit soft-capping (`tanh(logits / cap) * cap`). `per_row`: each row's sum;
-    `per_token`: no sum, `[batch, tokens - 1]` (each target's negative log-probability, 0 elsewhere: GRPO's ratios).
+    `per_token`: no sum, `[batch, tokens - 1]` (each target's negative log-probability, 0 elsewhere: GRPO's ratios),
+    of the logits divided by `temperature` (the distribution GRPO sampled from, as TRL scores it).
     """
     positions = hidden[:, :-1].flatten(0, 1)
     targets = labels[:, 1:].flatten()
     if per_token:
         parts = [torch.utils.checkpoint.checkpoint(_chunk_token_cross_entropy, part, part_targets, head, softcap,
-                                                   use_reentrant=False)
+                                                   temperature, use_reentrant=False)
                  for part, part_targets in zip(positions.tensor_split(num_chunks), targets.tensor_split(num_chunks))]
         return torch.cat(parts).view(len(hidden), hidden.shape[1] - 1)
     rows = torch.arange(len(hidden), device=hidden.device).repeat_interleave(hidden.shape[1] - 1) if per_row else None
@@ -64,9 +65,9 @@ def _chunk_cross_entropy_sum(hidden, targets, head, softcap, rows=None, num_rows
     return losses.new_zeros(num_rows).index_add(0, rows, losses)
 
 
-def _chunk_token_cross_entropy(hidden, targets, head, softcap):
-    return F.cross_entropy(soft_capped(head(hidden).float(), softcap), targets, ignore_index=IGNORE_INDEX,
-                           reduction="none")
+def _chunk_token_cross_entropy(hidden, targets, head, softcap, temperature):
+    return F.cross_entropy(soft_capped(head(hidden).float(), softcap) / temperature, targets,
+                           ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:

@@ -68,7 +68,8 @@ class VLMForTraining(torch.nn.Module):
 
     `forward(batch)` takes a `ChatCollator` batch and returns (summed token CE, logits or
     None): the logits only with `return_logits=True`; `per_row=True`: each row's summed CE (its answers'
-    negative log-probability; unpacked batches); `per_token=True`: each target token's CE, `[rows, tokens - 1]`.
+    negative log-probability; unpacked batches); `per_token=True`: each target token's CE, `[rows, tokens - 1]`,
+    of the logits divided by `temperature`.
     Wrap the model *before* `accelerator.prepare`: the dummy's features must enter the loss inside the module the
     engine wraps, or DDP sees the vision parameters' (zero) gradients too late.
     """
@@ -84,7 +85,7 @@ class VLMForTraining(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, labels, dummy_image: bool, dummy_video=False, sample_lengths=None,
                 media_per_sample=None, video_frames=None, return_logits=False, per_row=False, per_token=False,
-                **media_inputs):
+                temperature=1.0, **media_inputs):
         vision_inputs = {name: value for name, value in media_inputs.items() if name in self.vision_input_names}
         videos = {name: value for name, value in media_inputs.items() if name in self.video_as_image}
         # Videos go through the tower in the same call as the images (or the dummy), after them: one call a step.
@@ -127,7 +128,7 @@ class VLMForTraining(torch.nn.Module):
             loss_sum = token_cross_entropy_sum(logits, labels, per_row)
         else:
             loss_sum = head_cross_entropy_sum(hidden, head, labels, softcap=self.softcap, per_row=per_row,
-                                              per_token=per_token)
+                                              per_token=per_token, temperature=temperature)
         for dummy in dummies:  # exact zeros into the loss: the dummy's parameters get their gradients on every rank
             loss_sum = loss_sum + torch.cat([part.flatten() for part in lm_features(dummy)])[:0].sum()
         return loss_sum, logits

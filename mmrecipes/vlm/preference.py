@@ -225,10 +225,10 @@ class Reference:
             return sequence_logps(self.model, inputs)
 
     @torch.no_grad()
-    def token_logps(self, inputs: dict) -> torch.Tensor:
-        """Each target token's log-probability, `[rows, tokens - 1]` (0 elsewhere): GRPO's KL to the reference."""
+    def token_logps(self, inputs: dict, temperature: float = 1.0) -> torch.Tensor:
+        """Each target token's log-probability at `temperature`, `[rows, tokens - 1]` (0 elsewhere): GRPO's KL."""
         with self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext():
-            return -self.model(**inputs, per_token=True)[0]
+            return -self.model(**inputs, per_token=True, temperature=temperature)[0]
 
     def describe(self) -> str:
         if self.peft_model is not None:
