@@ -188,6 +188,13 @@ def test_prompt_rows_in_trl_and_chat_layouts_become_generation_prompts():
     assert preprocess.drops.totals == {"bad_row": 1, "too_long": 1}
 
 
+def sampled_prompt(preprocess, row) -> dict:
+    """A prompt as the recipe's loader hands it to `sample_group` (`PromptCollator`'s)."""
+    (input_ids, media_inputs, messages, solution), _ = preprocess.example(row)
+    return {"input_ids": torch.as_tensor(input_ids), "media_inputs": media_inputs, "messages": json.loads(messages),
+            "solution": solution}
+
+
 def _sample_on_ranks(rank, world):
     """Rank 0 samples nearly greedily (its completions stop after an answer), rank 1 at temperature 50 (its
     completions run to the length limit): each rank's completions, and how many forwards it ran."""
@@ -195,9 +202,8 @@ def _sample_on_ranks(rank, world):
     processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
     stops = stop_token_ids(model, processor)
     preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=64)
-    (prompt, _, _), _ = preprocess.example(chat_row("What colour is the shape?", "red",
-                                                    Image.new("RGB", (32, 32), (220, 40, 40))))
-    prompt["input_ids"] = torch.as_tensor(prompt["input_ids"])
+    prompt = sampled_prompt(preprocess, chat_row("What colour is the shape?", "red",
+                                                 Image.new("RGB", (32, 32), (220, 40, 40))))
     step = VLMForTraining(model).eval()
     forwards = []
     step.register_forward_hook(lambda *_: forwards.append(1))
@@ -232,8 +238,8 @@ def test_one_micro_batch_equals_trl_grpo_trainer(loss_type, beta, tmp_path):
     stops = stop_token_ids(model, processor)
     preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=64)
     red = Image.new("RGB", (32, 32), (220, 40, 40))
-    (prompt, messages, _), _ = preprocess.example(chat_row("What colour is the shape?", "red", red))
-    prompt["input_ids"] = torch.as_tensor(prompt["input_ids"])
+    prompt = sampled_prompt(preprocess, chat_row("What colour is the shape?", "red", red))
+    messages = prompt["messages"]
     tokenizer, eos = processor.tokenizer, stops[0]
     completions = [tokenizer("red")["input_ids"] + [eos], tokenizer("a blue circle")["input_ids"] + [eos],
                    tokenizer("green")["input_ids"], tokenizer("two")["input_ids"] + [eos]]

@@ -169,6 +169,7 @@ class ChatPreprocessor:
     bad rows dropped and counted (the counts ride along with the next kept row)."""
 
     COLUMNS = CHAT_COLUMNS  # what it reads of a row
+    OUTPUTS = ("input_ids", "labels", "media_inputs")  # what `example` gives for a kept row, in this order
 
     def __init__(self, args: ChatDataArgs, labeller, max_length: int):
         self.args, self.labeller, self.max_length = args, labeller, max_length
@@ -176,15 +177,15 @@ class ChatPreprocessor:
         self.logged = set()  # what was already logged once: "video", and the kinds of unexpected failure
 
     def __call__(self, batch):
-        out = {"input_ids": [], "labels": [], "media_inputs": []} | {name: [] for name in CHAT_COUNTED}
+        out = {name: [] for name in (*self.OUTPUTS, *CHAT_COUNTED)}
         for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
             example = row.get(PROBLEM) or self.example(row)
             if isinstance(example, str):
                 self.drops.drop(example, row_name(row))
                 continue
-            (input_ids, labels, media_inputs), note = example
+            values, note = example
             counts = self.drops.keep(note)
-            for key, value in (("input_ids", input_ids), ("labels", labels), ("media_inputs", media_inputs)):
+            for key, value in zip(self.OUTPUTS, values, strict=True):
                 out[key].append(value)
             for name in CHAT_COUNTED:
                 out[name].append(counts[name])

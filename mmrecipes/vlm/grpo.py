@@ -28,7 +28,6 @@ import torch
 from ..distributed import max_over_ranks, sum_over_ranks
 from ..images import to_device
 from ..skips import Skip
-from ..sources import row_name
 from .arguments import GRPOArgs
 from .chat_data import (
     CHAT_COLUMNS,
@@ -84,22 +83,7 @@ class PromptPreprocessor(ChatPreprocessor):
     `max_length` is the prompt's: the recipe gives --max_length less --max_completion_length."""
 
     COLUMNS = PROMPT_COLUMNS
-
-    def __call__(self, batch):
-        out = {key: [] for key in ("input_ids", "media_inputs", "messages", "solution", *CHAT_COUNTED)}
-        for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
-            example = self.example(row)
-            if isinstance(example, str):
-                self.drops.drop(example, row_name(row))
-                continue
-            (prompt, messages, solution), note = example
-            counts = self.drops.keep(note)
-            for key, value in (("input_ids", prompt["input_ids"]), ("media_inputs", prompt["media_inputs"]),
-                               ("messages", json.dumps(messages)), ("solution", solution)):
-                out[key].append(value)
-            for name in CHAT_COUNTED:
-                out[name].append(counts[name])
-        return out
+    OUTPUTS = ("input_ids", "media_inputs", "messages", "solution")
 
     def example(self, row):
         try:
@@ -117,7 +101,7 @@ class PromptPreprocessor(ChatPreprocessor):
             return Skip("bad_row", f"{type(error).__name__}: {error}")
         if len(prompt["input_ids"]) > self.max_length:
             return Skip("too_long", f"{len(prompt['input_ids'])} prompt tokens, over {self.max_length}")
-        return (prompt, messages, solution), note
+        return (prompt["input_ids"], prompt["media_inputs"], json.dumps(messages), solution), note
 
     @staticmethod
     def check_columns(name, available):
