@@ -6,9 +6,9 @@ straight run.
 Scenario data (one parquet shard per data rank, read in order): 4 completions a prompt, one prompt a micro-batch,
 2 micro-batches a step; the single process reads the same prompts, both ranks' windows as one batch of 4 prompts.
 Features across engines (tests/README.md): DDP with --scale_rewards batch (a std over every rank) and
---num_iterations 2 (two optimizer steps on each batch of completions, against their old log-probabilities), FSDP2
-with LoRA, ZeRO-2 with --beta 0.04 (a frozen reference copy), ZeRO-3 with --loss_type grpo and
---mask_truncated_completions, resumed.
+--num_iterations 2 (two optimizer steps on each batch of completions, against their old log-probabilities); FSDP2
+with LoRA and --beta 0.04 (the reference: the adapters disabled); ZeRO-2 with --beta 0.04 (a frozen reference copy);
+ZeRO-3 with --loss_type grpo and --mask_truncated_completions, resumed.
 """
 
 import re
@@ -33,7 +33,7 @@ SINGLE = ["--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 
 LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout", 0.0]
 RUNS = {  # engine -> the feature's flags, the same for its one-process ground truth
     "ddp.yaml": ["--scale_rewards", "batch", "--num_iterations", 2],
-    "fsdp2.yaml": LORA,
+    "fsdp2.yaml": [*LORA, "--beta", 0.04],  # the reference: the policy with its adapters disabled
     "zero2.yaml": ["--beta", 0.04],
     "zero3.yaml": ["--loss_type", "grpo", "--mask_truncated_completions", "true", "--save_steps", 2],
 }
@@ -103,7 +103,8 @@ def test_two_ranks_sample_score_and_step_as_one_process(runs, config):
             # AdamW turns rounding in a near-zero gradient into a step of up to lr: one value in 65,536 moved 1.4e-5
             torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=1e-4, msg=name)
     if "--beta" in RUNS[config]:
-        assert "reference: a frozen copy of the starting model" in ranks.log
+        assert ("reference: the policy with its LoRA adapters disabled" if "--use_peft" in RUNS[config] else
+                "reference: a frozen copy of the starting model") in ranks.log
         assert min(metric(ranks.log, "kl").values()) >= 0 and max(metric(ranks.log, "kl").values()) > 0
 
 
