@@ -19,6 +19,7 @@ from mmrecipes.images import to_device
 from mmrecipes.paths import EMBEDDED
 from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs
 from mmrecipes.vlm.collate import ChatCollator
+from mmrecipes.vlm.evaluation import greedy_tokens
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.grpo import (
     LossNormaliser,
@@ -289,3 +290,26 @@ def test_one_micro_batch_equals_trl_grpo_trainer(loss_type, beta, tmp_path):
         trl_loss = float(trainer._compute_loss(trainer.model, trl_inputs))
     AcceleratorState._reset_state(reset_partial_state=True)  # the Trainer's accelerator: gone for the next runs
     assert ours == pytest.approx(trl_loss, rel=1e-4, abs=1e-6)
+
+
+def test_top_p_keeps_the_smallest_set_of_likeliest_tokens():
+    """--top_p close to 0 keeps only the likeliest token, whatever the temperature: every completion is the greedy
+    one (what evaluation's greedy decoding gives); at top_p 1 and a high temperature the group spreads out."""
+    model = AutoModelForImageTextToText.from_pretrained(TINY_SFT_VLM)
+    processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
+    stops = stop_token_ids(model, processor)
+    preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=64)
+    prompt = sampled_prompt(preprocess, chat_row("What colour is the shape?", "red",
+                                                 Image.new("RGB", (32, 32), (40, 40, 220))))
+    step, collator = VLMForTraining(model).eval(), ChatCollator(processor.tokenizer.pad_token_id,
+                                                                dummy_image_inputs(model, processor))
+    greedy = greedy_tokens(step, to_device(collator(chat_rows(prompt, [[]], [False])), "cpu"), 6)
+    greedy = greedy[:next((i + 1 for i, token in enumerate(greedy) if token in stops), len(greedy))]
+
+    def group(**sampling):
+        args = GRPOArgs(num_generations=8, max_completion_length=6, **sampling)
+        return [ids for ids, _ in sample_group(step, prompt, collator, args, stops, 0, "cpu",
+                                               suppressed=media_token_ids(processor))]
+
+    assert group(top_p=1e-6, temperature=3.0) == [greedy] * 8
+    assert len({tuple(ids) for ids in group(top_p=1.0, temperature=3.0)}) > 1
