@@ -189,22 +189,23 @@ def test_prompt_rows_in_trl_and_chat_layouts_become_generation_prompts():
     assert preprocess.drops.totals == {"bad_row": 1, "too_long": 1}
 
 
-def sampled_prompt(preprocess, row) -> dict:
-    """A prompt as the recipe's loader hands it to `sample_group` (`PromptCollator`'s)."""
-    (input_ids, media_inputs, messages, solution), _ = preprocess.example(row)
-    return {"input_ids": torch.as_tensor(input_ids), "media_inputs": media_inputs, "messages": json.loads(messages),
-            "solution": solution}
+def sft_model_and_prompt(rgb=(220, 40, 40)):
+    """(the embedded SFT'd Llava, its processor, its stop ids, a question about a `rgb` square as the recipe's loader
+    hands it to `sample_group`: `PromptCollator`'s prompt)."""
+    model = AutoModelForImageTextToText.from_pretrained(TINY_SFT_VLM)
+    processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
+    stops = stop_token_ids(model, processor)
+    preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=64)
+    (input_ids, media_inputs, messages, solution), _ = preprocess.example(
+        chat_row("What colour is the shape?", "red", Image.new("RGB", (32, 32), rgb)))
+    return model, processor, stops, {"input_ids": torch.as_tensor(input_ids), "media_inputs": media_inputs,
+                                     "messages": json.loads(messages), "solution": solution}
 
 
 def _sample_on_ranks(rank, world):
     """Rank 0 samples nearly greedily (its completions stop after an answer), rank 1 at temperature 50 (its
     completions run to the length limit): each rank's completions, and how many forwards it ran."""
-    model = AutoModelForImageTextToText.from_pretrained(TINY_SFT_VLM)
-    processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
-    stops = stop_token_ids(model, processor)
-    preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=64)
-    prompt = sampled_prompt(preprocess, chat_row("What colour is the shape?", "red",
-                                                 Image.new("RGB", (32, 32), (220, 40, 40))))
+    model, processor, stops, prompt = sft_model_and_prompt()
     step = VLMForTraining(model).eval()
     forwards = []
     step.register_forward_hook(lambda *_: forwards.append(1))
@@ -234,13 +235,8 @@ def test_one_micro_batch_equals_trl_grpo_trainer(loss_type, beta, tmp_path):
     import trl  # a dev dependency: imported here, its import costs seconds
     from accelerate.state import AcceleratorState
 
-    model = AutoModelForImageTextToText.from_pretrained(TINY_SFT_VLM)
-    processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
-    stops = stop_token_ids(model, processor)
-    preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=64)
-    red = Image.new("RGB", (32, 32), (220, 40, 40))
-    prompt = sampled_prompt(preprocess, chat_row("What colour is the shape?", "red", red))
-    messages = prompt["messages"]
+    model, processor, stops, prompt = sft_model_and_prompt()
+    red, messages = Image.new("RGB", (32, 32), (220, 40, 40)), prompt["messages"]
     tokenizer, eos = processor.tokenizer, stops[0]
     completions = [tokenizer("red")["input_ids"] + [eos], tokenizer("a blue circle")["input_ids"] + [eos],
                    tokenizer("green")["input_ids"], tokenizer("two")["input_ids"] + [eos]]
@@ -295,12 +291,7 @@ def test_one_micro_batch_equals_trl_grpo_trainer(loss_type, beta, tmp_path):
 def test_top_p_keeps_the_smallest_set_of_likeliest_tokens():
     """--top_p close to 0 keeps only the likeliest token, whatever the temperature: every completion is the greedy
     one (what evaluation's greedy decoding gives); at top_p 1 and a high temperature the group spreads out."""
-    model = AutoModelForImageTextToText.from_pretrained(TINY_SFT_VLM)
-    processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
-    stops = stop_token_ids(model, processor)
-    preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=64)
-    prompt = sampled_prompt(preprocess, chat_row("What colour is the shape?", "red",
-                                                 Image.new("RGB", (32, 32), (40, 40, 220))))
+    model, processor, stops, prompt = sft_model_and_prompt((40, 40, 220))
     step, collator = VLMForTraining(model).eval(), ChatCollator(processor.tokenizer.pad_token_id,
                                                                 dummy_image_inputs(model, processor))
     greedy = greedy_tokens(step, to_device(collator(chat_rows(prompt, [[]], [False])), "cpu"), 6)
