@@ -29,12 +29,12 @@ from mmrecipes.vlm.grpo import (
     media_token_ids,
     prompt_seed,
     sample_group,
-    token_logps,
     token_losses,
 )
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.losses import IGNORE_INDEX
 from mmrecipes.vlm.models import VLMForTraining, stop_token_ids
+from mmrecipes.vlm.preference import token_logps
 from mmrecipes.vlm.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
 from test_chat_data import chat_row
 

@@ -233,12 +233,6 @@ def token_losses(logps, old_logps, ref_logps, advantages, mask, args: GRPOArgs) 
     return terms | {"loss": loss * mask, "low": low, "high": high, "region": low | high}
 
 
-def token_logps(model, inputs: dict, temperature: float) -> torch.Tensor:
-    """Each target token's log-probability under `model` at the sampling `temperature` (as TRL scores them),
-    `[rows, tokens - 1]`, 0 elsewhere; with a graph where gradients are on."""
-    return -model(**inputs, per_token=True, temperature=temperature)[0]
-
-
 class LossNormaliser:
     """The weight of each token and the step's normaliser N for `loss_type`: the step's gradient is that of
     sum(weight x token loss) / N over every rank's window; `count` is this rank's share of N."""
@@ -273,10 +267,10 @@ class Rollouts:
 
     def add(self, model, prompts, collator, scorer, processor, args: GRPOArgs, stop_ids, seed, device):
         """Sample, decode and score each prompt's group (`sample_group`, `RewardScorer`): one micro-batch."""
-        rows = []
+        rows, suppressed = [], media_token_ids(processor)
         for prompt in prompts:
             group = sample_group(model, prompt, collator, args, stop_ids, prompt_seed(seed, prompt), device,
-                                 suppressed=media_token_ids(processor))
+                                 suppressed=suppressed)
             completions = [ids for ids, _ in group]
             texts = [processor.tokenizer.decode([t for t in ids if t not in stop_ids], skip_special_tokens=True)
                      for ids in completions]

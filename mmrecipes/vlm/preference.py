@@ -155,6 +155,12 @@ def sequence_logps(step, inputs: dict) -> torch.Tensor:
     return -step(**inputs, per_row=True)[0]
 
 
+def token_logps(step, inputs: dict, temperature: float = 1.0) -> torch.Tensor:
+    """Each target token's log-probability from `step` at `temperature` (GRPO's: the sampling temperature, as TRL
+    scores them), `[rows, tokens - 1]`, 0 elsewhere; with a graph where gradients are on."""
+    return -step(**inputs, per_token=True, temperature=temperature)[0]
+
+
 def answer_tokens(inputs: dict) -> torch.Tensor:
     """Each row's answer tokens (after the shift), on the device."""
     return (inputs["labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp_min(1)
@@ -228,7 +234,7 @@ class Reference:
     def token_logps(self, inputs: dict, temperature: float = 1.0) -> torch.Tensor:
         """Each target token's log-probability at `temperature`, `[rows, tokens - 1]` (0 elsewhere): GRPO's KL."""
         with self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext():
-            return -self.model(**inputs, per_token=True, temperature=temperature)[0]
+            return token_logps(self.model, inputs, temperature)
 
     def describe(self) -> str:
         if self.peft_model is not None:
