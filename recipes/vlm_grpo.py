@@ -30,7 +30,7 @@ class ModelArgs(VLMModelArgs):
 class TrainArgs(TrainingArgs):
     output_dir: str = "outputs/vlm_grpo"
     max_steps: int = 150
-    per_device_train_batch_size: int = 32  # completions: whole groups of --num_generations
+    per_device_train_batch_size: int = 32  # completions; a step's, over ranks and accumulation: whole groups
     learning_rate: float = 3.0e-4  # for the tiny SFT'd default; TRL's default for real models is 1e-6
     warmup_steps: int = 0
     # used when --train_modules all (as vlm_finetune.py)
@@ -65,12 +65,12 @@ from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.flops import VLMFlops
 from mmrecipes.vlm.grpo import (
     CLIP_COUNTS,
+    GroupLayout,
     LossNormaliser,
     PromptCollator,
     PromptPreprocessor,
     Rollouts,
     check_settings,
-    group_advantages,
     grpo_metrics,
     token_losses,
 )
@@ -85,7 +85,7 @@ from mmrecipes.vlm.rewards import RewardScorer, load_reward_funcs
 
 def main(argv=None):
     model_args, lora_args, data_args, grpo_args, args = parse_args(ARGUMENTS, argv)
-    check_settings(grpo_args, args.per_device_train_batch_size, data_args.max_length)
+    check_settings(grpo_args, data_args.max_length)
     reward_funcs = load_reward_funcs(grpo_args.funcs, grpo_args.format_pattern)  # an unknown name stops here
     # shared: vlm model
     set_seed(args.seed)
@@ -119,6 +119,9 @@ def main(argv=None):
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
 
+    # A step's completions are whole groups; a group's may sit on several micro-batches and ranks (docs/grpo.md)
+    layout = GroupLayout(grpo_args.num_generations, batch_size, args.gradient_accumulation_steps, data_rank, data_world)
+
     accelerator.print(f"evaluation: {data_args.evaluation}")
     accelerator.print(describe_trainable(model))
 
@@ -147,19 +150,21 @@ def main(argv=None):
     if reference is not None:
         accelerator.print(reference.describe())
 
-    # The loader reads prompts (whole groups' worth per micro-batch), leaving room for the completions
+    # The loader reads a team's prompts for a step as one batch, leaving room for the completions
     chat_collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs)
     prompt_data = replace(data_args, max_length=data_args.max_length - grpo_args.max_completion_length)
-    train_loader = build_chat_dataloader(prompt_data, labeller, PromptCollator(chat_collator), shuffle_seed=args.seed,
-                                         batch_size=batch_size // grpo_args.num_generations, data_rank=data_rank,
-                                         data_world=data_world, preprocessor=PromptPreprocessor)
-    prompts = generation_prompts(data_args, processor, rows=-(-data_args.eval_generation_rows // data_world),
-                                 data_rank=data_rank, data_world=data_world) if data_args.eval_dataset_name else []
+    train_loader = build_chat_dataloader(prompt_data, labeller, PromptCollator(chat_collator, layout.member == 0),
+                                         shuffle_seed=args.seed, batch_size=layout.prompts_per_step,
+                                         data_rank=layout.team, data_world=layout.teams,
+                                         preprocessor=PromptPreprocessor)
+    held_out = generation_prompts(data_args, processor, rows=-(-data_args.eval_generation_rows // data_world),
+                                  data_rank=data_rank, data_world=data_world) if data_args.eval_dataset_name else []
     scorer = RewardScorer(reward_funcs, grpo_args.weights)
     normaliser = LossNormaliser(grpo_args)
 
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
-                               data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
+                               data_layout(data_args, args, data_world=data_world, batch_size=layout.prompts_per_step)
+                               | {"num_generations": layout.group_size, "prompt_teams": layout.teams})
     # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
@@ -172,22 +177,19 @@ def main(argv=None):
     accelerator.init_trackers("vlm_grpo", asdict(model_args) | asdict(lora_args) | asdict(data_args)
                               | asdict(grpo_args) | asdict(args))
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=None, total=checkpoints.resumed_totals)
-    # shared: loop head
     for step in progress:
-        window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
+        window = [next(batches)]  # the step's prompts: one batch, the team's (its completions fill the micro-batches)
         if step == start_step:
-            batches.check_rows(window, accelerator, data_world)  # a rank without rows says why, on every rank
+            batches.check_rows(window, accelerator, layout.teams)  # a team without prompts says why, on every rank
         report.add_batches(window)
 
-        # Rollouts: each prompt's group sampled and scored, each micro-batch's completions one training batch
-        started, rollouts = time.perf_counter(), Rollouts()
-        for batch in window:
-            rollouts.add(model, batch["prompts"], chat_collator, scorer, processor, grpo_args, stops,
-                         args.seed, accelerator.device)
-        scores = torch.cat(rollouts.scores)
-        rewards = scorer.total(scores)  # NaN where a reward function failed: no advantage, out of the statistics
-        advantages, zero_std = group_advantages(rewards, grpo_args.num_generations, grpo_args.scale_rewards,
-                                                accelerator.device)
+        # Rollouts: this rank's completions sampled and scored, b to a training micro-batch; the groups' statistics
+        # from every rank's rewards
+        started = time.perf_counter()
+        rollouts = Rollouts.sample(model, window[0]["prompts"], layout, chat_collator, scorer, processor, grpo_args,
+                                   stops, args.seed, accelerator.device)
+        rewards = scorer.total(rollouts.scores)  # NaN where a reward function failed: no advantage, no statistics
+        advantages, zero_std = layout.advantages(rewards, grpo_args.scale_rewards, accelerator.device)
         generation_seconds = time.perf_counter() - started
 
         # One collective per optimizer step: the normaliser N over every rank's window (tokens or completions)
@@ -244,9 +246,9 @@ def main(argv=None):
             report.log(done, grpo_metrics(sums, reward_funcs, grpo_args.beta) | {
                 "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
                 "generation_share": ratio(sums["generation_seconds"], sums["seconds"] * data_world)}, sums)
-        if prompts and report.evaluation_due(done):
+        if held_out and report.evaluation_due(done):
             with report.evaluating(done) as evaluation:
-                evaluation |= evaluate_generation(model, prompts, filler_batch["chat"], chat_collator,
+                evaluation |= evaluate_generation(model, held_out, filler_batch["chat"], chat_collator,
                                                   processor.tokenizer, stops, accelerator.device)
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)

@@ -11,3 +11,9 @@ def flaky(prompts, completions, completion_ids, **columns):
     if calls["flaky"] % 2 == 0:
         raise RuntimeError("the judge is down")
     return [math.nan, None] + [1.0] * (len(completions) - 2)
+
+
+def length_or_nan(prompts, completions, completion_ids, **columns):
+    """The completion's length in tokens, NaN where it is a multiple of 3: deterministic, spread out, and failing
+    some completions, wherever they are scored."""
+    return [math.nan if len(ids) % 3 == 0 else float(len(ids)) for ids in completion_ids]

@@ -22,8 +22,10 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import greedy_tokens
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.grpo import (
+    GroupLayout,
     LossNormaliser,
     PromptPreprocessor,
+    Rollouts,
     chat_rows,
     group_advantages,
     media_token_ids,
@@ -102,15 +104,15 @@ def test_each_loss_type_equals_the_papers_formula_whatever_the_micro_batches(los
 
 def test_group_advantages_leave_failed_completions_out_of_their_groups_statistics():
     rewards = torch.tensor([1.0, 0.0, math.nan, 1.0, 2.0, 2.0, 2.0, 2.0], dtype=torch.float64)
-    advantages, zero_std = group_advantages(rewards, 4, "group", "cpu")
+    advantages, zero_std = group_advantages(rewards, 4, "group")
     valid = [1.0, 0.0, 1.0]
     mean, std = statistics.mean(valid), statistics.stdev(valid)  # unbiased, as TRL's nanstd
     assert advantages[:4].tolist() == pytest.approx([(r - mean) / (std + 1e-4) for r in [1.0, 0.0]] + [0.0]
                                                     + [(1.0 - mean) / (std + 1e-4)])
     assert advantages[4:].tolist() == [0.0] * 4 and zero_std.tolist() == [False] * 4 + [True] * 4
-    unscaled, _ = group_advantages(rewards, 4, "none", "cpu")
+    unscaled, _ = group_advantages(rewards, 4, "none")
     assert unscaled[:2].tolist() == pytest.approx([1.0 - mean, -mean])
-    batch, _ = group_advantages(rewards, 4, "batch", "cpu")
+    batch, _ = group_advantages(rewards, 4, "batch")
     everything = [1.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
     assert batch[0].item() == pytest.approx((1.0 - mean) / (statistics.stdev(everything) + 1e-4))
 
@@ -156,7 +158,7 @@ def test_the_recipe_samples_scores_and_trains_from_the_embedded_sft_model(tmp_pa
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--per_device_train_batch_size", "6"], "counts completions, in whole groups of --num_generations 8"),
+    (["--per_device_train_batch_size", "6"], r"1 data ranks x .* are not whole groups of --num_generations 8"),
     (["--max_completion_length", "256"], "leaves no room for a prompt"),
     (["--reward_funcs", "accuracy,nope"], "accuracy, format, or a function's import path"),
     (["--reward_funcs", "no_such_module:f"], "cannot import it"),
@@ -164,7 +166,7 @@ def test_the_recipe_samples_scores_and_trains_from_the_embedded_sft_model(tmp_pa
     (["--reward_weights", "1,2"], "one finite weight per --reward_funcs"),
     (["--num_generations", "1"], "a group of one completion has no spread"),
 ])
-def test_bad_settings_are_refused_before_the_model_loads(flags, message, tmp_path):
+def test_bad_settings_are_refused_before_the_first_step(flags, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         load_recipe(GRPO_RECIPE).main([*flags, "--report_to", "none", "--output_dir", str(tmp_path)])
 
@@ -195,11 +197,56 @@ def sft_model_and_prompt(rgb=(220, 40, 40)):
     model = AutoModelForImageTextToText.from_pretrained(TINY_SFT_VLM)
     processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
     stops = stop_token_ids(model, processor)
+    return model, processor, stops, loaded_prompt(processor, stops, chat_row(
+        "What colour is the shape?", "red", Image.new("RGB", (32, 32), rgb)))
+
+
+def loaded_prompt(processor, stops, row) -> dict:
     preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=64)
-    (input_ids, media_inputs, messages, solution), _ = preprocess.example(
-        chat_row("What colour is the shape?", "red", Image.new("RGB", (32, 32), rgb)))
-    return model, processor, stops, {"input_ids": torch.as_tensor(input_ids), "media_inputs": media_inputs,
-                                     "messages": json.loads(messages), "solution": solution}
+    (input_ids, media_inputs, messages, solution), _ = preprocess.example(row)
+    return {"input_ids": torch.as_tensor(input_ids), "media_inputs": media_inputs, "messages": json.loads(messages),
+            "solution": solution}
+
+
+def _rollouts(rank, world, micro_batch, accumulation):
+    """This rank's share of a step of two prompts (an image and a text-only one) x 3 completions: its micro-batches'
+    token ids, advantages (rewards by `length_or_nan`), zero-std flags, and how many forwards it ran."""
+    model, processor, stops, image_prompt = sft_model_and_prompt()
+    prompts = [image_prompt, loaded_prompt(processor, stops, chat_row("What colour is the sky?", "blue"))]
+    layout = GroupLayout(3, micro_batch, accumulation, rank, world)
+    assert layout.prompts_per_step == 2  # the team (every rank) reads both prompts
+    args = GRPOArgs(num_generations=3, max_completion_length=8, temperature=1.5)
+    scorer = RewardScorer(load_reward_funcs(["rewards_for_tests:length_or_nan"], ""), [1.0])
+    step = VLMForTraining(model).eval()
+    forwards = []
+    step.register_forward_hook(lambda *_: forwards.append(1))
+    rollouts = Rollouts.sample(step, prompts, layout, ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(
+        model, processor)), scorer, processor, args, stops, 0, torch.device("cpu"))
+    advantages, zero_std = layout.advantages(scorer.total(rollouts.scores), "group", torch.device("cpu"))
+    return ([[ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+             for batch in rollouts.micro_batches], advantages, zero_std,
+            scorer.total(rollouts.scores), len(forwards))
+
+
+def test_a_groups_completions_on_several_ranks_and_micro_batches_get_one_process_statistics():
+    """3 ranks x 2 micro-batches of 1 completion hold two groups of 3: rank 0 the image prompt's completions 0 and 1,
+    rank 1 its completion 2 and the text prompt's 0 (two pieces: the others forward a filler meanwhile), rank 2 the
+    text prompt's 1 and 2. Each rank samples what one process holding the step samples, and the advantages (each
+    group's mean and std over ranks, failed completions left out) are one process's."""
+    assert [GroupLayout(3, 1, 2, rank, 3).pieces() for rank in range(3)] == [
+        [(0, [0, 1])], [(0, [2]), (1, [0])], [(1, [1, 2])]]
+    (ids, advantages, zero_std, rewards, _), = [_rollouts(0, 1, 6, 1)]
+    ranks = run_on_ranks(_rollouts, 3, 1, 2)
+    assert [row for rank in ranks for batch in rank[0] for row in batch] == [row for batch in ids for row in batch]
+    assert all(len(batch) == 1 for rank in ranks for batch in rank[0])  # b = 1: each completion its own micro-batch
+    torch.testing.assert_close(torch.cat([rank[1] for rank in ranks]), advantages)
+    assert torch.cat([rank[2] for rank in ranks]).tolist() == zero_std.tolist()
+    assert len({rank[4] for rank in ranks}) == 1  # every rank forwarded as often, rank 1's two pieces included
+    grouped = rewards.view(2, 3)
+    assert grouped.isnan().any() and (~grouped.isnan()).sum(1).min() >= 2  # a failure, and a spread left to learn
+    # What rank 2 would take from the two completions of the text prompt's group it holds is not the group's
+    alone = rewards[4:]
+    assert not alone.isnan().any() and not torch.allclose(advantages[4:], (alone - alone.mean()) / (alone.std() + 1e-4))
 
 
 def _sample_on_ranks(rank, world):

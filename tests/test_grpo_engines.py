@@ -3,12 +3,16 @@ completions (each prompt sampled from its own seed), rewards, gradient norms and
 prompts on different ranks, completions of different lengths and gradient accumulation 2; and a resume repeats the
 straight run.
 
-Scenario data (one parquet shard per data rank, read in order): 4 completions a prompt, one prompt a micro-batch,
-2 micro-batches a step; the single process reads the same prompts, both ranks' windows as one batch of 4 prompts.
-Features across engines (tests/README.md): DDP with --scale_rewards batch (a std over every rank) and
---num_iterations 2 (two optimizer steps on each batch of completions, against their old log-probabilities); FSDP2
-with LoRA and --beta 0.04 (the reference: the adapters disabled); ZeRO-2 with --beta 0.04 (a frozen reference copy);
-ZeRO-3 with --loss_type grpo and --mask_truncated_completions, resumed.
+Scenario data (one parquet shard per data rank, read in order), 2 micro-batches a step on each rank; the single
+process holds the step's completions in one micro-batch and reads the same prompts in the same order. Where a group's
+completions sit (`GroupLayout`) and the features vary across engines (tests/README.md):
+- DDP: groups of 4 in micro-batches of 2 (a group over both of a rank's micro-batches), --scale_rewards batch (a std
+  over every rank) and --num_iterations 2 (two optimizer steps on each batch of completions, against their old
+  log-probabilities);
+- FSDP2: groups of 4 in micro-batches of 4, LoRA and --beta 0.04 (the reference: the adapters disabled);
+- ZeRO-2: groups of 8 in micro-batches of 2 (a group over both ranks, both reading every shard as one team), --beta
+  0.04 (a frozen reference copy);
+- ZeRO-3: as FSDP2, --loss_type grpo and --mask_truncated_completions, resumed.
 """
 
 import re
@@ -25,18 +29,27 @@ pytestmark = pytest.mark.launch
 
 GRPO_RECIPE = REPO / "recipes" / "vlm_grpo.py"
 STEPS = 4
-COMMON = ["--max_steps", STEPS, "--logging_steps", 1, "--eval_steps", 100, "--num_generations", 4,
-          "--max_completion_length", 6, "--learning_rate", 1e-3, "--warmup_steps", 0, "--dataset_name", "parquet",
-          "--dataset_weights", "", "--shuffle_buffer_size", 1, "--eval_dataset_name", "", "--ddp_timeout", 60]
-RANKS = ["--per_device_train_batch_size", 4, "--gradient_accumulation_steps", 2]
-SINGLE = ["--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 1]
+COMMON = ["--max_steps", STEPS, "--logging_steps", 1, "--eval_steps", 100, "--max_completion_length", 6,
+          "--learning_rate", 1e-3, "--warmup_steps", 0, "--dataset_name", "parquet", "--dataset_weights", "",
+          "--shuffle_buffer_size", 1, "--eval_dataset_name", "", "--ddp_timeout", 60]
 LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout", 0.0]
-RUNS = {  # engine -> the feature's flags, the same for its one-process ground truth
-    "ddp.yaml": ["--scale_rewards", "batch", "--num_iterations", 2],
-    "fsdp2.yaml": [*LORA, "--beta", 0.04],  # the reference: the policy with its adapters disabled
-    "zero2.yaml": ["--beta", 0.04],
-    "zero3.yaml": ["--loss_type", "grpo", "--mask_truncated_completions", "true", "--save_steps", 2],
+
+
+def layout(group, micro_batch):
+    """(the ranks' flags, the single process's) for groups of `group` and ranks' micro-batches of `micro_batch`."""
+    return (["--num_generations", group, "--per_device_train_batch_size", micro_batch, "--gradient_accumulation_steps",
+             2], ["--num_generations", group, "--per_device_train_batch_size", 4 * micro_batch,
+                  "--gradient_accumulation_steps", 1])
+
+
+RUNS = {  # engine -> (where completions sit, the feature's flags, the same for its one-process ground truth)
+    "ddp.yaml": (layout(4, 2), ["--scale_rewards", "batch", "--num_iterations", 2]),
+    "fsdp2.yaml": (layout(4, 4), [*LORA, "--beta", 0.04]),  # the reference: the policy with its adapters disabled
+    "zero2.yaml": (layout(8, 2), ["--beta", 0.04]),
+    "zero3.yaml": (layout(4, 4), ["--loss_type", "grpo", "--mask_truncated_completions", "true", "--save_steps", 2]),
 }
+SINGLE_DATA = {  # what one process reads to hold each step's prompts in the ranks' order
+    "ddp.yaml": "single/interleaved.parquet", "zero2.yaml": "rank*.parquet"}
 METRIC = r"^step (\d+)/\d+ \|(?:.*\|)? {name} (-?[\d.e+-]+)"
 
 
@@ -50,8 +63,10 @@ def image(colour):
 
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
-    """rank{0,1}.parquet and single/all.parquet: at each step rank 0 holds two image prompts and rank 1 two
-    text-only ones, then the reverse; the single process holds all four."""
+    """rank{0,1}.parquet, single/all.parquet and single/interleaved.parquet. Two prompts a step a rank: rank 0 holds
+    two image prompts and rank 1 two text-only ones, then the reverse; all.parquet gives one process the four. One a
+    step a rank: rank 0 holds an image prompt and rank 1 a text-only one, then the reverse; interleaved.parquet
+    gives one process the two."""
     data = tmp_path_factory.mktemp("grpo_scenario")
     pictures = [chat_row("What colour is the shape?", name, image(rgb)) for name, rgb in
                 (("red", (220, 40, 40)), ("blue", (40, 40, 220)), ("green", (40, 200, 40)), ("yellow", (230, 220, 40)))]
@@ -65,6 +80,7 @@ def scenario(tmp_path_factory):
     (data / "single").mkdir()
     single = [row for step in range(4) for row in rank0[2 * step:2 * step + 2] + rank1[2 * step:2 * step + 2]]
     write_chat_parquet(data / "single" / "all.parquet", single)
+    write_chat_parquet(data / "single" / "interleaved.parquet", [row for pair in zip(rank0, rank1) for row in pair])
     return data
 
 
@@ -72,13 +88,14 @@ def scenario(tmp_path_factory):
 def runs(scenario, tmp_path_factory):
     """{engine: (2-process result, its output, one-process result, its output)}."""
     results = {}
-    for config, flags in RUNS.items():
+    for config, ((ranks_layout, single_layout), flags) in RUNS.items():
         single_dir, ranks_dir = tmp_path_factory.mktemp(f"grpo_single_{config[:-5]}"), tmp_path_factory.mktemp(
             f"grpo_{config[:-5]}")
-        single = run_recipe(*COMMON, *SINGLE, *flags, "--data_files", scenario / "single" / "all.parquet",
-                            "--output_dir", single_dir, recipe=GRPO_RECIPE)
+        single = run_recipe(*COMMON, *single_layout, *flags, "--data_files",
+                            scenario / SINGLE_DATA.get(config, "single/all.parquet"), "--output_dir", single_dir,
+                            recipe=GRPO_RECIPE)
         assert single.returncode == 0, single.log[-3000:]
-        ranks = run_engine(config, *COMMON, *RANKS, *flags, "--data_files", scenario / "rank*.parquet",
+        ranks = run_engine(config, *COMMON, *ranks_layout, *flags, "--data_files", scenario / "rank*.parquet",
                            "--output_dir", ranks_dir, recipe=GRPO_RECIPE)
         results[config] = ranks, ranks_dir, single, single_dir
     return results
@@ -97,13 +114,14 @@ def test_two_ranks_sample_score_and_step_as_one_process(runs, config):
             assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-6), (name, step)
     assert len(set(metric(ranks.log, "completions/mean_length").values())) > 1  # lengths differ from step to step
     assert max(metric(ranks.log, "grad_norm").values()) > 0
-    if "--use_peft" not in RUNS[config]:
+    flags = RUNS[config][1]
+    if "--use_peft" not in flags:
         expected = LlavaForConditionalGeneration.from_pretrained(single_dir).state_dict()
         for name, tensor in LlavaForConditionalGeneration.from_pretrained(ranks_dir).state_dict().items():
             # AdamW turns rounding in a near-zero gradient into a step of up to lr: one value in 65,536 moved 1.4e-5
             torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=1e-4, msg=name)
-    if "--beta" in RUNS[config]:
-        assert ("reference: the policy with its LoRA adapters disabled" if "--use_peft" in RUNS[config] else
+    if "--beta" in flags:
+        assert ("reference: the policy with its LoRA adapters disabled" if "--use_peft" in flags else
                 "reference: a frozen copy of the starting model") in ranks.log
         assert min(metric(ranks.log, "kl").values()) >= 0 and max(metric(ranks.log, "kl").values()) > 0
 
@@ -112,7 +130,8 @@ def test_a_resume_repeats_the_straight_run(runs, scenario, tmp_path):
     """From ZeRO-3's checkpoint-2: the same completions (the sampling seeds come from the prompts), rewards and
     gradient norms at steps 3 and 4."""
     straight, output_dir, _, _ = runs["zero3.yaml"]
-    resumed = run_engine("zero3.yaml", *COMMON, *RANKS, *RUNS["zero3.yaml"], "--data_files",
+    (ranks_layout, _), flags = RUNS["zero3.yaml"]
+    resumed = run_engine("zero3.yaml", *COMMON, *ranks_layout, *flags, "--data_files",
                          scenario / "rank*.parquet", "--output_dir", tmp_path, "--resume_from_checkpoint",
                          output_dir / "checkpoints" / "checkpoint-2", recipe=GRPO_RECIPE)
     assert resumed.returncode == 0, resumed.log[-3000:]

@@ -11,7 +11,9 @@ from pathlib import Path
 
 RECIPES = Path(__file__).parents[1] / "recipes"
 MARK = "# shared: "
-IN_EVERY_RECIPE = {"accelerator", "run state", "loop head", "optimizer step", "the end"}
+IN_EVERY_RECIPE = {"accelerator", "run state", "optimizer step", "the end"}
+# vlm_grpo.py reads one batch of prompts a step (its completions fill the micro-batches): no `loop head`
+READING_MICRO_BATCHES = {"clip_pretrain.py", "vlm_dpo.py", "vlm_finetune.py"}
 LONGEST_UNMARKED_REPEAT = 2  # lines
 
 
@@ -74,7 +76,8 @@ def test_shared_blocks_are_identical_and_nothing_else_repeats():
     assert len(texts) >= 3
     assert drift(texts) == []
     for recipe, text in texts.items():
-        assert IN_EVERY_RECIPE <= set(shared_blocks(text)), recipe
+        assert IN_EVERY_RECIPE | ({"loop head"} if recipe in READING_MICRO_BATCHES else set()) <= set(
+            shared_blocks(text)), recipe
     assert unmarked_repeats(texts) == []
 
 

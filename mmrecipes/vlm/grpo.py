@@ -10,9 +10,10 @@
   peak). Each completion draws from its own generator, seeded from the run's seed, the prompt's tokens and pixels and
   its index in the group: one process and W ranks sample the same completions. A vLLM server would replace
   `sample_group`; none runs here, so there is none.
-- Advantages (`group_advantages`): each reward minus its group's mean, divided by the group's (or the whole step's,
-  over every rank) unbiased std + 1e-4, or not; a completion a reward function failed on gets 0 and is left out of
-  the statistics. A group lives on one rank, so its statistics are exact wherever its completions' micro-batches sit.
+- Where completions sit (`GroupLayout`): a step's completions are whole groups; a group's may sit on several
+  micro-batches and ranks, which sample and score their own and share the rewards (one all-reduce) for the statistics.
+- Advantages (`group_advantages`): each reward minus its group's mean, divided by the group's (or the whole step's)
+  unbiased std + 1e-4, or not; a completion a reward function failed on gets 0 and is left out of the statistics.
 - Loss (`token_losses`, `LossNormaliser`): the clipped surrogate with the k3 KL, per token, then normalised over the
   optimizer step on every rank: grpo, each completion's token mean averaged over completions; dr_grpo, the token sum
   over completions x max_completion_length; dapo and bnpo, the token sum over tokens (TRL's bnpo divides per rank and
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..distributed import max_over_ranks, sum_over_ranks
+from ..distributed import batches_in_step, max_over_ranks, sum_over_ranks
 from ..images import to_device
 from ..skips import Skip
 from .arguments import GRPOArgs
@@ -49,11 +50,8 @@ PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution"]
 CLIP_COUNTS = ("low", "high", "region")  # TRL's clip_ratio/low_mean, high_mean, region_mean
 
 
-def check_settings(args: GRPOArgs, per_device_train_batch_size: int, max_length: int):
+def check_settings(args: GRPOArgs, max_length: int):
     """Refuse, before anything loads, what the recipe cannot run as asked."""
-    if per_device_train_batch_size % args.num_generations:
-        raise ValueError(f"--per_device_train_batch_size {per_device_train_batch_size} counts completions, in whole "
-                         f"groups of --num_generations {args.num_generations}: give a multiple of it")
     if args.max_completion_length >= max_length:
         raise ValueError(f"--max_completion_length {args.max_completion_length} leaves no room for a prompt within "
                          f"--max_length {max_length}: raise --max_length")
@@ -110,18 +108,83 @@ class PromptPreprocessor(ChatPreprocessor):
                              f"{', '.join(sorted(available))})")
 
 
-class PromptCollator:
-    """A micro-batch of prompts as they are (each is sampled on its own): {prompts, num_samples, data_counts, chat:
-    the prompts through `chat_collator` (no target), what a rank with no held-out prompt left decodes}."""
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where a step's completions sit. A step holds W data ranks x k micro-batches x b completions (TRL's generation
+    batch), whole groups of G. Ranks form teams of S, the fewest consecutive ranks whose completions are whole
+    groups (S = 1 where b x k is a multiple of G): a team reads its share of the prompts, `prompts_per_step` = S x b
+    x k / G of them a step, as one batch, and its member m samples and trains the team's completions m x b x k to
+    (m + 1) x b x k in group order, b to a micro-batch. So a group's completions may sit on several micro-batches
+    and ranks; `advantages` shares every rank's rewards for the groups' statistics."""
 
-    def __init__(self, chat_collator):
-        self.chat_collator = chat_collator
+    group_size: int
+    micro_batch: int
+    accumulation: int
+    data_rank: int
+    data_world: int
+
+    def __post_init__(self):
+        if self.data_world * self.per_rank % self.group_size:
+            raise ValueError(f"a step's {self.data_world * self.per_rank} completions ({self.data_world} data ranks x "
+                             f"--gradient_accumulation_steps {self.accumulation} x --per_device_train_batch_size "
+                             f"{self.micro_batch}) are not whole groups of --num_generations {self.group_size}: "
+                             f"make their product a multiple of it")
+
+    @property
+    def per_rank(self) -> int:
+        return self.micro_batch * self.accumulation
+
+    @property
+    def team_size(self) -> int:
+        return next(size for size in range(1, self.data_world + 1)
+                    if self.data_world % size == 0 and size * self.per_rank % self.group_size == 0)
+
+    @property
+    def teams(self) -> int:
+        return self.data_world // self.team_size
+
+    @property
+    def team(self) -> int:
+        return self.data_rank // self.team_size
+
+    @property
+    def member(self) -> int:
+        return self.data_rank % self.team_size
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.team_size * self.per_rank // self.group_size
+
+    def pieces(self) -> list[tuple[int, list[int]]]:
+        """[(a prompt's index in the team's batch, the indices in its group)] of this rank's completions, in order."""
+        pieces = {}
+        for slot in range(self.member * self.per_rank, (self.member + 1) * self.per_rank):
+            pieces.setdefault(slot // self.group_size, []).append(slot % self.group_size)
+        return list(pieces.items())
+
+    def advantages(self, rewards: torch.Tensor, scale: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`group_advantages` of this rank's completions (`rewards`, NaN where a function failed), from the step's
+        rewards on every rank (one all-reduce of W x b x k values: each rank adds its own at its place)."""
+        mine = slice(self.data_rank * self.per_rank, (self.data_rank + 1) * self.per_rank)
+        every = torch.zeros(self.data_world * self.per_rank, dtype=torch.float64)
+        every[mine] = rewards
+        advantages, zero_std = group_advantages(sum_over_ranks(every.to(device)).cpu(), self.group_size, scale)
+        return advantages[mine], zero_std[mine]
+
+
+class PromptCollator:
+    """A batch of prompts as they are (each is sampled on its own): {prompts, num_samples, data_counts, chat: the
+    prompts through `chat_collator` (no target), what a rank with no held-out prompt left decodes}. `counted` False:
+    a team member other than the first, which reads the same prompts, counts none of them."""
+
+    def __init__(self, chat_collator, counted: bool = True):
+        self.chat_collator, self.counted = chat_collator, counted
 
     def __call__(self, rows):
         prompts = [{"input_ids": torch.as_tensor(row["input_ids"]), "media_inputs": row["media_inputs"],
                     "messages": json.loads(row["messages"]), "solution": row["solution"]} for row in rows]
-        return {"prompts": prompts, "num_samples": len(rows),
-                "data_counts": torch.tensor([sum(row[name] for row in rows) for name in CHAT_COUNTED]),
+        return {"prompts": prompts, "num_samples": len(rows) * self.counted,
+                "data_counts": torch.tensor([sum(row[name] for row in rows) * self.counted for name in CHAT_COUNTED]),
                 "chat": self.chat_collator([row for prompt in prompts for row in chat_rows(prompt, [[]], [False])])}
 
 
@@ -156,15 +219,17 @@ def media_token_ids(processor) -> list[int]:
 
 
 @torch.no_grad()
-def sample_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed: int, device, suppressed=()):
-    """[(completion token ids, truncated)] of `args.num_generations` completions of `prompt`, sampled at
-    --temperature within --top_p (never a `suppressed` token: `media_token_ids`), each up to its first stop token
-    (included) or --max_completion_length tokens (truncated), with forwards until every rank's completions have
-    stopped."""
-    group = args.num_generations
-    inputs = to_device(collator(chat_rows(prompt, [[]] * group, [False] * group)), device)
-    generators = [torch.Generator().manual_seed(seed + index) for index in range(group)]
-    completions, stopped = [[] for _ in range(group)], [False] * group
+def sample_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed: int, device, suppressed=(),
+                 indices=None, live=True):
+    """[(completion token ids, truncated)] of the completions `indices` (default: all --num_generations) of
+    `prompt`'s group, each from its own generator (`seed` + its index), sampled at --temperature within --top_p
+    (never a `suppressed` token: `media_token_ids`), each up to its first stop token (included) or
+    --max_completion_length tokens (truncated), with forwards until every rank's completions have stopped (`live`
+    False: a filler whose completions count as stopped, forwarded only while another rank samples)."""
+    indices = range(args.num_generations) if indices is None else indices
+    inputs = to_device(collator(chat_rows(prompt, [[]] * len(indices), [False] * len(indices))), device)
+    generators = [torch.Generator().manual_seed(seed + index) for index in indices]
+    completions, stopped = [[] for _ in indices], [not live] * len(indices)
     for _ in range(args.max_completion_length):
         if not max_over_ranks(torch.tensor(float(not all(stopped)), device=device)).item():
             break  # every rank's completions have stopped
@@ -190,11 +255,11 @@ def _sampled(logits: torch.Tensor, generator, temperature: float, top_p: float) 
     return int(torch.multinomial(probabilities, 1, generator=generator))
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, zero-std flags) of `rewards` (`[groups x group_size]` in group order, NaN where a reward function
-    failed): each reward minus its group's mean, divided by the group's unbiased std (`scale` group) or by the
-    step's over every rank (batch; a collective), + 1e-4, or not divided (none); 0 for a failed completion, which
-    the statistics leave out. The flags mark completions whose group's std is 0 (TRL's frac_reward_zero_std)."""
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, zero-std flags) of a step's `rewards` (`[groups x group_size]` in group order, NaN where a reward
+    function failed): each reward minus its group's mean, divided by the group's unbiased std (`scale` group) or by
+    all of `rewards`' (batch), + 1e-4, or not divided (none); 0 for a failed completion, which the statistics leave
+    out. The flags mark completions whose group's std is 0 (TRL's frac_reward_zero_std)."""
     grouped = rewards.view(-1, group_size)
     valid = ~grouped.isnan()
     count = valid.sum(1, keepdim=True)
@@ -206,10 +271,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, device)
     if scale == "group":
         advantages = advantages / (std + 1e-4)
     elif scale == "batch":
-        sums = sum_over_ranks(torch.stack([values.sum(), (values ** 2).sum(), valid.sum().double()]).to(device)).cpu()
-        batch_mean = sums[0] / sums[2].clamp_min(1)
-        batch_std = ((sums[1] - sums[2] * batch_mean ** 2) / (sums[2] - 1).clamp_min(1)).clamp_min(0).sqrt()
-        advantages = advantages / (batch_std + 1e-4)
+        advantages = advantages / (grouped[valid].std().nan_to_num(0) + 1e-4)  # unbiased; 0 for one reward
     zero_std = torch.isclose(std, torch.zeros_like(std)).expand_as(grouped)
     return (advantages * valid).flatten(), zero_std.flatten()
 
@@ -257,34 +319,43 @@ class LossNormaliser:
 
 @dataclass
 class Rollouts:
-    """A window's completions on this rank, group after group: the micro-batches to train on (`ChatCollator`
-    batches), each completion's rewards per function (NaN where one failed), length and truncation."""
+    """A step's completions on this rank (`GroupLayout`): the micro-batches to train on (`ChatCollator` batches),
+    each completion's rewards per function (NaN where one failed), length and truncation."""
 
     micro_batches: list = field(default_factory=list)
-    scores: list = field(default_factory=list)
+    scores: torch.Tensor | None = None
     lengths: list = field(default_factory=list)
     truncated: list = field(default_factory=list)
 
-    def add(self, model, prompts, collator, scorer, processor, args: GRPOArgs, stop_ids, seed, device):
-        """Sample, decode and score each prompt's group (`sample_group`, `RewardScorer`): one micro-batch."""
-        rows, suppressed = [], media_token_ids(processor)
-        for prompt in prompts:
+    @classmethod
+    def sample(cls, model, prompts, layout: GroupLayout, collator, scorer, processor, args: GRPOArgs, stop_ids, seed,
+               device) -> "Rollouts":
+        """Sample (`sample_group`: as many times on every rank, a filler where a rank has fewer pieces), decode and
+        score (`RewardScorer`, once) this rank's completions of the team's `prompts`."""
+        rollouts, rows, suppressed, scored = cls(), [], media_token_ids(processor), []
+        for (index, indices), real in batches_in_step(layout.pieces(), (0, [0]), device):
+            prompt = prompts[index]
             group = sample_group(model, prompt, collator, args, stop_ids, prompt_seed(seed, prompt), device,
-                                 suppressed=suppressed)
+                                 suppressed, indices, live=real)
+            if not real:
+                continue
             completions = [ids for ids, _ in group]
-            texts = [processor.tokenizer.decode([t for t in ids if t not in stop_ids], skip_special_tokens=True)
-                     for ids in completions]
-            self.scores.append(scorer([prompt["messages"]] * len(texts), texts, completions,
-                                      {"solution": [prompt["solution"]] * len(texts)}))
-            self.lengths += [len(ids) for ids in completions]
-            self.truncated += [cut for _, cut in group]
+            scored += [(prompt, ids, processor.tokenizer.decode([t for t in ids if t not in stop_ids],
+                                                               skip_special_tokens=True)) for ids in completions]
+            rollouts.lengths += [len(ids) for ids in completions]
+            rollouts.truncated += [cut for _, cut in group]
             rows += chat_rows(prompt, completions, [not (cut and args.mask_truncated_completions) for _, cut in group])
-        self.micro_batches.append(collator(rows))
+        prompts_of, ids, texts = zip(*scored)
+        rollouts.scores = scorer([prompt["messages"] for prompt in prompts_of], list(texts), list(ids),
+                                 {"solution": [prompt["solution"] for prompt in prompts_of]})
+        rollouts.micro_batches = [collator(rows[start:start + layout.micro_batch])
+                                  for start in range(0, len(rows), layout.micro_batch)]
+        return rollouts
 
     def step_sums(self, rewards, zero_std, failures, names, batch_flops, device) -> dict:
         """This rank's sums for the step's log line (summed over ranks and steps by `Report`): the rewards, the
         completions, and the trained micro-batches' tokens and FLOPs (`batch_flops`: MFU counts training only)."""
-        scores, valid = torch.cat(self.scores), ~rewards.isnan()
+        scores, valid = self.scores, ~rewards.isnan()
         sums = {"tokens": sum(batch["num_tokens"] for batch in self.micro_batches),
                 "flops": sum(map(batch_flops, self.micro_batches)),
                 "completions": len(rewards), "scored": valid.sum(), "reward": rewards[valid].sum(),
