@@ -9,6 +9,7 @@ run on GPUs run for real on CPU. On GPUs and in a single process it is plain `Ac
 
 import os
 import zlib
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 
@@ -206,3 +207,42 @@ def batches_in_step(batches, filler, device):
     batches = iter(batches)
     while not all_ranks_true((batch := next(batches, None)) is None, device):
         yield (filler, False) if batch is None else (batch, True)
+
+
+def generation_line(accelerator: Accelerator, gather: bool) -> str | None:
+    """What sampling gathers, said where it matters: under ZeRO-3, or where `gather` is asked for and does nothing."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and plugin.zero_stage == 3:
+        return ("sampling: the whole model gathered on every rank once a step (--ds3_gather_for_generation)" if gather
+                else "sampling: each layer gathered in each forward (--ds3_gather_for_generation true: the whole "
+                     "model, once a step)")
+    return "sampling: --ds3_gather_for_generation does nothing without ZeRO-3" if gather else None
+
+
+@contextmanager
+def gathered_for_generation(accelerator: Accelerator, model, gather: bool):
+    """The model to sample with: the prepared `model`, or under ZeRO-3 with `gather` (TRL's
+    `ds3_gather_for_generation`) the module inside it with every parameter gathered on every rank and the engine's
+    fetch and release hooks off for the while: one gather instead of one per layer and forward, at the memory of the
+    whole model on each rank. The hooks come back as TRL 1.16 puts them back (`trl.models.utils.add_hooks`)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if not (gather and plugin is not None and plugin.zero_stage == 3):
+        yield model
+        return
+    import deepspeed
+
+    offload = getattr(model.optimizer, "parameter_offload", model.optimizer)
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        external = getattr(offload.module, "ds_external_parameters", dict)()  # (name, parameter) pairs
+        for parameter in [*offload.module.parameters(), *(parameter for _, parameter in external)]:
+            parameter.ds_active_sub_modules.clear()
+        for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield accelerator.unwrap_model(model)
+        finally:
+            coordinator = offload.param_coordinator  # its trace of the training forward's order is stale now
+            if not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
+            offload._register_deepspeed_module(offload.module)

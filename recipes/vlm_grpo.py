@@ -51,7 +51,14 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from mmrecipes.checkpointing import Checkpointer, data_layout
-from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config, sum_over_ranks
+from mmrecipes.distributed import (
+    data_parallel_rank_and_world,
+    engine_line,
+    gathered_for_generation,
+    generation_line,
+    reconcile_deepspeed_config,
+    sum_over_ranks,
+)
 from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
@@ -149,6 +156,8 @@ def main(argv=None):
     accelerator.print(engine)
     if reference is not None:
         accelerator.print(reference.describe())
+    if sampling := generation_line(accelerator, grpo_args.ds3_gather_for_generation):
+        accelerator.print(sampling)
 
     # The loader reads a team's prompts for a step as one batch, leaving room for the completions
     chat_collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs)
@@ -186,8 +195,9 @@ def main(argv=None):
         # Rollouts: this rank's completions sampled and scored, b to a training micro-batch; the groups' statistics
         # from every rank's rewards
         started = time.perf_counter()
-        rollouts = Rollouts.sample(model, window[0]["prompts"], layout, chat_collator, scorer, processor, grpo_args,
-                                   stops, args.seed, accelerator.device)
+        with gathered_for_generation(accelerator, model, grpo_args.ds3_gather_for_generation) as sampler:
+            rollouts = Rollouts.sample(sampler, window[0]["prompts"], layout, chat_collator, scorer, processor,
+                                       grpo_args, stops, args.seed, accelerator.device)
         rewards = scorer.total(rollouts.scores)  # NaN where a reward function failed: no advantage, no statistics
         advantages, zero_std = layout.advantages(rewards, grpo_args.scale_rewards, accelerator.device)
         generation_seconds = time.perf_counter() - started

@@ -46,7 +46,8 @@ RUNS = {  # engine -> (where completions sit, the feature's flags, the same for 
     "ddp.yaml": (layout(4, 2), ["--scale_rewards", "batch", "--num_iterations", 2]),
     "fsdp2.yaml": (layout(4, 4), [*LORA, "--beta", 0.04]),  # the reference: the policy with its adapters disabled
     "zero2.yaml": (layout(8, 2), ["--beta", 0.04]),
-    "zero3.yaml": (layout(4, 4), ["--loss_type", "grpo", "--mask_truncated_completions", "true", "--save_steps", 2]),
+    "zero3.yaml": (layout(4, 4), ["--loss_type", "grpo", "--mask_truncated_completions", "true", "--save_steps", 2,
+                                  "--ds3_gather_for_generation", "true"]),  # the resume samples without it
 }
 SINGLE_DATA = {  # what one process reads to hold each step's prompts in the ranks' order
     "ddp.yaml": "single/interleaved.parquet", "zero2.yaml": "rank*.parquet"}
@@ -131,10 +132,13 @@ def test_a_resume_repeats_the_straight_run(runs, scenario, tmp_path):
     gradient norms at steps 3 and 4."""
     straight, output_dir, _, _ = runs["zero3.yaml"]
     (ranks_layout, _), flags = RUNS["zero3.yaml"]
+    flags = [*flags[:-2], "--ds3_gather_for_generation", "false"]  # each layer gathered in each forward
     resumed = run_engine("zero3.yaml", *COMMON, *ranks_layout, *flags, "--data_files",
                          scenario / "rank*.parquet", "--output_dir", tmp_path, "--resume_from_checkpoint",
                          output_dir / "checkpoints" / "checkpoint-2", recipe=GRPO_RECIPE)
     assert resumed.returncode == 0, resumed.log[-3000:]
+    assert "sampling: each layer gathered in each forward" in resumed.log
+    assert "sampling: the whole model gathered on every rank once a step" in straight.log
     for name in ("completions/mean_length", "reward", "grad_norm"):
         got, expected = metric(resumed.log, name), metric(straight.log, name)
         assert sorted(got) == [3, 4]

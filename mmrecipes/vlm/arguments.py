@@ -251,6 +251,9 @@ class GRPOArgs(CheckedArgs):
     reward_funcs: str = "accuracy"
     reward_weights: str | None = None  # one per reward function; None: 1.0 each
     format_pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
+    # ZeRO-3: gather the whole model on every rank while sampling (fast; a whole model's memory per rank). TRL's
+    # default is True; here the layer-at-a-time gathers of training are kept unless asked
+    ds3_gather_for_generation: bool = False
 
     def __post_init__(self):
         super().__post_init__()
