@@ -209,25 +209,33 @@ def batches_in_step(batches, filler, device):
         yield (filler, False) if batch is None else (batch, True)
 
 
-def generation_line(accelerator: Accelerator, gather: bool) -> str | None:
-    """What sampling gathers, said where it matters: under ZeRO-3, or where `gather` is asked for and does nothing."""
+def generation_line(accelerator: Accelerator, gather: bool) -> str:
+    """How `model_for_sampling` samples, for the log."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None and plugin.zero_stage == 3:
-        return ("sampling: the whole model gathered on every rank once a step (--ds3_gather_for_generation)" if gather
-                else "sampling: each layer gathered in each forward (--ds3_gather_for_generation true: the whole "
-                     "model, once a step)")
-    return "sampling: --ds3_gather_for_generation does nothing without ZeRO-3" if gather else None
+        return ("sampling: generate, the whole model gathered on every rank once a step (--ds3_gather_for_generation)"
+                if gather else "sampling: each layer gathered in each forward, every rank forwarding until all are "
+                               "done (--ds3_gather_for_generation true: the whole model, once a step, and generate)")
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return "sampling: each block gathered in each forward, every rank forwarding until all are done"
+    return "sampling: generate, the whole model on every rank" + (
+        " (--ds3_gather_for_generation does nothing without ZeRO-3)" if gather else "")
 
 
 @contextmanager
-def gathered_for_generation(accelerator: Accelerator, model, gather: bool):
-    """The model to sample with: the prepared `model`, or under ZeRO-3 with `gather` (TRL's
-    `ds3_gather_for_generation`) the module inside it with every parameter gathered on every rank and the engine's
-    fetch and release hooks off for the while: one gather instead of one per layer and forward, at the memory of the
-    whole model on each rank. The hooks come back as TRL 1.16 puts them back (`trl.models.utils.add_hooks`)."""
+def model_for_sampling(accelerator: Accelerator, model, gather: bool):
+    """(the module to sample with, whether it is whole on this rank). Whole: no collective in its forward, so each
+    rank may `generate` on its own (DDP, ZeRO-1/2, one process; and ZeRO-3 with `gather`, TRL's
+    `ds3_gather_for_generation`: every parameter gathered on every rank once, the engine's fetch and release hooks off
+    for the while, at a whole model's memory per rank; they come back as TRL 1.16 puts them back). Not whole (FSDP,
+    ZeRO-3 without `gather`): the prepared model, whose every forward gathers parameters on every rank."""
     plugin = accelerator.state.deepspeed_plugin
-    if not (gather and plugin is not None and plugin.zero_stage == 3):
-        yield model
+    if plugin is None or plugin.zero_stage != 3:
+        yield (model, False) if accelerator.distributed_type == DistributedType.FSDP else (
+            accelerator.unwrap_model(model), True)
+        return
+    if not gather:
+        yield model, False
         return
     import deepspeed
 
@@ -240,7 +248,7 @@ def gathered_for_generation(accelerator: Accelerator, model, gather: bool):
             hook.remove()
         offload.forward_hooks, offload.backward_hooks = [], []
         try:
-            yield accelerator.unwrap_model(model)
+            yield accelerator.unwrap_model(model), True
         finally:
             coordinator = offload.param_coordinator  # its trace of the training forward's order is stale now
             if not coordinator.is_invalid_trace():

@@ -8,9 +8,10 @@ Each prompt (TRL's `prompt` with `images` and `solution`, or a chat row whose la
 --num_generations completions sampled from the policy; reward functions score them (built in: accuracy against the
 solution, format by --format_pattern; yours by import path); each completion's advantage is its reward against its
 group's; the clipped surrogate (TRL 1.16's loss types and flag names) is normalised over the optimizer step on every
-rank. Completions are sampled by the prepared model a token at a time until every rank is done, each from a seed of
-its own prompt, so W ranks sample what one process does (docs/grpo.md). Start it from an SFT'd model that answers
-sometimes, such as vlm_finetune.py's output: a model that never answers right gets no reward to learn from.
+rank. Completions are sampled by `generate` where the model is whole on the rank, else a token at a time until every
+rank is done, each from a seed of its own, so W ranks sample what one process does (docs/grpo.md). Start it from an
+SFT'd model that answers sometimes, such as vlm_finetune.py's output: a model that never answers right gets no reward
+to learn from.
 """
 
 from dataclasses import asdict, dataclass, replace
@@ -54,8 +55,8 @@ from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.distributed import (
     data_parallel_rank_and_world,
     engine_line,
-    gathered_for_generation,
     generation_line,
+    model_for_sampling,
     reconcile_deepspeed_config,
     sum_over_ranks,
 )
@@ -156,8 +157,7 @@ def main(argv=None):
     accelerator.print(engine)
     if reference is not None:
         accelerator.print(reference.describe())
-    if sampling := generation_line(accelerator, grpo_args.ds3_gather_for_generation):
-        accelerator.print(sampling)
+    accelerator.print(generation_line(accelerator, grpo_args.ds3_gather_for_generation))
 
     # The loader reads a team's prompts for a step as one batch, leaving room for the completions
     chat_collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs)
@@ -195,8 +195,8 @@ def main(argv=None):
         # Rollouts: this rank's completions sampled and scored, b to a training micro-batch; the groups' statistics
         # from every rank's rewards
         started = time.perf_counter()
-        with gathered_for_generation(accelerator, model, grpo_args.ds3_gather_for_generation) as sampler:
-            rollouts = Rollouts.sample(sampler, window[0]["prompts"], layout, chat_collator, scorer, processor,
+        with model_for_sampling(accelerator, model, grpo_args.ds3_gather_for_generation) as (sampler, whole):
+            rollouts = Rollouts.sample(sampler, whole, window[0]["prompts"], layout, chat_collator, scorer, processor,
                                        grpo_args, stops, args.seed, accelerator.device)
         rewards = scorer.total(rollouts.scores)  # NaN where a reward function failed: no advantage, no statistics
         advantages, zero_std = layout.advantages(rewards, grpo_args.scale_rewards, accelerator.device)

@@ -33,6 +33,7 @@ BENCHES = [
     ("vlm_loss_memory.py", ["--quick"]),
     ("patch_dropout.py", ["--quick"]),
     ("answers_by_kind.py", ["--quick"]),
+    ("grpo_sampling.py", ["--quick"]),
 ]
 HALVES = 2
 

@@ -21,23 +21,13 @@ from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import greedy_tokens
 from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.grpo import (
-    GroupLayout,
-    LossNormaliser,
-    PromptPreprocessor,
-    Rollouts,
-    chat_rows,
-    group_advantages,
-    media_token_ids,
-    prompt_seed,
-    sample_group,
-    token_losses,
-)
+from mmrecipes.vlm.grpo import GroupLayout, LossNormaliser, PromptPreprocessor, Rollouts, group_advantages, token_losses
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.losses import IGNORE_INDEX
 from mmrecipes.vlm.models import VLMForTraining, stop_token_ids
 from mmrecipes.vlm.preference import token_logps
 from mmrecipes.vlm.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
+from mmrecipes.vlm.sampling import chat_rows, generate_group, media_token_ids, prompt_seed, sample_group
 from test_chat_data import chat_row
 
 GRPO_RECIPE = REPO / "recipes" / "vlm_grpo.py"
@@ -208,9 +198,10 @@ def loaded_prompt(processor, stops, row) -> dict:
             "solution": solution}
 
 
-def _rollouts(rank, world, micro_batch, accumulation):
-    """This rank's share of a step of two prompts (an image and a text-only one) x 3 completions: its micro-batches'
-    token ids, advantages (rewards by `length_or_nan`), zero-std flags, and how many forwards it ran."""
+def _rollouts(rank, world, micro_batch, accumulation, whole):
+    """This rank's share of a step of two prompts (an image and a text-only one) x 3 completions, sampled by
+    `generate` (`whole`) or the synced loop: its micro-batches' token ids, advantages (rewards by `length_or_nan`),
+    zero-std flags, and how many forwards it ran."""
     model, processor, stops, image_prompt = sft_model_and_prompt()
     prompts = [image_prompt, loaded_prompt(processor, stops, chat_row("What colour is the sky?", "blue"))]
     layout = GroupLayout(3, micro_batch, accumulation, rank, world)
@@ -220,8 +211,9 @@ def _rollouts(rank, world, micro_batch, accumulation):
     step = VLMForTraining(model).eval()
     forwards = []
     step.register_forward_hook(lambda *_: forwards.append(1))
-    rollouts = Rollouts.sample(step, prompts, layout, ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(
-        model, processor)), scorer, processor, args, stops, 0, torch.device("cpu"))
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    rollouts = Rollouts.sample(step, whole, prompts, layout, collator, scorer, processor, args, stops, 0,
+                               torch.device("cpu"))
     advantages, zero_std = layout.advantages(scorer.total(rollouts.scores), "group", torch.device("cpu"))
     return ([[ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
              for batch in rollouts.micro_batches], advantages, zero_std,
@@ -235,8 +227,8 @@ def test_a_groups_completions_on_several_ranks_and_micro_batches_get_one_process
     group's mean and std over ranks, failed completions left out) are one process's."""
     assert [GroupLayout(3, 1, 2, rank, 3).pieces() for rank in range(3)] == [
         [(0, [0, 1])], [(0, [2]), (1, [0])], [(1, [1, 2])]]
-    (ids, advantages, zero_std, rewards, _), = [_rollouts(0, 1, 6, 1)]
-    ranks = run_on_ranks(_rollouts, 3, 1, 2)
+    (ids, advantages, zero_std, rewards, _), = [_rollouts(0, 1, 6, 1, True)]  # one process, generate
+    ranks = run_on_ranks(_rollouts, 3, 1, 2, False)  # as under FSDP2 or ZeRO-3: every rank forwards until all are done
     assert [row for rank in ranks for batch in rank[0] for row in batch] == [row for batch in ids for row in batch]
     assert all(len(batch) == 1 for rank in ranks for batch in rank[0])  # b = 1: each completion its own micro-batch
     torch.testing.assert_close(torch.cat([rank[1] for rank in ranks]), advantages)
@@ -271,6 +263,26 @@ def test_ranks_whose_completions_end_at_different_lengths_forward_together():
     assert forwards0 == forwards1 == 10
     assert max(len(ids) for ids, _ in short) <= 3 and not any(cut for _, cut in short)
     assert any(cut for _, cut in long) and max(len(ids) for ids, _ in long) == 10
+
+
+def test_generate_with_a_cache_samples_what_the_synced_loop_samples():
+    """Where the model is whole on a rank, `generate_group` samples with transformers' `generate` (a KV cache, a text
+    prompt without the dummy image); where every forward gathers, `sample_group` forwards whole sequences: both give
+    every completion, image or text-only prompt, stopped or truncated, alike (which is what lets the engine tests
+    compare FSDP2's loop with one process's generate)."""
+    model, processor, stops, image_prompt = sft_model_and_prompt()
+    prompts = [image_prompt, loaded_prompt(processor, stops, chat_row("What colour is the sky?", "blue"))]
+    step = VLMForTraining(model).eval()
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    lengths = set()
+    for temperature in (1.0, 3.0):
+        args = GRPOArgs(num_generations=6, max_completion_length=8, temperature=temperature, top_p=0.95)
+        for prompt in prompts:
+            sampled = [sample(step, prompt, collator, args, stops, prompt_seed(0, prompt), "cpu",
+                              media_token_ids(processor), [1, 3, 4, 5]) for sample in (sample_group, generate_group)]
+            assert sampled[0] == sampled[1]
+            lengths |= {(len(ids), cut) for ids, cut in sampled[0]}
+    assert (8, True) in lengths and len(lengths) > 3  # truncated and stopped completions of several lengths
 
 
 @pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("dapo", 0.04), ("dr_grpo", 0.0), ("bnpo", 0.04)])

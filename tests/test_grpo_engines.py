@@ -107,6 +107,8 @@ def test_two_ranks_sample_score_and_step_as_one_process(runs, config):
     ranks, ranks_dir, single, single_dir = runs[config]
     assert ranks.returncode == 0, ranks.log[-3000:]
     assert_engine(ranks.log, config, wrapped="VLMForTraining")
+    assert ("sampling: generate" in ranks.log) == (config in ("ddp.yaml", "zero2.yaml", "zero3.yaml"))
+    assert "sampling: generate, the whole model on every rank" in single.log
     # The same completions (lengths and rewards), the same advantages' effect (gradient norms), every step
     for name in ("completions/mean_length", "reward", "frac_reward_zero_std", "grad_norm", "loss"):
         got, expected = metric(ranks.log, name), metric(single.log, name)
@@ -137,8 +139,8 @@ def test_a_resume_repeats_the_straight_run(runs, scenario, tmp_path):
                          scenario / "rank*.parquet", "--output_dir", tmp_path, "--resume_from_checkpoint",
                          output_dir / "checkpoints" / "checkpoint-2", recipe=GRPO_RECIPE)
     assert resumed.returncode == 0, resumed.log[-3000:]
-    assert "sampling: each layer gathered in each forward" in resumed.log
-    assert "sampling: the whole model gathered on every rank once a step" in straight.log
+    assert "sampling: each layer gathered in each forward, every rank forwarding until all are done" in resumed.log
+    assert "sampling: generate, the whole model gathered on every rank once a step" in straight.log
     for name in ("completions/mean_length", "reward", "grad_norm"):
         got, expected = metric(resumed.log, name), metric(straight.log, name)
         assert sorted(got) == [3, 4]

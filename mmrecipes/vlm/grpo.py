@@ -3,13 +3,7 @@
 - Prompts (`PromptPreprocessor`): TRL's rows (`prompt`: a string or a conversation, `images`, `solution`) or chat rows
   in any layout `chat_data` reads whose last assistant turn is the solution, rendered with the processor's generation
   prompt; unreadable rows are skipped and counted as in SFT.
-- Rollouts (`sample_group`): a prompt's G completions, sampled a token at a time by whole-sequence forwards of the
-  prepared model without a cache (as the evaluation's greedy decoding), until every rank's completions have stopped:
-  a rank whose completions end early keeps forwarding (`synced_gpus`), so FSDP2's and ZeRO-3's collectives never
-  part. The model is never gathered whole on a rank (TRL's `ds3_gather_for_generation=False`: slower, no memory
-  peak). Each completion draws from its own generator, seeded from the run's seed, the prompt's tokens and pixels and
-  its index in the group: one process and W ranks sample the same completions. A vLLM server would replace
-  `sample_group`; none runs here, so there is none.
+- Rollouts (`Rollouts`, by `mmrecipes.vlm.sampling`): this rank's completions sampled, decoded and scored.
 - Where completions sit (`GroupLayout`): a step's completions are whole groups; a group's may sit on several
   micro-batches and ranks, which sample and score their own and share the rewards (one all-reduce) for the statistics.
 - Advantages (`group_advantages`): each reward minus its group's mean, divided by the group's (or the whole step's)
@@ -21,13 +15,12 @@
 """
 
 import json
-import zlib
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from ..distributed import batches_in_step, max_over_ranks, sum_over_ranks
-from ..images import to_device
+from ..distributed import batches_in_step, sum_over_ranks
 from ..skips import Skip
 from .arguments import GRPOArgs
 from .chat_data import (
@@ -43,8 +36,7 @@ from .chat_data import (
     row_images,
     to_chat,
 )
-from .evaluation import with_token_appended
-from .losses import IGNORE_INDEX
+from .sampling import chat_rows, generate_group, media_token_ids, prompt_seed, sample_group
 
 PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution"]
 CLIP_COUNTS = ("low", "high", "region")  # TRL's clip_ratio/low_mean, high_mean, region_mean
@@ -188,73 +180,6 @@ class PromptCollator:
                 "chat": self.chat_collator([row for prompt in prompts for row in chat_rows(prompt, [[]], [False])])}
 
 
-def prompt_seed(seed: int, prompt: dict) -> int:
-    """A seed from the run's seed, the prompt's tokens and its pixels: the same prompt samples alike on any rank."""
-    digest = zlib.crc32(prompt["input_ids"].numpy().tobytes(), seed & 0xFFFFFFFF)
-    for key in sorted(prompt["media_inputs"]):
-        value = prompt["media_inputs"][key]
-        if isinstance(value, torch.Tensor):
-            digest = zlib.crc32(value.contiguous().numpy().tobytes(), digest)
-    return digest
-
-
-def chat_rows(prompt: dict, completions: list[list[int]], labelled: list[bool]) -> list[dict]:
-    """Collator rows (`ChatCollator`) of a prompt and its completions: the completion tokens are the targets (none
-    where `labelled` is False: a masked truncated completion)."""
-    rows = []
-    for completion, target in zip(completions, labelled):
-        tokens = torch.tensor(completion, dtype=prompt["input_ids"].dtype)
-        labels = torch.cat([torch.full_like(prompt["input_ids"], IGNORE_INDEX),
-                            tokens if target else torch.full_like(tokens, IGNORE_INDEX)])
-        rows.append({"input_ids": torch.cat([prompt["input_ids"], tokens]), "labels": labels,
-                     "media_inputs": prompt["media_inputs"]} | dict.fromkeys(CHAT_COUNTED, 0))
-    return rows
-
-
-def media_token_ids(processor) -> list[int]:
-    """The image and video placeholder tokens: never sampled (the next forward would find one more placeholder
-    than images, "Image features and image tokens do not match")."""
-    tokens = [getattr(processor, name, None) for name in ("image_token", "video_token")]
-    return [processor.tokenizer.convert_tokens_to_ids(token) for token in tokens if token is not None]
-
-
-@torch.no_grad()
-def sample_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed: int, device, suppressed=(),
-                 indices=None, live=True):
-    """[(completion token ids, truncated)] of the completions `indices` (default: all --num_generations) of
-    `prompt`'s group, each from its own generator (`seed` + its index), sampled at --temperature within --top_p
-    (never a `suppressed` token: `media_token_ids`), each up to its first stop token (included) or
-    --max_completion_length tokens (truncated), with forwards until every rank's completions have stopped (`live`
-    False: a filler whose completions count as stopped, forwarded only while another rank samples)."""
-    indices = range(args.num_generations) if indices is None else indices
-    inputs = to_device(collator(chat_rows(prompt, [[]] * len(indices), [False] * len(indices))), device)
-    generators = [torch.Generator().manual_seed(seed + index) for index in indices]
-    completions, stopped = [[] for _ in indices], [not live] * len(indices)
-    for _ in range(args.max_completion_length):
-        if not max_over_ranks(torch.tensor(float(not all(stopped)), device=device)).item():
-            break  # every rank's completions have stopped
-        _, logits = model(**inputs, return_logits=True)
-        last = logits[:, -1].float().cpu()
-        last[:, list(suppressed)] = -torch.inf
-        tokens = torch.tensor([_sampled(row, generator, args.temperature, args.top_p)
-                               for row, generator in zip(last, generators)])
-        for index, token in enumerate(tokens.tolist()):
-            if not stopped[index]:
-                completions[index].append(token)
-                stopped[index] = token in stop_ids
-        inputs = with_token_appended(inputs, tokens.to(device))
-    return [(completion, not done) for completion, done in zip(completions, stopped)]
-
-
-def _sampled(logits: torch.Tensor, generator, temperature: float, top_p: float) -> int:
-    probabilities = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1:  # the smallest set of most likely tokens whose probability reaches top_p
-        ordered, order = probabilities.sort(descending=True)
-        keep = ordered.cumsum(0) - ordered < top_p
-        probabilities = torch.zeros_like(probabilities).scatter(0, order[keep], ordered[keep])
-    return int(torch.multinomial(probabilities, 1, generator=generator))
-
-
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, zero-std flags) of a step's `rewards` (`[groups x group_size]` in group order, NaN where a reward
     function failed): each reward minus its group's mean, divided by the group's unbiased std (`scale` group) or by
@@ -328,15 +253,19 @@ class Rollouts:
     truncated: list = field(default_factory=list)
 
     @classmethod
-    def sample(cls, model, prompts, layout: GroupLayout, collator, scorer, processor, args: GRPOArgs, stop_ids, seed,
-               device) -> "Rollouts":
-        """Sample (`sample_group`: as many times on every rank, a filler where a rank has fewer pieces), decode and
-        score (`RewardScorer`, once) this rank's completions of the team's `prompts`."""
+    def sample(cls, model, whole: bool, prompts, layout: GroupLayout, collator, scorer, processor, args: GRPOArgs,
+               stop_ids, seed, device) -> "Rollouts":
+        """Sample this rank's completions of the team's `prompts` (`generate_group` on a `whole` model, else
+        `sample_group`: as many times on every rank, a filler where a rank has fewer pieces), decode them and score
+        them (`RewardScorer`, once)."""
         rollouts, rows, suppressed, scored = cls(), [], media_token_ids(processor), []
-        for (index, indices), real in batches_in_step(layout.pieces(), (0, [0]), device):
+        pieces = [(piece, True) for piece in layout.pieces()] if whole else batches_in_step(layout.pieces(), (0, [0]),
+                                                                                          device)
+        for (index, indices), real in pieces:
             prompt = prompts[index]
-            group = sample_group(model, prompt, collator, args, stop_ids, prompt_seed(seed, prompt), device,
-                                 suppressed, indices, live=real)
+            sample = generate_group if whole else partial(sample_group, live=real)
+            group = sample(model, prompt, collator, args, stop_ids, prompt_seed(seed, prompt), device, suppressed,
+                           indices)
             if not real:
                 continue
             completions = [ids for ids, _ in group]
