@@ -9,7 +9,7 @@ run on GPUs run for real on CPU. On GPUs and in a single process it is plain `Ac
 
 import os
 import zlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
 
@@ -230,13 +230,18 @@ def model_for_sampling(accelerator: Accelerator, model, gather: bool):
     for the while, at a whole model's memory per rank; they come back as TRL 1.16 puts them back). Not whole (FSDP,
     ZeRO-3 without `gather`): the prepared model, whose every forward gathers parameters on every rank."""
     plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        yield (model, False) if accelerator.distributed_type == DistributedType.FSDP else (
-            accelerator.unwrap_model(model), True)
-        return
-    if not gather:
+    if accelerator.distributed_type == DistributedType.FSDP:
         yield model, False
-        return
+    elif plugin is None or plugin.zero_stage != 3:
+        with accelerator.autocast():  # the prepared forward's mixed precision, which unwrapping leaves behind
+            yield accelerator.unwrap_model(model), True
+    else:
+        with _gathered(accelerator, model) if gather else nullcontext((model, False)) as sampling:
+            yield sampling
+
+
+@contextmanager
+def _gathered(accelerator: Accelerator, model):
     import deepspeed
 
     offload = getattr(model.optimizer, "parameter_offload", model.optimizer)
