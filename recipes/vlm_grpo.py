@@ -45,8 +45,6 @@ ARGUMENTS = (ModelArgs, LoraArgs, PromptDataArgs, GRPOArgs, TrainArgs)  # the fl
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
 
-import time
-
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
@@ -66,22 +64,12 @@ from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, optimizer_groups, per_device_batch_size
+from mmrecipes.vlm import grpo
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import evaluate_generation
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.flops import VLMFlops
-from mmrecipes.vlm.grpo import (
-    CLIP_COUNTS,
-    GroupLayout,
-    LossNormaliser,
-    PromptCollator,
-    PromptPreprocessor,
-    Rollouts,
-    check_settings,
-    grpo_metrics,
-    token_losses,
-)
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.lora import add_lora, describe_trainable
 from mmrecipes.vlm.losses import IGNORE_INDEX, token_loss_scale
@@ -93,7 +81,7 @@ from mmrecipes.vlm.rewards import RewardScorer, load_reward_funcs
 
 def main(argv=None):
     model_args, lora_args, data_args, grpo_args, args = parse_args(ARGUMENTS, argv)
-    check_settings(grpo_args, data_args.max_length)
+    grpo.check_settings(grpo_args, data_args.max_length)
     reward_funcs = load_reward_funcs(grpo_args.funcs, grpo_args.format_pattern)  # an unknown name stops here
     # shared: vlm model
     set_seed(args.seed)
@@ -128,7 +116,8 @@ def main(argv=None):
     batch_size = per_device_batch_size(args, data_world)
 
     # A step's completions are whole groups; a group's may sit on several micro-batches and ranks (docs/grpo.md)
-    layout = GroupLayout(grpo_args.num_generations, batch_size, args.gradient_accumulation_steps, data_rank, data_world)
+    layout = grpo.GroupLayout(grpo_args.num_generations, batch_size, args.gradient_accumulation_steps, data_rank,
+                              data_world)
 
     accelerator.print(f"evaluation: {data_args.evaluation}")
     accelerator.print(describe_trainable(model))
@@ -162,14 +151,14 @@ def main(argv=None):
     # The loader reads a team's prompts for a step as one batch, leaving room for the completions
     chat_collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs)
     prompt_data = replace(data_args, max_length=data_args.max_length - grpo_args.max_completion_length)
-    train_loader = build_chat_dataloader(prompt_data, labeller, PromptCollator(chat_collator, layout.member == 0),
+    train_loader = build_chat_dataloader(prompt_data, labeller, grpo.PromptCollator(chat_collator, layout.member == 0),
                                          shuffle_seed=args.seed, batch_size=layout.prompts_per_step,
                                          data_rank=layout.team, data_world=layout.teams,
-                                         preprocessor=PromptPreprocessor)
+                                         preprocessor=grpo.PromptPreprocessor)
     held_out = generation_prompts(data_args, processor, rows=-(-data_args.eval_generation_rows // data_world),
                                   data_rank=data_rank, data_world=data_world) if data_args.eval_dataset_name else []
     scorer = RewardScorer(reward_funcs, grpo_args.weights)
-    normaliser = LossNormaliser(grpo_args)
+    normaliser = grpo.LossNormaliser(grpo_args)
 
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
                                data_layout(data_args, args, data_world=data_world, batch_size=layout.prompts_per_step)
@@ -194,23 +183,20 @@ def main(argv=None):
 
         # Rollouts: this rank's completions sampled and scored, b to a training micro-batch; the groups' statistics
         # from every rank's rewards
-        started = time.perf_counter()
         with model_for_sampling(accelerator, model, grpo_args.ds3_gather_for_generation) as (sampler, whole):
-            rollouts = Rollouts.sample(sampler, whole, window[0]["prompts"], layout, chat_collator, scorer, processor,
-                                       grpo_args, stops, args.seed, accelerator.device)
+            rollouts = grpo.Rollouts.sample(sampler, whole, window[0]["prompts"], layout, chat_collator, scorer,
+                                            processor, grpo_args, stops, args.seed, accelerator.device)
         rewards = scorer.total(rollouts.scores)  # NaN where a reward function failed: no advantage, no statistics
         advantages, zero_std = layout.advantages(rewards, grpo_args.scale_rewards, accelerator.device)
-        generation_seconds = time.perf_counter() - started
 
         # One collective per optimizer step: the normaliser N over every rank's window (tokens or completions)
-        masks = [batch["labels"][:, 1:] != IGNORE_INDEX for batch in rollouts.micro_batches]
+        inputs = [to_device(batch, accelerator.device) for batch in rollouts.micro_batches]
+        masks = [batch["labels"][:, 1:] != IGNORE_INDEX for batch in inputs]
         local_count = torch.tensor(normaliser.count(masks), device=accelerator.device)
         loss_scale = token_loss_scale(sum_over_ranks(local_count), args.gradient_accumulation_steps, data_world)
-        step_sums = dict.fromkeys(["loss", "kl", "tokens_trained", *[f"clip_{name}" for name in CLIP_COUNTS]], 0)
+        step_sums = grpo.LossSums()
         # Before any update: the sampling policy's log-probabilities (--num_iterations > 1 reuses the completions for
         # that many optimizer steps, the last one in the block below) and the reference's (--beta), no graph
-        inputs = [to_device(batch, accelerator.device) for batch in rollouts.micro_batches]
-        masks = [mask.to(accelerator.device) for mask in masks]
         advantages = advantages.to(accelerator.device, torch.float32).split([len(mask) for mask in masks])
         temperature = grpo_args.temperature  # log-probabilities of the distribution the completions came from
         with torch.no_grad():
@@ -221,13 +207,11 @@ def main(argv=None):
             for batch, mask, batch_advantages, old, ref in zip(inputs, masks, advantages, old_logps, reference_logps):
                 with accelerator.accumulate(model):
                     logps = token_logps(model, batch, temperature)
-                    terms = token_losses(logps, logps.detach() if old is None else old, ref, batch_advantages, mask,
-                                         grpo_args)
+                    old = logps.detach() if old is None else old  # one iteration: the ratio is 1, its gradient A
+                    terms = grpo.token_losses(logps, old, ref, batch_advantages, mask, grpo_args)
                     weighted = (terms["loss"] * normaliser.weights(mask)).sum()
                     accelerator.backward(weighted * loss_scale)
-                for name, value in [("loss", weighted), ("kl", terms.get("kl", weighted.new_zeros(()))),
-                                    ("tokens_trained", mask)] + [(f"clip_{name}", terms[name]) for name in CLIP_COUNTS]:
-                    step_sums[name] = step_sums[name] + value.detach().sum().float()
+                step_sums.add(weighted, terms, mask)
             if iteration + 1 < grpo_args.num_iterations:  # an earlier optimizer step on the same completions
                 earlier_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 if guard.should_call_optimizer(step_sums["loss"][None], earlier_norm, step + 1):
@@ -243,17 +227,14 @@ def main(argv=None):
         optimizer.zero_grad()
         filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
-        failures, errors = scorer.take_failures()
-        for name, error in errors.items():
-            accelerator.print(f"reward function {name} failed on rank {accelerator.process_index}: {error}")
+        failures = scorer.take_failures(accelerator.print, accelerator.process_index)  # each error said once
         device = accelerator.device
         report.add_step(guard.applied, **step_sums, normaliser=local_count * grpo_args.num_iterations,
-                        **rollouts.step_sums(rewards, zero_std, failures, reward_funcs, batch_flops, device),
-                        generation_seconds=torch.tensor(generation_seconds, device=device))
+                        **rollouts.step_sums(rewards, zero_std, failures, reward_funcs, batch_flops, device))
 
         if report.due(done):
             sums = report.close()
-            report.log(done, grpo_metrics(sums, reward_funcs, grpo_args.beta) | {
+            report.log(done, grpo.grpo_metrics(sums, reward_funcs, grpo_args.beta) | {
                 "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
                 "generation_share": ratio(sums["generation_seconds"], sums["seconds"] * data_world)}, sums)
         if held_out and report.evaluation_due(done):

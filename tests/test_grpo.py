@@ -128,10 +128,10 @@ def test_a_reward_function_that_raises_or_gives_nan_fails_only_what_it_scored():
     assert torch.isnan(scorer.total(scores)[:2]).all() and scorer.total(scores)[2:].tolist() == [0.5, 1.5]
     scores = scorer(None, ["red"] * 4, None, columns)  # the second call raises: every completion failed
     assert torch.isnan(scores[:, 1]).all()
-    failures, errors = scorer.take_failures()
-    assert failures == {"rewards_for_tests:flaky": 6}
-    assert errors == {"rewards_for_tests:flaky": "RuntimeError: the judge is down"}
-    assert scorer.take_failures() == ({}, {})
+    said = []
+    assert scorer.take_failures(said.append, 1) == {"rewards_for_tests:flaky": 6}
+    assert said == ["reward function rewards_for_tests:flaky failed on rank 1: RuntimeError: the judge is down"]
+    assert scorer.take_failures(said.append) == {} and len(said) == 1
 
 
 def test_the_recipe_samples_scores_and_trains_from_the_embedded_sft_model(tmp_path, capsys):

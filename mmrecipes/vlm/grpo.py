@@ -15,6 +15,7 @@
 """
 
 import json
+import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -220,6 +221,19 @@ def token_losses(logps, old_logps, ref_logps, advantages, mask, args: GRPOArgs) 
     return terms | {"loss": loss * mask, "low": low, "high": high, "region": low | high}
 
 
+class LossSums(dict):
+    """A step's sums for the log line, added micro-batch after micro-batch (detached): the weighted loss, the KL, the
+    trained tokens and the clip flags TRL counts (`CLIP_COUNTS`)."""
+
+    def __init__(self):
+        super().__init__(dict.fromkeys(["loss", "kl", "tokens_trained", *[f"clip_{name}" for name in CLIP_COUNTS]], 0))
+
+    def add(self, weighted: torch.Tensor, terms: dict, mask: torch.Tensor):
+        for name, value in [("loss", weighted), ("kl", terms.get("kl", weighted.new_zeros(()))),
+                            ("tokens_trained", mask)] + [(f"clip_{name}", terms[name]) for name in CLIP_COUNTS]:
+            self[name] = self[name] + value.detach().sum().float()
+
+
 class LossNormaliser:
     """The weight of each token and the step's normaliser N for `loss_type`: the step's gradient is that of
     sum(weight x token loss) / N over every rank's window; `count` is this rank's share of N."""
@@ -251,6 +265,7 @@ class Rollouts:
     scores: torch.Tensor | None = None
     lengths: list = field(default_factory=list)
     truncated: list = field(default_factory=list)
+    seconds: float = 0.0  # sampling and scoring (the step's generation_share)
 
     @classmethod
     def sample(cls, model, whole: bool, prompts, layout: GroupLayout, collator, scorer, processor, args: GRPOArgs,
@@ -258,7 +273,7 @@ class Rollouts:
         """Sample this rank's completions of the team's `prompts` (`generate_group` on a `whole` model, else
         `sample_group`: as many times on every rank, a filler where a rank has fewer pieces), decode them and score
         them (`RewardScorer`, once)."""
-        rollouts, rows, suppressed, scored = cls(), [], media_token_ids(processor), []
+        started, rollouts, rows, suppressed, scored = time.perf_counter(), cls(), [], media_token_ids(processor), []
         pieces = [(piece, True) for piece in layout.pieces()] if whole else batches_in_step(layout.pieces(), (0, [0]),
                                                                                           device)
         for (index, indices), real in pieces:
@@ -279,17 +294,19 @@ class Rollouts:
                                  {"solution": [prompt["solution"] for prompt in prompts_of]})
         rollouts.micro_batches = [collator(rows[start:start + layout.micro_batch])
                                   for start in range(0, len(rows), layout.micro_batch)]
+        rollouts.seconds = time.perf_counter() - started
         return rollouts
 
     def step_sums(self, rewards, zero_std, failures, names, batch_flops, device) -> dict:
         """This rank's sums for the step's log line (summed over ranks and steps by `Report`): the rewards, the
-        completions, and the trained micro-batches' tokens and FLOPs (`batch_flops`: MFU counts training only)."""
+        completions, the seconds they took, and the trained micro-batches' tokens and FLOPs (`batch_flops`: MFU counts
+        training only)."""
         scores, valid = self.scores, ~rewards.isnan()
         sums = {"tokens": sum(batch["num_tokens"] for batch in self.micro_batches),
                 "flops": sum(map(batch_flops, self.micro_batches)),
                 "completions": len(rewards), "scored": valid.sum(), "reward": rewards[valid].sum(),
                 "reward_square": (rewards[valid] ** 2).sum(), "zero_std": zero_std.sum(), "length": sum(self.lengths),
-                "truncated": sum(self.truncated)}
+                "truncated": sum(self.truncated), "generation_seconds": self.seconds}
         for index, name in enumerate(names):
             sums |= {f"reward_{name}": scores[:, index].nan_to_num(0).sum(), f"failed_{name}": failures[name],
                      f"scored_{name}": (~scores[:, index].isnan()).sum()}

@@ -121,8 +121,9 @@ class RewardScorer:
         """The weighted sum per completion; NaN where any function failed."""
         return (scores * self.weights).sum(dim=1)
 
-    def take_failures(self) -> tuple[Counter, dict]:
-        """(failed completions per function, errors not yet said) since the last call, then reset."""
-        taken = self.failures, self.errors
-        self.failures, self.errors = Counter(), {}
+    def take_failures(self, say=print, rank: int = 0) -> Counter:
+        """Failed completions per function since the last call, then reset; each error not yet said goes to `say`."""
+        for name, error in self.errors.items():
+            say(f"reward function {name} failed on rank {rank}: {error}")
+        taken, self.failures, self.errors = self.failures, Counter(), {}
         return taken
