@@ -185,7 +185,7 @@ def main(argv=None):
         # from every rank's rewards
         with model_for_sampling(accelerator, model, grpo_args.ds3_gather_for_generation) as (sampler, whole):
             rollouts = grpo.Rollouts.sample(sampler, whole, window[0]["prompts"], layout, chat_collator, scorer,
-                                            processor, grpo_args, stops, args.seed, accelerator.device)
+                                            processor, grpo_args, stops, args.seed + step, accelerator.device)
         rewards = scorer.total(rollouts.scores)  # NaN where a reward function failed: no advantage, no statistics
         advantages, zero_std = layout.advantages(rewards, grpo_args.scale_rewards, accelerator.device)
 

@@ -14,6 +14,6 @@ def flaky(prompts, completions, completion_ids, **columns):
 
 
 def length_or_nan(prompts, completions, completion_ids, **columns):
-    """The completion's length in tokens, NaN where it is a multiple of 3: deterministic, spread out, and failing
-    some completions, wherever they are scored."""
-    return [math.nan if len(ids) % 3 == 0 else float(len(ids)) for ids in completion_ids]
+    """The completion's length in tokens, NaN where it is 3 or 7: deterministic, spread out, and failing some
+    completions (never all of a group cut at a length of 6 or 8), wherever they are scored."""
+    return [math.nan if len(ids) in (3, 7) else float(len(ids)) for ids in completion_ids]

@@ -1,7 +1,7 @@
 """vlm_grpo.py on 2 CPU processes under every engine gives what one process holding the whole window gives: the same
-completions (each prompt sampled from its own seed), rewards, gradient norms and weights, with text-only and image
-prompts on different ranks, completions of different lengths and gradient accumulation 2; and a resume repeats the
-straight run.
+completions (each prompt sampled from its own seed), rewards, failed-reward counts, gradient norms and weights, with
+text-only and image prompts on different ranks, completions of different lengths, a reward function that fails some
+of them, and gradient accumulation 2; and a resume repeats the straight run.
 
 Scenario data (one parquet shard per data rank, read in order), 2 micro-batches a step on each rank; the single
 process holds the step's completions in one micro-batch and reads the same prompts in the same order. Where a group's
@@ -31,7 +31,9 @@ GRPO_RECIPE = REPO / "recipes" / "vlm_grpo.py"
 STEPS = 4
 COMMON = ["--max_steps", STEPS, "--logging_steps", 1, "--eval_steps", 100, "--max_completion_length", 6,
           "--learning_rate", 1e-3, "--warmup_steps", 0, "--dataset_name", "parquet", "--dataset_weights", "",
-          "--shuffle_buffer_size", 1, "--eval_dataset_name", "", "--ddp_timeout", 60]
+          "--shuffle_buffer_size", 1, "--eval_dataset_name", "", "--ddp_timeout", 60,
+          # a spread in every group, and completions a reward function fails (NaN: no advantage, out of the statistics)
+          "--reward_funcs", "accuracy,rewards_for_tests:length_or_nan", "--reward_weights", "1,0.1"]
 LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout", 0.0]
 
 
@@ -51,6 +53,7 @@ RUNS = {  # engine -> (where completions sit, the feature's flags, the same for 
 }
 SINGLE_DATA = {  # what one process reads to hold each step's prompts in the ranks' order
     "ddp.yaml": "single/interleaved.parquet", "zero2.yaml": "rank*.parquet"}
+FAILED = "rewards/rewards_for_tests:length_or_nan/failed"
 METRIC = r"^step (\d+)/\d+ \|(?:.*\|)? {name} (-?[\d.e+-]+)"
 
 
@@ -110,13 +113,14 @@ def test_two_ranks_sample_score_and_step_as_one_process(runs, config):
     assert ("sampling: generate" in ranks.log) == (config in ("ddp.yaml", "zero2.yaml", "zero3.yaml"))
     assert "sampling: generate, the whole model on every rank" in single.log
     # The same completions (lengths and rewards), the same advantages' effect (gradient norms), every step
-    for name in ("completions/mean_length", "reward", "frac_reward_zero_std", "grad_norm", "loss"):
+    for name in ("completions/mean_length", "reward", "frac_reward_zero_std", "grad_norm", "loss", FAILED):
         got, expected = metric(ranks.log, name), metric(single.log, name)
         assert sorted(got) == list(range(1, STEPS + 1)), (name, ranks.log[-2000:])
         for step in got:
             assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-6), (name, step)
     assert len(set(metric(ranks.log, "completions/mean_length").values())) > 1  # lengths differ from step to step
     assert max(metric(ranks.log, "grad_norm").values()) > 0
+    assert sum(metric(ranks.log, FAILED).values()) > 0  # failed completions, counted alike
     flags = RUNS[config][1]
     if "--use_peft" not in flags:
         expected = LlavaForConditionalGeneration.from_pretrained(single_dir).state_dict()

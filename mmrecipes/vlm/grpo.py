@@ -270,9 +270,9 @@ class Rollouts:
     @classmethod
     def sample(cls, model, whole: bool, prompts, layout: GroupLayout, collator, scorer, processor, args: GRPOArgs,
                stop_ids, seed, device) -> "Rollouts":
-        """Sample this rank's completions of the team's `prompts` (`generate_group` on a `whole` model, else
-        `sample_group`: as many times on every rank, a filler where a rank has fewer pieces), decode them and score
-        them (`RewardScorer`, once)."""
+        """Sample this rank's completions of the team's `prompts`, each group from `prompt_seed(seed, prompt)` (`seed`:
+        the run's + the step), by `generate_group` on a `whole` model, else by `sample_group` (as many times on every
+        rank: a filler where a rank has fewer pieces); decode them and score them (`RewardScorer`, once)."""
         started, rollouts, rows, suppressed, scored = time.perf_counter(), cls(), [], media_token_ids(processor), []
         pieces = [(piece, True) for piece in layout.pieces()] if whole else batches_in_step(layout.pieces(), (0, [0]),
                                                                                           device)

@@ -1,8 +1,9 @@
 """Sampling a prompt's completions for GRPO, alike on any number of ranks.
 
-- Seeds (`prompt_seed`): each completion draws from its own generator, seeded from the run's seed, the prompt's tokens
-  and pixels and its index in the group, so one process and W ranks sample the same completions, and a resume
-  samples what the straight run sampled.
+- Seeds (`prompt_seed`): each completion draws from its own generator, seeded from the run's seed, the step, the
+  prompt's tokens and pixels and its index in the group, so one process and W ranks sample the same completions
+  however the data is split, a resume samples what the straight run sampled, and a prompt met again in a later
+  epoch draws afresh.
 - Where the model is whole on a rank (DDP, ZeRO-1/2, one process, ZeRO-3 with `ds3_gather_for_generation`:
   `mmrecipes.distributed.model_for_sampling`), `generate_group` samples with transformers' `generate` and its KV
   cache; `RowSampler`, its last logits processor, draws each row's token and leaves greedy search only that one.
@@ -28,7 +29,8 @@ from .losses import IGNORE_INDEX
 
 
 def prompt_seed(seed: int, prompt: dict) -> int:
-    """A seed from the run's seed, the prompt's tokens and its pixels: the same prompt samples alike on any rank."""
+    """A seed from `seed` (the run's seed + the step), the prompt's tokens and its pixels: the same prompt samples
+    alike on any rank."""
     digest = zlib.crc32(prompt["input_ids"].numpy().tobytes(), seed & 0xFFFFFFFF)
     for key in sorted(prompt["media_inputs"]):
         value = prompt["media_inputs"][key]
