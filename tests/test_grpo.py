@@ -29,6 +29,7 @@ from mmrecipes.vlm.preference import token_logps
 from mmrecipes.vlm.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
 from mmrecipes.vlm.sampling import chat_rows, generate_group, media_token_ids, prompt_seed, sample_group
 from test_chat_data import chat_row
+from test_vlm_families import FAMILIES
 
 GRPO_RECIPE = REPO / "recipes" / "vlm_grpo.py"
 TINY_SFT_VLM = EMBEDDED / "tiny_sft_vlm"
@@ -191,8 +192,8 @@ def sft_model_and_prompt(rgb=(220, 40, 40)):
         "What colour is the shape?", "red", Image.new("RGB", (32, 32), rgb)))
 
 
-def loaded_prompt(processor, stops, row) -> dict:
-    preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=64)
+def loaded_prompt(processor, stops, row, max_length=64) -> dict:
+    preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=max_length)
     (input_ids, media_inputs, messages, solution), _ = preprocess.example(row)
     return {"input_ids": torch.as_tensor(input_ids), "media_inputs": media_inputs, "messages": json.loads(messages),
             "solution": solution}
@@ -283,6 +284,25 @@ def test_generate_with_a_cache_samples_what_the_synced_loop_samples():
             assert sampled[0] == sampled[1]
             lengths |= {(len(ids), cut) for ids, cut in sampled[0]}
     assert (8, True) in lengths and len(lengths) > 3  # truncated and stopped completions of several lengths
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_samples_alike_by_generate_and_by_the_synced_loop(tiny_vlms, family):
+    """Each tiny family (its processor's image inputs: Qwen's grids and mRoPE, Gemma 3's token types, Idefics' pixel
+    masks, ...): `generate` given the prompt as the processor gave it draws the tokens the synced loop draws, for an
+    image prompt and a text-only one (which the loop gives the dummy image)."""
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms[family])
+    processor = AutoProcessor.from_pretrained(tiny_vlms[family])
+    stops = stop_token_ids(model, processor)
+    step = VLMForTraining(model).eval()
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    args = GRPOArgs(num_generations=3, max_completion_length=5, temperature=2.0)
+    for row in (chat_row("What colour is the shape?", "red", Image.new("RGB", (32, 32), (220, 40, 40))),
+                chat_row("What colour is the sky?", "blue")):
+        prompt = loaded_prompt(processor, stops, row, max_length=2048)
+        sampled = [sample(step, prompt, collator, args, stops, prompt_seed(0, prompt), "cpu",
+                          media_token_ids(processor)) for sample in (sample_group, generate_group)]
+        assert sampled[0] == sampled[1], family
 
 
 @pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("dapo", 0.04), ("dr_grpo", 0.0), ("bnpo", 0.04)])
