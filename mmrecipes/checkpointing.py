@@ -302,7 +302,9 @@ class Checkpointer:
                     raise ValueError(f"epoch {state['epoch']!r} is not an epoch {saved['step']} steps can reach")
                 for position in _positions(state["loader"]):
                     ResumableShuffle.check_position(position, block_size=saved["layout"]["shuffle_buffer_size"],
-                                                    batch_size=saved["layout"]["per_device_train_batch_size"],
+                                                    batch_size=saved["layout"].get(  # rows a loader batch
+                                                        "loader_batch_size",
+                                                        saved["layout"]["per_device_train_batch_size"]),
                                                     max_epoch=max_epoch)
             except (OSError, ValueError, KeyError, TypeError) as error:
                 problems.append(f"{name}: {error}")

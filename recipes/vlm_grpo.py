@@ -161,8 +161,9 @@ def main(argv=None):
     normaliser = grpo.LossNormaliser(grpo_args)
 
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
-                               data_layout(data_args, args, data_world=data_world, batch_size=layout.prompts_per_step)
-                               | {"num_generations": layout.group_size, "prompt_teams": layout.teams})
+                               data_layout(data_args, args, data_world=data_world, batch_size=batch_size)
+                               | {"num_generations": layout.group_size, "prompt_teams": layout.teams,
+                                  "loader_batch_size": layout.prompts_per_step})
     # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).

@@ -136,8 +136,9 @@ def test_a_reward_function_that_raises_or_gives_nan_fails_only_what_it_scored():
 
 
 def test_the_recipe_samples_scores_and_trains_from_the_embedded_sft_model(tmp_path, capsys):
-    """Two steps of 2 prompts x 4 completions, with a reward function that fails: counted in the log, not a crash."""
-    load_recipe(GRPO_RECIPE).main(["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2",
+    """Two steps of 1 prompt x 8 completions, with a reward function that fails: counted in the log, not a crash;
+    its checkpoint refuses a resume with other groups."""
+    load_recipe(GRPO_RECIPE).main(["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2", "--save_steps", "1",
                                    "--per_device_train_batch_size", "8", "--reward_funcs",
                                    "accuracy,rewards_for_tests:flaky", "--eval_generation_rows", "4",
                                    "--report_to", "none", "--output_dir", str(tmp_path)])
@@ -146,6 +147,12 @@ def test_the_recipe_samples_scores_and_trains_from_the_embedded_sft_model(tmp_pa
     assert "reward function rewards_for_tests:flaky failed on rank 0: RuntimeError: the judge is down" in log
     assert "eval step 2 | generated_accuracy" in log
     assert type(AutoModelForImageTextToText.from_pretrained(tmp_path)).__name__ == "LlavaForConditionalGeneration"
+    # Its checkpoint resumes only with the same groups: other groups would read other prompts a step
+    with pytest.raises(ValueError, match="saved with num_generations=8, loader_batch_size=1; this run has "
+                                         "num_generations=4, loader_batch_size=2"):
+        load_recipe(GRPO_RECIPE).main(["--max_steps", "3", "--per_device_train_batch_size", "8", "--num_generations",
+                                       "4", "--report_to", "none", "--output_dir", str(tmp_path / "resumed"),
+                                       "--resume_from_checkpoint", str(tmp_path / "checkpoints" / "checkpoint-1")])
 
 
 @pytest.mark.parametrize("flags, message", [
