@@ -53,7 +53,7 @@ def main():
         for sample in (sample_group, generate_group):
             started = time.perf_counter()
             sampled.append(sample(step, prompt, chat_collator, args, [], prompt_seed(0, prompt), "cpu",
-                                  media_token_ids(processor)))
+                                  media_token_ids(model.config, processor)))
             seconds.append(time.perf_counter() - started)
         if sampled[0] != sampled[1]:
             raise SystemExit(f"{length} tokens: the two samplers drew different completions")

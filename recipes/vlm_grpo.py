@@ -77,6 +77,7 @@ from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, 
 from mmrecipes.vlm.module_groups import module_groups
 from mmrecipes.vlm.preference import Reference, frozen_reference, token_logps
 from mmrecipes.vlm.rewards import RewardScorer, load_reward_funcs
+from mmrecipes.vlm.sampling import media_token_ids
 
 
 def main(argv=None):
@@ -88,6 +89,7 @@ def main(argv=None):
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     model, processor = load_vlm(model_args)
     stops = stop_token_ids(model, processor)
+    never_sampled = media_token_ids(model.config, processor)  # image and video placeholders
 
     labeller = AnswerLabeller(processor, stops)  # the prompts go through its processor and template
     # shared: vlm parts
@@ -186,7 +188,8 @@ def main(argv=None):
         # from every rank's rewards
         with model_for_sampling(accelerator, model, grpo_args.ds3_gather_for_generation) as (sampler, whole):
             rollouts = grpo.Rollouts.sample(sampler, whole, window[0]["prompts"], layout, chat_collator, scorer,
-                                            processor, grpo_args, stops, args.seed + step, accelerator.device)
+                                            processor, grpo_args, stops, never_sampled, args.seed + step,
+                                            accelerator.device)
         rewards = scorer.total(rollouts.scores)  # NaN where a reward function failed: no advantage, no statistics
         advantages, zero_std = layout.advantages(rewards, grpo_args.scale_rewards, accelerator.device)
 

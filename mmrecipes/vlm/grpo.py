@@ -37,7 +37,7 @@ from .chat_data import (
     row_images,
     to_chat,
 )
-from .sampling import chat_rows, generate_group, media_token_ids, prompt_seed, sample_group
+from .sampling import chat_rows, generate_group, prompt_seed, sample_group
 
 PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution"]
 CLIP_COUNTS = ("low", "high", "region")  # TRL's clip_ratio/low_mean, high_mean, region_mean
@@ -269,11 +269,12 @@ class Rollouts:
 
     @classmethod
     def sample(cls, model, whole: bool, prompts, layout: GroupLayout, collator, scorer, processor, args: GRPOArgs,
-               stop_ids, seed, device) -> "Rollouts":
+               stop_ids, suppressed, seed, device) -> "Rollouts":
         """Sample this rank's completions of the team's `prompts`, each group from `prompt_seed(seed, prompt)` (`seed`:
         the run's + the step), by `generate_group` on a `whole` model, else by `sample_group` (as many times on every
-        rank: a filler where a rank has fewer pieces); decode them and score them (`RewardScorer`, once)."""
-        started, rollouts, rows, suppressed, scored = time.perf_counter(), cls(), [], media_token_ids(processor), []
+        rank: a filler where a rank has fewer pieces), never drawing a `suppressed` token (`media_token_ids`); decode
+        them and score them (`RewardScorer`, once)."""
+        started, rollouts, rows, scored = time.perf_counter(), cls(), [], []
         pieces = [(piece, True) for piece in layout.pieces()] if whole else batches_in_step(layout.pieces(), (0, [0]),
                                                                                           device)
         for (index, indices), real in pieces:

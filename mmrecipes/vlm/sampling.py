@@ -52,11 +52,16 @@ def chat_rows(prompt: dict, completions: list[list[int]], labelled: list[bool]) 
     return rows
 
 
-def media_token_ids(processor) -> list[int]:
+def media_token_ids(config, processor) -> list[int]:
     """The image and video placeholder tokens: never sampled (the next forward would find one more placeholder
-    than images, "Image features and image tokens do not match")."""
-    tokens = [getattr(processor, name, None) for name in ("image_token", "video_token")]
-    return [processor.tokenizer.convert_tokens_to_ids(token) for token in tokens if token is not None]
+    than images, "Image features and image tokens do not match"). The model's config names the ones its forward
+    counts (Gemma 3's processor calls `<start_of_image>` its image token; the placeholder is `<image_soft_token>`);
+    the processor's are added (InternVL's config names no video token)."""
+    ids = {getattr(config, name, None) for name in ("image_token_id", "image_token_index", "video_token_id",
+                                                    "video_token_index")}
+    ids |= {processor.tokenizer.convert_tokens_to_ids(getattr(processor, name))
+            for name in ("image_token", "video_token") if getattr(processor, name, None) is not None}
+    return sorted(token for token in ids if isinstance(token, int) and token >= 0)
 
 
 @torch.no_grad()
