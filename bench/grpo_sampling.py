@@ -20,11 +20,11 @@ import torch
 from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs, VLMModelArgs
 from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.families import dummy_image_inputs, placeholder_token_ids
 from mmrecipes.vlm.grpo import PromptCollator, PromptPreprocessor
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.models import VLMForTraining, load_vlm, stop_token_ids
-from mmrecipes.vlm.sampling import generate_group, media_token_ids, prompt_seed, sample_group
+from mmrecipes.vlm.sampling import generate_group, prompt_seed, sample_group
 
 RESULTS = Path(__file__).resolve().parent / "results" / "grpo_sampling.jsonl"
 
@@ -53,7 +53,7 @@ def main():
         for sample in (sample_group, generate_group):
             started = time.perf_counter()
             sampled.append(sample(step, prompt, chat_collator, args, [], prompt_seed(0, prompt), "cpu",
-                                  media_token_ids(model.config, processor)))
+                                  placeholder_token_ids(model, processor)))
             seconds.append(time.perf_counter() - started)
         if sampled[0] != sampled[1]:
             raise SystemExit(f"{length} tokens: the two samplers drew different completions")

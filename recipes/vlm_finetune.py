@@ -70,7 +70,7 @@ from mmrecipes.training import (
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
 from mmrecipes.vlm.collate import ChatCollator, check_packing
 from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
-from mmrecipes.vlm.families import dummy_image_inputs, video_path
+from mmrecipes.vlm.families import dummy_image_inputs, placeholder_token_ids, video_path
 from mmrecipes.vlm.flops import VLMFlops
 from mmrecipes.vlm.labels import AnswerLabeller, check_template
 from mmrecipes.vlm.lora import add_lora, describe_trainable
@@ -92,6 +92,7 @@ def main(argv=None):
     labeller = AnswerLabeller(processor, stops, videos=video_path(model, processor),  # None: video rows counted
                               template=model_args.training_template())
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
+    placeholders = placeholder_token_ids(model, processor)  # image and video: never decoded in evaluation
     # shared: vlm parts
     dummy_inputs = dummy_image_inputs(model, processor)
     groups = module_groups(model, dummy_inputs)  # one dummy backward: vision tower, projector, language model
@@ -220,7 +221,7 @@ def main(argv=None):
             with report.evaluating(done) as scores:
                 scores |= evaluate_answers(model, eval_loader, filler_batch, accelerator.device)
                 scores |= evaluate_generation(model, prompts, filler_batch, eval_collator, processor.tokenizer, stops,
-                                              accelerator.device)
+                                              accelerator.device, placeholders)
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 

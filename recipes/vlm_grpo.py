@@ -68,7 +68,7 @@ from mmrecipes.vlm import grpo
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import evaluate_generation
-from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.families import dummy_image_inputs, placeholder_token_ids
 from mmrecipes.vlm.flops import VLMFlops
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.lora import add_lora, describe_trainable
@@ -77,7 +77,6 @@ from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, 
 from mmrecipes.vlm.module_groups import module_groups
 from mmrecipes.vlm.preference import Reference, frozen_reference, token_logps
 from mmrecipes.vlm.rewards import RewardScorer, load_reward_funcs
-from mmrecipes.vlm.sampling import media_token_ids
 
 
 def main(argv=None):
@@ -89,8 +88,8 @@ def main(argv=None):
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     model, processor = load_vlm(model_args)
     stops = stop_token_ids(model, processor)
-    never_sampled = media_token_ids(model.config, processor)  # image and video placeholders
 
+    placeholders = placeholder_token_ids(model, processor)  # image and video: never sampled nor decoded
     labeller = AnswerLabeller(processor, stops)  # the prompts go through its processor and template
     # shared: vlm parts
     dummy_inputs = dummy_image_inputs(model, processor)
@@ -188,7 +187,7 @@ def main(argv=None):
         # from every rank's rewards
         with model_for_sampling(accelerator, model, grpo_args.ds3_gather_for_generation) as (sampler, whole):
             rollouts = grpo.Rollouts.sample(sampler, whole, window[0]["prompts"], layout, chat_collator, scorer,
-                                            processor, grpo_args, stops, never_sampled, args.seed + step,
+                                            processor, grpo_args, stops, placeholders, args.seed + step,
                                             accelerator.device)
         rewards = scorer.total(rollouts.scores)  # NaN where a reward function failed: no advantage, no statistics
         advantages, zero_std = layout.advantages(rewards, grpo_args.scale_rewards, accelerator.device)
@@ -244,7 +243,7 @@ def main(argv=None):
         if held_out and report.evaluation_due(done):
             with report.evaluating(done) as evaluation:
                 evaluation |= evaluate_generation(model, held_out, filler_batch["chat"], chat_collator,
-                                                  processor.tokenizer, stops, accelerator.device)
+                                                  processor.tokenizer, stops, accelerator.device, placeholders)
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 

@@ -20,14 +20,14 @@ from mmrecipes.paths import EMBEDDED
 from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import greedy_tokens
-from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.families import dummy_image_inputs, placeholder_token_ids
 from mmrecipes.vlm.grpo import GroupLayout, LossNormaliser, PromptPreprocessor, Rollouts, group_advantages, token_losses
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.losses import IGNORE_INDEX
 from mmrecipes.vlm.models import VLMForTraining, stop_token_ids
 from mmrecipes.vlm.preference import token_logps
 from mmrecipes.vlm.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
-from mmrecipes.vlm.sampling import chat_rows, generate_group, media_token_ids, prompt_seed, sample_group
+from mmrecipes.vlm.sampling import chat_rows, generate_group, prompt_seed, sample_group
 from test_chat_data import chat_row
 from test_vlm_families import FAMILIES
 
@@ -221,7 +221,7 @@ def _rollouts(rank, world, micro_batch, accumulation, whole):
     step.register_forward_hook(lambda *_: forwards.append(1))
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
     rollouts = Rollouts.sample(step, whole, prompts, layout, collator, scorer, processor, args, stops,
-                               media_token_ids(model.config, processor), 0, torch.device("cpu"))
+                               placeholder_token_ids(model, processor), 0, torch.device("cpu"))
     advantages, zero_std = layout.advantages(scorer.total(rollouts.scores), "group", torch.device("cpu"))
     return ([[ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
              for batch in rollouts.micro_batches], advantages, zero_std,
@@ -259,7 +259,7 @@ def _sample_on_ranks(rank, world):
     args = GRPOArgs(num_generations=4, max_completion_length=10, temperature=0.05 if rank == 0 else 50.0)
     group = sample_group(step, prompt, ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(
         model, processor)), args, stops, prompt_seed(0, prompt), torch.device("cpu"),
-                         suppressed=media_token_ids(model.config, processor))
+                         suppressed=placeholder_token_ids(model, processor))
     return group, len(forwards)
 
 
@@ -287,7 +287,7 @@ def test_generate_with_a_cache_samples_what_the_synced_loop_samples():
         args = GRPOArgs(num_generations=6, max_completion_length=8, temperature=temperature, top_p=0.95)
         for prompt in prompts:
             sampled = [sample(step, prompt, collator, args, stops, prompt_seed(0, prompt), "cpu",
-                              media_token_ids(model.config, processor), [1, 3, 4, 5])
+                              placeholder_token_ids(model, processor), [1, 3, 4, 5])
                        for sample in (sample_group, generate_group)]
             assert sampled[0] == sampled[1]
             lengths |= {(len(ids), cut) for ids, cut in sampled[0]}
@@ -298,8 +298,8 @@ def test_generate_with_a_cache_samples_what_the_synced_loop_samples():
 def test_every_family_samples_alike_by_generate_and_by_the_synced_loop(tiny_vlms, family):
     """Each tiny family (its processor's image inputs: Qwen's grids and mRoPE, Gemma 3's token types, Idefics' pixel
     masks, ...): `generate` given the prompt as the processor gave it draws the tokens the synced loop draws, for an
-    image prompt and a text-only one (which the loop gives the dummy image); neither ever draws an image or video
-    placeholder, even where they are the likeliest tokens."""
+    image prompt and a text-only one (which the loop gives the dummy image); neither, nor evaluation's greedy
+    decoding, ever draws an image or video placeholder, even where they are the likeliest tokens."""
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlms[family])
     processor = AutoProcessor.from_pretrained(tiny_vlms[family])
     stops = stop_token_ids(model, processor)
@@ -311,10 +311,10 @@ def test_every_family_samples_alike_by_generate_and_by_the_synced_loop(tiny_vlms
         chat_row("What colour is the sky?", "blue"))]
     for prompt in (image_prompt, text_prompt):
         sampled = [sample(step, prompt, collator, args, stops, prompt_seed(0, prompt), "cpu",
-                          media_token_ids(model.config, processor)) for sample in (sample_group, generate_group)]
+                          placeholder_token_ids(model, processor)) for sample in (sample_group, generate_group)]
         assert sampled[0] == sampled[1], family
     # The placeholders made the likeliest tokens: never sampled, so no forward finds more of them than images
-    media = media_token_ids(model.config, processor)
+    media = placeholder_token_ids(model, processor)
     head = model.get_output_embeddings()
     bias = torch.zeros(head.weight.shape[0])
     bias[media] = 50.0
@@ -322,6 +322,9 @@ def test_every_family_samples_alike_by_generate_and_by_the_synced_loop(tiny_vlms
     for sample in (sample_group, generate_group):
         group = sample(step, image_prompt, collator, args, stops, 0, "cpu", media)
         assert not {token for ids, _ in group for token in ids} & set(media), family
+    # nor decoded by evaluation's greedy decoding
+    greedy = greedy_tokens(step, to_device(collator(chat_rows(image_prompt, [[]], [False])), "cpu"), 4, media)
+    assert not set(greedy) & set(media), family
     if family == "gemma3":  # its processor's `image_token` is <start_of_image>: suppressing only that one fails
         with pytest.raises(ValueError, match="Image features and image tokens do not match"):
             sample_group(step, image_prompt, collator, args, stops, 0, "cpu",
@@ -402,7 +405,7 @@ def test_top_p_keeps_the_smallest_set_of_likeliest_tokens():
     def group(**sampling):
         args = GRPOArgs(num_generations=8, max_completion_length=6, **sampling)
         return [ids for ids, _ in sample_group(step, prompt, collator, args, stops, 0, "cpu",
-                                               suppressed=media_token_ids(model.config, processor))]
+                                               suppressed=placeholder_token_ids(model, processor))]
 
     assert group(top_p=1e-6, temperature=3.0) == [greedy] * 8
     assert len({tuple(ids) for ids in group(top_p=1.0, temperature=3.0)}) > 1

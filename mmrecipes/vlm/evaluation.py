@@ -35,7 +35,8 @@ def evaluate_answers(model, eval_loader, filler_batch, device) -> dict:
 
 
 @torch.no_grad()
-def evaluate_generation(model, prompts, filler, collator, tokenizer, stop_token_ids, device) -> dict:
+def evaluate_generation(model, prompts, filler, collator, tokenizer, stop_token_ids, device,
+                        placeholders=()) -> dict:
     """Greedy generation, exact match: the share of `prompts` ((prompt row, answer) pairs from
     `chat_data.generation_prompts`: the processor's own generation prompt) whose generated text, up to the first
     stop token and without special tokens, is the answer. It reads no label, so it catches labels that
@@ -43,7 +44,8 @@ def evaluate_generation(model, prompts, filler, collator, tokenizer, stop_token_
 
     Decoded one row at a time with whole-sequence forwards of the prepared model and no cache, for the same
     number of tokens on every rank (the longest answer anywhere, plus its stop token), so the collectives of
-    FSDP2 and ZeRO-3 stay in step; a rank with no prompt left decodes `filler` (a batch) and discards it.
+    FSDP2 and ZeRO-3 stay in step; a rank with no prompt left decodes `filler` (a batch) and discards it. Never
+    emits one of the `placeholders` (`families.placeholder_token_ids`).
     """
     model.eval()
     longest = max((len(tokenizer(answer, add_special_tokens=False)["input_ids"]) for _, answer in prompts), default=0)
@@ -54,7 +56,7 @@ def evaluate_generation(model, prompts, filler, collator, tokenizer, stop_token_
     # A packed filler decodes unpacked: its outputs are discarded, and appending would break its segments.
     filler = {key: value for key, value in filler.items() if key not in ("sample_lengths", "media_per_sample")}
     for (batch, answer), real in batches_in_step(batches, (filler, None), device):
-        generated = greedy_tokens(model, to_device(batch, device), new_tokens)
+        generated = greedy_tokens(model, to_device(batch, device), new_tokens, placeholders)
         if real:
             ended = next((i for i, token in enumerate(generated) if token in stops), len(generated))
             text = tokenizer.decode(generated[:ended], skip_special_tokens=True).strip()
@@ -64,13 +66,16 @@ def evaluate_generation(model, prompts, filler, collator, tokenizer, stop_token_
     return {"generated_accuracy": correct / count, "eval_generated": int(count)} if count else {}
 
 
-def greedy_tokens(model, inputs: dict, new_tokens: int) -> list[int]:
+def greedy_tokens(model, inputs: dict, new_tokens: int, placeholders=()) -> list[int]:
     """The `new_tokens` tokens greedy decoding appends to a one-row batch (`VLMForTraining` inputs), stop tokens
-    included: what `generate(do_sample=False)` gives, by whole-sequence forwards without a cache."""
+    included: what `generate(do_sample=False)` gives, by whole-sequence forwards without a cache, never one of the
+    `placeholders` (`families.placeholder_token_ids`: appended, one would not match the images)."""
     generated = []
     for _ in range(new_tokens):
         _, logits = model(**inputs, return_logits=True)
-        token = logits[:, -1].argmax(-1)
+        last = logits[:, -1].index_fill(-1, torch.tensor(list(placeholders), dtype=torch.long, device=logits.device),
+                                        -torch.inf)
+        token = last.argmax(-1)
         generated.append(int(token[0]))
         inputs = with_token_appended(inputs, token)
     return generated

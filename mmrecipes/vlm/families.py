@@ -10,7 +10,8 @@ From those, the configs and the module tree this module derives:
   `get_image_features`' signature (Qwen needs `image_grid_thw`, Idefics3 a 5-D `pixel_values`);
 - `lm_features`: the tensors of that call the language model consumes (the projected features,
   and Qwen3-VL's deepstack features);
-- `PROJECTORS`: the projector's modules where the widths cannot tell (`module_groups` reads it).
+- `PROJECTORS`: the projector's modules where the widths cannot tell (`module_groups` reads it);
+- `placeholder_token_ids`: the image and video placeholders the forward counts, which decoding never emits.
 """
 
 import inspect
@@ -206,3 +207,16 @@ def height_width(size) -> tuple[int, int]:
     if isinstance(size, (list, tuple)):
         return (int(size[0]), int(size[-1]))
     return (int(size), int(size))
+
+
+def placeholder_token_ids(model, processor) -> list[int]:
+    """The image and video placeholder tokens, which decoding never emits (a sampled or greedy one, appended, makes
+    the next forward find one more placeholder than images: "Image features and image tokens do not match"). The
+    model's config names the ones its forward counts (Gemma 3's processor calls `<start_of_image>` its image token;
+    the placeholder is `<image_soft_token>`); the processor's are added (InternVL's config names no video token)."""
+    config = model.config
+    ids = {getattr(config, name, None) for name in ("image_token_id", "image_token_index", "video_token_id",
+                                                    "video_token_index")}
+    ids |= {processor.tokenizer.convert_tokens_to_ids(getattr(processor, name))
+            for name in ("image_token", "video_token") if getattr(processor, name, None) is not None}
+    return sorted(token for token in ids if isinstance(token, int) and token >= 0)

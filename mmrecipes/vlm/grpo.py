@@ -272,8 +272,8 @@ class Rollouts:
                stop_ids, suppressed, seed, device) -> "Rollouts":
         """Sample this rank's completions of the team's `prompts`, each group from `prompt_seed(seed, prompt)` (`seed`:
         the run's + the step), by `generate_group` on a `whole` model, else by `sample_group` (as many times on every
-        rank: a filler where a rank has fewer pieces), never drawing a `suppressed` token (`media_token_ids`); decode
-        them and score them (`RewardScorer`, once)."""
+        rank: a filler where a rank has fewer pieces), never drawing a `suppressed` token (`placeholder_token_ids`);
+        decode them and score them (`RewardScorer`, once)."""
         started, rollouts, rows, scored = time.perf_counter(), cls(), [], []
         pieces = [(piece, True) for piece in layout.pieces()] if whole else batches_in_step(layout.pieces(), (0, [0]),
                                                                                           device)

@@ -52,24 +52,12 @@ def chat_rows(prompt: dict, completions: list[list[int]], labelled: list[bool]) 
     return rows
 
 
-def media_token_ids(config, processor) -> list[int]:
-    """The image and video placeholder tokens: never sampled (the next forward would find one more placeholder
-    than images, "Image features and image tokens do not match"). The model's config names the ones its forward
-    counts (Gemma 3's processor calls `<start_of_image>` its image token; the placeholder is `<image_soft_token>`);
-    the processor's are added (InternVL's config names no video token)."""
-    ids = {getattr(config, name, None) for name in ("image_token_id", "image_token_index", "video_token_id",
-                                                    "video_token_index")}
-    ids |= {processor.tokenizer.convert_tokens_to_ids(getattr(processor, name))
-            for name in ("image_token", "video_token") if getattr(processor, name, None) is not None}
-    return sorted(token for token in ids if isinstance(token, int) and token >= 0)
-
-
 @torch.no_grad()
 def sample_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed: int, device, suppressed=(),
                  indices=None, live=True):
     """[(completion token ids, truncated)] of the completions `indices` (default: all --num_generations) of
     `prompt`'s group, each from its own generator (`seed` + its index), sampled at --temperature within --top_p
-    (never a `suppressed` token: `media_token_ids`), each up to its first stop token (included) or
+    (never a `suppressed` token: `placeholder_token_ids`), each up to its first stop token (included) or
     --max_completion_length tokens (truncated), with forwards until every rank's completions have stopped (`live`
     False: a filler whose completions count as stopped, forwarded only while another rank samples)."""
     indices = range(args.num_generations) if indices is None else indices
