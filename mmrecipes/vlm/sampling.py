@@ -117,7 +117,7 @@ class RowSampler(LogitsProcessor):
         tokens = [_sampled(row, generator, self.args.temperature, self.args.top_p)
                   for row, generator in zip(logits, self.generators)]
         chosen = torch.full_like(scores, -torch.inf)
-        chosen[torch.arange(len(tokens)), torch.tensor(tokens)] = 0.0
+        chosen[torch.arange(len(tokens), device=scores.device), torch.tensor(tokens, device=scores.device)] = 0.0
         return chosen
 
 
