@@ -62,16 +62,13 @@ def sample_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed: 
     False: a filler whose completions count as stopped, forwarded only while another rank samples)."""
     indices = range(args.num_generations) if indices is None else indices
     inputs = to_device(collator(chat_rows(prompt, [[]] * len(indices), [False] * len(indices))), device)
-    generators = [torch.Generator().manual_seed(seed + index) for index in indices]
+    sampler = RowSampler(indices, seed, args, suppressed)
     completions, stopped = [[] for _ in indices], [not live] * len(indices)
     for _ in range(args.max_completion_length):
         if not max_over_ranks(torch.tensor(float(not all(stopped)), device=device)).item():
             break  # every rank's completions have stopped
         _, logits = model(**inputs, return_logits=True)
-        last = logits[:, -1].float().cpu()
-        last[:, list(suppressed)] = -torch.inf
-        tokens = torch.tensor([_sampled(row, generator, args.temperature, args.top_p)
-                               for row, generator in zip(last, generators)])
+        tokens = torch.tensor(sampler.draw(logits[:, -1]))
         for index, token in enumerate(tokens.tolist()):
             if not stopped[index]:
                 completions[index].append(token)
@@ -94,7 +91,7 @@ def generate_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed
     inputs = {name: value for name, value in batch.items() if name in model.forward_input_names - dummies - {"labels"}}
     config = GenerationConfig(max_new_tokens=args.max_completion_length, do_sample=False, eos_token_id=list(stop_ids),
                               pad_token_id=collator.pad_token_id)
-    sampler = RowSampler([torch.Generator().manual_seed(seed + index) for index in indices], args, suppressed)
+    sampler = RowSampler(indices, seed, args, suppressed)
     generated = model.model.generate(**inputs, generation_config=config, synced_gpus=False,
                                      logits_processor=LogitsProcessorList([sampler]))
     completions = []
@@ -105,17 +102,22 @@ def generate_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed
 
 
 class RowSampler(LogitsProcessor):
-    """`generate`'s last logits processor: each row's next token sampled as `sample_group` samples it (its own
-    generator, --temperature, --top_p, never a `suppressed` token), every other token's score -inf."""
+    """Each row's next token (`draw`), the row of completion `indices[i]` from its own generator (`seed` + that
+    index), at --temperature within --top_p, never a `suppressed` token. Both samplers draw with it; as `generate`'s
+    last logits processor it leaves only the drawn token a finite score, for greedy search to take."""
 
-    def __init__(self, generators, args: GRPOArgs, suppressed=()):
-        self.generators, self.args, self.suppressed = generators, args, list(suppressed)
+    def __init__(self, indices, seed: int, args: GRPOArgs, suppressed=()):
+        self.generators = [torch.Generator().manual_seed(seed + index) for index in indices]
+        self.args, self.suppressed = args, list(suppressed)
 
-    def __call__(self, input_ids, scores):
+    def draw(self, scores: torch.Tensor) -> list[int]:
         logits = scores.float().cpu()
         logits[:, self.suppressed] = -torch.inf
-        tokens = [_sampled(row, generator, self.args.temperature, self.args.top_p)
-                  for row, generator in zip(logits, self.generators)]
+        return [_sampled(row, generator, self.args.temperature, self.args.top_p)
+                for row, generator in zip(logits, self.generators)]
+
+    def __call__(self, input_ids, scores):
+        tokens = self.draw(scores)
         chosen = torch.full_like(scores, -torch.inf)
         chosen[torch.arange(len(tokens), device=scores.device), torch.tensor(tokens, device=scores.device)] = 0.0
         return chosen
