@@ -209,10 +209,14 @@ def batches_in_step(batches, filler, device):
         yield (filler, False) if batch is None else (batch, True)
 
 
+def _zero3(accelerator: Accelerator) -> bool:
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin is not None and plugin.zero_stage == 3
+
+
 def generation_line(accelerator: Accelerator, gather: bool) -> str:
     """How `model_for_sampling` samples, for the log."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None and plugin.zero_stage == 3:
+    if _zero3(accelerator):
         return ("sampling: generate, the whole model gathered on every rank once a step (--ds3_gather_for_generation)"
                 if gather else "sampling: each layer gathered in each forward, every rank forwarding until all are "
                                "done (--ds3_gather_for_generation true: the whole model, once a step, and generate)")
@@ -229,10 +233,9 @@ def model_for_sampling(accelerator: Accelerator, model, gather: bool):
     `ds3_gather_for_generation`: every parameter gathered on every rank once, the engine's fetch and release hooks off
     for the while, at a whole model's memory per rank; they come back as TRL 1.16 puts them back). Not whole (FSDP,
     ZeRO-3 without `gather`): the prepared model, whose every forward gathers parameters on every rank."""
-    plugin = accelerator.state.deepspeed_plugin
     if accelerator.distributed_type == DistributedType.FSDP:
         yield model, False
-    elif plugin is None or plugin.zero_stage != 3:
+    elif not _zero3(accelerator):
         with accelerator.autocast():  # the prepared forward's mixed precision, which unwrapping leaves behind
             yield accelerator.unwrap_model(model), True
     else:
