@@ -70,12 +70,10 @@ def greedy_tokens(model, inputs: dict, new_tokens: int, placeholders=()) -> list
     """The `new_tokens` tokens greedy decoding appends to a one-row batch (`VLMForTraining` inputs), stop tokens
     included: what `generate(do_sample=False)` gives, by whole-sequence forwards without a cache, never one of the
     `placeholders` (`families.placeholder_token_ids`: appended, one would not match the images)."""
-    generated = []
+    generated, never = [], torch.tensor(list(placeholders), dtype=torch.long, device=inputs["input_ids"].device)
     for _ in range(new_tokens):
         _, logits = model(**inputs, return_logits=True)
-        last = logits[:, -1].index_fill(-1, torch.tensor(list(placeholders), dtype=torch.long, device=logits.device),
-                                        -torch.inf)
-        token = last.argmax(-1)
+        token = logits[:, -1].index_fill(-1, never, -torch.inf).argmax(-1)
         generated.append(int(token[0]))
         inputs = with_token_appended(inputs, token)
     return generated
