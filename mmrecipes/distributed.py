@@ -221,7 +221,8 @@ def generation_line(accelerator: Accelerator, gather: bool) -> str:
                 if gather else "sampling: each layer gathered in each forward, every rank forwarding until all are "
                                "done (--ds3_gather_for_generation true: the whole model, once a step, and generate)")
     if accelerator.distributed_type == DistributedType.FSDP:
-        return "sampling: each block gathered in each forward, every rank forwarding until all are done"
+        return "sampling: each block gathered in each forward, every rank forwarding until all are done" + (
+            " (--ds3_gather_for_generation does nothing under FSDP2: it gathers for ZeRO-3 only)" if gather else "")
     return "sampling: generate, the whole model on every rank" + (
         " (--ds3_gather_for_generation does nothing without ZeRO-3)" if gather else "")
 

@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 PROBLEM = "__problem__"  # a column: None, or why the row could not be read
 DATA_FILE = "__data_file__"  # a column: the file a row was read from (None for `datasets`' own readers)
 SOURCE = "__source__"  # a column of a mixed stream: the index of the source the row came from
+# A column a reader may be asked for: the row's columns it was not asked for, as JSON (those that are not JSON, such
+# as image bytes, left out): what GRPO's reward functions get as keywords, as TRL passes every column
+OTHER_COLUMNS = "__other_columns__"
 _WARNED_SHARDS = set()  # (source, shards) already said not to divide the data ranks
 _BAD_TEXT = re.compile("[\udc80-\udcff]")  # what undecodable bytes become under surrogateescape
 
@@ -201,8 +204,8 @@ def read_files(files: list[str], reader: str, columns: list[str]):
             for row in READERS[reader](file):
                 rows += 1
                 problem = row.get(PROBLEM) or ("bad_text" if _has_bad_text(row) else None)
-                yield ({column: None if problem else row.get(column) for column in columns}
-                       | {PROBLEM: problem, DATA_FILE: file})
+                yield (dict.fromkeys(columns) if problem else _selected(row, columns)) | {PROBLEM: problem,
+                                                                                          DATA_FILE: file}
         except Exception as error:  # whatever a damaged file raises (pyarrow, tarfile, json, fsspec)
             logger.warning("skipping the rest of %s after %d rows: %s: %s", file, rows, type(error).__name__, error)
             damaged = True
@@ -324,7 +327,24 @@ def _tagged(row: dict, index: int) -> dict:
 
 
 def _only(row: dict, columns: list[str]) -> dict:
-    return {column: row.get(column) for column in columns} | {PROBLEM: None, DATA_FILE: None}
+    return _selected(row, columns) | {PROBLEM: None, DATA_FILE: None}
+
+
+def _selected(row: dict, columns) -> dict:
+    """`columns` of `row` (None where absent), `OTHER_COLUMNS` as the rest of it in JSON where asked for."""
+    selected = {column: row.get(column) for column in columns}
+    if OTHER_COLUMNS in columns:
+        selected[OTHER_COLUMNS] = json.dumps({key: value for key, value in row.items()
+                                              if key not in columns and not key.startswith("__") and _is_json(value)})
+    return selected
+
+
+def _is_json(value) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _first_row(reader: str, file: str):

@@ -158,7 +158,7 @@ def main(argv=None):
                                          preprocessor=grpo.PromptPreprocessor)
     held_out = generation_prompts(data_args, processor, rows=-(-data_args.eval_generation_rows // data_world),
                                   data_rank=data_rank, data_world=data_world) if data_args.eval_dataset_name else []
-    scorer = RewardScorer(reward_funcs, grpo_args.weights)
+    scorer = RewardScorer(reward_funcs, grpo_args.weights, grpo_args.reward_timeout)
     normaliser = grpo.LossNormaliser(grpo_args)
 
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
@@ -240,6 +240,7 @@ def main(argv=None):
             report.log(done, grpo.grpo_metrics(sums, reward_funcs, grpo_args.beta) | {
                 "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
                 "generation_share": ratio(sums["generation_seconds"], sums["seconds"] * data_world)}, sums)
+            scorer.check_window(sums, done)  # a function that failed every completion stops the run, on every rank
         if held_out and report.evaluation_due(done):
             with report.evaluating(done) as evaluation:
                 evaluation |= evaluate_generation(model, held_out, filler_batch["chat"], chat_collator,

@@ -131,22 +131,31 @@ def test_a_reward_function_that_raises_or_gives_nan_fails_only_what_it_scored():
     assert torch.isnan(scores[:, 1]).all()
     said = []
     assert scorer.take_failures(said.append, 1) == {"rewards_for_tests:flaky": 6}
-    assert said == ["reward function rewards_for_tests:flaky failed on rank 1: RuntimeError: the judge is down"]
-    assert scorer.take_failures(said.append) == {} and len(said) == 1
+    assert said == [f"reward function rewards_for_tests:flaky failed on rank 1: {why}" for why in (
+        "gave NaN", "gave None (TRL's way to leave a completion unscored)", "RuntimeError: the judge is down")]
+    assert scorer.take_failures(said.append) == {} and len(said) == 3
 
 
 def test_the_recipe_samples_scores_and_trains_from_the_embedded_sft_model(tmp_path, capsys):
-    """Two steps of 1 prompt x 8 completions, with a reward function that fails: counted in the log, not a crash;
-    its checkpoint refuses a resume with other groups."""
-    load_recipe(GRPO_RECIPE).main(["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2", "--save_steps", "1",
+    """Two steps of 1 prompt x 8 completions, with a reward function that fails (all of step 2's completions, not all of
+    the window's): counted in the log, not a crash; TRL's
+    documented conversational reward scores every completion (the embedded chat rows are conversational); a reward
+    that fails every completion of a window stops the run; the checkpoint refuses a resume with other groups."""
+    load_recipe(GRPO_RECIPE).main(["--max_steps", "2", "--logging_steps", "2", "--eval_steps", "2", "--save_steps", "1",
                                    "--per_device_train_batch_size", "8", "--reward_funcs",
-                                   "accuracy,rewards_for_tests:flaky", "--eval_generation_rows", "4",
-                                   "--report_to", "none", "--output_dir", str(tmp_path)])
+                                   "accuracy,rewards_for_tests:flaky,rewards_for_tests:format_reward_func",
+                                   "--eval_generation_rows", "4", "--report_to", "none", "--output_dir", str(tmp_path)])
     log = capsys.readouterr().out
     assert "step 2/2 | loss" in log and "rewards/rewards_for_tests:flaky/failed" in log
+    assert "rewards/rewards_for_tests:format_reward_func/failed 0" in log
     assert "reward function rewards_for_tests:flaky failed on rank 0: RuntimeError: the judge is down" in log
     assert "eval step 2 | generated_accuracy" in log
     assert type(AutoModelForImageTextToText.from_pretrained(tmp_path)).__name__ == "LlavaForConditionalGeneration"
+    with pytest.raises(RuntimeError, match="step 1: reward function rewards_for_tests:always_fails failed on all 8 "
+                                           "completions"):
+        load_recipe(GRPO_RECIPE).main(["--max_steps", "3", "--logging_steps", "1", "--per_device_train_batch_size",
+                                       "8", "--reward_funcs", "rewards_for_tests:always_fails", "--eval_steps", "9",
+                                       "--report_to", "none", "--output_dir", str(tmp_path / "fails")])
     # Its checkpoint resumes only with the same groups: other groups would read other prompts a step
     with pytest.raises(ValueError, match="saved with num_generations=8, loader_batch_size=1; this run has "
                                          "num_generations=4, loader_batch_size=2"):
@@ -185,7 +194,9 @@ def test_prompt_rows_in_trl_and_chat_layouts_become_generation_prompts():
     out = preprocess({key: [row.get(key) for row in rows] for key in {key for row in rows for key in row}})
     expected = processor(text=processor.apply_chat_template(question, add_generation_prompt=True), images=[red])
     assert [list(ids) for ids in out["input_ids"]] == [list(expected["input_ids"][0])] * 3
-    assert out["solution"] == ["red"] * 3 and [json.loads(m) for m in out["messages"]] == [question] * 3
+    # as TRL hands them to reward functions: a string prompt as it is, the conversations as messages
+    assert [json.loads(m) for m in out["reward_prompt"]] == ["What colour is it?", question, question]
+    assert [json.loads(c) for c in out["reward_columns"]] == [{"solution": "red"}] * 3
     assert preprocess.drops.totals == {"bad_row": 1, "too_long": 1}
 
 
@@ -201,9 +212,9 @@ def sft_model_and_prompt(rgb=(220, 40, 40)):
 
 def loaded_prompt(processor, stops, row, max_length=64) -> dict:
     preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=max_length)
-    (input_ids, media_inputs, messages, solution), _ = preprocess.example(row)
-    return {"input_ids": torch.as_tensor(input_ids), "media_inputs": media_inputs, "messages": json.loads(messages),
-            "solution": solution}
+    (input_ids, media_inputs, prompt, columns), _ = preprocess.example(row)
+    return {"input_ids": torch.as_tensor(input_ids), "media_inputs": media_inputs, "prompt": json.loads(prompt),
+            "columns": json.loads(columns)}
 
 
 def _rollouts(rank, world, micro_batch, accumulation, whole):
@@ -341,7 +352,7 @@ def test_one_micro_batch_equals_trl_grpo_trainer(loss_type, beta, tmp_path):
     from accelerate.state import AcceleratorState
 
     model, processor, stops, prompt = sft_model_and_prompt()
-    red, messages = Image.new("RGB", (32, 32), (220, 40, 40)), prompt["messages"]
+    red, messages = Image.new("RGB", (32, 32), (220, 40, 40)), prompt["prompt"]
     tokenizer, eos = processor.tokenizer, stops[0]
     completions = [tokenizer("red")["input_ids"] + [eos], tokenizer("a blue circle")["input_ids"] + [eos],
                    tokenizer("green")["input_ids"], tokenizer("two")["input_ids"] + [eos]]

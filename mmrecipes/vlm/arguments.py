@@ -189,8 +189,10 @@ class DPOArgs(CheckedArgs):
             self.losses |= {"sft": self.rpo_alpha} if self.rpo_alpha else {}
             self.deprecations.append(f"--rpo_alpha is TRL < 1.0's name: write --loss_type {','.join(self.losses)} "
                                      f"--loss_weights {','.join(map(str, self.losses.values()))}")
-        if not self.losses:
-            raise ValueError("--rpo_alpha 0 dropped the only loss type: name a preference loss with --loss_type")
+        if not any(self.losses.values()):
+            raise ValueError(f"--loss_type {self.loss_type} --loss_weights {self.loss_weights} "
+                             f"--rpo_alpha {self.rpo_alpha}: every loss weighs 0, so nothing would train; give a "
+                             "preference loss a weight above 0")
         if self.label_smoothing and ("ipo" in self.losses or not {"sigmoid", "robust"} & set(self.losses)):
             raise ValueError("--label_smoothing smooths the robust (or the deprecated smoothed sigmoid) loss: drop it "
                              "with --loss_type ipo")
@@ -251,6 +253,8 @@ class GRPOArgs(CheckedArgs):
     reward_funcs: str = "accuracy"
     reward_weights: str | None = None  # one per reward function; None: 1.0 each
     format_pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
+    # seconds one reward function may take to score a rank's completions of a step; then they count as failed
+    reward_timeout: float = checked(300.0, "positive")
     # ZeRO-3: gather the whole model on every rank while sampling (fast; a whole model's memory per rank). TRL's
     # default is True; here the layer-at-a-time gathers of training are kept unless asked
     ds3_gather_for_generation: bool = False

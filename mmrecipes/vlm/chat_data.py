@@ -62,7 +62,8 @@ CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video
 MAX_CHARS_PER_TOKEN = 32  # a bound on the characters of text one token holds, with a wide margin
 TYPICAL_CHARS_PER_TOKEN = 4  # about what a token holds of English: longer texts are tokenised before labelling
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
-LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+ROLES = ("system", "user", "assistant")  # what the chat templates know; a tool's or a bot's turn is a bad_row
+LLAVA_ROLES = {"human": "user", "gpt": "assistant", **{role: role for role in ROLES}}
 MEDIA_PARTS = {"<image>": "image", "<video>": "video"}  # LLaVA's placeholders -> content part types
 
 
@@ -100,7 +101,16 @@ def _turn(turn) -> dict:
         keys = sorted(turn) if isinstance(turn, dict) else type(turn).__name__
         raise BadRow(f"a turn with keys {keys}: turns are from/value (ShareGPT, LLaVA) or role/content (TRL, "
                      "LLaMA-Factory)")
-    return {"role": _field(turn, "role"), "content": _content_parts(_field(turn, "content", list))}
+    if _field(turn, "role") not in ROLES:
+        raise BadRow(f"unknown role {turn['role']!r}: {', '.join(ROLES)}")
+    return {"role": turn["role"], "content": _content_parts(_field(turn, "content", list))}
+
+
+def string_prompt(prompt: str, images: list) -> dict:
+    """A TRL string prompt as a user turn: its `<image>` placeholders become image parts, or, where it has none,
+    one image part per image goes in front of its text (TRL's DPO and GRPO rows)."""
+    placeholders = "" if "<image>" in prompt else "<image>" * len(images)
+    return _turn({"role": "user", "content": placeholders + prompt})
 
 
 def _media(row, *keys) -> list:

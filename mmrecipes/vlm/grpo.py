@@ -23,6 +23,7 @@ import torch
 
 from ..distributed import batches_in_step, sum_over_ranks
 from ..skips import Skip
+from ..sources import OTHER_COLUMNS
 from .arguments import GRPOArgs
 from .chat_data import (
     CHAT_COLUMNS,
@@ -35,11 +36,12 @@ from .chat_data import (
     media_folder,
     prompt_row,
     row_images,
+    string_prompt,
     to_chat,
 )
 from .sampling import chat_rows, generate_group, prompt_seed, sample_group
 
-PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution"]
+PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution", OTHER_COLUMNS]
 CLIP_COUNTS = ("low", "high", "region")  # TRL's clip_ratio/low_mean, high_mean, region_mean
 
 
@@ -50,35 +52,41 @@ def check_settings(args: GRPOArgs, max_length: int):
                          f"--max_length {max_length}: raise --max_length")
 
 
-def prompt_chat(row) -> tuple[list, list, str | None]:
-    """(prompt messages, raw images, solution) of a TRL prompt row or of a chat row (its last answer: the solution)."""
+def prompt_chat(row) -> tuple[list, list, str | list, dict]:
+    """(prompt messages, raw images, the prompt as reward functions get it, the columns they get as keywords) of a
+    TRL prompt row or of a chat row. As TRL passes them: a string prompt as it is, a conversation as messages; every
+    column but the prompt and the media (`OTHER_COLUMNS`), `id` and `solution` (a chat row's: its last answer,
+    unless it has a `solution` column)."""
+    columns = json.loads(row.get(OTHER_COLUMNS) or "{}")
+    columns |= {name: row[name] for name in ("id", "solution") if row.get(name) is not None}
     if row.get("prompt") is not None:
         images, prompt = _media(row, "images", "image"), row["prompt"]
         if isinstance(prompt, str):
-            return [{"role": "user", "content": [*[{"type": "image"}] * len(images),
-                                                 {"type": "text", "text": prompt}]}], images, row.get("solution")
+            return [string_prompt(prompt, images)], images, prompt, columns
         if not isinstance(prompt, list) or not prompt:
             raise BadRow("prompt is neither a string nor a conversation")
-        return [_turn(turn) for turn in prompt], images, row.get("solution")
+        messages = [_turn(turn) for turn in prompt]
+        return messages, images, messages, columns
     messages, images, _ = to_chat(row)
     answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
     if not answers:
         raise BadRow("no prompt column and no assistant turn to take the solution from")
     solution = " ".join(part["text"] for part in messages[answers[-1]]["content"] if part["type"] == "text")
-    return messages[:answers[-1]], images, solution.strip()
+    return messages[:answers[-1]], images, messages[:answers[-1]], {"solution": solution.strip()} | columns
 
 
 class PromptPreprocessor(ChatPreprocessor):
-    """Batched `datasets.map` function: prompt rows in; {input_ids, media_inputs, messages (JSON), solution} out,
-    each rendered with the generation prompt; bad rows dropped and counted (`ChatPreprocessor`'s counts). Its
-    `max_length` is the prompt's: the recipe gives --max_length less --max_completion_length."""
+    """Batched `datasets.map` function: prompt rows in; {input_ids, media_inputs, reward_prompt, reward_columns (both
+    JSON: `prompt_chat`)} out, each rendered with the generation prompt; bad rows dropped and counted
+    (`ChatPreprocessor`'s counts). Its `max_length` is the prompt's: the recipe gives --max_length less
+    --max_completion_length."""
 
     COLUMNS = PROMPT_COLUMNS
-    OUTPUTS = ("input_ids", "media_inputs", "messages", "solution")
+    OUTPUTS = ("input_ids", "media_inputs", "reward_prompt", "reward_columns")
 
     def example(self, row):
         try:
-            messages, raw_images, solution = prompt_chat(row)
+            messages, raw_images, reward_prompt, columns = prompt_chat(row)
             if has_video(row, messages):
                 return Skip("video", "GRPO samples image and text prompts")
             loaded = row_images(self.args, media_folder(row, self.args.image_folder), messages, raw_images)
@@ -92,7 +100,7 @@ class PromptPreprocessor(ChatPreprocessor):
             return Skip("bad_row", f"{type(error).__name__}: {error}")
         if len(prompt["input_ids"]) > self.max_length:
             return Skip("too_long", f"{len(prompt['input_ids'])} prompt tokens, over {self.max_length}")
-        return (prompt["input_ids"], prompt["media_inputs"], json.dumps(messages), solution), note
+        return (prompt["input_ids"], prompt["media_inputs"], json.dumps(reward_prompt), json.dumps(columns)), note
 
     @staticmethod
     def check_columns(name, available):
@@ -175,7 +183,8 @@ class PromptCollator:
 
     def __call__(self, rows):
         prompts = [{"input_ids": torch.as_tensor(row["input_ids"]), "media_inputs": row["media_inputs"],
-                    "messages": json.loads(row["messages"]), "solution": row["solution"]} for row in rows]
+                    "prompt": json.loads(row["reward_prompt"]), "columns": json.loads(row["reward_columns"])}
+                   for row in rows]
         return {"prompts": prompts, "num_samples": len(rows) * self.counted,
                 "data_counts": torch.tensor([sum(row[name] for row in rows) * self.counted for name in CHAT_COUNTED]),
                 "chat": self.chat_collator([row for prompt in prompts for row in chat_rows(prompt, [[]], [False])])}
@@ -256,6 +265,17 @@ class LossNormaliser:
         return float(sum(int(mask.sum()) for mask in masks))  # dapo, bnpo: tokens
 
 
+def reward_inputs(prompts: list[dict], texts: list[str]) -> tuple[list, list, dict]:
+    """(prompts, completions, columns) as TRL hands them to reward functions: a conversational prompt's completion as
+    `[{"role": "assistant", "content": text}]`, a string prompt's as its text; each column one value per completion
+    (None where a prompt lacks it)."""
+    completions = [[{"role": "assistant", "content": text}] if isinstance(prompt["prompt"], list) else text
+                   for prompt, text in zip(prompts, texts)]
+    names = sorted({name for prompt in prompts for name in prompt["columns"]})
+    return ([prompt["prompt"] for prompt in prompts], completions,
+            {name: [prompt["columns"].get(name) for prompt in prompts] for name in names})
+
+
 @dataclass
 class Rollouts:
     """A step's completions on this rank (`GroupLayout`): the micro-batches to train on (`ChatCollator` batches),
@@ -291,8 +311,8 @@ class Rollouts:
             rollouts.truncated += [cut for _, cut in group]
             rows += chat_rows(prompt, completions, [not (cut and args.mask_truncated_completions) for _, cut in group])
         prompts_of, ids, texts = zip(*scored)
-        rollouts.scores = scorer([prompt["messages"] for prompt in prompts_of], list(texts), list(ids),
-                                 {"solution": [prompt["solution"] for prompt in prompts_of]})
+        reward_prompts, completions, columns = reward_inputs(prompts_of, texts)
+        rollouts.scores = scorer(reward_prompts, completions, list(ids), columns)
         rollouts.micro_batches = [collator(rows[start:start + layout.micro_batch])
                                   for start in range(0, len(rows), layout.micro_batch)]
         rollouts.seconds = time.perf_counter() - started

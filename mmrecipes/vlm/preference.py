@@ -30,7 +30,7 @@ from ..images import to_device
 from ..skips import Skip
 from ..sources import DATA_FILE, PROBLEM, row_name
 from .arguments import DPOArgs
-from .chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor
+from .chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor, string_prompt
 from .losses import IGNORE_INDEX
 
 PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image", "id"]
@@ -45,8 +45,7 @@ def preference_chats(row) -> tuple[dict, dict]:
                       "image": row.get("image"), DATA_FILE: row.get(DATA_FILE)} for side in ("chosen", "rejected"))
     prompt, images = row.get("prompt"), list(row.get("images") or [])
     if isinstance(prompt, str):
-        placeholders = "" if "<image>" in prompt else "<image>" * len(images)
-        prompt = [{"role": "user", "content": placeholders + prompt}]
+        prompt = [string_prompt(prompt, images)]
     if not isinstance(prompt, list) or not prompt:
         raise BadRow("no prompt and no conversations")
     return tuple({"messages": prompt + _chat_answer(row.get(side)), "images": images, DATA_FILE: row.get(DATA_FILE)}

@@ -1,19 +1,33 @@
 """Verifiable rewards for GRPO, TRL's way: `func(prompts, completions, completion_ids, **columns) -> list[float]`.
 
-Built in: `accuracy` (the completion against the row's `solution`) and `format` (a regex over the whole completion,
-`--format_pattern`). A user's function comes by import path, `mypkg.rewards:my_reward`. A function that raises, or
-gives None or NaN for a completion, fails that completion: `RewardScorer` counts it per function, and the recipe gives
-the completion no advantage and leaves it out of its group's statistics (TRL sums the other functions instead).
+As TRL 1.16 calls them: a conversational prompt's completions are `[{"role": "assistant", "content": text}]`, a
+string prompt's are strings; every other column of the rows comes as a keyword (`solution`, `answer`, ...). Built in:
+`accuracy` (the completion against the row's `solution`) and `format` (a regex over the whole completion,
+`--format_pattern`). A user's function comes by import path, `mypkg.rewards:my_reward`.
+
+A function that raises (`sys.exit` included), runs past --reward_timeout, or gives something that is not a finite
+number of at most `MAX_REWARD` (None, NaN, a string, 1e308) fails that completion: `RewardScorer` counts it per
+function and says each kind of failure once; the recipe gives the completion no advantage and leaves it out of its
+group's statistics (TRL sums the other functions instead). A function that fails every completion of a logging
+window stops the run with its first error (`check_window`).
 """
 
+import asyncio
+import contextlib
 import importlib
+import inspect
 import math
 import re
+import signal
+import threading
 from collections import Counter
 
 import torch
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# Larger rewards are refused: squared in a group's std (and the log's float32 sums) they would overflow, leaving every
+# advantage 0 or NaN (1e308 did)
+MAX_REWARD = 1e9
 
 
 def completion_text(completion) -> str:
@@ -38,8 +52,10 @@ def _number(text: str) -> float | None:
         return None
 
 
-def accuracy(prompts, completions, completion_ids=None, *, solution, **columns) -> list[float]:
+def accuracy(prompts, completions, completion_ids=None, *, solution=None, **columns) -> list[float]:
     """1.0 where the completion matches the solution after `normalised` (numbers as numbers: "3.0" is "3"), else 0."""
+    if solution is None:
+        raise ValueError("no row has a solution column (chat rows: an assistant answer) to compare with")
     rewards = []
     for completion, answer in zip(completions, solution):
         if answer is None:  # failed and counted, never scored against the text "None"
@@ -80,50 +96,109 @@ def load_reward_funcs(names: list[str], format_pattern: str) -> dict:
     return funcs
 
 
-def _finite(value) -> float | None:
+def _parameters(func) -> set[str]:
+    try:
+        return set(inspect.signature(func).parameters)
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return set()
+
+
+def _reward(value) -> tuple[float, str | None, str | None]:
+    """(the reward, None, None) of a value a function gave, or (NaN, the kind of failure, why it is not a reward)."""
+    if value is None:
+        return math.nan, "None", "gave None (TRL's way to leave a completion unscored)"
     try:
         number = float(value)
-    except (TypeError, ValueError):  # None, or not a number
-        return None
-    return number if math.isfinite(number) else None
+    except (TypeError, ValueError):
+        return math.nan, "type", f"gave a {type(value).__name__}, not a number: {value!r:.40}"
+    if math.isnan(number):
+        return math.nan, "NaN", "gave NaN"
+    if not abs(number) <= MAX_REWARD:
+        return math.nan, "huge", (f"gave {number:g}, beyond +/-{MAX_REWARD:g} (its group's statistics would "
+                                  "overflow): scale the reward down")
+    return number, None, None
 
 
 class RewardScorer:
     """`scorer(prompts, completions, completion_ids, columns)` -> [completions, functions] rewards, NaN where a
-    function failed (raised, or gave None or NaN); `failures` counts them per function since the last `take`, and
-    `errors` holds the first error each function raised in the run (once)."""
+    function failed (`_reward`; or it raised, or ran past `timeout` seconds); `failures` counts them per function since
+    the last `take_failures`, which says each function's first failure of each kind once; `first_errors` keeps each
+    function's first failure in the run for `check_window`."""
 
-    def __init__(self, funcs: dict, weights: list[float]):
+    def __init__(self, funcs: dict, weights: list[float], timeout: float | None = None):
         self.funcs, self.weights = funcs, torch.tensor(weights, dtype=torch.float64)
-        self.failures, self.errors, self.reported = Counter(), {}, set()
+        self.timeout = timeout
+        # TRL's docs name the token ids `completions_ids` in their first example, where its trainer passes
+        # `completion_ids`: a function that asks for the documented name gets them under it too
+        self.ids_as_documented = {name for name, func in funcs.items() if "completions_ids" in _parameters(func)}
+        self.failures, self.errors, self.said, self.first_errors = Counter(), [], set(), {}
 
     def __call__(self, prompts, completions, completion_ids, columns: dict) -> torch.Tensor:
         scores = torch.full((len(completions), len(self.funcs)), math.nan, dtype=torch.float64)
         for column, (name, func) in enumerate(self.funcs.items()):
+            ids = {"completion_ids": completion_ids} | (
+                {"completions_ids": completion_ids} if name in self.ids_as_documented else {})
             try:
-                values = list(func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
+                with _time_limit(self.timeout):
+                    values = func(prompts=prompts, completions=completions, **ids, **columns)
+                    values = list(asyncio.run(values) if inspect.iscoroutine(values) else values)
                 if len(values) != len(completions):
                     raise ValueError(f"gave {len(values)} rewards for {len(completions)} completions")
-            except Exception as error:  # a user's function must not end the run: counted, the reason said once
-                if name not in self.reported:
-                    self.reported.add(name)
-                    self.errors[name] = f"{type(error).__name__}: {error}"
-                values = [None] * len(completions)
+            except (Exception, SystemExit) as error:  # a user's function must not end the run: counted, said once
+                why = (f"it called sys.exit({error.code!r}), which would end the run" if isinstance(error, SystemExit)
+                       else f"{type(error).__name__}: {error}")
+                self._failed(name, type(error).__name__, why, len(completions))
+                continue
             for row, value in enumerate(values):
-                number = _finite(value)
-                if number is None:
-                    self.failures[name] += 1
-                else:
-                    scores[row, column] = number
+                scores[row, column], kind, why = _reward(value)
+                if kind:
+                    self._failed(name, kind, why)
         return scores
+
+    def _failed(self, name: str, kind: str, why: str, completions: int = 1):
+        """Count a failure; the first of each `kind` per function is said (`take_failures`)."""
+        self.failures[name] += completions
+        self.first_errors.setdefault(name, why)
+        if (name, kind) not in self.said:
+            self.said.add((name, kind))
+            self.errors.append((name, why))
 
     def total(self, scores: torch.Tensor) -> torch.Tensor:
         """The weighted sum per completion; NaN where any function failed."""
         return (scores * self.weights).sum(dim=1)
 
     def take_failures(self, say=print, rank: int = 0) -> Counter:
-        """Failed completions per function since the last call, then reset; each error not yet said goes to `say`."""
-        for name, error in self.errors.items():
-            say(f"reward function {name} failed on rank {rank}: {error}")
-        taken, self.failures, self.errors = self.failures, Counter(), {}
+        """Failed completions per function since the last call, then reset; each failure not yet said goes to `say`."""
+        for name, why in self.errors:
+            say(f"reward function {name} failed on rank {rank}: {why}")
+        taken, self.failures, self.errors = self.failures, Counter(), []
         return taken
+
+    def check_window(self, sums: dict, step: int):
+        """Stop the run (every rank alike: `sums` are a logging window's, over all ranks) where a function failed on
+        every completion of the window: it would keep every advantage at 0, and the run would learn nothing."""
+        for name in self.funcs:
+            if sums[f"failed_{name}"] and not sums[f"scored_{name}"]:
+                raise RuntimeError(
+                    f"step {step}: reward function {name} failed on all {int(sums[f'failed_{name}'])} completions "
+                    f"of the last logging window, so nothing was learned; its first error: "
+                    f"{self.first_errors.get(name, 'on another rank')}")
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float | None):
+    """Raise TimeoutError in the block after `seconds` (the main thread only: a signal timer)."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"ran past --reward_timeout {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
