@@ -140,6 +140,7 @@ def rank_loader(stream, preprocess, collator, args, *, batch_size: int, shuffle_
     the preprocessing's and the collator's modules once."""
     if shuffle_seed is None:
         stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=remove_columns)
+        stream.preprocess = preprocess  # its skip counts, as ResumableShuffle's, for `no_rows_error`
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)
@@ -252,6 +253,17 @@ class TrainBatches:
         rows, so once is enough); the rank without rows says why (`no_rows_error`)."""
         if not all_ranks_true(None not in window, accelerator.device):
             raise no_rows_error(self.dataloader, data_world, None in window)
+
+
+def check_held_out(dataloader, device, source: str):
+    """Before the first step: every rank raises together when no rank's held-out loader gives a row (every row
+    skipped, an empty file), each saying what its share skipped, by reason (`no_rows_error`). Otherwise the evaluation
+    would silently never run, and the model card would still name `source`."""
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # an iterator draws a seed
+        empty = next(iter(dataloader), None) is None
+    if all_ranks_true(empty, device):
+        raise no_rows_error(dataloader, 0, True, held_out=source)
 
 
 def batches_forever(dataloader, resumed_epoch: int | None = None):

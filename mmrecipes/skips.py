@@ -91,12 +91,13 @@ class DropCounter:
         return "\n".join(lines)
 
 
-def no_rows_error(dataloader, data_world: int, this_rank_empty: bool) -> RuntimeError:
-    """The error every rank raises, together, when a data rank has no training rows at its first step (one message
-    for every recipe). The rank without
-    rows says why: its skip report (`DropCounter.report`) from this process's preprocessing or, where DataLoader
-    workers did that, from its share of the stream read again here."""
-    message = f"A data rank has no training rows ({data_world} data ranks)"
+def no_rows_error(dataloader, data_world: int, this_rank_empty: bool, held_out: str | None = None) -> RuntimeError:
+    """The error every rank raises, together, when a data rank has no training rows at its first step, or (`held_out`:
+    the evaluation's source) when no rank has a held-out row (one message for every recipe). The rank without rows
+    says why: its skip report (`DropCounter.report`) from this process's preprocessing or, where DataLoader workers
+    did that, from its share of the stream read again here."""
+    message = (f"No data rank has a usable held-out row of {held_out}, so the evaluation would never run" if held_out
+               else f"A data rank has no training rows ({data_world} data ranks)")
     if not this_rank_empty:
         return RuntimeError(f"{message}; that rank's error says why")
     shuffle = getattr(dataloader.dataset, "rows", dataloader.dataset)  # under TokenBudgetBatches

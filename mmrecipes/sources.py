@@ -1,7 +1,7 @@
 """Where rows come from: file specs, one stream per source split by data rank, and readers that never crash.
 
 `load_stream` gives a data rank its share of a source as a `datasets.IterableDataset`, one shard
-per file, whose `state_dict` resumes it exactly. Parquet, JSON and webdataset files are read here,
+per file, whose `state_dict` resumes it exactly. Parquet, JSON, CSV and webdataset files are read here,
 a file at a time, because one bad file must cost its rows, not the run: `datasets`' own readers
 raise on an empty parquet file, on non-UTF-8 bytes anywhere in a JSON file or a `.txt` member,
 and on a first tar sample that lacks a member, and they end a truncated tar without a word. Here
@@ -9,13 +9,14 @@ every row keeps the requested columns (None where absent), and a row that could 
 becomes a row whose `PROBLEM` column names the kind, which the preprocessors count and skip:
 - `bad_shard`: an empty, unreadable or truncated file (the rows before the damage are kept);
 - `bad_text`: text that is not UTF-8 (a caption, a conversation);
-- `bad_row`: a JSON line that does not parse.
+- `bad_row`: a JSON line that does not parse, a CSV line whose fields do not match its header.
 Each of these rows also names its file in `DATA_FILE` (relative image and video paths resolve against
 its folder).
-Other formats (csv, imagefolder, arrow, hub datasets with a loading script) stream through
+Other formats (imagefolder, arrow, hub datasets with a loading script) stream through
 `datasets` with images left undecoded (the preprocessors decode and count).
 """
 
+import csv
 import glob
 import hashlib
 import json
@@ -147,6 +148,17 @@ def _json_line(line: bytes):
         return {PROBLEM: "bad_row"}
 
 
+def _csv_rows(file: str):
+    """A CSV file with a header row (values as text); a line with more or fewer fields than the header is a `bad_row`
+    row (pandas, `datasets`' reader, stops the run there naming neither the file nor the line)."""
+    with fsspec.open(file, "rt", compression="infer", encoding="utf-8", errors="surrogateescape", newline="") as text:
+        lines = csv.reader(text)
+        header = next(lines, None)
+        for fields in lines:
+            if fields:  # not a blank line
+                yield dict(zip(header, fields)) if len(fields) == len(header) else {PROBLEM: "bad_row"}
+
+
 def _tar_rows(file: str):
     """webdataset / img2dataset tars: members `<key>.<field>` grouped by key in order. `.txt` members
     become strings (non-UTF-8 ones make the sample a `bad_text` row), `.json` ones objects, others bytes."""
@@ -182,7 +194,7 @@ def _tar_samples(tar, sample: dict):
         sample[field] = data
 
 
-READERS = {"parquet": _parquet_rows, "json": _json_rows, "webdataset": _tar_rows}
+READERS = {"parquet": _parquet_rows, "json": _json_rows, "csv": _csv_rows, "webdataset": _tar_rows}
 
 
 def _has_bad_text(value) -> bool:

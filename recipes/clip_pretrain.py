@@ -54,7 +54,7 @@ from mmrecipes.contrastive.patch_dropout import add_patch_dropout
 from mmrecipes.contrastive.zeroshot import ZeroShotSet, evaluate_zeroshot
 from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config
 from mmrecipes.images import to_device
-from mmrecipes.loader import TrainBatches
+from mmrecipes.loader import TrainBatches, check_held_out
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.sources import evaluation_source
@@ -124,6 +124,7 @@ def main(argv=None):
     if not no_eval:
         eval_loader = build_dataloader(data_args, data_args.eval_split, data_args.eval_data_files,
                                        batch_size=args.per_device_eval_batch_size, **loader_kwargs)
+        check_held_out(eval_loader, accelerator.device, data_args.eval_split)  # no usable pair: stop now
     # Zero-shot classification next to retrieval (open_clip's ImageNet top-1): the embedded shape and
     # colour classes beside the embedded data; any image folder, hub id or builder with a label column.
     zeroshot_args.zeroshot_dataset, zeroshot_line = evaluation_source(

@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config, sum_over_ranks
 from mmrecipes.images import to_device
-from mmrecipes.loader import TrainBatches
+from mmrecipes.loader import TrainBatches, check_held_out
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
@@ -148,11 +148,13 @@ def main(argv=None):
         eval_loader = build_chat_dataloader(data_args, collator=collator, eval_split=True, **loader_kwargs,
                                             batch_size=args.per_device_eval_batch_size,
                                             preprocessor=PreferencePreprocessor)
+        check_held_out(eval_loader, accelerator.device, data_args.eval_dataset_name)  # no usable pair: stop now
     if data_args.eval_questions:  # held-out questions' answers, as vlm_finetune.py scores them
         questions = replace(data_args, eval_dataset_name=data_args.eval_questions,
                             eval_data_files=data_args.eval_questions_data_files)
         question_loader = build_chat_dataloader(questions, collator=collator.collator, eval_split=True,
                                                 batch_size=args.per_device_eval_batch_size, **loader_kwargs)
+        check_held_out(question_loader, accelerator.device, data_args.eval_questions)
 
     if dpo_args.precompute_ref_log_probs:  # one epoch of this rank's pairs, then no reference model in training
         first_pass = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,

@@ -55,7 +55,7 @@ from mmrecipes.distributed import (
     sum_over_ranks,
 )
 from mmrecipes.images import to_device
-from mmrecipes.loader import TrainBatches
+from mmrecipes.loader import TrainBatches, check_held_out
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
@@ -167,8 +167,9 @@ def main(argv=None):
         eval_collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs)
         eval_loader = build_chat_dataloader(data_args, collator=eval_collator, eval_split=True,
                                             batch_size=args.per_device_eval_batch_size, **loader_kwargs)
+        check_held_out(eval_loader, accelerator.device, data_args.eval_dataset_name)  # no usable row: stop now
         prompts = generation_prompts(data_args, processor, rows=-(-args.eval_generation_rows // data_world),
-                                     data_rank=data_rank, data_world=data_world)
+                                     data_rank=data_rank, data_world=data_world, device=accelerator.device)
 
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
                                data_layout(data_args, args, data_world=data_world, batch_size=batch_size))

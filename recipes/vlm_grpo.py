@@ -157,7 +157,8 @@ def main(argv=None):
                                          data_rank=layout.team, data_world=layout.teams,
                                          preprocessor=grpo.PromptPreprocessor)
     held_out = generation_prompts(data_args, processor, rows=-(-data_args.eval_generation_rows // data_world),
-                                  data_rank=data_rank, data_world=data_world) if data_args.eval_dataset_name else []
+                                  data_rank=data_rank, data_world=data_world,
+                                  device=accelerator.device) if data_args.eval_dataset_name else []
     scorer = RewardScorer(reward_funcs, grpo_args.weights, grpo_args.reward_timeout)
     normaliser = grpo.LossNormaliser(grpo_args)
 

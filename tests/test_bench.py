@@ -34,6 +34,7 @@ BENCHES = [
     ("patch_dropout.py", ["--quick"]),
     ("answers_by_kind.py", ["--quick"]),
     ("grpo_sampling.py", ["--quick"]),
+    ("label_alignment.py", ["--quick"]),
 ]
 HALVES = 2
 

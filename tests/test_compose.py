@@ -15,6 +15,8 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoProcessor,
     AutoTokenizer,
+    BertConfig,
+    BertForMaskedLM,
     CLIPConfig,
     CLIPImageProcessor,
     CLIPModel,
@@ -31,12 +33,13 @@ from launch import REPO, VLM_RECIPE, run_recipe
 from mmrecipes.checkpointing import checkpoint_weights
 from mmrecipes.images import to_device
 from mmrecipes.paths import PLAIN_CHAT_TEMPLATE, TINY_LM
+from mmrecipes.vlm.arguments import VLMModelArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, encode_row
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.compose import FLATTEN_CONTENT, IMAGE_TOKEN, compose_llava
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller, TemplateError, _runs, check_template
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
 from mmrecipes.vlm.module_groups import module_groups
 from tiny_language_models import save_tiny_language_model
 
@@ -213,6 +216,48 @@ def test_what_cannot_be_composed_is_refused_with_the_reason(parts, tmp_path):
     assert processor.chat_template == PLAIN_CHAT_TEMPLATE.read_text()  # and the model keeps plain
     with pytest.raises(ValueError, match="plain \\(LLaVA's stage 1\\) or unset"):
         compose_llava(towers["clip"], base, chat_template="chatml")
+
+
+def test_the_wrong_parts_are_refused_each_with_its_own_reason_before_any_weight_is_read(parts, tmp_path):
+    """What transformers raised from inside: a text model as the tower ("NaFlex"), a built Llava as the tower (no
+    attribute 'embeddings'), a BERT as the language model (no attribute embed_tokens), a language model without its
+    tokenizer ("install sentencepiece or tiktoken"), a missing tower ("Repo id must be in the form"), a feature layer
+    the tower does not have (IndexError; 0: 'NoneType' object is not subscriptable)."""
+    towers, languages = parts
+    bert = tmp_path / "bert"
+    BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64)).save_pretrained(bert)
+    AutoTokenizer.from_pretrained(languages["llama3"]).save_pretrained(bert)
+    untokenized = tmp_path / "untokenized"
+    AutoModelForCausalLM.from_pretrained(languages["llama3"]).save_pretrained(untokenized)
+    for (tower, language, layer), reason in {
+        (languages["llama3"], languages["llama3"], -2): "is a llama model with no vision config",
+        (str(REPO / "data" / "tiny_sft_vlm"), languages["llama3"], -2): "is a built image-text-to-text model",
+        (towers["clip"], bert, -2): "is a BertForMaskedLM, not a decoder-only causal language model",
+        (towers["clip"], untokenized, -2): "has no tokenizer",
+        (str(tmp_path / "no_tower"), languages["llama3"], -2): "no such folder",
+        ("outputs/no_tower", languages["llama3"], -2): "neither a model folder here nor a model transformers",
+        (towers["clip"], languages["llama3"], 99): "has 3 layers; give 1 to 3, or -1 \\(its last\\) to -3",
+        (towers["clip"], languages["llama3"], -99): "has 3 layers",
+        (towers["clip"], languages["llama3"], 0): "0 and -4 are its patch embeddings",
+    }.items():
+        with pytest.raises(ValueError, match=reason):
+            compose_llava(tower, language, vision_feature_layer=layer)
+
+
+def test_a_composed_models_stage_2_with_a_chat_template_path_keeps_the_content_prelude(parts, tmp_path):
+    """Stage 2 of a composed Qwen3 is refused by its template (not a prefix), and the labeller's message points to
+    TRL's training template: given with --chat_template_path to the saved stage-1 model, it replaced the composed
+    template and its content prelude (TypeError: can only concatenate str (not "list") to str)."""
+    towers, languages = parts
+    model, processor = compose_llava(towers["clip"], languages["qwen3"])
+    model.save_pretrained(tmp_path / "stage1")
+    processor.save_pretrained(tmp_path / "stage1")
+    model, processor = load_vlm(VLMModelArgs(model_name_or_path=str(tmp_path / "stage1"),
+                                             chat_template_path=str(QWEN3_TRAINING)))
+    assert processor.chat_template == FLATTEN_CONTENT + QWEN3_TRAINING.read_text()
+    line = check_template(AnswerLabeller(processor, stop_token_ids(model, processor)), "stage1")
+    assert "ends each answer with <|im_end|>, a target" in line
 
 
 @pytest.mark.launch

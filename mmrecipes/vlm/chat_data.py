@@ -33,10 +33,12 @@ import functools
 import logging
 import os
 import re
+from collections import Counter
 
 import torch
 from PIL import Image
 
+from ..distributed import all_ranks_true
 from ..images import decode_image
 from ..loader import rank_loader
 from ..skips import DropCounter, Skip
@@ -226,8 +228,7 @@ class ChatPreprocessor:
     def tokenize(self, messages, raw_images, raw_videos=(), images_folder=None, videos_folder=None):
         """((input_ids, labels, media_inputs), note) or the reason the row is dropped (a `Skip`). Relative media
         paths resolve against the folders (`media_folder`). A row whose text alone cannot fit is dropped first,
-        before its media are decoded and before the labeller's alignment, whose cost grows with the square of
-        the length on repetitive text (a 10,000-word row took 22-92 s)."""
+        before its media are decoded and before the labeller renders and tokenises it."""
         if too_long := self.text_too_long(messages):
             return too_long
         loaded = row_images(self.args, images_folder, messages, raw_images)
@@ -344,33 +345,54 @@ def _unbatched(encoded) -> tuple[torch.Tensor, dict]:
     return input_ids, {key: _as_tensor(value[0] if key in TOKEN_ALIGNED else value) for key, value in encoded.items()}
 
 
-def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: int, data_world: int) -> list:
+def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: int, data_world: int,
+                       device="cpu") -> list:
     """Up to `rows` held-out conversations of this data rank, as (prompt row, answer): the conversation up to
     its last assistant turn through the processor's own chat template with its generation prompt and images
     (what a user's `generate` call gets), and that turn's text. Independent of the labels, so that
-    `evaluation.evaluate_generation` checks them. Rows that cannot be read are left out."""
+    `evaluation.evaluate_generation` checks them. Rows that cannot be read are left out; where no rank has a prompt,
+    every rank raises together, with what its share left out by reason (the evaluation would never run)."""
     if not rows:
         return []
     stream, _ = load_stream(args.eval_dataset_name, args.dataset_config_name, args.eval_split, args.eval_data_files,
                             CHAT_COLUMNS, data_rank=data_rank, data_world=data_world)
-    prompts = []
+    prompts, skipped = [], Counter()
     for row in stream:
         if len(prompts) == rows:
             break
         try:
-            messages, raw_images, _ = to_chat(row)
-            if has_video(row, messages):  # image questions only, for now
-                continue
-            last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
-            answer = " ".join(part["text"] for part in messages[last]["content"] if part["type"] == "text")
-            loaded = row_images(args, media_folder(row, args.image_folder), messages, raw_images)
-            shown = sum(part["type"] == "image" for message in messages[:last] for part in message["content"])
-            if row.get(PROBLEM) or isinstance(loaded, str) or shown != len(raw_images):
-                continue  # the rows training would skip, and images after the question
-            prompts.append((prompt_row(processor, messages[:last], loaded[0]), answer.strip()))
-        except Exception:  # a row the training data would count as bad
-            continue
+            prompt = _held_out_prompt(args, processor, row)
+        except Exception as error:  # a row the training data would count as bad
+            prompt = f"bad_row ({type(error).__name__})"
+        if isinstance(prompt, str):
+            skipped[prompt] += 1
+        else:
+            prompts.append(prompt)
+    if all_ranks_true(not prompts, device):
+        counts = ", ".join(f"{reason} {count}" for reason, count in skipped.most_common()) or "none read"
+        raise RuntimeError(f"No data rank has a held-out question of {args.eval_dataset_name} to answer by "
+                           f"generation, so that evaluation would never run; this rank left out: {counts}")
     return prompts
+
+
+def _held_out_prompt(args: ChatDataArgs, processor, row):
+    """(prompt row, answer) of a held-out row, or why it gives none."""
+    if row.get(PROBLEM):
+        return row[PROBLEM]
+    messages, raw_images, _ = to_chat(row)
+    if has_video(row, messages):
+        return "video"  # image questions only, for now
+    answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    if not answers:
+        return "no answer"
+    last = answers[-1]
+    if sum(part["type"] == "image" for message in messages[:last] for part in message["content"]) != len(raw_images):
+        return "an image after the question"
+    loaded = row_images(args, media_folder(row, args.image_folder), messages, raw_images)
+    if isinstance(loaded, str):
+        return loaded
+    answer = " ".join(part["text"] for part in messages[last]["content"] if part["type"] == "text")
+    return prompt_row(processor, messages[:last], loaded[0]), answer.strip()
 
 
 def prompt_row(processor, messages, images) -> dict:

@@ -41,6 +41,7 @@ from transformers.utils import CONFIG_NAME
 from ..checkpointing import MARKER, checkpoint_weights
 from ..paths import PLAIN_CHAT_TEMPLATE
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 IMAGE_TOKEN = "<image>"
 PAD_TOKEN = "<pad>"
 # Renders a message whose content is a list of parts as one string, each image as `<image>` and a new line before
@@ -68,7 +69,8 @@ def compose_llava(vision_name_or_path: str, language_name_or_path: str, *, visio
     `chat_template`: "plain" (stage 1 trains in LLaVA's format) or None; `chat_template_path`: a .jinja file that
     replaces the language model's template (a base LM's instruct sibling's, TRL's training patch of Qwen3's); the
     processor gets `chat_template_for`'s."""
-    vision_config = _vision_config(vision_name_or_path)
+    vision_config = _vision_config(vision_name_or_path, vision_feature_layer)
+    _check_language_model(language_name_or_path)  # both parts checked before any weight is read
     tower = _tower(vision_name_or_path)
     language_model = AutoModelForCausalLM.from_pretrained(language_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(language_name_or_path)
@@ -116,17 +118,54 @@ def _tower(name_or_path: str):
     return model.vision_model
 
 
-def _vision_config(name_or_path: str):
+def _config(flag: str, name_or_path: str):
+    """The config at `name_or_path` (a folder here, or a hub id), or a ValueError naming the flag and why not."""
+    if Path(name_or_path).is_absolute() and not Path(name_or_path).exists():
+        raise ValueError(f"--{flag} {name_or_path}: no such folder")
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as error:  # not a folder here, and not on the hub (or no network)
+        raise ValueError(f"--{flag} {name_or_path}: neither a model folder here nor a model transformers can fetch "
+                         f"({str(error).splitlines()[0]})") from error
+
+
+def _vision_config(name_or_path: str, feature_layer: int):
+    """The tower's config, once it proves to be one that Llava can take, and `feature_layer` one of its layers."""
+    flag = "vision_model_name_or_path"
     if (Path(name_or_path) / MARKER).is_file() and not (Path(name_or_path) / CONFIG_NAME).is_file():
         raise ValueError(f"{name_or_path} is a checkpoint saved before checkpoints held their model's config: compose "
                          "from the run's saved model, or from a checkpoint of a newer run")
-    config = AutoConfig.from_pretrained(name_or_path)
+    config = _config(flag, name_or_path)
+    if getattr(config, "image_token_id", None) is not None or getattr(config, "image_token_index", None) is not None:
+        raise ValueError(f"--{flag} {name_or_path} is a built image-text-to-text model ({config.model_type}), not a "
+                         "vision tower: fine-tune it with --model_name_or_path, or give its tower's own checkpoint")
     vision_config = getattr(config, "vision_config", config)
+    if not hasattr(vision_config, "patch_size"):
+        raise ValueError(f"--{flag} {name_or_path} is a {config.model_type} model with no vision config (no patch "
+                         "size): give a CLIP or SigLIP checkpoint, or a vision tower's")
     if not hasattr(vision_config, "image_size"):  # SigLIP 2 NaFlex: a patch budget, no fixed size
         raise ValueError(f"{name_or_path} is a {config.model_type} tower whose images keep their aspect ratio as "
                          "patch grids of their own (NaFlex); Llava's processor and projector take one fixed grid: "
                          "use a fixed-resolution CLIP or SigLIP tower")
+    layers = vision_config.num_hidden_layers
+    if not 1 <= abs(feature_layer) <= layers:
+        raise ValueError(f"--vision_feature_layer {feature_layer}: the tower at {name_or_path} has {layers} layers; "
+                         f"give 1 to {layers}, or -1 (its last) to -{layers} (0 and -{layers + 1} are its patch "
+                         "embeddings, before any layer)")
     return vision_config
+
+
+def _check_language_model(name_or_path: str):
+    """Refuse, before its weights are read, what is not a decoder-only causal LM with a tokenizer."""
+    flag = "language_model_name_or_path"
+    config = _config(flag, name_or_path)
+    causal = [name for name in config.architectures or [] if name.endswith("ForCausalLM")]
+    if config.is_encoder_decoder or not causal:
+        raise ValueError(f"--{flag} {name_or_path} is a {', '.join(config.architectures or [config.model_type])}, "
+                         "not a decoder-only causal language model (...ForCausalLM): Llava generates with one")
+    if Path(name_or_path).is_dir() and not any((Path(name_or_path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"--{flag} {name_or_path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the "
+                         "language model's tokenizer beside it (tokenizer.save_pretrained)")
 
 
 def _add_tokens(language_model, tokenizer):
@@ -144,6 +183,13 @@ def _add_tokens(language_model, tokenizer):
                                                             language_model.get_output_embeddings())}.values():
             embedding[first_new:len(tokenizer)] = embedding[:first_new].mean(dim=0)
     language_model.config.pad_token_id = tokenizer.pad_token_id
+
+
+def replaced_template(current, new: str) -> str:
+    """`new` (--chat_template_path) as a built model's chat template: a composed model's keeps the prelude that hands
+    its language model's template each message's content as one string (`FLATTEN_CONTENT`), as at composing."""
+    composed = isinstance(current, str) and current.startswith(FLATTEN_CONTENT)
+    return FLATTEN_CONTENT + new if composed and not new.startswith(FLATTEN_CONTENT) else new
 
 
 def chat_template_for(tokenizer, chat_template: str | None, name: str) -> str:

@@ -41,6 +41,7 @@ from ..images import NORMALIZED_BY, UINT8_PIXELS, fused_normalization, uint8_nor
 
 REFUSED = "the template refuses the conversation"
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+MAX_DIFF_CELLS = 4_000_000  # a diff of 2,000 x 2,000 tokens of repetitive text took 0.5 s
 
 
 class TemplateError(ValueError):
@@ -163,9 +164,32 @@ class AnswerLabeller:
 
 def _aligned_positions(plain: list[int], processed: list[int]) -> dict[int, int]:
     """Position in `processed` of each token of `plain` that an equal stretch of both aligns (the processor's
-    image expansion only adds tokens around and in place of the placeholders)."""
-    matcher = difflib.SequenceMatcher(None, plain, processed, autojunk=False)
-    return {a + k: b + k for a, b, size in matcher.get_matching_blocks() for k in range(size)}
+    image expansion only adds tokens around and in place of the placeholders).
+
+    The common head and tail are aligned as they are (linear: a text-only row is all head); what lies between, where
+    the images were expanded, by a sequence diff, whose cost grows with the square of its length on repetitive text.
+    A middle over `MAX_DIFF_CELLS` (long text between two images) is aligned by a walk instead: each token of
+    `plain` to the next equal token of `processed`, the tokens skipped being the expansion's."""
+    head, tail, shorter = 0, 0, min(len(plain), len(processed))
+    while head < shorter and plain[head] == processed[head]:
+        head += 1
+    while tail < shorter - head and plain[-1 - tail] == processed[-1 - tail]:
+        tail += 1
+    positions = {i: i for i in range(head)} | {len(plain) - 1 - i: len(processed) - 1 - i for i in range(tail)}
+    middle = plain[head:len(plain) - tail], processed[head:len(processed) - tail]
+    if len(middle[0]) * len(middle[1]) <= MAX_DIFF_CELLS:
+        matcher = difflib.SequenceMatcher(None, *middle, autojunk=False)
+        return positions | {head + a + k: head + b + k for a, b, size in matcher.get_matching_blocks()
+                            for k in range(size)}
+    at = 0
+    for index, token in enumerate(middle[0]):
+        try:
+            at = middle[1].index(token, at)
+        except ValueError:  # not in what is left: this token stays unaligned
+            continue
+        positions[head + index] = head + at
+        at += 1
+    return positions
 
 
 def check_template(labeller: AnswerLabeller, source: str, max_length: int | None = None) -> str:

@@ -37,6 +37,7 @@ that step; train the tower with `weight_decay=0` (the recipe's default for it) i
 
 import inspect
 import logging
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -51,7 +52,7 @@ from transformers import (
 
 from ..distributed import fsdp_block_classes
 from .arguments import VLMModelArgs
-from .compose import compose_llava
+from .compose import compose_llava, replaced_template
 from .families import check_trainable, height_width, lm_features, split_items, video_as_image_names
 from .lora import save_lora
 from .losses import head_cross_entropy_sum, soft_capped, token_cross_entropy_sum
@@ -205,8 +206,7 @@ def load_vlm(args: VLMModelArgs):
     else:
         model, processor = _tiny_llava(args)
     if args.chat_template_path and not args.vision_model_name_or_path:  # compose_llava took it as the LM's
-        with open(args.chat_template_path) as file:
-            processor.chat_template = file.read()
+        processor.chat_template = replaced_template(processor.chat_template, Path(args.chat_template_path).read_text())
     try:
         model.set_attn_implementation(args.attn_implementation)
     except ValueError as error:  # a family without that kernel: Gemma 2's LM (PaliGemma 2) has no sdpa
