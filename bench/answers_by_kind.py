@@ -27,7 +27,7 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining, load_vlm, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, load_vlm, logits, stop_token_ids
 
 RESULTS = Path(__file__).resolve().parent / "results" / "answers_by_kind.jsonl"
 
@@ -56,11 +56,11 @@ def accuracy_by_kind(path: str, rows) -> tuple[Counter, Counter]:
         batch = collate([{"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs,
                           **dict.fromkeys(CHAT_COUNTED, 0)}])
         inputs = to_device(batch, "cpu")
-        _, logits = step(**inputs, return_logits=True)
+        predicted = logits(step, inputs)[:, :-1].argmax(-1)
         targets = inputs["labels"][:, 1:]
         scored = targets != IGNORE_INDEX
         kind = kind_of(row["messages"])
-        correct[kind] += int(((logits[:, :-1].argmax(-1) == targets) | ~scored).all())
+        correct[kind] += int(((predicted == targets) | ~scored).all())
         answers[kind] += 1
     return correct, answers
 

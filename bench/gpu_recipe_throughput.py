@@ -63,7 +63,7 @@ from mmrecipes.vlm.chat_data import build_chat_dataloader
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, loss_sum, stop_token_ids
 from mmrecipes.vlm.module_groups import module_groups
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,7 +169,7 @@ def vlm_compute_only(directory: Path, batch_size: int, max_length: int, steps: i
 
     def train_step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=RECIPE_BF16):
-            loss = step(**inputs)[0]
+            loss = loss_sum(step, inputs)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(step.parameters(), 1.0)
         optimizer.step()

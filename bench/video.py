@@ -38,7 +38,7 @@ from mmrecipes.vlm.chat_data import CHAT_COUNTED, encode_row
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs, video_path
 from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.models import VLMForTraining, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, loss_sum, stop_token_ids
 from mmrecipes.vlm.videos import DecodedVideo, decode_video
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def direction_accuracy(model_dir: Path, reverse: bool, limit: int) -> float:
             batch = collator([{"input_ids": input_ids, "labels": labels, "media_inputs": inputs}
                               | dict.fromkeys(CHAT_COUNTED, 0)])
             with torch.no_grad():
-                losses[candidate] = float(step(**to_device(batch, "cpu"))[0])
+                losses[candidate] = float(loss_sum(step, to_device(batch, "cpu")))
         right += min(losses, key=losses.get) == answer
         total += 1
     return right / total

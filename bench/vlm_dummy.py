@@ -31,7 +31,7 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.losses import token_cross_entropy_sum
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, loss_sum, stop_token_ids
 from mmrecipes.vlm.module_groups import module_groups
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vlm_dummy.jsonl"
@@ -66,7 +66,7 @@ def dummy_overhead(batch_size, repeats):
     wrapper, inputs = VLMForTraining(model), to_device(batch, "cpu")
 
     def with_dummy():
-        wrapper(**inputs)[0].backward()
+        loss_sum(wrapper, inputs).backward()
 
     def without_vision():
         logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits

@@ -59,7 +59,7 @@ def _variant(mode, mixture, budget, steps, queue):
     from mmrecipes.vlm.families import dummy_image_inputs
     from mmrecipes.vlm.labels import AnswerLabeller
     from mmrecipes.vlm.losses import count_target_tokens
-    from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
+    from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, loss_sum, stop_token_ids
     from mmrecipes.vlm.module_groups import module_groups
 
     torch.manual_seed(0)
@@ -85,8 +85,8 @@ def _variant(mode, mixture, budget, steps, queue):
         batch = next(batches)
         inputs = to_device(batch, device)
         start = time.perf_counter()
-        loss_sum, _ = step(**inputs)
-        (loss_sum / max(1, count_target_tokens(batch["labels"]))).backward()
+        summed = loss_sum(step, inputs)
+        (summed / max(1, count_target_tokens(batch["labels"]))).backward()
         optimizer.step()
         optimizer.zero_grad()
         if device == "cuda":

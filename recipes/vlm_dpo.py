@@ -59,7 +59,7 @@ from mmrecipes.vlm.flops import VLMFlops
 from mmrecipes.vlm.labels import AnswerLabeller, check_template
 from mmrecipes.vlm.lora import add_lora, describe_trainable
 from mmrecipes.vlm.losses import token_loss_scale
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, save_vlm, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, save_vlm, sequence_logps, stop_token_ids
 from mmrecipes.vlm.module_groups import module_groups
 from mmrecipes.vlm.preference import (
     PREFERENCE_COUNTED,
@@ -70,7 +70,6 @@ from mmrecipes.vlm.preference import (
     dpo_loss,
     evaluate_preferences,
     frozen_reference,
-    sequence_logps,
 )
 
 PAIR_SUMS = ("loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected")  # each step's, over its pairs

@@ -68,14 +68,22 @@ from mmrecipes.training import (
     per_device_batch_size,
 )
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
-from mmrecipes.vlm.collate import ChatCollator, check_packing
+from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
 from mmrecipes.vlm.families import dummy_image_inputs, placeholder_token_ids, video_path
 from mmrecipes.vlm.flops import VLMFlops
 from mmrecipes.vlm.labels import AnswerLabeller, check_template
 from mmrecipes.vlm.lora import add_lora, describe_trainable
 from mmrecipes.vlm.losses import token_loss_scale
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, save_vlm, stop_token_ids
+from mmrecipes.vlm.models import (
+    VLMForTraining,
+    apply_train_modules,
+    check_packing,
+    load_vlm,
+    loss_sum,
+    save_vlm,
+    stop_token_ids,
+)
 from mmrecipes.vlm.module_groups import module_groups
 
 
@@ -199,9 +207,9 @@ def main(argv=None):
         for batch in window:
             # Gradients are all-reduced only on the last micro-batch of the window (no_sync before it).
             with accelerator.accumulate(model):
-                loss_sum, _ = model(**to_device(batch, accelerator.device))
-                accelerator.backward(loss_sum * loss_scale)
-            window_ce.append(loss_sum.detach())
+                summed = loss_sum(model, to_device(batch, accelerator.device))
+                accelerator.backward(summed * loss_scale)
+            window_ce.append(summed.detach())
         step_losses = torch.stack(window_ce)
         # shared: optimizer step
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping

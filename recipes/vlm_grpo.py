@@ -73,9 +73,9 @@ from mmrecipes.vlm.flops import VLMFlops
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.lora import add_lora, describe_trainable
 from mmrecipes.vlm.losses import IGNORE_INDEX, token_loss_scale
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, save_vlm, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, save_vlm, stop_token_ids, token_logps
 from mmrecipes.vlm.module_groups import module_groups
-from mmrecipes.vlm.preference import Reference, frozen_reference, token_logps
+from mmrecipes.vlm.preference import Reference, frozen_reference
 from mmrecipes.vlm.rewards import RewardScorer, load_reward_funcs
 
 

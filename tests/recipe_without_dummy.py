@@ -15,13 +15,13 @@ from mmrecipes.vlm.models import VLMForTraining
 with_dummy = VLMForTraining.forward
 
 
-def skip_tower_on_text_only(self, input_ids, attention_mask, labels, dummy_image, return_logits=False, **media_inputs):
-    if not dummy_image:
-        return with_dummy(self, input_ids, attention_mask, labels, dummy_image, return_logits=return_logits,
-                          **media_inputs)
-    text_inputs = {name: value for name, value in media_inputs.items() if name not in self.vision_input_names}
-    logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **text_inputs).logits
-    return token_cross_entropy_sum(logits, labels), logits
+def skip_tower_on_text_only(self, batch, output="loss_sum", temperature=1.0):
+    if not batch["dummy_image"]:
+        return with_dummy(self, batch, output, temperature)
+    text_inputs = {name: value for name, value in batch.items()
+                   if name in self.forward_input_names - self.vision_input_names - {"labels"}}
+    logits = self.model(**text_inputs).logits
+    return logits if output == "logits" else token_cross_entropy_sum(logits, batch["labels"])
 
 
 class SkipsTowerOnTextOnly(VLMForTraining):

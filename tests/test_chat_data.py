@@ -16,7 +16,7 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining, load_vlm, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, load_vlm, logits, loss_sum, stop_token_ids
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +135,11 @@ def test_chat_format_text_only_batch_gets_the_dummy_image(tmp_path, tiny):
     # The same forward runs on both, and on the text-only batch it equals the plain LM loss.
     wrapper = VLMForTraining(model)
     for batch in (image_batch, text_batch):
-        loss_sum, logits = wrapper(**to_device(batch, "cpu"), return_logits=True)
-        assert torch.isfinite(loss_sum) and logits.shape[:2] == batch["input_ids"].shape
+        inputs = to_device(batch, "cpu")
+        assert torch.isfinite(loss_sum(wrapper, inputs)) and logits(wrapper, inputs).shape[:2] == batch[
+            "input_ids"].shape
     plain = model(input_ids=text_batch["input_ids"], attention_mask=text_batch["attention_mask"]).logits
-    assert torch.equal(wrapper(**to_device(text_batch, "cpu"), return_logits=True)[1], plain)
+    assert torch.equal(logits(wrapper, to_device(text_batch, "cpu")), plain)
 
 
 def test_every_rank_sees_the_weighted_mixture(tiny):

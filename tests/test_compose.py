@@ -39,7 +39,7 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.compose import FLATTEN_CONTENT, IMAGE_TOKEN, compose_llava
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller, TemplateError, _runs, check_template
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, loss_sum, stop_token_ids
 from mmrecipes.vlm.module_groups import module_groups
 from tiny_language_models import save_tiny_language_model
 
@@ -152,7 +152,7 @@ def test_a_composed_llava_counts_its_image_tokens_keeps_its_parts_and_stage_1_tr
     optimizer = torch.optim.SGD([p for params in trainable.values() for p in params], lr=0.1)
     batch = ChatCollator(tokenizer.pad_token_id, dummy)([{"input_ids": input_ids, "labels": labels,
                                                            "media_inputs": media, **dict.fromkeys(CHAT_COUNTED, 0)}])
-    VLMForTraining(model)(**to_device(batch, "cpu"))[0].backward()
+    loss_sum(VLMForTraining(model), to_device(batch, "cpu")).backward()
     optimizer.step()
     moved = {name for name, param in model.named_parameters() if not torch.equal(param, before[name])}
     assert moved and all(name.startswith("model.multi_modal_projector.") for name in moved)

@@ -22,7 +22,7 @@ from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.lora import add_lora
 from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining, load_vlm, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, load_vlm, sequence_logps, stop_token_ids
 from mmrecipes.vlm.module_groups import module_groups
 from mmrecipes.vlm.preference import (
     PreferenceCollator,
@@ -30,7 +30,6 @@ from mmrecipes.vlm.preference import (
     Reference,
     answer_tokens,
     dpo_loss,
-    sequence_logps,
 )
 
 DPO_RECIPE = REPO / "recipes" / "vlm_dpo.py"

@@ -18,7 +18,7 @@ from mmrecipes.vlm.losses import (
     token_cross_entropy_sum,
     token_loss_scale,
 )
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, loss_sum
 from mmrecipes.vlm.module_groups import module_groups
 from recipe_without_dummy import SkipsTowerOnTextOnly
 
@@ -86,8 +86,8 @@ def test_dummy_gives_exact_zero_vision_gradients_and_changes_nothing_else(family
     generator = torch.Generator().manual_seed(0)
     batch = collate(model, [row(model, 4, image=False, generator=generator) for _ in range(2)])
     assert batch["dummy_image"]
-    loss_sum, _ = VLMForTraining(model)(**inputs(batch))
-    loss_sum.backward()
+    summed = loss_sum(VLMForTraining(model), inputs(batch))
+    summed.backward()
     with_dummy = {name: p.grad.clone() if p.grad is not None else None for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     text_inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "mm_token_type_ids") if key in batch}
@@ -95,7 +95,7 @@ def test_dummy_gives_exact_zero_vision_gradients_and_changes_nothing_else(family
     plain = head_cross_entropy_sum(model.base_model(**text_inputs, use_cache=False)[0], model.get_output_embeddings(),
                                    batch["labels"])
     plain.backward()
-    assert torch.equal(loss_sum, plain)  # the slice adds exactly nothing
+    assert torch.equal(summed, plain)  # the slice adds exactly nothing
     torch.testing.assert_close(plain, token_cross_entropy_sum(model(**text_inputs).logits, batch["labels"]))
     vision_step = 0
     for name, param in model.named_parameters():
@@ -116,8 +116,7 @@ def _ddp_mixed_steps(rank, world_size, family, wrapper_class):
     generator = torch.Generator().manual_seed(rank)
     ddp = torch.nn.parallel.DistributedDataParallel(wrapper_class(model))  # find_unused_parameters=False
     for _ in range(2):
-        loss_sum, _ = ddp(**inputs(collate(model, [row(model, 3, image=rank == 0, generator=generator)])))
-        loss_sum.backward()
+        loss_sum(ddp, inputs(collate(model, [row(model, 3, image=rank == 0, generator=generator)]))).backward()
     return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
@@ -154,11 +153,11 @@ def _accelerate_window(rank, world_size, normalisation):
     window_tokens = sum_over_ranks(torch.tensor(float(sum(count_target_tokens(b["labels"]) for b in window))))
     for batch in window:
         with accelerator.accumulate(ddp):
-            loss_sum, _ = ddp(**inputs(batch))
+            summed = loss_sum(ddp, inputs(batch))
             if normalisation in ("token", "token_packed"):
-                accelerator.backward(loss_sum * token_loss_scale(window_tokens, 2, world_size))
+                accelerator.backward(summed * token_loss_scale(window_tokens, 2, world_size))
             else:  # the per-micro-batch mean most loops compute
-                accelerator.backward(loss_sum / count_target_tokens(batch["labels"]))
+                accelerator.backward(summed / count_target_tokens(batch["labels"]))
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
@@ -171,8 +170,7 @@ def test_window_gradient_is_the_token_mean_of_one_big_batch(normalisation):
     model = tiny_llava()
     everything = [r for rank in WINDOW for rows in window_rows(model, rank) for r in rows]
     batch = collate(model, everything)
-    loss_sum, _ = VLMForTraining(model)(**inputs(batch))
-    (loss_sum / count_target_tokens(batch["labels"])).backward()
+    (loss_sum(VLMForTraining(model), inputs(batch)) / count_target_tokens(batch["labels"])).backward()
     truth = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
     grads = run_on_ranks(_accelerate_window, 2, normalisation)[0]

@@ -24,7 +24,7 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.lora import add_lora, save_lora
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, loss_sum, stop_token_ids
 from test_lora import tiny
 from test_vlm_engines import settings
 from test_vlm_families import END_OF_TURN, FAMILIES
@@ -69,11 +69,11 @@ def train(model, processor, parameters, steps, shown=square, family=None) -> lis
     shuffle, losses = random.Random(0), []
     for _ in range(steps):
         batch = collator(shuffle.sample(rows * 2, 8))
-        loss_sum, _ = wrapper(**to_device(batch, "cpu"))
-        (loss_sum / batch["target_tokens"]).backward()
+        summed = loss_sum(wrapper, to_device(batch, "cpu"))
+        (summed / batch["target_tokens"]).backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss_sum.item() / batch["target_tokens"])
+        losses.append(summed.item() / batch["target_tokens"])
     return losses
 
 
@@ -113,8 +113,7 @@ def _mixed_ranks_steps(rank, world_size, directories):
         assert batch["dummy_image"] == (rank == 1)
         ddp = DistributedDataParallel(VLMForTraining(model))
         for _ in range(2):
-            loss_sum, _ = ddp(**to_device(batch, "cpu"))
-            loss_sum.backward()
+            loss_sum(ddp, to_device(batch, "cpu")).backward()
         grads[family] = {name: param.grad for name, param in model.named_parameters() if param.requires_grad}
     return grads
 

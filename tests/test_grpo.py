@@ -24,8 +24,7 @@ from mmrecipes.vlm.families import dummy_image_inputs, placeholder_token_ids
 from mmrecipes.vlm.grpo import GroupLayout, LossNormaliser, PromptPreprocessor, Rollouts, group_advantages, token_losses
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining, stop_token_ids
-from mmrecipes.vlm.preference import token_logps
+from mmrecipes.vlm.models import VLMForTraining, stop_token_ids, token_logps
 from mmrecipes.vlm.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
 from mmrecipes.vlm.sampling import chat_rows, generate_group, prompt_seed, sample_group
 from test_chat_data import chat_row

@@ -4,7 +4,6 @@ whole rows and resume exactly, and launched under every engine packing gives the
 token-budget batches padded. (The 2-rank gradient of packed windows: test_dummy_modality.py.)"""
 
 import re
-from functools import partial
 
 import pytest
 import torch
@@ -16,10 +15,11 @@ from launch import VLM_RECIPE, assert_engine, assert_same_curves, run_engine
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row
-from mmrecipes.vlm.collate import ChatCollator, check_packing
+from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.models import VLMForTraining, load_vlm, stop_token_ids
+from mmrecipes.vlm.losses import token_cross_entropy_sum
+from mmrecipes.vlm.models import VLMForTraining, check_packing, load_vlm, logits, loss_sum, stop_token_ids
 
 PACKING_FAMILIES = [None, "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3",
                     "llava_onevision", "mistral3"]  # None: the tiny default Llava
@@ -59,31 +59,34 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
     dummy_inputs = dummy_image_inputs(model, processor)
     rows = rows_of(labeller)
-    step = partial(VLMForTraining(model), return_logits=True)
-    alone = [step(**to_device(ChatCollator(0, dummy_inputs)([row]), "cpu")) for row in rows]
+    step = VLMForTraining(model)
+    alone = [logits(step, to_device(ChatCollator(0, dummy_inputs)([row]), "cpu")) for row in rows]
+    alone_losses = [loss_sum(step, to_device(ChatCollator(0, dummy_inputs)([row]), "cpu")) for row in rows]
     lengths = [len(row["input_ids"]) for row in rows]
     for pack_length, sequences in ((None, [[0, 1, 2]]), (lengths[0] + lengths[1], [[0, 1], [2]])):
         batch = to_device(ChatCollator(0, dummy_inputs, packing=True, pack_length=pack_length)(rows),
                                   "cpu")
-        loss, logits = step(**batch)
-        assert logits.shape[0] == len(sequences)
+        packed_logits = logits(step, batch)
+        assert packed_logits.shape[0] == len(sequences)
         for index, sequence in enumerate(sequences):
-            expected = torch.cat([alone[i][1] for i in sequence], dim=1)[0]
-            torch.testing.assert_close(logits[index, :len(expected)], expected, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(loss, sum(a[0] for a in alone), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(step.func(**batch)[0], loss, rtol=1e-5, atol=1e-5)  # the training loss, in slices
+            expected = torch.cat([alone[i] for i in sequence], dim=1)[0]
+            torch.testing.assert_close(packed_logits[index, :len(expected)], expected, rtol=1e-5, atol=1e-5)
+        loss = token_cross_entropy_sum(packed_logits, batch["labels"])
+        torch.testing.assert_close(loss, sum(alone_losses), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loss_sum(step, batch), loss, rtol=1e-5, atol=1e-5)  # the training loss, in slices
     packed = to_device(ChatCollator(0, dummy_inputs, packing=True)(rows), "cpu")
-    logits = step(**packed)[1]
+    packed_logits = logits(step, packed)
     check_packing(VLMForTraining(model), labeller, dummy_inputs)
 
     one_sequence = {k: v for k, v in packed.items() if k not in ("sample_lengths", "media_per_sample")}
-    assert not torch.allclose(step(**one_sequence)[1], logits, atol=1e-3)  # positions go on, attention crosses
+    # positions go on, attention crosses
+    assert not torch.allclose(logits(step, one_sequence), packed_logits, atol=1e-3)
     crossing = model(input_ids=packed["input_ids"], attention_mask=packed["attention_mask"], use_cache=False,
                           position_ids=torch.cat([torch.arange(len(row["input_ids"])) for row in rows])[None],
                           **{k: v for k, v in packed.items() if k in ("mm_token_type_ids", "pixel_values",
                                                                       "image_grid_thw", "pixel_attention_mask",
                                                                       "image_sizes", "batch_num_images")}).logits
-    assert not torch.allclose(crossing, logits, atol=1e-3)  # positions restart, attention crosses
+    assert not torch.allclose(crossing, packed_logits, atol=1e-3)  # positions restart, attention crosses
 
 
 def test_a_family_that_does_not_keep_packed_samples_apart_is_rejected(tiny_vlms):

@@ -20,8 +20,8 @@ from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs, video_path
 from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining, load_vlm, stop_token_ids
+from mmrecipes.vlm.losses import IGNORE_INDEX, token_cross_entropy_sum
+from mmrecipes.vlm.models import VLMForTraining, load_vlm, logits, loss_sum, stop_token_ids
 from mmrecipes.vlm.videos import DecodedVideo, decode_video
 
 VIDEO_CHAT = REPO / "data" / "vlm_shapes" / "video_chat"
@@ -117,13 +117,14 @@ def test_clips_leave_the_workers_as_uint8_and_are_finished_to_the_processors_own
     assert torch.equal(inputs["pixel_values_videos"], own)
     assert not torch.equal(batch["pixel_values_videos"].float(), own)  # the raw uint8 values are not the inputs
     step = VLMForTraining(model)
-    assert torch.equal(step(**inputs)[0], step(**(inputs | {"pixel_values_videos": own}))[0])
+    assert torch.equal(loss_sum(step, inputs), loss_sum(step, inputs | {"pixel_values_videos": own}))
 
 
 def losses_of(model, dummy, rows, packing=False):
     step = VLMForTraining(model)
     batch = ChatCollator(0, dummy, packing=packing)(rows)
-    return step(**to_device(batch, "cpu"), return_logits=True)
+    inputs = to_device(batch, "cpu")
+    return token_cross_entropy_sum(logits(step, inputs), inputs["labels"]), logits(step, inputs)
 
 
 @torch.no_grad()
@@ -155,7 +156,7 @@ def test_every_batch_makes_the_same_tower_calls(tiny_vlms, name, calls):
         try:
             batch = ChatCollator(0, dummy)(rows)
             model.zero_grad()
-            step(**to_device(batch, "cpu"))[0].backward()
+            loss_sum(step, to_device(batch, "cpu")).backward()
         finally:
             hook.remove()
         assert batch["dummy_image"] and len(counted) == calls[kind], (kind, counted)

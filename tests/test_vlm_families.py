@@ -21,7 +21,7 @@ from mmrecipes.vlm.evaluation import greedy_tokens
 from mmrecipes.vlm.families import PROJECTORS, check_trainable, dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller, TemplateError, check_template
 from mmrecipes.vlm.losses import IGNORE_INDEX, token_cross_entropy_sum
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, loss_sum, stop_token_ids
 from mmrecipes.vlm.module_groups import module_groups
 
 FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3", "gemma3",
@@ -286,9 +286,9 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
     assert decoded == ["red" + end, "blue" + end, "two" + end]
     assert [(row == labeller.image_token_id).any().item() for row in batch["input_ids"]] == [True, True, False]
     wrapper = VLMForTraining(model)
-    loss_sum, _ = wrapper(**to_device(batch, "cpu"))
-    loss_sum.backward()
-    assert torch.isfinite(loss_sum)
+    summed = loss_sum(wrapper, to_device(batch, "cpu"))
+    summed.backward()
+    assert torch.isfinite(summed)
     # The loss from the base model's hidden states and the output layer in slices is the loss of the
     # family's own forward (its whole logits): lm_head(base_model(...)) is all that forward adds. The dummy
     # clip is not the batch's: the family's forward would look for its placeholders.
@@ -296,7 +296,7 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
     with torch.no_grad():
         own_logits = model(**{name: value for name, value in to_device(batch, "cpu").items()
                               if name in wrapper.forward_input_names and name not in not_given}).logits
-    torch.testing.assert_close(loss_sum.detach(), token_cross_entropy_sum(own_logits, batch["labels"]), rtol=1e-5,
+    torch.testing.assert_close(summed.detach(), token_cross_entropy_sum(own_logits, batch["labels"]), rtol=1e-5,
                                atol=1e-5)
     vision_step = [p for name, p in model.named_parameters() if p.grad is not None and name not in language_model]
     assert vision_step and any(p.grad.any() for p in vision_step)
@@ -304,7 +304,7 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
     (text_only,) = batches("text_only.json", 1)
     assert text_only["dummy_image"]
     model.zero_grad(set_to_none=True)
-    wrapper(**to_device(text_only, "cpu"))[0].backward()
+    loss_sum(wrapper, to_device(text_only, "cpu")).backward()
     assert all(p.grad is not None and not p.grad.any() for p in vision_step)
 
 
@@ -331,7 +331,7 @@ def test_a_two_image_llava_row_brings_both_images_to_the_loss(tiny_vlms, tmp_pat
         image_tokens = (batch["input_ids"] == labeller.image_token_id).sum(dim=1)
         assert image_tokens[1] > image_tokens[0] > 0  # both images expanded in the two-image row
         with torch.no_grad():
-            losses.append(wrapper(**to_device(batch, "cpu"))[0])
+            losses.append(loss_sum(wrapper, to_device(batch, "cpu")))
     assert not torch.isclose(losses[0], losses[1], rtol=1e-6, atol=0)
 
 

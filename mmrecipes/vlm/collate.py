@@ -4,14 +4,13 @@ checks before the first step that use it.
 `ChatCollator` gives a batch without any image the model's tiny dummy image, so the vision step
 runs on every rank for every micro-batch (see mmrecipes.vlm.models); it also counts, on the host, what the
 loop needs (rows, tokens, target tokens, data counts: `images.HOST_KEYS`, which `images.to_device` leaves on the
-host). `probe_rows` and `check_packing` run it
-on two probe conversations before training.
+host). `probe_rows`: two probe conversations for the checks before training (`models.check_packing`).
 """
 
 import torch
 from PIL import Image
 
-from ..images import NORMALIZED_BY, to_device
+from ..images import NORMALIZED_BY
 from .chat_data import CHAT_COUNTED, TOKEN_ALIGNED, encode_row
 from .losses import IGNORE_INDEX, count_target_tokens
 
@@ -136,25 +135,3 @@ def probe_rows(labeller) -> list[dict]:
         rows.append({"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs}
                     | dict.fromkeys(CHAT_COUNTED, 0))
     return rows
-
-
-
-@torch.no_grad()
-def check_packing(step, labeller, dummy_inputs):
-    """Raise before the first step unless an image conversation and a text one, packed into one
-    sequence, give the logits each gives alone (the model keeps packed samples apart). `step`: the
-    model's `mmrecipes.vlm.models.VLMForTraining`."""
-    rows = probe_rows(labeller)
-    model, training = step.model, step.model.training
-    model.eval()
-    try:
-        _, packed = step(**to_device(ChatCollator(0, dummy_inputs, packing=True)(rows), "cpu"),
-                         return_logits=True)
-        alone = torch.cat([step(**to_device(ChatCollator(0, dummy_inputs)([row]), "cpu"),
-                                return_logits=True)[1] for row in rows], dim=1)
-    finally:
-        model.train(training)
-    if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4):
-        raise ValueError(f"--packing: {type(model).__name__} does not keep packed samples apart (its logits differ by "
-                         f"{(packed - alone).abs().max().item():.3g} from the samples run alone): drop --packing, or "
-                         "keep --max_tokens_per_batch without it")

@@ -13,19 +13,14 @@ import torch.utils.checkpoint
 IGNORE_INDEX = -100  # label of positions that are not trained on (prompt, image tokens, padding)
 
 
-def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, per_row: bool = False) -> torch.Tensor:
-    """Summed next-token CE over the positions whose (shifted) label is not IGNORE_INDEX, in fp32; `per_row`: each
-    row's sum (`[batch]`: a sequence's negative log-probability)."""
-    if per_row:
-        return F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels[:, 1:], ignore_index=IGNORE_INDEX,
-                               reduction="none").sum(1)
+def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token CE over the positions whose (shifted) label is not IGNORE_INDEX, in fp32."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
 
 
 def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
-                           num_chunks: int = 8, softcap: float | None = None, per_row: bool = False,
-                           per_token: bool = False, temperature: float = 1.0) -> torch.Tensor:
+                           num_chunks: int = 8, softcap: float | None = None) -> torch.Tensor:
     """`token_cross_entropy_sum(head(hidden), labels)` without the `[batch, tokens, vocab]` fp32 logits.
 
     The shifted positions go through `head` (the LM's output layer) in `num_chunks` slices; each
@@ -35,17 +30,31 @@ def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: 
     times whatever its batch (under ZeRO-3 each call gathers the weight, a collective), and the
     slices' shapes come from the batch's shape, never from its values (no host read, no recompile
     for a new count of targets). Ignored positions (prompt, image, padding) add exactly 0.
-    `softcap`: Gemma-style final logit soft-capping (`tanh(logits / cap) * cap`). `per_row`: each row's sum;
-    `per_token`: no sum, `[batch, tokens - 1]` (each target's negative log-probability, 0 elsewhere: GRPO's ratios),
-    of the logits divided by `temperature` (the distribution GRPO sampled from, as TRL scores it).
+    `softcap`: Gemma-style final logit soft-capping (`tanh(logits / cap) * cap`).
     """
-    positions = hidden[:, :-1].flatten(0, 1)
-    targets = labels[:, 1:].flatten()
-    if per_token:
-        parts = [torch.utils.checkpoint.checkpoint(_chunk_token_cross_entropy, part, part_targets, head, softcap,
-                                                   temperature, use_reentrant=False)
-                 for part, part_targets in zip(positions.tensor_split(num_chunks), targets.tensor_split(num_chunks))]
-        return torch.cat(parts).view(len(hidden), hidden.shape[1] - 1)
+    return _chunked_sum(hidden, head, labels, num_chunks, softcap, per_row=False)
+
+
+def head_cross_entropy_per_row(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
+                               num_chunks: int = 8, softcap: float | None = None) -> torch.Tensor:
+    """Each row's summed CE, `[rows]` (its answers' negative log-probability), as `head_cross_entropy_sum`."""
+    return _chunked_sum(hidden, head, labels, num_chunks, softcap, per_row=True)
+
+
+def head_cross_entropy_per_token(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
+                                 num_chunks: int = 8, softcap: float | None = None,
+                                 temperature: float = 1.0) -> torch.Tensor:
+    """Each target's CE, `[rows, tokens - 1]` (0 elsewhere), of the logits divided by `temperature` (the distribution
+    GRPO sampled from, as TRL scores it), as `head_cross_entropy_sum`."""
+    positions, targets = hidden[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    parts = [torch.utils.checkpoint.checkpoint(_chunk_token_cross_entropy, part, part_targets, head, softcap,
+                                               temperature, use_reentrant=False)
+             for part, part_targets in zip(positions.tensor_split(num_chunks), targets.tensor_split(num_chunks))]
+    return torch.cat(parts).view(len(hidden), hidden.shape[1] - 1)
+
+
+def _chunked_sum(hidden, head, labels, num_chunks: int, softcap, per_row: bool) -> torch.Tensor:
+    positions, targets = hidden[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
     rows = torch.arange(len(hidden), device=hidden.device).repeat_interleave(hidden.shape[1] - 1) if per_row else None
     row_parts = rows.tensor_split(num_chunks) if per_row else [None] * num_chunks
     total = hidden.new_zeros(len(hidden) if per_row else (), dtype=torch.float32)

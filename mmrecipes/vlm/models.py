@@ -1,38 +1,12 @@
-"""Vision-language models that run the same graph on every rank, whatever each rank's batch holds.
+"""The VLM step, `VLMForTraining`: any `AutoModelForImageTextToText` model running the same graph on every rank
+whatever each rank's batch holds, with named outputs; loading (`load_vlm`), the freezing presets, saving.
 
-When one data-parallel rank gets a text-only micro-batch and another an image-text one, the
-vision tower and projector run on some ranks only: DDP waits for gradients that never come,
-FSDP and ZeRO-3 issue mismatched all-gathers (docs/vlm.md, "The dummy image"). `VLMForTraining` wraps any
-`AutoModelForImageTextToText` model (Llava, Qwen2.5-VL, Qwen3-VL, Idefics3, Gemma 3, ...) so that
-every micro-batch calls the vision step exactly once, in the same module order on every rank:
-
-1. image features: `model.get_image_features(...)` on the batch's images, or on the one tiny
-   dummy image `ChatCollator` puts into a text-only batch (`families.dummy_image_inputs`);
-   a batch's clips go through the same call where the video features are the image features of the
-   same inputs (Qwen), or through the model's own `get_video_features` on every micro-batch, on a
-   dummy clip where there is none (LLaVA-OneVision; `families.video_path`);
-2. the model's own forward, given real features as `mm_encoder_outputs`, or no images at all;
-3. the summed token cross-entropy, plus, for a dummy, a zero-length slice of every feature tensor
-   the language model would read (`families.lm_features`): the vision parameters get an
-   exact-zero gradient and the loss and LM gradients stay bitwise unchanged. Slicing, not
-   `0 * features`, because `0 * inf = nan`.
-
-The loss is computed from the base model's last hidden states and the output layer in slices
-(`losses.head_cross_entropy_sum`): the `[batch, tokens, vocab]` logits and their fp32 copy never
-exist in training (4.9 GB at 8 x 1000 tokens of Qwen's vocabulary). What the family's own forward
-does after its base model (`base_model_prefix`) is `lm_head(hidden_states)`, for every family in
-`transformers` we train; the text config's `final_logit_softcapping`, where set, is applied as
-Gemma's LM does. Evaluation asks for the logits (`return_logits=True`).
-
-Family differences (dummy shapes, extra image inputs, module groups) come from the model's
-signatures, configs and module tree (`mmrecipes.vlm.families`), never from its name.
-
-The wrapper reads no parameter itself: under ZeRO-3, reading a sub-module's parameter (its dtype,
-say) in a parent's forward gathers it on that rank only and breaks the next collective
-(measured on gloo: a size-mismatch abort); each tower casts its inputs inside its own forward.
-
-A dummy's zero gradient still lets AdamW apply weight decay and momentum to those parameters on
-that step; train the tower with `weight_decay=0` (the recipe's default for it) if that matters.
+Every micro-batch calls the vision step once (its images and clips, or the collator's tiny dummy image), and a dummy's
+features enter the output as a zero-length slice inside the module the engine wraps: a text-only rank runs the vision
+tower's collectives too, and the loss and gradients stay bitwise the text's (docs/vlm.md, "Mixed text-only / image
+batches"). Losses come from the last hidden states through the output layer in slices (`losses`): the fp32 logits of
+a whole batch never exist in training. Family differences come from signatures, configs and the module tree
+(`families`), never a name. The step reads no parameter itself: under ZeRO-3 that would gather it on one rank only.
 """
 
 import inspect
@@ -51,11 +25,13 @@ from transformers import (
 )
 
 from ..distributed import fsdp_block_classes
+from ..images import to_device
 from .arguments import VLMModelArgs
+from .collate import ChatCollator, probe_rows
 from .compose import compose_llava, replaced_template
 from .families import check_trainable, height_width, lm_features, split_items, video_as_image_names
 from .lora import save_lora
-from .losses import head_cross_entropy_sum, soft_capped, token_cross_entropy_sum
+from .losses import head_cross_entropy_per_row, head_cross_entropy_per_token, head_cross_entropy_sum, soft_capped
 from .module_groups import ModuleGroups
 from .packing import packed_position_ids
 
@@ -67,12 +43,11 @@ TRAIN_MODULE_CHOICES = ("projector", "projector,language_model", "all")
 class VLMForTraining(torch.nn.Module):
     """One training/eval step of an image-text-to-text model that is the same graph on every rank.
 
-    `forward(batch)` takes a `ChatCollator` batch and returns (summed token CE, logits or
-    None): the logits only with `return_logits=True`; `per_row=True`: each row's summed CE (its answers'
-    negative log-probability; unpacked batches); `per_token=True`: each target token's CE, `[rows, tokens - 1]`,
-    of the logits divided by `temperature`.
-    Wrap the model *before* `accelerator.prepare`: the dummy's features must enter the loss inside the module the
-    engine wraps, or DDP sees the vision parameters' (zero) gradients too late.
+    Its outputs are named (`loss_sum`, `sequence_logps`, `token_logps`, `logits`: the functions below), and each is
+    one call of the module, `model(batch, output)`, the prepared one included: the engine's forward runs its hooks
+    (DDP's, FSDP2's unsharding, ZeRO-3's gathers) around everything, and the dummy's features enter the output
+    inside it. Wrap the model *before* `accelerator.prepare`, or DDP sees the vision parameters' (zero) gradients
+    too late.
     """
 
     def __init__(self, model):
@@ -84,9 +59,28 @@ class VLMForTraining(torch.nn.Module):
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         self.clip_layout = _clip_layout(model) if not self.video_as_image else None
 
-    def forward(self, input_ids, attention_mask, labels, dummy_image: bool, dummy_video=False, sample_lengths=None,
-                media_per_sample=None, video_frames=None, return_logits=False, per_row=False, per_token=False,
-                temperature=1.0, **media_inputs):
+    def forward(self, batch: dict, output: str = "loss_sum", temperature: float = 1.0) -> torch.Tensor:
+        """`output` of a `ChatCollator` batch on the device (`images.to_device`); see the named functions."""
+        hidden, dummies = self._hidden_states(**batch)
+        head, labels = self.model.get_output_embeddings(), batch["labels"]
+        if output == "logits":  # evaluation and sampling: no backward, so no dummy term
+            return soft_capped(head(hidden), self.softcap)
+        if output == "loss_sum":
+            value = head_cross_entropy_sum(hidden, head, labels, softcap=self.softcap)
+        elif output == "sequence_logps":
+            value = -head_cross_entropy_per_row(hidden, head, labels, softcap=self.softcap)
+        elif output == "token_logps":
+            value = -head_cross_entropy_per_token(hidden, head, labels, softcap=self.softcap, temperature=temperature)
+        else:
+            raise ValueError(f"no output {output!r}: one of loss_sum, sequence_logps, token_logps, logits")
+        for dummy in dummies:  # exact zeros into the output: the dummy's parameters get their gradients on every rank
+            value = value + torch.cat([part.flatten() for part in lm_features(dummy)])[:0].sum()
+        return value
+
+    def _hidden_states(self, input_ids, attention_mask, labels, dummy_image: bool, dummy_video=False,
+                       sample_lengths=None, media_per_sample=None, video_frames=None, **media_inputs):
+        """(the base model's last hidden states, the dummies' features): one vision call (images, clips, or the
+        dummy), then the language model on the merged sequence."""
         vision_inputs = {name: value for name, value in media_inputs.items() if name in self.vision_input_names}
         videos = {name: value for name, value in media_inputs.items() if name in self.video_as_image}
         # Videos go through the tower in the same call as the images (or the dummy), after them: one call a step.
@@ -123,16 +117,7 @@ class VLMForTraining(torch.nn.Module):
         # No KV cache: training needs none, and transformers reads packed positions only without one.
         hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                        **other_inputs)[0]
-        head, logits = self.model.get_output_embeddings(), None
-        if return_logits:
-            logits = soft_capped(head(hidden), self.softcap)
-            loss_sum = token_cross_entropy_sum(logits, labels, per_row)
-        else:
-            loss_sum = head_cross_entropy_sum(hidden, head, labels, softcap=self.softcap, per_row=per_row,
-                                              per_token=per_token, temperature=temperature)
-        for dummy in dummies:  # exact zeros into the loss: the dummy's parameters get their gradients on every rank
-            loss_sum = loss_sum + torch.cat([part.flatten() for part in lm_features(dummy)])[:0].sum()
-        return loss_sum, logits
+        return hidden, dummies
 
     # accelerate's FSDP2 path asks the root module for both: it shards them in one group when they are
     # tied (Gemma 3, Qwen2.5-VL-3B), and torch refuses a tied weight in two groups.
@@ -145,6 +130,29 @@ class VLMForTraining(torch.nn.Module):
     @property
     def _no_split_modules(self):  # what accelerate_configs/fsdp2.yaml wraps
         return fsdp_block_classes(self.model)
+
+
+def loss_sum(model, batch: dict) -> torch.Tensor:
+    """The batch's summed token CE (training back-propagates it times `losses.token_loss_scale`). `model`: a
+    `VLMForTraining`, prepared or not; `batch`: on the device."""
+    return model(batch, "loss_sum")
+
+
+def sequence_logps(model, batch: dict) -> torch.Tensor:
+    """Each row's answer log-probability, `[rows]`: the sum over its target tokens (DPO's; unpacked batches)."""
+    return model(batch, "sequence_logps")
+
+
+def token_logps(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+    """Each target token's log-probability at `temperature` (GRPO's: the sampling temperature, as TRL scores them),
+    `[rows, tokens - 1]`, 0 elsewhere."""
+    return model(batch, "token_logps", temperature)
+
+
+def logits(model, batch: dict) -> torch.Tensor:
+    """The logits, `[rows, tokens, vocabulary]` (soft-capped where the family does): evaluation and sampling, never
+    a backward (they carry no dummy term)."""
+    return model(batch, "logits")
 
 
 @torch.no_grad()
@@ -185,6 +193,26 @@ def _own_frames(features, frames: list[int], layout) -> torch.Tensor:
     per_frame, extra = layout
     return torch.cat([torch.cat([clip[:count * per_frame], clip[len(clip) - extra:]])
                       for clip, count in zip(features, frames)])[None]
+
+
+@torch.no_grad()
+def check_packing(step, labeller, dummy_inputs):
+    """Raise before the first step unless an image conversation and a text one, packed into one
+    sequence, give the logits each gives alone (the model keeps packed samples apart). `step`: the
+    model's `VLMForTraining`."""
+    rows = probe_rows(labeller)
+    model, training = step.model, step.model.training
+    model.eval()
+    try:
+        packed = logits(step, to_device(ChatCollator(0, dummy_inputs, packing=True)(rows), "cpu"))
+        alone = torch.cat([logits(step, to_device(ChatCollator(0, dummy_inputs)([row]), "cpu")) for row in rows],
+                          dim=1)
+    finally:
+        model.train(training)
+    if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4):
+        raise ValueError(f"--packing: {type(model).__name__} does not keep packed samples apart (its logits differ by "
+                         f"{(packed - alone).abs().max().item():.3g} from the samples run alone): drop --packing, or "
+                         "keep --max_tokens_per_batch without it")
 
 
 def load_vlm(args: VLMModelArgs):

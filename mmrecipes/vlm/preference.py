@@ -32,6 +32,7 @@ from ..sources import DATA_FILE, PROBLEM, row_name
 from .arguments import DPOArgs
 from .chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor, string_prompt
 from .losses import IGNORE_INDEX
+from .models import sequence_logps, token_logps
 
 PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image", "id"]
 # What the DPO log counts: the SFT recipe's skips, and pairs whose answers are the same or one of them empty
@@ -146,18 +147,6 @@ class PreferenceCollator:
         if self.keys:
             batch["pair_keys"] = [pair_key(pair["chosen"], pair["rejected"]) for pair in pairs]
         return batch
-
-
-def sequence_logps(step, inputs: dict) -> torch.Tensor:
-    """Each row's answer log-probability, `[2 * pairs]` (chosen rows first): the sum over its answer tokens from
-    `step` (a `VLMForTraining`, prepared or not)."""
-    return -step(**inputs, per_row=True)[0]
-
-
-def token_logps(step, inputs: dict, temperature: float = 1.0) -> torch.Tensor:
-    """Each target token's log-probability from `step` at `temperature` (GRPO's: the sampling temperature, as TRL
-    scores them), `[rows, tokens - 1]`, 0 elsewhere; with a graph where gradients are on."""
-    return -step(**inputs, per_token=True, temperature=temperature)[0]
 
 
 def answer_tokens(inputs: dict) -> torch.Tensor:

@@ -26,6 +26,7 @@ from .arguments import GRPOArgs
 from .chat_data import CHAT_COUNTED
 from .evaluation import with_token_appended
 from .losses import IGNORE_INDEX
+from .models import logits
 
 
 def prompt_seed(seed: int, prompt: dict) -> int:
@@ -67,8 +68,7 @@ def sample_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed: 
     for _ in range(args.max_completion_length):
         if not max_over_ranks(torch.tensor(float(not all(stopped)), device=device)).item():
             break  # every rank's completions have stopped
-        _, logits = model(**inputs, return_logits=True)
-        tokens = torch.tensor(sampler.draw(logits[:, -1]))
+        tokens = torch.tensor(sampler.draw(logits(model, inputs)[:, -1]))
         for index, token in enumerate(tokens.tolist()):
             if not stopped[index]:
                 completions[index].append(token)
