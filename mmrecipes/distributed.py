@@ -9,7 +9,6 @@ run on GPUs run for real on CPU. On GPUs and in a single process it is plain `Ac
 
 import os
 import zlib
-from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
 
@@ -173,6 +172,18 @@ class DivergenceGuard:
     def requested(cls, flag: bool) -> bool:
         return (flag or os.environ.get(cls.ENV, "0") not in ("", "0", "false")) and dist.is_initialized()
 
+    @classmethod
+    def if_requested(cls, flag: bool, accelerator, prepared_model, *, compiled: bool, timeout_s: int):
+        """The guard on the prepared model's modules (after `prepare`: its hooks run before the engine's), said in
+        the log, where it is asked for; else None. Compiled blocks skip Python's module calls: refused."""
+        if not cls.requested(flag):
+            return None
+        if compiled:
+            raise ValueError("--debug_divergence checks every module call from Python, which compiled blocks skip: "
+                             "drop --torch_compile while you debug")
+        accelerator.print("divergence guard on: the ranks compare every module call")
+        return cls(accelerator.unwrap_model(prepared_model), timeout_s=timeout_s)
+
     def check(self, name, module, args):
         self.calls += 1
         mine = torch.tensor([zlib.crc32(name.encode())], dtype=torch.long)
@@ -207,59 +218,3 @@ def batches_in_step(batches, filler, device):
     batches = iter(batches)
     while not all_ranks_true((batch := next(batches, None)) is None, device):
         yield (filler, False) if batch is None else (batch, True)
-
-
-def _zero3(accelerator: Accelerator) -> bool:
-    plugin = accelerator.state.deepspeed_plugin
-    return plugin is not None and plugin.zero_stage == 3
-
-
-def generation_line(accelerator: Accelerator, gather: bool) -> str:
-    """How `model_for_sampling` samples, for the log."""
-    if _zero3(accelerator):
-        return ("sampling: generate, the whole model gathered on every rank once a step (--ds3_gather_for_generation)"
-                if gather else "sampling: each layer gathered in each forward, every rank forwarding until all are "
-                               "done (--ds3_gather_for_generation true: the whole model, once a step, and generate)")
-    if accelerator.distributed_type == DistributedType.FSDP:
-        return "sampling: each block gathered in each forward, every rank forwarding until all are done" + (
-            " (--ds3_gather_for_generation does nothing under FSDP2: it gathers for ZeRO-3 only)" if gather else "")
-    return "sampling: generate, the whole model on every rank" + (
-        " (--ds3_gather_for_generation does nothing without ZeRO-3)" if gather else "")
-
-
-@contextmanager
-def model_for_sampling(accelerator: Accelerator, model, gather: bool):
-    """(the module to sample with, whether it is whole on this rank). Whole: no collective in its forward, so each
-    rank may `generate` on its own (DDP, ZeRO-1/2, one process; and ZeRO-3 with `gather`, TRL's
-    `ds3_gather_for_generation`: every parameter gathered on every rank once, the engine's fetch and release hooks off
-    for the while, at a whole model's memory per rank; they come back as TRL 1.16 puts them back). Not whole (FSDP,
-    ZeRO-3 without `gather`): the prepared model, whose every forward gathers parameters on every rank."""
-    if accelerator.distributed_type == DistributedType.FSDP:
-        yield model, False
-    elif not _zero3(accelerator):
-        with accelerator.autocast():  # the prepared forward's mixed precision, which unwrapping leaves behind
-            yield accelerator.unwrap_model(model), True
-    else:
-        with _gathered(accelerator, model) if gather else nullcontext((model, False)) as sampling:
-            yield sampling
-
-
-@contextmanager
-def _gathered(accelerator: Accelerator, model):
-    import deepspeed
-
-    offload = getattr(model.optimizer, "parameter_offload", model.optimizer)
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        external = getattr(offload.module, "ds_external_parameters", dict)()  # (name, parameter) pairs
-        for parameter in [*offload.module.parameters(), *(parameter for _, parameter in external)]:
-            parameter.ds_active_sub_modules.clear()
-        for hook in [*offload.forward_hooks, *offload.backward_hooks]:
-            hook.remove()
-        offload.forward_hooks, offload.backward_hooks = [], []
-        try:
-            yield accelerator.unwrap_model(model), True
-        finally:
-            coordinator = offload.param_coordinator  # its trace of the training forward's order is stale now
-            if not coordinator.is_invalid_trace():
-                coordinator._invalidate_trace()
-            offload._register_deepspeed_module(offload.module)

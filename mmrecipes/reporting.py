@@ -106,16 +106,18 @@ class Report:
     def evaluation_due(self, step: int) -> bool:
         return step % self.eval_steps == 0 or step == self.max_steps
 
-    def add_batches(self, window: list):
-        """Count a step's micro-batches: rows (`num_samples`), tokens and text-only batches where the collator
-        counts them, FLOPs, and the data counts."""
+    def add_batches(self, window: list, trained: list | None = None):
+        """Count a step's batches: those read (`window`: rows, `num_samples`, and the data counts) and those trained
+        (`trained`, by default the ones read: tokens and text-only batches where the collator counts them, FLOPs).
+        GRPO reads prompts and trains their completions, each batch of them for --num_iterations steps."""
         for batch in window:
-            counts = {"samples": batch["num_samples"]}
-            if "num_tokens" in batch:
-                counts |= {"tokens": batch["num_tokens"], "dummy_image_batches": batch["dummy_image"]}
+            self.window.add(data_counts=batch["data_counts"], samples=batch["num_samples"])
+        for batch in window if trained is None else trained:
+            counts = {"tokens": batch["num_tokens"], "dummy_image_batches": batch["dummy_image"]} if (
+                "num_tokens" in batch) else {}
             if self.flops is not None:
                 counts["flops"] = self.flops(batch)
-            self.window.add(data_counts=batch["data_counts"], **counts)
+            self.window.add(**counts)
 
     def add_step(self, applied: torch.Tensor, **sums):
         """The step's own sums (loss parts), on the device, counted only if the step was `applied`."""

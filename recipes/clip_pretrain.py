@@ -162,6 +162,7 @@ def main(argv=None):
         if step == start_step:
             batches.check_rows(window, accelerator, data_world)  # a rank without rows says why, on every rank
         report.add_batches(window)
+        filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
         if args.contrastive_accumulation == "feature_cache":
             # The window's micro-batches act as ONE contrastive batch (k*b negatives per row).
@@ -183,7 +184,6 @@ def main(argv=None):
             optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
             scheduler.step()
         optimizer.zero_grad()
-        filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
         clamp_logit_scale_(accelerator, model)  # after a skipped step a no-op: the scale was clamped before
         report.add_step(guard.applied, loss=step_losses.mean(), applied_steps=1)  # on the device

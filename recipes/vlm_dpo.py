@@ -50,94 +50,67 @@ from mmrecipes.loader import TrainBatches, check_held_out
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
-from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, optimizer_groups, per_device_batch_size
+from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
 from mmrecipes.vlm.chat_data import build_chat_dataloader
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import evaluate_answers
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.flops import VLMFlops
 from mmrecipes.vlm.labels import AnswerLabeller, check_template
-from mmrecipes.vlm.lora import add_lora, describe_trainable
 from mmrecipes.vlm.losses import token_loss_scale
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, save_vlm, sequence_logps, stop_token_ids
-from mmrecipes.vlm.module_groups import module_groups
+from mmrecipes.vlm.models import VLMForTraining, save_vlm, sequence_logps
+from mmrecipes.vlm.parts import vlm_parts
 from mmrecipes.vlm.preference import (
     PREFERENCE_COUNTED,
     PreferenceCollator,
     PreferencePreprocessor,
-    Reference,
     answer_tokens,
     dpo_loss,
     evaluate_preferences,
-    frozen_reference,
 )
+from mmrecipes.vlm.reference import Reference
 
 PAIR_SUMS = ("loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected")  # each step's, over its pairs
 
 
 def main(argv=None):
     model_args, lora_args, data_args, dpo_args, args = parse_args(ARGUMENTS, argv)
-    # shared: vlm model
     set_seed(args.seed)
-    # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
-    model, processor = load_vlm(model_args)
-    stops = stop_token_ids(model, processor)
-
+    # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised. The reference
+    # model is the policy with its LoRA adapters disabled, or a frozen copy of the starting weights.
+    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2, frozen_copy=True)
+    model, processor = vlm.model, vlm.processor
     # The chosen and rejected answers' tokens, as in SFT
-    labeller = AnswerLabeller(processor, stops, template=model_args.training_template())
+    labeller = AnswerLabeller(processor, vlm.stops, template=model_args.training_template())
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
-    # shared: vlm parts
-    dummy_inputs = dummy_image_inputs(model, processor)
-    groups = module_groups(model, dummy_inputs)  # one dummy backward: vision tower, projector, language model
-    trainable = apply_train_modules(groups, model_args.train_modules)  # unreached ones frozen: DDP would wait for them
-    peft_model = peft_config = None
-    if lora_args.use_peft:  # adapters injected into `model` itself; everything but them and the projector frozen
-        peft_model, trainable = add_lora(model, groups, model_args.train_modules, lora_args)
-        peft_config = peft_model.peft_config["default"]
-    if model_args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    if not model.get_input_embeddings().weight.requires_grad:
-        # A frozen embedding (LoRA, the projector preset) gives a text-only batch an LM input without grad: its
-        # backward would skip the LM where an image batch's runs through it, so ZeRO-3 and FSDP2 ranks would
-        # gather different parameters (and checkpointed layers would get no gradients).
-        model.enable_input_require_grads()
-    # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
-    batch_flops = VLMFlops(model, sum(p.numel() for _, p in groups.vision_tower), seq_len=data_args.max_length // 2,
-                           lm_weights_train="language_model" in trainable and peft_config is None,
-                           vision_trains="vision_tower" in trainable)
 
     # shared: accelerator
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
 
+    # shared: vlm log
     accelerator.print(template_line)
     accelerator.print(f"evaluation: {data_args.evaluation}")
-    accelerator.print(describe_trainable(model))
+    accelerator.print(vlm.describe())
 
     # shared: vlm optimizer
-    # Frozen parameters are not in the optimizer (no state); the tower, if it trains, has its own lr.
-    optimizer = adamw(optimizer_groups(trainable, learning_rate=args.learning_rate, weight_decay=args.weight_decay,
-                                       own_rates={"vision_tower": (args.vision_tower_learning_rate,
-                                                                   args.vision_tower_weight_decay)}), args)
+    optimizer = adamw(vlm.optimizer_groups(args), args)  # the tower, if it trains, at its own lr
     scheduler = lr_scheduler(optimizer, args)
 
     reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=2 * batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
                                gradient_clipping=args.max_grad_norm)
-    step_model = VLMForTraining(model)
-    # The reference is the policy with its LoRA adapters disabled (no second copy), or a frozen copy of the starting
-    # weights, made before prepare: sharded like the policy, never gathered whole. MFU counts the policy's step only.
-    reference = Reference(None if peft_model else frozen_reference(accelerator, step_model), peft_model)
-    model, optimizer = accelerator.prepare(step_model, optimizer)
-    if peft_model:
-        reference.model = model  # with its adapters disabled
+
+    # shared: vlm prepare
+    # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
+    model, optimizer = accelerator.prepare(VLMForTraining(model), optimizer)
+
+    reference = Reference.build(accelerator, model, vlm)  # sharded like the policy, never gathered whole
     engine = engine_line(accelerator, model)
     accelerator.print(engine)
     accelerator.print(reference.describe())
     accelerator.print(dpo_args.describe())
 
-    collator = PreferenceCollator(ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs),
+    collator = PreferenceCollator(ChatCollator(processor.tokenizer.pad_token_id, vlm.dummy_inputs),
                                   keys=dpo_args.precompute_ref_log_probs)
     loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world)
     train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,
@@ -173,7 +146,7 @@ def main(argv=None):
 
     accelerator.init_trackers("vlm_dpo", asdict(model_args) | asdict(lora_args) | asdict(data_args)
                               | asdict(dpo_args) | asdict(args))
-    report = Report(accelerator, args, batches, PREFERENCE_COUNTED, guard=guard, flops=batch_flops,
+    report = Report(accelerator, args, batches, PREFERENCE_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals)
     # shared: loop head
     for step in progress:
@@ -181,6 +154,7 @@ def main(argv=None):
         if step == start_step:
             batches.check_rows(window, accelerator, data_world)  # a rank without rows says why, on every rank
         report.add_batches(window)
+        filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
         # One collective per optimizer step: the window's pairs on all ranks (the loss is their mean).
         local_pairs = torch.tensor(float(sum(batch["num_samples"] for batch in window)), device=accelerator.device)
@@ -207,7 +181,6 @@ def main(argv=None):
             optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
             scheduler.step()
         optimizer.zero_grad()
-        filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
         report.add_step(guard.applied, pairs=local_pairs, **dict(zip(PAIR_SUMS, step_sums)))
 
@@ -229,12 +202,12 @@ def main(argv=None):
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
-    save_vlm(accelerator, model, processor, args.output_dir, peft_config)
+    save_vlm(accelerator, model, processor, args.output_dir, vlm.peft_config)
     if accelerator.is_main_process:
         write_model_card(args.output_dir, report.history, eval_metrics=["eval_rewards/accuracies", "answer_accuracy"],
                          pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
                          datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation, engine=engine,
-                         resumed_at=start_step, tags=["vlm", "dpo", "lora" if peft_config else "full fine-tune",
+                         resumed_at=start_step, tags=["vlm", "dpo", "lora" if vlm.peft_config else "full fine-tune",
                                                       type(accelerator.unwrap_model(model).model).__name__],
                          seen=f"{int(report.total['samples']):,} preference pairs, "
                               f"{int(report.total['tokens']):,} tokens")

@@ -59,93 +59,45 @@ from mmrecipes.loader import TrainBatches, check_held_out
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
-from mmrecipes.training import (
-    accelerator_from_args,
-    adamw,
-    compile_blocks,
-    lr_scheduler,
-    optimizer_groups,
-    per_device_batch_size,
-)
+from mmrecipes.training import accelerator_from_args, adamw, compile_blocks, lr_scheduler, per_device_batch_size
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
-from mmrecipes.vlm.families import dummy_image_inputs, placeholder_token_ids, video_path
-from mmrecipes.vlm.flops import VLMFlops
+from mmrecipes.vlm.families import video_path
 from mmrecipes.vlm.labels import AnswerLabeller, check_template
-from mmrecipes.vlm.lora import add_lora, describe_trainable
 from mmrecipes.vlm.losses import token_loss_scale
-from mmrecipes.vlm.models import (
-    VLMForTraining,
-    apply_train_modules,
-    check_packing,
-    load_vlm,
-    loss_sum,
-    save_vlm,
-    stop_token_ids,
-)
-from mmrecipes.vlm.module_groups import module_groups
+from mmrecipes.vlm.models import VLMForTraining, check_packing, loss_sum, save_vlm
+from mmrecipes.vlm.parts import vlm_parts
 
 
 def main(argv=None):
     model_args, lora_args, data_args, args = parse_args(ARGUMENTS, argv)
-    # shared: vlm model
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
-    model, processor = load_vlm(model_args)
-    stops = stop_token_ids(model, processor)
-
+    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2)  # what trains, LoRA, FLOPs
+    model, processor = vlm.model, vlm.processor
     # The answer tokens of the checkpoint's own chat template, checked on a probe conversation now
     # (a template whose turns no rule finds would otherwise drop every row as no_target).
-    labeller = AnswerLabeller(processor, stops, videos=video_path(model, processor),  # None: video rows counted
+    labeller = AnswerLabeller(processor, vlm.stops, videos=video_path(model, processor),  # None: video rows counted
                               template=model_args.training_template())
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
-    placeholders = placeholder_token_ids(model, processor)  # image and video: never decoded in evaluation
-    # shared: vlm parts
-    dummy_inputs = dummy_image_inputs(model, processor)
-    groups = module_groups(model, dummy_inputs)  # one dummy backward: vision tower, projector, language model
-    trainable = apply_train_modules(groups, model_args.train_modules)  # unreached ones frozen: DDP would wait for them
-    peft_model = peft_config = None
-    if lora_args.use_peft:  # adapters injected into `model` itself; everything but them and the projector frozen
-        peft_model, trainable = add_lora(model, groups, model_args.train_modules, lora_args)
-        peft_config = peft_model.peft_config["default"]
-    if model_args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    if not model.get_input_embeddings().weight.requires_grad:
-        # A frozen embedding (LoRA, the projector preset) gives a text-only batch an LM input without grad: its
-        # backward would skip the LM where an image batch's runs through it, so ZeRO-3 and FSDP2 ranks would
-        # gather different parameters (and checkpointed layers would get no gradients).
-        model.enable_input_require_grads()
-    # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
-    batch_flops = VLMFlops(model, sum(p.numel() for _, p in groups.vision_tower), seq_len=data_args.max_length // 2,
-                           lm_weights_train="language_model" in trainable and peft_config is None,
-                           vision_trains="vision_tower" in trainable)
-
     if data_args.packing:
-        check_packing(VLMForTraining(model), labeller, dummy_inputs)  # samples kept apart in one sequence
+        check_packing(VLMForTraining(model), labeller, vlm.dummy_inputs)  # samples kept apart in one sequence
     # shared: accelerator
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
 
     if args.torch_compile:  # in place, before prepare wraps the model
-        if DivergenceGuard.requested(args.debug_divergence):
-            raise ValueError("--debug_divergence checks every module call from Python, which compiled blocks skip: "
-                             "drop --torch_compile while you debug")
         accelerator.print(compile_blocks(model))
+
+    # shared: vlm log
     accelerator.print(template_line)
     accelerator.print(f"evaluation: {data_args.evaluation}")
-    accelerator.print(groups.describe())
-    accelerator.print(describe_trainable(model))
-    if groups.unreached:
-        accelerator.print(f"froze {len(groups.unreached)} parameters no forward path reaches: "
-                          + ", ".join(groups.unreached))
+    accelerator.print(vlm.describe())
 
     # shared: vlm optimizer
-    # Frozen parameters are not in the optimizer (no state); the tower, if it trains, has its own lr.
-    optimizer = adamw(optimizer_groups(trainable, learning_rate=args.learning_rate, weight_decay=args.weight_decay,
-                                       own_rates={"vision_tower": (args.vision_tower_learning_rate,
-                                                                   args.vision_tower_weight_decay)}), args)
+    optimizer = adamw(vlm.optimizer_groups(args), args)  # the tower, if it trains, at its own lr
     scheduler = lr_scheduler(optimizer, args)
 
     # shared: deepspeed
@@ -153,26 +105,26 @@ def main(argv=None):
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
                                gradient_clipping=args.max_grad_norm)
 
+    # shared: vlm prepare
     # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
     model, optimizer = accelerator.prepare(VLMForTraining(model), optimizer)
+
     engine = engine_line(accelerator, model)
     accelerator.print(engine)
-    divergence_guard = None  # after prepare: its hooks run before the engine's
-    if DivergenceGuard.requested(args.debug_divergence):
-        divergence_guard = DivergenceGuard(accelerator.unwrap_model(model), timeout_s=args.ddp_timeout)
-        accelerator.print("divergence guard on: the ranks compare every module call")
+    divergence_guard = DivergenceGuard.if_requested(args.debug_divergence, accelerator, model,
+                                                    compiled=args.torch_compile, timeout_s=args.ddp_timeout)
 
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare.
     # With --max_tokens_per_batch each micro-batch holds whole rows up to that many tokens; with --packing
     # they form one sequence without padding (mmrecipes.vlm.packing). Evaluation keeps fixed, padded batches.
     pack_length = min(data_args.max_length, data_args.max_tokens_per_batch or data_args.max_length)
-    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs, data_args.packing, pack_length)
+    collator = ChatCollator(processor.tokenizer.pad_token_id, vlm.dummy_inputs, data_args.packing, pack_length)
     loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world)
     train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,
                                          **loader_kwargs)
     eval_loader = None
     if data_args.eval_dataset_name:
-        eval_collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs)
+        eval_collator = ChatCollator(processor.tokenizer.pad_token_id, vlm.dummy_inputs)
         eval_loader = build_chat_dataloader(data_args, collator=eval_collator, eval_split=True,
                                             batch_size=args.per_device_eval_batch_size, **loader_kwargs)
         check_held_out(eval_loader, accelerator.device, data_args.eval_dataset_name)  # no usable row: stop now
@@ -191,7 +143,7 @@ def main(argv=None):
     progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
 
     accelerator.init_trackers("vlm_finetune", asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args))
-    report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=batch_flops,
+    report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals)
     # shared: loop head
     for step in progress:
@@ -199,6 +151,7 @@ def main(argv=None):
         if step == start_step:
             batches.check_rows(window, accelerator, data_world)  # a rank without rows says why, on every rank
         report.add_batches(window)
+        filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
         # One collective per optimizer step: the window's target tokens N on all ranks (counted by the collator).
         local_tokens = torch.tensor(float(sum(batch["target_tokens"] for batch in window)), device=accelerator.device)
@@ -218,7 +171,6 @@ def main(argv=None):
             optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
             scheduler.step()
         optimizer.zero_grad()
-        filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
 
         report.add_step(guard.applied, ce=sum(window_ce), target_tokens=local_tokens)  # on the device
 
@@ -229,17 +181,17 @@ def main(argv=None):
         if eval_loader is not None and report.evaluation_due(done):
             with report.evaluating(done) as scores:
                 scores |= evaluate_answers(model, eval_loader, filler_batch, accelerator.device)
-                scores |= evaluate_generation(model, prompts, filler_batch, eval_collator, processor.tokenizer, stops,
-                                              accelerator.device, placeholders)
+                scores |= evaluate_generation(model, prompts, filler_batch, eval_collator, processor.tokenizer,
+                                              vlm.stops, accelerator.device, vlm.placeholders)
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
-    save_vlm(accelerator, model, processor, args.output_dir, peft_config)
+    save_vlm(accelerator, model, processor, args.output_dir, vlm.peft_config)
     if accelerator.is_main_process:
         write_model_card(args.output_dir, report.history, eval_metrics=["answer_accuracy", "generated_accuracy"],
                          pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
                          datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
-                         tags=["vlm", "lora" if peft_config else "full fine-tune",
+                         tags=["vlm", "lora" if vlm.peft_config else "full fine-tune",
                                type(accelerator.unwrap_model(model).model).__name__],
                          engine=engine, resumed_at=start_step,
                          seen=f"{int(report.total['samples']):,} conversations, {int(report.total['tokens']):,} tokens")

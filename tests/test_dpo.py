@@ -27,10 +27,10 @@ from mmrecipes.vlm.module_groups import module_groups
 from mmrecipes.vlm.preference import (
     PreferenceCollator,
     PreferencePreprocessor,
-    Reference,
     answer_tokens,
     dpo_loss,
 )
+from mmrecipes.vlm.reference import Reference
 
 DPO_RECIPE = REPO / "recipes" / "vlm_dpo.py"
 RED = Image.new("RGB", (32, 32), (220, 40, 40))

@@ -6,6 +6,7 @@ never a crash; and the recipe from the embedded SFT'd model, its output loading 
 import json
 import math
 import statistics
+from types import SimpleNamespace
 
 import datasets
 import pytest
@@ -21,12 +22,13 @@ from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import greedy_tokens
 from mmrecipes.vlm.families import dummy_image_inputs, placeholder_token_ids
-from mmrecipes.vlm.grpo import GroupLayout, LossNormaliser, PromptPreprocessor, Rollouts, group_advantages, token_losses
+from mmrecipes.vlm.grpo import GroupLayout, LossNormaliser, group_advantages, token_losses
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.losses import IGNORE_INDEX
 from mmrecipes.vlm.models import VLMForTraining, stop_token_ids, token_logps
+from mmrecipes.vlm.prompts import PromptPreprocessor
 from mmrecipes.vlm.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
-from mmrecipes.vlm.sampling import chat_rows, generate_group, prompt_seed, sample_group
+from mmrecipes.vlm.sampling import Sampler, chat_rows, generate_group, prompt_seed, sample_group
 from test_chat_data import chat_row
 from test_vlm_families import FAMILIES
 
@@ -230,8 +232,9 @@ def _rollouts(rank, world, micro_batch, accumulation, whole):
     forwards = []
     step.register_forward_hook(lambda *_: forwards.append(1))
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
-    rollouts = Rollouts.sample(step, whole, prompts, layout, collator, scorer, processor, args, stops,
-                               placeholder_token_ids(model, processor), 0, torch.device("cpu"))
+    sampler = Sampler(SimpleNamespace(device=torch.device("cpu")), collator, processor.tokenizer, args, stops,
+                      placeholder_token_ids(model, processor))
+    rollouts = sampler.sample(step, whole, prompts, layout, scorer, 0)
     advantages, zero_std = layout.advantages(scorer.total(rollouts.scores), "group", torch.device("cpu"))
     return ([[ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
              for batch in rollouts.micro_batches], advantages, zero_std,

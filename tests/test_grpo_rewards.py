@@ -12,13 +12,14 @@ from accelerate.utils import DistributedType
 from PIL import Image
 from transformers import AutoProcessor
 
-from mmrecipes.distributed import generation_line
 from mmrecipes.paths import EMBEDDED
 from mmrecipes.sources import OTHER_COLUMNS
 from mmrecipes.vlm.arguments import PromptDataArgs
-from mmrecipes.vlm.grpo import PromptCollator, PromptPreprocessor, group_advantages, reward_inputs
+from mmrecipes.vlm.grpo import group_advantages
 from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.rewards import RewardScorer, load_reward_funcs
+from mmrecipes.vlm.prompts import PromptCollator, PromptPreprocessor
+from mmrecipes.vlm.rewards import RewardScorer, load_reward_funcs, reward_inputs
+from mmrecipes.vlm.sampling import generation_line
 
 RED = Image.new("RGB", (32, 32), (220, 40, 40))
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}]
@@ -32,7 +33,7 @@ ROWS = [  # TRL's conversational prompt, its string prompt with an <image> place
 
 @pytest.fixture(scope="module")
 def prompts():
-    """The rows as `Rollouts.sample` gets them: read by `PromptPreprocessor`, batched by `PromptCollator`."""
+    """The rows as `Sampler.rollouts` gets them: read by `PromptPreprocessor`, batched by `PromptCollator`."""
     processor = AutoProcessor.from_pretrained(EMBEDDED / "tiny_sft_vlm")
     preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, [processor.tokenizer.eos_token_id]),
                                     max_length=64)

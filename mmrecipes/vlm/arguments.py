@@ -243,8 +243,7 @@ class GRPOArgs(CheckedArgs):
     use_bias_correction_kl: bool = True  # the KL weighted by the importance ratio, as TRL 1.16 does by default
     epsilon: float = checked(0.2, "positive")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float | None = checked(None, "non_negative_or_none")  # None: epsilon (DAPO: 0.28)
-    # optimizer steps on each batch of completions, against the log-probabilities they were sampled with (the
-    # learning rate schedule moves once per batch)
+    # optimizer steps on each batch of completions, against the log-probabilities they were sampled with
     num_iterations: int = checked(1, "count")
     scale_rewards: str = "group"  # the advantage divided by the std of its group's rewards, the batch's, or none
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss

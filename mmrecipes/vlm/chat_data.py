@@ -79,10 +79,10 @@ def to_chat(row):
     key = "messages" if row.get("messages") is not None else "conversations"
     if row.get(key) is None and (caption := next((row[name] for name in CAPTIONS if row.get(name) is not None),
                                                   None)) is not None:
-        return _captioned(caption), _media(row, "images", "image"), []
+        return _captioned(caption), row_media(row, "images", "image"), []
     if not isinstance(row.get(key), list) or not row[key]:
         raise BadRow("no messages and no conversations")
-    return [_turn(turn) for turn in row[key]], _media(row, "images", "image"), _media(row, "videos", "video")
+    return [to_message(turn) for turn in row[key]], row_media(row, "images", "image"), row_media(row, "videos", "video")
 
 
 def _captioned(caption) -> list[dict]:
@@ -93,7 +93,7 @@ def _captioned(caption) -> list[dict]:
             {"role": "assistant", "content": [{"type": "text", "text": caption.strip()}]}]
 
 
-def _turn(turn) -> dict:
+def to_message(turn) -> dict:
     """A message of a role/content turn (TRL, LLaMA-Factory) or a from/value one (ShareGPT, LLaVA)."""
     if isinstance(turn, dict) and "from" in turn:
         if _field(turn, "from") not in LLAVA_ROLES:
@@ -112,10 +112,10 @@ def string_prompt(prompt: str, images: list) -> dict:
     """A TRL string prompt as a user turn: its `<image>` placeholders become image parts, or, where it has none,
     one image part per image goes in front of its text (TRL's DPO and GRPO rows)."""
     placeholders = "" if "<image>" in prompt else "<image>" * len(images)
-    return _turn({"role": "user", "content": placeholders + prompt})
+    return to_message({"role": "user", "content": placeholders + prompt})
 
 
-def _media(row, *keys) -> list:
+def row_media(row, *keys) -> list:
     """The row's images (or videos) from the first of `keys` that holds any: a list, or one of them."""
     media = next((row[key] for key in keys if row.get(key)), [])
     media = [media] if isinstance(media, (str, bytes, dict, Image.Image)) else media

@@ -1,112 +1,37 @@
-"""GRPO and its variants (TRL 1.16's loss types grpo, bnpo, dr_grpo, dapo) for image-text-to-text models.
+"""GRPO and its variants (TRL 1.16's loss types grpo, bnpo, dr_grpo, dapo): where a step's completions sit, their
+advantages, the clipped per-token loss and its step-wide normaliser, and the log's metrics.
 
-- Prompts (`PromptPreprocessor`): TRL's rows (`prompt`: a string or a conversation, `images`, `solution`) or chat rows
-  in any layout `chat_data` reads whose last assistant turn is the solution, rendered with the processor's generation
-  prompt; unreadable rows are skipped and counted as in SFT.
-- Rollouts (`Rollouts`, by `mmrecipes.vlm.sampling`): this rank's completions sampled, decoded and scored.
-- Where completions sit (`GroupLayout`): a step's completions are whole groups; a group's may sit on several
-  micro-batches and ranks, which sample and score their own and share the rewards (one all-reduce) for the statistics.
-- Advantages (`group_advantages`): each reward minus its group's mean, divided by the group's (or the whole step's)
-  unbiased std + 1e-4, or not; a completion a reward function failed on gets 0 and is left out of the statistics.
-- Loss (`token_losses`, `LossNormaliser`): the clipped surrogate with the k3 KL, per token, then normalised over the
-  optimizer step on every rank: grpo, each completion's token mean averaged over completions; dr_grpo, the token sum
-  over completions x max_completion_length; dapo and bnpo, the token sum over tokens (TRL's bnpo divides per rank and
-  micro-batch, so here bnpo is dapo).
+- `GroupLayout`: a step's completions are whole groups; a group's may sit on several micro-batches and ranks, which
+  share their rewards (one all-reduce) for the statistics.
+- `group_advantages`: each reward minus its group's mean, divided by the group's (or the step's) unbiased std + 1e-4,
+  or not; a completion a reward function failed on gets 0 and is left out of the statistics.
+- `token_losses`, `LossNormaliser`: the clipped surrogate with the k3 KL, per token, normalised over the optimizer
+  step on every rank (grpo: each completion's token mean, averaged; dr_grpo: the token sum over completions x
+  max_completion_length; dapo and bnpo: the token sum over tokens; TRL's bnpo divides per rank and micro-batch).
 """
 
-import json
-import time
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 
-from ..distributed import batches_in_step, sum_over_ranks
-from ..skips import Skip
-from ..sources import OTHER_COLUMNS
+from ..distributed import sum_over_ranks
+from ..images import to_device
+from ..reporting import ratio
 from .arguments import GRPOArgs
-from .chat_data import (
-    CHAT_COLUMNS,
-    CHAT_COUNTED,
-    BadRow,
-    ChatPreprocessor,
-    _media,
-    _turn,
-    has_video,
-    media_folder,
-    prompt_row,
-    row_images,
-    string_prompt,
-    to_chat,
-)
-from .sampling import chat_rows, generate_group, prompt_seed, sample_group
+from .losses import IGNORE_INDEX
+from .models import token_logps
 
-PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution", OTHER_COLUMNS]
 CLIP_COUNTS = ("low", "high", "region")  # TRL's clip_ratio/low_mean, high_mean, region_mean
 
 
-def check_settings(args: GRPOArgs, max_length: int):
+def check_settings(args: GRPOArgs, max_length: int, save_steps: int):
     """Refuse, before anything loads, what the recipe cannot run as asked."""
     if args.max_completion_length >= max_length:
         raise ValueError(f"--max_completion_length {args.max_completion_length} leaves no room for a prompt within "
                          f"--max_length {max_length}: raise --max_length")
-
-
-def prompt_chat(row) -> tuple[list, list, str | list, dict]:
-    """(prompt messages, raw images, the prompt as reward functions get it, the columns they get as keywords) of a
-    TRL prompt row or of a chat row. As TRL passes them: a string prompt as it is, a conversation as messages; every
-    column but the prompt and the media (`OTHER_COLUMNS`), `id` and `solution` (a chat row's: its last answer,
-    unless it has a `solution` column)."""
-    columns = json.loads(row.get(OTHER_COLUMNS) or "{}")
-    columns |= {name: row[name] for name in ("id", "solution") if row.get(name) is not None}
-    if row.get("prompt") is not None:
-        images, prompt = _media(row, "images", "image"), row["prompt"]
-        if isinstance(prompt, str):
-            return [string_prompt(prompt, images)], images, prompt, columns
-        if not isinstance(prompt, list) or not prompt:
-            raise BadRow("prompt is neither a string nor a conversation")
-        messages = [_turn(turn) for turn in prompt]
-        return messages, images, messages, columns
-    messages, images, _ = to_chat(row)
-    answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
-    if not answers:
-        raise BadRow("no prompt column and no assistant turn to take the solution from")
-    solution = " ".join(part["text"] for part in messages[answers[-1]]["content"] if part["type"] == "text")
-    return messages[:answers[-1]], images, messages[:answers[-1]], {"solution": solution.strip()} | columns
-
-
-class PromptPreprocessor(ChatPreprocessor):
-    """Batched `datasets.map` function: prompt rows in; {input_ids, media_inputs, reward_prompt, reward_columns (both
-    JSON: `prompt_chat`)} out, each rendered with the generation prompt; bad rows dropped and counted
-    (`ChatPreprocessor`'s counts). Its `max_length` is the prompt's: the recipe gives --max_length less
-    --max_completion_length."""
-
-    COLUMNS = PROMPT_COLUMNS
-    OUTPUTS = ("input_ids", "media_inputs", "reward_prompt", "reward_columns")
-
-    def example(self, row):
-        try:
-            messages, raw_images, reward_prompt, columns = prompt_chat(row)
-            if has_video(row, messages):
-                return Skip("video", "GRPO samples image and text prompts")
-            loaded = row_images(self.args, media_folder(row, self.args.image_folder), messages, raw_images)
-            if isinstance(loaded, str):
-                return loaded
-            images, note = loaded
-            prompt = prompt_row(self.labeller.processor, messages, images)
-        except BadRow as error:
-            return Skip("bad_row", str(error))
-        except Exception as error:  # a template that refuses the prompt, say: counted, never a crash
-            return Skip("bad_row", f"{type(error).__name__}: {error}")
-        if len(prompt["input_ids"]) > self.max_length:
-            return Skip("too_long", f"{len(prompt['input_ids'])} prompt tokens, over {self.max_length}")
-        return (prompt["input_ids"], prompt["media_inputs"], json.dumps(reward_prompt), json.dumps(columns)), note
-
-    @staticmethod
-    def check_columns(name, available):
-        if not {"prompt", "messages", "conversations"} & set(available):
-            raise ValueError(f"{name} has none of the columns prompt, messages or conversations (it has "
-                             f"{', '.join(sorted(available))})")
+    if save_steps % args.num_iterations:  # a checkpoint keeps no completions: its resume would sample new ones
+        raise ValueError(f"--save_steps {save_steps}: a multiple of --num_iterations {args.num_iterations}, so that "
+                         "every checkpoint falls between two batches of completions")
 
 
 @dataclass(frozen=True)
@@ -171,23 +96,6 @@ class GroupLayout:
         every[mine] = rewards
         advantages, zero_std = group_advantages(sum_over_ranks(every.to(device)).cpu(), self.group_size, scale)
         return advantages[mine], zero_std[mine]
-
-
-class PromptCollator:
-    """A batch of prompts as they are (each is sampled on its own): {prompts, num_samples, data_counts, chat: the
-    prompts through `chat_collator` (no target), what a rank with no held-out prompt left decodes}. `counted` False:
-    a team member other than the first, which reads the same prompts, counts none of them."""
-
-    def __init__(self, chat_collator, counted: bool = True):
-        self.chat_collator, self.counted = chat_collator, counted
-
-    def __call__(self, rows):
-        prompts = [{"input_ids": torch.as_tensor(row["input_ids"]), "media_inputs": row["media_inputs"],
-                    "prompt": json.loads(row["reward_prompt"]), "columns": json.loads(row["reward_columns"])}
-                   for row in rows]
-        return {"prompts": prompts, "num_samples": len(rows) * self.counted,
-                "data_counts": torch.tensor([sum(row[name] for row in rows) * self.counted for name in CHAT_COUNTED]),
-                "chat": self.chat_collator([row for prompt in prompts for row in chat_rows(prompt, [[]], [False])])}
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,80 +173,37 @@ class LossNormaliser:
         return float(sum(int(mask.sum()) for mask in masks))  # dapo, bnpo: tokens
 
 
-def reward_inputs(prompts: list[dict], texts: list[str]) -> tuple[list, list, dict]:
-    """(prompts, completions, columns) as TRL hands them to reward functions: a conversational prompt's completion as
-    `[{"role": "assistant", "content": text}]`, a string prompt's as its text; each column one value per completion
-    (None where a prompt lacks it)."""
-    completions = [[{"role": "assistant", "content": text}] if isinstance(prompt["prompt"], list) else text
-                   for prompt, text in zip(prompts, texts)]
-    names = sorted({name for prompt in prompts for name in prompt["columns"]})
-    return ([prompt["prompt"] for prompt in prompts], completions,
-            {name: [prompt["columns"].get(name) for prompt in prompts] for name in names})
-
-
 @dataclass
-class Rollouts:
-    """A step's completions on this rank (`GroupLayout`): the micro-batches to train on (`ChatCollator` batches),
-    each completion's rewards per function (NaN where one failed), length and truncation."""
+class MicroBatch:
+    """A micro-batch of completions with what its loss needs: the inputs on the device, the completion tokens
+    trained (`mask`), each completion's advantage, and the log-probabilities it was sampled with (None: the policy's
+    own, detached, when each batch trains one optimizer step) and the reference's (None without --beta)."""
 
-    micro_batches: list = field(default_factory=list)
-    scores: torch.Tensor | None = None
-    lengths: list = field(default_factory=list)
-    truncated: list = field(default_factory=list)
-    seconds: float = 0.0  # sampling and scoring (the step's generation_share)
+    inputs: dict
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    sampled_logps: torch.Tensor | None
+    reference_logps: torch.Tensor | None
 
-    @classmethod
-    def sample(cls, model, whole: bool, prompts, layout: GroupLayout, collator, scorer, processor, args: GRPOArgs,
-               stop_ids, suppressed, seed, device) -> "Rollouts":
-        """Sample this rank's completions of the team's `prompts`, each group from `prompt_seed(seed, prompt)` (`seed`:
-        the run's + the step), by `generate_group` on a `whole` model, else by `sample_group` (as many times on every
-        rank: a filler where a rank has fewer pieces), never drawing a `suppressed` token (`placeholder_token_ids`);
-        decode them and score them (`RewardScorer`, once)."""
-        started, rollouts, rows, scored = time.perf_counter(), cls(), [], []
-        pieces = [(piece, True) for piece in layout.pieces()] if whole else batches_in_step(layout.pieces(), (0, [0]),
-                                                                                          device)
-        for (index, indices), real in pieces:
-            prompt = prompts[index]
-            sample = generate_group if whole else partial(sample_group, live=real)
-            group = sample(model, prompt, collator, args, stop_ids, prompt_seed(seed, prompt), device, suppressed,
-                           indices)
-            if not real:
-                continue
-            completions = [ids for ids, _ in group]
-            scored += [(prompt, ids, processor.tokenizer.decode([t for t in ids if t not in stop_ids],
-                                                               skip_special_tokens=True)) for ids in completions]
-            rollouts.lengths += [len(ids) for ids in completions]
-            rollouts.truncated += [cut for _, cut in group]
-            rows += chat_rows(prompt, completions, [not (cut and args.mask_truncated_completions) for _, cut in group])
-        prompts_of, ids, texts = zip(*scored)
-        reward_prompts, completions, columns = reward_inputs(prompts_of, texts)
-        rollouts.scores = scorer(reward_prompts, completions, list(ids), columns)
-        rollouts.micro_batches = [collator(rows[start:start + layout.micro_batch])
-                                  for start in range(0, len(rows), layout.micro_batch)]
-        rollouts.seconds = time.perf_counter() - started
-        return rollouts
+    def old_logps(self, logps: torch.Tensor) -> torch.Tensor:
+        return logps.detach() if self.sampled_logps is None else self.sampled_logps
 
-    def step_sums(self, rewards, zero_std, failures, names, batch_flops, device) -> dict:
-        """This rank's sums for the step's log line (summed over ranks and steps by `Report`): the rewards, the
-        completions, the seconds they took, and the trained micro-batches' tokens and FLOPs (`batch_flops`: MFU counts
-        training only)."""
-        scores, valid = self.scores, ~rewards.isnan()
-        sums = {"tokens": sum(batch["num_tokens"] for batch in self.micro_batches),
-                "flops": sum(map(batch_flops, self.micro_batches)),
-                "completions": len(rewards), "scored": valid.sum(), "reward": rewards[valid].sum(),
-                "reward_square": (rewards[valid] ** 2).sum(), "zero_std": zero_std.sum(), "length": sum(self.lengths),
-                "truncated": sum(self.truncated), "generation_seconds": self.seconds}
-        for index, name in enumerate(names):
-            sums |= {f"reward_{name}": scores[:, index].nan_to_num(0).sum(), f"failed_{name}": failures[name],
-                     f"scored_{name}": (~scores[:, index].isnan()).sum()}
-        return {key: torch.as_tensor(value, dtype=torch.float32, device=device) for key, value in sums.items()}
+
+def micro_batches(rollouts, advantages: torch.Tensor, model, reference, args: GRPOArgs, device) -> list[MicroBatch]:
+    """The rollouts' micro-batches ready to train, before any update: the log-probabilities of the distribution they
+    were sampled from (the logits over --temperature, as TRL scores them), the policy's where --num_iterations reuses
+    them for several optimizer steps, and the reference's (no graph)."""
+    inputs = [to_device(batch, device) for batch in rollouts.micro_batches]
+    masks = [batch["labels"][:, 1:] != IGNORE_INDEX for batch in inputs]
+    advantages = advantages.to(device, torch.float32).split([len(mask) for mask in masks])
+    with torch.no_grad():
+        sampled = [token_logps(model, batch, args.temperature) if args.num_iterations > 1 else None for batch in inputs]
+    references = [reference.token_logps(batch, args.temperature) if reference else None for batch in inputs]
+    return [MicroBatch(*fields) for fields in zip(inputs, masks, advantages, sampled, references)]
 
 
 def grpo_metrics(sums: dict, names, beta: float) -> dict:
     """TRL's GRPO metric names from a logging window's sums over ranks."""
-    def ratio(part, whole):
-        return part / whole if whole else float("nan")
-
     reward = ratio(sums["reward"], sums["scored"])
     metrics = {"loss": ratio(sums["loss"], sums["normaliser"]), "reward": reward,
                "reward_std": max(ratio(sums["reward_square"], sums["scored"]) - reward ** 2, 0) ** 0.5,

@@ -1,38 +1,25 @@
-"""Preference pairs for DPO of image-text-to-text models: rows -> a chosen and a rejected conversation, labelled as
-in SFT; pairs -> one micro-batch of both; the DPO loss and its rewards with TRL's names; the frozen reference.
+"""Preference pairs for DPO of image-text-to-text models, and the DPO loss with TRL 1.16's names.
 
-Row formats (TRL's DPO data for VLMs, and LLaVA's):
-- `prompt` / `chosen` / `rejected`, each a string or a conversation (a list of `{"role", "content"}`), with an
-  `images` column (one image per image part; a string prompt without `<image>` placeholders gets its images
-  in front of its text);
-- LLaVA: `conversations` (the prompt turns, `<image>` placeholders, an `image` path or list under
-  --image_folder) with `chosen` and `rejected` answers (strings, or `{"from": "gpt", "value"}` turns).
-
-Each side becomes a chat row that `ChatPreprocessor` tokenises and labels with the checkpoint's own chat template,
-so the answer tokens are found exactly as in SFT; a pair with a bad side is skipped and counted by that side's
-reason. `PreferenceCollator` puts the chosen rows first and the rejected rows after them in one
-`ChatCollator` batch: the policy and the reference each run one forward over both, as TRL's concatenated
-forward does, so every rank runs the same graph.
+Rows: TRL's `prompt` / `chosen` / `rejected` (strings or conversations, with `images`), or LLaVA's `conversations` with
+`chosen` and `rejected` answers. Each side becomes a chat row labelled by the checkpoint's own chat template, exactly
+as in SFT; a pair with a bad side is skipped and counted by that side's reason. A micro-batch holds the chosen rows,
+then the rejected ones: the policy and the reference each run one forward over both, as TRL's concatenated forward.
 """
 
-import contextlib
-import copy
 import hashlib
-import itertools
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import DistributedType
-from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-from ..distributed import all_ranks_true, batches_in_step, sum_over_ranks
+from ..distributed import batches_in_step, sum_over_ranks
 from ..images import to_device
 from ..skips import Skip
 from ..sources import DATA_FILE, PROBLEM, row_name
 from .arguments import DPOArgs
 from .chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor, string_prompt
 from .losses import IGNORE_INDEX
-from .models import sequence_logps, token_logps
+from .models import sequence_logps
+from .reference import Reference
 
 PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image", "id"]
 # What the DPO log counts: the SFT recipe's skips, and pairs whose answers are the same or one of them empty
@@ -175,90 +162,6 @@ def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, tokens: 
             term = -policy_logps.chunk(2)[0] / chosen_tokens
         losses = losses + weight * term
     return losses, args.beta * chosen.detach(), args.beta * rejected.detach()
-
-
-def frozen_reference(accelerator, step):
-    """A frozen copy of `step` (a `VLMForTraining`, before `prepare`) as the engine keeps it: sharded by FSDP2, and
-    partitioned by ZeRO-3 (a DeepSpeed engine without an optimizer, as TRL prepares its reference), never gathered
-    whole on a rank; on its device under DDP and ZeRO-1/2 (every rank holds the policy whole there too)."""
-    reference = copy.deepcopy(step).requires_grad_(False).eval()
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        import deepspeed
-
-        plugin = accelerator.state.deepspeed_plugin.deepspeed_config
-        stage = plugin["zero_optimization"]["stage"]
-        config = {key: plugin[key] for key in ("train_micro_batch_size_per_gpu", "bf16", "fp16") if key in plugin}
-        config["zero_optimization"] = plugin["zero_optimization"] if stage == 3 else {"stage": 0}
-        engine, *_ = deepspeed.initialize(model=reference, config=config)
-        engine.eval()  # returns None
-        return engine
-    if accelerator.distributed_type == DistributedType.FSDP:  # not registered with the accelerator: not checkpointed
-        return fsdp2_prepare_model(accelerator, reference).eval()
-    return reference.to(accelerator.device)
-
-
-class Reference:
-    """The reference's log-probabilities of a batch's rows (`reference(batch, inputs)`, no graph): from `model`, a
-    frozen copy, or the prepared policy with its LoRA adapters disabled when `peft_model` is given (peft's own
-    switch); or, after `precompute`, from a table kept per pair (`pair_key`), with the frozen copy let go."""
-
-    def __init__(self, model, peft_model=None):
-        self.model, self.peft_model, self.table = model, peft_model, None
-
-    @torch.no_grad()
-    def __call__(self, batch: dict, inputs: dict) -> torch.Tensor:
-        if self.table is not None:
-            keys = batch["pair_keys"]
-            return torch.tensor([self.table[key][0] for key in keys] + [self.table[key][1] for key in keys],
-                                device=inputs["input_ids"].device)
-        return self._computed(inputs)
-
-    @torch.no_grad()
-    def _computed(self, inputs: dict) -> torch.Tensor:
-        with self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext():
-            return sequence_logps(self.model, inputs)
-
-    @torch.no_grad()
-    def token_logps(self, inputs: dict, temperature: float = 1.0) -> torch.Tensor:
-        """Each target token's log-probability at `temperature`, `[rows, tokens - 1]` (0 elsewhere): GRPO's KL."""
-        with self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext():
-            return token_logps(self.model, inputs, temperature)
-
-    def describe(self) -> str:
-        if self.peft_model is not None:
-            return "reference: the policy with its LoRA adapters disabled"
-        held = total = 0
-        for param in self.model.parameters():
-            total += getattr(param, "ds_numel", param.numel())  # ZeRO-3: the full size; numel() is 0 once partitioned
-            held += (param.ds_tensor if hasattr(param, "ds_tensor") else getattr(param, "_local_tensor", param)).numel()
-        return (f"reference: a frozen copy of the starting model, {type(self.model).__name__} holding {held:,} of its "
-                f"{total:,} parameter values on this rank")
-
-    def precompute(self, loaders, device) -> str:
-        """Fill the table with every pair of `loaders` (one epoch of this rank's training rows, the held-out pairs),
-        every rank forwarding equally often (`batches_in_step`), and let the frozen copy go. Returns the log line."""
-        table = {}
-        if self.peft_model is not None:
-            self.model.eval()
-        # A DataLoader's iterator draws its seed from the global RNG: the training's draws stay as they were.
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for loader in loaders:
-                batches = iter(loader)
-                first = next(batches, None)
-                if not all_ranks_true(first is not None, device):
-                    raise RuntimeError("A data rank has no preference pairs: use more data shards/rows or fewer "
-                                       "processes (pairs that cannot be read are skipped).")
-                for batch, real in batches_in_step(itertools.chain([first], batches), first, device):
-                    logps = self._computed(to_device(batch, device)).tolist()
-                    if real:
-                        for index, key in enumerate(batch["pair_keys"]):
-                            table[key] = (logps[index], logps[index + len(batch["pair_keys"])])
-        if self.peft_model is None:
-            self.model = None  # the frozen copy let go
-        else:
-            self.model.train()
-        self.table = table
-        return f"reference: log-probabilities of {len(table):,} pairs on this rank precomputed in a first pass"
 
 
 def pair_key(chosen: dict, rejected: dict) -> str:

@@ -96,6 +96,17 @@ def load_reward_funcs(names: list[str], format_pattern: str) -> dict:
     return funcs
 
 
+def reward_inputs(prompts: list[dict], texts: list[str]) -> tuple[list, list, dict]:
+    """(prompts, completions, columns) as TRL hands them to reward functions: a conversational prompt's completion as
+    `[{"role": "assistant", "content": text}]`, a string prompt's as its text; each column one value per completion
+    (None where a prompt lacks it)."""
+    completions = [[{"role": "assistant", "content": text}] if isinstance(prompt["prompt"], list) else text
+                   for prompt, text in zip(prompts, texts)]
+    names = sorted({name for prompt in prompts for name in prompt["columns"]})
+    return ([prompt["prompt"] for prompt in prompts], completions,
+            {name: [prompt["columns"].get(name) for prompt in prompts] for name in names})
+
+
 def _parameters(func) -> set[str]:
     try:
         return set(inspect.signature(func).parameters)

@@ -1,32 +1,32 @@
-"""Sampling a prompt's completions for GRPO, alike on any number of ranks.
+"""Sampling a step's completions for GRPO, alike on any number of ranks (docs/grpo.md, "Rollouts").
 
-- Seeds (`prompt_seed`): each completion draws from its own generator, seeded from the run's seed, the step, the
-  prompt's tokens and pixels and its index in the group, so one process and W ranks sample the same completions
-  however the data is split, a resume samples what the straight run sampled, and a prompt met again in a later
-  epoch draws afresh.
-- Where the model is whole on a rank (DDP, ZeRO-1/2, one process, ZeRO-3 with `ds3_gather_for_generation`:
-  `mmrecipes.distributed.model_for_sampling`), `generate_group` samples with transformers' `generate` and its KV
-  cache; `RowSampler`, its last logits processor, draws each row's token and leaves greedy search only that one.
-- Where every forward gathers parameters (FSDP2, ZeRO-3 without the gather), `sample_group` samples a token at a
-  time by whole-sequence forwards of the prepared model without a cache (as the evaluation's greedy decoding), until
-  every rank's completions have stopped: a rank whose completions end early keeps forwarding (`generate`'s
-  `synced_gpus`) and a text-only prompt carries the dummy image, so the ranks' collectives never part.
-- Both draw the same tokens (tests/test_grpo.py). A vLLM server would replace them (prompts in, completions out);
-  none runs here, so there is none.
+Each completion draws from its own generator (`prompt_seed`: the run's seed, the step, the prompt's tokens and pixels,
+its index), so one process and W ranks sample the same completions however the data is split. Where the model is whole
+on a rank (`model_for_sampling`: DDP, ZeRO-1/2, one process, ZeRO-3 with `ds3_gather_for_generation`), `generate_group`
+uses transformers' `generate` with its KV cache; where every forward gathers parameters (FSDP2, ZeRO-3 without the
+gather), `sample_group` forwards whole sequences a token at a time until every rank's completions have stopped. Both
+draw the same tokens (`RowSampler`). `Sampler.rollouts`: a step's completions on this rank, decoded and scored.
 """
 
+import time
 import zlib
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from ..distributed import max_over_ranks
+from ..distributed import batches_in_step, max_over_ranks
 from ..images import to_device
 from .arguments import GRPOArgs
 from .chat_data import CHAT_COUNTED
 from .evaluation import with_token_appended
 from .losses import IGNORE_INDEX
 from .models import logits
+from .rewards import reward_inputs
 
 
 def prompt_seed(seed: int, prompt: dict) -> int:
@@ -130,3 +130,132 @@ def _sampled(logits: torch.Tensor, generator, temperature: float, top_p: float) 
         keep = ordered.cumsum(0) - ordered < top_p
         probabilities = torch.zeros_like(probabilities).scatter(0, order[keep], ordered[keep])
     return int(torch.multinomial(probabilities, 1, generator=generator))
+
+
+class Sampler:
+    """What every step's sampling takes: the accelerator (the engine decides how: `model_for_sampling`), the
+    collator, the tokenizer, the GRPO flags, the stop ids and the ids never sampled (`placeholder_token_ids`)."""
+
+    def __init__(self, accelerator, collator, tokenizer, args: GRPOArgs, stop_ids, suppressed):
+        self.accelerator, self.collator, self.tokenizer, self.args = accelerator, collator, tokenizer, args
+        self.stop_ids, self.suppressed = list(stop_ids), list(suppressed)
+
+    def describe(self) -> str:
+        return generation_line(self.accelerator, self.args.ds3_gather_for_generation)
+
+    def rollouts(self, model, prompts, layout, scorer, seed: int) -> "Rollouts":
+        """This rank's completions of the team's `prompts` (`GroupLayout.pieces`), sampled as the engine allows
+        (`model_for_sampling`), decoded and scored (`sample`)."""
+        with model_for_sampling(self.accelerator, model, self.args.ds3_gather_for_generation) as (sampling, whole):
+            return self.sample(sampling, whole, prompts, layout, scorer, seed)
+
+    def sample(self, model, whole: bool, prompts, layout, scorer, seed: int) -> "Rollouts":
+        """Each group of the pieces from `prompt_seed(seed, prompt)` (`seed`: the run's + the step), by `generate_group`
+        on a `whole` model, else by `sample_group` (as many times on every rank: a filler where a rank has fewer
+        pieces); decoded and scored (`RewardScorer`, once), in micro-batches of `layout.micro_batch`."""
+        started, rollouts, rows, scored = time.perf_counter(), Rollouts(), [], []
+        device, args = self.accelerator.device, self.args
+        pieces = [(piece, True) for piece in layout.pieces()] if whole else batches_in_step(layout.pieces(), (0, [0]),
+                                                                                          device)
+        for (index, indices), real in pieces:
+            prompt = prompts[index]
+            sample = generate_group if whole else partial(sample_group, live=real)
+            group = sample(model, prompt, self.collator, args, self.stop_ids, prompt_seed(seed, prompt), device,
+                           self.suppressed, indices)
+            if not real:
+                continue
+            completions = [ids for ids, _ in group]
+            scored += [(prompt, ids, self.tokenizer.decode([t for t in ids if t not in self.stop_ids],
+                                                           skip_special_tokens=True)) for ids in completions]
+            rollouts.lengths += [len(ids) for ids in completions]
+            rollouts.truncated += [cut for _, cut in group]
+            rows += chat_rows(prompt, completions, [not (cut and args.mask_truncated_completions) for _, cut in group])
+        prompts_of, ids, texts = zip(*scored)
+        reward_prompts, completions, columns = reward_inputs(prompts_of, texts)
+        rollouts.scores = scorer(reward_prompts, completions, list(ids), columns)
+        rollouts.micro_batches = [self.collator(rows[start:start + layout.micro_batch])
+                                  for start in range(0, len(rows), layout.micro_batch)]
+        rollouts.seconds = time.perf_counter() - started
+        return rollouts
+
+
+@dataclass
+class Rollouts:
+    """A batch of completions on this rank: the micro-batches to train on (`ChatCollator` batches), each completion's
+    rewards per function (NaN where one failed), length and truncation, and the seconds sampling and scoring took."""
+
+    micro_batches: list = field(default_factory=list)
+    scores: torch.Tensor | None = None
+    lengths: list = field(default_factory=list)
+    truncated: list = field(default_factory=list)
+    seconds: float = 0.0
+    trained: int = 0  # optimizer steps trained on them so far (--num_iterations)
+
+    def sums(self, rewards, zero_std, failures, names) -> dict:
+        """This rank's sums for the log (summed over ranks and steps by `Report`): the rewards, the completions and
+        the seconds they took."""
+        scores, valid = self.scores, ~rewards.isnan()
+        sums = {"completions": len(rewards), "scored": valid.sum(), "reward": rewards[valid].sum(),
+                "reward_square": (rewards[valid] ** 2).sum(), "zero_std": zero_std.sum(), "length": sum(self.lengths),
+                "truncated": sum(self.truncated), "generation_seconds": self.seconds}
+        for index, name in enumerate(names):
+            sums |= {f"reward_{name}": scores[:, index].nan_to_num(0).sum(), f"failed_{name}": failures[name],
+                     f"scored_{name}": (~scores[:, index].isnan()).sum()}
+        return {key: torch.as_tensor(value, dtype=torch.float32) for key, value in sums.items()}
+
+
+
+def _zero3(accelerator: Accelerator) -> bool:
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def generation_line(accelerator: Accelerator, gather: bool) -> str:
+    """How `model_for_sampling` samples, for the log."""
+    if _zero3(accelerator):
+        return ("sampling: generate, the whole model gathered on every rank once a step (--ds3_gather_for_generation)"
+                if gather else "sampling: each layer gathered in each forward, every rank forwarding until all are "
+                               "done (--ds3_gather_for_generation true: the whole model, once a step, and generate)")
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return "sampling: each block gathered in each forward, every rank forwarding until all are done" + (
+            " (--ds3_gather_for_generation does nothing under FSDP2: it gathers for ZeRO-3 only)" if gather else "")
+    return "sampling: generate, the whole model on every rank" + (
+        " (--ds3_gather_for_generation does nothing without ZeRO-3)" if gather else "")
+
+
+@contextmanager
+def model_for_sampling(accelerator: Accelerator, model, gather: bool):
+    """(the module to sample with, whether it is whole on this rank). Whole: no collective in its forward, so each
+    rank may `generate` on its own (DDP, ZeRO-1/2, one process; and ZeRO-3 with `gather`, TRL's
+    `ds3_gather_for_generation`: every parameter gathered on every rank once, the engine's fetch and release hooks off
+    for the while, at a whole model's memory per rank; they come back as TRL 1.16 puts them back). Not whole (FSDP,
+    ZeRO-3 without `gather`): the prepared model, whose every forward gathers parameters on every rank."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        yield model, False
+    elif not _zero3(accelerator):
+        with accelerator.autocast():  # the prepared forward's mixed precision, which unwrapping leaves behind
+            yield accelerator.unwrap_model(model), True
+    else:
+        with _gathered(accelerator, model) if gather else nullcontext((model, False)) as sampling:
+            yield sampling
+
+
+@contextmanager
+def _gathered(accelerator: Accelerator, model):
+    import deepspeed
+
+    offload = getattr(model.optimizer, "parameter_offload", model.optimizer)
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        external = getattr(offload.module, "ds_external_parameters", dict)()  # (name, parameter) pairs
+        for parameter in [*offload.module.parameters(), *(parameter for _, parameter in external)]:
+            parameter.ds_active_sub_modules.clear()
+        for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield accelerator.unwrap_model(model), True
+        finally:
+            coordinator = offload.param_coordinator  # its trace of the training forward's order is stale now
+            if not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
+            offload._register_deepspeed_module(offload.module)

@@ -1,0 +1,102 @@
+"""GRPO's prompts: TRL's prompt rows (`prompt`, a string or a conversation, with `images` and any other columns) or
+chat rows in any layout `chat_data` reads, up to their last answer; rendered with the checkpoint's generation prompt,
+carrying what reward functions get (the prompt as TRL passes it, the row's other columns); bad rows skipped and counted
+as in SFT."""
+
+import json
+
+import torch
+
+from ..skips import Skip
+from ..sources import OTHER_COLUMNS
+from .chat_data import (
+    CHAT_COLUMNS,
+    CHAT_COUNTED,
+    BadRow,
+    ChatPreprocessor,
+    has_video,
+    media_folder,
+    prompt_row,
+    row_images,
+    row_media,
+    string_prompt,
+    to_chat,
+    to_message,
+)
+from .sampling import chat_rows
+
+PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution", OTHER_COLUMNS]
+
+
+def prompt_chat(row) -> tuple[list, list, str | list, dict]:
+    """(prompt messages, raw images, the prompt as reward functions get it, the columns they get as keywords) of a
+    TRL prompt row or of a chat row. As TRL passes them: a string prompt as it is, a conversation as messages; every
+    column but the prompt and the media (`OTHER_COLUMNS`), `id` and `solution` (a chat row's: its last answer,
+    unless it has a `solution` column)."""
+    columns = json.loads(row.get(OTHER_COLUMNS) or "{}")
+    columns |= {name: row[name] for name in ("id", "solution") if row.get(name) is not None}
+    if row.get("prompt") is not None:
+        images, prompt = row_media(row, "images", "image"), row["prompt"]
+        if isinstance(prompt, str):
+            return [string_prompt(prompt, images)], images, prompt, columns
+        if not isinstance(prompt, list) or not prompt:
+            raise BadRow("prompt is neither a string nor a conversation")
+        messages = [to_message(turn) for turn in prompt]
+        return messages, images, messages, columns
+    messages, images, _ = to_chat(row)
+    answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    if not answers:
+        raise BadRow("no prompt column and no assistant turn to take the solution from")
+    solution = " ".join(part["text"] for part in messages[answers[-1]]["content"] if part["type"] == "text")
+    return messages[:answers[-1]], images, messages[:answers[-1]], {"solution": solution.strip()} | columns
+
+
+class PromptPreprocessor(ChatPreprocessor):
+    """Batched `datasets.map` function: prompt rows in; {input_ids, media_inputs, reward_prompt, reward_columns (both
+    JSON: `prompt_chat`)} out, each rendered with the generation prompt; bad rows dropped and counted
+    (`ChatPreprocessor`'s counts). Its `max_length` is the prompt's: the recipe gives --max_length less
+    --max_completion_length."""
+
+    COLUMNS = PROMPT_COLUMNS
+    OUTPUTS = ("input_ids", "media_inputs", "reward_prompt", "reward_columns")
+
+    def example(self, row):
+        try:
+            messages, raw_images, reward_prompt, columns = prompt_chat(row)
+            if has_video(row, messages):
+                return Skip("video", "GRPO samples image and text prompts")
+            loaded = row_images(self.args, media_folder(row, self.args.image_folder), messages, raw_images)
+            if isinstance(loaded, str):
+                return loaded
+            images, note = loaded
+            prompt = prompt_row(self.labeller.processor, messages, images)
+        except BadRow as error:
+            return Skip("bad_row", str(error))
+        except Exception as error:  # a template that refuses the prompt, say: counted, never a crash
+            return Skip("bad_row", f"{type(error).__name__}: {error}")
+        if len(prompt["input_ids"]) > self.max_length:
+            return Skip("too_long", f"{len(prompt['input_ids'])} prompt tokens, over {self.max_length}")
+        return (prompt["input_ids"], prompt["media_inputs"], json.dumps(reward_prompt), json.dumps(columns)), note
+
+    @staticmethod
+    def check_columns(name, available):
+        if not {"prompt", "messages", "conversations"} & set(available):
+            raise ValueError(f"{name} has none of the columns prompt, messages or conversations (it has "
+                             f"{', '.join(sorted(available))})")
+
+
+class PromptCollator:
+    """A batch of prompts as they are (each is sampled on its own): {prompts, num_samples, data_counts, chat: the
+    prompts through `chat_collator` (no target), what a rank with no held-out prompt left decodes}. `counted` False:
+    a team member other than the first, which reads the same prompts, counts none of them."""
+
+    def __init__(self, chat_collator, counted: bool = True):
+        self.chat_collator, self.counted = chat_collator, counted
+
+    def __call__(self, rows):
+        prompts = [{"input_ids": torch.as_tensor(row["input_ids"]), "media_inputs": row["media_inputs"],
+                    "prompt": json.loads(row["reward_prompt"]), "columns": json.loads(row["reward_columns"])}
+                   for row in rows]
+        return {"prompts": prompts, "num_samples": len(rows) * self.counted,
+                "data_counts": torch.tensor([sum(row[name] for row in rows) * self.counted for name in CHAT_COUNTED]),
+                "chat": self.chat_collator([row for prompt in prompts for row in chat_rows(prompt, [[]], [False])])}
