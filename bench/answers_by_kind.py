@@ -22,7 +22,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from mmrecipes.images import to_device
 from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
-from mmrecipes.vlm.chat_data import CHAT_COUNTED, ChatPreprocessor
+from mmrecipes.vlm.chat_data import ChatPreprocessor
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
@@ -53,8 +53,7 @@ def accuracy_by_kind(path: str, rows) -> tuple[Counter, Counter]:
     correct, answers = Counter(), Counter()
     for row in rows:
         (input_ids, labels, media_inputs), _ = preprocess.example(row)
-        batch = collate([{"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs,
-                          **dict.fromkeys(CHAT_COUNTED, 0)}])
+        batch = collate([{"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs}])
         inputs = to_device(batch, "cpu")
         predicted = logits(step, inputs)[:, :-1].argmax(-1)
         targets = inputs["labels"][:, 1:]

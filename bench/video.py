@@ -34,7 +34,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2VLVide
 from mmrecipes.images import UINT8_PIXELS, to_device
 from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.vlm.arguments import VideoArgs
-from mmrecipes.vlm.chat_data import CHAT_COUNTED, encode_row
+from mmrecipes.vlm.chat_data import encode_row
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs, video_path
 from mmrecipes.vlm.labels import AnswerLabeller
@@ -109,7 +109,7 @@ def direction_accuracy(model_dir: Path, reverse: bool, limit: int) -> float:
                         {"role": "assistant", "content": [{"type": "text", "text": candidate}]}]
             input_ids, labels, inputs = encode_row(labeller, messages, [], [video])
             batch = collator([{"input_ids": input_ids, "labels": labels, "media_inputs": inputs}
-                              | dict.fromkeys(CHAT_COUNTED, 0)])
+                             ])
             with torch.no_grad():
                 losses[candidate] = float(loss_sum(step, to_device(batch, "cpu")))
         right += min(losses, key=losses.get) == answer

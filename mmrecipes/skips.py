@@ -1,24 +1,37 @@
 """Why rows are skipped, counted: the reasons by kind, an example row of each and what to change.
 
-A row that cannot be used is dropped inside the stream and counted by reason (`Skip`); `DropCounter` keeps the
-counts, one example of each and the fix (`FIXES`), and warns once when more than half of the first rows are
-dropped. When a data rank ends up with no row at all, `no_rows_error` is the error every rank raises, saying why.
+A row that cannot be used raises `Skip` where it is read; the preprocessor drops it and `DropCounter` counts it by
+reason, keeps one example of each and the fix (`FIXES`), and warns once when more than half of the first rows are
+dropped. The counts travel in the stream beside the rows kept (`SKIPPED`: the drops since the row before, on the next
+kept row), so they survive DataLoader workers; `data_counts` sums them into a batch's counts. When a data rank ends up
+with no row at all, `no_rows_error` is the error every rank raises, saying why.
 """
 
 import logging
 from collections import Counter
 
+import torch
+
 logger = logging.getLogger(__name__)
 
+SKIPPED = "skipped"  # the column of a kept row: {reason: rows} dropped (or noted) since the row before it
 
-class Skip(str):
-    """Why a row is skipped (a counted reason such as "outside_folder"), with what was found (`detail`): the
-    path tried, the column missing. It compares and counts as the reason alone."""
 
-    def __new__(cls, reason: str, detail: str = ""):
-        skip = super().__new__(cls, reason)
-        skip.detail = detail
-        return skip
+class Skip(Exception):
+    """Why a row is skipped: a counted reason (`reason`, such as "outside_folder") and what was found (`detail`: the
+    path tried, the column missing). The one exception a row's reading raises; its preprocessor counts it."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.detail = reason, detail
+
+    def __reduce__(self):  # across processes (a DataLoader worker's), with its reason and detail
+        return Skip, (self.reason, self.detail)
+
+
+def data_counts(rows: list[dict], names: tuple[str, ...]) -> torch.Tensor:
+    """The rows' `SKIPPED` counts by `names` (a row without them counts nothing): a batch's `data_counts`."""
+    return torch.tensor([sum(row.get(SKIPPED, {}).get(name, 0) for row in rows) for name in names])
 
 
 # What to change, by skip reason: the line a skip report gives after each reason's count and example.
@@ -59,20 +72,21 @@ class DropCounter:
         self.pending, self.totals, self.examples = Counter(), Counter(), {}
         self.kept, self.warn_after = 0, warn_after
 
-    def drop(self, reason: str, where: str = ""):
-        """Count a skipped row; `reason` may be a `Skip` with what was found, `where` names the row."""
-        self.pending[reason] += 1
-        self.totals[reason] += 1
-        self.examples.setdefault(str(reason), ", ".join(filter(None, [where, getattr(reason, "detail", "")])))
+    def drop(self, skip: Skip, where: str = ""):
+        """Count a skipped row (`where` names it)."""
+        self.pending[skip.reason] += 1
+        self.totals[skip.reason] += 1
+        self.examples.setdefault(skip.reason, ", ".join(filter(None, [where, skip.detail])))
         self._warn_once()
 
-    def keep(self, note: str | None = None) -> Counter:
-        """The counts to attach to a kept row (`note`: what was done to it, e.g. "converted")."""
+    def keep(self, note: str | None = None) -> dict:
+        """The counts a kept row carries (`SKIPPED`): the drops since the last kept row, and `note`, what was done to
+        this one (e.g. "converted")."""
         self.kept += 1
         self._warn_once()
         counts = self.pending + Counter({note: 1} if note else {})
         self.pending = Counter()
-        return counts
+        return dict(counts)
 
     def _warn_once(self):
         dropped = sum(self.totals.values())

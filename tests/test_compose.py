@@ -34,7 +34,7 @@ from mmrecipes.checkpointing import checkpoint_weights
 from mmrecipes.images import to_device
 from mmrecipes.paths import PLAIN_CHAT_TEMPLATE, TINY_LM
 from mmrecipes.vlm.arguments import VLMModelArgs
-from mmrecipes.vlm.chat_data import CHAT_COUNTED, encode_row
+from mmrecipes.vlm.chat_data import encode_row
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.compose import FLATTEN_CONTENT, IMAGE_TOKEN, compose_llava
 from mmrecipes.vlm.families import dummy_image_inputs
@@ -151,7 +151,7 @@ def test_a_composed_llava_counts_its_image_tokens_keeps_its_parts_and_stage_1_tr
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
     optimizer = torch.optim.SGD([p for params in trainable.values() for p in params], lr=0.1)
     batch = ChatCollator(tokenizer.pad_token_id, dummy)([{"input_ids": input_ids, "labels": labels,
-                                                           "media_inputs": media, **dict.fromkeys(CHAT_COUNTED, 0)}])
+                                                           "media_inputs": media}])
     loss_sum(VLMForTraining(model), to_device(batch, "cpu")).backward()
     optimizer.step()
     moved = {name for name, param in model.named_parameters() if not torch.equal(param, before[name])}

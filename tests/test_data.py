@@ -90,7 +90,7 @@ def test_batched_pixels_equal_the_image_processor(loss):
     # What the loader ships: uint8, which model_inputs finishes (on the device) to the same floats.
     pixels = processed_pixels(image_processor, images, normalize=False)
     collated = ImageTextCollator(build_contrastive(ModelArgs(loss=loss))[1], image_processor)(
-        [{"pixel_values": row, "input_ids": [5, 6]} | dict.fromkeys(COUNTED, 0) for row in pixels])
+        [{"pixel_values": row, "input_ids": [5, 6]} for row in pixels])
     assert collated["pixel_values"].dtype == torch.uint8
     assert torch.equal(to_device(collated, torch.device("cpu"))["pixel_values"], expected)
 
@@ -98,7 +98,7 @@ def test_batched_pixels_equal_the_image_processor(loss):
 def test_collator_pads_as_the_tokenizer_does(tiny):
     tokenizer, image_processor = tiny
     ids = tokenizer(["a red circle", "a small blue square above a large green star", "x"])["input_ids"]
-    rows = [{"input_ids": row, "pixel_values": torch.zeros(3, 2, 2)} | dict.fromkeys(COUNTED, 0) for row in ids]
+    rows = [{"input_ids": row, "pixel_values": torch.zeros(3, 2, 2)} for row in ids]
     for side in ("right", "left"):
         tokenizer.padding_side = side
         for length in (None, 32):

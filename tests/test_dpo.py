@@ -15,8 +15,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
 from launch import REPO, assert_engine, assert_same_curves, run_engine, run_recipe
 from mmrecipes.images import to_device
+from mmrecipes.skips import SKIPPED
 from mmrecipes.vlm.arguments import DPOArgs, LoraArgs, PreferenceDataArgs, VLMModelArgs
-from mmrecipes.vlm.chat_data import CHAT_COUNTED
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
@@ -84,8 +84,7 @@ def test_trl_and_llava_formats_become_pairs_labelled_as_in_sft_and_bad_pairs_are
            llava | {"image": None, "conversations": [{"from": "robot", "value": "Colour?"}]}]
     out = preprocess({key: [row.get(key) for row in bad + [strings]] for key in {*conversation, *llava}})
     assert len(out["chosen"]) == 1
-    counts = {name: sum(out[name]) for name in CHAT_COUNTED}
-    assert counts["bad_row"] == 2 and counts["image_mismatch"] == 1
+    assert out[SKIPPED] == [{"bad_row": 2, "image_mismatch": 1}]  # on the kept pair
 
 
 def test_a_multi_turn_prompt_scores_only_the_completion_and_pairs_without_a_preference_are_counted(tiny):
@@ -103,7 +102,7 @@ def test_a_multi_turn_prompt_scores_only_the_completion_and_pairs_without_a_pref
     (pair,) = [dict(zip(out, values)) for values in zip(*out.values())]
     assert answer_text(processor, pair["chosen"]) == "square<|end|>"
     assert answer_text(processor, pair["rejected"]) == "circle<|end|>"
-    assert pair["no_preference"] == 3
+    assert pair[SKIPPED] == {"no_preference": 3}
     assert "no_preference: 3, e.g. a row, the chosen and rejected answers are the same" in preprocess.drops.report()
 
 

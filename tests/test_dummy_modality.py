@@ -8,7 +8,6 @@ from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
 from gloo import run_on_ranks
 from mmrecipes.vlm.arguments import VLMModelArgs
-from mmrecipes.vlm.chat_data import CHAT_COUNTED
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.losses import (
@@ -68,7 +67,7 @@ def row(model, targets: int, image: bool, generator):
     if "image_grid_thw" in dummy_image_inputs(model):
         media_inputs["mm_token_type_ids"] = (input_ids == config.image_token_id).long()
     labels = torch.cat([torch.full((len(prompt),), IGNORE_INDEX), input_ids[len(prompt):]])
-    return {"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs} | {name: 0 for name in CHAT_COUNTED}
+    return {"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs}
 
 
 def collate(model, rows, packing=False):

@@ -19,7 +19,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationC
 from gloo import run_on_ranks
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import LoraArgs
-from mmrecipes.vlm.chat_data import CHAT_COUNTED, encode_row
+from mmrecipes.vlm.chat_data import encode_row
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
@@ -92,7 +92,7 @@ def test_the_same_steps_on_images_that_show_no_colour_teach_no_colour(tiny_vlms,
 
 def collator_row(labeller, conversation, images) -> dict:
     input_ids, labels, media_inputs = encode_row(labeller, conversation, images)
-    return {"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs} | dict.fromkeys(CHAT_COUNTED, 0)
+    return {"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs}
 
 
 def _mixed_ranks_steps(rank, world_size, directories):

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from launch import REPO, load_recipe
+from mmrecipes.skips import Skip
 from mmrecipes.sources import PROBLEM, load_stream, read_files
 from mmrecipes.vlm import labels
 from mmrecipes.vlm.arguments import ChatDataArgs, DPOArgs, PreferenceDataArgs, VLMModelArgs
@@ -42,7 +43,7 @@ def conversation(user, answer, role="assistant"):
     ("vlm_dpo.py", ["--eval_dataset_name", "json", "--eval_data_files", "{bad_pairs}"],
      "(?s)held-out row of json.*: 2 of 2 rows read were skipped.*bad_row: 2"),
     ("vlm_grpo.py", ["--eval_dataset_name", "json", "--eval_data_files", "{bad}"],
-     "No data rank has a held-out question of json to answer by generation.*left out: bad_row \\(BadRow\\) 2"),
+     "No data rank has a held-out question of json to answer by generation.*left out: bad_row 2"),
     ("clip_pretrain.py", ["--dataset_name", "parquet", "--data_files", "{captions}", "--eval_data_files", "{bad}"],
      "(?s)No data rank has a usable held-out row of test.*bad_shard: 1"),
 ])
@@ -70,9 +71,10 @@ def test_roles_no_chat_template_knows_are_bad_rows(labeller):
         row = {"messages": [{"role": "user", "content": "Hi"}, {"role": role, "content": "hello"},
                             {"role": "user", "content": "What comes after one?"},
                             {"role": "assistant", "content": "two"}]}
-        skip = preprocess.example(row)
-        assert skip == "bad_row" and f"unknown role {role!r}" in skip.detail
-    assert not isinstance(preprocess.example(conversation("What comes after one?", "two")), str)
+        with pytest.raises(Skip) as skipped:
+            preprocess.example(row)
+        assert skipped.value.reason == "bad_row" and f"unknown role {role!r}" in skipped.value.detail
+    preprocess.example(conversation("What comes after one?", "two"))  # read
 
 
 def test_a_csv_line_with_the_wrong_fields_is_a_counted_bad_row(tmp_path):

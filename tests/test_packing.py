@@ -44,7 +44,7 @@ def rows_of(labeller):
                     {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
         input_ids, labels, media_inputs = encode_row(labeller, messages, images)
         rows.append({"input_ids": input_ids, "labels": labels,
-                     "media_inputs": media_inputs} | dict.fromkeys(CHAT_COUNTED, 0))
+                     "media_inputs": media_inputs})
     return rows
 
 

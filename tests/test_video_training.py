@@ -60,14 +60,14 @@ def video_row(labeller, row, reverse=False, max_frames=8):
     messages = [{"role": m["role"], "content": [{"type": p["type"]} if p["type"] == "video" else p
                                                 for p in m["content"]]} for m in row["messages"]]
     input_ids, labels, inputs = encode_row(labeller, messages, [], [video])
-    return {"input_ids": input_ids, "labels": labels, "media_inputs": inputs} | dict.fromkeys(CHAT_COUNTED, 0)
+    return {"input_ids": input_ids, "labels": labels, "media_inputs": inputs}
 
 
 def text_row(labeller, question, answer):
     messages = [{"role": "user", "content": [{"type": "text", "text": question}]},
                 {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
     input_ids, labels, inputs = encode_row(labeller, messages, [])
-    return {"input_ids": input_ids, "labels": labels, "media_inputs": inputs} | dict.fromkeys(CHAT_COUNTED, 0)
+    return {"input_ids": input_ids, "labels": labels, "media_inputs": inputs}
 
 
 def test_which_families_train_on_video(tiny_vlms):

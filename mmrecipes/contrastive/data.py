@@ -23,7 +23,7 @@ from ..images import (
     takes_patch_grids,
 )
 from ..loader import ROW_SEED, rank_loader
-from ..skips import DropCounter
+from ..skips import SKIPPED, DropCounter, Skip, data_counts
 from ..sources import DATA_FILE, PROBLEM, SOURCE, mixed_stream, split_sources
 from .arguments import DataArgs
 
@@ -87,14 +87,14 @@ class ImageTextPreprocessor:
             if problem is None:
                 image, problem = decode_image(raw_image, self.args.max_image_pixels, self.args.max_image_aspect_ratio)
             if problem not in (None, "converted"):
-                self.drops.drop(problem, f"a row of {file}" if file else "")
+                self.drops.drop(Skip(problem), f"a row of {file}" if file else "")
                 continue
             images.append(image)
             captions.append(caption.strip())
             counts.append(self.drops.keep(problem))
             sources.append(source)
             seeds.append(seed)
-        out = {"pixel_values": [], "input_ids": [], "source": sources} | {name: [] for name in COUNTED}
+        out = {"pixel_values": [], "input_ids": [], "source": sources, SKIPPED: counts}
         out |= {"spatial_shapes": []} if self.patch_grids else {}
         if images and self.patch_grids:
             out["pixel_values"], out["spatial_shapes"] = patch_rows(self.image_processor, images)
@@ -103,8 +103,6 @@ class ImageTextPreprocessor:
             out["pixel_values"] = list(transform(self.image_processor, images, normalize=self.normalize_here))
         if images:
             out["input_ids"] = self.tokenizer(captions, truncation=True, max_length=self.max_length)["input_ids"]
-            for name in COUNTED:
-                out[name] = [row[name] for row in counts]
         return out
 
 
@@ -139,7 +137,7 @@ class ImageTextCollator:
             "input_ids": input_ids,
             "attention_mask": attention_mask.long(),
             "num_samples": len(rows),
-            "data_counts": torch.tensor([sum(row[name] for row in rows) for name in COUNTED]),
+            "data_counts": data_counts(rows, COUNTED),
         }
         if self.sources > 1:
             rows_by_source = torch.bincount(torch.tensor([row["source"] for row in rows]), minlength=self.sources)

@@ -41,7 +41,7 @@ from PIL import Image
 from ..distributed import all_ranks_true
 from ..images import decode_image
 from ..loader import rank_loader
-from ..skips import DropCounter, Skip
+from ..skips import SKIPPED, DropCounter, Skip
 from ..sources import DATA_FILE, PROBLEM, load_stream, mixed_stream, row_name
 from .arguments import ChatDataArgs
 from .labels import TemplateError, UnalignedAnswer
@@ -69,8 +69,11 @@ LLAVA_ROLES = {"human": "user", "gpt": "assistant", **{role: role for role in RO
 MEDIA_PARTS = {"<image>": "image", "<video>": "video"}  # LLaVA's placeholders -> content part types
 
 
-class BadRow(ValueError):
-    """A row that is not a well-formed conversation."""
+class BadRow(Skip):
+    """A row that is not a well-formed conversation: skipped and counted as bad_row."""
+
+    def __init__(self, detail: str):
+        super().__init__("bad_row", detail)
 
 
 def to_chat(row):
@@ -177,8 +180,8 @@ def _count_parts(messages, kind) -> int:
 
 
 class ChatPreprocessor:
-    """Batched `datasets.map` function: chat rows in, {input_ids, labels, media_inputs} rows out,
-    bad rows dropped and counted (the counts ride along with the next kept row)."""
+    """Batched `datasets.map` function: chat rows in, {input_ids, labels, media_inputs} rows out, bad rows dropped
+    and counted (`Skip`; the counts travel on the next kept row, `SKIPPED`)."""
 
     COLUMNS = CHAT_COLUMNS  # what it reads of a row
     OUTPUTS = ("input_ids", "labels", "media_inputs")  # what `example` gives for a kept row, in this order
@@ -189,82 +192,75 @@ class ChatPreprocessor:
         self.logged = set()  # what was already logged once: "video", and the kinds of unexpected failure
 
     def __call__(self, batch):
-        out = {name: [] for name in (*self.OUTPUTS, *CHAT_COUNTED)}
+        out = {name: [] for name in (*self.OUTPUTS, SKIPPED)}
         for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
-            example = row.get(PROBLEM) or self.example(row)
-            if isinstance(example, str):
-                self.drops.drop(example, row_name(row))
+            try:
+                if row.get(PROBLEM):  # what `load_stream` could not read
+                    raise Skip(row[PROBLEM])
+                values, note = self.example(row)
+            except Skip as skip:
+                self.drops.drop(skip, row_name(row))
                 continue
-            values, note = example
-            counts = self.drops.keep(note)
             for key, value in zip(self.OUTPUTS, values, strict=True):
                 out[key].append(value)
-            for name in CHAT_COUNTED:
-                out[name].append(counts[name])
+            out[SKIPPED].append(self.drops.keep(note))
         return out
 
     def example(self, row):
-        """`tokenize`'s answer for a raw row ("video": a video the checkpoint cannot take); any failure is a counted
-        "bad_row", never a crash (logged once per kind: a chat template that refuses a row raises its own errors,
-        and so would a bug)."""
+        """(`tokenize`'s outputs, a note) of a raw row, or `Skip` ("video": a video the checkpoint cannot take); any
+        other failure is a counted "bad_row", never a crash (logged once per kind: a chat template that refuses a row
+        raises its own errors, and so would a bug)."""
         try:
             messages, raw_images, raw_videos = to_chat(row)
             if self.labeller.video_token_id is None and has_video(row, messages):
                 if "video" not in self.logged:  # said once, not only counted
                     self.logged.add("video")
                     logger.warning("skipping video rows (counted as video): this model's processor takes no video")
-                return Skip("video", "this model's processor takes no video")
+                raise Skip("video", "this model's processor takes no video")
             images_folder = media_folder(row, self.args.image_folder)
             videos_folder = media_folder(row, self.args.video_folder or self.args.image_folder)
             return self.tokenize(messages, raw_images, raw_videos, images_folder, videos_folder)
-        except BadRow as error:
-            return Skip("bad_row", str(error))
+        except Skip:
+            raise
         except Exception as error:
             if type(error) not in self.logged:
                 self.logged.add(type(error))
                 logger.warning("skipping a row (counted as bad_row): %s: %s", type(error).__name__, error)
-            return Skip("bad_row", f"{type(error).__name__}: {error}")
+            raise Skip("bad_row", f"{type(error).__name__}: {error}") from error
 
     def tokenize(self, messages, raw_images, raw_videos=(), images_folder=None, videos_folder=None):
-        """((input_ids, labels, media_inputs), note) or the reason the row is dropped (a `Skip`). Relative media
+        """((input_ids, labels, media_inputs), note), or `Skip` with the reason the row is dropped. Relative media
         paths resolve against the folders (`media_folder`). A row whose text alone cannot fit is dropped first,
         before its media are decoded and before the labeller renders and tokenises it."""
-        if too_long := self.text_too_long(messages):
-            return too_long
-        loaded = row_images(self.args, images_folder, messages, raw_images)
-        if isinstance(loaded, str):
-            return loaded
-        images, note = loaded
+        self.check_text_length(messages)
+        images, note = row_images(self.args, images_folder, messages, raw_images)
         videos = row_videos(self.args, videos_folder, messages, raw_videos)
-        if isinstance(videos, str):
-            return videos
         try:
             input_ids, labels, media_inputs = encode_row(self.labeller, messages, images, videos)
         except UnalignedAnswer as error:
-            return Skip("unaligned", str(error))
-        except TemplateError:  # the template renders this row's turns differently from its prefixes
-            return Skip("no_target", "the chat template renders its turns differently from their prefixes")
+            raise Skip("unaligned", str(error)) from error
+        except TemplateError as error:  # the template renders this row's turns differently from its prefixes
+            raise Skip("no_target", "the chat template renders its turns differently from their prefixes") from error
         if len(input_ids) > self.max_length:
-            return Skip("too_long", f"{len(input_ids)} tokens, over {self.max_length}")
+            raise Skip("too_long", f"{len(input_ids)} tokens, over {self.max_length}")
         if not (labels[1:] != IGNORE_INDEX).any():  # the first token is never a target after the shift
-            return Skip("no_target", "no assistant answer to learn")
+            raise Skip("no_target", "no assistant answer to learn")
         return (input_ids, labels, media_inputs), note
 
-    def text_too_long(self, messages) -> Skip | None:
-        """A too_long Skip when the row's text parts alone cannot fit in `max_length` tokens: over
-        `MAX_CHARS_PER_TOKEN` characters a token (no tokenizer packs natural text so densely), or, for a text long
-        enough to be in doubt, over the limit once tokenised on their own (a margin of one token a part: in the
-        template a part may merge with its neighbours)."""
+    def check_text_length(self, messages):
+        """Skip (too_long) a row whose text parts alone cannot fit in `max_length` tokens: over `MAX_CHARS_PER_TOKEN`
+        characters a token (no tokenizer packs natural text so densely), or, for a text long enough to be in doubt,
+        over the limit once tokenised on their own (a margin of one token a part: in the template a part may merge
+        with its neighbours)."""
         texts = [part["text"] for message in messages for part in message["content"] if part["type"] == "text"]
         characters = sum(map(len, texts))
         if characters > self.max_length * MAX_CHARS_PER_TOKEN:
-            return Skip("too_long", f"{characters} characters of text, more than {self.max_length} tokens hold")
+            raise Skip("too_long", f"{characters} characters of text, more than {self.max_length} tokens hold")
         if characters <= self.max_length * TYPICAL_CHARS_PER_TOKEN:
-            return None  # most rows: the labeller measures them, without a tokenisation of their own here
+            return  # most rows: the labeller measures them, without a tokenisation of their own here
         tokens = sum(map(len, self.labeller.tokenizer(texts, add_special_tokens=False)["input_ids"])) if texts else 0
         if tokens > self.max_length + len(texts):
-            return Skip("too_long", f"its text alone is {tokens} tokens, over {self.max_length}")
-        return None
+            raise Skip("too_long", f"its text alone is {tokens} tokens, over {self.max_length}")
 
     @staticmethod
     def check_columns(name, available):
@@ -276,50 +272,46 @@ class ChatPreprocessor:
 
 
 def row_images(args: ChatDataArgs, folder: str | None, messages, raw_images):
-    """(decoded images, a note such as "converted") of a row, or why it is dropped (a `Skip`): its placeholders do
-    not match its images, a path leaves `folder` (`media_folder`), or an image does not decode."""
+    """(decoded images, a note such as "converted") of a row, or `Skip`: its placeholders do not match its images, a
+    path leaves `folder` (`media_folder`), or an image does not decode."""
     placeholders = _count_parts(messages, "image")
     if placeholders != len(raw_images):
-        return Skip("image_mismatch", f"{placeholders} image placeholders or parts, {len(raw_images)} images")
+        raise Skip("image_mismatch", f"{placeholders} image placeholders or parts, {len(raw_images)} images")
     images, note = [], None
     for raw_image in raw_images:
         raw_image = _resolved(args, folder, raw_image)
-        if isinstance(raw_image, Skip):
-            return raw_image
         image, problem = decode_image(raw_image, args.max_image_pixels, args.max_image_aspect_ratio)
         if image is None:
-            return Skip(problem, _unreadable(raw_image))
+            raise Skip(problem, _unreadable(raw_image))
         images.append(image)
         note = note or problem
     return images, note
 
 
 def row_videos(args: ChatDataArgs, folder: str | None, messages, raw_videos):
-    """The decoded clips of a row (`mmrecipes.vlm.videos.DecodedVideo`s), or why it is dropped: as for images, and a
-    clip that yields no frame or runs over --video_max_seconds."""
+    """The decoded clips of a row (`mmrecipes.vlm.videos.DecodedVideo`s), or `Skip`: as for images, and a clip that
+    yields no frame or runs over --video_max_seconds."""
     placeholders = _count_parts(messages, "video")
     if placeholders != len(raw_videos):
-        return Skip("video_mismatch", f"{placeholders} video placeholders or parts, {len(raw_videos)} clips")
+        raise Skip("video_mismatch", f"{placeholders} video placeholders or parts, {len(raw_videos)} clips")
     videos = []
     for raw_video in raw_videos:
         raw_video = _resolved(args, folder, raw_video)
-        if isinstance(raw_video, Skip):
-            return raw_video
         video, problem = decode_video(raw_video, args)
         if video is None:
-            return Skip(problem, _unreadable(raw_video))
+            raise Skip(problem, _unreadable(raw_video))
         videos.append(video)
     return videos
 
 
 def _resolved(args: ChatDataArgs, folder: str | None, raw_media):
-    """A media path joined to `folder`, or a Skip if it resolves outside it (symlinks followed: '../' and absolute
+    """A media path joined to `folder`, or `Skip` if it resolves outside it (symlinks followed: '../' and absolute
     paths), unless --allow_images_outside_folder; bytes and decoded media as they are."""
     if not isinstance(raw_media, str) or not folder:
         return raw_media
     path = os.path.join(folder, raw_media)
     if not args.allow_images_outside_folder and os.path.commonpath([folder, os.path.realpath(path)]) != folder:
-        return Skip("outside_folder", f"{raw_media!r} resolves to {os.path.realpath(path)}, outside {folder}")
+        raise Skip("outside_folder", f"{raw_media!r} resolves to {os.path.realpath(path)}, outside {folder}")
     return path
 
 
@@ -361,13 +353,11 @@ def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: i
         if len(prompts) == rows:
             break
         try:
-            prompt = _held_out_prompt(args, processor, row)
+            prompts.append(_held_out_prompt(args, processor, row))
+        except Skip as skip:
+            skipped[skip.reason] += 1
         except Exception as error:  # a row the training data would count as bad
-            prompt = f"bad_row ({type(error).__name__})"
-        if isinstance(prompt, str):
-            skipped[prompt] += 1
-        else:
-            prompts.append(prompt)
+            skipped[f"bad_row ({type(error).__name__})"] += 1
     if all_ranks_true(not prompts, device):
         counts = ", ".join(f"{reason} {count}" for reason, count in skipped.most_common()) or "none read"
         raise RuntimeError(f"No data rank has a held-out question of {args.eval_dataset_name} to answer by "
@@ -376,31 +366,28 @@ def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: i
 
 
 def _held_out_prompt(args: ChatDataArgs, processor, row):
-    """(prompt row, answer) of a held-out row, or why it gives none."""
+    """(prompt row, answer) of a held-out row, or `Skip` with why it gives none."""
     if row.get(PROBLEM):
-        return row[PROBLEM]
+        raise Skip(row[PROBLEM])
     messages, raw_images, _ = to_chat(row)
     if has_video(row, messages):
-        return "video"  # image questions only, for now
+        raise Skip("video")  # image questions only, for now
     answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
     if not answers:
-        return "no answer"
+        raise Skip("no answer")
     last = answers[-1]
     if sum(part["type"] == "image" for message in messages[:last] for part in message["content"]) != len(raw_images):
-        return "an image after the question"
-    loaded = row_images(args, media_folder(row, args.image_folder), messages, raw_images)
-    if isinstance(loaded, str):
-        return loaded
+        raise Skip("an image after the question")
+    images, _ = row_images(args, media_folder(row, args.image_folder), messages, raw_images)
     answer = " ".join(part["text"] for part in messages[last]["content"] if part["type"] == "text")
-    return prompt_row(processor, messages[:last], loaded[0]), answer.strip()
+    return prompt_row(processor, messages[:last], images), answer.strip()
 
 
 def prompt_row(processor, messages, images) -> dict:
     """A collator row of `messages` rendered with the generation prompt (no target): what `generate` is given."""
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     input_ids, media_inputs = _unbatched(processor(text=text, images=[images] if images else None))
-    return {"input_ids": input_ids, "labels": torch.full_like(input_ids, IGNORE_INDEX),
-            "media_inputs": media_inputs} | dict.fromkeys(CHAT_COUNTED, 0)
+    return {"input_ids": input_ids, "labels": torch.full_like(input_ids, IGNORE_INDEX), "media_inputs": media_inputs}
 
 
 def _as_tensor(value):

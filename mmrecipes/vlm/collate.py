@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from ..images import NORMALIZED_BY
+from ..skips import data_counts
 from .chat_data import CHAT_COUNTED, TOKEN_ALIGNED, encode_row
 from .losses import IGNORE_INDEX, count_target_tokens
 
@@ -78,7 +79,7 @@ class ChatCollator:
             batch |= {"pixel_values_videos": self.dummy_inputs["pixel_values_videos"], "dummy_video": True}
         batch["num_samples"], batch["num_tokens"] = len(rows), sum(lengths)  # tokens: padding left out
         batch["target_tokens"] = count_target_tokens(batch["labels"])  # read here, on the host, not in the loop
-        batch["data_counts"] = torch.tensor([sum(row[name] for row in rows) for name in CHAT_COUNTED])
+        batch["data_counts"] = data_counts(rows, CHAT_COUNTED)
         return batch
 
 
@@ -132,6 +133,5 @@ def probe_rows(labeller) -> list[dict]:
         messages = [{"role": "user", "content": content},
                     {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
         input_ids, labels, media_inputs = encode_row(labeller, messages, images)
-        rows.append({"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs}
-                    | dict.fromkeys(CHAT_COUNTED, 0))
+        rows.append({"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs})
     return rows

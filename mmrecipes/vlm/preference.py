@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..distributed import batches_in_step, sum_over_ranks
 from ..images import to_device
-from ..skips import Skip
+from ..skips import SKIPPED, Skip, data_counts
 from ..sources import DATA_FILE, PROBLEM, row_name
 from .arguments import DPOArgs
 from .chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor, string_prompt
@@ -73,40 +73,31 @@ class PreferencePreprocessor(ChatPreprocessor):
     COLUMNS = PREFERENCE_COLUMNS
 
     def __call__(self, batch):
-        out = {"chosen": [], "rejected": []} | {name: [] for name in PREFERENCE_COUNTED}
+        out = {"chosen": [], "rejected": [], SKIPPED: []}
         for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
-            sides = row.get(PROBLEM)
-            if sides is None:
-                try:
-                    sides = [self.example(side) for side in preference_chats(row)]
-                except BadRow as error:
-                    sides = Skip("bad_row", str(error))
-            problem = sides if isinstance(sides, str) else next((s for s in sides if isinstance(s, str)), None)
-            if problem:
-                self.drops.drop(problem, row_name(row))
+            try:
+                if row.get(PROBLEM):  # what `load_stream` could not read
+                    raise Skip(row[PROBLEM])
+                (chosen, chosen_note), (rejected, rejected_note) = map(self.example, preference_chats(row))
+                chosen, rejected = last_answer_only(chosen), last_answer_only(rejected)
+                self.check_preference(chosen, rejected)
+            except Skip as skip:
+                self.drops.drop(skip, row_name(row))
                 continue
-            (chosen, chosen_note), (rejected, rejected_note) = sides
-            chosen, rejected = last_answer_only(chosen), last_answer_only(rejected)
-            if problem := self.no_preference(chosen, rejected):
-                self.drops.drop(problem, row_name(row))
-                continue
-            counts = self.drops.keep(chosen_note or rejected_note)
             for key, (input_ids, labels, media_inputs) in (("chosen", chosen), ("rejected", rejected)):
                 out[key].append({"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs})
-            for name in PREFERENCE_COUNTED:
-                out[name].append(counts[name])
+            out[SKIPPED].append(self.drops.keep(chosen_note or rejected_note))
         return out
 
-    def no_preference(self, chosen, rejected) -> Skip | None:
-        """Why a pair teaches no preference, or None: its answers are the same tokens, or one says nothing (TRL
-        trains on such pairs; here they are counted and skipped)."""
+    def check_preference(self, chosen, rejected):
+        """Skip (no_preference) a pair whose answers are the same tokens, or one of which says nothing (TRL trains on
+        such pairs; they teach no preference)."""
         answers = [input_ids[labels != IGNORE_INDEX] for input_ids, labels, _ in (chosen, rejected)]
         if torch.equal(*answers):
-            return Skip("no_preference", "the chosen and rejected answers are the same")
+            raise Skip("no_preference", "the chosen and rejected answers are the same")
         for side, answer in zip(("chosen", "rejected"), answers):
             if not self.labeller.tokenizer.decode(answer, skip_special_tokens=True).strip():
-                return Skip("no_preference", f"the {side} answer is empty")
-        return None
+                raise Skip("no_preference", f"the {side} answer is empty")
 
     @staticmethod
     def check_columns(name, available):
@@ -117,20 +108,17 @@ class PreferencePreprocessor(ChatPreprocessor):
 
 
 class PreferenceCollator:
-    """Pairs -> one `ChatCollator` batch: the chosen rows, then the rejected rows (`num_samples` counts pairs;
-    the data counts, `PREFERENCE_COUNTED`, ride on the chosen rows only); with `keys`, each pair's `pair_key` too
-    (precomputed reference log-probabilities are looked up by it)."""
+    """Pairs -> one `ChatCollator` batch: the chosen rows, then the rejected rows (`num_samples` counts pairs, the
+    data counts the pairs' `PREFERENCE_COUNTED`); with `keys`, each pair's `pair_key` too (precomputed reference
+    log-probabilities are looked up by it)."""
 
     def __init__(self, collator, keys: bool = False):
         self.collator, self.keys = collator, keys
 
     def __call__(self, pairs):
-        counts = [{name: pair[name] for name in CHAT_COUNTED} for pair in pairs]
-        batch = self.collator([pair["chosen"] | count for pair, count in zip(pairs, counts)]
-                              + [pair["rejected"] | dict.fromkeys(CHAT_COUNTED, 0) for pair in pairs])
+        batch = self.collator([pair["chosen"] for pair in pairs] + [pair["rejected"] for pair in pairs])
         batch["num_samples"] = len(pairs)  # what the DPO loss averages over, and samples/s counts
-        no_preference = torch.tensor([sum(pair["no_preference"] for pair in pairs)])  # DPO's own count, last
-        batch["data_counts"] = torch.cat([batch["data_counts"], no_preference])
+        batch["data_counts"] = data_counts(pairs, PREFERENCE_COUNTED)
         if self.keys:
             batch["pair_keys"] = [pair_key(pair["chosen"], pair["rejected"]) for pair in pairs]
         return batch

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from ..skips import Skip
+from ..skips import Skip, data_counts
 from ..sources import OTHER_COLUMNS
 from .chat_data import (
     CHAT_COLUMNS,
@@ -64,18 +64,15 @@ class PromptPreprocessor(ChatPreprocessor):
         try:
             messages, raw_images, reward_prompt, columns = prompt_chat(row)
             if has_video(row, messages):
-                return Skip("video", "GRPO samples image and text prompts")
-            loaded = row_images(self.args, media_folder(row, self.args.image_folder), messages, raw_images)
-            if isinstance(loaded, str):
-                return loaded
-            images, note = loaded
+                raise Skip("video", "GRPO samples image and text prompts")
+            images, note = row_images(self.args, media_folder(row, self.args.image_folder), messages, raw_images)
             prompt = prompt_row(self.labeller.processor, messages, images)
-        except BadRow as error:
-            return Skip("bad_row", str(error))
+        except Skip:
+            raise
         except Exception as error:  # a template that refuses the prompt, say: counted, never a crash
-            return Skip("bad_row", f"{type(error).__name__}: {error}")
+            raise Skip("bad_row", f"{type(error).__name__}: {error}") from error
         if len(prompt["input_ids"]) > self.max_length:
-            return Skip("too_long", f"{len(prompt['input_ids'])} prompt tokens, over {self.max_length}")
+            raise Skip("too_long", f"{len(prompt['input_ids'])} prompt tokens, over {self.max_length}")
         return (prompt["input_ids"], prompt["media_inputs"], json.dumps(reward_prompt), json.dumps(columns)), note
 
     @staticmethod
@@ -98,5 +95,5 @@ class PromptCollator:
                     "prompt": json.loads(row["reward_prompt"]), "columns": json.loads(row["reward_columns"])}
                    for row in rows]
         return {"prompts": prompts, "num_samples": len(rows) * self.counted,
-                "data_counts": torch.tensor([sum(row[name] for row in rows) * self.counted for name in CHAT_COUNTED]),
+                "data_counts": data_counts(rows, CHAT_COUNTED) * self.counted,
                 "chat": self.chat_collator([row for prompt in prompts for row in chat_rows(prompt, [[]], [False])])}

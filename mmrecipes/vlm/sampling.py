@@ -22,7 +22,6 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from ..distributed import batches_in_step, max_over_ranks
 from ..images import to_device
 from .arguments import GRPOArgs
-from .chat_data import CHAT_COUNTED
 from .evaluation import with_token_appended
 from .losses import IGNORE_INDEX
 from .models import logits
@@ -49,7 +48,7 @@ def chat_rows(prompt: dict, completions: list[list[int]], labelled: list[bool]) 
         labels = torch.cat([torch.full_like(prompt["input_ids"], IGNORE_INDEX),
                             tokens if target else torch.full_like(tokens, IGNORE_INDEX)])
         rows.append({"input_ids": torch.cat([prompt["input_ids"], tokens]), "labels": labels,
-                     "media_inputs": prompt["media_inputs"]} | dict.fromkeys(CHAT_COUNTED, 0))
+                     "media_inputs": prompt["media_inputs"]})
     return rows
 
 
