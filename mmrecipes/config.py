@@ -26,11 +26,14 @@ from transformers import HfArgumentParser
 
 
 def parse_args(dataclass_types, argv=None):
-    """One instance per dataclass in `dataclass_types`, from `argv` (default: sys.argv[1:]). `--help` shows each
-    flag's comment in its dataclass and its default."""
+    """One instance per dataclass in `dataclass_types`, from `argv` (default: sys.argv[1:]), each checked alone
+    (`CheckedArgs`) and then with the others (`CheckedArgs.check_with`). `--help` shows each flag's comment in its
+    dataclass and its default."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _Parser(dataclass_types)
     comments = {name: text for cls in dataclass_types for name, text in field_comments(cls).items()}
+    comments |= {field.name: f"{comments.get(field.name, '')} (one of: {', '.join(field.metadata[CHOICES])})".lstrip()
+                 for cls in dataclass_types for field in dataclasses.fields(cls) if CHOICES in field.metadata}
     fields = {field.name for cls in dataclass_types for field in dataclasses.fields(cls)}
     nullable = _nullable_fields(dataclass_types)
     for action in parser._actions:
@@ -45,7 +48,11 @@ def parse_args(dataclass_types, argv=None):
         check_yaml_values(values, dataclass_types, argv[0])
         parser.set_defaults(**values)
         argv = argv[1:]
-    return parser.parse_args_into_dataclasses(args=argv)
+    parsed = parser.parse_args_into_dataclasses(args=argv)
+    for args in parsed:
+        if isinstance(args, CheckedArgs):
+            args.check_with({type(other): other for other in parsed})
+    return parsed
 
 
 class _Parser(HfArgumentParser):
@@ -53,9 +60,10 @@ class _Parser(HfArgumentParser):
 
     @staticmethod
     def _parse_dataclass_field(parser, field: dataclasses.Field):
-        if RULE in field.metadata:
+        if RULE in field.metadata:  # choices too: checked with the rules (YAML values never meet argparse's)
             field = copy.copy(field)
-            field.metadata = types.MappingProxyType({k: v for k, v in field.metadata.items() if k != RULE})
+            field.metadata = types.MappingProxyType({k: v for k, v in field.metadata.items()
+                                                     if k not in (RULE, CHOICES)})
         HfArgumentParser._parse_dataclass_field(parser, field)
 
 
@@ -177,11 +185,15 @@ RULES = {
 
 
 RULE = "rule"  # the metadata key of a field's value rule
+CHOICES = "choices"  # the rule of a field whose value is one of its metadata's choices (argparse's `choices` too)
 
 
-def checked(default, rule: str):
-    """A dataclass field whose value must follow `rule` (a name in `RULES`), beside the field it checks: a renamed
-    field keeps its rule, and a subclass that only changes the default keeps it too (`CheckedArgs.rules`)."""
+def checked(default, rule: str | None = None, *, choices: tuple | None = None):
+    """A dataclass field whose value must follow `rule` (a name in `RULES`) or be one of `choices` (--help lists
+    them), beside the field it checks: a renamed field keeps its rule, and a subclass that only changes the default
+    keeps it too (`CheckedArgs.rules`). Every flag is checked this way, from the command line and from YAML alike."""
+    if choices is not None:
+        return dataclasses.field(default=default, metadata={RULE: CHOICES, CHOICES: list(choices)})
     if rule not in RULES:
         raise KeyError(f"no value rule {rule!r}: one of {', '.join(RULES)}")
     return dataclasses.field(default=default, metadata={RULE: rule})
@@ -196,20 +208,23 @@ class CheckedArgs:
     UNUSED_WITH: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     @classmethod
-    def rules(cls) -> dict[str, str]:
-        """{field: its rule}: a field redefined in a subclass without a rule (a new default) keeps its base's."""
+    def rules(cls) -> dict[str, tuple[str, list | None]]:
+        """{field: (its rule, its choices)}: a field redefined in a subclass without a rule (a new default) keeps its
+        base's."""
         rules = {}
         for klass in reversed(cls.__mro__):
             for field in getattr(klass, "__dataclass_fields__", {}).values():
                 if RULE in field.metadata:
-                    rules[field.name] = field.metadata[RULE]
+                    rules[field.name] = (field.metadata[RULE], field.metadata.get(CHOICES))
         return rules
 
     def __post_init__(self):
         problems = []
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, rule in self.rules().items():
-            test, expected = RULES[rule]
+        nullable = _nullable_fields([type(self)])
+        for name, (rule, choices) in self.rules().items():
+            test, expected = RULES[rule] if rule != CHOICES else (
+                lambda value: value in choices or (value is None and name in nullable), f"one of {', '.join(choices)}")
             if not test(getattr(self, name)):
                 default = defaults.get(name)
                 example = f" (the default is {default})" if default not in (None, dataclasses.MISSING) else ""
@@ -221,3 +236,12 @@ class CheckedArgs:
                                 "resized or rebuilt); drop it")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def check_with(self, parsed: dict[type, "CheckedArgs"]):
+        """Flags of this dataclass checked against another's (`parsed`: the recipe's other arguments by class), once
+        every flag is parsed: none by default."""
+
+    @staticmethod
+    def other(parsed: dict[type, "CheckedArgs"], kind: type):
+        """The parsed arguments of `kind` (or of a subclass of it)."""
+        return next(args for cls, args in parsed.items() if issubclass(cls, kind))

@@ -1,5 +1,6 @@
-"""What every recipe's loop needs around it: the common arguments, batch size from a global
-batch, mixed precision and tracker choice. The loop itself stays in the recipe."""
+"""What every recipe's loop needs around it, from its `arguments.TrainingArgs` (`args`): batch size from a global
+batch, the accelerator, AdamW, the schedule, mixed precision and tracker choice. The loop itself stays in the recipe.
+This module imports no `arguments`: `TrainingArgs` checks its schedule here when parsed."""
 
 import json
 import math
@@ -7,11 +8,10 @@ import math
 import torch
 from transformers import get_scheduler
 
-from .arguments import TrainingArgs
 from .distributed import make_accelerator
 
 
-def per_device_batch_size(args: TrainingArgs, data_world: int) -> int:
+def per_device_batch_size(args, data_world: int) -> int:
     if args.global_batch_size is None:
         return args.per_device_train_batch_size
     per_step = data_world * args.gradient_accumulation_steps
@@ -22,7 +22,7 @@ def per_device_batch_size(args: TrainingArgs, data_world: int) -> int:
     return args.global_batch_size // per_step
 
 
-def accelerator_from_args(args: TrainingArgs):
+def accelerator_from_args(args):
     """The recipe's Accelerator (`mmrecipes.distributed.make_accelerator`: real on multi-process CPU too)."""
     return make_accelerator(
         timeout_s=args.ddp_timeout,
@@ -33,7 +33,7 @@ def accelerator_from_args(args: TrainingArgs):
     )
 
 
-def adamw(param_groups, args: TrainingArgs) -> torch.optim.AdamW:
+def adamw(param_groups, args) -> torch.optim.AdamW:
     """AdamW at `args.learning_rate` (groups may set their own lr and weight decay) with the args' betas and
     eps, fused where asked."""
     fused = torch.cuda.is_available() if args.fused_adamw is None else args.fused_adamw
@@ -41,7 +41,7 @@ def adamw(param_groups, args: TrainingArgs) -> torch.optim.AdamW:
                              eps=args.adam_epsilon, fused=fused or None)  # None: torch picks foreach
 
 
-def lr_scheduler(optimizer, args: TrainingArgs):
+def lr_scheduler(optimizer, args):
     """transformers' `get_scheduler(lr_scheduler_type)` over `max_steps` with `warmup_steps`, given the
     `lr_scheduler_kwargs`; a type or arguments it cannot build from these, or a plateau schedule (it needs a metric
     at every step, which the loop does not pass), raises a ValueError that says what to give."""

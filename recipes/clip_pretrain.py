@@ -15,7 +15,7 @@ ZeRO-2, ZeRO-3, multi-node) and on real data:
 Tested on a 2-core CPU (1 and 2 processes, gloo).
 """
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from mmrecipes.arguments import TrainingArgs
 from mmrecipes.config import checked, parse_args
@@ -28,9 +28,17 @@ class TrainArgs(TrainingArgs):
     output_dir: str = "outputs/clip_pretrain"
     # plain: each micro-batch is its own contrastive batch (b negatives per row); feature_cache: the
     # accumulation window is ONE batch of k*b negatives (GradCache: one extra forward per micro-batch)
-    contrastive_accumulation: str = field(default="plain", metadata={"choices": ["plain", "feature_cache"]})
+    contrastive_accumulation: str = checked("plain", choices=("plain", "feature_cache"))
     # clip_loss in tiles: no [b, N] logits matrix (siglip_loss never has one)
     loss_tile_size: int | None = checked(None, "count_or_none")
+
+    def check_with(self, parsed):
+        model_args = self.other(parsed, ModelArgs)
+        if model_args.loss == "siglip" and self.loss_tile_size:
+            raise ValueError("--loss_tile_size tiles clip_loss; siglip_loss never holds a [b, N] matrix: drop the flag")
+        if model_args.patch_dropout and self.contrastive_accumulation == "feature_cache":
+            raise ValueError("--patch_dropout with --contrastive_accumulation feature_cache: the cache's second "
+                             "forward would drop other patches than its first; use one of them")
 
 
 ARGUMENTS = (ModelArgs, LockArgs, DataArgs, ZeroShotArgs, TrainArgs)  # the flags and YAML keys this recipe takes
@@ -71,11 +79,6 @@ from mmrecipes.training import (
 
 def main(argv=None):
     model_args, lock_args, data_args, zeroshot_args, args = parse_args(ARGUMENTS, argv)
-    if model_args.loss == "siglip" and args.loss_tile_size:
-        raise ValueError("--loss_tile_size tiles clip_loss; siglip_loss never holds a [b, N] matrix: drop the flag")
-    if model_args.patch_dropout and args.contrastive_accumulation == "feature_cache":
-        raise ValueError("--patch_dropout with --contrastive_accumulation feature_cache: the cache's second forward "
-                         "would drop other patches than its first; use one of them")
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     model, tokenizer, image_processor = build_contrastive(model_args)

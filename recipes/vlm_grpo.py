@@ -72,7 +72,6 @@ from mmrecipes.vlm.sampling import Sampler
 
 def main(argv=None):
     model_args, lora_args, data_args, grpo_args, args = parse_args(ARGUMENTS, argv)
-    grpo.check_settings(grpo_args, data_args.max_length, args.save_steps)
     reward_funcs = load_reward_funcs(grpo_args.funcs, grpo_args.format_pattern)  # an unknown name stops here
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised. The KL's

@@ -214,8 +214,8 @@ def test_what_cannot_be_composed_is_refused_with_the_reason(parts, tmp_path):
     assert processor.chat_template == FLATTEN_CONTENT + instruct.read_text()
     _, processor = compose_llava(towers["clip"], base, chat_template="plain")  # stage 1 needs none
     assert processor.chat_template == PLAIN_CHAT_TEMPLATE.read_text()  # and the model keeps plain
-    with pytest.raises(ValueError, match="plain \\(LLaVA's stage 1\\) or unset"):
-        compose_llava(towers["clip"], base, chat_template="chatml")
+    with pytest.raises(ValueError, match="--chat_template 'chatml': must be one of plain"):  # checked when parsed
+        VLMModelArgs(chat_template="chatml")
 
 
 def test_the_wrong_parts_are_refused_each_with_its_own_reason_before_any_weight_is_read(parts, tmp_path):

@@ -57,6 +57,17 @@ def test_yaml_values_reach_their_dataclass_and_flags_override_them(tmp_path, pat
         assert getattr(owner[name], name) == value, name
 
 
+def test_a_choice_is_checked_alike_from_yaml_and_from_the_command_line(tmp_path):
+    """YAML values never meet argparse's `choices`: `contrastive_accumulation: featurecache` ran plain accumulation
+    without a word. One rule (`checked(..., choices=...)`) checks both, as every other value rule does."""
+    recipe = load_recipe()
+    (tmp_path / "run.yaml").write_text("contrastive_accumulation: featurecache\n")
+    message = "--contrastive_accumulation 'featurecache': must be one of plain, feature_cache (the default is plain)"
+    for argv in ([str(tmp_path / "run.yaml")], ["--contrastive_accumulation", "featurecache"]):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_args(recipe.ARGUMENTS, argv)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--max_caption_length", "32"], "Leave --max_caption_length unset"),
     (["--loss_tile_size", "8"], "siglip_loss never holds a [b, N] matrix"),

@@ -170,7 +170,9 @@ def test_the_recipe_samples_scores_and_trains_from_the_embedded_sft_model(tmp_pa
     (["--max_completion_length", "256"], "leaves no room for a prompt"),
     (["--reward_funcs", "accuracy,nope"], "accuracy, format, or a function's import path"),
     (["--reward_funcs", "no_such_module:f"], "cannot import it"),
-    (["--loss_type", "ppo"], "one of grpo, bnpo, dr_grpo, dapo"),
+    (["--loss_type", "ppo"], "--loss_type 'ppo': must be one of grpo, bnpo, dr_grpo, dapo"),
+    (["--scale_rewards", "std"], "--scale_rewards 'std': must be one of group, batch, none"),
+    (["--num_iterations", "2", "--save_steps", "3"], "--save_steps 3: a multiple of --num_iterations 2"),
     (["--reward_weights", "1,2"], "one finite weight per --reward_funcs"),
     (["--num_generations", "1"], "a group of one completion has no spread"),
 ])

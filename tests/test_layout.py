@@ -1,6 +1,7 @@
 """The library's layout: a flat core and two pipeline packages, `mmrecipes.contrastive` and `mmrecipes.vlm`, that
-never import each other, so a CLIP forker reads the core and the contrastive package only. Checked on the import
-statements (every module, lazy imports inside functions included) and by importing each package alone."""
+never import each other, so a CLIP forker reads the core and the contrastive package only; and no module imports
+itself through others (an import cycle, hidden or not by a function-local import). Checked on the import statements
+(every module, lazy imports inside functions included) and by importing each package alone."""
 
 import ast
 import subprocess
@@ -69,3 +70,48 @@ def test_each_pipeline_imports_alone():
                 f"print(sorted(name for name in sys.modules if name.startswith('mmrecipes.{other}')))")
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         assert result.stdout.strip() == "[]", (pipeline, result.stdout)
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """{module: the mmrecipes modules it imports} of `sources` ({module: (its text, whether it is a package)})."""
+    return {module: imported_modules(text, module, is_package) & set(sources) - {module}
+            for module, (text, is_package) in sources.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import cycle of `graph`, as the modules around it (found by a depth-first walk)."""
+    found, done = [], set()
+
+    def walk(module, path):
+        if module in path:
+            found.append(path[path.index(module):] + [module])
+            return
+        if module in done:
+            return
+        for imported in sorted(graph[module]):
+            walk(imported, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        walk(module, [])
+    return found
+
+
+def library_sources() -> dict[str, tuple[str, bool]]:
+    return {module_name(path): (path.read_text(), path.name == "__init__.py") for path in PACKAGE.rglob("*.py")}
+
+
+def test_no_module_imports_itself_through_others():
+    assert cycles(import_graph(library_sources())) == []
+
+
+def test_the_check_sees_a_cycle_a_lazy_import_hides():
+    """What the layout had: `arguments` imported `training` inside a function (a throwaway scheduler to check a
+    name), and `training` imported `arguments` at its top."""
+    sources = library_sources()
+    text, is_package = sources["mmrecipes.training"]
+    sources["mmrecipes.training"] = (text + "\n\ndef _args():\n    from .arguments import TrainingArgs\n", is_package)
+    text, is_package = sources["mmrecipes.arguments"]
+    sources["mmrecipes.arguments"] = (text + "\n\ndef _check():\n    from .training import lr_scheduler\n",
+                                      is_package)
+    assert ["mmrecipes.arguments", "mmrecipes.training", "mmrecipes.arguments"] in cycles(import_graph(sources))

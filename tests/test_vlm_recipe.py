@@ -159,7 +159,7 @@ def test_vision_tower_gets_its_own_learning_rate(tmp_path):
 def test_unknown_preset_is_rejected_before_training(tmp_path):
     result = run_recipe("--train_modules", "language_model", "--output_dir", tmp_path, recipe=VLM_RECIPE)
     assert result.returncode != 0
-    assert "--train_modules 'language_model': choose one of projector, projector,language_model, all" in result.log
+    assert "--train_modules 'language_model': must be one of projector, projector,language_model, all" in result.log
     assert not losses(result.log)
 
 

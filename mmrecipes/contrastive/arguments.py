@@ -1,12 +1,17 @@
 """The contrastive recipe's arguments (model, data, zero-shot), each with its value rules; no torch (`--help`)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 from ..arguments import SourceArgs
 from ..config import CheckedArgs, checked
 from ..paths import resolve_name
+
+# What the log reports: images converted to RGB, and rows skipped because their image does not decode (or is not a
+# regular file), is too large or too elongated, their caption is missing or not UTF-8, or their file is empty,
+# unreadable or truncated (mmrecipes.sources)
+COUNTED = ("converted", "undecodable", "too_large", "no_caption", "bad_text", "bad_row", "bad_shard")
 
 
 @dataclass
@@ -15,7 +20,7 @@ class ModelArgs(CheckedArgs):
                                           "projection_dim")}
     # clip: CLIPModel with clip_loss (softmax over the batch); siglip: SiglipModel or Siglip2Model with siglip_loss
     # (sigmoid per pair)
-    loss: str = field(default="clip", metadata={"choices": ["clip", "siglip"]})
+    loss: str = checked("clip", choices=("clip", "siglip"))
     model_name_or_path: str | None = None  # a saved CLIP/SigLIP/SigLIP 2 directory or hub id; None builds a tiny one
     # SigLIP 2 NaFlex: each image resized to at most this many patches, its aspect ratio kept. With --loss siglip
     # and no model_name_or_path it builds a tiny Siglip2Model; with a SigLIP 2 checkpoint it replaces its
@@ -59,7 +64,6 @@ class DataArgs(SourceArgs):
 
     def counted(self) -> tuple[str, ...]:
         """What a batch's `data_counts` holds: `COUNTED`, then the rows of each source where there are several."""
-        from .data import COUNTED  # the pipeline's own module imports torch: not needed by --help
         sources = self.training_sources()
         if len(sources) == 1:
             return COUNTED

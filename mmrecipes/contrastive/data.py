@@ -25,12 +25,7 @@ from ..images import (
 from ..loader import ROW_SEED, rank_loader
 from ..skips import SKIPPED, DropCounter, Skip, data_counts
 from ..sources import DATA_FILE, PROBLEM, SOURCE, mixed_stream, split_sources
-from .arguments import DataArgs
-
-# What the log reports: images converted to RGB, and rows skipped because their image does not decode (or
-# is not a regular file), is too large or too elongated, their caption is missing or not UTF-8, or their
-# file is empty, unreadable or truncated (mmrecipes.sources).
-COUNTED = ("converted", "undecodable", "too_large", "no_caption", "bad_text", "bad_row", "bad_shard")
+from .arguments import COUNTED, DataArgs
 
 
 def evaluation_off_reason(args: DataArgs) -> str | None:

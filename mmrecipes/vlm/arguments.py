@@ -5,10 +5,12 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..arguments import SourceArgs
+from ..arguments import SourceArgs, TrainingArgs
 from ..config import CheckedArgs, checked
 from ..paths import PLAIN_CHAT_TEMPLATE, TINY_VLM_TOKENIZER, resolve_name
 from ..sources import evaluation_source
+
+TRAIN_MODULES = ("projector", "projector,language_model", "all")  # what --train_modules may name
 
 
 @dataclass
@@ -23,7 +25,7 @@ class VLMModelArgs(CheckedArgs):
     chat_template_path: str | None = None
     tokenizer_name: str = str(TINY_VLM_TOKENIZER)  # used only with model_name_or_path=None
     # What trains: projector (LLaVA stage 1), projector,language_model (stage 2), all (tower too, at its own lr)
-    train_modules: str = "projector,language_model"
+    train_modules: str = checked("projector,language_model", choices=TRAIN_MODULES)
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"  # as for CLIP (mmrecipes.models.ModelArgs)
     image_size: int = checked(32, "count")
@@ -39,7 +41,8 @@ class VLMModelArgs(CheckedArgs):
     language_model_name_or_path: str | None = None
     vision_feature_layer: int = -2  # the tower's layer the projector reads (LLaVA's penultimate); later ones frozen
     # plain: LLaVA's stage-1 format (the images, then the caption as the only target); None: the language model's own
-    chat_template: str | None = None
+    # (another template goes to --chat_template_path)
+    chat_template: str | None = checked(None, choices=("plain",))
 
     def __post_init__(self):
         super().__post_init__()
@@ -238,14 +241,15 @@ class GRPOArgs(CheckedArgs):
     max_completion_length: int = checked(8, "count")  # a completion stops here, truncated (TRL: 512)
     # grpo: each completion's token mean, averaged; dr_grpo: token sum / (completions x max_completion_length);
     # dapo and bnpo: token sum / tokens. Each over the optimizer step on every rank (TRL's bnpo: per rank).
-    loss_type: str = "dapo"
+    loss_type: str = checked("dapo", choices=GRPO_LOSS_TYPES)
     beta: float = checked(0.0, "non_negative")  # weight of the KL to the reference (k3 estimator)
     use_bias_correction_kl: bool = True  # the KL weighted by the importance ratio, as TRL 1.16 does by default
     epsilon: float = checked(0.2, "positive")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float | None = checked(None, "non_negative_or_none")  # None: epsilon (DAPO: 0.28)
     # optimizer steps on each batch of completions, against the log-probabilities they were sampled with
     num_iterations: int = checked(1, "count")
-    scale_rewards: str = "group"  # the advantage divided by the std of its group's rewards, the batch's, or none
+    # the advantage divided by the std of its group's rewards, the batch's, or none
+    scale_rewards: str = checked("group", choices=SCALE_REWARDS)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss
     # Built-in: accuracy (exact match with the solution, numbers compared as numbers), format (--format_pattern);
     # or a user function by import path, module:function (TRL's signature), comma-separated
@@ -260,10 +264,6 @@ class GRPOArgs(CheckedArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.loss_type not in GRPO_LOSS_TYPES:
-            raise ValueError(f"--loss_type {self.loss_type!r}: one of {', '.join(GRPO_LOSS_TYPES)} (TRL 1.16's names)")
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"--scale_rewards {self.scale_rewards!r}: one of {', '.join(SCALE_REWARDS)}")
         if self.num_generations < 2:
             raise ValueError("--num_generations 1: a group of one completion has no spread to learn from; give 2 or "
                              "more")
@@ -277,3 +277,13 @@ class GRPOArgs(CheckedArgs):
                              f"({len(self.funcs)})")
         self.weights = weights
         self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def check_with(self, parsed):
+        max_length = self.other(parsed, PromptDataArgs).max_length
+        if self.max_completion_length >= max_length:
+            raise ValueError(f"--max_completion_length {self.max_completion_length} leaves no room for a prompt within "
+                             f"--max_length {max_length}: raise --max_length")
+        save_steps = self.other(parsed, TrainingArgs).save_steps
+        if save_steps % self.num_iterations:  # a checkpoint keeps no completions: its resume would sample new ones
+            raise ValueError(f"--save_steps {save_steps}: a multiple of --num_iterations {self.num_iterations}, so "
+                             "that every checkpoint falls between two batches of completions")

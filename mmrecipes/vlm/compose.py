@@ -196,9 +196,6 @@ def chat_template_for(tokenizer, chat_template: str | None, name: str) -> str:
     """The composed model's own chat template, the one it is saved with: the LM's behind `FLATTEN_CONTENT`. A base LM
     without one gets LLaVA's `plain` format where stage 1 trains in it (`chat_template` "plain"), and is refused
     otherwise, with the fix."""
-    if chat_template not in (None, "plain"):
-        raise ValueError(f"--chat_template {chat_template!r}: plain (LLaVA's stage 1) or unset (the language model's "
-                         "own); another template goes to --chat_template_path")
     if isinstance(tokenizer.chat_template, str):
         return FLATTEN_CONTENT + tokenizer.chat_template
     if chat_template == "plain":

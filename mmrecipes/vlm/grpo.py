@@ -24,16 +24,6 @@ from .models import token_logps
 CLIP_COUNTS = ("low", "high", "region")  # TRL's clip_ratio/low_mean, high_mean, region_mean
 
 
-def check_settings(args: GRPOArgs, max_length: int, save_steps: int):
-    """Refuse, before anything loads, what the recipe cannot run as asked."""
-    if args.max_completion_length >= max_length:
-        raise ValueError(f"--max_completion_length {args.max_completion_length} leaves no room for a prompt within "
-                         f"--max_length {max_length}: raise --max_length")
-    if save_steps % args.num_iterations:  # a checkpoint keeps no completions: its resume would sample new ones
-        raise ValueError(f"--save_steps {save_steps}: a multiple of --num_iterations {args.num_iterations}, so that "
-                         "every checkpoint falls between two batches of completions")
-
-
 @dataclass(frozen=True)
 class GroupLayout:
     """Where a step's completions sit. A step holds W data ranks x k micro-batches x b completions (TRL's generation
