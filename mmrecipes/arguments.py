@@ -105,12 +105,9 @@ class SourceArgs(CheckedArgs):
     # to the processor's short side would make them huge)
     max_image_aspect_ratio: float = checked(50.0, "positive")
     shuffle_buffer_size: int = checked(1000, "count")  # rows per shuffled block (ResumableShuffle)
-    # None: chosen per rank (loader.default_num_workers): on a CPU none for image-caption rows, where the step
-    # already uses every core (on 2 cores one worker halves data_wait but makes the default run slower:
-    # bench/data_loading.py), and one for chat rows, whose per-row chat templates cost more than the step (150 ->
-    # 210 samples/s on 2 cores); with CUDA one per spare core, at most one per shard. One worker keeps the sample
-    # order of none; more split the shards between them (a checkpoint holds each one's position:
-    # docs/long_runs.md).
+    # None: chosen per rank (loader.default_num_workers; docs/performance.md): with CUDA one per spare core, at most
+    # one per shard; on a CPU none for image-caption rows, one for chat rows. One worker keeps the sample order of
+    # none; more split the shards between them (a checkpoint holds each one's position)
     dataloader_num_workers: int | None = checked(None, "count_or_zero_or_none")
 
     def __post_init__(self):

@@ -1,26 +1,12 @@
-"""What a checkpoint directory may hold, and proof that it holds what was saved.
+"""What a checkpoint directory may hold, and proof that it holds what was saved: checked before a resume (or
+--init_from_checkpoint) loads anything (docs/long_runs.md).
 
-Three checks run before a resume (or --init_from_checkpoint) loads anything:
-- `link_problems`: no symbolic link inside the checkpoint folder, so every file a load opens is one the
-  other two checks read (the files behind a linked shard folder are in no listing);
-- `check_manifest`: every file the save wrote is there with its size and SHA-256 (`write_manifest`
-  lists them at save time), and nothing else is: a missing, truncated, edited or foreign file is
-  named.
-- `check_plain_data`: every file an engine would unpickle builds nothing but tensors and plain
-  data, whatever its name, its bytes or its pickle protocol. The manifest guards against accidents;
-  this guards against a checkpoint someone else prepared, which could carry a fitting manifest.
-
-How the engines read the files decides how each is checked:
-- JSON, safetensors: never unpickled.
-- A torch.save zip (its first bytes `PK\\x03\\x04`, as torch itself decides): torch's weights-only
-  loader with our allowlist. Anything else torch.load would read as a stream of pickles, so any
-  other file is read with a restricted unpickler to its last byte; a file that is not pickles to
-  the end (torch's legacy format, text, random bytes) is refused.
-- torch.distributed.checkpoint (FSDP2): `.metadata` is read with plain `pickle.load` (restricted
-  unpickler here), and the non-tensor items in the `.distcp` files are loaded with
-  `torch.load(weights_only=False)`: each of them is checked with the weights-only loader, at the
-  offset the metadata gives, and shard paths must stay inside the folder.
-- DeepSpeed's recovery scripts and tag file are written beside its files and never loaded.
+- `link_problems`: no symbolic link inside the folder;
+- `check_manifest`: every file the save wrote is there with its size and SHA-256, and nothing else;
+- `check_plain_data`: every file an engine would unpickle builds nothing but tensors and plain data (torch's
+  weights-only loader with our allowlist for torch zips and DCP's items at their offsets, a restricted unpickler to
+  the last byte for everything else), whatever its name or protocol: a checkpoint someone else prepared, with a
+  fitting manifest, runs no code.
 """
 
 import hashlib

@@ -1,25 +1,10 @@
-"""Checkpoints a killed job cannot corrupt, kept to a limit, and a resume that finds the right one.
+"""Checkpoints a killed job cannot corrupt, kept to a limit, and a resume that finds the right one (docs/long_runs.md).
 
-Every rank writes into `checkpoints/.partial-checkpoint-N`. After a barrier (all ranks done) the
-ranks hash the files, and the main process writes the completeness marker `checkpoint.json` (the
-step, the run's data layout and model, and the manifest: every file with its size and SHA-256)
-and renames the directory to `checkpoint-N` in one step. Leftover partial directories are removed
-at the next start; the run first takes `output_dir`'s lock (mmrecipes.output_dir), so they can
-never be another live run's save in progress. Checkpoints and the resuming run must live on a
-filesystem every rank sees (as for `accelerator.save_state`).
-
-Each process also saves where its training stream stands (`data_state_<process>.json`: the epoch
-and the `StatefulDataLoader`'s state, which holds each DataLoader worker's position in its shards
-and which worker comes next), so a resume costs the same at step 10 and at step 100k.
-
-Before a resume loads anything, the checkpoint is validated (`problems`): the manifest (a missing,
-truncated, edited or foreign file is named), every pickle (mmrecipes.checkpoint_validation: nothing but
-tensors and plain data), the scheduler's state, and the data positions (in range). `latest` takes
-the newest checkpoint that validates and says why it passed over newer ones. The checkpoint must
-also belong to this run: a different model (parameter names and shapes) is refused, and so is a
-different data layout (data ranks, batch, accumulation, DataLoader workers, seed, shuffle block,
-data sources and their files), unless `--ignore_data_skip true` restarts the data from the
-beginning on purpose.
+Every rank writes into `checkpoints/.partial-checkpoint-N`; after a barrier the main process writes the completeness
+marker (the step, the run's data layout and model, the manifest of every file's size and SHA-256) and renames it in
+one step. Each process also saves its training stream's position, so a resume costs the same at any step. Before a
+resume loads anything the checkpoint is validated (`checkpoint_validation`), and it must belong to this run: the same
+model and data layout, unless `--ignore_data_skip true`. `latest` takes the newest that validates.
 """
 
 import json

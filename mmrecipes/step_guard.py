@@ -1,25 +1,11 @@
-"""What the ranks agree on at every optimizer-step boundary: skip a non-finite step, stop on preemption.
+"""What the ranks agree on at every optimizer-step boundary, in one small all-reduce: skip a non-finite step, stop
+on preemption (docs/long_runs.md).
 
-One small all-reduce per optimizer step, after the backward, carries both flags, so every rank
-takes the same decision at the same step:
-- A preemption signal (Slurm sends SIGTERM, or the one set with `--signal`) may reach only some
-  ranks. Its handler only sets a flag; the ranks see it through the reduction, save a checkpoint
-  at this step boundary, and exit with `PREEMPTED_EXIT_CODE`.
-- If the loss on any rank or the global gradient norm is not finite, no rank applies the step:
-  no optimizer update, no scheduler step, gradients zeroed. After `max_skipped_steps` such steps
-  in a row the run stops with an error naming the step and the last complete checkpoint.
-  DeepSpeed steps inside `accelerator.backward`, before this check: there the engine's own
-  overflow check decides (ZeRO-2 and ZeRO-3 skip any step whose gradients are not finite, in bf16
-  too while `bf16.check_grad_overflow` keeps its default, true), and the guard reads
-  `engine.was_step_applied()` to count the skip and hold the scheduler back. A non-finite loss
-  with finite gradients is applied by DeepSpeed; the guard says so in the log.
-
-With a fused torch optimizer (`--fused_adamw`, the CUDA default) the host never waits for the
-verdict: the guard hands it to the optimizer as `found_inf`, on the device, as AMP's GradScaler
-does, and the fused kernel skips the update (and its step count) by itself. The host reads the
-verdict one step later from a copy started at once, long finished by then, so the step is not
-a host-device sync. The cost: the learning-rate schedule advances on a skipped step, and a
-preemption signal is acted on one step later. Other optimizers read the verdict at once.
+A preemption signal reaching some ranks only sets a flag; through the reduction every rank saves a checkpoint at the
+same step and exits with `PREEMPTED_EXIT_CODE`. A non-finite loss on any rank or gradient norm skips the step on every
+rank (after `max_skipped_steps` in a row the run stops, naming the last checkpoint); under DeepSpeed, which steps
+inside `backward`, the engine's own overflow check decides and the guard follows it. With a fused optimizer the
+verdict goes to it on the device (`found_inf`, as AMP's GradScaler) and the host reads it a step later: no sync.
 """
 
 import math

@@ -2,15 +2,17 @@
 
     accelerate launch recipes/clip_pretrain.py
     accelerate launch recipes/clip_pretrain.py --loss siglip
-    accelerate launch recipes/clip_pretrain.py --loss siglip --max_num_patches 16 --max_patches_per_batch 512
-    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/clip_pretrain.py recipes/configs/clip_tiny.yaml
+    accelerate launch recipes/clip_pretrain.py --loss siglip --max_num_patches 16 \
+        --max_patches_per_batch 512
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/clip_pretrain.py \
+        recipes/configs/clip_tiny.yaml
 
-With no arguments it trains a tiny CLIP on the embedded shapes data in well under a minute on a
-CPU and writes a directory that `CLIPModel.from_pretrained` and
+With no arguments it trains a tiny CLIP on the embedded shapes data in well under a minute on a CPU
+and writes a directory that `CLIPModel.from_pretrained` and
 `pipeline("zero-shot-image-classification", model=...)` load; `--loss siglip` does the same for a
-`SiglipModel` trained with the sigmoid loss, and `--max_num_patches N` for a SigLIP 2 NaFlex `Siglip2Model`
-(each image at its own aspect ratio). The same file runs under every engine in accelerate_configs/ (DDP, FSDP2,
-ZeRO-2, ZeRO-3, multi-node) and on real data:
+`SiglipModel` trained with the sigmoid loss, and `--max_num_patches N` for a SigLIP 2 NaFlex
+`Siglip2Model` (each image at its own aspect ratio). The same file runs under every engine in
+accelerate_configs/ (DDP, FSDP2, ZeRO-2, ZeRO-3, multi-node) and on real data:
 `--model_name_or_path`, `--dataset_name`/`--data_files`, `--image_column`/`--caption_column`.
 Tested on a 2-core CPU (1 and 2 processes, gloo).
 """
@@ -27,7 +29,7 @@ from mmrecipes.contrastive.tower_locking import LockArgs, lock_towers
 class TrainArgs(TrainingArgs):
     output_dir: str = "outputs/clip_pretrain"
     # plain: each micro-batch is its own contrastive batch (b negatives per row); feature_cache: the
-    # accumulation window is ONE batch of k*b negatives (GradCache: one extra forward per micro-batch)
+    # window is ONE batch of k*b negatives (GradCache: one extra forward per micro-batch)
     contrastive_accumulation: str = checked("plain", choices=("plain", "feature_cache"))
     # clip_loss in tiles: no [b, N] logits matrix (siglip_loss never has one)
     loss_tile_size: int | None = checked(None, "count_or_none")
@@ -35,13 +37,16 @@ class TrainArgs(TrainingArgs):
     def check_with(self, parsed):
         model_args = self.other(parsed, ModelArgs)
         if model_args.loss == "siglip" and self.loss_tile_size:
-            raise ValueError("--loss_tile_size tiles clip_loss; siglip_loss never holds a [b, N] matrix: drop the flag")
+            raise ValueError("--loss_tile_size tiles clip_loss; siglip_loss never holds a [b, N] "
+                             "matrix: drop the flag")
         if model_args.patch_dropout and self.contrastive_accumulation == "feature_cache":
-            raise ValueError("--patch_dropout with --contrastive_accumulation feature_cache: the cache's second "
-                             "forward would drop other patches than its first; use one of them")
+            raise ValueError("--patch_dropout with --contrastive_accumulation feature_cache: the "
+                             "cache's second forward would drop other patches than its first; use "
+                             "one of them")
 
 
-ARGUMENTS = (ModelArgs, LockArgs, DataArgs, ZeroShotArgs, TrainArgs)  # the flags and YAML keys this recipe takes
+# the flags and YAML keys this recipe takes
+ARGUMENTS = (ModelArgs, LockArgs, DataArgs, ZeroShotArgs, TrainArgs)
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
 
@@ -60,7 +65,11 @@ from mmrecipes.contrastive.losses import clip_loss, siglip_loss
 from mmrecipes.contrastive.models import build_contrastive, clamp_logit_scale_, save_contrastive
 from mmrecipes.contrastive.patch_dropout import add_patch_dropout
 from mmrecipes.contrastive.zeroshot import ZeroShotSet, evaluate_zeroshot
-from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config
+from mmrecipes.distributed import (
+    data_parallel_rank_and_world,
+    engine_line,
+    reconcile_deepspeed_config,
+)
 from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches, check_held_out
 from mmrecipes.model_card import write_model_card
@@ -84,25 +93,27 @@ def main(argv=None):
     model, tokenizer, image_processor = build_contrastive(model_args)
     # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
     # SigLIP pads captions to a fixed length: a different --max_caption_length is rejected here.
-    batch_flops = ContrastiveFlops(model, caption_length(data_args, tokenizer, model.pads_text_to_max_length))
+    captions = caption_length(data_args, tokenizer, model.pads_text_to_max_length)
+    batch_flops = ContrastiveFlops(model, captions)
     # shared: accelerator
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
 
-    if model_args.init_from_checkpoint:  # the weights only, strictly (the checkpoint's model flags); a new run
+    if model_args.init_from_checkpoint:  # its weights only, strictly; a new run
         model.load_state_dict(checkpoint_weights(model_args.init_from_checkpoint))
-        accelerator.print(f"model weights from {model_args.init_from_checkpoint}; a new run from step 0")
-    for line in lock_towers(model, lock_args):  # frozen before prepare: no optimizer state, no gradients
+        accelerator.print(f"model weights from {model_args.init_from_checkpoint}; from step 0")
+    for line in lock_towers(model, lock_args):  # frozen before prepare: no optimizer state
         accelerator.print(line)
     if model_args.patch_dropout:
         accelerator.print(add_patch_dropout(model, model_args.patch_dropout))
     if args.torch_compile:  # in place, before prepare wraps the model
         accelerator.print(compile_blocks(model))
 
-    # No decay on norms, biases, the logit scale; frozen (locked) parameters are not in the optimizer.
-    optimizer = adamw(optimizer_groups({"model": list(model.parameters())}, learning_rate=args.learning_rate,
-                                       weight_decay=args.weight_decay), args)
+    # No decay on norms, biases, the logit scale; frozen (locked) parameters hold no state.
+    groups = optimizer_groups({"model": list(model.parameters())}, learning_rate=args.learning_rate,
+                              weight_decay=args.weight_decay)
+    optimizer = adamw(groups, args)
     # Stepped by hand once per optimizer step (accelerate's prepared scheduler steps per process).
     scheduler = lr_scheduler(optimizer, args)
 
@@ -116,34 +127,37 @@ def main(argv=None):
     accelerator.print(engine)
 
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare
-    # (it would split a datasets stream a second time).
-    pad_to_max_length = accelerator.unwrap_model(model).pads_text_to_max_length  # SigLIP: to the tokenizer's length
+    # (it would split a datasets stream a second time). SigLIP pads to the tokenizer's length.
+    pad_to_max_length = accelerator.unwrap_model(model).pads_text_to_max_length
     loader_kwargs = dict(tokenizer=tokenizer, image_processor=image_processor, data_rank=data_rank,
                          data_world=data_world, pad_to_max_length=pad_to_max_length)
-    train_loader = build_dataloader(data_args, data_args.train_split, data_args.data_files, batch_size=batch_size,
-                                    shuffle_seed=args.seed, **loader_kwargs)
+    train_loader = build_dataloader(data_args, data_args.train_split, data_args.data_files,
+                                    batch_size=batch_size, shuffle_seed=args.seed, **loader_kwargs)
     eval_loader, no_eval = None, evaluation_off_reason(data_args)
-    evaluated = [f"retrieval off: {no_eval}" if no_eval else f"retrieval on the {data_args.eval_split} split"]
+    split = data_args.eval_split
+    evaluated = [f"retrieval off: {no_eval}" if no_eval else f"retrieval on the {split} split"]
     if not no_eval:
-        eval_loader = build_dataloader(data_args, data_args.eval_split, data_args.eval_data_files,
+        eval_loader = build_dataloader(data_args, split, data_args.eval_data_files,
                                        batch_size=args.per_device_eval_batch_size, **loader_kwargs)
-        check_held_out(eval_loader, accelerator.device, data_args.eval_split)  # no usable pair: stop now
-    # Zero-shot classification next to retrieval (open_clip's ImageNet top-1): the embedded shape and
-    # colour classes beside the embedded data; any image folder, hub id or builder with a label column.
+        check_held_out(eval_loader, accelerator.device, split)  # no usable pair: stop now
+    # Zero-shot classification next to retrieval (open_clip's ImageNet top-1): the embedded shape
+    # and colour classes beside the embedded data; any image folder, hub id or labelled builder.
     zeroshot_args.zeroshot_dataset, zeroshot_line = evaluation_source(
-        "zeroshot_dataset", zeroshot_args.zeroshot_dataset, None, data_args.dataset_name, zeroshot_args.EMBEDDED_SET)
+        "zeroshot_dataset", zeroshot_args.zeroshot_dataset, None, data_args.dataset_name,
+        zeroshot_args.EMBEDDED_SET)
     evaluated.append(zeroshot_line)
     accelerator.print("evaluation: " + "; ".join(evaluated))
     zeroshot = None
     if zeroshot_args.zeroshot_dataset:
-        zeroshot = ZeroShotSet(zeroshot_args, tokenizer, image_processor, data_rank=data_rank, data_world=data_world,
-                               caption_length=caption_length(data_args, tokenizer, loader_kwargs["pad_to_max_length"]),
-                               pad_to_max_length=loader_kwargs["pad_to_max_length"])
+        zeroshot = ZeroShotSet(zeroshot_args, tokenizer, image_processor, data_rank=data_rank,
+                               data_world=data_world, caption_length=captions,
+                               pad_to_max_length=pad_to_max_length)
 
-    # A checkpoint also holds the config and image processor: compose takes it as a VLM's vision tower.
+    # A checkpoint also holds the config and image processor: compose takes it as a VLM's tower.
+    layout = data_layout(data_args, args, data_world=data_world, batch_size=batch_size)
+    saved_with = (accelerator.unwrap_model(model).config, image_processor)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
-                               data_layout(data_args, args, data_world=data_world, batch_size=batch_size),
-                               saved_with=(accelerator.unwrap_model(model).config, image_processor))
+                               layout, saved_with=saved_with)
     # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
@@ -151,21 +165,24 @@ def main(argv=None):
                       max_skipped_steps=args.max_skipped_steps)
     start_step, resumed_epoch = checkpoints.open_run(args.resume_from_checkpoint, train_loader)
     batches = TrainBatches(train_loader, resumed_epoch)
-    progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
+    progress = tqdm(range(start_step, args.max_steps),
+                    disable=not accelerator.is_local_main_process)
 
-    accelerator.init_trackers(f"{model_args.loss}_pretrain", asdict(model_args) | asdict(data_args) | asdict(args))
+    config = asdict(model_args) | asdict(data_args) | asdict(args)
+    accelerator.init_trackers(f"{model_args.loss}_pretrain", config)
     # The data counters: bad rows by kind, and the rows of each source where there are several
     report = Report(accelerator, args, batches, data_args.counted(), guard=guard, flops=batch_flops,
                     total=checkpoints.resumed_totals)
-    # Both take (image_embeds, text_embeds, *what the model returns after them): scale, and SigLIP's bias.
-    loss_fn = siglip_loss if model_args.loss == "siglip" else partial(clip_loss, tile_size=args.loss_tile_size)
+    # Both take (image_embeds, text_embeds, *the model's other outputs: scale, SigLIP's bias)
+    loss_fn = (siglip_loss if model_args.loss == "siglip"
+               else partial(clip_loss, tile_size=args.loss_tile_size))
     # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
-        if step == start_step:
-            batches.check_rows(window, accelerator, data_world)  # a rank without rows says why, on every rank
+        if step == start_step:  # a rank without rows says why, on every rank
+            batches.check_rows(window, accelerator, data_world)
         report.add_batches(window)
-        filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
+        filler_batch = window[-1]  # any batch: what a rank with no eval rows left forwards
 
         if args.contrastive_accumulation == "feature_cache":
             # The window's micro-batches act as ONE contrastive batch (k*b negatives per row).
@@ -174,32 +191,33 @@ def main(argv=None):
             # Each micro-batch is its own contrastive batch (b negatives); the gradients add up.
             window_losses = []
             for batch in window:
-                # Gradients are all-reduced only on the last micro-batch of the window (no_sync before it).
+                # Gradients are all-reduced only on the window's last micro-batch (no_sync before)
                 with accelerator.accumulate(model):
                     loss = loss_fn(*model(**to_device(batch, accelerator.device)))
                     accelerator.backward(loss)
                 window_losses.append(loss.detach())
         step_losses = torch.stack(window_losses)
         # shared: optimizer step
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # unclipped
         done = step + 1
-        if guard.should_call_optimizer(step_losses, grad_norm, done):  # a fused AdamW is always called
-            optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
+        if guard.should_call_optimizer(step_losses, grad_norm, done):  # fused AdamW: always
+            optimizer.step()  # under DeepSpeed the engine stepped inside accelerator.backward
             scheduler.step()
         optimizer.zero_grad()
 
-        clamp_logit_scale_(accelerator, model)  # after a skipped step a no-op: the scale was clamped before
+        clamp_logit_scale_(accelerator, model)  # after a skipped step a no-op
         report.add_step(guard.applied, loss=step_losses.mean(), applied_steps=1)  # on the device
 
         if report.due(done):
-            # Mean over ranks of the local losses is the global-batch loss (mmrecipes.contrastive.losses).
+            # The mean over ranks of the local losses is the global batch's (contrastive.losses)
             sums = report.close()
-            report.log(done, {"loss": ratio(sums["loss"], sums["applied_steps"]), "lr": scheduler.get_last_lr()[0]},
-                       sums)
+            report.log(done, {"loss": ratio(sums["loss"], sums["applied_steps"]),
+                              "lr": scheduler.get_last_lr()[0]}, sums)
         if (eval_loader, zeroshot) != (None, None) and report.evaluation_due(done):
             with report.evaluating(done) as scores:
                 if eval_loader is not None:
-                    scores |= evaluate_retrieval(model, eval_loader, filler_batch, accelerator.device)
+                    scores |= evaluate_retrieval(model, eval_loader, filler_batch,
+                                                 accelerator.device)
                 if zeroshot is not None:
                     scores |= evaluate_zeroshot(model, zeroshot, accelerator.device)
         # shared: save
@@ -212,7 +230,7 @@ def main(argv=None):
             eval_metrics=["image_to_text_R@1", "text_to_image_R@1", "zeroshot_top1"],
             base_model=model_args.model_name_or_path, datasets=[data_args.dataset_name],
             evaluated="; ".join(evaluated), tags=[model_args.loss, "contrastive"], engine=engine,
-            seen=f"{int(report.total['samples']):,} image-text pairs", resumed_at=start_step)
+            seen=f"{report.total['samples']:,.0f} image-text pairs", resumed_at=start_step)
     # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").

@@ -1,17 +1,20 @@
 """Preference tuning (DPO) of any image-text-to-text model with Accelerate.
 
     accelerate launch recipes/vlm_dpo.py
-    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/vlm_dpo.py --use_peft true
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/vlm_dpo.py \
+        --use_peft true
     accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/vlm_dpo.py \
         --model_name_or_path <your SFT output> --dataset_name <pairs> --learning_rate 5.0e-7
 
-With no arguments it tunes a tiny Llava from scratch on the embedded preference pairs (shapes questions: the right
-answer chosen, a wrong colour, shape or count rejected; 20% text-only) on a CPU, and raises its reward accuracy on
-held-out pairs; the output loads with `AutoModelForImageTextToText` and `pipeline("image-text-to-text")`. Data: TRL's
-`prompt`/`chosen`/`rejected` rows (strings or conversations, with `images`), or LLaVA JSON with `chosen` and
-`rejected` answers. The reference is the policy with its LoRA adapters disabled (`--use_peft true`), or a frozen
-copy the engine shards like the policy. Both sides of a pair run in one forward, a text-only batch with the dummy
-image (as vlm_finetune.py), and the loss is the exact mean over the window's pairs on every rank (docs/dpo.md).
+With no arguments it tunes a tiny Llava from scratch on the embedded preference pairs (shapes
+questions: the right answer chosen, a wrong colour, shape or count rejected; 20% text-only) on a
+CPU, and raises its reward accuracy on held-out pairs; the output loads with
+`AutoModelForImageTextToText` and `pipeline("image-text-to-text")`. Data: TRL's
+`prompt`/`chosen`/`rejected` rows (strings or conversations, with `images`), or LLaVA JSON with
+`chosen` and `rejected` answers. The reference is the policy with its LoRA adapters disabled
+(`--use_peft true`), or a frozen copy the engine shards like the policy. Both sides of a pair run
+in one forward, a text-only batch with the dummy image (as vlm_finetune.py), and the loss is the
+exact mean over the window's pairs on every rank (docs/dpo.md).
 """
 
 from dataclasses import asdict, dataclass, replace
@@ -26,7 +29,8 @@ class TrainArgs(TrainingArgs):
     output_dir: str = "outputs/vlm_dpo"
     max_steps: int = 300
     per_device_train_batch_size: int = 16  # pairs
-    learning_rate: float = 1.0e-3  # the tiny default from scratch; TRL's DPO default for real models is 1e-6
+    # the tiny default from scratch; TRL's DPO default for real models is 1e-6
+    learning_rate: float = 1.0e-3
     # used when --train_modules all (as vlm_finetune.py)
     vision_tower_learning_rate: float = checked(2.0e-6, "learning_rate")
     vision_tower_weight_decay: float = checked(0.0, "non_negative")
@@ -35,7 +39,8 @@ class TrainArgs(TrainingArgs):
     eval_steps: int = 100
 
 
-ARGUMENTS = (VLMModelArgs, LoraArgs, PreferenceDataArgs, DPOArgs, TrainArgs)  # the flags and YAML keys it takes
+# the flags and YAML keys it takes
+ARGUMENTS = (VLMModelArgs, LoraArgs, PreferenceDataArgs, DPOArgs, TrainArgs)
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
 
@@ -44,7 +49,12 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from mmrecipes.checkpointing import Checkpointer, data_layout
-from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config, sum_over_ranks
+from mmrecipes.distributed import (
+    data_parallel_rank_and_world,
+    engine_line,
+    reconcile_deepspeed_config,
+    sum_over_ranks,
+)
 from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches, check_held_out
 from mmrecipes.model_card import write_model_card
@@ -68,14 +78,16 @@ from mmrecipes.vlm.preference import (
 )
 from mmrecipes.vlm.reference import Reference
 
-PAIR_SUMS = ("loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected")  # each step's, over its pairs
+# each step's, over its pairs
+PAIR_SUMS = ("loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected")
 
 
 def main(argv=None):
     model_args, lora_args, data_args, dpo_args, args = parse_args(ARGUMENTS, argv)
     set_seed(args.seed)
-    # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised. The reference
-    # model is the policy with its LoRA adapters disabled, or a frozen copy of the starting weights.
+    # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
+    # The reference model is the policy with its LoRA adapters disabled, or a frozen copy of the
+    # starting weights.
     vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2, frozen_copy=True)
     model, processor = vlm.model, vlm.processor
     # The chosen and rejected answers' tokens, as in SFT
@@ -96,6 +108,7 @@ def main(argv=None):
     optimizer = adamw(vlm.optimizer_groups(args), args)  # the tower, if it trains, at its own lr
     scheduler = lr_scheduler(optimizer, args)
 
+    # A micro-batch holds two rows a pair: the chosen and the rejected answer
     reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=2 * batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
                                gradient_clipping=args.max_grad_norm)
@@ -104,37 +117,43 @@ def main(argv=None):
     # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
     model, optimizer = accelerator.prepare(VLMForTraining(model), optimizer)
 
-    reference = Reference.build(accelerator, model, vlm)  # sharded like the policy, never gathered whole
+    reference = Reference.build(accelerator, model, vlm)  # sharded like the policy
     engine = engine_line(accelerator, model)
     accelerator.print(engine)
     accelerator.print(reference.describe())
     accelerator.print(dpo_args.describe())
 
-    collator = PreferenceCollator(ChatCollator(processor.tokenizer.pad_token_id, vlm.dummy_inputs),
-                                  keys=dpo_args.precompute_ref_log_probs)
-    loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world)
-    train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,
-                                         preprocessor=PreferencePreprocessor, **loader_kwargs)
+    chat_collator = ChatCollator(processor.tokenizer.pad_token_id, vlm.dummy_inputs)
+    collator = PreferenceCollator(chat_collator, keys=dpo_args.precompute_ref_log_probs)
+    loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world,
+                         preprocessor=PreferencePreprocessor)
+    train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size,
+                                         shuffle_seed=args.seed, **loader_kwargs)
     eval_loader = question_loader = None
     if data_args.eval_dataset_name:
-        eval_loader = build_chat_dataloader(data_args, collator=collator, eval_split=True, **loader_kwargs,
+        eval_loader = build_chat_dataloader(data_args, collator=collator, eval_split=True,
                                             batch_size=args.per_device_eval_batch_size,
-                                            preprocessor=PreferencePreprocessor)
-        check_held_out(eval_loader, accelerator.device, data_args.eval_dataset_name)  # no usable pair: stop now
+                                            **loader_kwargs)
+        check_held_out(eval_loader, accelerator.device, data_args.eval_dataset_name)  # none: stop
     if data_args.eval_questions:  # held-out questions' answers, as vlm_finetune.py scores them
         questions = replace(data_args, eval_dataset_name=data_args.eval_questions,
                             eval_data_files=data_args.eval_questions_data_files)
-        question_loader = build_chat_dataloader(questions, collator=collator.collator, eval_split=True,
-                                                batch_size=args.per_device_eval_batch_size, **loader_kwargs)
+        question_loader = build_chat_dataloader(questions, collator=chat_collator, eval_split=True,
+                                                batch_size=args.per_device_eval_batch_size,
+                                                labeller=labeller, data_rank=data_rank,
+                                                data_world=data_world)
         check_held_out(question_loader, accelerator.device, data_args.eval_questions)
 
-    if dpo_args.precompute_ref_log_probs:  # one epoch of this rank's pairs, then no reference model in training
-        first_pass = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,
-                                           preprocessor=PreferencePreprocessor, **loader_kwargs)
-        accelerator.print(reference.precompute([first_pass, *[eval_loader] * (eval_loader is not None)],
-                                               accelerator.device))
+    if dpo_args.precompute_ref_log_probs:  # an epoch of this rank's pairs, then no reference model
+        first_pass = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size,
+                                           shuffle_seed=args.seed, **loader_kwargs)
+        loaders = [first_pass, *[eval_loader] * (eval_loader is not None)]
+        accelerator.print(reference.precompute(loaders, accelerator.device))
+    # shared: vlm checkpoints
+    layout = data_layout(data_args, args, data_world=data_world, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
-                               data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
+                               layout)
+
     # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
@@ -142,23 +161,25 @@ def main(argv=None):
                       max_skipped_steps=args.max_skipped_steps)
     start_step, resumed_epoch = checkpoints.open_run(args.resume_from_checkpoint, train_loader)
     batches = TrainBatches(train_loader, resumed_epoch)
-    progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
+    progress = tqdm(range(start_step, args.max_steps),
+                    disable=not accelerator.is_local_main_process)
 
-    accelerator.init_trackers("vlm_dpo", asdict(model_args) | asdict(lora_args) | asdict(data_args)
-                              | asdict(dpo_args) | asdict(args))
+    config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(dpo_args)
+    accelerator.init_trackers("vlm_dpo", config | asdict(args))
     report = Report(accelerator, args, batches, PREFERENCE_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals)
     # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
-        if step == start_step:
-            batches.check_rows(window, accelerator, data_world)  # a rank without rows says why, on every rank
+        if step == start_step:  # a rank without rows says why, on every rank
+            batches.check_rows(window, accelerator, data_world)
         report.add_batches(window)
-        filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
+        filler_batch = window[-1]  # any batch: what a rank with no eval rows left forwards
 
-        # One collective per optimizer step: the window's pairs on all ranks (the loss is their mean).
-        local_pairs = torch.tensor(float(sum(batch["num_samples"] for batch in window)), device=accelerator.device)
-        loss_scale = token_loss_scale(sum_over_ranks(local_pairs), args.gradient_accumulation_steps, data_world)
+        # One collective per optimizer step: the window's pairs on all ranks (the loss: their mean)
+        local_pairs = torch.tensor(float(sum(batch["num_samples"] for batch in window)))
+        pairs = sum_over_ranks(local_pairs.to(accelerator.device))
+        loss_scale = token_loss_scale(pairs, args.gradient_accumulation_steps, data_world)
         window_sums = []
         for batch in window:
             inputs = to_device(batch, accelerator.device)
@@ -169,16 +190,17 @@ def main(argv=None):
                                                                     answer_tokens(inputs), dpo_args)
                 accelerator.backward(losses.sum() * loss_scale)
             chosen_logps, rejected_logps = policy_side.detach().chunk(2)
-            window_sums.append(torch.stack([losses.detach().sum(), chosen_rewards.sum(), rejected_rewards.sum(),
-                                            (chosen_rewards > rejected_rewards).sum(), chosen_logps.sum(),
-                                            rejected_logps.sum()]))
+            window_sums.append(torch.stack([
+                losses.detach().sum(), chosen_rewards.sum(), rejected_rewards.sum(),
+                (chosen_rewards > rejected_rewards).sum(), chosen_logps.sum(),
+                rejected_logps.sum()]))
         step_sums = torch.stack(window_sums).sum(0)
         step_losses = step_sums[:1]
         # shared: optimizer step
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # unclipped
         done = step + 1
-        if guard.should_call_optimizer(step_losses, grad_norm, done):  # a fused AdamW is always called
-            optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
+        if guard.should_call_optimizer(step_losses, grad_norm, done):  # fused AdamW: always
+            optimizer.step()  # under DeepSpeed the engine stepped inside accelerator.backward
             scheduler.step()
         optimizer.zero_grad()
 
@@ -186,31 +208,36 @@ def main(argv=None):
 
         if report.due(done):
             sums = report.close()
-            per_pair = {name: ratio(sums[name], sums["pairs"]) for name in PAIR_SUMS}
-            report.log(done, {"loss": per_pair["loss"], "rewards/chosen": per_pair["chosen"],
-                              "rewards/rejected": per_pair["rejected"], "rewards/accuracies": per_pair["correct"],
-                              "rewards/margins": per_pair["chosen"] - per_pair["rejected"],
-                              "logps/chosen": per_pair["logps_chosen"], "logps/rejected": per_pair["logps_rejected"],
-                              "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]}, sums)
+            mean = {name: ratio(sums[name], sums["pairs"]) for name in PAIR_SUMS}
+            report.log(done, {
+                "loss": mean["loss"], "rewards/chosen": mean["chosen"],
+                "rewards/rejected": mean["rejected"], "rewards/accuracies": mean["correct"],
+                "rewards/margins": mean["chosen"] - mean["rejected"],
+                "logps/chosen": mean["logps_chosen"], "logps/rejected": mean["logps_rejected"],
+                "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]}, sums)
         if (eval_loader, question_loader) != (None, None) and report.evaluation_due(done):
             with report.evaluating(done) as scores:
                 if eval_loader is not None:
-                    scores |= evaluate_preferences(model, reference, eval_loader, filler_batch, dpo_args,
-                                                   accelerator.device)
+                    scores |= evaluate_preferences(model, reference, eval_loader, filler_batch,
+                                                   dpo_args, accelerator.device)
                 if question_loader is not None:
-                    scores |= evaluate_answers(model, question_loader, filler_batch, accelerator.device)
+                    scores |= evaluate_answers(model, question_loader, filler_batch,
+                                               accelerator.device)
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
     save_vlm(accelerator, model, processor, args.output_dir, vlm.peft_config)
+    seen = f"{report.total['samples']:,.0f} preference pairs, {report.total['tokens']:,.0f} tokens"
     if accelerator.is_main_process:
-        write_model_card(args.output_dir, report.history, eval_metrics=["eval_rewards/accuracies", "answer_accuracy"],
-                         pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
-                         datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation, engine=engine,
-                         resumed_at=start_step, tags=["vlm", "dpo", "lora" if vlm.peft_config else "full fine-tune",
-                                                      type(accelerator.unwrap_model(model).model).__name__],
-                         seen=f"{int(report.total['samples']):,} preference pairs, "
-                              f"{int(report.total['tokens']):,} tokens")
+        write_model_card(
+            args.output_dir, report.history,
+            eval_metrics=["eval_rewards/accuracies", "answer_accuracy"],
+            pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
+            datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
+            tags=["vlm", "dpo", "lora" if vlm.peft_config else "full fine-tune",
+                  type(vlm.model).__name__],
+            engine=engine, resumed_at=start_step,
+            seen=seen)
     # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").

@@ -1,16 +1,18 @@
-"""Fine-tuning of any image-text-to-text model on mixed image-text / text-only conversations with Accelerate.
+"""Fine-tuning of any image-text-to-text model on mixed image-text / text-only conversations.
 
     accelerate launch recipes/vlm_finetune.py
-    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/vlm_finetune.py recipes/configs/vlm_tiny.yaml
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/vlm_finetune.py \
+        recipes/configs/vlm_tiny.yaml
     accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/vlm_finetune.py \
         --model_name_or_path Qwen/Qwen2.5-VL-3B-Instruct --learning_rate 2.0e-5
 
-With no arguments it fine-tunes a tiny Llava on the embedded shapes conversations (75% image questions, 25% text-only)
-on a CPU; the output loads with `AutoModelForImageTextToText` and `pipeline("image-text-to-text")`. It takes any
-image-text-to-text checkpoint with its own processor and chat template (`--model_name_or_path`); `--use_peft true`
-trains LoRA adapters (TRL's flags). On every engine a text-only micro-batch runs the vision step on a tiny dummy image,
-and the loss is the exact token mean over the accumulation window on all ranks (docs/vlm.md). Data: LLaVA format
-(`--dataset_name json --data_files llava.json --image_folder images/`) or `messages` + `images` (+ `videos`) rows.
+With no arguments it fine-tunes a tiny Llava on the embedded shapes conversations (75% image
+questions, 25% text-only) on a CPU; the output loads with `AutoModelForImageTextToText` and
+`pipeline("image-text-to-text")`. It takes any image-text-to-text checkpoint with its own processor
+and chat template (`--model_name_or_path`); `--use_peft true` trains LoRA adapters (TRL's flags). On
+every engine a text-only micro-batch runs the vision step on a tiny dummy image, and the loss is the
+exact token mean over the accumulation window on all ranks (docs/vlm.md). Data: LLaVA's JSON
+(`--dataset_name json --data_files llava.json --image_folder images/`), `messages` + `images` rows.
 """
 
 from dataclasses import asdict, dataclass
@@ -25,8 +27,10 @@ class TrainArgs(TrainingArgs):
     output_dir: str = "outputs/vlm_finetune"
     max_steps: int = 500
     per_device_train_batch_size: int = 16
-    learning_rate: float = 1.0e-3  # the tiny default from scratch; LLaVA stage 2 uses 2e-5, stage 1 1e-3
-    vision_tower_learning_rate: float = checked(2.0e-6, "learning_rate")  # used when --train_modules all
+    # the tiny default from scratch; LLaVA stage 2 uses 2e-5, stage 1 1e-3
+    learning_rate: float = 1.0e-3
+    # used when --train_modules all
+    vision_tower_learning_rate: float = checked(2.0e-6, "learning_rate")
     # 0 keeps AdamW from decaying the tower on steps where it only saw a dummy image (zero gradient)
     vision_tower_weight_decay: float = checked(0.0, "non_negative")
     weight_decay: float = 0.0
@@ -34,11 +38,13 @@ class TrainArgs(TrainingArgs):
     eval_steps: int = 200
     # held-out questions answered by greedy generation at each evaluation; 0: none
     eval_generation_rows: int = checked(64, "count_or_zero")
-    # Ranks check before each module that they run the same one (a collective each; or MMRECIPES_DEBUG_DIVERGENCE=1)
+    # Ranks check before each module that they run the same one (a collective each; or
+    # MMRECIPES_DEBUG_DIVERGENCE=1)
     debug_divergence: bool = False
 
 
-ARGUMENTS = (VLMModelArgs, LoraArgs, ChatDataArgs, TrainArgs)  # the flags and YAML keys this recipe takes
+# the flags and YAML keys this recipe takes
+ARGUMENTS = (VLMModelArgs, LoraArgs, ChatDataArgs, TrainArgs)
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
 
@@ -59,7 +65,13 @@ from mmrecipes.loader import TrainBatches, check_held_out
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
-from mmrecipes.training import accelerator_from_args, adamw, compile_blocks, lr_scheduler, per_device_batch_size
+from mmrecipes.training import (
+    accelerator_from_args,
+    adamw,
+    compile_blocks,
+    lr_scheduler,
+    per_device_batch_size,
+)
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
@@ -74,15 +86,15 @@ def main(argv=None):
     model_args, lora_args, data_args, args = parse_args(ARGUMENTS, argv)
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
-    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2)  # what trains, LoRA, FLOPs
+    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2)  # what trains, FLOPs
     model, processor = vlm.model, vlm.processor
     # The answer tokens of the checkpoint's own chat template, checked on a probe conversation now
     # (a template whose turns no rule finds would otherwise drop every row as no_target).
-    labeller = AnswerLabeller(processor, vlm.stops, videos=video_path(model, processor),  # None: video rows counted
+    labeller = AnswerLabeller(processor, vlm.stops, videos=video_path(model, processor),
                               template=model_args.training_template())
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
-    if data_args.packing:
-        check_packing(VLMForTraining(model), labeller, vlm.dummy_inputs)  # samples kept apart in one sequence
+    if data_args.packing:  # samples kept apart in one sequence?
+        check_packing(VLMForTraining(model), labeller, vlm.dummy_inputs)
     # shared: accelerator
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
@@ -112,27 +124,34 @@ def main(argv=None):
     engine = engine_line(accelerator, model)
     accelerator.print(engine)
     divergence_guard = DivergenceGuard.if_requested(args.debug_divergence, accelerator, model,
-                                                    compiled=args.torch_compile, timeout_s=args.ddp_timeout)
+                                                    compiled=args.torch_compile,
+                                                    timeout_s=args.ddp_timeout)
 
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare.
-    # With --max_tokens_per_batch each micro-batch holds whole rows up to that many tokens; with --packing
-    # they form one sequence without padding (mmrecipes.vlm.packing). Evaluation keeps fixed, padded batches.
+    # --max_tokens_per_batch: each micro-batch holds whole rows up to that many tokens; --packing:
+    # they form one sequence without padding (mmrecipes.vlm.packing). Evaluation: fixed batches.
     pack_length = min(data_args.max_length, data_args.max_tokens_per_batch or data_args.max_length)
-    collator = ChatCollator(processor.tokenizer.pad_token_id, vlm.dummy_inputs, data_args.packing, pack_length)
+    pad = processor.tokenizer.pad_token_id
+    collator = ChatCollator(pad, vlm.dummy_inputs, data_args.packing, pack_length)
     loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world)
-    train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size, shuffle_seed=args.seed,
-                                         **loader_kwargs)
+    train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size,
+                                         shuffle_seed=args.seed, **loader_kwargs)
     eval_loader = None
     if data_args.eval_dataset_name:
-        eval_collator = ChatCollator(processor.tokenizer.pad_token_id, vlm.dummy_inputs)
+        eval_collator = ChatCollator(pad, vlm.dummy_inputs)
         eval_loader = build_chat_dataloader(data_args, collator=eval_collator, eval_split=True,
-                                            batch_size=args.per_device_eval_batch_size, **loader_kwargs)
-        check_held_out(eval_loader, accelerator.device, data_args.eval_dataset_name)  # no usable row: stop now
-        prompts = generation_prompts(data_args, processor, rows=-(-args.eval_generation_rows // data_world),
-                                     data_rank=data_rank, data_world=data_world, device=accelerator.device)
+                                            batch_size=args.per_device_eval_batch_size,
+                                            **loader_kwargs)
+        check_held_out(eval_loader, accelerator.device, data_args.eval_dataset_name)  # no row: stop
+        rows = -(-args.eval_generation_rows // data_world)  # this rank's share
+        prompts = generation_prompts(data_args, processor, rows=rows, data_rank=data_rank,
+                                     data_world=data_world, device=accelerator.device)
 
+    # shared: vlm checkpoints
+    layout = data_layout(data_args, args, data_world=data_world, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
-                               data_layout(data_args, args, data_world=data_world, batch_size=batch_size))
+                               layout)
+
     # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
@@ -140,61 +159,67 @@ def main(argv=None):
                       max_skipped_steps=args.max_skipped_steps)
     start_step, resumed_epoch = checkpoints.open_run(args.resume_from_checkpoint, train_loader)
     batches = TrainBatches(train_loader, resumed_epoch)
-    progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
+    progress = tqdm(range(start_step, args.max_steps),
+                    disable=not accelerator.is_local_main_process)
 
-    accelerator.init_trackers("vlm_finetune", asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args))
+    config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args)
+    accelerator.init_trackers("vlm_finetune", config)
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals)
     # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
-        if step == start_step:
-            batches.check_rows(window, accelerator, data_world)  # a rank without rows says why, on every rank
+        if step == start_step:  # a rank without rows says why, on every rank
+            batches.check_rows(window, accelerator, data_world)
         report.add_batches(window)
-        filler_batch = window[-1]  # any valid batch: what a rank with no eval rows left forwards
+        filler_batch = window[-1]  # any batch: what a rank with no eval rows left forwards
 
-        # One collective per optimizer step: the window's target tokens N on all ranks (counted by the collator).
-        local_tokens = torch.tensor(float(sum(batch["target_tokens"] for batch in window)), device=accelerator.device)
-        loss_scale = token_loss_scale(sum_over_ranks(local_tokens), args.gradient_accumulation_steps, data_world)
+        # One collective per optimizer step: the window's target tokens N on all ranks.
+        local_tokens = torch.tensor(float(sum(batch["target_tokens"] for batch in window)))
+        tokens = sum_over_ranks(local_tokens.to(accelerator.device))
+        loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps, data_world)
         window_ce = []
         for batch in window:
-            # Gradients are all-reduced only on the last micro-batch of the window (no_sync before it).
+            # Gradients are all-reduced only on the window's last micro-batch (no_sync before it).
             with accelerator.accumulate(model):
                 summed = loss_sum(model, to_device(batch, accelerator.device))
                 accelerator.backward(summed * loss_scale)
             window_ce.append(summed.detach())
         step_losses = torch.stack(window_ce)
         # shared: optimizer step
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # unclipped
         done = step + 1
-        if guard.should_call_optimizer(step_losses, grad_norm, done):  # a fused AdamW is always called
-            optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
+        if guard.should_call_optimizer(step_losses, grad_norm, done):  # fused AdamW: always
+            optimizer.step()  # under DeepSpeed the engine stepped inside accelerator.backward
             scheduler.step()
         optimizer.zero_grad()
 
-        report.add_step(guard.applied, ce=sum(window_ce), target_tokens=local_tokens)  # on the device
+        report.add_step(guard.applied, ce=sum(window_ce), target_tokens=local_tokens)
 
         if report.due(done):
             sums = report.close()
-            report.log(done, {"loss": ratio(sums["ce"], sums["target_tokens"]), "grad_norm": float(grad_norm),
-                              "lr": scheduler.get_last_lr()[0]}, sums)
+            report.log(done, {"loss": ratio(sums["ce"], sums["target_tokens"]),
+                              "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]},
+                       sums)
         if eval_loader is not None and report.evaluation_due(done):
             with report.evaluating(done) as scores:
                 scores |= evaluate_answers(model, eval_loader, filler_batch, accelerator.device)
-                scores |= evaluate_generation(model, prompts, filler_batch, eval_collator, processor.tokenizer,
-                                              vlm.stops, accelerator.device, vlm.placeholders)
+                scores |= evaluate_generation(model, prompts, filler_batch, eval_collator,
+                                              processor.tokenizer, vlm.stops, accelerator.device,
+                                              vlm.placeholders)
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
     save_vlm(accelerator, model, processor, args.output_dir, vlm.peft_config)
+    seen = f"{report.total['samples']:,.0f} conversations, {report.total['tokens']:,.0f} tokens"
     if accelerator.is_main_process:
-        write_model_card(args.output_dir, report.history, eval_metrics=["answer_accuracy", "generated_accuracy"],
-                         pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
-                         datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
-                         tags=["vlm", "lora" if vlm.peft_config else "full fine-tune",
-                               type(accelerator.unwrap_model(model).model).__name__],
-                         engine=engine, resumed_at=start_step,
-                         seen=f"{int(report.total['samples']):,} conversations, {int(report.total['tokens']):,} tokens")
+        write_model_card(
+            args.output_dir, report.history, eval_metrics=["answer_accuracy", "generated_accuracy"],
+            pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
+            datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
+            tags=["vlm", "lora" if vlm.peft_config else "full fine-tune", type(vlm.model).__name__],
+            engine=engine, resumed_at=start_step,
+            seen=seen)
     if divergence_guard is not None:
         divergence_guard.remove()
     # shared: the end
@@ -203,7 +228,6 @@ def main(argv=None):
     accelerator.wait_for_everyone()
     accelerator.print(f"saved model to {args.output_dir}")
     accelerator.end_training()
-
 
 if __name__ == "__main__":
     main()

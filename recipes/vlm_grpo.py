@@ -1,17 +1,19 @@
-"""Reinforcement learning with verifiable rewards (GRPO, Dr. GRPO, DAPO) of any image-text-to-text model.
+"""GRPO, Dr. GRPO and DAPO: reinforcement learning of image-text-to-text models with rewards.
 
     accelerate launch recipes/vlm_grpo.py --model_name_or_path outputs/vlm_finetune
     accelerate launch --config_file accelerate_configs/zero3.yaml recipes/vlm_grpo.py \
-        --model_name_or_path outputs/vlm_finetune --reward_funcs accuracy,mypkg.rewards:my_reward --reward_weights 1,0.5
+        --model_name_or_path outputs/vlm_finetune --reward_funcs accuracy,mypkg.rewards:my_reward \
+        --reward_weights 1,0.5
 
-Each prompt (TRL's `prompt` with `images` and `solution`, or a chat row whose last answer is the solution) gets
---num_generations completions sampled from the policy; reward functions score them (built in: accuracy against the
-solution, format by --format_pattern; yours by import path); each completion's advantage is its reward against its
-group's; the clipped surrogate (TRL 1.16's loss types and flag names) is normalised over the optimizer step on every
-rank. Completions are sampled by `generate` where the model is whole on the rank, else a token at a time until every
-rank is done, each from a seed of its own, so W ranks sample what one process does (docs/grpo.md). Start it from an
-SFT'd model that answers sometimes, such as vlm_finetune.py's output: a model that never answers right gets no reward
-to learn from.
+Each prompt (TRL's `prompt` with `images` and `solution`, or a chat row whose last answer is the
+solution) gets --num_generations completions sampled from the policy; reward functions score them
+(built in: accuracy against the solution, format by --format_pattern; yours by import path, as TRL
+calls them); each completion's advantage is its reward against its group's; the clipped surrogate
+(TRL 1.16's loss types and flag names) is normalised over the optimizer step on every rank.
+Completions are sampled by `generate` where the model is whole on the rank, else a token at a time
+until every rank is done, each from a seed of its own, so W ranks sample what one process does
+(docs/grpo.md). Start from an SFT'd model that answers sometimes (vlm_finetune.py's output): a
+model that never answers right gets no reward to learn from.
 """
 
 from dataclasses import asdict, dataclass, replace
@@ -23,7 +25,7 @@ from mmrecipes.vlm.arguments import GRPOArgs, LoraArgs, PromptDataArgs, VLMModel
 
 @dataclass
 class ModelArgs(VLMModelArgs):
-    # The tiny Llava after 60 steps of vlm_finetune.py (data_prep/tiny_sft_vlm.py): it answers sometimes
+    # The tiny Llava after 60 SFT steps (data_prep/tiny_sft_vlm.py): it answers sometimes
     model_name_or_path: str | None = "embedded:tiny_sft_vlm"
 
 
@@ -31,8 +33,10 @@ class ModelArgs(VLMModelArgs):
 class TrainArgs(TrainingArgs):
     output_dir: str = "outputs/vlm_grpo"
     max_steps: int = 150
-    per_device_train_batch_size: int = 32  # completions; a step's, over ranks and accumulation: whole groups
-    learning_rate: float = 3.0e-4  # for the tiny SFT'd default; TRL's default for real models is 1e-6
+    # completions; a step's, over ranks and accumulation: whole groups
+    per_device_train_batch_size: int = 32
+    # for the tiny SFT'd default; TRL's default for real models is 1e-6
+    learning_rate: float = 3.0e-4
     warmup_steps: int = 0
     # used when --train_modules all (as vlm_finetune.py)
     vision_tower_learning_rate: float = checked(2.0e-6, "learning_rate")
@@ -41,7 +45,8 @@ class TrainArgs(TrainingArgs):
     eval_steps: int = 50
 
 
-ARGUMENTS = (ModelArgs, LoraArgs, PromptDataArgs, GRPOArgs, TrainArgs)  # the flags and YAML keys it takes
+# the flags and YAML keys it takes
+ARGUMENTS = (ModelArgs, LoraArgs, PromptDataArgs, GRPOArgs, TrainArgs)
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
 
@@ -50,7 +55,12 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from mmrecipes.checkpointing import Checkpointer, data_layout
-from mmrecipes.distributed import data_parallel_rank_and_world, engine_line, reconcile_deepspeed_config, sum_over_ranks
+from mmrecipes.distributed import (
+    data_parallel_rank_and_world,
+    engine_line,
+    reconcile_deepspeed_config,
+    sum_over_ranks,
+)
 from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
@@ -72,23 +82,23 @@ from mmrecipes.vlm.sampling import Sampler
 
 def main(argv=None):
     model_args, lora_args, data_args, grpo_args, args = parse_args(ARGUMENTS, argv)
-    reward_funcs = load_reward_funcs(grpo_args.funcs, grpo_args.format_pattern)  # an unknown name stops here
+    reward_funcs = load_reward_funcs(grpo_args.funcs, grpo_args.format_pattern)  # known names?
     set_seed(args.seed)
-    # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised. The KL's
-    # reference (--beta) is the policy with its LoRA adapters disabled, or a frozen copy of the starting weights.
-    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2, frozen_copy=grpo_args.beta > 0)
+    # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
+    # The KL's reference (--beta): the policy with its LoRA adapters disabled, or a frozen copy.
+    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2,
+                    frozen_copy=grpo_args.beta > 0)
     model, processor = vlm.model, vlm.processor
-    labeller = AnswerLabeller(processor, vlm.stops)  # the prompts go through its processor and template
+    labeller = AnswerLabeller(processor, vlm.stops)  # the prompts go through its template
 
     # shared: accelerator
     accelerator = accelerator_from_args(args)
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
 
-    # A step's completions are whole groups; a group's may sit on several micro-batches and ranks (docs/grpo.md)
-    layout = grpo.GroupLayout(grpo_args.num_generations, batch_size, args.gradient_accumulation_steps, data_rank,
-                              data_world)
-
+    # A step's completions are whole groups; a group's may sit on several micro-batches and ranks
+    layout = grpo.GroupLayout(grpo_args.num_generations, batch_size,
+                              args.gradient_accumulation_steps, data_rank, data_world)
     accelerator.print(f"evaluation: {data_args.evaluation}")
     accelerator.print(vlm.describe())
 
@@ -105,31 +115,34 @@ def main(argv=None):
     # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
     model, optimizer = accelerator.prepare(VLMForTraining(model), optimizer)
 
-    reference = Reference.build(accelerator, model, vlm) if grpo_args.beta else None  # sharded like the policy
+    reference = Reference.build(accelerator, model, vlm) if grpo_args.beta else None  # sharded
     engine = engine_line(accelerator, model)
     accelerator.print(engine)
     if reference is not None:
         accelerator.print(reference.describe())
     chat_collator = ChatCollator(processor.tokenizer.pad_token_id, vlm.dummy_inputs)
-    sampler = Sampler(accelerator, chat_collator, processor.tokenizer, grpo_args, vlm.stops, vlm.placeholders)
+    sampler = Sampler(accelerator, chat_collator, processor.tokenizer, grpo_args, vlm.stops,
+                      vlm.placeholders)
     accelerator.print(sampler.describe())
 
     # The loader reads a team's prompts for a step as one batch, leaving room for the completions
-    prompt_data = replace(data_args, max_length=data_args.max_length - grpo_args.max_completion_length)
-    train_loader = build_chat_dataloader(prompt_data, labeller, PromptCollator(chat_collator, layout.member == 0),
-                                         shuffle_seed=args.seed, batch_size=layout.prompts_per_step,
-                                         data_rank=layout.team, data_world=layout.teams,
-                                         preprocessor=PromptPreprocessor)
-    held_out = generation_prompts(data_args, processor, rows=-(-data_args.eval_generation_rows // data_world),
-                                  data_rank=data_rank, data_world=data_world,
-                                  device=accelerator.device) if data_args.eval_dataset_name else []
+    prompt_length = data_args.max_length - grpo_args.max_completion_length
+    prompt_collator = PromptCollator(chat_collator, counted=layout.member == 0)
+    train_loader = build_chat_dataloader(replace(data_args, max_length=prompt_length), labeller,
+                                         prompt_collator, shuffle_seed=args.seed,
+                                         batch_size=layout.prompts_per_step, data_rank=layout.team,
+                                         data_world=layout.teams, preprocessor=PromptPreprocessor)
+    held_out = []  # questions answered by greedy decoding at each evaluation
+    if data_args.eval_dataset_name:
+        rows = -(-data_args.eval_generation_rows // data_world)  # this rank's share
+        held_out = generation_prompts(data_args, processor, rows=rows, data_rank=data_rank,
+                                      data_world=data_world, device=accelerator.device)
     scorer = RewardScorer(reward_funcs, grpo_args.weights, grpo_args.reward_timeout)
     normaliser = grpo.LossNormaliser(grpo_args)
 
+    data = data_layout(data_args, args, data_world=data_world, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
-                               data_layout(data_args, args, data_world=data_world, batch_size=batch_size)
-                               | {"num_generations": layout.group_size, "prompt_teams": layout.teams,
-                                  "loader_batch_size": layout.prompts_per_step})
+                               data | layout.describe())
     # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
@@ -137,83 +150,91 @@ def main(argv=None):
                       max_skipped_steps=args.max_skipped_steps)
     start_step, resumed_epoch = checkpoints.open_run(args.resume_from_checkpoint, train_loader)
     batches = TrainBatches(train_loader, resumed_epoch)
-    progress = tqdm(range(start_step, args.max_steps), disable=not accelerator.is_local_main_process)
+    progress = tqdm(range(start_step, args.max_steps),
+                    disable=not accelerator.is_local_main_process)
 
-    accelerator.init_trackers("vlm_grpo", asdict(model_args) | asdict(lora_args) | asdict(data_args)
-                              | asdict(grpo_args) | asdict(args))
-    report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=None, total=checkpoints.resumed_totals)
+    config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(grpo_args)
+    accelerator.init_trackers("vlm_grpo", config | asdict(args))
+    report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
+                    total=checkpoints.resumed_totals)
     rollouts = None
     for step in progress:
         window = []  # a batch of the team's prompts, read once every --num_iterations steps
         if rollouts is None or rollouts.trained == grpo_args.num_iterations:
             window = [next(batches)]  # its completions fill this rank's micro-batches
-            if step == start_step:
-                batches.check_rows(window, accelerator, layout.teams)  # a team without prompts says why, on every rank
-            # This rank's completions sampled and scored, their advantages from every rank's rewards (NaN where a
-            # reward function failed: no advantage, no statistics), and what the loss needs before any update
-            rollouts = sampler.rollouts(model, window[0]["prompts"], layout, scorer, args.seed + step)
+            if step == start_step:  # a team without prompts says why, on every rank
+                batches.check_rows(window, accelerator, layout.teams)
+            # This rank's completions, sampled and scored; their advantages from every rank's
+            # rewards (none where a reward function failed); what the loss needs before any update
+            prompts = window[0]["prompts"]
+            rollouts = sampler.rollouts(model, prompts, layout, scorer, seed=args.seed + step)
             rewards = scorer.total(rollouts.scores)
-            advantages, zero_std = layout.advantages(rewards, grpo_args.scale_rewards, accelerator.device)
-            micro_batches = grpo.micro_batches(rollouts, advantages, model, reference, grpo_args, accelerator.device)
-            # One collective per batch of completions: the normaliser N over every rank's (tokens or completions)
-            local_count = torch.tensor(normaliser.count([batch.mask for batch in micro_batches]),
-                                       device=accelerator.device)
-            loss_scale = token_loss_scale(sum_over_ranks(local_count), args.gradient_accumulation_steps, data_world)
-            failures = scorer.take_failures(accelerator.print, accelerator.process_index)  # each error said once
+            advantages, zero_std = layout.advantages(rewards, grpo_args.scale_rewards,
+                                                     accelerator.device)
+            micro_batches = grpo.micro_batches(rollouts, advantages, model, reference, grpo_args,
+                                               accelerator.device)
+            # One collective per batch of completions: the normaliser N over every rank's
+            local_count = torch.tensor(normaliser.count([batch.mask for batch in micro_batches]))
+            count = sum_over_ranks(local_count.to(accelerator.device))
+            loss_scale = token_loss_scale(count, args.gradient_accumulation_steps, data_world)
+            failures = scorer.take_failures(accelerator.print, accelerator.process_index)
             sampled = rollouts.sums(rewards, zero_std, failures, reward_funcs)
-            filler_batch = window[0]["chat"]  # the prompts: what a rank with no held-out prompt left decodes
+            filler_batch = window[0]["chat"]  # what a rank with no held-out prompt left decodes
         report.add_batches(window, trained=rollouts.micro_batches)
 
         step_sums = grpo.LossSums()
         for batch in micro_batches:
             with accelerator.accumulate(model):
                 logps = token_logps(model, batch.inputs, grpo_args.temperature)
-                terms = grpo.token_losses(logps, batch.old_logps(logps), batch.reference_logps, batch.advantages,
-                                          batch.mask, grpo_args)
+                terms = grpo.token_losses(logps, batch.old_logps(logps), batch.reference_logps,
+                                          batch.advantages, batch.mask, grpo_args)
                 weighted = (terms["loss"] * normaliser.weights(batch.mask)).sum()
                 accelerator.backward(weighted * loss_scale)
             step_sums.add(weighted, terms, batch.mask)
         rollouts.trained += 1
         step_losses = step_sums["loss"][None]
         # shared: optimizer step
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # before clipping
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # unclipped
         done = step + 1
-        if guard.should_call_optimizer(step_losses, grad_norm, done):  # a fused AdamW is always called
-            optimizer.step()  # under DeepSpeed the engine already stepped inside accelerator.backward
+        if guard.should_call_optimizer(step_losses, grad_norm, done):  # fused AdamW: always
+            optimizer.step()  # under DeepSpeed the engine stepped inside accelerator.backward
             scheduler.step()
         optimizer.zero_grad()
 
-        report.add_step(guard.applied, **step_sums, normaliser=local_count, **(sampled if window else {}))
+        report.add_step(guard.applied, **step_sums, normaliser=local_count,
+                        **(sampled if window else {}))
 
         if report.due(done):
             sums = report.close()
+            sampling = ratio(sums["generation_seconds"], sums["seconds"] * data_world)
             report.log(done, grpo.grpo_metrics(sums, reward_funcs, grpo_args.beta) | {
                 "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
-                "generation_share": ratio(sums["generation_seconds"], sums["seconds"] * data_world)}, sums)
-            scorer.check_window(sums, done)  # a function that failed every completion stops the run, on every rank
+                "generation_share": sampling}, sums)
+            scorer.check_window(sums, done)  # a function that failed every completion: stop
         if held_out and report.evaluation_due(done):
             with report.evaluating(done) as evaluation:
-                evaluation |= evaluate_generation(model, held_out, filler_batch, chat_collator, processor.tokenizer,
-                                                  vlm.stops, accelerator.device, vlm.placeholders)
+                evaluation |= evaluate_generation(model, held_out, filler_batch, chat_collator,
+                                                  processor.tokenizer, vlm.stops,
+                                                  accelerator.device, vlm.placeholders)
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
     save_vlm(accelerator, model, processor, args.output_dir, vlm.peft_config)
+    seen = f"{report.total['samples']:,.0f} prompts, {report.total['completions']:,.0f} completions"
     if accelerator.is_main_process:
-        write_model_card(args.output_dir, report.history, eval_metrics=["generated_accuracy"],
-                         pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
-                         datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation, engine=engine,
-                         resumed_at=start_step, tags=["vlm", "grpo", "lora" if vlm.peft_config else "full fine-tune",
-                                                      type(accelerator.unwrap_model(model).model).__name__],
-                         seen=f"{int(report.total['samples']):,} prompts, {int(report.total['completions']):,} "
-                              "completions")
+        write_model_card(
+            args.output_dir, report.history, eval_metrics=["generated_accuracy"],
+            pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
+            datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
+            tags=["vlm", "grpo", "lora" if vlm.peft_config else "full fine-tune",
+                  type(vlm.model).__name__],
+            seen=seen, engine=engine, resumed_at=start_step)
     # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").
     accelerator.wait_for_everyone()
     accelerator.print(f"saved model to {args.output_dir}")
     accelerator.end_training()
-
 
 if __name__ == "__main__":
     main()

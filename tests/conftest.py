@@ -6,13 +6,19 @@ an unmarked test that runs one fails before it does, and a marked test that ran 
 uses, fails at its end.
 """
 
+import shutil
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 import launch
 from gloo import start_rank_server
+from helpers import make_checkpointer
 from launch import REPO
+from mmrecipes.contrastive.arguments import ModelArgs
+from mmrecipes.contrastive.models import build_contrastive
+from mmrecipes.loader import batches_forever
 
 sys.path.insert(0, str(REPO / "data_prep"))
 from tiny_vlm import FAMILIES, save_tiny_vlm  # noqa: E402
@@ -72,3 +78,31 @@ def tiny_vlms(tmp_path_factory):
     """Every tiny family checkpoint (data_prep/tiny_vlm.py), saved once per session: {family: directory}."""
     root = tmp_path_factory.mktemp("tiny_vlms")
     return {family: save_tiny_vlm(family, root / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A single-process run of a small model over the embedded training stream, checkpointed after steps 2
+    and 4 (as the recipes do), and the batches a straight run reads after step 4."""
+    output_dir = tmp_path_factory.mktemp("run")
+    model, tokenizer, image_processor = build_contrastive(ModelArgs())
+    run = make_checkpointer(output_dir, model, tokenizer, image_processor)
+    _, resumed_epoch = run.checkpoints.open_run(None, run.loader)
+    batches = batches_forever(run.loader, resumed_epoch)
+    for step in range(1, 5):
+        epoch, _ = next(batches)
+        run.optimizer.step()
+        run.scheduler.step()
+        if step % 2 == 0:
+            run.checkpoints.save(step, epoch)
+    after = [next(batches)[1]["input_ids"] for _ in range(2)]
+    run.checkpoints.lock.release()
+    return SimpleNamespace(root=output_dir, model=model, tokenizer=tokenizer, image_processor=image_processor,
+                           after=after)
+
+
+@pytest.fixture
+def run(saved, tmp_path):
+    """A copy of the saved run's checkpoints, and a Checkpointer of the same run over it."""
+    shutil.copytree(saved.root / "checkpoints", tmp_path / "checkpoints")
+    return make_checkpointer(tmp_path, saved.model, saved.tokenizer, saved.image_processor)

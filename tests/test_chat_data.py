@@ -4,11 +4,11 @@ the mixture of sources on every rank."""
 import itertools
 import json
 
-import datasets
 import pytest
 import torch
 from PIL import Image
 
+from helpers import chat_row, write_chat_parquet
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
@@ -101,22 +101,6 @@ def test_video_rows_are_counted_and_never_trained_as_text(tmp_path, tiny):
     assert "video" not in processor.tokenizer.decode(batch["input_ids"][0])
     prompts = generation_prompts(args, processor, rows=8, data_rank=0, data_world=1)
     assert [answer for _, answer in prompts] == ["below"]
-
-
-def write_chat_parquet(path, rows):
-    features = datasets.Features({
-        "messages": [{"role": datasets.Value("string"),
-                      "content": [{"type": datasets.Value("string"), "text": datasets.Value("string")}]}],
-        "images": [datasets.Image()],
-    })
-    datasets.Dataset.from_list(rows, features=features).to_parquet(str(path))
-
-
-def chat_row(question, answer, image=None):
-    content = ([{"type": "image", "text": None}] if image is not None else []) + [{"type": "text", "text": question}]
-    return {"messages": [{"role": "user", "content": content},
-                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
-            "images": [image] if image is not None else []}
 
 
 def test_chat_format_text_only_batch_gets_the_dummy_image(tmp_path, tiny):

@@ -17,18 +17,12 @@ from transformers import (
     AutoTokenizer,
     BertConfig,
     BertForMaskedLM,
-    CLIPConfig,
-    CLIPImageProcessor,
     CLIPModel,
-    Siglip2Config,
-    Siglip2ImageProcessor,
-    Siglip2Model,
-    SiglipConfig,
-    SiglipImageProcessor,
     SiglipModel,
     pipeline,
 )
 
+from helpers import MEAN, STD, save_tower
 from launch import REPO, VLM_RECIPE, run_recipe
 from mmrecipes.checkpointing import checkpoint_weights
 from mmrecipes.images import to_device
@@ -44,34 +38,12 @@ from mmrecipes.vlm.module_groups import module_groups
 from tiny_language_models import save_tiny_language_model
 
 DPO_RECIPE = REPO / "recipes" / "vlm_dpo.py"
-VISION = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2, image_size=32,
-              patch_size=8)
-TEXT_TOWER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  max_position_embeddings=16)
-MEAN, STD = [0.25, 0.5, 0.75], [0.2, 0.3, 0.4]  # not the processor's defaults: they must survive into the VLM
 LANGUAGE_MODELS = ("llama3", "qwen3", "gemma3_text")
 TIED = ("llama3", "gemma3_text")  # Llama 3.2 1B/3B and Gemma 3 tie their embeddings; Qwen3 8B and up do not
 # TRL's training patch of Qwen3's template: the think block before every answer, {% generation %} markers
 QWEN3_TRAINING = Path(trl.__file__).parent / "chat_templates" / "qwen3_training.jinja"
 CAPTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
            {"role": "assistant", "content": [{"type": "text", "text": "a red circle"}]}]
-
-
-def save_tower(kind: str, directory) -> str:
-    if kind == "clip":
-        model = CLIPModel(CLIPConfig(vision_config=VISION, text_config=TEXT_TOWER))
-        processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
-                                       image_mean=MEAN, image_std=STD)
-    elif kind == "siglip":
-        model = SiglipModel(SiglipConfig(vision_config=VISION, text_config=TEXT_TOWER))
-        processor = SiglipImageProcessor(size={"height": 32, "width": 32}, image_mean=MEAN, image_std=STD)
-    else:  # NaFlex
-        vision = {key: value for key, value in VISION.items() if key != "image_size"} | {"num_patches": 16}
-        model = Siglip2Model(Siglip2Config(vision_config=vision, text_config=TEXT_TOWER))
-        processor = Siglip2ImageProcessor(max_num_patches=16, patch_size=8)
-    model.save_pretrained(directory)
-    processor.save_pretrained(directory)
-    return str(directory)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig, pipeline
 
 from gloo import run_on_ranks
+from helpers import END_OF_TURN, FAMILIES, settings, tiny
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import LoraArgs
 from mmrecipes.vlm.chat_data import encode_row
@@ -25,9 +26,6 @@ from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.lora import add_lora, save_lora
 from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, loss_sum, stop_token_ids
-from test_lora import tiny
-from test_vlm_engines import settings
-from test_vlm_families import END_OF_TURN, FAMILIES
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 40)}
 QUESTION = "What colour is the shape?"

@@ -15,6 +15,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from gloo import run_on_ranks
+from helpers import FAMILIES, chat_row
 from launch import REPO, load_recipe
 from mmrecipes.images import to_device
 from mmrecipes.paths import EMBEDDED
@@ -29,8 +30,6 @@ from mmrecipes.vlm.models import VLMForTraining, stop_token_ids, token_logps
 from mmrecipes.vlm.prompts import PromptPreprocessor
 from mmrecipes.vlm.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
 from mmrecipes.vlm.sampling import Sampler, chat_rows, generate_group, prompt_seed, sample_group
-from test_chat_data import chat_row
-from test_vlm_families import FAMILIES
 
 GRPO_RECIPE = REPO / "recipes" / "vlm_grpo.py"
 TINY_SFT_VLM = EMBEDDED / "tiny_sft_vlm"

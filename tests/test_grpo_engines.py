@@ -22,8 +22,8 @@ import torch
 from PIL import Image
 from transformers import LlavaForConditionalGeneration
 
+from helpers import chat_row, write_chat_parquet
 from launch import REPO, assert_engine, run_engine, run_recipe
-from test_chat_data import chat_row, write_chat_parquet
 
 pytestmark = pytest.mark.launch
 

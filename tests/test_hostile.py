@@ -17,7 +17,6 @@ import tarfile
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy
 import pyarrow as pa
@@ -25,14 +24,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from accelerate import Accelerator
 from PIL import Image
-from transformers import get_scheduler
 
+from helpers import Payload, make_checkpointer, refit_manifest
 from launch import REPO, VLM_RECIPE, assert_same_curves, load_recipe, run_recipe
-from mmrecipes.arguments import TrainingArgs
-from mmrecipes.checkpoint_validation import UnsafeCheckpoint, file_digest
-from mmrecipes.checkpointing import MARKER, Checkpointer, data_layout
+from mmrecipes.checkpoint_validation import UnsafeCheckpoint
+from mmrecipes.checkpointing import MARKER
 from mmrecipes.config import parse_args
 from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
 from mmrecipes.contrastive.data import COUNTED, build_dataloader
@@ -50,16 +47,6 @@ from mmrecipes.vlm.labels import AnswerLabeller, check_template
 from mmrecipes.vlm.models import load_vlm, stop_token_ids
 
 CLIP_RECIPE, VLM = load_recipe(), load_recipe(VLM_RECIPE)
-
-
-class Payload:
-    """What a malicious checkpoint carries: unpickling it runs a command."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
 
 
 # ----------------------------------------------------------------------------------------------- flags
@@ -145,58 +132,6 @@ def test_a_deepspeed_json_that_is_not_there_is_named(monkeypatch, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A single-process run of a small model over the embedded training stream, checkpointed after steps 2
-    and 4 (as the recipes do), and the batches a straight run reads after step 4."""
-    output_dir = tmp_path_factory.mktemp("run")
-    model, tokenizer, image_processor = build_contrastive(ModelArgs())
-    run = make_checkpointer(output_dir, model, tokenizer, image_processor)
-    _, resumed_epoch = run.checkpoints.open_run(None, run.loader)
-    batches = batches_forever(run.loader, resumed_epoch)
-    for step in range(1, 5):
-        epoch, _ = next(batches)
-        run.optimizer.step()
-        run.scheduler.step()
-        if step % 2 == 0:
-            run.checkpoints.save(step, epoch)
-    after = [next(batches)[1]["input_ids"] for _ in range(2)]
-    run.checkpoints.lock.release()
-    return SimpleNamespace(root=output_dir, model=model, tokenizer=tokenizer, image_processor=image_processor,
-                           after=after)
-
-
-def make_checkpointer(output_dir, model, tokenizer, image_processor, data_args=None, **changes):
-    """What a recipe builds around its Checkpointer: accelerator, optimizer, schedule, the training stream."""
-    data_args = data_args or DataArgs()
-    args = TrainingArgs(output_dir=str(output_dir), per_device_train_batch_size=16, **changes)
-    accelerator = Accelerator()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = get_scheduler("cosine", optimizer, 2, 10)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    loader = build_dataloader(data_args, "train", None, tokenizer, image_processor, batch_size=16, data_rank=0,
-                              data_world=1, shuffle_seed=args.seed)
-    checkpoints = Checkpointer(accelerator, args, scheduler, model, data_layout(data_args, args, data_world=1,
-                                                                                batch_size=16))
-    checkpoints.layout["dataloader_num_workers"] = loader.num_workers
-    return SimpleNamespace(checkpoints=checkpoints, loader=loader, optimizer=optimizer, scheduler=scheduler)
-
-
-@pytest.fixture
-def run(saved, tmp_path):
-    """A copy of the saved run's checkpoints, and a Checkpointer of the same run over it."""
-    shutil.copytree(saved.root / "checkpoints", tmp_path / "checkpoints")
-    return make_checkpointer(tmp_path, saved.model, saved.tokenizer, saved.image_processor)
-
-
-def refit_manifest(checkpoint: Path):
-    """What someone who prepares a checkpoint would do: a manifest that fits its files."""
-    marker = json.loads((checkpoint / MARKER).read_text())
-    marker["files"] = {str(path.relative_to(checkpoint)): file_digest(path)
-                       for path in sorted(checkpoint.rglob("*")) if path.is_file() and path.name != MARKER}
-    (checkpoint / MARKER).write_text(json.dumps(marker))
-
 
 def test_a_clean_checkpoint_validates_and_resumes_where_the_run_stood(run, saved):
     checkpoint = run.checkpoints.root / "checkpoint-4"

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
+from helpers import Payload, make_checkpointer, refit_manifest
 from mmrecipes.checkpoint_validation import UnsafeCheckpoint
 from mmrecipes.checkpointing import MARKER, CheckpointSaveFailed, checkpoint_weights
 from mmrecipes.output_dir import LOCK_NAME, REFRESH_S, OutputDirBusy, OutputDirLock
-from test_hostile import Payload, make_checkpointer, refit_manifest, run, saved  # noqa: F401 (fixtures)
 
 
 @pytest.mark.parametrize("linked", ["pytorch_model_fsdp_0", "pytorch_model", "optimizer.bin"])

@@ -4,32 +4,11 @@ the merged model saved, exact resume) are in test_vlm_engines.py."""
 
 import pytest
 import torch
-from accelerate.utils import set_seed
-from peft import get_peft_model
-from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from helpers import adapted_layers, tiny
 from launch import VLM_RECIPE, load_recipe
-from mmrecipes.vlm.arguments import LoraArgs, VLMModelArgs
-from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.arguments import LoraArgs
 from mmrecipes.vlm.lora import lora_config
-from mmrecipes.vlm.models import load_vlm
-from mmrecipes.vlm.module_groups import module_groups
-
-
-def tiny(family_dir=None):
-    set_seed(42)  # the recipe's seed: the tiny Llava it builds
-    if family_dir is None:
-        model, processor = load_vlm(VLMModelArgs())
-    else:
-        model = AutoModelForImageTextToText.from_pretrained(family_dir)
-        processor = AutoProcessor.from_pretrained(family_dir)
-    return model, processor, module_groups(model, dummy_image_inputs(model, processor))
-
-
-def adapted_layers(model, config):
-    peft_model = get_peft_model(model, config)
-    return {name.removesuffix(".lora_A.default.weight") for name, _ in peft_model.base_model.model.named_parameters()
-            if name.endswith(".lora_A.default.weight")}
 
 
 @pytest.mark.parametrize("family", [None, "qwen2_5_vl"])

@@ -25,6 +25,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig, LlavaForConditionalGeneration
 
+from helpers import adapted_layers, chat_row, save_tower, settings, tiny, write_chat_parquet
 from launch import (
     REPO,
     VLM_RECIPE,
@@ -37,9 +38,6 @@ from launch import (
 )
 from mmrecipes.vlm.arguments import LoraArgs
 from mmrecipes.vlm.lora import lora_config
-from test_chat_data import chat_row, write_chat_parquet
-from test_compose import save_tower
-from test_lora import adapted_layers, tiny
 from tiny_language_models import save_tiny_language_model
 
 pytestmark = pytest.mark.launch
@@ -205,10 +203,6 @@ def test_adapter_reloads_on_the_base_and_gives_the_merged_models_logits(runs, ti
     for directory in (output_dir, output_dir / "adapter"):
         assert settings(GenerationConfig.from_pretrained(directory)) == settings(base.generation_config)
         assert AutoProcessor.from_pretrained(directory).chat_template == processor.chat_template
-
-
-def settings(generation_config):
-    return {name: value for name, value in generation_config.to_dict().items() if name != "transformers_version"}
 
 
 @pytest.mark.parametrize("config", ["ddp.yaml", "zero3.yaml"])

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, CLIPConfig, Pix2StructConfig
 
+from helpers import END_OF_TURN, FAMILIES
 from launch import VLM_RECIPE, load_recipe
 from mmrecipes.distributed import fsdp_block_classes
 from mmrecipes.images import HOST_KEYS, to_device
@@ -24,13 +25,6 @@ from mmrecipes.vlm.losses import IGNORE_INDEX, token_cross_entropy_sum
 from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, loss_sum, stop_token_ids
 from mmrecipes.vlm.module_groups import module_groups
 
-FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3", "gemma3",
-            "llava_onevision", "mistral3"]
-# What each family's official template ends an assistant turn with (Llava-1.5's writes nothing).
-END_OF_TURN = {"llava": "", "llava_next": "</s>", "qwen2_vl": "<|im_end|>", "qwen2_5_vl": "<|im_end|>",
-               "qwen3_vl": "<|im_end|>", "internvl3": "<|im_end|>", "idefics2": "<end_of_utterance>",
-               "idefics3": "<end_of_utterance>", "gemma3": "<end_of_turn>", "llava_onevision": "<|im_end|>",
-               "mistral3": "</s>"}
 MARKERS = {"llava", "llava_onevision"}  # the only official templates with {% generation %}
 # The inputs each family needs besides pixel_values, which must reach the model from the collator.
 EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_vl": {"image_grid_thw", "mm_token_type_ids"},

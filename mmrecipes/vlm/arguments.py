@@ -27,7 +27,8 @@ class VLMModelArgs(CheckedArgs):
     # What trains: projector (LLaVA stage 1), projector,language_model (stage 2), all (tower too, at its own lr)
     train_modules: str = checked("projector,language_model", choices=TRAIN_MODULES)
     gradient_checkpointing: bool = False
-    attn_implementation: str = "sdpa"  # as for CLIP (mmrecipes.models.ModelArgs)
+    # the attention kernel (transformers' attn_implementation): sdpa, eager, flash_attention_2, ...
+    attn_implementation: str = "sdpa"
     image_size: int = checked(32, "count")
     patch_size: int = checked(8, "count")
     vision_hidden_size: int = checked(64, "count")

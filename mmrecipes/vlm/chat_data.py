@@ -1,32 +1,11 @@
-"""Streamed chat data for VLM fine-tuning: formats -> tokens + labels, mixed sources, dummy images.
+"""Streamed chat data for VLM fine-tuning: rows in any public layout -> tokens + labels, bad rows counted.
 
-The layouts users bring, told apart per row by their columns (a file may mix video, image and text-only rows):
-- TRL (llava-instruct-mix-vsft): `messages` = [{"role", "content"}], content parts (`{"type": "text", "text"}`,
-  `{"type": "image"}`, `{"type": "video"}`), with `images` (one per image part) and `videos`;
-- ShareGPT: the same `messages` with string content, `<image>` / `<video>` placeholders in the text;
-- LLaMA-Factory: `conversations` of `{"from", "value"}` or `{"role", "content"}` turns, with `images` / `videos` lists;
-- LLaVA / LLaVA-Video: `conversations` of `{"from": "human"|"gpt"|"system", "value"}` turns, `<image>` and
-  `<video>` in the text, with `image` / `video`: one path or a list; neither means a text-only row;
-- image-caption rows (the CLIP data, LLaVA's stage 1): `image` (or `images`) and `text` (or `caption`), no
-  conversation: the image, then the caption as the answer.
-Images and clips are bytes, `{"bytes", "path"}` dicts or paths. A relative path resolves against `--image_folder`
-(clips: `--video_folder`, else `--image_folder`) when given, else against the folder of the data file the row came
-from (LLaMA-Factory's `media_dir`); a path that resolves outside that folder ('../', absolute, a symlink out) is
-skipped and counted as `outside_folder` unless --allow_images_outside_folder.
-
-All become image and video content parts, which the checkpoint's own chat template and processor turn
-into that family's image and video tokens. Clips are decoded in the DataLoader workers
-(`mmrecipes.vlm.videos`: PyAV, frames sampled at --video_fps, at most --video_max_frames) and resized and
-normalised by the family's own video processor. A checkpoint whose processor takes no video
-(`AnswerLabeller.video_token_id` None) skips video rows and counts them as `video`: a `<video>`
-placeholder must never reach the model as the text it looks like.
-
-Labels come from `mmrecipes.vlm.labels.AnswerLabeller`: the input ids on the assistant turns (each
-with its end-of-turn token) and IGNORE_INDEX everywhere else (prompts, image and video tokens,
-padding), found with the template's `{% generation %}` markers or, for templates without them, by
-rendering prefixes. Nothing is truncated, so truncation can never cut through image or frame tokens:
-a row longer than `max_length` is skipped and counted, as are rows with a missing or undecodable
-image or clip and rows whose placeholders do not match their images or clips.
+Each row is told apart by its columns (TRL's `messages`, ShareGPT, LLaMA-Factory's and LLaVA's `conversations`,
+image-caption rows: docs/data.md) and becomes image and video content parts, which the checkpoint's own chat template
+and processor turn into its tokens; the labels are the assistant turns (`labels.AnswerLabeller`). Relative media paths
+resolve against `--image_folder` / `--video_folder`, else the data file's folder, never outside it unless asked. A
+row is never truncated: one that is too long, or whose media or placeholders do not fit, raises `Skip` and is
+counted; a `<video>` placeholder never reaches a model that takes no video as the text it looks like.
 """
 
 import functools

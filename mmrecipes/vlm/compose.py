@@ -1,26 +1,12 @@
-"""A LLaVA built from parts: a vision tower, any causal language model and a fresh projector between them.
+"""A LLaVA built from parts: a vision tower (CLIP or SigLIP, or a `clip_pretrain.py` checkpoint), any causal
+language model and a fresh projector: a standard `LlavaForConditionalGeneration` with its `LlavaProcessor`, so every
+later stage is a `vlm_finetune.py` / `vlm_dpo.py` run and every output loads with the Auto classes.
 
-The tower is a saved CLIP or SigLIP model, or a `checkpoint-N` of a `clip_pretrain.py` run (any engine's).
-`compose_llava` gives a standard `LlavaForConditionalGeneration` with its `LlavaProcessor`, so every later stage
-(LLaVA's stage 1 on captions, stage 2 on conversations, DPO) is a `vlm_finetune.py` / `vlm_dpo.py` run and every
-output loads with the Auto classes and the pipeline. What the field gets wrong, decided from the checkpoints'
-own configs and modules, never from a name table:
-
-- the image token count: a tower with a class token (CLIP) drops it (`vision_feature_select_strategy="default"`,
-  one additional token in the processor's count), one without (SigLIP) keeps every patch (`"full"`), so the
-  processor writes as many `<image>` tokens as the tower gives features;
-- the feature layer (`vision_feature_layer`, LLaVA's -2): the tower's layers after it and its post-layernorm get no
-  gradient; `module_groups` finds them from a dummy backward and the recipe freezes and names them;
-- the tokens: `<image>` is added, and a pad token where the LM has none; the new embedding rows (input and output)
-  start at the mean of the existing rows, and tied embeddings stay tied;
-- the chat template (`chat_template_for`): the LM's own (or `--chat_template_path`'s), behind a prelude that hands
-  it each message's content as one string, each image as `<image>` and a new line before the text (LLaVA's
-  convention); stage 1 trains in LLaVA's `plain` format (`VLMModelArgs.training_template`) but the model keeps the
-  LM's template, so stage 2 starts from stage 1's output with no flag (a base LM without a template keeps `plain`);
-- the image processor: the tower's own, as its checkpoint saved it (mean, std, size);
-- memory: the Llava takes the loaded parts' modules themselves (built on the meta device), never a second copy.
-A SigLIP 2 NaFlex tower (each image its own patch grid) cannot sit inside Llava, whose processor and projector
-take one fixed grid: it is refused with that reason.
+Decided from the checkpoints' configs and modules, never a name table (docs/vlm.md, "Build your own VLM"): the image
+token count (a class token dropped, or every patch kept), the feature layer, the added `<image>` and pad tokens (new
+rows at the mean of the old), the chat template (the LM's own behind a prelude that flattens each message's content),
+the tower's own image processor; the parts are taken as loaded, never copied. Both parts are checked first, each
+refusal with its own reason.
 """
 
 from pathlib import Path

@@ -1,4 +1,5 @@
-"""Evaluation that every rank agrees on: retrieval R@1 (contrastive), answer exact match and generated answers (VLM)."""
+"""Evaluation every rank agrees on: answer exact match, teacher-forced and by greedy generation from the processor's
+own prompt, each rank forwarding as often as every other."""
 
 import torch
 

@@ -71,6 +71,11 @@ class GroupLayout:
     def prompts_per_step(self) -> int:
         return self.team_size * self.per_rank // self.group_size
 
+    def describe(self) -> dict:
+        """What a checkpoint records of it (a resume with other groups reads other prompts a step)."""
+        return {"num_generations": self.group_size, "prompt_teams": self.teams,
+                "loader_batch_size": self.prompts_per_step}
+
     def pieces(self) -> list[tuple[int, list[int]]]:
         """[(a prompt's index in the team's batch, the indices in its group)] of this rank's completions, in order."""
         pieces = {}

@@ -1,32 +1,11 @@
-"""Answer-token labels from a checkpoint's own chat template, whatever the template contains.
+"""Answer-token labels from a checkpoint's own chat template, whatever the template contains (docs/vlm.md,
+"Answer tokens from the checkpoint's own template").
 
-The targets of a conversation are its assistant turns, each up to and including the token that
-ends the turn (the model must learn to stop), and nothing else: no prompt, no role header, never
-an image token. The turns are found in the rendered text in one of two ways:
-
-1. `{% generation %}` markers, where the template has them (what transformers'
-   `return_assistant_tokens_mask=True` relies on). Most official templates have none (Qwen's,
-   Gemma's, SmolVLM's): transformers then warns and returns an all-zero mask, and every row would
-   be dropped as having nothing to learn.
-2. Otherwise, prefixes: the conversation rendered up to assistant turn i with
-   `add_generation_prompt=True` ends where the turn starts, and rendered up to and including turn
-   i ends where it ends. Both must be prefixes of the whole rendering; a template that rewrites
-   earlier turns or whose generation prompt is not its assistant header fails that check and is
-   rejected, never labelled wrong.
-
-Each turn's span starts where the generation prompt ends, so whitespace the model must generate
-before its answer (LLaVA-NeXT's `[/INST] blue`, Idefics2's `Assistant: red`) is a target too: left
-out, the model never learns the first token it has to produce. The span ends at the turn's last
-non-space character, extended over an end-of-turn token that directly follows it (LLaVA-OneVision's
-markers stop just before `<|im_end|>`; without it the model never learns to stop).
-
-The spans become token positions without trusting the processor to report where it expanded the
-image placeholders (Idefics2's does not): the rendered text is tokenised alone, where character
-offsets are exact, and those tokens are aligned with the ids the processor returns for the same
-text with its images. Image expansion only inserts tokens, so every answer token must land on an
-equal token of an aligned stretch; a turn whose tokens do not (or whose generation prompt does not
-end on a token boundary) raises `UnalignedAnswer`, and the row is skipped and counted, never
-trained on the wrong tokens.
+The targets are the assistant turns, each from the end of its generation prompt (a space the model must write is a
+target) to its end-of-turn token, found by the template's `{% generation %}` markers or, without them, by rendering
+prefixes; a template that rewrites earlier turns is refused, never labelled wrong. The character spans become token
+positions by aligning the text tokenised alone with the ids the processor returns with its images (expansion only
+inserts tokens), without trusting the processor's offsets; a turn that does not align raises `UnalignedAnswer`.
 """
 
 import difflib

@@ -1,22 +1,10 @@
-"""LoRA adapters for any image-text-to-text family, with TRL's flag names, correct under every engine.
+"""LoRA adapters for any image-text-to-text family, with TRL's flag names, correct under every engine (docs/vlm.md,
+"LoRA").
 
-Where the adapters go follows the family rule of `families.module_groups`, not a list of names:
-- by default every linear layer of the language model (`get_decoder()`, not the output head),
-  never the vision tower or the projector. PEFT's `target_modules="all-linear"` would put them on
-  the tower and the projector too, since attention and MLP layers share their names across the
-  towers; it is accepted with PEFT's meaning, as are explicit comma-separated names.
-- `--train_modules all` adds the tower's linear layers.
-- the projector trains in full beside the adapters, as in LLaVA's LoRA recipe, as PEFT
-  `modules_to_save`, so that the adapter directory holds it too. A projector parameter that
-  belongs to no module of its own (LLaVA-OneVision's `image_newline`) cannot be saved that way and
-  stays frozen (the log says so).
-Every other parameter is frozen before `prepare`: no optimizer state, bit-identical.
-
-`get_peft_model` injects the adapters into the model object itself; that object is what trains
-(wrapped in `VLMForTraining`), the `PeftModel` around it only describes the adapters. The final
-save (`save_lora`) writes `output_dir/adapter`, which `PeftModel.from_pretrained(base, ...)` loads
-on the base model, and the merged model with its processor in `output_dir`, which loads like a
-full fine-tune.
+Where the adapters go follows the module groups, not a list of names: every linear layer of the language model by
+default (the tower's too with `--train_modules all`; PEFT's `all-linear` keeps PEFT's meaning), the projector trained
+in full beside them (`modules_to_save`), everything else frozen before `prepare`. The adapters are injected into the
+model object itself, which is what trains; `save_lora` writes the adapter (`output_dir/adapter`) and the merged model.
 """
 
 import os

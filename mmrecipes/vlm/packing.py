@@ -1,23 +1,11 @@
-"""Micro-batches by token budget, and packed sequences without padding, for the VLM recipe.
+"""Micro-batches by token budget, and packed sequences without padding, for the VLM recipe (docs/vlm.md, "Token
+budgets and packing").
 
-A VLM fine-tuning set mixes 40-token text questions with 700-token image conversations: a fixed
-row count per micro-batch pads most of the compute away, and the rank that draws the long rows
-sets everyone's step time and memory.
-
-- `TokenBudgetBatches` (`--max_tokens_per_batch N`): each micro-batch holds whole rows, in stream
-  order, up to N tokens together (a row counted with its image tokens); ranks carry different
-  row counts. The token loss stays the exact mean over the window on all ranks, because
-  `losses.token_loss_scale` already counts the window's target tokens globally. A row over N
-  tokens is skipped and counted as `too_long`.
-- packing (`--packing true`, `ChatCollator(packing=True)`): the micro-batch's rows are
-  concatenated, in order, into sequences of up to `--max_length` tokens (the attention cost of a
-  sequence grows with its square: one long sequence would cost more than the padding it saves),
-  padded only at each sequence's end. Each sample attends only to itself and its
-  positions restart: `packed_position_ids` gives plain positions per sample for Llama-style
-  language models, and each sample's own 3-D mRoPE positions (its `get_rope_index`) for the Qwen
-  families, with the text positions in front that transformers reads to build the block-diagonal
-  mask (flash-attention's variable-length path on GPUs, a block-diagonal mask with `sdpa` here).
-  `collate.check_packing` verifies that on the model before the first step.
+`TokenBudgetBatches` (`--max_tokens_per_batch N`) fills each micro-batch with whole rows up to N tokens; the loss
+stays the exact token mean because `losses.token_loss_scale` counts the window's targets on every rank. Packing
+(`--packing true`) concatenates the rows into sequences of up to `--max_length` tokens in which each sample attends
+only to itself and its positions restart: `packed_position_ids` gives plain positions per sample, or each sample's own
+3-D mRoPE positions for the Qwen families; `models.check_packing` proves it on the model before the first step.
 """
 
 import inspect

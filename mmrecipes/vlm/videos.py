@@ -1,29 +1,10 @@
-"""Video clips from whatever a row holds: decoded with PyAV in the DataLoader workers, frames sampled.
+"""Video clips from whatever a row holds, decoded with PyAV in the DataLoader workers (its wheels bundle FFmpeg).
 
-PyAV (`av`) decodes because its wheels bundle FFmpeg: nothing to install beside pip, on any machine
-the recipes run on. (torchcodec needs the system's FFmpeg libraries, which a CPU node or a
-container often lacks.)
-
-`decode_video` takes encoded bytes, a `{"bytes", "path"}` dict or a path, and never raises: it
-returns a `DecodedVideo`, the sampled frames as one uint8 array (frames, height, width, 3), the form
-transformers' video processors take and the loader ships through shared memory, with the clip's
-`VideoMetadata` (frame count, frame rate, which frames were kept: what a processor given
-`do_sample_frames=False` reads the sampling rate from, Qwen's seconds per temporal patch), or why
-there are none, for the caller to count:
-- "undecodable": zero bytes, truncated, not a video, no video stream, not a regular file;
-- "no_frames": a video stream that yields no frame;
-- "video_too_long": longer than `max_seconds` (read from the container's header, before decoding);
-- "too_large": frames of more than `video_max_pixels` pixels (from the header, before decoding).
-A stream whose header gives no frame count (a raw stream) is counted packet by packet, without decoding, so
-that only the sampled frames are decoded and kept: memory holds `video_max_frames` frames, whatever its length.
-
-Frames are sampled as the video processors' `fps` / `num_frames` do: `fps` frames per second of
-clip, at most `max_frames`, at least one, evenly spaced (each the middle frame of its stretch).
-
-The video processor resizes (and Qwen-VL's cuts patches) in the workers but leaves the pixels uint8
-(`images.UINT8_PIXELS`), 4x less to ship through shared memory than float32; `images.to_device` rescales and
-normalises them on the device, with the constants `images.fused_normalization` takes from the processor, to the
-processor's own floats (as for images).
+`decode_video` never raises: it gives the sampled frames as one uint8 array with the clip's `VideoMetadata` (what a
+processor given `do_sample_frames=False` reads the sampling rate from), or why there are none, for the caller to
+count: "undecodable", "no_frames", "video_too_long" and "too_large" (the last two from the header, before decoding).
+Frames are sampled as the video processors' `fps` / `num_frames` do; a stream without a frame count is counted packet
+by packet, so only the sampled frames are ever decoded and held (docs/vlm.md, "Video").
 """
 
 import logging

@@ -1,0 +1,140 @@
+"""Helpers several test modules share: rows and parquet files of chat data, a saved tiny vision tower, the tiny
+Llava with its module groups, LoRA's adapted layers, the families of the conformance suite, generation settings, and a
+small CLIP run's checkpointer (conftest's `saved` and `run`) with what the hostile-checkpoint tests plant in them."""
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import datasets
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from peft import get_peft_model
+from transformers import (
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    CLIPConfig,
+    CLIPImageProcessor,
+    CLIPModel,
+    Siglip2Config,
+    Siglip2ImageProcessor,
+    Siglip2Model,
+    SiglipConfig,
+    SiglipImageProcessor,
+    SiglipModel,
+    get_scheduler,
+)
+
+from mmrecipes.arguments import TrainingArgs
+from mmrecipes.checkpoint_validation import file_digest
+from mmrecipes.checkpointing import MARKER, Checkpointer, data_layout
+from mmrecipes.contrastive.arguments import DataArgs
+from mmrecipes.contrastive.data import build_dataloader
+from mmrecipes.vlm.arguments import VLMModelArgs
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.models import load_vlm
+from mmrecipes.vlm.module_groups import module_groups
+
+FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3", "gemma3",
+            "llava_onevision", "mistral3"]
+# What each family's official template ends an assistant turn with (Llava-1.5's writes nothing).
+END_OF_TURN = {"llava": "", "llava_next": "</s>", "qwen2_vl": "<|im_end|>", "qwen2_5_vl": "<|im_end|>",
+               "qwen3_vl": "<|im_end|>", "internvl3": "<|im_end|>", "idefics2": "<end_of_utterance>",
+               "idefics3": "<end_of_utterance>", "gemma3": "<end_of_turn>", "llava_onevision": "<|im_end|>",
+               "mistral3": "</s>"}
+VISION = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2, image_size=32,
+              patch_size=8)
+TEXT_TOWER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  max_position_embeddings=16)
+MEAN, STD = [0.25, 0.5, 0.75], [0.2, 0.3, 0.4]  # not the processor's defaults: they must survive into the VLM
+
+
+def save_tower(kind: str, directory) -> str:
+    if kind == "clip":
+        model = CLIPModel(CLIPConfig(vision_config=VISION, text_config=TEXT_TOWER))
+        processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                       image_mean=MEAN, image_std=STD)
+    elif kind == "siglip":
+        model = SiglipModel(SiglipConfig(vision_config=VISION, text_config=TEXT_TOWER))
+        processor = SiglipImageProcessor(size={"height": 32, "width": 32}, image_mean=MEAN, image_std=STD)
+    else:  # NaFlex
+        vision = {key: value for key, value in VISION.items() if key != "image_size"} | {"num_patches": 16}
+        model = Siglip2Model(Siglip2Config(vision_config=vision, text_config=TEXT_TOWER))
+        processor = Siglip2ImageProcessor(max_num_patches=16, patch_size=8)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return str(directory)
+
+
+def write_chat_parquet(path, rows):
+    features = datasets.Features({
+        "messages": [{"role": datasets.Value("string"),
+                      "content": [{"type": datasets.Value("string"), "text": datasets.Value("string")}]}],
+        "images": [datasets.Image()],
+    })
+    datasets.Dataset.from_list(rows, features=features).to_parquet(str(path))
+
+
+def chat_row(question, answer, image=None):
+    content = ([{"type": "image", "text": None}] if image is not None else []) + [{"type": "text", "text": question}]
+    return {"messages": [{"role": "user", "content": content},
+                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+            "images": [image] if image is not None else []}
+
+
+def tiny(family_dir=None):
+    set_seed(42)  # the recipe's seed: the tiny Llava it builds
+    if family_dir is None:
+        model, processor = load_vlm(VLMModelArgs())
+    else:
+        model = AutoModelForImageTextToText.from_pretrained(family_dir)
+        processor = AutoProcessor.from_pretrained(family_dir)
+    return model, processor, module_groups(model, dummy_image_inputs(model, processor))
+
+
+def adapted_layers(model, config):
+    peft_model = get_peft_model(model, config)
+    return {name.removesuffix(".lora_A.default.weight") for name, _ in peft_model.base_model.model.named_parameters()
+            if name.endswith(".lora_A.default.weight")}
+
+
+def settings(generation_config):
+    return {name: value for name, value in generation_config.to_dict().items() if name != "transformers_version"}
+
+
+# Checkpoints of a small CLIP run, as the hostile-checkpoint tests plant things in them
+
+class Payload:
+    """What a malicious checkpoint carries: unpickling it runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def make_checkpointer(output_dir, model, tokenizer, image_processor, data_args=None, **changes):
+    """What a recipe builds around its Checkpointer: accelerator, optimizer, schedule, the training stream."""
+    data_args = data_args or DataArgs()
+    args = TrainingArgs(output_dir=str(output_dir), per_device_train_batch_size=16, **changes)
+    accelerator = Accelerator()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = get_scheduler("cosine", optimizer, 2, 10)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    loader = build_dataloader(data_args, "train", None, tokenizer, image_processor, batch_size=16, data_rank=0,
+                              data_world=1, shuffle_seed=args.seed)
+    checkpoints = Checkpointer(accelerator, args, scheduler, model, data_layout(data_args, args, data_world=1,
+                                                                                batch_size=16))
+    checkpoints.layout["dataloader_num_workers"] = loader.num_workers
+    return SimpleNamespace(checkpoints=checkpoints, loader=loader, optimizer=optimizer, scheduler=scheduler)
+
+
+def refit_manifest(checkpoint: Path):
+    """What someone who prepares a checkpoint would do: a manifest that fits its files."""
+    marker = json.loads((checkpoint / MARKER).read_text())
+    marker["files"] = {str(path.relative_to(checkpoint)): file_digest(path)
+                       for path in sorted(checkpoint.rglob("*")) if path.is_file() and path.name != MARKER}
+    (checkpoint / MARKER).write_text(json.dumps(marker))
