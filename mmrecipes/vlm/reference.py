@@ -44,10 +44,12 @@ class Reference:
     @classmethod
     def build(cls, accelerator, model, parts) -> "Reference":
         """After `prepare`: the prepared policy `model` with its adapters disabled (LoRA), or the frozen copy of the
-        starting weights `parts` holds (`parts.vlm_parts(frozen_copy=True)`), kept as the engine keeps the policy;
+        starting weights `parts` holds (`vlm_parts(..., frozen_copy=True)`), kept as the engine keeps the policy;
         `parts` lets it go. MFU counts the policy's step only."""
         if parts.peft_model is not None:
             return cls(model, parts.peft_model)
+        if parts.frozen_copy is None:
+            raise ValueError("no starting weights to refer to: build the parts with vlm_parts(..., frozen_copy=True)")
         frozen, parts.frozen_copy = parts.frozen_copy, None
         return cls(frozen_reference(accelerator, frozen))
 
