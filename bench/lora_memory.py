@@ -33,7 +33,7 @@ def _variant(use_peft, sizes, steps, batch_size, queue):
     from mmrecipes.vlm.families import dummy_image_inputs
     from mmrecipes.vlm.labels import AnswerLabeller
     from mmrecipes.vlm.lora import add_lora
-    from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
+    from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, loss_sum, stop_token_ids
     from mmrecipes.vlm.module_groups import module_groups
 
     torch.manual_seed(0)
@@ -58,8 +58,7 @@ def _variant(use_peft, sizes, steps, batch_size, queue):
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for batch in batches:
-        loss_sum, _ = wrapper(**batch)
-        loss_sum.backward()
+        loss_sum(wrapper, batch).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # keep the gradients allocated: they count
     seconds = (time.perf_counter() - start) / len(batches)

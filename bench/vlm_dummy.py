@@ -94,7 +94,7 @@ def _guard_worker(rank, world, port, batch_size, repeats, out_dir):
 
     def step():
         for batch in batches:
-            ddp(**batch)[0].backward()
+            loss_sum(ddp, batch).backward()
 
     timed(step, 1)
     off, on = [], []

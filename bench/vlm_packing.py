@@ -94,7 +94,7 @@ def _variant(mode, mixture, budget, steps, queue):
         if index >= 3:
             seconds += time.perf_counter() - start
             tokens += int(batch["attention_mask"].sum())
-            losses.append(loss_sum.item() / max(1, count_target_tokens(batch["labels"])))
+            losses.append(summed.item() / max(1, count_target_tokens(batch["labels"])))
     peak = (torch.cuda.max_memory_allocated() if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     last = losses[-max(1, steps // 4):]

@@ -61,11 +61,13 @@ class WindowSums:
         self.started += seconds
 
     def close(self) -> dict[str, float]:
+        """The window's sums over all ranks, 0 for a name an earlier window had and this one has not (a GRPO step
+        that trains on earlier completions samples nothing)."""
         seconds = time.perf_counter() - self.started
         sums = self._summed()
         self.total.update(sums)
         self._start()
-        return sums | {"seconds": seconds}
+        return dict.fromkeys(self.total, 0.0) | sums | {"seconds": seconds}
 
     def totals_so_far(self) -> dict[str, float]:
         return dict(self.total + Counter(self._summed()))

@@ -102,7 +102,8 @@ def main(argv=None):
 
     if model_args.init_from_checkpoint:  # its weights only, strictly; a new run
         model.load_state_dict(checkpoint_weights(model_args.init_from_checkpoint))
-        accelerator.print(f"model weights from {model_args.init_from_checkpoint}; from step 0")
+        accelerator.print(f"model weights from {model_args.init_from_checkpoint}; "
+                          "a new run from step 0")
     for line in lock_towers(model, lock_args):  # frozen before prepare: no optimizer state
         accelerator.print(line)
     if model_args.patch_dropout:
