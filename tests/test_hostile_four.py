@@ -90,9 +90,9 @@ def test_a_csv_line_with_the_wrong_fields_is_a_counted_bad_row(tmp_path):
 
 def test_a_long_repetitive_row_is_labelled_in_bounded_time(labeller, monkeypatch):
     """32,000 repetitive words (32k tokens) fit a raised --max_length 32768, and went through a sequence diff of the
-    whole row, quadratic on such text: 5.5 s at 10,000 words here, about a minute at 32k. Now only what differs
-    between the text and the processor's ids (the image's expansion) is diffed; long text between two images is
-    aligned by a walk. The answer is labelled exactly either way."""
+    whole row, quadratic on such text: 9.8 s at 10,000 words, 102 s at 32k (bench/label_alignment.py). Now only what
+    differs between the text and the processor's ids (the image's expansion) is diffed; long text between two images
+    is aligned by a walk. The answer is labelled exactly either way."""
     sizes = []
     matcher = difflib.SequenceMatcher
 
