@@ -16,6 +16,9 @@ template copied verbatim (chat_templates/, sources in chat_templates/README.md):
   checkpoints are. Its template reads `content` as a string and writes an empty think block before the last answer.
 - `gemma3_text`: Gemma 3 text (1B: tied embeddings scaled by sqrt(width)), `GemmaTokenizer` with byte fallback and
   `<bos>` added in front; the template of every Gemma 3 checkpoint.
+- `phi3_5`: Phi-3.5-mini (untied), `LlamaTokenizer` with byte fallback and `<s>` added in front, stopping at `<|end|>`,
+  `<|assistant|>` or `<|endoftext|>` as its generation config does. Its template ends a rendering without a generation
+  prompt with the end-of-text token.
 
 The test suite builds its fixtures with `save_tiny_language_model`; nothing here is used by the recipes.
 """
@@ -30,6 +33,9 @@ from transformers import (
     GemmaTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    LlamaTokenizer,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Tokenizer,
     Qwen3Config,
@@ -113,7 +119,19 @@ def gemma3_text():
     return _stopping(Gemma3ForCausalLM(config)), tokenizer
 
 
-FAMILIES = {"llama3": llama3, "qwen3": qwen3, "gemma3_text": gemma3_text}
+def phi3_5():
+    specials = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]
+    tokenizer = _retrained(LlamaTokenizer, specials, add_bos_token=True, byte_fallback=True, eos_token="<|endoftext|>",
+                           pad_token="<|endoftext|>")
+    tokenizer.chat_template = template("phi3_5")
+    ids = tokenizer.convert_tokens_to_ids
+    config = Phi3Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                        pad_token_id=ids("<|endoftext|>"), tie_word_embeddings=False,
+                        eos_token_id=[ids("<|end|>"), ids("<|assistant|>"), ids("<|endoftext|>")], **SIZE)
+    return _stopping(Phi3ForCausalLM(config)), tokenizer
+
+
+FAMILIES = {"llama3": llama3, "qwen3": qwen3, "gemma3_text": gemma3_text, "phi3_5": phi3_5}
 
 
 def save_tiny_language_model(family: str, output_dir) -> Path:

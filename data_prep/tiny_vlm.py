@@ -252,17 +252,19 @@ def paligemma2():
     return model, processor
 
 
-def _qwen(classes, template_name, vision, rope, **config):
-    """A Qwen-VL family: mRoPE over a 4-px patch grid merged 2 x 2, the ChatML special tokens."""
+def _qwen(classes, template_name, vision, rope, text=None, added_tokens=(), **config):
+    """A Qwen-VL family: mRoPE over a 4-px patch grid merged 2 x 2, the ChatML special tokens; `text`: text config
+    settings over `TEXT`'s; `added_tokens`: tokens of the vocabulary that are not special (Qwen3.5's `<think>`)."""
     config_class, model_class, processor_class, video_processor_class = classes
     tokenizer = train_tokenizer(QWEN_TOKENS, eos="<|im_end|>", pad="<|endoftext|>")
+    tokenizer.add_tokens(list(added_tokens))
     ids = tokenizer.convert_tokens_to_ids
     config = config_class(
         vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
                        "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": TEXT["hidden_size"],
                        **vision},
         text_config=dict(vocab_size=len(tokenizer), rope_parameters={"rope_type": "default", **rope},
-                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, **TEXT),
+                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, **(TEXT | (text or {}))),
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **config)

@@ -21,7 +21,8 @@ from mmrecipes.contrastive.models import build_contrastive
 from mmrecipes.loader import batches_forever
 
 sys.path.insert(0, str(REPO / "data_prep"))
-from tiny_vlm import FAMILIES, save_tiny_vlm  # noqa: E402
+import tiny_vlm  # noqa: E402
+import tiny_vlm_2026  # noqa: E402
 
 _running = {"item": None, "fixtures": [], "launched": set()}  # the test, the fixtures being set up, who launched
 
@@ -75,9 +76,11 @@ def _launch_marker_is_exact(request):
 
 @pytest.fixture(scope="session")
 def tiny_vlms(tmp_path_factory):
-    """Every tiny family checkpoint (data_prep/tiny_vlm.py), saved once per session: {family: directory}."""
+    """Every tiny family checkpoint (data_prep/tiny_vlm.py, tiny_vlm_2026.py), saved once per session:
+    {family: directory}."""
     root = tmp_path_factory.mktemp("tiny_vlms")
-    return {family: save_tiny_vlm(family, root / family) for family in FAMILIES}
+    families = tiny_vlm.FAMILIES | tiny_vlm_2026.FAMILIES
+    return {family: tiny_vlm.save_family(families, family, root / family) for family in families}
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from mmrecipes.vlm.chat_data import encode_row
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.compose import FLATTEN_CONTENT, IMAGE_TOKEN, compose_llava
 from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller, TemplateError, _runs, check_template
+from mmrecipes.vlm.labels import AnswerLabeller, _runs, check_template
 from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, loss_sum, stop_token_ids
 from mmrecipes.vlm.module_groups import module_groups
 from tiny_language_models import save_tiny_language_model
@@ -50,7 +50,8 @@ CAPTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "tex
 def parts(tmp_path_factory):
     root = tmp_path_factory.mktemp("parts")
     towers = {kind: save_tower(kind, root / kind) for kind in ("clip", "siglip", "siglip2")}
-    languages = {family: str(save_tiny_language_model(family, root / family)) for family in LANGUAGE_MODELS}
+    languages = {family: str(save_tiny_language_model(family, root / family))
+                 for family in LANGUAGE_MODELS + ("phi3_5",)}
     return towers, languages
 
 
@@ -140,11 +141,13 @@ def test_a_composed_llava_counts_its_image_tokens_keeps_its_parts_and_stage_1_tr
     assert answer[0]["generated_text"][-1]["role"] == "assistant"
 
 
-@pytest.mark.parametrize("language", LANGUAGE_MODELS)
+@pytest.mark.parametrize("language", LANGUAGE_MODELS + ("phi3_5",))
 def test_stage_2_labels_the_answers_in_the_language_models_own_template(parts, language):
     """Each LM's official template, images written before the text: the targets are the answers and the
-    end-of-turn token. Qwen3's writes its empty think block before the last answer only, so a conversation's
-    renderings are not prefixes of each other: refused with the reason, and TRL's training patch of it (given as
+    end-of-turn token. Phi-3.5's closes a rendering without a generation prompt with <|endoftext|> (it was refused:
+    "not a prefix"): read without it, and not a target. Qwen3's writes its empty think block before the last answer
+    only, so an earlier answer renders differently once later turns follow (it was refused): the last answer is the
+    target, the earlier ones context, and the log line says so; TRL's training patch of it (given as
     --chat_template_path) trains the think block before every answer."""
     towers, languages = parts
     model, processor = compose_llava(towers["clip"], languages[language])
@@ -152,19 +155,21 @@ def test_stage_2_labels_the_answers_in_the_language_models_own_template(parts, l
                               {"role": "assistant", "content": [{"type": "text", "text": "circle"}]}]
     assert f"{IMAGE_TOKEN}\nDescribe it." in processor.apply_chat_template(conversation)
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
-    lead = ""
+    end = {"llama3": "<|eot_id|>", "qwen3": "<|im_end|>", "gemma3_text": "<end_of_turn>", "phi3_5": "<|end|>"}[language]
+    lead, answers = ("<think>\n\n</think>\n\n", ["circle"]) if language == "qwen3" else ("", ["a red circle", "circle"])
+    line = check_template(labeller, languages[language])
+    assert ("only the last answer of a conversation is a target" in line) == (language == "qwen3")
     if language == "qwen3":
-        with pytest.raises(TemplateError, match="not a prefix.*_training.jinja"):
-            check_template(labeller, languages[language])
+        input_ids, labels, _ = encode_row(labeller, conversation, [image()])
+        assert [processor.tokenizer.decode(input_ids[run]) for run in _runs(labels != -100)] == [f"{lead}circle{end}"]
         model, processor = compose_llava(towers["clip"], languages[language], chat_template_path=QWEN3_TRAINING)
         assert processor.chat_template == FLATTEN_CONTENT + QWEN3_TRAINING.read_text()
-        labeller, lead = AnswerLabeller(processor, stop_token_ids(model, processor)), "<think>\n\n</think>\n\n"
-    line = check_template(labeller, languages[language])
-    end = {"llama3": "<|eot_id|>", "qwen3": "<|im_end|>", "gemma3_text": "<end_of_turn>"}[language]
+        labeller, answers = AnswerLabeller(processor, stop_token_ids(model, processor)), ["a red circle", "circle"]
+        line = check_template(labeller, languages[language])
     assert f"ends each answer with {end}, a target" in line and (repr(lead) in line) == bool(lead)
     input_ids, labels, _ = encode_row(labeller, conversation, [image()])
     targets = [processor.tokenizer.decode(input_ids[run]) for run in _runs(labels != -100)]
-    assert targets == [f"{lead}a red circle{end}", f"{lead}circle{end}"]
+    assert targets == [f"{lead}{answer}{end}" for answer in answers]
     assert int((input_ids == model.config.image_token_id).sum()) == 16
 
 
@@ -218,8 +223,8 @@ def test_the_wrong_parts_are_refused_each_with_its_own_reason_before_any_weight_
 
 
 def test_a_composed_models_stage_2_with_a_chat_template_path_keeps_the_content_prelude(parts, tmp_path):
-    """Stage 2 of a composed Qwen3 is refused by its template (not a prefix), and the labeller's message points to
-    TRL's training template: given with --chat_template_path to the saved stage-1 model, it replaced the composed
+    """Stage 2 of a composed Qwen3 trains the last answer only in its template, and the log line points to TRL's
+    training template: given with --chat_template_path to the saved stage-1 model, it replaced the composed
     template and its content prelude (TypeError: can only concatenate str (not "list") to str)."""
     towers, languages = parts
     model, processor = compose_llava(towers["clip"], languages["qwen3"])

@@ -26,6 +26,7 @@ from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, 
 from mmrecipes.vlm.module_groups import module_groups
 
 MARKERS = {"llava", "llava_onevision"}  # the only official templates with {% generation %}
+LAST_ANSWER_ONLY = {"qwen3_5"}  # official templates that drop an earlier answer's think block
 # The inputs each family needs besides pixel_values, which must reach the model from the collator.
 EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_vl": {"image_grid_thw", "mm_token_type_ids"},
                 "qwen2_5_vl": {"image_grid_thw", "mm_token_type_ids"},
@@ -35,7 +36,7 @@ EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_vl": {"ima
                 "gemma3": {"token_type_ids"},
                 # its clips take a video path of their own: a batch without one carries the dummy clip
                 "llava_onevision": {"image_sizes", "batch_num_images", "pixel_values_videos", "dummy_video"},
-                "mistral3": {"image_sizes"}}
+                "mistral3": {"image_sizes"}, "qwen3_5": {"image_grid_thw", "mm_token_type_ids"}}
 TWO_TURNS = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
              {"role": "user", "content": [{"type": "text", "text": "How many shapes are there?"}]},
@@ -69,13 +70,15 @@ def test_targets_are_the_answers_and_their_end_of_turn_on_the_official_template(
     assert labeller.has_markers == (family in MARKERS)
     encoded, target = labeller(TWO_TURNS, [Image.new("RGB", (32, 32), (200, 30, 30))])
     end = END_OF_TURN[family]
-    assert target_runs(labeller, encoded, target) == ["red" + end, "one" + end]
+    answers = ["one"] if family in LAST_ANSWER_ONLY else ["red", "one"]
+    assert target_runs(labeller, encoded, target) == [answer + end for answer in answers]
     image_positions = torch.as_tensor(encoded["input_ids"][0]) == labeller.image_token_id
     assert image_positions.sum() > 0 and not (target & image_positions).any()
     rule = "generation markers" if family in MARKERS else "prefix renderings"
     line = check_template(labeller, family)
     assert f"assistant turns found by {rule}" in line
     assert (f"ends each answer with {end}, a target" if end else "will not learn to stop") in line
+    assert ("only the last answer of a conversation is a target" in line) == (family in LAST_ANSWER_ONLY)
 
 
 def test_the_space_before_an_answer_is_a_target_where_the_tokenizer_splits_it_off(tiny_vlms):
@@ -331,7 +334,7 @@ def test_a_two_image_llava_row_brings_both_images_to_the_loss(tiny_vlms, tmp_pat
 
 # The families whose image processors give their own floats from uint8 finished on the device (the others pad after
 # normalising, or return floats: their images cross the loader as float32)
-UINT8_IMAGES = {"llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "gemma3"}
+UINT8_IMAGES = {"llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "gemma3", "qwen3_5"}
 
 
 def test_images_cross_the_loader_as_uint8_where_the_processor_gives_its_own_floats(tiny_vlms):

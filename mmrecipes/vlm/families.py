@@ -34,6 +34,7 @@ PROJECTORS = {
     "qwen2_vl": ("model.visual.merger",),
     "qwen2_5_vl": ("model.visual.merger",),
     "qwen3_vl": ("model.visual.merger", "model.visual.deepstack_merger_list"),
+    "qwen3_5": ("model.visual.merger",),
     "internvl": ("model.multi_modal_projector",),
     "idefics2": ("model.connector",),
     "idefics3": ("model.connector",),

@@ -3,7 +3,11 @@
 
 The targets are the assistant turns, each from the end of its generation prompt (a space the model must write is a
 target) to its end-of-turn token, found by the template's `{% generation %}` markers or, without them, by rendering
-prefixes; a template that rewrites earlier turns is refused, never labelled wrong. The character spans become token
+prefixes. Markers that also take in the tail of the generation prompt (an empty think block) are read from the
+prompt's end. Without markers, a turn the template rewrites once later turns follow (Qwen3 and Qwen3.5 drop its think
+block) is context, not a target: the last turn is the one trained, as the model sees it at inference; a conversation
+whose last turn is rewritten is refused, never labelled wrong. An unprompted rendering that ends in the end-of-text
+token (Phi-3.5's) is compared without it. The character spans become token
 positions by aligning the text tokenised alone with the ids the processor returns with its images (expansion only
 inserts tokens), without trusting the processor's offsets; a turn that does not align raises `UnalignedAnswer`.
 """
@@ -70,9 +74,10 @@ class AnswerLabeller:
             raise TemplateError(f"{REFUSED}: {error}") from error
         return texts[0], indices[0] if indices else []
 
-    def answer_spans(self, messages) -> tuple[str, list[tuple[int, int]]]:
+    def answer_spans(self, messages) -> tuple[str, list[tuple[int, int] | None]]:
         """(the rendered conversation, the character span of each assistant turn: from the end of its
-        generation prompt to its end-of-turn token)."""
+        generation prompt to its end-of-turn token; None for a turn the template rewrites once later turns follow,
+        which is context, not a target)."""
         text, marked = self.render(messages, marked=self.has_markers)
         turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
         if self.has_markers and len(marked) != len(turns):
@@ -81,21 +86,43 @@ class AnswerLabeller:
         for number, index in enumerate(turns):
             start = self.render(messages[:index], add_generation_prompt=True)[0]
             if self.has_markers:
-                begin, end = marked[number]
-                if text.startswith(start) and begin < len(start):  # the model would learn to write its prompt
-                    raise TemplateError(f"the generation markers of assistant turn {index} start inside its "
-                                        "generation prompt")
-                # The generation prompt's end, if only whitespace lies between it and the marker
-                if text.startswith(start) and not text[len(start):begin].strip():
-                    begin = len(start)
+                begin, end = self._marked_begin(text, messages[:index], start, *marked[number]), marked[number][1]
             else:
-                end = self.render(messages[:index + 1])[0]
-                if not (text.startswith(end) and end.startswith(start)):
-                    raise TemplateError(f"rendering the conversation up to assistant turn {index} is not a prefix of "
-                                        "the whole rendering")
+                end = self._unprompted(messages[:index + 1], text)
+                if end is None or not end.startswith(start):
+                    spans.append(None)  # rewritten once later turns follow (Qwen3's think blocks are dropped)
+                    continue
                 begin, end = len(start), len(end)
             spans.append((begin, self._turn_end(text, begin, end)))
+        if spans and spans[-1] is None:  # the last turn too: nothing rendered as at inference
+            raise TemplateError(f"rendering the conversation up to assistant turn {turns[spans.index(None)]} is not "
+                                "a prefix of the whole rendering")
         return text, spans
+
+    def _marked_begin(self, text, history, start, begin, end):
+        """Where a marked answer begins: the end of its generation prompt `start` where only whitespace lies
+        between them, or where the marked text begins with the prompt's tail (an empty think block the generation
+        prompt writes, and the markers too: TRL's Qwen3.5 training template), after the prompt's first
+        characters (its assistant header, which the model is given, not asked to write)."""
+        if not text.startswith(start):
+            return begin
+        if begin >= len(start):
+            return len(start) if not text[len(start):begin].strip() else begin
+        before = self._unprompted(history, text)
+        if before is None or begin <= len(before) or not text[len(before):begin].strip() or end <= len(start):
+            raise TemplateError(f"the generation markers of assistant turn {len(history)} start inside its "
+                                "generation prompt")
+        return len(start)
+
+    def _unprompted(self, messages, text) -> str | None:
+        """The rendering of `messages` without a generation prompt, without the end-of-text token it may end in, if
+        it begins `text`, else None. Phi-3.5's template closes every unprompted rendering with that token, where a
+        longer conversation goes on; where it ends a turn (LLaVA-NeXT's `</s>`), `_turn_end` takes it back in."""
+        rendering = self.render(messages)[0]
+        eos = self.tokenizer.eos_token
+        if eos:
+            rendering = rendering.removesuffix(eos)
+        return rendering if text.startswith(rendering) else None
 
     def _turn_end(self, text, start, end):
         """The span's end without trailing whitespace, extended over an end-of-turn token right after it."""
@@ -129,7 +156,7 @@ class AnswerLabeller:
         input_ids = torch.as_tensor(encoded["input_ids"][0])
         aligned = _aligned_positions(plain["input_ids"], input_ids.tolist())
         target = torch.zeros(len(input_ids), dtype=torch.bool)
-        for start, end in spans:
+        for start, end in filter(None, spans):
             inside = [i for i, (a, b) in enumerate(plain["offset_mapping"]) if a < end and b > start and b > a]
             if not inside or plain["offset_mapping"][inside[0]][0] < start:
                 raise UnalignedAnswer("the generation prompt does not end on a token boundary")
@@ -175,7 +202,8 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
     """Label a 2-turn probe conversation with an image (a real one, through the processor; its first turn alone
     where the template refuses two, as LLaVA's plain does) before the first step: raise unless the targets are
     exactly its answers, each from the end of the generation prompt to its end-of-turn token (markers that start
-    inside the generation prompt are refused), and (given `max_length`, --max_length) unless a one-line question
+    inside the generation prompt, not after its header, are refused; a turn the template rewrites later is context,
+    and the log line says so), and (given `max_length`, --max_length) unless a one-line question
     and a one-word answer without an image fit in it. A text the template writes after the generation prompt before
     every answer (Qwen3's empty think block) is a target, as the model must write it; the log line names it and the
     rule found."""
@@ -194,8 +222,11 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
             probe, answers = probe[:2], answers[:1]  # a one-turn template (LLaVA's plain): its one answer
             encoded, target = labeller(probe, [image])
     except TemplateError as error:
-        found, problem = [], str(error)
+        found, problem, context = [], str(error), []
     else:
+        spans = labeller.answer_spans(probe)[1]
+        context = [answer for answer, span in zip(answers, spans) if span is None]
+        answers = [answer for answer, span in zip(answers, spans) if span is not None]
         ids = torch.as_tensor(encoded["input_ids"][0])
         found = [labeller.tokenizer.decode(ids[run]).strip() for run in _runs(target)]
         problem = None
@@ -225,6 +256,11 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
         ends = "ends answers with no end-of-turn token: a fine-tuned model will not learn to stop"
     lead = leads.pop() if not problem and leads else ""
     writes = f"; it writes {lead!r} before each answer, a target (the model learns to write it)" if lead else ""
+    if not problem and context:
+        writes += ("; it rewrites an answer once later turns follow (Qwen3 drops its think block), so only the "
+                   "last answer of a conversation is a target, as the model sees it at inference, the earlier ones "
+                   "context (to train every turn, give a template with {% generation %} markers, such as TRL's "
+                   "*_training.jinja, with --chat_template_path)")
     return f"chat template of {source}: assistant turns found by {labeller.rule}; it {ends}{writes}"
 
 

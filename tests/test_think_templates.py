@@ -1,0 +1,132 @@
+"""Templates with a think block, on the tiny Qwen3.5 (data_prep/tiny_vlm_2026.py), in process: its two official
+templates (nothink: Qwen3.5-2B and smaller; think: 4B and larger) and TRL's training patches of them, against TRL's
+own labels on the same rows (`DataCollatorForVisionLanguageModeling(assistant_only_loss=True)`)."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import trl
+from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
+from trl.chat_template_utils import get_training_chat_template
+from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+from mmrecipes.vlm.chat_data import encode_row
+from mmrecipes.vlm.labels import AnswerLabeller, TemplateError, _runs, check_template
+from mmrecipes.vlm.models import stop_token_ids
+from test_family_conformance import COLOURS, STEPS, colour_conversation, square, train
+
+TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"
+# What each official template's generation prompt writes after `<|im_start|>assistant\n`, and TRL's patch marks
+PROMPT_TAIL = {"qwen3_5": "<think>\n\n</think>\n\n", "qwen3_5_think": "<think>\n"}
+TEMPLATE = {"qwen3_5": "qwen3_5_nothink", "qwen3_5_think": "qwen3_5_think"}
+
+
+def text(words):
+    return [{"type": "text", "text": words}]
+
+
+ROWS = [  # (messages, images): one image turn; two turns over two images; two text-only turns
+    ([{"role": "user", "content": [{"type": "image"}, *text("What colour is it?")]},
+      {"role": "assistant", "content": text("red")}], [square("red")]),
+    ([{"role": "user", "content": [{"type": "image"}, {"type": "image"}, *text("Which is first?")]},
+      {"role": "assistant", "content": text("the blue one")},
+      {"role": "user", "content": text("And the other?")},
+      {"role": "assistant", "content": text("green")}], [square("blue"), square("green")]),
+    ([{"role": "system", "content": text("Be brief.")},
+      {"role": "user", "content": text("Name a colour.")},
+      {"role": "assistant", "content": text("yellow")},
+      {"role": "user", "content": text("Another?")},
+      {"role": "assistant", "content": text("blue")}], []),
+]
+
+
+def runs(processor, input_ids, labels):
+    return [processor.tokenizer.decode(input_ids[run]) for run in _runs(labels != -100)]
+
+
+@pytest.mark.parametrize("family", PROMPT_TAIL)
+def test_targets_are_trls_assistant_tokens_less_the_generation_prompts_tail(tiny_vlms, family):
+    """With TRL's training template (the one TRL itself swaps in for the official one) the input ids are TRL's and
+    every answer is a target: TRL's masked tokens less what the generation prompt already wrote (the model is given
+    it: the empty think block in nothink, `<think>\\n` in think) and less the new line after `<|im_end|>`. With the
+    official template, which drops an earlier answer's think block once later turns follow, the last answer is
+    the target, the same tokens; the earlier answers are context, and the log line says so. Before, both were
+    refused before the first step ("start inside its generation prompt", "not a prefix")."""
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms[family])
+    processor = AutoProcessor.from_pretrained(tiny_vlms[family])
+    assert processor.chat_template == (TRL_TEMPLATES / f"{TEMPLATE[family]}.jinja").read_text()
+    training = get_training_chat_template(processor)
+    assert training == (TRL_TEMPLATES / f"{TEMPLATE[family]}_training.jinja").read_text()
+    trl_collator = DataCollatorForVisionLanguageModeling(processor, assistant_only_loss=True, chat_template=training)
+    marked = AnswerLabeller(processor, stop_token_ids(model, processor), template=training)
+    official = AnswerLabeller(processor, stop_token_ids(model, processor))
+    tail = PROMPT_TAIL[family]
+    lead = tail.split("<think>")[1].replace("\n\n</think>\n\n", "")  # what is left of the block to write
+    marked_line, official_line = check_template(marked, "trl"), check_template(official, family)
+    assert "only the last answer" not in marked_line and "only the last answer of a conversation" in official_line
+    for line in (marked_line, official_line):
+        assert "ends each answer with <|im_end|>, a target" in line
+        assert ("before each answer" in line) == (family == "qwen3_5_think")
+    for messages, images in ROWS:
+        expected = trl_collator([{"messages": copy.deepcopy(messages), "images": images}])
+        trl_runs = runs(processor, expected["input_ids"][0], expected["labels"][0])
+        assert len(trl_runs) == sum(message["role"] == "assistant" for message in messages)
+        assert all(run.startswith(tail) and run.endswith("<|im_end|>\n") for run in trl_runs)
+        targets = [run.removeprefix(tail).removesuffix("\n") for run in trl_runs]
+        assert all(target.startswith(lead.strip("\n")) for target in targets)
+        input_ids, labels, media = encode_row(marked, messages, images)
+        assert torch.equal(input_ids, expected["input_ids"][0])
+        assert runs(processor, input_ids, labels) == targets
+        assert ("pixel_values" in media) == bool(images)
+        input_ids, labels, _ = encode_row(official, messages, images)
+        assert runs(processor, input_ids, labels) == targets[-1:]
+
+
+def test_markers_that_take_in_the_assistant_header_or_stop_in_the_prompt_are_refused(tiny_vlms):
+    """Read from the prompt's end only where the marked text begins after the generation prompt's assistant
+    header and goes past the prompt: TRL's training template with its markers moved before the header (the model
+    would be taught the header it is given), or closed after the think block (no answer), is refused."""
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen3_5"])
+    processor = AutoProcessor.from_pretrained(tiny_vlms["qwen3_5"])
+    training = (TRL_TEMPLATES / "qwen3_5_nothink_training.jinja").read_text()
+    header = "        {{- '<|im_start|>' + message.role + '\\n' }}\n        {%- generation %}\n"
+    block = "        {{- '<think>\\n' + reasoning_content + '\\n</think>\\n\\n' + content }}\n"
+    end = "        {%- endgeneration %}\n"
+    assert header in training and block in training and training.count(end) == 1
+    mistakes = {
+        "header": training.replace(header, "        {%- generation %}\n" + header.splitlines(True)[0]),
+        "block only": training.replace(end, "").replace(block, block.replace(
+            " + content }}", " }}{%- endgeneration %}{{- content }}")),
+    }
+    for name, template in mistakes.items():
+        labeller = AnswerLabeller(processor, stop_token_ids(model, processor), template=template)
+        with pytest.raises(TemplateError, match="markers of assistant turn 1 start inside its generation prompt"):
+            check_template(labeller, name)
+
+
+def answers_after_thinking(output_dir) -> dict:
+    """What the saved model answers to each colour's square through the pipeline, after its think block."""
+    answer = pipeline("image-text-to-text", model=str(output_dir))
+    said = {}
+    for colour in COLOURS:
+        chat = colour_conversation()
+        chat[-1]["content"][0]["image"] = square(colour)
+        output = answer(text=chat, return_full_text=False, generate_kwargs={"max_new_tokens": 8, "do_sample": False})
+        said[colour] = output[0]["generated_text"].split("</think>")[-1].strip()
+    return said
+
+
+def test_qwen3_5_think_learns_the_colour_through_trls_training_template(tiny_vlms, tmp_path):
+    """Qwen3.5 in think mode, trained through TRL's training template, saved with its official one: the pipeline's
+    prompt opens a think block, the model closes it and names every colour. (The nothink template, trained as it
+    is: test_family_conformance.py.)"""
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen3_5_think"])
+    processor = AutoProcessor.from_pretrained(tiny_vlms["qwen3_5_think"])
+    official, processor.chat_template = processor.chat_template, get_training_chat_template(processor)
+    train(model, processor, model.parameters(), STEPS)
+    processor.chat_template = official
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    assert answers_after_thinking(tmp_path) == {colour: colour for colour in COLOURS}
