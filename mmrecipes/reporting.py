@@ -18,8 +18,8 @@ from .model_card import History
 from .throughput import peak_flops
 
 # How the log line writes a value (others: as they are); the tracker gets the numbers.
-FORMATS = {"loss": ".6f", "grad_norm": ".6f", "lr": ".2e", "samples_per_s": ".1f", "tokens_per_s": ".0f",
-           "mfu": ".2%", "data_wait": ".3f", "rewards/accuracies": ".3f"}
+FORMATS = {"loss": ".6f", "aux_loss": ".6f", "grad_norm": ".6f", "lr": ".2e", "samples_per_s": ".1f",
+           "tokens_per_s": ".0f", "mfu": ".2%", "data_wait": ".3f", "rewards/accuracies": ".3f"}
 FORMATS |= dict.fromkeys(("rewards/chosen", "rewards/rejected", "rewards/margins"), ".5f")  # the DPO recipe's
 FORMATS |= dict.fromkeys(("logps/chosen", "logps/rejected"), ".4f")
 LABELS = {"samples_per_s": "samples/s", "tokens_per_s": "tokens/s", "mfu": "MFU"}

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 from mmrecipes.arguments import TrainingArgs
 from mmrecipes.config import checked, parse_args
-from mmrecipes.vlm.arguments import ChatDataArgs, LoraArgs, VLMModelArgs
+from mmrecipes.vlm.arguments import ChatDataArgs, LoraArgs, MoEArgs, VLMModelArgs
 
 
 @dataclass
@@ -44,7 +44,7 @@ class TrainArgs(TrainingArgs):
 
 
 # the flags and YAML keys this recipe takes
-ARGUMENTS = (VLMModelArgs, LoraArgs, ChatDataArgs, TrainArgs)
+ARGUMENTS = (VLMModelArgs, LoraArgs, MoEArgs, ChatDataArgs, TrainArgs)
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
 
@@ -78,12 +78,19 @@ from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
 from mmrecipes.vlm.families import video_path
 from mmrecipes.vlm.labels import AnswerLabeller, check_template
 from mmrecipes.vlm.losses import token_loss_scale
-from mmrecipes.vlm.models import VLMForTraining, check_packing, loss_sum, save_vlm
+from mmrecipes.vlm.models import (
+    VLMForTraining,
+    check_packing,
+    loss_sum,
+    loss_sum_and_routing,
+    save_vlm,
+)
+from mmrecipes.vlm.moe import LoadBalance
 from mmrecipes.vlm.parts import vlm_parts
 
 
 def main(argv=None):
-    model_args, lora_args, data_args, args = parse_args(ARGUMENTS, argv)
+    model_args, lora_args, moe_args, data_args, args = parse_args(ARGUMENTS, argv)
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2)  # what trains, FLOPs
@@ -100,6 +107,10 @@ def main(argv=None):
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
 
+    # A mixture of experts: its load-balancing loss, or the line saying it is off
+    balance, balance_line = LoadBalance.of(model, moe_args, args.gradient_accumulation_steps,
+                                           data_world)
+
     if args.torch_compile:  # in place, before prepare wraps the model
         accelerator.print(compile_blocks(model))
 
@@ -107,6 +118,9 @@ def main(argv=None):
     accelerator.print(template_line)
     accelerator.print(f"evaluation: {data_args.evaluation}")
     accelerator.print(vlm.describe())
+
+    if balance_line:
+        accelerator.print(balance_line)
 
     # shared: vlm optimizer
     optimizer = adamw(vlm.optimizer_groups(args), args)  # the tower, if it trains, at its own lr
@@ -178,12 +192,21 @@ def main(argv=None):
         local_tokens = torch.tensor(float(sum(batch["target_tokens"] for batch in window)))
         tokens = sum_over_ranks(local_tokens.to(accelerator.device))
         loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps, data_world)
-        window_ce = []
+        window_ce, window_aux = [], []
+        # The global scope's expert choices in the window on all ranks (a forward without gradients)
+        routing = balance.window_routing(model, window, accelerator.device) if balance else None
         for batch in window:
             # Gradients are all-reduced only on the window's last micro-batch (no_sync before it).
             with accelerator.accumulate(model):
-                summed = loss_sum(model, to_device(batch, accelerator.device))
-                accelerator.backward(summed * loss_scale)
+                on_device = to_device(batch, accelerator.device)
+                if balance is None:
+                    summed = loss_sum(model, on_device)
+                    accelerator.backward(summed * loss_scale)
+                else:  # a mixture of experts: its load-balancing term beside the CE
+                    summed, routed = loss_sum_and_routing(model, on_device)
+                    term, aux = balance.term(routed, routing)
+                    accelerator.backward(summed * loss_scale + term)
+                    window_aux.append(aux)
             window_ce.append(summed.detach())
         step_losses = torch.stack(window_ce)
         # shared: optimizer step
@@ -194,11 +217,13 @@ def main(argv=None):
             scheduler.step()
         optimizer.zero_grad()
 
-        report.add_step(guard.applied, ce=sum(window_ce), target_tokens=local_tokens)
+        report.add_step(guard.applied, ce=sum(window_ce), target_tokens=local_tokens,
+                        **(balance.window_sums(window_aux) if balance else {}))
 
         if report.due(done):
             sums = report.close()
             report.log(done, {"loss": ratio(sums["ce"], sums["target_tokens"]),
+                              **(balance.metrics(sums) if balance else {}),
                               "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]},
                        sums)
         if eval_loader is not None and report.evaluation_due(done):

@@ -89,6 +89,15 @@ class LoraArgs(CheckedArgs):
 
 
 @dataclass
+class MoEArgs(CheckedArgs):
+    # A mixture-of-experts model's load-balancing loss times this (TRL / LLaMA-Factory's name), logged as aux_loss;
+    # 0: off (the log line names the checkpoint's own router_aux_loss_coef). A model without experts refuses it.
+    router_aux_loss_coef: float = checked(0.0, "non_negative")
+    # micro_batch: the model's own, per micro-batch; global_batch: over the optimizer step on every rank (docs/vlm.md)
+    router_aux_loss_scope: str = checked("micro_batch", choices=("micro_batch", "global_batch"))
+
+
+@dataclass
 class VideoArgs(CheckedArgs):
     # frames sampled per second of clip (transformers' video processors: fps)
     video_fps: float = checked(2.0, "positive")

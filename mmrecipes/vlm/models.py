@@ -33,6 +33,7 @@ from .families import check_trainable, height_width, lm_features, split_items, v
 from .lora import save_lora
 from .losses import head_cross_entropy_per_row, head_cross_entropy_per_token, head_cross_entropy_sum, soft_capped
 from .module_groups import ModuleGroups
+from .moe import routing
 from .packing import packed_position_ids
 
 logger = logging.getLogger(__name__)
@@ -56,28 +57,36 @@ class VLMForTraining(torch.nn.Module):
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         self.clip_layout = _clip_layout(model) if not self.video_as_image else None
 
-    def forward(self, batch: dict, output: str = "loss_sum", temperature: float = 1.0) -> torch.Tensor:
+    def forward(self, batch: dict, output: str = "loss_sum", temperature: float = 1.0):
         """`output` of a `ChatCollator` batch on the device (`images.to_device`); see the named functions."""
-        hidden, dummies = self._hidden_states(**batch)
+        with_routing = output in ("loss_sum_and_routing", "routing")
+        hidden, dummies, router_logits = self._hidden_states(**batch, output_router_logits=with_routing)
         head, labels = self.model.get_output_embeddings(), batch["labels"]
+        if with_routing:  # over the real tokens: a packed batch passes the model no mask
+            top_k = self.model.config.get_text_config().num_experts_per_tok
+            routed = routing(router_logits, batch["attention_mask"], top_k)
+            if output == "routing":
+                return routed
         if output == "logits":  # evaluation and sampling: no backward, so no dummy term
             return soft_capped(head(hidden), self.softcap)
-        if output == "loss_sum":
+        if output in ("loss_sum", "loss_sum_and_routing"):
             value = head_cross_entropy_sum(hidden, head, labels, softcap=self.softcap)
         elif output == "sequence_logps":
             value = -head_cross_entropy_per_row(hidden, head, labels, softcap=self.softcap)
         elif output == "token_logps":
             value = -head_cross_entropy_per_token(hidden, head, labels, softcap=self.softcap, temperature=temperature)
         else:
-            raise ValueError(f"no output {output!r}: one of loss_sum, sequence_logps, token_logps, logits")
+            raise ValueError(f"no output {output!r}: one of loss_sum, loss_sum_and_routing, routing, sequence_logps, "
+                             "token_logps, logits")
         for dummy in dummies:  # exact zeros into the output: the dummy's parameters get their gradients on every rank
             value = value + torch.cat([part.flatten() for part in lm_features(dummy)])[:0].sum()
-        return value
+        return (value, *routed) if with_routing else value
 
     def _hidden_states(self, input_ids, attention_mask, labels, dummy_image: bool, dummy_video=False,
-                       sample_lengths=None, media_per_sample=None, video_frames=None, **media_inputs):
-        """(the base model's last hidden states, the dummies' features): one vision call (images, clips, or the
-        dummy), then the language model on the merged sequence."""
+                       sample_lengths=None, media_per_sample=None, video_frames=None, output_router_logits=False,
+                       **media_inputs):
+        """(the base model's last hidden states, the dummies' features, its router logits if asked): one vision call
+        (images, clips, or the dummy), then the language model on the merged sequence."""
         vision_inputs = {name: value for name, value in media_inputs.items() if name in self.vision_input_names}
         videos = {name: value for name, value in media_inputs.items() if name in self.video_as_image}
         # Videos go through the tower in the same call as the images (or the dummy), after them: one call a step.
@@ -112,9 +121,11 @@ class VLMForTraining(torch.nn.Module):
                                                                media_inputs)
             attention_mask = None
         # No KV cache: training needs none, and transformers reads packed positions only without one.
-        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                       **other_inputs)[0]
-        return hidden, dummies
+        if output_router_logits:
+            other_inputs["output_router_logits"] = True
+        outputs = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                        **other_inputs)
+        return outputs[0], dummies, outputs.router_logits if output_router_logits else None
 
     # accelerate's FSDP2 path asks the root module for both: it shards them in one group when they are
     # tied (Gemma 3, Qwen2.5-VL-3B), and torch refuses a tied weight in two groups.
@@ -133,6 +144,13 @@ def loss_sum(model, batch: dict) -> torch.Tensor:
     """The batch's summed token CE (training back-propagates it times `losses.token_loss_scale`). `model`: a
     `VLMForTraining`, prepared or not; `batch`: on the device."""
     return model(batch, "loss_sum")
+
+
+def loss_sum_and_routing(model, batch: dict) -> tuple[torch.Tensor, tuple]:
+    """`loss_sum`, and what the routers of a mixture-of-experts model did over the batch's real tokens (the parts of
+    its load-balancing loss: `moe.routing`)."""
+    summed, *routed = model(batch, "loss_sum_and_routing")
+    return summed, tuple(routed)
 
 
 def sequence_logps(model, batch: dict) -> torch.Tensor:

@@ -1,0 +1,143 @@
+"""Mixture-of-experts VLMs (Qwen3-VL-MoE, Qwen3.5-MoE, Gemma 4's 26B-A4B): the load-balancing loss, and the sparse
+blocks the engines must treat as one (docs/vlm.md, "Mixture-of-experts models").
+
+The routers are the modules transformers records `router_logits` from (the model's `_can_record_outputs`), the sparse
+blocks their parents: read from the model, never from a name.
+
+The loss is Switch Transformer's, as transformers' MoE families compute it (`load_balancing_loss_func`): over the real
+tokens of every MoE layer, f_e = the share of the top-k choices that go to expert e (counts: no gradient) and P_e =
+the mean router probability of e; aux = E * sum_e f_e * P_e (k when the load is even), times the checkpoint's
+`router_aux_loss_coef` or --router_aux_loss_coef. Its two scopes:
+- `micro_batch`, the model's own: each micro-batch's aux, as `forward(..., output_router_logits=True)` gives it (but
+  over real tokens only: a packed batch passes the model no mask), averaged over the window's micro-batches and ranks:
+  no world-size factor, no sum over micro-batches;
+- `global_batch` (Qwen's global-batch load balancing, 2025): f_e and P_e over every real token of the optimizer step
+  on every rank, so W ranks x k micro-batches give one process's loss and gradients. f must be known before the first
+  backward: with k > 1 micro-batches the window is first run without gradients to count the choices (one forward
+  more each), then one all-reduce of the counts; with k = 1 the counts of the micro-batch itself are all-reduced.
+"""
+
+import torch
+
+from ..distributed import sum_over_ranks
+from ..images import to_device
+from ..reporting import ratio
+from .arguments import MoEArgs
+
+
+def router_class(model):
+    """The module class whose output transformers records as `router_logits`, if the model has one of them."""
+    recorder = getattr(model, "_can_record_outputs", None) or {}
+    target = getattr(recorder.get("router_logits"), "target_class", None)
+    return target if target is not None and any(isinstance(m, target) for m in model.modules()) else None
+
+
+def sparse_block_classes(model) -> set[type]:
+    """The classes of the modules that hold a router and the experts it picks from (Qwen's SparseMoeBlock; Gemma 4's
+    decoder layer): an engine must gather each as one (ZeRO-3's leaf modules), as ranks route to different experts."""
+    router = router_class(model)
+    if router is None:
+        return set()
+    return {type(parent) for parent in model.modules() for child in parent.children() if isinstance(child, router)}
+
+
+def routing(router_logits, mask: torch.Tensor | None, top_k: int):
+    """(choices per expert, summed router probabilities per expert, rows) over every layer's real tokens: the parts of
+    the loss. `router_logits`: one `[tokens, experts]` tensor per MoE layer; `mask`: 1 for a real token."""
+    weights = None if mask is None else mask.reshape(-1).float()
+    counts = probabilities = rows = 0
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        real = torch.ones(len(probs), device=probs.device) if weights is None else weights.to(probs.device)
+        chosen = probs.topk(top_k, dim=-1).indices.reshape(-1)
+        counts = counts + torch.zeros(probs.shape[-1], device=probs.device).index_add(
+            0, chosen, real.repeat_interleave(top_k))
+        probabilities = probabilities + (probs * real[:, None]).sum(dim=0)
+        rows = rows + real.sum()
+    return counts.detach(), probabilities, rows.detach()
+
+
+def balance_loss(counts, probabilities, rows) -> torch.Tensor:
+    """E * sum_e f_e * P_e from the choices and probabilities summed over `rows` (token, layer) pairs."""
+    return len(counts) * torch.sum(counts / rows * probabilities / rows)
+
+
+class LoadBalance:
+    """The load-balancing term of a MoE model's training loss (`of`: None where it is off).
+
+    `window_routing(model, window, device)` before the window's micro-batches (the global scope's counts), then per
+    micro-batch `term(routing, window_counts)`: what to back-propagate beside the CE (the engine's averaging over the
+    accumulation steps and ranks already cancelled) and the value to log, `aux_loss`."""
+
+    def __init__(self, num_experts: int, top_k: int, coef: float, scope: str, accumulation: int, data_world: int):
+        self.num_experts, self.top_k, self.coef, self.scope = num_experts, top_k, coef, scope
+        self.accumulation, self.data_world = accumulation, data_world
+
+    @classmethod
+    def of(cls, model, args: MoEArgs, accumulation: int, data_world: int) -> tuple["LoadBalance | None", str]:
+        """(the term, or None where it is off; the log line that says which). A model without routers, or whose config
+        defines no load-balancing loss, refuses a coefficient."""
+        coef, scope = args.router_aux_loss_coef, args.router_aux_loss_scope
+        config = model.config.get_text_config()
+        own = getattr(config, "router_aux_loss_coef", None)
+        if router_class(model) is None:
+            if coef:
+                raise ValueError(f"--router_aux_loss_coef {coef}: {type(model).__name__} has no experts to balance; "
+                                 "leave it at 0")
+            return None, ""
+        experts = getattr(config, "num_experts", None)
+        top_k = getattr(config, "num_experts_per_tok", None)
+        if own is None or experts is None or top_k is None:
+            if coef:
+                raise ValueError(f"--router_aux_loss_coef {coef}: {type(model).__name__}'s config defines no "
+                                 "load-balancing loss (no router_aux_loss_coef, num_experts, num_experts_per_tok); "
+                                 "leave it at 0")
+            return None, f"mixture of experts: {type(model).__name__} defines no load-balancing loss; none is added"
+        line = f"mixture of experts: {experts} experts, {top_k} per token; load-balancing loss "
+        if not coef:
+            return None, line + (f"off (--router_aux_loss_coef 0; the checkpoint's config gives {own}: "
+                                 f"--router_aux_loss_coef {own} turns it on)")
+        return (cls(experts, top_k, coef, scope, accumulation, data_world),
+                line + f"x {coef} ({scope.replace('_', '-')}; the checkpoint's config gives {own}), logged as aux_loss")
+
+    @torch.no_grad()
+    def window_routing(self, model, window: list[dict], device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The global scope's (choices per expert, rows) over the window on all ranks, from a forward without
+        gradients per micro-batch (k > 1; None for k = 1, whose counts come with its own forward, and for the
+        micro-batch scope)."""
+        if self.scope != "global_batch" or len(window) == 1:
+            return None
+        counts = rows = 0
+        for batch in window:
+            batch_counts, _, batch_rows = model(to_device(batch, device), "routing")
+            counts, rows = counts + batch_counts, rows + batch_rows
+        return self._over_ranks(counts, rows)
+
+    def term(self, routing, window_counts=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what to back-propagate beside the CE, the value to log: summed over the window's micro-batches and the
+        ranks it is the step's aux_loss, see `logged_batches`)."""
+        counts, probabilities, rows = routing
+        if self.scope == "micro_batch":  # accelerate divides by the accumulation steps and DDP averages: the mean
+            aux = balance_loss(counts, probabilities, rows)
+            return self.coef * aux, aux.detach()
+        total_counts, total_rows = window_counts or self._over_ranks(counts, rows)
+        part = balance_loss(total_counts, probabilities, total_rows)  # this micro-batch's share of the step's loss
+        return self.coef * part * self.accumulation * self.data_world, part.detach()
+
+    def logged_batches(self) -> float:
+        """What one micro-batch adds to the count the logged aux sums are divided by: the micro-batch scope logs the
+        mean over micro-batches and ranks; the global scope's parts add up to the step's loss."""
+        return 1.0 if self.scope == "micro_batch" else 1.0 / (self.accumulation * self.data_world)
+
+    def window_sums(self, values: list[torch.Tensor]) -> dict:
+        """A window's `term` values as the report sums them over ranks (`metrics` reads them)."""
+        return {"aux": sum(values), "aux_batches": len(values) * self.logged_batches()}
+
+    @staticmethod
+    def metrics(sums: dict) -> dict:
+        """The logged aux_loss of a logging window's sums over ranks and steps."""
+        return {"aux_loss": ratio(sums["aux"], sums["aux_batches"])}
+
+    def _over_ranks(self, counts, rows):
+        summed = sum_over_ranks(torch.cat([counts, rows.reshape(1)]))
+        return summed[:-1], summed[-1]
