@@ -140,7 +140,7 @@ def answers(output_dir, family) -> dict:
         chat = colour_conversation(family=family)
         chat[-1]["content"][0]["image"] = square(colour)
         output = answer(text=chat, return_full_text=False, generate_kwargs={"max_new_tokens": 8, "do_sample": False})
-        said[colour] = output[0]["generated_text"].strip()
+        said[colour] = output[0]["generated_text"].split("</think>")[-1].strip()  # after a think block if any
         if not END_OF_TURN[family]:  # Llava-1.5's template ends no turn: the model never learns to stop
             said[colour] = said[colour].split()[0]
     return said

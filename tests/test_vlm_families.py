@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, CLIPConfig, Pix2StructConfig
 
-from helpers import END_OF_TURN, FAMILIES
+from helpers import ANSWER_LEAD, END_OF_TURN, FAMILIES
 from launch import VLM_RECIPE, load_recipe
 from mmrecipes.distributed import fsdp_block_classes
 from mmrecipes.images import HOST_KEYS, to_device
@@ -26,7 +26,7 @@ from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, 
 from mmrecipes.vlm.module_groups import module_groups
 
 MARKERS = {"llava", "llava_onevision"}  # the only official templates with {% generation %}
-LAST_ANSWER_ONLY = {"qwen3_5"}  # official templates that drop an earlier answer's think block
+LAST_ANSWER_ONLY = {"qwen3_5", "qwen3_5_moe"}  # official templates that drop an earlier answer's think block
 # The inputs each family needs besides pixel_values, which must reach the model from the collator.
 EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_vl": {"image_grid_thw", "mm_token_type_ids"},
                 "qwen2_5_vl": {"image_grid_thw", "mm_token_type_ids"},
@@ -36,7 +36,8 @@ EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_vl": {"ima
                 "gemma3": {"token_type_ids"},
                 # its clips take a video path of their own: a batch without one carries the dummy clip
                 "llava_onevision": {"image_sizes", "batch_num_images", "pixel_values_videos", "dummy_video"},
-                "mistral3": {"image_sizes"}, "qwen3_5": {"image_grid_thw", "mm_token_type_ids"}}
+                "mistral3": {"image_sizes"},
+                **dict.fromkeys(("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"), {"image_grid_thw", "mm_token_type_ids"})}
 TWO_TURNS = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
              {"role": "user", "content": [{"type": "text", "text": "How many shapes are there?"}]},
@@ -71,7 +72,8 @@ def test_targets_are_the_answers_and_their_end_of_turn_on_the_official_template(
     encoded, target = labeller(TWO_TURNS, [Image.new("RGB", (32, 32), (200, 30, 30))])
     end = END_OF_TURN[family]
     answers = ["one"] if family in LAST_ANSWER_ONLY else ["red", "one"]
-    assert target_runs(labeller, encoded, target) == [answer + end for answer in answers]
+    lead = ANSWER_LEAD.get(family, "")
+    assert target_runs(labeller, encoded, target) == [(lead + answer).strip() + end for answer in answers]
     image_positions = torch.as_tensor(encoded["input_ids"][0]) == labeller.image_token_id
     assert image_positions.sum() > 0 and not (target & image_positions).any()
     rule = "generation markers" if family in MARKERS else "prefix renderings"
@@ -280,7 +282,8 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
                          *HOST_KEYS} == EXTRA_INPUTS[family]
     end = END_OF_TURN[family]
     decoded = [processor.tokenizer.decode(row[row != IGNORE_INDEX]).replace(" ", "") for row in batch["labels"]]
-    assert decoded == ["red" + end, "blue" + end, "two" + end]
+    lead = ANSWER_LEAD.get(family, "")
+    assert decoded == [lead + "red" + end, lead + "blue" + end, lead + "two" + end]
     assert [(row == labeller.image_token_id).any().item() for row in batch["input_ids"]] == [True, True, False]
     wrapper = VLMForTraining(model)
     summed = loss_sum(wrapper, to_device(batch, "cpu"))
@@ -334,7 +337,8 @@ def test_a_two_image_llava_row_brings_both_images_to_the_loss(tiny_vlms, tmp_pat
 
 # The families whose image processors give their own floats from uint8 finished on the device (the others pad after
 # normalising, or return floats: their images cross the loader as float32)
-UINT8_IMAGES = {"llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "gemma3", "qwen3_5"}
+UINT8_IMAGES = {"llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "gemma3", "qwen3_5",
+                "qwen3_vl_moe", "qwen3_5_moe"}
 
 
 def test_images_cross_the_loader_as_uint8_where_the_processor_gives_its_own_floats(tiny_vlms):

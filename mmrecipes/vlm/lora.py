@@ -2,8 +2,9 @@
 "LoRA").
 
 Where the adapters go follows the module groups, not a list of names: every linear layer of the language model by
-default (the tower's too with `--train_modules all`; PEFT's `all-linear` keeps PEFT's meaning), the projector trained
-in full beside them (`modules_to_save`), everything else frozen before `prepare`. The adapters are injected into the
+default, and a mixture of experts' fused expert weights (`target_parameters`); the tower's too with `--train_modules
+all` (PEFT's `all-linear` keeps PEFT's meaning); the projector trained in full beside them (`modules_to_save`),
+everything else frozen before `prepare`. The adapters are injected into the
 model object itself, which is what trains; `save_lora` writes the adapter (`output_dir/adapter`) and the merged model.
 """
 
@@ -16,6 +17,7 @@ from transformers.modeling_utils import set_zero3_state
 
 from .arguments import LoraArgs
 from .module_groups import ModuleGroups, covering_modules
+from .moe import sparse_block_classes
 
 
 def lora_config(model, groups: ModuleGroups, train_modules: str, args: LoraArgs) -> LoraConfig:
@@ -43,7 +45,19 @@ def lora_config(model, groups: ModuleGroups, train_modules: str, args: LoraArgs)
     if unknown := [name for name in extra if name not in modules]:
         raise ValueError(f"--lora_modules_to_save: the model has no module {', '.join(unknown)}")
     return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets,
+                      target_parameters=expert_parameters(model, groups) if args.lora_target_modules is None else None,
                       modules_to_save=projector_modules(model, groups) + extra)
+
+
+def expert_parameters(model, groups: ModuleGroups) -> list[str] | None:
+    """The language model's fused experts: transformers 5 holds each MoE layer's experts as 3-D parameters of its
+    sparse block, which no `target_modules` reaches (PEFT #3009); PEFT's `target_parameters` does."""
+    inside = {name for name, _ in groups.language_model}
+    blocks = tuple(sparse_block_classes(model))
+    names = [f"{block_name}.{name}" for block_name, block in model.named_modules()
+             if blocks and isinstance(block, blocks)
+             for name, param in block.named_parameters() if param.ndim == 3 and f"{block_name}.{name}" in inside]
+    return names or None
 
 
 def projector_modules(model, groups: ModuleGroups) -> list[str]:

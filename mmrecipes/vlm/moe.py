@@ -41,6 +41,19 @@ def sparse_block_classes(model) -> set[type]:
     return {type(parent) for parent in model.modules() for child in parent.children() if isinstance(child, router)}
 
 
+def inactive_expert_params(model) -> float:
+    """The expert weights a token does not run (FLOPs): (1 - k / E) of the sparse blocks' fused expert parameters."""
+    blocks = tuple(sparse_block_classes(model))
+    config = model.config.get_text_config()
+    experts = getattr(config, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k_experts", None)
+    if not blocks or not experts or not top_k:
+        return 0.0
+    fused = sum(param.numel() for module in model.modules() if isinstance(module, blocks)
+                for param in module.parameters() if param.ndim == 3 and param.shape[0] == experts)
+    return fused * (1 - top_k / experts)
+
+
 def routing(router_logits, mask: torch.Tensor | None, top_k: int):
     """(choices per expert, summed router probabilities per expert, rows) over every layer's real tokens: the parts of
     the loss. `router_logits`: one `[tokens, experts]` tensor per MoE layer; `mask`: 1 for a real token."""

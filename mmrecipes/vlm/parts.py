@@ -1,6 +1,7 @@
 """What a VLM recipe trains, in one call before `Accelerator()`: the model and its processor, the stop and placeholder
 ids, the dummy image, the module groups and what of them trains (the freezing preset, or LoRA), the engine's input
-gradients, the FLOPs per batch; and the log lines that say so. The recipe keeps the Accelerate skeleton."""
+gradients and ZeRO-3 leaf modules (a mixture of experts' sparse blocks), the FLOPs per batch; and the log lines that
+say so. The recipe keeps the Accelerate skeleton."""
 
 import copy
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from .flops import VLMFlops
 from .lora import add_lora, describe_trainable
 from .models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
 from .module_groups import ModuleGroups, module_groups
+from .moe import sparse_block_classes
 
 
 @dataclass
@@ -29,6 +31,7 @@ class VLMParts:
     peft_model: object = None  # with LoRA: the PeftModel describing the adapters (their switch, their config)
     flops: VLMFlops | None = None  # a batch's training FLOPs (MFU)
     frozen_copy: VLMForTraining | None = None  # a reference's starting weights, copied before `prepare`
+    sparse_blocks: tuple[str, ...] = ()  # a mixture of experts' router-and-experts classes: ZeRO-3 leaf modules
 
     @property
     def peft_config(self):
@@ -43,6 +46,9 @@ class VLMParts:
 
     def describe(self) -> str:
         lines = [self.groups.describe(), describe_trainable(self.model)]
+        if self.sparse_blocks:
+            lines.append(f"sparse blocks {', '.join(self.sparse_blocks)}: each a ZeRO-3 leaf module (gathered as one, "
+                         "whichever experts a rank's tokens pick)")
         if self.groups.unreached:
             lines.append(f"froze {len(self.groups.unreached)} parameters no forward path reaches: "
                          + ", ".join(self.groups.unreached))
@@ -63,6 +69,10 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
     peft_model = None
     if lora_args.use_peft:  # adapters injected into `model` itself
         peft_model, trainable = add_lora(model, groups, model_args.train_modules, lora_args)
+    if blocks := sparse_block_classes(model):  # ranks route to different experts: gather each block whole
+        from deepspeed.utils import set_z3_leaf_modules  # here: seconds to import, for MoE models only
+
+        set_z3_leaf_modules(model, sorted(blocks, key=lambda block: block.__name__))
     if model_args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if not model.get_input_embeddings().weight.requires_grad:
@@ -77,4 +87,5 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
     if frozen_copy and peft_model is None:  # with LoRA the reference is the policy, its adapters disabled
         copied = copy.deepcopy(VLMForTraining(model)).requires_grad_(False).eval()
     return VLMParts(model, processor, stop_token_ids(model, processor), placeholder_token_ids(model, processor),
-                    dummy_inputs, groups, trainable, peft_model, flops, copied)
+                    dummy_inputs, groups, trainable, peft_model, flops, copied,
+                    tuple(sorted(block.__name__ for block in blocks)))
