@@ -22,7 +22,7 @@ from mmrecipes.vlm.losses import token_cross_entropy_sum
 from mmrecipes.vlm.models import VLMForTraining, check_packing, load_vlm, logits, loss_sum, stop_token_ids
 
 PACKING_FAMILIES = [None, "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3",
-                    "llava_onevision", "mistral3"]  # None: the tiny default Llava
+                    "llava_onevision", "mistral3", "qwen3_vl_moe"]  # None: the tiny default Llava
 
 
 def load(tiny_vlms, family):
@@ -89,12 +89,18 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
     assert not torch.allclose(crossing, packed_logits, atol=1e-3)  # positions restart, attention crosses
 
 
-def test_a_family_that_does_not_keep_packed_samples_apart_is_rejected(tiny_vlms):
-    """Gemma 3 (image tokens attend bidirectionally through token_type_ids) mixes packed samples:
-    `--packing` stops before the first step and says what to do instead."""
-    model, processor = load(tiny_vlms, "gemma3")
-    with pytest.raises(ValueError,
-                       match="--packing: Gemma3ForConditionalGeneration does not keep packed samples apart"):
+@pytest.mark.parametrize("family, reason", [
+    ("gemma3", r"Gemma3ForConditionalGeneration does not keep packed samples apart \(its logits differ by [\d.]+ "
+               r"from the samples run alone\)"),
+    ("qwen3_5", r"Qwen3_5ForConditionalGeneration does not keep packed samples apart \(its logits differ by [\d.]+ "
+                r"from the samples run alone; its linear_attention layers \(Qwen3_5GatedDeltaNet\) carry their state")])
+def test_a_family_that_does_not_keep_packed_samples_apart_is_rejected(tiny_vlms, family, reason):
+    """Gemma 3 (image tokens attend bidirectionally through token_type_ids) and Qwen3.5 (the recurrence and causal
+    convolution of its Gated DeltaNet layers run across the packed samples: transformers' torch path of them takes no
+    sample boundaries, so restarted positions and a block mask keep only its attention layers apart) mix packed
+    samples: `--packing` stops before the first step, names the layers where it can, and says what to do instead."""
+    model, processor = load(tiny_vlms, family)
+    with pytest.raises(ValueError, match="--packing: " + reason):
         check_packing(VLMForTraining(model), AnswerLabeller(processor, stop_token_ids(model, processor)),
                       dummy_image_inputs(model, processor))
 

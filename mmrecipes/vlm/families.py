@@ -11,7 +11,8 @@ From those, the configs and the module tree this module derives:
 - `lm_features`: the tensors of that call the language model consumes (the projected features,
   and Qwen3-VL's deepstack features);
 - `PROJECTORS`: the projector's modules where the widths cannot tell (`module_groups` reads it);
-- `placeholder_token_ids`: the image and video placeholders the forward counts, which decoding never emits.
+- `placeholder_token_ids`: the image and video placeholders the forward counts, which decoding never emits;
+- `stateful_mixers`: the language model's token mixers that are not attention (Qwen3.5's Gated DeltaNet).
 """
 
 import inspect
@@ -223,3 +224,26 @@ def placeholder_token_ids(model, processor) -> list[int]:
     ids |= {processor.tokenizer.convert_tokens_to_ids(getattr(processor, name))
             for name in ("image_token", "video_token") if getattr(processor, name, None) is not None}
     return sorted(token for token in ids if isinstance(token, int) and token >= 0)
+
+
+ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")  # transformers' layer_types
+
+
+def stateful_mixers(model) -> list[str]:
+    """"<layer type> layers (<class>)" for each layer type of the language model's config that is not attention
+    (Qwen3.5's linear_attention: a Gated DeltaNet, a recurrence with a causal convolution), its class the one its
+    layers hold where the attention layers hold another."""
+    types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    layers = next((child for child in model.get_decoder().children()
+                   if isinstance(child, torch.nn.ModuleList) and len(child) == len(types)), None)
+    if layers is None:
+        return []
+
+    def classes(kind):
+        return {type(child).__name__ for layer, layer_type in zip(layers, types) if layer_type == kind
+                for child in layer.children()}
+
+    attention = set().union(*(classes(kind) for kind in ATTENTION_LAYERS))
+    return [f"{kind} layers ({', '.join(sorted(classes(kind) - attention))})"
+            for kind in dict.fromkeys(types) if kind not in ATTENTION_LAYERS]
+

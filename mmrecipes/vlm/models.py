@@ -29,7 +29,14 @@ from ..images import to_device
 from .arguments import VLMModelArgs
 from .collate import ChatCollator, probe_rows
 from .compose import compose_llava, replaced_template
-from .families import check_trainable, height_width, lm_features, split_items, video_as_image_names
+from .families import (
+    check_trainable,
+    height_width,
+    lm_features,
+    split_items,
+    stateful_mixers,
+    video_as_image_names,
+)
 from .lora import save_lora
 from .losses import head_cross_entropy_per_row, head_cross_entropy_per_token, head_cross_entropy_sum, soft_capped
 from .module_groups import ModuleGroups
@@ -225,9 +232,12 @@ def check_packing(step, labeller, dummy_inputs):
     finally:
         model.train(training)
     if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4):
+        mixers = stateful_mixers(model)
+        why = (f"; its {' and '.join(mixers)} carry their state from one sample into the next: transformers' torch "
+               "path of them takes no sample boundaries") if mixers else ""
         raise ValueError(f"--packing: {type(model).__name__} does not keep packed samples apart (its logits differ by "
-                         f"{(packed - alone).abs().max().item():.3g} from the samples run alone): drop --packing, or "
-                         "keep --max_tokens_per_batch without it")
+                         f"{(packed - alone).abs().max().item():.3g} from the samples run alone{why}): drop "
+                         "--packing, or keep --max_tokens_per_batch without it")
 
 
 def load_vlm(args: VLMModelArgs):
