@@ -48,7 +48,8 @@ class VLMParts:
         lines = [self.groups.describe(), describe_trainable(self.model)]
         if self.sparse_blocks:
             lines.append(f"sparse blocks {', '.join(self.sparse_blocks)}: each a ZeRO-3 leaf module (gathered as one, "
-                         "whichever experts a rank's tokens pick)")
+                         "whichever experts a rank's tokens pick); a load-balancing loss only in vlm_finetune.py "
+                         "(--router_aux_loss_coef): vlm_dpo.py and vlm_grpo.py add none")
         if self.groups.unreached:
             lines.append(f"froze {len(self.groups.unreached)} parameters no forward path reaches: "
                          + ", ".join(self.groups.unreached))
