@@ -12,9 +12,22 @@
   token (the checkpoint: 128, 8), the experts fused into 3-D parameters as transformers 5 holds them.
 - `qwen3_5_moe`: Qwen3.5-35B-A3B (`qwen3_5_think.jinja`): Qwen3.5's hybrid layers, each MLP a sparse block of 4
   experts, 2 per token, beside a gated shared expert.
+- `gemma4`: Gemma 4 (google/gemma-4-E2B-it's current template, `gemma4.jinja`): per-layer embeddings, the last two
+  of four layers sharing the KV of the first two, sliding and full attention; a vision tower whose patches are
+  pooled 2 x 2 into at least 70 soft tokens an image (the processor's smallest budget); its processor carries an
+  audio feature extractor too.
+- `gemma4_moe`: Gemma 4 26B-A4B's layout: each layer's MLP beside a router and 4 experts, 2 per token; image
+  tokens attend to each other both ways (`use_bidirectional_attention="vision"`, as 26B-A4B and 31B; E2B and E4B
+  attend causally).
 """
 
 from transformers import (
+    Gemma4AudioFeatureExtractor,
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
+    Gemma4ImageProcessor,
+    Gemma4Processor,
+    Gemma4VideoProcessor,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeConfig,
@@ -25,7 +38,7 @@ from transformers import (
     Qwen3VLVideoProcessor,
 )
 
-from tiny_vlm import _qwen, family_main, save_family
+from tiny_vlm import TEXT, VISION, _qwen, _stop_on, family_main, save_family, template, train_tokenizer
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, router_aux_loss_coef=0.001)
 # Qwen3.5's layer pattern at toy size: a linear-attention layer, then a full-attention one (3:1 in the checkpoints)
@@ -60,8 +73,43 @@ def qwen3_5_moe():
                  added_tokens=["<think>", "</think>"])
 
 
+def gemma4(**layout):
+    """Gemma 4 E2B's layout by default (`layout`: text config settings over it)."""
+    specials = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|audio>",
+                "<audio|>", "<|audio|>", "<|video|>", "<|channel>", "<channel|>", "<|think|>"]
+    tokenizer = train_tokenizer(specials, bos="<bos>", eos="<eos>", pad="<pad>", extra_special_tokens={
+        "boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>", "boa_token": "<|audio>",
+        "eoa_token": "<audio|>", "audio_token": "<|audio|>"})
+    ids = tokenizer.convert_tokens_to_ids
+    text = TEXT | dict(vocab_size=len(tokenizer), num_hidden_layers=4, global_head_dim=16, sliding_window=64,
+                       layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                       hidden_size_per_layer_input=16, vocab_size_per_layer_input=len(tokenizer),
+                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id) | layout
+    config = Gemma4Config(
+        text_config=text, vision_config=VISION | dict(num_key_value_heads=2, head_dim=16, patch_size=8,
+                                                      pooling_kernel_size=2, position_embedding_size=64),
+        audio_config=None, boi_token_id=ids("<|image>"), eoi_token_id=ids("<image|>"), image_token_id=ids("<|image|>"),
+        video_token_id=ids("<|video|>"), boa_token_id=ids("<|audio>"), eoa_token_index=ids("<audio|>"),
+        audio_token_id=ids("<|audio|>"))
+    pixels = dict(patch_size=8, max_soft_tokens=70, pooling_kernel_size=2)
+    processor = Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
+                                image_processor=Gemma4ImageProcessor(**pixels), tokenizer=tokenizer,
+                                video_processor=Gemma4VideoProcessor(**pixels), chat_template=template("gemma4"),
+                                image_seq_length=70)
+    model = Gemma4ForConditionalGeneration(config)
+    _stop_on(model, ids("<turn|>"), ids("<eos>"))
+    return model, processor
+
+
+def gemma4_moe():
+    """Gemma 4 26B-A4B's layout: no per-layer embeddings nor KV sharing, image tokens attending both ways."""
+    return gemma4(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                  hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_bidirectional_attention="vision")
+
+
 FAMILIES = {"qwen3_5": qwen3_5, "qwen3_5_think": qwen3_5_think, "qwen3_vl_moe": qwen3_vl_moe,
-            "qwen3_5_moe": qwen3_5_moe}
+            "qwen3_5_moe": qwen3_5_moe, "gemma4": gemma4, "gemma4_moe": gemma4_moe}
 
 
 def save_tiny_vlm_2026(family: str, output_dir):

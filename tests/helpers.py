@@ -38,12 +38,13 @@ from mmrecipes.vlm.models import load_vlm
 from mmrecipes.vlm.module_groups import module_groups
 
 FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3", "gemma3",
-            "llava_onevision", "mistral3", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"]
+            "llava_onevision", "mistral3", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma4", "gemma4_moe"]
 # What each family's official template ends an assistant turn with (Llava-1.5's writes nothing).
 END_OF_TURN = {"llava": "", "llava_next": "</s>", "qwen2_vl": "<|im_end|>", "qwen2_5_vl": "<|im_end|>",
                "qwen3_vl": "<|im_end|>", "internvl3": "<|im_end|>", "idefics2": "<end_of_utterance>",
                "idefics3": "<end_of_utterance>", "gemma3": "<end_of_turn>", "llava_onevision": "<|im_end|>",
-               "mistral3": "</s>", "qwen3_5": "<|im_end|>", "qwen3_vl_moe": "<|im_end|>", "qwen3_5_moe": "<|im_end|>"}
+               "mistral3": "</s>", "qwen3_5": "<|im_end|>", "qwen3_vl_moe": "<|im_end|>", "qwen3_5_moe": "<|im_end|>",
+               "gemma4": "<turn|>", "gemma4_moe": "<turn|>"}
 # What a think template's answer begins with, the generation prompt having opened the block (Qwen3.5-35B-A3B's)
 ANSWER_LEAD = {"qwen3_5_moe": "\n</think>\n\n"}
 VISION = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2, image_size=32,

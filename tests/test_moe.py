@@ -74,11 +74,19 @@ def test_the_aux_loss_is_the_models_own_on_the_same_micro_batch_over_real_tokens
     torch.testing.assert_close(balance_loss(*packed_routed), balance_loss(*routed), rtol=1e-5, atol=1e-6)
 
 
-def test_a_model_without_experts_refuses_the_coefficient(tiny_vlms):
+def test_a_model_without_experts_or_without_a_balancing_loss_refuses_the_coefficient(tiny_vlms):
+    """Qwen3.5 has no experts; Gemma 4 26B-A4B's config defines no load-balancing loss (its router's recorded output
+    is already a probability, and it has no router_aux_loss_coef): both refuse a coefficient, and the MoE says it
+    adds none. Its sparse block, the decoder layer holding router and experts, is still found."""
     model, _ = load(tiny_vlms["qwen3_5"])
     assert LoadBalance.of(model, MoEArgs(), 1, 1) == (None, "")
     with pytest.raises(ValueError, match="--router_aux_loss_coef 0.01: Qwen3_5ForConditionalGeneration has no experts"):
         LoadBalance.of(model, MoEArgs(router_aux_loss_coef=0.01), 1, 1)
+    gemma, _ = load(tiny_vlms["gemma4_moe"])
+    assert {cls.__name__ for cls in sparse_block_classes(gemma)} == {"Gemma4TextDecoderLayer"}
+    assert LoadBalance.of(gemma, MoEArgs(), 1, 1)[1].endswith("defines no load-balancing loss; none is added")
+    with pytest.raises(ValueError, match="Gemma4ForConditionalGeneration's config defines no load-balancing loss"):
+        LoadBalance.of(gemma, MoEArgs(router_aux_loss_coef=0.01), 1, 1)
 
 
 def _window(model, processor, batches, balance, world, ddp=None):

@@ -22,7 +22,7 @@ from mmrecipes.vlm.losses import token_cross_entropy_sum
 from mmrecipes.vlm.models import VLMForTraining, check_packing, load_vlm, logits, loss_sum, stop_token_ids
 
 PACKING_FAMILIES = [None, "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3",
-                    "llava_onevision", "mistral3", "qwen3_vl_moe"]  # None: the tiny default Llava
+                    "llava_onevision", "mistral3", "qwen3_vl_moe", "gemma4"]  # None: the tiny default Llava
 
 
 def load(tiny_vlms, family):
@@ -85,17 +85,20 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
                           position_ids=torch.cat([torch.arange(len(row["input_ids"])) for row in rows])[None],
                           **{k: v for k, v in packed.items() if k in ("mm_token_type_ids", "pixel_values",
                                                                       "image_grid_thw", "pixel_attention_mask",
-                                                                      "image_sizes", "batch_num_images")}).logits
+                                                                      "image_sizes", "batch_num_images",
+                                                                      "image_position_ids")}).logits
     assert not torch.allclose(crossing, packed_logits, atol=1e-3)  # positions restart, attention crosses
 
 
 @pytest.mark.parametrize("family, reason", [
     ("gemma3", r"Gemma3ForConditionalGeneration does not keep packed samples apart \(its logits differ by [\d.]+ "
                r"from the samples run alone\)"),
+    ("gemma4_moe", r"Gemma4ForConditionalGeneration does not keep packed samples apart"),
     ("qwen3_5", r"Qwen3_5ForConditionalGeneration does not keep packed samples apart \(its logits differ by [\d.]+ "
                 r"from the samples run alone; its linear_attention layers \(Qwen3_5GatedDeltaNet\) carry their state")])
 def test_a_family_that_does_not_keep_packed_samples_apart_is_rejected(tiny_vlms, family, reason):
-    """Gemma 3 (image tokens attend bidirectionally through token_type_ids) and Qwen3.5 (the recurrence and causal
+    """Gemma 3 and Gemma 4 26B-A4B (image tokens attend bidirectionally, through token_type_ids or
+    mm_token_type_ids) and Qwen3.5 (the recurrence and causal
     convolution of its Gated DeltaNet layers run across the packed samples: transformers' torch path of them takes no
     sample boundaries, so restarted positions and a block mask keep only its attention layers apart) mix packed
     samples: `--packing` stops before the first step, names the layers where it can, and says what to do instead."""

@@ -37,7 +37,8 @@ EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_vl": {"ima
                 # its clips take a video path of their own: a batch without one carries the dummy clip
                 "llava_onevision": {"image_sizes", "batch_num_images", "pixel_values_videos", "dummy_video"},
                 "mistral3": {"image_sizes"},
-                **dict.fromkeys(("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"), {"image_grid_thw", "mm_token_type_ids"})}
+                **dict.fromkeys(("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"), {"image_grid_thw", "mm_token_type_ids"}),
+                **dict.fromkeys(("gemma4", "gemma4_moe"), {"image_position_ids", "mm_token_type_ids"})}
 TWO_TURNS = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
              {"role": "user", "content": [{"type": "text", "text": "How many shapes are there?"}]},

@@ -38,6 +38,7 @@ PROJECTORS = {
     "qwen3_vl_moe": ("model.visual.merger", "model.visual.deepstack_merger_list"),
     "qwen3_5": ("model.visual.merger",),
     "qwen3_5_moe": ("model.visual.merger",),
+    "gemma4": ("model.embed_vision",),
     "internvl": ("model.multi_modal_projector",),
     "idefics2": ("model.connector",),
     "idefics3": ("model.connector",),
@@ -115,7 +116,7 @@ def _dummy_image(model, processor) -> dict:
                 "pixel_attention_mask": torch.ones(1, 1, height, width, dtype=torch.bool)}
     required = {name for name, p in inspect.signature(model.get_image_features).parameters.items()
                 if p.default is inspect.Parameter.empty and name not in ("self", "kwargs")}
-    if required == {"pixel_values"}:
+    if required == {"pixel_values"} and hasattr(vision, "image_size"):
         return {"pixel_values": torch.ones(1, channels, *height_width(vision.image_size))}
     if processor is None:
         raise ValueError(f"{type(model).__name__}.get_image_features needs {sorted(required)}: pass the processor")

@@ -26,10 +26,14 @@ from .arguments import MoEArgs
 
 
 def router_class(model):
-    """The module class whose output transformers records as `router_logits`, if the model has one of them."""
-    recorder = getattr(model, "_can_record_outputs", None) or {}
-    target = getattr(recorder.get("router_logits"), "target_class", None)
-    return target if target is not None and any(isinstance(m, target) for m in model.modules()) else None
+    """The module class whose output transformers records as `router_logits` (the model's, or its language model's,
+    `_can_record_outputs`), if the model holds one of them."""
+    for module in model.modules():
+        recorder = (getattr(module, "_can_record_outputs", None) or {}).get("router_logits")
+        target = getattr(recorder, "target_class", None)
+        if target is not None and any(isinstance(m, target) for m in model.modules()):
+            return target
+    return None
 
 
 def sparse_block_classes(model) -> set[type]:
