@@ -3,7 +3,7 @@ tokens go to different experts: rank 0's only ever to experts 0 and 1, rank 1's 
 router, embeddings and the writes to one hidden dimension set so, `split_routing`).
 
 - ZeRO-3, full fine-tuning, global-batch load balancing: no hang (the sparse blocks are leaf modules), and every
-  step's loss, aux_loss and gradient norm equal one process holding the window;
+  step's loss, aux_loss and gradient norm equal DDP's and one process's holding the window;
 - FSDP2, LoRA on attention and the fused experts, the model's own balancing: the loss falls, the adapter on the base
   gives the merged model's logits, and the merged model loads with the Auto class with its experts changed.
 """
@@ -73,7 +73,8 @@ def split(tiny_vlms, tmp_path_factory):
 def test_zero3_with_experts_per_rank_gives_one_processs_steps(split):
     """Rank 0's tokens never reach experts 2 and 3, rank 1's do. ZeRO-3 gathers each sparse block whole (a leaf
     module, found from the model), so ranks that pick different experts run the same collectives; with global-batch
-    balancing every step equals one process holding the window (batch 4): loss, aux_loss and gradient norm."""
+    balancing every step equals DDP's and one process's holding the window (batch 4): loss, aux_loss and gradient
+    norm."""
     directory, data = split
     model, processor = AutoModelForImageTextToText.from_pretrained(directory), AutoProcessor.from_pretrained(directory)
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
@@ -91,8 +92,13 @@ def test_zero3_with_experts_per_rank_gives_one_processs_steps(split):
     assert_engine(result.log, "zero3.yaml", wrapped="VLMForTraining")
     assert "sparse blocks Qwen3VLMoeTextSparseMoeBlock: each a ZeRO-3 leaf module" in result.log
     assert "load-balancing loss x 1.0 (global-batch" in result.log
-    assert_same_curves(result.log, truth.log, range(1, STEPS + 1), rel=1e-5, grad_norm=True)
-    assert aux_losses(result.log) == pytest.approx(aux_losses(truth.log), rel=1e-6) and aux_losses(truth.log)
+    ddp = run_engine("ddp.yaml", *COMMON, *GLOBAL, *RANKS, "--model_name_or_path", directory,
+                     "--data_files", data / "rank*.parquet", "--output_dir", data / "ddp", recipe=VLM_RECIPE)
+    assert ddp.returncode == 0, ddp.log[-3000:]
+    for reference in (truth, ddp):
+        assert_same_curves(result.log, reference.log, range(1, STEPS + 1), rel=1e-5, grad_norm=True)
+        assert aux_losses(result.log) == pytest.approx(aux_losses(reference.log), rel=1e-6)
+    assert len(aux_losses(truth.log)) == STEPS
 
 
 def test_lora_on_the_experts_under_fsdp2_merges_into_a_model_the_auto_class_loads(split, tmp_path):

@@ -1,6 +1,6 @@
-"""Templates with a think block, on the tiny Qwen3.5 (data_prep/tiny_vlm_2026.py), in process: its two official
-templates (nothink: Qwen3.5-2B and smaller; think: 4B and larger) and TRL's training patches of them, against TRL's
-own labels on the same rows (`DataCollatorForVisionLanguageModeling(assistant_only_loss=True)`)."""
+"""Templates with a think block, on the tiny Qwen3.5 (data_prep/tiny_vlm_2026.py), in process: its official
+templates (nothink: Qwen3.5-2B and smaller; think: 4B and larger; Qwen3.6's) and TRL's training patches of them,
+against TRL's own labels on the same rows (`DataCollatorForVisionLanguageModeling(assistant_only_loss=True)`)."""
 
 import copy
 from pathlib import Path
@@ -18,9 +18,10 @@ from mmrecipes.vlm.models import stop_token_ids
 from test_family_conformance import COLOURS, STEPS, colour_conversation, square, train
 
 TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"
+# (tiny family, official template): Qwen3.5-2B's, Qwen3.5-4B's, and Qwen3.6's (27B, 35B-A3B: think by default)
+TEMPLATES = [("qwen3_5", "qwen3_5_nothink"), ("qwen3_5_think", "qwen3_5_think"), ("qwen3_5_think", "qwen3_6")]
 # What each official template's generation prompt writes after `<|im_start|>assistant\n`, and TRL's patch marks
-PROMPT_TAIL = {"qwen3_5": "<think>\n\n</think>\n\n", "qwen3_5_think": "<think>\n"}
-TEMPLATE = {"qwen3_5": "qwen3_5_nothink", "qwen3_5_think": "qwen3_5_think"}
+PROMPT_TAIL = {"qwen3_5_nothink": "<think>\n\n</think>\n\n", "qwen3_5_think": "<think>\n", "qwen3_6": "<think>\n"}
 
 
 def text(words):
@@ -46,8 +47,8 @@ def runs(processor, input_ids, labels):
     return [processor.tokenizer.decode(input_ids[run]) for run in _runs(labels != -100)]
 
 
-@pytest.mark.parametrize("family", PROMPT_TAIL)
-def test_targets_are_trls_assistant_tokens_less_the_generation_prompts_tail(tiny_vlms, family):
+@pytest.mark.parametrize("family, template", TEMPLATES)
+def test_targets_are_trls_assistant_tokens_less_the_generation_prompts_tail(tiny_vlms, family, template):
     """With TRL's training template (the one TRL itself swaps in for the official one) the input ids are TRL's and
     every answer is a target: TRL's masked tokens less what the generation prompt already wrote (the model is given
     it: the empty think block in nothink, `<think>\\n` in think) and less the new line after `<|im_end|>`. With the
@@ -56,19 +57,21 @@ def test_targets_are_trls_assistant_tokens_less_the_generation_prompts_tail(tiny
     refused before the first step ("start inside its generation prompt", "not a prefix")."""
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlms[family])
     processor = AutoProcessor.from_pretrained(tiny_vlms[family])
-    assert processor.chat_template == (TRL_TEMPLATES / f"{TEMPLATE[family]}.jinja").read_text()
+    if template == "qwen3_6":  # the tiny checkpoints carry Qwen3.5's; Qwen3.6 ships its own
+        processor.chat_template = (TRL_TEMPLATES / "qwen3_6.jinja").read_text()
+    assert processor.chat_template == (TRL_TEMPLATES / f"{template}.jinja").read_text()
     training = get_training_chat_template(processor)
-    assert training == (TRL_TEMPLATES / f"{TEMPLATE[family]}_training.jinja").read_text()
+    assert training == (TRL_TEMPLATES / f"{template}_training.jinja").read_text()
     trl_collator = DataCollatorForVisionLanguageModeling(processor, assistant_only_loss=True, chat_template=training)
     marked = AnswerLabeller(processor, stop_token_ids(model, processor), template=training)
     official = AnswerLabeller(processor, stop_token_ids(model, processor))
-    tail = PROMPT_TAIL[family]
+    tail = PROMPT_TAIL[template]
     lead = tail.split("<think>")[1].replace("\n\n</think>\n\n", "")  # what is left of the block to write
     marked_line, official_line = check_template(marked, "trl"), check_template(official, family)
     assert "only the last answer" not in marked_line and "only the last answer of a conversation" in official_line
     for line in (marked_line, official_line):
         assert "ends each answer with <|im_end|>, a target" in line
-        assert ("before each answer" in line) == (family == "qwen3_5_think")
+        assert ("before each answer" in line) == (template != "qwen3_5_nothink")
     for messages, images in ROWS:
         expected = trl_collator([{"messages": copy.deepcopy(messages), "images": images}])
         trl_runs = runs(processor, expected["input_ids"][0], expected["labels"][0])
