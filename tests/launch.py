@@ -224,7 +224,8 @@ def assert_same_curves(log: str, reference: str, steps=None, *, rel=1e-4, abs=No
     for step in set(got) & set(expected):
         assert got[step] == pytest.approx(expected[step], rel=rel, abs=abs), f"loss, step {step}"
         if grad_norm:
-            assert got_norms[step] == pytest.approx(expected_norms[step], rel=rel, abs=abs), f"grad norm, step {step}"
+            assert got_norms[step] == pytest.approx(expected_norms[step], rel=rel, abs=abs), (
+                f"grad norm, step {step}: {got_norms[step]} against {expected_norms[step]}")
 
 
 def losses(log: str) -> dict[int, float]:

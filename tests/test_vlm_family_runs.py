@@ -3,7 +3,8 @@ processes at per-device batch size 1 on the default mixture, so text-only and im
 meet on different ranks; no find_unused_parameters anywhere. Qwen2.5-VL (clips in the tower's image call) and
 LLaVA-OneVision (a video path of its own) train on the embedded video conversations too (video, image and
 text-only micro-batches meet), under DDP and a sharded engine against it (Qwen2.5-VL: FSDP2; LLaVA-OneVision:
-FSDP2 and ZeRO-3); Qwen2.5-VL also on LLaVA(-Video) JSON with two-image and video rows under DDP and ZeRO-3
+FSDP2 and ZeRO-3); Qwen3.5 (linear attention) under FSDP2 and Gemma 4 (per-layer embeddings, KV sharing) under
+ZeRO-3 against DDP too; Qwen2.5-VL also on LLaVA(-Video) JSON with two-image and video rows under DDP and ZeRO-3
 against it; SmolVLM runs that JSON under DDP and counts its video rows (no video processor; its LoRA runs under
 ZeRO-3 in test_vlm_engines.py)."""
 
@@ -24,11 +25,17 @@ from mmrecipes.vlm.module_groups import module_groups
 
 pytestmark = pytest.mark.launch
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision"]  # Llava: test_vlm_recipe.py
+# Llava: test_vlm_recipe.py; Qwen3-VL-MoE: test_moe_engines.py, test_hsdp.py
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision", "qwen3_5", "gemma4"]
 MATRIX = "qwen2_5_vl"
 VIDEO_FAMILIES = [MATRIX, "llava_onevision"]  # one of each video path that launches (test_video_training.py)
-SHARDED = [(MATRIX, "fsdp2.yaml"), ("llava_onevision", "fsdp2.yaml"), ("llava_onevision", "zero3.yaml")]
+SHARDED = [(MATRIX, "fsdp2.yaml"), ("llava_onevision", "fsdp2.yaml"), ("llava_onevision", "zero3.yaml"),
+           ("qwen3_5", "fsdp2.yaml"), ("gemma4", "zero3.yaml")]
 TRAIN_MODULES = {"idefics3": "all"}  # the others: projector,language_model (the default)
+# Gemma 4 under ZeRO-3 (and FSDP2) parts from DDP step by step: its gradient norm agrees to 1e-6 at step 1 (the sums'
+# order), 5e-4 by step 16, the loss to 1e-6 throughout; Adam turns the rounding of its embeddings' near-zero gradients
+# into weight differences up to 7e-5, a tenth of one update at the learning rate 1e-3. {family: (norm rel, weight atol)}
+LOOSER = {"gemma4": (1e-3, 1e-4)}
 STEPS = 16
 RUN = ["--max_steps", STEPS, "--logging_steps", 4, "--per_device_train_batch_size", 1,
        "--gradient_accumulation_steps", 2, "--eval_steps", STEPS, "--eval_generation_rows", 8]  # 64: the default run
@@ -115,10 +122,11 @@ def test_a_sharded_engine_matches_ddp_on_a_non_llava_family(family_runs, family,
     assert_engine(result.log, config, wrapped="VLMForTraining")
     ddp, ddp_dir = family_runs[family, "ddp.yaml"]
     assert dummy_batches(result.log) == dummy_batches(ddp.log) > 0
-    assert_same_curves(result.log, ddp.log, grad_norm=True)
+    norm_rel, weight_atol = LOOSER.get(family, (1e-4, 1e-5))
+    assert_same_curves(result.log, ddp.log, grad_norm=True, rel=norm_rel)
     reference = load_file(ddp_dir / "model.safetensors")
     for name, tensor in load_file(output_dir / "model.safetensors").items():
-        torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=weight_atol, msg=name)
 
 
 @pytest.fixture(scope="module")
