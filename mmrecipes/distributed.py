@@ -75,11 +75,15 @@ def fsdp_block_classes(model) -> list[str]:
     return sorted(name for name in model._no_split_modules if name in present and name not in holding_embedding)
 
 
-def data_parallel_rank_and_world(accelerator: Accelerator) -> tuple[int, int]:
-    """The rank and world size that data must be split over (see `mesh_data_rank_and_world`)."""
+def data_parallel_rank_and_world(accelerator: Accelerator, sequence_parallel_size: int = 1) -> tuple[int, int]:
+    """The rank and world size that data must be split over (see `mesh_data_rank_and_world`). Sequence-parallel
+    groups of `sequence_parallel_size` consecutive ranks read the same rows: their data rank is the group's index."""
     mesh = accelerator.torch_device_mesh
     if mesh is None:
-        return accelerator.process_index, accelerator.num_processes
+        return accelerator.process_index // sequence_parallel_size, accelerator.num_processes // sequence_parallel_size
+    if sequence_parallel_size > 1:
+        raise ValueError("--sequence_parallel_size with a device mesh (HSDP, accelerate's parallelism_config) is not "
+                         "supported: drop the parallelism_config from the accelerate config, or the flag")
     return mesh_data_rank_and_world(mesh)
 
 

@@ -87,12 +87,15 @@ class Report:
     `batches`: the loop's `loader.TrainBatches` (its wait for data is the report's `data_wait`, its epoch goes to
     the tracker); `counted`: the names of the collator's `data_counts`; `flops(batch)`: a batch's training FLOPs
     (MFU; None: not reported); `guard`: the run's `StepGuard` (its skipped steps are reported);
-    `total`: the sums a resumed run starts from (`Checkpointer.resumed_totals`).
+    `total`: the sums a resumed run starts from (`Checkpointer.resumed_totals`); `counts_batches` False: another rank
+    counts the batches this one reads too (a sequence-parallel peer).
     """
 
-    def __init__(self, accelerator, args, batches, counted: tuple[str, ...], *, guard, flops=None, total=None):
+    def __init__(self, accelerator, args, batches, counted: tuple[str, ...], *, guard, flops=None, total=None,
+                 counts_batches: bool = True):
         self.accelerator, self.batches, self.counted, self.guard, self.flops = (
             accelerator, batches, counted, guard, flops)
+        self.counts_batches = counts_batches
         self.logging_steps, self.eval_steps, self.max_steps = args.logging_steps, args.eval_steps, args.max_steps
         self.peak = peak_flops(args.peak_tflops)
         self.window, self.history = WindowSums(accelerator.device, counted, total), History()
@@ -112,14 +115,15 @@ class Report:
         """Count a step's batches: those read (`window`: rows, `num_samples`, and the data counts) and those trained
         (`trained`, by default the ones read: tokens and text-only batches where the collator counts them, FLOPs).
         GRPO reads prompts and trains their completions, each batch of them for --num_iterations steps."""
+        share = 1 if self.counts_batches else 0  # a peer's zeros: every rank sums the same names
         for batch in window:
-            self.window.add(data_counts=batch["data_counts"], samples=batch["num_samples"])
+            self.window.add(data_counts=batch["data_counts"] * share, samples=batch["num_samples"] * share)
         for batch in window if trained is None else trained:
             counts = {"tokens": batch["num_tokens"], "dummy_image_batches": batch["dummy_image"]} if (
                 "num_tokens" in batch) else {}
             if self.flops is not None:
                 counts["flops"] = self.flops(batch)
-            self.window.add(**counts)
+            self.window.add(**{name: value * share for name, value in counts.items()})
 
     def add_step(self, applied: torch.Tensor, **sums):
         """The step's own sums (loss parts), on the device, counted only if the step was `applied`."""

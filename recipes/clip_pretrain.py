@@ -97,6 +97,7 @@ def main(argv=None):
     batch_flops = ContrastiveFlops(model, captions)
     # shared: accelerator
     accelerator = accelerator_from_args(args)
+
     data_rank, data_world = data_parallel_rank_and_world(accelerator)
     batch_size = per_device_batch_size(args, data_world)
 

@@ -87,13 +87,15 @@ from mmrecipes.vlm.models import (
 )
 from mmrecipes.vlm.moe import LoadBalance
 from mmrecipes.vlm.parts import vlm_parts
+from mmrecipes.vlm.sequence_parallel import SequenceParallel
 
 
 def main(argv=None):
     model_args, lora_args, moe_args, data_args, args = parse_args(ARGUMENTS, argv)
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
-    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2)  # what trains, FLOPs
+    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2,  # what trains, FLOPs
+                    sequence_parallel=True)
     model, processor = vlm.model, vlm.processor
     # The answer tokens of the checkpoint's own chat template, checked on a probe conversation now
     # (a template whose turns no rule finds would otherwise drop every row as no_target).
@@ -104,7 +106,13 @@ def main(argv=None):
         check_packing(VLMForTraining(model), labeller, vlm.dummy_inputs)
     # shared: accelerator
     accelerator = accelerator_from_args(args)
-    data_rank, data_world = data_parallel_rank_and_world(accelerator)
+
+    # Ulysses: each training sequence split over --sequence_parallel_size ranks, which read the
+    # same rows
+    sp_size = model_args.sequence_parallel_size
+    sequence_parallel = SequenceParallel.of(accelerator, model, sp_size, packing=data_args.packing,
+                                            router_aux_loss=moe_args.router_aux_loss_coef > 0)
+    data_rank, data_world = data_parallel_rank_and_world(accelerator, sp_size)
     batch_size = per_device_batch_size(args, data_world)
 
     # A mixture of experts: its load-balancing loss, or the line saying it is off
@@ -121,6 +129,8 @@ def main(argv=None):
 
     if balance_line:
         accelerator.print(balance_line)
+    if sequence_parallel:
+        accelerator.print(sequence_parallel.describe())
 
     # shared: vlm optimizer
     optimizer = adamw(vlm.optimizer_groups(args), args)  # the tower, if it trains, at its own lr
@@ -133,7 +143,7 @@ def main(argv=None):
 
     # shared: vlm prepare
     # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
-    model, optimizer = accelerator.prepare(VLMForTraining(model), optimizer)
+    model, optimizer = accelerator.prepare(VLMForTraining(model, sequence_parallel), optimizer)
 
     engine = engine_line(accelerator, model)
     accelerator.print(engine)
@@ -152,14 +162,19 @@ def main(argv=None):
                                          shuffle_seed=args.seed, **loader_kwargs)
     eval_loader = None
     if data_args.eval_dataset_name:
+        # Evaluation runs whole sequences: sequence-parallel ranks read rows of their own there.
+        eval_ranks = dict(data_rank=data_rank, data_world=data_world)
+        if sequence_parallel:
+            eval_ranks = dict(data_rank=accelerator.process_index,
+                              data_world=accelerator.num_processes)
         eval_collator = ChatCollator(pad, vlm.dummy_inputs)
         eval_loader = build_chat_dataloader(data_args, collator=eval_collator, eval_split=True,
                                             batch_size=args.per_device_eval_batch_size,
-                                            **loader_kwargs)
+                                            **loader_kwargs | eval_ranks)
         check_held_out(eval_loader, accelerator.device, data_args.eval_dataset_name)  # no row: stop
-        rows = -(-args.eval_generation_rows // data_world)  # this rank's share
-        prompts = generation_prompts(data_args, processor, rows=rows, data_rank=data_rank,
-                                     data_world=data_world, device=accelerator.device)
+        rows = -(-args.eval_generation_rows // eval_ranks["data_world"])  # this rank's share
+        prompts = generation_prompts(data_args, processor, rows=rows, **eval_ranks,
+                                     device=accelerator.device)
 
     # shared: vlm checkpoints
     layout = data_layout(data_args, args, data_world=data_world, batch_size=batch_size)
@@ -179,7 +194,8 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args)
     accelerator.init_trackers("vlm_finetune", config)
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals)
+                    total=checkpoints.resumed_totals,
+                    counts_batches=not sequence_parallel or sequence_parallel.rank == 0)
     # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
@@ -188,10 +204,14 @@ def main(argv=None):
         report.add_batches(window)
         filler_batch = window[-1]  # any batch: what a rank with no eval rows left forwards
 
-        # One collective per optimizer step: the window's target tokens N on all ranks.
+        # One collective per optimizer step: the window's target tokens N on all ranks, a
+        # sequence-parallel group's counted once (its ranks hold the same rows).
         local_tokens = torch.tensor(float(sum(batch["target_tokens"] for batch in window)))
+        local_tokens /= sp_size
         tokens = sum_over_ranks(local_tokens.to(accelerator.device))
-        loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps, data_world)
+        # The engine averages gradients over every rank (each holds its shard's CE under sp).
+        loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps,
+                                      data_world * sp_size)
         window_ce, window_aux = [], []
         # The global scope's expert choices in the window on all ranks (a forward without gradients)
         routing = balance.window_routing(model, window, accelerator.device) if balance else None

@@ -29,6 +29,9 @@ class VLMModelArgs(CheckedArgs):
     gradient_checkpointing: bool = False
     # the attention kernel (transformers' attn_implementation): sdpa, eager, flash_attention_2, ...
     attn_implementation: str = "sdpa"
+    # Ulysses sequence parallelism: each training sequence split over this many ranks after the vision merge
+    # (vlm_finetune.py; docs/engines.md)
+    sequence_parallel_size: int = checked(1, "count")
     image_size: int = checked(32, "count")
     patch_size: int = checked(8, "count")
     vision_hidden_size: int = checked(64, "count")

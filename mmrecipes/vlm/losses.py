@@ -20,7 +20,7 @@ def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch
 
 
 def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
-                           num_chunks: int = 8, softcap: float | None = None) -> torch.Tensor:
+                           num_chunks: int = 8, softcap: float | None = None, shifted: bool = False) -> torch.Tensor:
     """`token_cross_entropy_sum(head(hidden), labels)` without the `[batch, tokens, vocab]` fp32 logits.
 
     The shifted positions go through `head` (the LM's output layer) in `num_chunks` slices; each
@@ -30,9 +30,10 @@ def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: 
     times whatever its batch (under ZeRO-3 each call gathers the weight, a collective), and the
     slices' shapes come from the batch's shape, never from its values (no host read, no recompile
     for a new count of targets). Ignored positions (prompt, image, padding) add exactly 0.
-    `softcap`: Gemma-style final logit soft-capping (`tanh(logits / cap) * cap`).
+    `softcap`: Gemma-style final logit soft-capping (`tanh(logits / cap) * cap`). `shifted`: `labels` are already
+    each position's next-token target (a sequence-parallel shard's: `sequence_parallel.shard_targets`).
     """
-    return _chunked_sum(hidden, head, labels, num_chunks, softcap, per_row=False)
+    return _chunked_sum(hidden, head, labels, num_chunks, softcap, per_row=False, shifted=shifted)
 
 
 def head_cross_entropy_per_row(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
@@ -53,9 +54,11 @@ def head_cross_entropy_per_token(hidden: torch.Tensor, head: torch.nn.Module, la
     return torch.cat(parts).view(len(hidden), hidden.shape[1] - 1)
 
 
-def _chunked_sum(hidden, head, labels, num_chunks: int, softcap, per_row: bool) -> torch.Tensor:
-    positions, targets = hidden[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
-    rows = torch.arange(len(hidden), device=hidden.device).repeat_interleave(hidden.shape[1] - 1) if per_row else None
+def _chunked_sum(hidden, head, labels, num_chunks: int, softcap, per_row: bool, shifted=False) -> torch.Tensor:
+    if not shifted:
+        hidden, labels = hidden[:, :-1], labels[:, 1:]
+    positions, targets = hidden.flatten(0, 1), labels.flatten()
+    rows = torch.arange(len(hidden), device=hidden.device).repeat_interleave(hidden.shape[1]) if per_row else None
     row_parts = rows.tensor_split(num_chunks) if per_row else [None] * num_chunks
     total = hidden.new_zeros(len(hidden) if per_row else (), dtype=torch.float32)
     for part, part_targets, part_rows in zip(positions.tensor_split(num_chunks), targets.tensor_split(num_chunks),

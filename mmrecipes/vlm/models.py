@@ -55,9 +55,10 @@ class VLMForTraining(torch.nn.Module):
     too late.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, sequence_parallel=None):
         super().__init__()
         self.model = model
+        self.sequence_parallel = sequence_parallel  # training splits each sequence over its ranks
         self.vision_input_names = set(inspect.signature(model.get_image_features).parameters) - {"kwargs"}
         self.video_as_image = video_as_image_names(model)
         self.forward_input_names = set(inspect.signature(model.forward).parameters) - {"kwargs"}
@@ -76,6 +77,11 @@ class VLMForTraining(torch.nn.Module):
                 return routed
         if output == "logits":  # evaluation and sampling: no backward, so no dummy term
             return soft_capped(head(hidden), self.softcap)
+        if self.sequence_parallel is not None and self.training:  # `hidden` is this rank's shard
+            if output != "loss_sum":
+                raise ValueError(f"sequence parallelism gives no {output!r}: only vlm_finetune.py's loss_sum")
+            return head_cross_entropy_sum(hidden, head, self.sequence_parallel.shard_targets(labels),
+                                          softcap=self.softcap, shifted=True) + self._dummy_terms(dummies)
         if output in ("loss_sum", "loss_sum_and_routing"):
             value = head_cross_entropy_sum(hidden, head, labels, softcap=self.softcap)
         elif output == "sequence_logps":
@@ -85,9 +91,13 @@ class VLMForTraining(torch.nn.Module):
         else:
             raise ValueError(f"no output {output!r}: one of loss_sum, loss_sum_and_routing, routing, sequence_logps, "
                              "token_logps, logits")
-        for dummy in dummies:  # exact zeros into the output: the dummy's parameters get their gradients on every rank
-            value = value + torch.cat([part.flatten() for part in lm_features(dummy)])[:0].sum()
+        value = value + self._dummy_terms(dummies)
         return (value, *routed) if with_routing else value
+
+    @staticmethod
+    def _dummy_terms(dummies) -> torch.Tensor | float:
+        """Exact zeros from the dummies' features: their parameters get their gradients on every rank."""
+        return sum(torch.cat([part.flatten() for part in lm_features(dummy)])[:0].sum() for dummy in dummies)
 
     def _hidden_states(self, input_ids, attention_mask, labels, dummy_image: bool, dummy_video=False,
                        sample_lengths=None, media_per_sample=None, video_frames=None, output_router_logits=False,

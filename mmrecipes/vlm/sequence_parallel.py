@@ -1,0 +1,157 @@
+"""Ulysses sequence parallelism for a VLM (`--sequence_parallel_size N`): DeepSpeed's `UlyssesSPAttentionHF` around
+the language model's attention, the sequence split after the vision merge.
+
+The N ranks of a group hold the same rows (their data rank is the group's index: `data_rank_and_world`), and each runs
+the vision step on all of their images, so the step is the same graph on every rank (the dummy image too). A pre-hook
+on the language model splits what the merge made into N contiguous shards, the sequence padded at its end to a
+multiple of N: the embeddings, the positions (mRoPE's computed on the whole sequence), Qwen3-VL's deepstack features.
+Around attention DeepSpeed's all-to-all swaps the sequence split for a head split. Each rank's loss is its shard's
+summed CE against the whole sequence's shifted labels (`shard_targets`): the ranks' sums add up to the sequence's, so
+with the window's target tokens counted once per group, the engine's gradient average over every rank (DDP, FSDP2,
+ZeRO-2/3 alike) is the exact token mean.
+
+Only the language model's attention is wrapped, under its own name (`ATTENTION`): accelerate's path
+(`ParallelismConfig(sp_backend="deepspeed")`) replaces transformers' sdpa everywhere, the vision tower's attention
+included. Evaluation and generation run unsplit (the module in eval mode): each rank holds whole sequences there.
+"""
+
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .families import stateful_mixers
+from .losses import IGNORE_INDEX
+
+ATTENTION = "ulysses"  # the language model's attn_implementation while it trains split
+
+
+def refusal(model, size: int) -> str | None:
+    """Why `model`'s language model cannot be split over `size` ranks exactly, or None. Ulysses drops the attention
+    mask and attends causally over the gathered sequence, so every layer must be causal full attention."""
+    text = model.config.get_text_config()
+    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    if heads % size or (kv_heads % size and size % kv_heads):
+        return (f"its language model's {heads} attention heads ({kv_heads} key/value heads) do not split over "
+                f"{size} ranks: give a size that divides the heads (and divides or is a multiple of the key/value "
+                "heads)")
+    if mixers := stateful_mixers(model):
+        return f"its {' and '.join(mixers)} carry a state along the sequence, which the split would cut"
+    other = sorted({kind for kind in getattr(text, "layer_types", None) or () if kind != "full_attention"})
+    if other or getattr(text, "use_sliding_window", False):
+        return (f"its {', '.join(other) or 'sliding-window'} layers need their attention mask, which Ulysses "
+                "attention drops")
+    if getattr(text, "use_bidirectional_attention", None) or "token_type_ids" in _forward_inputs(model):
+        return ("its attention over image tokens is bidirectional (token_type_ids), and Ulysses attention is causal "
+                "only")
+    if text._attn_implementation == "eager":
+        return ("eager attention is not causal without its mask, which Ulysses attention drops: "
+                "--attn_implementation sdpa (or flash_attention_2)")
+    return None
+
+
+def _forward_inputs(model) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)
+
+
+class SequenceParallel:
+    """The split of every training sequence over `size` consecutive ranks (`rank // size` is the group). Build it
+    after `Accelerator()` (it makes the groups) and before `prepare`; `VLMForTraining(model, sequence_parallel=...)`
+    trains on the shards."""
+
+    def __init__(self, model, size: int):
+        from deepspeed import comm
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world % size or world == 1:
+            raise ValueError(f"--sequence_parallel_size {size} needs a multiple of {size} processes (there are "
+                             f"{world}): launch with --num_processes a multiple of it")
+        if why := refusal(model, size):
+            raise ValueError(f"--sequence_parallel_size: {type(model).__name__} cannot split its sequences: {why}")
+        if not comm.is_initialized():  # DeepSpeed's all-to-all runs on deepspeed.comm, over the engine's group
+            comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
+        rank = dist.get_rank()
+        groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
+        self.size, self.rank, self.group = size, rank % size, groups[rank // size]
+        text = model.config.get_text_config()
+        self.core = ALL_ATTENTION_FUNCTIONS[text._attn_implementation]
+        head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self._shape = dict(attn_head_count=text.num_attention_heads, kv_head_count=text.num_key_value_heads,
+                           attn_head_size=head_size, num_hidden_layers=text.num_hidden_layers, process_group=self.group,
+                           seq_length_is_variable=True)
+        self._ulysses_class, self._by_rows = UlyssesSPAttentionHF, {}
+        self._ulysses(1)  # DeepSpeed's own checks, now
+        ALL_ATTENTION_FUNCTIONS.register(ATTENTION, self._attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS[text._attn_implementation])
+        text._attn_implementation = ATTENTION
+        self.shard = self.positions = None
+        model.get_decoder().register_forward_pre_hook(self._split, with_kwargs=True)
+
+    @classmethod
+    def of(cls, accelerator, model, size: int, *, packing: bool = False, router_aux_loss: bool = False):
+        """The split for `--sequence_parallel_size size`, None for 1; accelerate's own sequence parallelism refused
+        (it replaces sdpa in the vision tower too)."""
+        config = accelerator.parallelism_config
+        if config is not None and (config.sp_size or 1) > 1:
+            raise ValueError("the accelerate config's parallelism_config_sp_size wraps every sdpa attention, the "
+                             "vision tower's too: drop it from the config and give the recipe --sequence_parallel_size")
+        if size > 1 and packing:
+            raise ValueError("--sequence_parallel_size with --packing: Ulysses attention is causal over the whole "
+                             "gathered sequence, so packed samples would see each other; drop --packing")
+        if size > 1 and router_aux_loss:
+            raise ValueError("--sequence_parallel_size with --router_aux_loss_coef: the load-balancing loss is not "
+                             "gathered over a sequence-parallel group yet; drop one of them")
+        return cls(model, size) if size > 1 else None
+
+    def describe(self) -> str:
+        return (f"sequence parallel: each sequence split over {self.size} ranks after the vision merge (DeepSpeed's "
+                "Ulysses attention in the language model); the vision step runs on every rank of a group")
+
+    def _ulysses(self, rows: int):
+        if rows not in self._by_rows:  # its shapes are fixed per batch size
+            self._by_rows[rows] = self._ulysses_class(self.core, batch_size=rows, **self._shape)
+        return self._by_rows[rows]
+
+    def _split(self, module, args, kwargs):
+        if not module.training:
+            return None
+        embeds = kwargs.get("inputs_embeds")
+        if args or embeds is None:
+            raise RuntimeError(f"sequence parallel: {type(module).__name__} was called without inputs_embeds as a "
+                               "keyword; the split after the vision merge needs them")
+        rows, length = embeds.shape[:2]
+        padded = -(-length // self.size) * self.size
+        start, end = self.rank * padded // self.size, (self.rank + 1) * padded // self.size
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(length, device=embeds.device).expand(rows, length)
+        extra = torch.arange(1, padded - length + 1, device=embeds.device)
+        positions = torch.cat([positions, positions[..., -1:] + extra], dim=-1)  # mRoPE's [3, rows, length] too
+        self.shard = (start, end, padded)
+        self.positions = torch.arange(start, end, device=embeds.device).expand(rows, end - start)
+        kwargs |= {"inputs_embeds": F.pad(embeds, (0, 0, 0, padded - length))[:, start:end],
+                   "position_ids": positions[..., start:end], "attention_mask": None}
+        if kwargs.get("visual_pos_masks") is not None:  # Qwen3-VL's deepstack: the shard's visual tokens' rows
+            masks = F.pad(kwargs["visual_pos_masks"], (0, padded - length))
+            in_shard = torch.zeros_like(masks)
+            in_shard[:, start:end] = True
+            kept = in_shard[masks]
+            kwargs["visual_pos_masks"] = masks[:, start:end]
+            kwargs["deepstack_visual_embeds"] = [embeds[kept] for embeds in kwargs["deepstack_visual_embeds"]]
+        return args, kwargs
+
+    def shard_targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """The next-token targets of this rank's shard of the last split, `[rows, shard]` (IGNORE_INDEX past the
+        sequence)."""
+        start, end, padded = self.shard
+        return F.pad(labels[:, 1:], (0, padded - labels.shape[1] + 1), value=IGNORE_INDEX)[:, start:end]
+
+    def _attention(self, module, query, key, value, attention_mask, *args, **kwargs):
+        if not module.training:  # whole sequences, with their mask
+            return self.core(module, query, key, value, attention_mask, *args, **kwargs)
+        kwargs["position_ids"] = self.positions  # DeepSpeed gathers them; causal masking needs them monotonic
+        return self._ulysses(len(query))(module, query, key, value, None, *args, **kwargs)
