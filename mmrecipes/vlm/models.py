@@ -64,6 +64,9 @@ class VLMForTraining(torch.nn.Module):
         self.forward_input_names = set(inspect.signature(model.forward).parameters) - {"kwargs"}
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         self.clip_layout = _clip_layout(model) if not self.video_as_image else None
+        # from_pretrained leaves a model in eval mode: no dropout, and no gradient checkpointing (transformers
+        # checkpoints only in training mode), until an evaluation's train() would turn them on mid-run
+        model.train()
 
     def forward(self, batch: dict, output: str = "loss_sum", temperature: float = 1.0):
         """`output` of a `ChatCollator` batch on the device (`images.to_device`); see the named functions."""
