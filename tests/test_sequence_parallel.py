@@ -30,7 +30,9 @@ from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, stop_token_ids
 from test_family_conformance import collator_row, colour_conversation, square
 
-SPLITS = ["llava", "qwen2_5_vl", "qwen3_vl", "idefics3", "llava_onevision"]  # Qwen3-VL: deepstack features
+# every family the rule lets split (Qwen3-VL: deepstack features; Qwen3-VL-MoE: experts, no balancing loss)
+SPLITS = ["llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "idefics2",
+          "idefics3", "internvl3", "mistral3"]
 REFUSED = {"gemma3": "sliding_attention layers", "qwen3_5": "linear_attention layers (Qwen3_5GatedDeltaNet)"}
 
 
@@ -66,6 +68,15 @@ def _shards_against_whole(rank, world_size, directories, forced):
                     if name in truth) / scale
         results[family] = (whole.item(), summed.item(), worst.item())
     return results
+
+
+def test_the_rule_lets_exactly_the_tested_families_split(tiny_vlms):
+    """Every tiny family: split where the shards are tested against the whole sequence, refused elsewhere."""
+    from transformers import AutoModelForImageTextToText
+
+    splits = {family for family, directory in tiny_vlms.items()
+              if sequence_parallel.refusal(AutoModelForImageTextToText.from_pretrained(directory), 2) is None}
+    assert splits == set(SPLITS)
 
 
 @pytest.fixture(scope="module")
