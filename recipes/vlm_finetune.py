@@ -207,11 +207,8 @@ def main(argv=None):
         # One collective per optimizer step: the window's target tokens N on all ranks, a
         # sequence-parallel group's counted once (its ranks hold the same rows).
         local_tokens = torch.tensor(float(sum(batch["target_tokens"] for batch in window)))
-        local_tokens /= sp_size
-        tokens = sum_over_ranks(local_tokens.to(accelerator.device))
-        # The engine averages gradients over every rank (each holds its shard's CE under sp).
-        loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps,
-                                      data_world * sp_size)
+        tokens = sum_over_ranks(local_tokens.to(accelerator.device)) / sp_size
+        loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps, data_world)
         window_ce, window_aux = [], []
         # The global scope's expert choices in the window on all ranks (a forward without gradients)
         routing = balance.window_routing(model, window, accelerator.device) if balance else None

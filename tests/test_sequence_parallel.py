@@ -37,8 +37,8 @@ REFUSED = {"gemma3": "sliding_attention layers", "qwen3_5": "linear_attention la
 
 
 def _shards_against_whole(rank, world_size, directories, forced):
-    """{family: (whole loss, the shards' summed loss, the largest gradient difference relative to the largest
-    gradient)}: the same batch through the model whole, then split over the 2 ranks."""
+    """{family: (whole loss, the split loss, the largest gradient difference relative to the largest gradient)}: the
+    same batch through the model whole, then split over the 2 ranks."""
     results = {}
     text = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
             {"role": "assistant", "content": [{"type": "text", "text": "blue"}]}]
@@ -57,12 +57,12 @@ def _shards_against_whole(rank, world_size, directories, forced):
         truth = {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
         model.zero_grad()
         split = sequence_parallel.SequenceParallel(model, 2)
-        summed = VLMForTraining(model, split)(batch)
+        summed = VLMForTraining(model, split)(batch)  # the whole sequence's, on both ranks
         summed.backward()
-        for param in model.parameters():
+        for param in model.parameters():  # each shard got its gradient twice: once from each rank's loss
             if param.grad is not None:
                 dist.all_reduce(param.grad)
-        dist.all_reduce(summed := summed.detach().clone())
+                param.grad /= 2
         scale = max(grad.abs().max() for grad in truth.values())
         worst = max((param.grad - truth[name]).abs().max() for name, param in model.named_parameters()
                     if name in truth) / scale

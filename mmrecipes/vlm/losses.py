@@ -37,21 +37,23 @@ def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: 
 
 
 def head_cross_entropy_per_row(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
-                               num_chunks: int = 8, softcap: float | None = None) -> torch.Tensor:
+                               num_chunks: int = 8, softcap: float | None = None, shifted: bool = False) -> torch.Tensor:
     """Each row's summed CE, `[rows]` (its answers' negative log-probability), as `head_cross_entropy_sum`."""
-    return _chunked_sum(hidden, head, labels, num_chunks, softcap, per_row=True)
+    return _chunked_sum(hidden, head, labels, num_chunks, softcap, per_row=True, shifted=shifted)
 
 
 def head_cross_entropy_per_token(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
                                  num_chunks: int = 8, softcap: float | None = None,
-                                 temperature: float = 1.0) -> torch.Tensor:
-    """Each target's CE, `[rows, tokens - 1]` (0 elsewhere), of the logits divided by `temperature` (the distribution
-    GRPO sampled from, as TRL scores it), as `head_cross_entropy_sum`."""
-    positions, targets = hidden[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+                                 temperature: float = 1.0, shifted: bool = False) -> torch.Tensor:
+    """Each target's CE, `[rows, tokens - 1]` (0 elsewhere; `[rows, tokens]` `shifted`), of the logits divided by
+    `temperature` (the distribution GRPO sampled from, as TRL scores it), as `head_cross_entropy_sum`."""
+    if not shifted:
+        hidden, labels = hidden[:, :-1], labels[:, 1:]
+    positions, targets = hidden.flatten(0, 1), labels.flatten()
     parts = [torch.utils.checkpoint.checkpoint(_chunk_token_cross_entropy, part, part_targets, head, softcap,
                                                temperature, use_reentrant=False)
              for part, part_targets in zip(positions.tensor_split(num_chunks), targets.tensor_split(num_chunks))]
-    return torch.cat(parts).view(len(hidden), hidden.shape[1] - 1)
+    return torch.cat(parts).view(len(hidden), hidden.shape[1])
 
 
 def _chunked_sum(hidden, head, labels, num_chunks: int, softcap, per_row: bool, shifted=False) -> torch.Tensor:

@@ -81,10 +81,9 @@ class VLMForTraining(torch.nn.Module):
         if output == "logits":  # evaluation and sampling: no backward, so no dummy term
             return soft_capped(head(hidden), self.softcap)
         if self.sequence_parallel is not None and self.training:  # `hidden` is this rank's shard
-            if output != "loss_sum":
-                raise ValueError(f"sequence parallelism gives no {output!r}: only vlm_finetune.py's loss_sum")
-            return head_cross_entropy_sum(hidden, head, self.sequence_parallel.shard_targets(labels),
-                                          softcap=self.softcap, shifted=True) + self._dummy_terms(dummies)
+            value = self.sequence_parallel.whole(output, hidden, head, labels, softcap=self.softcap,
+                                                 temperature=temperature)
+            return value + self._dummy_terms(dummies)
         if output in ("loss_sum", "loss_sum_and_routing"):
             value = head_cross_entropy_sum(hidden, head, labels, softcap=self.softcap)
         elif output == "sequence_logps":

@@ -5,10 +5,11 @@ The N ranks of a group hold the same rows (their data rank is the group's index:
 the vision step on all of their images, so the step is the same graph on every rank (the dummy image too). A pre-hook
 on the language model splits what the merge made into N contiguous shards, the sequence padded at its end to a
 multiple of N: the embeddings, the positions (mRoPE's computed on the whole sequence), Qwen3-VL's deepstack features.
-Around attention DeepSpeed's all-to-all swaps the sequence split for a head split. Each rank's loss is its shard's
-summed CE against the whole sequence's shifted labels (`shard_targets`): the ranks' sums add up to the sequence's, so
-with the window's target tokens counted once per group, the engine's gradient average over every rank (DDP, FSDP2,
-ZeRO-2/3 alike) is the exact token mean.
+Around attention DeepSpeed's all-to-all swaps the sequence split for a head split. Each rank computes its shard's
+CE against the whole sequence's shifted labels (`shard_targets`), and the group sums (or gathers) it (`whole`): every
+rank of a group holds the whole sequence's loss, as a data-parallel rank without the split does, and the backward
+gives each shard the group's gradients. So with the window's target tokens counted once per group, the engine's
+average over every rank (DDP, FSDP2, ZeRO-2/3 alike) is the exact token mean, as without the split.
 
 Only the language model's attention is wrapped, under its own name (`ATTENTION`): accelerate's path
 (`ParallelismConfig(sp_backend="deepspeed")`) replaces transformers' sdpa everywhere, the vision tower's attention
@@ -20,11 +21,12 @@ import inspect
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.nn import functional
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .families import stateful_mixers
-from .losses import IGNORE_INDEX
+from .losses import IGNORE_INDEX, head_cross_entropy_per_row, head_cross_entropy_per_token, head_cross_entropy_sum
 
 ATTENTION = "ulysses"  # the language model's attn_implementation while it trains split
 
@@ -149,6 +151,26 @@ class SequenceParallel:
         sequence)."""
         start, end, padded = self.shard
         return F.pad(labels[:, 1:], (0, padded - labels.shape[1] + 1), value=IGNORE_INDEX)[:, start:end]
+
+    def whole(self, output: str, hidden, head, labels, *, softcap, temperature: float = 1.0) -> torch.Tensor:
+        """`output` (loss_sum, sequence_logps, token_logps) of the whole sequences on every rank of the group, from
+        this rank's shard of the last split: summed, or gathered, over the group by a collective whose backward sums
+        the group's gradients into each shard (so a group's ranks, computing the same loss, give each shard its
+        gradient times the group's size; the engine's average over every rank divides it back)."""
+        targets = self.shard_targets(labels)
+        if output == "loss_sum":
+            return functional.all_reduce(head_cross_entropy_sum(hidden, head, targets, softcap=softcap, shifted=True),
+                                         group=self.group)
+        if output == "sequence_logps":
+            return functional.all_reduce(-head_cross_entropy_per_row(hidden, head, targets, softcap=softcap,
+                                                                     shifted=True), group=self.group)
+        if output == "token_logps":
+            shards = functional.all_gather(-head_cross_entropy_per_token(hidden, head, targets, softcap=softcap,
+                                                                         temperature=temperature, shifted=True),
+                                           group=self.group)
+            return torch.cat(shards, dim=1)[:, :labels.shape[1] - 1]
+        raise ValueError(f"sequence parallelism gives no {output!r} in training: loss_sum, sequence_logps or "
+                         "token_logps")
 
     def _attention(self, module, query, key, value, attention_mask, *args, **kwargs):
         if not module.training:  # whole sequences, with their mask
