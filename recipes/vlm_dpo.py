@@ -77,6 +77,7 @@ from mmrecipes.vlm.preference import (
     evaluate_preferences,
 )
 from mmrecipes.vlm.reference import Reference
+from mmrecipes.vlm.sequence_parallel import SequenceParallel, evaluation_ranks
 
 # each step's, over its pairs
 PAIR_SUMS = ("loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected")
@@ -88,7 +89,8 @@ def main(argv=None):
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     # The reference model is the policy with its LoRA adapters disabled, or a frozen copy of the
     # starting weights.
-    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2, frozen_copy=True)
+    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2, frozen_copy=True,
+                    sequence_parallel=True)
     model, processor = vlm.model, vlm.processor
     # The chosen and rejected answers' tokens, as in SFT
     labeller = AnswerLabeller(processor, vlm.stops, template=model_args.training_template())
@@ -97,8 +99,16 @@ def main(argv=None):
     # shared: accelerator
     accelerator = accelerator_from_args(args)
 
-    data_rank, data_world = data_parallel_rank_and_world(accelerator)
+    # shared: sequence parallel
+    # Ulysses: each training sequence split over --sequence_parallel_size ranks, which read the
+    # same rows (evaluation reads whole sequences, each rank its own rows)
+    sp_size = model_args.sequence_parallel_size
+    sequence_parallel = SequenceParallel.of(accelerator, model, sp_size, packing=data_args.packing)
+    data_rank, data_world = data_parallel_rank_and_world(accelerator, sp_size)
+    eval_ranks = evaluation_ranks(accelerator, data_rank, data_world, sp_size)
     batch_size = per_device_batch_size(args, data_world)
+    if sequence_parallel:
+        accelerator.print(sequence_parallel.describe())
 
     # shared: vlm log
     accelerator.print(template_line)
@@ -116,7 +126,7 @@ def main(argv=None):
 
     # shared: vlm prepare
     # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
-    model, optimizer = accelerator.prepare(VLMForTraining(model), optimizer)
+    model, optimizer = accelerator.prepare(VLMForTraining(model, sequence_parallel), optimizer)
 
     reference = Reference.build(accelerator, model, vlm)  # sharded like the policy
     engine = engine_line(accelerator, model)
@@ -134,15 +144,14 @@ def main(argv=None):
     if data_args.eval_dataset_name:
         eval_loader = build_chat_dataloader(data_args, collator=collator, eval_split=True,
                                             batch_size=args.per_device_eval_batch_size,
-                                            **loader_kwargs)
+                                            **loader_kwargs | eval_ranks)
         check_held_out(eval_loader, accelerator.device, data_args.eval_dataset_name)  # none: stop
     if data_args.eval_questions:  # held-out questions' answers, as vlm_finetune.py scores them
         questions = replace(data_args, eval_dataset_name=data_args.eval_questions,
                             eval_data_files=data_args.eval_questions_data_files)
         question_loader = build_chat_dataloader(questions, collator=chat_collator, eval_split=True,
                                                 batch_size=args.per_device_eval_batch_size,
-                                                labeller=labeller, data_rank=data_rank,
-                                                data_world=data_world)
+                                                labeller=labeller, **eval_ranks)
         check_held_out(question_loader, accelerator.device, data_args.eval_questions)
 
     if dpo_args.precompute_ref_log_probs:  # an epoch of this rank's pairs, then no reference model
@@ -168,7 +177,8 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(dpo_args)
     accelerator.init_trackers("vlm_dpo", config | asdict(args))
     report = Report(accelerator, args, batches, PREFERENCE_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals)
+                    total=checkpoints.resumed_totals,
+                    counts_batches=not sequence_parallel or sequence_parallel.rank == 0)
     # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
@@ -179,7 +189,7 @@ def main(argv=None):
 
         # One collective per optimizer step: the window's pairs on all ranks (the loss: their mean)
         local_pairs = torch.tensor(float(sum(batch["num_samples"] for batch in window)))
-        pairs = sum_over_ranks(local_pairs.to(accelerator.device))
+        pairs = sum_over_ranks(local_pairs.to(accelerator.device)) / sp_size  # a group: once
         loss_scale = token_loss_scale(pairs, args.gradient_accumulation_steps, data_world)
         window_sums = []
         for batch in window:

@@ -87,7 +87,7 @@ from mmrecipes.vlm.models import (
 )
 from mmrecipes.vlm.moe import LoadBalance
 from mmrecipes.vlm.parts import vlm_parts
-from mmrecipes.vlm.sequence_parallel import SequenceParallel
+from mmrecipes.vlm.sequence_parallel import SequenceParallel, evaluation_ranks
 
 
 def main(argv=None):
@@ -107,17 +107,20 @@ def main(argv=None):
     # shared: accelerator
     accelerator = accelerator_from_args(args)
 
+    # shared: sequence parallel
     # Ulysses: each training sequence split over --sequence_parallel_size ranks, which read the
-    # same rows
+    # same rows (evaluation reads whole sequences, each rank its own rows)
     sp_size = model_args.sequence_parallel_size
-    sequence_parallel = SequenceParallel.of(accelerator, model, sp_size, packing=data_args.packing,
-                                            router_aux_loss=moe_args.router_aux_loss_coef > 0)
+    sequence_parallel = SequenceParallel.of(accelerator, model, sp_size, packing=data_args.packing)
     data_rank, data_world = data_parallel_rank_and_world(accelerator, sp_size)
+    eval_ranks = evaluation_ranks(accelerator, data_rank, data_world, sp_size)
     batch_size = per_device_batch_size(args, data_world)
+    if sequence_parallel:
+        accelerator.print(sequence_parallel.describe())
 
     # A mixture of experts: its load-balancing loss, or the line saying it is off
     balance, balance_line = LoadBalance.of(model, moe_args, args.gradient_accumulation_steps,
-                                           data_world)
+                                           data_world, split=sequence_parallel is not None)
 
     if args.torch_compile:  # in place, before prepare wraps the model
         accelerator.print(compile_blocks(model))
@@ -129,8 +132,6 @@ def main(argv=None):
 
     if balance_line:
         accelerator.print(balance_line)
-    if sequence_parallel:
-        accelerator.print(sequence_parallel.describe())
 
     # shared: vlm optimizer
     optimizer = adamw(vlm.optimizer_groups(args), args)  # the tower, if it trains, at its own lr
@@ -162,11 +163,6 @@ def main(argv=None):
                                          shuffle_seed=args.seed, **loader_kwargs)
     eval_loader = None
     if data_args.eval_dataset_name:
-        # Evaluation runs whole sequences: sequence-parallel ranks read rows of their own there.
-        eval_ranks = dict(data_rank=data_rank, data_world=data_world)
-        if sequence_parallel:
-            eval_ranks = dict(data_rank=accelerator.process_index,
-                              data_world=accelerator.num_processes)
         eval_collator = ChatCollator(pad, vlm.dummy_inputs)
         eval_loader = build_chat_dataloader(data_args, collator=eval_collator, eval_split=True,
                                             batch_size=args.per_device_eval_batch_size,

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
 
 from gloo import run_on_ranks
 from helpers import tiny
@@ -24,10 +25,12 @@ from launch import VLM_RECIPE, assert_engine, assert_same_curves, losses, run_en
 from mmrecipes.images import to_device
 from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.vlm import sequence_parallel
+from mmrecipes.vlm.arguments import MoEArgs
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, stop_token_ids
+from mmrecipes.vlm.moe import LoadBalance
 from test_family_conformance import collator_row, colour_conversation, square
 
 # every family the rule lets split (Qwen3-VL: deepstack features; Qwen3-VL-MoE: experts, no balancing loss)
@@ -72,8 +75,6 @@ def _shards_against_whole(rank, world_size, directories, forced):
 
 def test_the_rule_lets_exactly_the_tested_families_split(tiny_vlms):
     """Every tiny family: split where the shards are tested against the whole sequence, refused elsewhere."""
-    from transformers import AutoModelForImageTextToText
-
     splits = {family for family, directory in tiny_vlms.items()
               if sequence_parallel.refusal(AutoModelForImageTextToText.from_pretrained(directory), 2) is None}
     assert splits == set(SPLITS)
@@ -174,18 +175,37 @@ def test_dp2_by_sp2_on_four_ranks_equals_one_process_holding_the_window(tiny_vlm
     assert_same_run(result, truth, tmp_path / "dp2sp2", tmp_path / "one", "zero2.yaml", processes=4)
 
 
-def test_what_cannot_split_exactly_is_refused_before_the_first_step():
+def test_what_cannot_split_exactly_is_refused_before_the_first_step(tiny_vlms):
     """Packing (Ulysses attention is causal over the whole gathered sequence), the load-balancing loss (not gathered
     over the group yet), and accelerate's own path (its sdpa replacement reaches the vision tower's attention)."""
     plain = SimpleNamespace(parallelism_config=None)
     model = tiny()[0]
     with pytest.raises(ValueError, match="packed samples would see each other; drop --packing"):
         sequence_parallel.SequenceParallel.of(plain, model, 2, packing=True)
-    with pytest.raises(ValueError, match="--router_aux_loss_coef: the load-balancing loss is not gathered"):
-        sequence_parallel.SequenceParallel.of(plain, model, 2, router_aux_loss=True)
+    moe = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen3_vl_moe"])
+    with pytest.raises(ValueError, match="--router_aux_loss_coef with --sequence_parallel_size: the load-balancing"):
+        LoadBalance.of(moe, MoEArgs(router_aux_loss_coef=0.001), 1, 1, split=True)
     accelerate_sp = SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=2))
     with pytest.raises(ValueError, match="parallelism_config_sp_size wraps every sdpa attention, the vision tower"):
         sequence_parallel.SequenceParallel.of(accelerate_sp, model, 1)
     assert sequence_parallel.SequenceParallel.of(plain, model, 1) is None
     with pytest.raises(ValueError, match="needs a multiple of 2 processes \\(there are 1\\)"):
         sequence_parallel.SequenceParallel(model, 2)
+
+
+DPO_RECIPE = VLM_RECIPE.parent / "vlm_dpo.py"
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("config, extra", [("zero3.yaml", []),  # the frozen reference sharded, run whole
+                                           ("ddp.yaml", ["--use_peft", "true", "--lora_dropout", 0.0])])
+def test_dpo_at_sp2_equals_one_process(tmp_path, config, extra):
+    """Each row's log-probability summed over the group before the pair loss; the reference: a frozen copy (whole
+    sequences) or the policy with its adapters off (split too). Dropout would draw other masks per shard: none."""
+    common = [*COMMON[:-4], "--ddp_timeout", 120, *extra]
+    truth = run_recipe(*common, "--output_dir", tmp_path / "one", recipe=DPO_RECIPE)
+    assert truth.returncode == 0, truth.log[-3000:]
+    result = run_engine(config, *common, *SP, "--output_dir", tmp_path / "sp", recipe=DPO_RECIPE)
+    assert_same_run(result, truth, tmp_path / "sp", tmp_path / "one", config)
+    eval_line = next(line for line in truth.log.splitlines() if line.startswith("eval step"))
+    assert eval_line in result.log  # whole sequences, each held-out pair once

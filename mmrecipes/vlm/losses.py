@@ -37,7 +37,8 @@ def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: 
 
 
 def head_cross_entropy_per_row(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
-                               num_chunks: int = 8, softcap: float | None = None, shifted: bool = False) -> torch.Tensor:
+                               num_chunks: int = 8, softcap: float | None = None,
+                               shifted: bool = False) -> torch.Tensor:
     """Each row's summed CE, `[rows]` (its answers' negative log-probability), as `head_cross_entropy_sum`."""
     return _chunked_sum(hidden, head, labels, num_chunks, softcap, per_row=True, shifted=shifted)
 

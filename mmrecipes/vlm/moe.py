@@ -91,10 +91,14 @@ class LoadBalance:
         self.accumulation, self.data_world = accumulation, data_world
 
     @classmethod
-    def of(cls, model, args: MoEArgs, accumulation: int, data_world: int) -> tuple["LoadBalance | None", str]:
+    def of(cls, model, args: MoEArgs, accumulation: int, data_world: int, *,
+           split: bool = False) -> tuple["LoadBalance | None", str]:
         """(the term, or None where it is off; the log line that says which). A model without routers, or whose config
-        defines no load-balancing loss, refuses a coefficient."""
+        defines no load-balancing loss, refuses a coefficient; so does a sequence-parallel run (`split`)."""
         coef, scope = args.router_aux_loss_coef, args.router_aux_loss_scope
+        if coef and split:
+            raise ValueError("--router_aux_loss_coef with --sequence_parallel_size: the load-balancing loss is not "
+                             "gathered over a sequence-parallel group yet; drop one of them")
         config = model.config.get_text_config()
         own = getattr(config, "router_aux_loss_coef", None)
         if router_class(model) is None:

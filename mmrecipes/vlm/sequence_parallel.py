@@ -21,7 +21,7 @@ import inspect
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn import functional
+from torch.distributed import _functional_collectives as collectives  # torch's differentiable collectives
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -29,6 +29,14 @@ from .families import stateful_mixers
 from .losses import IGNORE_INDEX, head_cross_entropy_per_row, head_cross_entropy_per_token, head_cross_entropy_sum
 
 ATTENTION = "ulysses"  # the language model's attn_implementation while it trains split
+
+
+def evaluation_ranks(accelerator, data_rank: int, data_world: int, size: int) -> dict:
+    """`data_rank` and `data_world` for the evaluation loaders: evaluation runs whole sequences, so under sequence
+    parallelism (`size` > 1) every rank reads rows of its own there."""
+    if size > 1:
+        return dict(data_rank=accelerator.process_index, data_world=accelerator.num_processes)
+    return dict(data_rank=data_rank, data_world=data_world)
 
 
 def refusal(model, size: int) -> str | None:
@@ -94,7 +102,7 @@ class SequenceParallel:
         model.get_decoder().register_forward_pre_hook(self._split, with_kwargs=True)
 
     @classmethod
-    def of(cls, accelerator, model, size: int, *, packing: bool = False, router_aux_loss: bool = False):
+    def of(cls, accelerator, model, size: int, *, packing: bool = False):
         """The split for `--sequence_parallel_size size`, None for 1; accelerate's own sequence parallelism refused
         (it replaces sdpa in the vision tower too)."""
         config = accelerator.parallelism_config
@@ -104,9 +112,6 @@ class SequenceParallel:
         if size > 1 and packing:
             raise ValueError("--sequence_parallel_size with --packing: Ulysses attention is causal over the whole "
                              "gathered sequence, so packed samples would see each other; drop --packing")
-        if size > 1 and router_aux_loss:
-            raise ValueError("--sequence_parallel_size with --router_aux_loss_coef: the load-balancing loss is not "
-                             "gathered over a sequence-parallel group yet; drop one of them")
         return cls(model, size) if size > 1 else None
 
     def describe(self) -> str:
@@ -154,23 +159,24 @@ class SequenceParallel:
 
     def whole(self, output: str, hidden, head, labels, *, softcap, temperature: float = 1.0) -> torch.Tensor:
         """`output` (loss_sum, sequence_logps, token_logps) of the whole sequences on every rank of the group, from
-        this rank's shard of the last split: summed, or gathered, over the group by a collective whose backward sums
-        the group's gradients into each shard (so a group's ranks, computing the same loss, give each shard its
-        gradient times the group's size; the engine's average over every rank divides it back)."""
+        this rank's shard of the last split: summed over the group by an all-reduce whose backward sums the group's
+        gradients into each shard (a group's ranks computing the same loss give each shard its gradient times the
+        group's size; the engine's average over every rank divides it back)."""
         targets = self.shard_targets(labels)
         if output == "loss_sum":
-            return functional.all_reduce(head_cross_entropy_sum(hidden, head, targets, softcap=softcap, shifted=True),
-                                         group=self.group)
-        if output == "sequence_logps":
-            return functional.all_reduce(-head_cross_entropy_per_row(hidden, head, targets, softcap=softcap,
-                                                                     shifted=True), group=self.group)
-        if output == "token_logps":
-            shards = functional.all_gather(-head_cross_entropy_per_token(hidden, head, targets, softcap=softcap,
-                                                                         temperature=temperature, shifted=True),
-                                           group=self.group)
-            return torch.cat(shards, dim=1)[:, :labels.shape[1] - 1]
-        raise ValueError(f"sequence parallelism gives no {output!r} in training: loss_sum, sequence_logps or "
-                         "token_logps")
+            value = head_cross_entropy_sum(hidden, head, targets, softcap=softcap, shifted=True)
+        elif output == "sequence_logps":
+            value = -head_cross_entropy_per_row(hidden, head, targets, softcap=softcap, shifted=True)
+        elif output == "token_logps":  # this shard's place in the whole sequence, zeros elsewhere
+            start, end, padded = self.shard
+            shard = -head_cross_entropy_per_token(hidden, head, targets, softcap=softcap, temperature=temperature,
+                                                  shifted=True)
+            value = F.pad(shard, (start, padded - end))
+        else:
+            raise ValueError(f"sequence parallelism gives no {output!r} in training: loss_sum, sequence_logps or "
+                             "token_logps")
+        value = collectives.all_reduce(value, "sum", self.group)
+        return value[:, :labels.shape[1] - 1] if output == "token_logps" else value
 
     def _attention(self, module, query, key, value, attention_mask, *args, **kwargs):
         if not module.training:  # whole sequences, with their mask
