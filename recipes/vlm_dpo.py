@@ -89,8 +89,7 @@ def main(argv=None):
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     # The reference model is the policy with its LoRA adapters disabled, or a frozen copy of the
     # starting weights.
-    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2, frozen_copy=True,
-                    sequence_parallel=True)
+    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2, frozen_copy=True)
     model, processor = vlm.model, vlm.processor
     # The chosen and rejected answers' tokens, as in SFT
     labeller = AnswerLabeller(processor, vlm.stops, template=model_args.training_template())

@@ -94,8 +94,7 @@ def main(argv=None):
     model_args, lora_args, moe_args, data_args, args = parse_args(ARGUMENTS, argv)
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
-    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2,  # what trains, FLOPs
-                    sequence_parallel=True)
+    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2)  # what trains, FLOPs
     model, processor = vlm.model, vlm.processor
     # The answer tokens of the checkpoint's own chat template, checked on a probe conversation now
     # (a template whose turns no rule finds would otherwise drop every row as no_target).

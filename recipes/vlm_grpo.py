@@ -78,6 +78,7 @@ from mmrecipes.vlm.prompts import PromptCollator, PromptPreprocessor
 from mmrecipes.vlm.reference import Reference
 from mmrecipes.vlm.rewards import RewardScorer, load_reward_funcs
 from mmrecipes.vlm.sampling import Sampler
+from mmrecipes.vlm.sequence_parallel import SequenceParallel, evaluation_ranks
 
 
 def main(argv=None):
@@ -94,12 +95,20 @@ def main(argv=None):
     # shared: accelerator
     accelerator = accelerator_from_args(args)
 
-    data_rank, data_world = data_parallel_rank_and_world(accelerator)
+    # shared: sequence parallel
+    # Ulysses: each training sequence split over --sequence_parallel_size ranks, which read the
+    # same rows (evaluation reads whole sequences, each rank its own rows)
+    sp_size = model_args.sequence_parallel_size
+    sequence_parallel = SequenceParallel.of(accelerator, model, sp_size, packing=data_args.packing)
+    data_rank, data_world = data_parallel_rank_and_world(accelerator, sp_size)
+    eval_ranks = evaluation_ranks(accelerator, data_rank, data_world, sp_size)
     batch_size = per_device_batch_size(args, data_world)
+    if sequence_parallel:
+        accelerator.print(sequence_parallel.describe())
 
     # A step's completions are whole groups; a group's may sit on several micro-batches and ranks
     layout = grpo.GroupLayout(grpo_args.num_generations, batch_size,
-                              args.gradient_accumulation_steps, data_rank, data_world)
+                              args.gradient_accumulation_steps, data_rank, data_world, sp_size)
     accelerator.print(f"evaluation: {data_args.evaluation}")
     accelerator.print(vlm.describe())
 
@@ -114,7 +123,7 @@ def main(argv=None):
 
     # shared: vlm prepare
     # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
-    model, optimizer = accelerator.prepare(VLMForTraining(model), optimizer)
+    model, optimizer = accelerator.prepare(VLMForTraining(model, sequence_parallel), optimizer)
 
     reference = Reference.build(accelerator, model, vlm) if grpo_args.beta else None  # sharded
     engine = engine_line(accelerator, model)
@@ -135,9 +144,9 @@ def main(argv=None):
                                          data_world=layout.teams, preprocessor=PromptPreprocessor)
     held_out = []  # questions answered by greedy decoding at each evaluation
     if data_args.eval_dataset_name:
-        rows = -(-data_args.eval_generation_rows // data_world)  # this rank's share
-        held_out = generation_prompts(data_args, processor, rows=rows, data_rank=data_rank,
-                                      data_world=data_world, device=accelerator.device)
+        rows = -(-data_args.eval_generation_rows // eval_ranks["data_world"])  # this rank's share
+        held_out = generation_prompts(data_args, processor, rows=rows, **eval_ranks,
+                                      device=accelerator.device)
     scorer = RewardScorer(reward_funcs, grpo_args.weights, grpo_args.reward_timeout)
     normaliser = grpo.LossNormaliser(grpo_args)
 
@@ -157,7 +166,8 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(grpo_args)
     accelerator.init_trackers("vlm_grpo", config | asdict(args))
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals)
+                    total=checkpoints.resumed_totals,
+                    counts_batches=not sequence_parallel or sequence_parallel.rank == 0)
     rollouts = None
     for step in progress:
         window = []  # a batch of the team's prompts, read once every --num_iterations steps
@@ -176,10 +186,11 @@ def main(argv=None):
                                                accelerator.device)
             # One collective per batch of completions: the normaliser N over every rank's
             local_count = torch.tensor(normaliser.count([batch.mask for batch in micro_batches]))
-            count = sum_over_ranks(local_count.to(accelerator.device))
+            count = sum_over_ranks(local_count.to(accelerator.device)) / sp_size  # a group: once
             loss_scale = token_loss_scale(count, args.gradient_accumulation_steps, data_world)
             failures = scorer.take_failures(accelerator.print, accelerator.process_index)
-            sampled = rollouts.sums(rewards, zero_std, failures, reward_funcs)
+            sampled = rollouts.sums(rewards, zero_std, failures, reward_funcs,
+                                    counted=report.counts_batches)
             filler_batch = window[0]["chat"]  # what a rank with no held-out prompt left decodes
         report.add_batches(window, trained=rollouts.micro_batches)
 

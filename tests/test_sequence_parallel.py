@@ -29,7 +29,7 @@ from mmrecipes.vlm.arguments import MoEArgs
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, sequence_logps, stop_token_ids, token_logps
 from mmrecipes.vlm.moe import LoadBalance
 from test_family_conformance import collator_row, colour_conversation, square
 
@@ -40,8 +40,9 @@ REFUSED = {"gemma3": "sliding_attention layers", "qwen3_5": "linear_attention la
 
 
 def _shards_against_whole(rank, world_size, directories, forced):
-    """{family: (whole loss, the split loss, the largest gradient difference relative to the largest gradient)}: the
-    same batch through the model whole, then split over the 2 ranks."""
+    """{family: (whole loss, the split loss, the largest gradient difference relative to the largest gradient, the
+    largest differences of the token and row log-probabilities)}: the same batch through the model whole, then split
+    over the 2 ranks."""
     results = {}
     text = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
             {"role": "assistant", "content": [{"type": "text", "text": "blue"}]}]
@@ -55,12 +56,16 @@ def _shards_against_whole(rank, world_size, directories, forced):
         collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
         batch = to_device(collator([collator_row(labeller, colour_conversation("red"), [square("red")]),
                                     collator_row(labeller, text, [])]), "cpu")
+        step = VLMForTraining(model)
+        whole_logps = [token_logps(step, batch, 0.7), sequence_logps(step, batch)]
         whole = VLMForTraining(model)(batch)
         whole.backward()
         truth = {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
         model.zero_grad()
         split = sequence_parallel.SequenceParallel(model, 2)
-        summed = VLMForTraining(model, split)(batch)  # the whole sequence's, on both ranks
+        step = VLMForTraining(model, split)
+        logps = [token_logps(step, batch, 0.7), sequence_logps(step, batch)]
+        summed = step(batch)  # the whole sequence's, on both ranks
         summed.backward()
         for param in model.parameters():  # each shard got its gradient twice: once from each rank's loss
             if param.grad is not None:
@@ -69,7 +74,8 @@ def _shards_against_whole(rank, world_size, directories, forced):
         scale = max(grad.abs().max() for grad in truth.values())
         worst = max((param.grad - truth[name]).abs().max() for name, param in model.named_parameters()
                     if name in truth) / scale
-        results[family] = (whole.item(), summed.item(), worst.item())
+        results[family] = (whole.item(), summed.item(), worst.item(),
+                           *[(one - other).abs().max().item() for one, other in zip(whole_logps, logps)])
     return results
 
 
@@ -87,16 +93,17 @@ def directories(tiny_vlms):
 
 def test_the_shards_sum_to_the_whole_sequence_for_each_family_that_splits(directories):
     results = run_on_ranks(_shards_against_whole, 2, {family: directories[family] for family in SPLITS}, False)[0]
-    for family, (whole, summed, worst) in results.items():
+    for family, (whole, summed, worst, tokens, rows) in results.items():
         assert summed == pytest.approx(whole, rel=1e-5), family
         assert worst < 1e-5, family
+        assert tokens < 1e-5 and rows < 1e-4, family  # GRPO's and DPO's outputs, gathered over the group
 
 
 def test_the_refused_families_differ_when_forced_and_the_rule_says_why(directories):
     """The old failure: Gemma 3's sliding window and bidirectional image attention, and Qwen3.5's recurrence, give
     other losses split; the rule refuses each, naming its layers."""
     forced = run_on_ranks(_shards_against_whole, 2, {family: directories[family] for family in REFUSED}, True)[0]
-    for family, (whole, summed, worst) in forced.items():
+    for family, (whole, summed, worst, *_) in forced.items():
         # the gradients differ a hundred times beyond what the families that split pass (Gemma 3: 3e-2, its loss by
         # 5e-7 only; Qwen3.5: 7e-3)
         assert worst > 1e-3, (family, whole, summed, worst)
@@ -209,3 +216,21 @@ def test_dpo_at_sp2_equals_one_process(tmp_path, config, extra):
     assert_same_run(result, truth, tmp_path / "sp", tmp_path / "one", config)
     eval_line = next(line for line in truth.log.splitlines() if line.startswith("eval step"))
     assert eval_line in result.log  # whole sequences, each held-out pair once
+
+
+
+GRPO_RECIPE = VLM_RECIPE.parent / "vlm_grpo.py"
+
+
+@pytest.mark.launch
+def test_grpo_at_sp2_equals_one_process_under_zero3(tmp_path):
+    """Sampling runs whole sequences (each layer gathered in each forward, every rank of a group sampling the same
+    completions), the token log-probabilities of the policy and of the sharded frozen reference (the KL) are gathered
+    over the group, a group's rewards count once in the advantages."""
+    common = [*COMMON[:-4], "--ddp_timeout", 120, "--num_generations", 4, "--beta", 0.04, "--eval_dataset_name", ""]
+    truth = run_recipe(*common, "--output_dir", tmp_path / "one", recipe=GRPO_RECIPE)
+    assert truth.returncode == 0, truth.log[-3000:]
+    result = run_engine("zero3.yaml", *common, *SP, "--output_dir", tmp_path / "sp", recipe=GRPO_RECIPE)
+    assert_same_run(result, truth, tmp_path / "sp", tmp_path / "one", "zero3.yaml")
+    step = next(line for line in truth.log.splitlines() if line.startswith("step 1/"))
+    assert step.split("| grad_norm")[0] in result.log  # rewards, lengths, clip ratios: counted once

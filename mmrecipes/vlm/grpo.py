@@ -38,6 +38,7 @@ class GroupLayout:
     accumulation: int
     data_rank: int
     data_world: int
+    replicas: int = 1  # ranks that hold the same completions (a sequence-parallel group)
 
     def __post_init__(self):
         if self.data_world * self.per_rank % self.group_size:
@@ -85,11 +86,13 @@ class GroupLayout:
 
     def advantages(self, rewards: torch.Tensor, scale: str, device) -> tuple[torch.Tensor, torch.Tensor]:
         """`group_advantages` of this rank's completions (`rewards`, NaN where a function failed), from the step's
-        rewards on every rank (one all-reduce of W x b x k values: each rank adds its own at its place)."""
+        rewards on every rank (one all-reduce of W x b x k values: each rank adds its own at its place, each of
+        `replicas` ranks alike)."""
         mine = slice(self.data_rank * self.per_rank, (self.data_rank + 1) * self.per_rank)
         every = torch.zeros(self.data_world * self.per_rank, dtype=torch.float64)
         every[mine] = rewards
-        advantages, zero_std = group_advantages(sum_over_ranks(every.to(device)).cpu(), self.group_size, scale)
+        every = sum_over_ranks(every.to(device)).cpu() / self.replicas
+        advantages, zero_std = group_advantages(every, self.group_size, scale)
         return advantages[mine], zero_std[mine]
 
 

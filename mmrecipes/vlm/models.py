@@ -9,6 +9,7 @@ a whole batch never exist in training. Family differences come from signatures, 
 (`families`), never a name. The step reads no parameter itself: under ZeRO-3 that would gather it on one rank only.
 """
 
+import contextlib
 import inspect
 import logging
 from pathlib import Path
@@ -71,7 +72,9 @@ class VLMForTraining(torch.nn.Module):
     def forward(self, batch: dict, output: str = "loss_sum", temperature: float = 1.0):
         """`output` of a `ChatCollator` batch on the device (`images.to_device`); see the named functions."""
         with_routing = output in ("loss_sum_and_routing", "routing")
-        hidden, dummies, router_logits = self._hidden_states(**batch, output_router_logits=with_routing)
+        split = self.sequence_parallel is not None and self.training and output != "logits"
+        with self.sequence_parallel.splitting(split) if self.sequence_parallel else contextlib.nullcontext():
+            hidden, dummies, router_logits = self._hidden_states(**batch, output_router_logits=with_routing)
         head, labels = self.model.get_output_embeddings(), batch["labels"]
         if with_routing:  # over the real tokens: a packed batch passes the model no mask
             top_k = self.model.config.get_text_config().num_experts_per_tok
@@ -80,7 +83,7 @@ class VLMForTraining(torch.nn.Module):
                 return routed
         if output == "logits":  # evaluation and sampling: no backward, so no dummy term
             return soft_capped(head(hidden), self.softcap)
-        if self.sequence_parallel is not None and self.training:  # `hidden` is this rank's shard
+        if split:  # `hidden` is this rank's shard
             value = self.sequence_parallel.whole(output, hidden, head, labels, softcap=self.softcap,
                                                  temperature=temperature)
             return value + self._dummy_terms(dummies)

@@ -56,18 +56,13 @@ class VLMParts:
         return "\n".join(lines)
 
 
-def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, frozen_copy: bool = False,
-              sequence_parallel: bool = False) -> VLMParts:
+def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, frozen_copy: bool = False) -> VLMParts:
     """Load the model (`load_vlm`), find its groups from one dummy backward, freeze what --train_modules leaves out
     and every parameter no forward path reaches (DDP would wait for their gradients), add LoRA adapters where asked
     (everything but them and the projector frozen), and count the FLOPs now (after `prepare` ZeRO-3's parameters
     report numel 0). `frozen_copy`: keep a frozen copy of the starting weights for a reference model without LoRA
     (`reference.Reference.build` shards it like the policy after `prepare`). Call it before `Accelerator()`: under
-    ZeRO-3 a model built afterwards is partitioned and re-initialised. `sequence_parallel`: the recipe splits
-    sequences (`sequence_parallel.SequenceParallel`); the others refuse --sequence_parallel_size."""
-    if model_args.sequence_parallel_size > 1 and not sequence_parallel:
-        raise ValueError("--sequence_parallel_size: vlm_finetune.py only so far (DPO's and GRPO's log-probabilities "
-                         "are not gathered over a sequence-parallel group yet)")
+    ZeRO-3 a model built afterwards is partitioned and re-initialised."""
     model, processor = load_vlm(model_args)
     dummy_inputs = dummy_image_inputs(model, processor)
     groups = module_groups(model, dummy_inputs)

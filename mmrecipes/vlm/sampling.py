@@ -190,9 +190,9 @@ class Rollouts:
     seconds: float = 0.0
     trained: int = 0  # optimizer steps trained on them so far (--num_iterations)
 
-    def sums(self, rewards, zero_std, failures, names) -> dict:
+    def sums(self, rewards, zero_std, failures, names, counted: bool = True) -> dict:
         """This rank's sums for the log (summed over ranks and steps by `Report`): the rewards, the completions and
-        the seconds they took."""
+        the seconds they took; zeros where not `counted` (a sequence-parallel peer sampled the same)."""
         scores, valid = self.scores, ~rewards.isnan()
         sums = {"completions": len(rewards), "scored": valid.sum(), "reward": rewards[valid].sum(),
                 "reward_square": (rewards[valid] ** 2).sum(), "zero_std": zero_std.sum(), "length": sum(self.lengths),
@@ -200,7 +200,7 @@ class Rollouts:
         for index, name in enumerate(names):
             sums |= {f"reward_{name}": scores[:, index].nan_to_num(0).sum(), f"failed_{name}": failures[name],
                      f"scored_{name}": (~scores[:, index].isnan()).sum()}
-        return {key: torch.as_tensor(value, dtype=torch.float32) for key, value in sums.items()}
+        return {key: torch.as_tensor(value, dtype=torch.float32) * counted for key, value in sums.items()}
 
 
 

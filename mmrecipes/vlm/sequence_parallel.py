@@ -13,10 +13,12 @@ average over every rank (DDP, FSDP2, ZeRO-2/3 alike) is the exact token mean, as
 
 Only the language model's attention is wrapped, under its own name (`ATTENTION`): accelerate's path
 (`ParallelismConfig(sp_backend="deepspeed")`) replaces transformers' sdpa everywhere, the vision tower's attention
-included. Evaluation and generation run unsplit (the module in eval mode): each rank holds whole sequences there.
+included. Only `VLMForTraining`'s outputs in training mode split (`splitting`); evaluation, sampling and `generate`
+run whole sequences: each rank holds whole sequences there.
 """
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -99,6 +101,7 @@ class SequenceParallel:
         ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS[text._attn_implementation])
         text._attn_implementation = ATTENTION
         self.shard = self.positions = None
+        self.asked = self.split_now = False  # a split asked for (`splitting`); the last forward split
         model.get_decoder().register_forward_pre_hook(self._split, with_kwargs=True)
 
     @classmethod
@@ -123,8 +126,19 @@ class SequenceParallel:
             self._by_rows[rows] = self._ulysses_class(self.core, batch_size=rows, **self._shape)
         return self._by_rows[rows]
 
+    @contextmanager
+    def splitting(self, split: bool):
+        """The language model's forwards inside split their sequences where `split`; any other forward (sampling,
+        evaluation, `generate`) runs whole sequences with their mask."""
+        self.asked = split
+        try:
+            yield
+        finally:
+            self.asked = False
+
     def _split(self, module, args, kwargs):
-        if not module.training:
+        self.split_now = self.asked  # what the attention of this forward (and of its recomputation) does
+        if not self.asked:
             return None
         embeds = kwargs.get("inputs_embeds")
         if args or embeds is None:
@@ -179,7 +193,7 @@ class SequenceParallel:
         return value[:, :labels.shape[1] - 1] if output == "token_logps" else value
 
     def _attention(self, module, query, key, value, attention_mask, *args, **kwargs):
-        if not module.training:  # whole sequences, with their mask
+        if not self.split_now:  # whole sequences, with their mask
             return self.core(module, query, key, value, attention_mask, *args, **kwargs)
         kwargs["position_ids"] = self.positions  # DeepSpeed gathers them; causal masking needs them monotonic
         return self._ulysses(len(query))(module, query, key, value, None, *args, **kwargs)
