@@ -106,6 +106,7 @@ def main(argv=None):
     data_rank, data_world = data_parallel_rank_and_world(accelerator, sp_size)
     eval_ranks = evaluation_ranks(accelerator, data_rank, data_world, sp_size)
     batch_size = per_device_batch_size(args, data_world)
+    reads_counted = not sequence_parallel or sequence_parallel.rank == 0  # a group's, once
     if sequence_parallel:
         accelerator.print(sequence_parallel.describe())
 
@@ -176,8 +177,7 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(dpo_args)
     accelerator.init_trackers("vlm_dpo", config | asdict(args))
     report = Report(accelerator, args, batches, PREFERENCE_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals,
-                    counts_batches=not sequence_parallel or sequence_parallel.rank == 0)
+                    total=checkpoints.resumed_totals, counts_batches=reads_counted)
     # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]

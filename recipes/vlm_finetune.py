@@ -114,6 +114,7 @@ def main(argv=None):
     data_rank, data_world = data_parallel_rank_and_world(accelerator, sp_size)
     eval_ranks = evaluation_ranks(accelerator, data_rank, data_world, sp_size)
     batch_size = per_device_batch_size(args, data_world)
+    reads_counted = not sequence_parallel or sequence_parallel.rank == 0  # a group's, once
     if sequence_parallel:
         accelerator.print(sequence_parallel.describe())
 
@@ -189,8 +190,7 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args)
     accelerator.init_trackers("vlm_finetune", config)
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals,
-                    counts_batches=not sequence_parallel or sequence_parallel.rank == 0)
+                    total=checkpoints.resumed_totals, counts_batches=reads_counted)
     # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]

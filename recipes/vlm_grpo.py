@@ -103,6 +103,7 @@ def main(argv=None):
     data_rank, data_world = data_parallel_rank_and_world(accelerator, sp_size)
     eval_ranks = evaluation_ranks(accelerator, data_rank, data_world, sp_size)
     batch_size = per_device_batch_size(args, data_world)
+    reads_counted = not sequence_parallel or sequence_parallel.rank == 0  # a group's, once
     if sequence_parallel:
         accelerator.print(sequence_parallel.describe())
 
@@ -166,8 +167,7 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(grpo_args)
     accelerator.init_trackers("vlm_grpo", config | asdict(args))
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals,
-                    counts_batches=not sequence_parallel or sequence_parallel.rank == 0)
+                    total=checkpoints.resumed_totals, counts_batches=reads_counted)
     rollouts = None
     for step in progress:
         window = []  # a batch of the team's prompts, read once every --num_iterations steps
@@ -190,7 +190,7 @@ def main(argv=None):
             loss_scale = token_loss_scale(count, args.gradient_accumulation_steps, data_world)
             failures = scorer.take_failures(accelerator.print, accelerator.process_index)
             sampled = rollouts.sums(rewards, zero_std, failures, reward_funcs,
-                                    counted=report.counts_batches)
+                                    counted=reads_counted)
             filler_batch = window[0]["chat"]  # what a rank with no held-out prompt left decodes
         report.add_batches(window, trained=rollouts.micro_batches)
 
