@@ -35,6 +35,7 @@ BENCHES = [
     ("answers_by_kind.py", ["--quick"]),
     ("grpo_sampling.py", ["--quick"]),
     ("label_alignment.py", ["--quick"]),
+    ("sequence_parallel_memory.py", ["--quick"]),
 ]
 HALVES = 2
 
