@@ -30,7 +30,7 @@ class VLMModelArgs(CheckedArgs):
     # the attention kernel (transformers' attn_implementation): sdpa, eager, flash_attention_2, ...
     attn_implementation: str = "sdpa"
     # Ulysses sequence parallelism: each training sequence split over this many ranks after the vision merge
-    # (vlm_finetune.py; docs/engines.md)
+    # (the VLM recipes; docs/engines.md)
     sequence_parallel_size: int = checked(1, "count")
     image_size: int = checked(32, "count")
     patch_size: int = checked(8, "count")
