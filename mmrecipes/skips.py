@@ -49,7 +49,8 @@ FIXES = {
              "rows out",
     "no_frames": "check the clip's path and that PyAV can decode it",
     "video_too_long": "raise --video_max_seconds",
-    "too_long": "raise --max_length (rows are never truncated)",
+    "too_long": "raise --max_length, or --max_tokens_per_batch where it is lower (rows are never truncated; "
+                "--sequence_parallel_size N splits a row over N ranks, each holding the budget)",
     "no_target": "each conversation needs an assistant answer after its prompt",
     "unaligned": "the processor's tokens differ from the chat template's rendering of the answer: check the "
                  "tokenizer's chat template",

@@ -15,7 +15,7 @@ exact token mean over the accumulation window on all ranks (docs/vlm.md). Data: 
 (`--dataset_name json --data_files llava.json --image_folder images/`), `messages` + `images` rows.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from mmrecipes.arguments import TrainingArgs
 from mmrecipes.config import checked, parse_args
@@ -155,6 +155,10 @@ def main(argv=None):
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare.
     # --max_tokens_per_batch: each micro-batch holds whole rows up to that many tokens; --packing:
     # they form one sequence without padding (mmrecipes.vlm.packing). Evaluation: fixed batches.
+    # Split over N ranks, a micro-batch holds N times what one rank does: the budget is a rank's.
+    if sequence_parallel and data_args.max_tokens_per_batch:
+        budget = data_args.max_tokens_per_batch * sp_size
+        data_args = replace(data_args, max_tokens_per_batch=budget)
     pack_length = min(data_args.max_length, data_args.max_tokens_per_batch or data_args.max_length)
     pad = processor.tokenizer.pad_token_id
     collator = ChatCollator(pad, vlm.dummy_inputs, data_args.packing, pack_length)

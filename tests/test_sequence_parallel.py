@@ -9,6 +9,7 @@ holding the whole sequence.
   dp=2 x sp=2 on 4 ranks (ZeRO-2) equals one process holding both replicas' window.
 """
 
+import re
 from types import SimpleNamespace
 
 import pyarrow as pa
@@ -234,3 +235,37 @@ def test_grpo_at_sp2_equals_one_process_under_zero3(tmp_path):
     assert_same_run(result, truth, tmp_path / "sp", tmp_path / "one", "zero3.yaml")
     step = next(line for line in truth.log.splitlines() if line.startswith("step 1/"))
     assert step.split("| grad_norm")[0] in result.log  # rewards, lengths, clip ratios: counted once
+
+
+def long_clip_rows(path, rows=4, frames=64):
+    """Conversations about 64-frame 64 px clips (the tiny Qwen2.5-VL: about 2.1k tokens each) as a parquet file."""
+    from make_videos import encode_clip, moving_shape
+
+    table = pa.Table.from_pylist([{
+        "messages": [{"role": "user", "content": [{"type": "video", "text": None},
+                                                  {"type": "text", "text": "Where does it move?"}]},
+                     {"role": "assistant", "content": [{"type": "text", "text": direction}]}],
+        "videos": [{"bytes": encode_clip([frame.resize((64, 64)) for frame in
+                                          moving_shape(direction, "red", "circle", frames=frames)])}]}
+        for direction in ["left", "right", "up", "down"][:rows]])
+    pq.write_table(table, path)
+
+
+@pytest.mark.launch
+def test_a_long_clip_over_one_ranks_token_budget_trains_split_over_two(tiny_vlms, tmp_path):
+    """--max_tokens_per_batch is what one rank holds: a 2.1k-token clip conversation is too long for a budget of 1200
+    (every row skipped and counted: the run stops, saying so), and trains split over 2 ranks."""
+    long_clip_rows(tmp_path / "clips.parquet")
+    common = ["--max_steps", 2, "--logging_steps", 1, "--dataset_name", "parquet", "--dataset_weights", "",
+              "--data_files", tmp_path / "clips.parquet", "--eval_dataset_name", "", "--ddp_timeout", 120,
+              "--model_name_or_path", tiny_vlms["qwen2_5_vl"], "--per_device_train_batch_size", 1,
+              "--video_fps", 100, "--video_max_frames", 64, "--max_length", 4096, "--max_tokens_per_batch", 1200]
+    alone = run_recipe(*common, "--output_dir", tmp_path / "one", recipe=VLM_RECIPE)
+    assert alone.returncode != 0 and "no training rows" in alone.log, alone.log[-3000:]
+    assert "too_long: 4, e.g. a row of" in alone.log and "tokens, over 1200" in alone.log
+    assert "--sequence_parallel_size N splits a row over N ranks, each holding the budget" in alone.log
+    split = run_engine("zero3.yaml", *common, *SP, "--output_dir", tmp_path / "sp", recipe=VLM_RECIPE)
+    assert split.returncode == 0, split.log[-3000:]
+    assert re.search(r"^step 2/2 .*\| too_long 0 \| .*\| video 0 \| no_frames 0 \| video_too_long 0 ", split.log,
+                     re.M), split.log[-3000:]
+    assert re.search(r"^step 1/2 .*tokens/s", split.log, re.M)

@@ -131,6 +131,7 @@ class ChatDataArgs(SourceArgs, VideoArgs):
     max_length: int = checked(256, "count")  # longer rows are skipped and counted, never truncated
     # Micro-batches of whole rows up to this many tokens (image tokens included) instead of a fixed row
     # count; ranks then carry different row counts (loader.TokenBudgetBatches). Rows over it count as too_long.
+    # Under --sequence_parallel_size N it is what one rank holds: a micro-batch takes N times as many tokens.
     max_tokens_per_batch: int | None = checked(None, "count_or_none")
     packing: bool = False  # rows packed into sequences of up to max_length tokens, each sample attending only to itself
 
