@@ -80,6 +80,39 @@ def _shards_against_whole(rank, world_size, directories, forced):
     return results
 
 
+def _four_ways(rank, world_size, directory):
+    """(loss difference, gradient difference, whole-sequence logits difference after the split) of a batch split
+    over 4 ranks of a model with 2 key/value heads: DeepSpeed replicates them, and an unsplit forward afterwards
+    still needs them as they were."""
+    torch.manual_seed(0)
+    model, processor, groups = tiny(directory)
+    apply_train_modules(groups, "all")
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    batch = to_device(collator([collator_row(labeller, colour_conversation("red"), [square("red")])]), "cpu")
+    step = VLMForTraining(model)
+    logits = step.eval()(batch, "logits")
+    whole = step.train()(batch)
+    whole.backward()
+    truth = {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
+    model.zero_grad()
+    split = VLMForTraining(model, sequence_parallel.SequenceParallel(model, world_size))
+    summed = split(batch)
+    summed.backward()
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad /= world_size
+    worst = max((param.grad - truth[name]).abs().max() for name, param in model.named_parameters() if name in truth)
+    after = split.eval()(batch, "logits")
+    return abs(summed.item() - whole.item()), worst.item(), (after - logits).abs().max().item()
+
+
+def test_four_ranks_replicate_the_key_value_heads_and_leave_them_as_they_were(tiny_vlms):
+    loss, grads, logits = run_on_ranks(_four_ways, 4, tiny_vlms["qwen2_5_vl"])[0]  # 4 heads, 2 key/value heads
+    assert loss < 1e-4 and grads < 1e-5 and logits < 1e-5, (loss, grads, logits)
+
+
 def test_the_rule_lets_exactly_the_tested_families_split(tiny_vlms):
     """Every tiny family: split where the shards are tested against the whole sequence, refused elsewhere."""
     splits = {family for family, directory in tiny_vlms.items()

@@ -1,12 +1,13 @@
 """Ulysses sequence parallelism for a VLM (`--sequence_parallel_size N`): DeepSpeed's `UlyssesSPAttentionHF` around
 the language model's attention, the sequence split after the vision merge.
 
-The N ranks of a group hold the same rows (their data rank is the group's index: `data_rank_and_world`), and each runs
+The N ranks of a group hold the same rows (their data rank is the group's index:
+`distributed.data_parallel_rank_and_world`), and each runs
 the vision step on all of their images, so the step is the same graph on every rank (the dummy image too). A pre-hook
 on the language model splits what the merge made into N contiguous shards, the sequence padded at its end to a
 multiple of N: the embeddings, the positions (mRoPE's computed on the whole sequence), Qwen3-VL's deepstack features.
 Around attention DeepSpeed's all-to-all swaps the sequence split for a head split. Each rank computes its shard's
-CE against the whole sequence's shifted labels (`shard_targets`), and the group sums (or gathers) it (`whole`): every
+CE against the whole sequence's shifted labels (`shard_targets`), and the group sums it (`whole`): every
 rank of a group holds the whole sequence's loss, as a data-parallel rank without the split does, and the backward
 gives each shard the group's gradients. So with the window's target tokens counted once per group, the engine's
 average over every rank (DDP, FSDP2, ZeRO-2/3 alike) is the exact token mean, as without the split.
@@ -56,17 +57,14 @@ def refusal(model, size: int) -> str | None:
     if other or getattr(text, "use_sliding_window", False):
         return (f"its {', '.join(other) or 'sliding-window'} layers need their attention mask, which Ulysses "
                 "attention drops")
-    if getattr(text, "use_bidirectional_attention", None) or "token_type_ids" in _forward_inputs(model):
+    bidirectional = "token_type_ids" in inspect.signature(model.forward).parameters  # Gemma 3's, PaliGemma's
+    if getattr(text, "use_bidirectional_attention", None) or bidirectional:
         return ("its attention over image tokens is bidirectional (token_type_ids), and Ulysses attention is causal "
                 "only")
     if text._attn_implementation == "eager":
         return ("eager attention is not causal without its mask, which Ulysses attention drops: "
                 "--attn_implementation sdpa (or flash_attention_2)")
     return None
-
-
-def _forward_inputs(model) -> set[str]:
-    return set(inspect.signature(model.forward).parameters)
 
 
 class SequenceParallel:
@@ -196,4 +194,9 @@ class SequenceParallel:
         if not self.split_now:  # whole sequences, with their mask
             return self.core(module, query, key, value, attention_mask, *args, **kwargs)
         kwargs["position_ids"] = self.positions  # DeepSpeed gathers them; causal masking needs them monotonic
-        return self._ulysses(len(query))(module, query, key, value, None, *args, **kwargs)
+        groups = getattr(module, "num_key_value_groups", None)  # DeepSpeed sets it where it replicates heads
+        try:
+            return self._ulysses(len(query))(module, query, key, value, None, *args, **kwargs)
+        finally:
+            if groups is not None:
+                module.num_key_value_groups = groups  # what a whole-sequence forward needs
