@@ -157,13 +157,13 @@ WITH_VIDEO = ["--dataset_name", ",".join(str(VLM_SHAPES / name) for name in ("im
 SP = ["--sequence_parallel_size", 2]
 
 
-def assert_same_run(result, truth, output_dir, truth_dir, config, processes=2):
+def assert_same_run(result, truth, output_dir, truth_dir, config, processes=2, logged=range(1, STEPS + 1)):
     assert result.returncode == 0, result.log[-3000:]
     line = result.log.replace(f"num_processes={processes} backend=gloo world_size={processes}",
                               "num_processes=2 backend=gloo world_size=2")
     assert_engine(line, config, wrapped="VLMForTraining")
     assert "sequence parallel: each sequence split over 2 ranks" in result.log
-    assert_same_curves(result.log, truth.log, range(1, STEPS + 1), rel=1e-5, grad_norm=True)
+    assert_same_curves(result.log, truth.log, logged, rel=1e-5, grad_norm=True)
     reference = load_file(truth_dir / "model.safetensors")
     for name, tensor in load_file(output_dir / "model.safetensors").items():
         torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-6, msg=name)
@@ -202,18 +202,25 @@ def rank_files(folder):
 
 
 @pytest.mark.launch
-def test_dp2_by_sp2_on_four_ranks_equals_one_process_holding_the_window(tiny_vlms, tmp_path):
+def test_dp2_by_sp2_on_four_ranks_equals_one_process_holding_the_window_and_resumes_exactly(tiny_vlms, tmp_path):
+    """4 steps on 4 ranks (ZeRO-2) against one process; from checkpoint-2, steps 3 and 4 and the weights again: each
+    group's ranks saved and resume the same data position (their data rank is the group's)."""
     rank_files(tmp_path)
-    common = ["--max_steps", STEPS, "--logging_steps", 1, "--dataset_name", "parquet", "--dataset_weights", "",
+    common = ["--max_steps", 4, "--logging_steps", 1, "--dataset_name", "parquet", "--dataset_weights", "",
               "--shuffle_buffer_size", 1, "--eval_dataset_name", "", "--ddp_timeout", 120,
               "--model_name_or_path", tiny_vlms["qwen2_5_vl"], "--per_device_train_batch_size", 1]
     truth = run_recipe(*common, "--gradient_accumulation_steps", 4, "--data_files", tmp_path / "single" / "all.parquet",
                        "--output_dir", tmp_path / "one", recipe=VLM_RECIPE)
     assert truth.returncode == 0, truth.log[-3000:]
-    result = run_engine("zero2.yaml", *common, *SP, "--gradient_accumulation_steps", 2, "--data_files",
-                        tmp_path / "rank*.parquet", "--output_dir", tmp_path / "dp2sp2", num_processes=4,
-                        recipe=VLM_RECIPE)
-    assert_same_run(result, truth, tmp_path / "dp2sp2", tmp_path / "one", "zero2.yaml", processes=4)
+    split = [*common, *SP, "--gradient_accumulation_steps", 2, "--data_files", tmp_path / "rank*.parquet",
+             "--save_steps", 2]
+    result = run_engine("zero2.yaml", *split, "--output_dir", tmp_path / "dp2sp2", num_processes=4, recipe=VLM_RECIPE)
+    assert_same_run(result, truth, tmp_path / "dp2sp2", tmp_path / "one", "zero2.yaml", processes=4,
+                    logged=range(1, 5))
+    resumed = run_engine("zero2.yaml", *split, "--output_dir", tmp_path / "resumed", "--resume_from_checkpoint",
+                         tmp_path / "dp2sp2" / "checkpoints" / "checkpoint-2", num_processes=4, recipe=VLM_RECIPE)
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert_same_run(resumed, truth, tmp_path / "resumed", tmp_path / "one", "zero2.yaml", processes=4, logged=[3, 4])
 
 
 def test_what_cannot_split_exactly_is_refused_before_the_first_step(tiny_vlms):
