@@ -110,7 +110,8 @@ def main(argv=None):
     # Ulysses: each training sequence split over --sequence_parallel_size ranks, which read the
     # same rows (evaluation reads whole sequences, each rank its own rows)
     sp_size = model_args.sequence_parallel_size
-    sequence_parallel = SequenceParallel.of(accelerator, model, sp_size, packing=data_args.packing)
+    sequence_parallel = SequenceParallel.of(accelerator, model, sp_size, packing=data_args.packing,
+                                            compiled=args.torch_compile)
     data_rank, data_world = data_parallel_rank_and_world(accelerator, sp_size)
     eval_ranks = evaluation_ranks(accelerator, data_rank, data_world, sp_size)
     batch_size = per_device_batch_size(args, data_world)

@@ -236,7 +236,9 @@ def test_what_cannot_split_exactly_is_refused_before_the_first_step(tiny_vlms):
     accelerate_sp = SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=2))
     with pytest.raises(ValueError, match="parallelism_config_sp_size wraps every sdpa attention, the vision tower"):
         sequence_parallel.SequenceParallel.of(accelerate_sp, model, 1)
-    assert sequence_parallel.SequenceParallel.of(plain, model, 1) is None
+    with pytest.raises(ValueError, match="with --torch_compile: compiling the blocks around DeepSpeed's all-to-all"):
+        sequence_parallel.SequenceParallel.of(plain, model, 2, compiled=True)
+    assert sequence_parallel.SequenceParallel.of(plain, model, 1, packing=True, compiled=True) is None
     with pytest.raises(ValueError, match="needs a multiple of 2 processes \\(there are 1\\)"):
         sequence_parallel.SequenceParallel(model, 2)
 
