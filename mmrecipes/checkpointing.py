@@ -113,6 +113,14 @@ class Checkpointer:
         self.layout, self.model = dict(layout), model_layout(model)
         self.resumed_totals = {}  # the log's totals at the checkpoint resumed from (`resume`)
 
+    def _data_state(self) -> tuple[str, bool]:
+        """(this rank's data position file, whether it writes it): its data rank's. The ranks of a sequence-parallel
+        group (consecutive, reading the same rows) share their group's, written by the first; so a resume with
+        another group size reads each data rank's own position."""
+        per_data_rank = self.accelerator.num_processes // self.layout["data_ranks"]
+        rank = self.accelerator.process_index
+        return f"data_state_{rank // per_data_rank}.json", rank % per_data_rank == 0
+
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first (other names beside them, e.g. a copy 'checkpoint-6-backup', are not)."""
         return sorted((path for path in self.root.glob("checkpoint-*")
@@ -150,9 +158,10 @@ class Checkpointer:
             (partial / SCHEDULER).write_text(json.dumps(self.scheduler.state_dict()))
             for item in self.saved_with:
                 item.save_pretrained(partial)
-        if self.train_loader is not None:  # after the last batch the loop took: the loader reads none ahead
+        name, writes = self._data_state()
+        if self.train_loader is not None and writes:  # after the last batch the loop took: none read ahead
             data_state = {"epoch": epoch, "loader": self.train_loader.state_dict()}
-            (partial / f"data_state_{accelerator.process_index}.json").write_text(json.dumps(data_state))
+            (partial / name).write_text(json.dumps(data_state))
         accelerator.wait_for_everyone()  # every rank's files are written
         manifest = dict(self._on_every_rank(lambda name: [(name, file_digest(partial / name))],
                                             checkpoint_files(partial, MARKER)))
@@ -338,7 +347,7 @@ class Checkpointer:
             self.accelerator.print(f"resumed from {checkpoint} at step {start_step}; --ignore_data_skip: the data "
                                    "start from the beginning")
             return start_step, None
-        data_state = json.loads((checkpoint / f"data_state_{self.accelerator.process_index}.json").read_text())
+        data_state = json.loads((checkpoint / self._data_state()[0]).read_text())
         train_loader.load_state_dict(data_state["loader"])  # no row is read again to find the position
         self.accelerator.print(f"resumed from {checkpoint} at step {start_step}, the data at its saved position in "
                                f"epoch {data_state['epoch']}")

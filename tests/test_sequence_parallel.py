@@ -188,15 +188,21 @@ def test_sp2_on_two_ranks_equals_one_process(tiny_vlms, tmp_path, family, config
 
 
 def rank_files(folder):
-    """rank0.parquet, rank1.parquet (image and text-only rows alternating) and all.parquet: each window of one
-    process at batch 1 x 4 micro-batches holds rank 0's two micro-batches, then rank 1's."""
+    """rank0.parquet, rank1.parquet (image and text-only rows alternating; rank 0's third row too long, skipped, so
+    the two data ranks' positions differ) and all.parquet: each window of one process at batch 1 x 4 micro-batches
+    holds rank 0's two micro-batches, then rank 1's."""
     image = pq.read_table(sorted(VLM_SHAPES.glob("image_chat/train-*.parquet"))[0]).slice(0, 16)
     text = pq.read_table(sorted(VLM_SHAPES.glob("text_chat/train-*.parquet"))[0]).slice(0, 16).cast(image.schema)
     rows = [table.slice(index, 1) for index in range(16) for table in (image, text)]
-    ranks = [rows[0::2], rows[1::2]]  # both hold image and text rows
+    ranks = [[row for index, row in enumerate(rows) if index // 2 % 2 == rank] for rank in (0, 1)]
+    long = text.slice(0, 1).to_pylist()[0]
+    long["messages"][0]["content"][0]["text"] = "Tell me more. " * 400
+    long = pa.Table.from_pylist([long], schema=image.schema)
+    single = [row for window in range(8) for held in ranks for row in held[2 * window:2 * window + 2]]
+    single.insert(4, long)  # read before rank 0's third row, as rank 0 reads it
+    ranks[0].insert(2, long)
     for rank, held in enumerate(ranks):
         pq.write_table(pa.concat_tables(held), folder / f"rank{rank}.parquet")
-    single = [row for window in range(8) for held in ranks for row in held[2 * window:2 * window + 2]]
     (folder / "single").mkdir()
     pq.write_table(pa.concat_tables(single), folder / "single" / "all.parquet")
 
@@ -221,6 +227,15 @@ def test_dp2_by_sp2_on_four_ranks_equals_one_process_holding_the_window_and_resu
                          tmp_path / "dp2sp2" / "checkpoints" / "checkpoint-2", num_processes=4, recipe=VLM_RECIPE)
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert_same_run(resumed, truth, tmp_path / "resumed", tmp_path / "one", "zero2.yaml", processes=4, logged=[3, 4])
+    # Under DDP the same window resumes on 2 ranks without the split: each data rank's position is its own file
+    # (a file per process gave data rank 1 its group peer's, data rank 0's, position)
+    ddp = run_engine("ddp.yaml", *split, "--output_dir", tmp_path / "ddp", num_processes=4, recipe=VLM_RECIPE)
+    assert_same_run(ddp, truth, tmp_path / "ddp", tmp_path / "one", "ddp.yaml", processes=4, logged=range(1, 5))
+    unsplit = [*split[:split.index("--sequence_parallel_size")], *split[split.index("--sequence_parallel_size") + 2:]]
+    resumed = run_engine("ddp.yaml", *unsplit, "--output_dir", tmp_path / "unsplit", "--resume_from_checkpoint",
+                         tmp_path / "ddp" / "checkpoints" / "checkpoint-2", recipe=VLM_RECIPE)
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert_same_curves(resumed.log, truth.log, [3, 4], rel=1e-5, grad_norm=True)
 
 
 def test_what_cannot_split_exactly_is_refused_before_the_first_step(tiny_vlms):
