@@ -6,6 +6,8 @@ Count N once per window (one all-reduce), then back-propagate each micro-batch's
 `token_loss_scale` (docs/losses.md).
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -83,6 +85,46 @@ def _chunk_cross_entropy_sum(hidden, targets, head, softcap, rows=None, num_rows
 def _chunk_token_cross_entropy(hidden, targets, head, softcap, temperature):
     return F.cross_entropy(soft_capped(head(hidden).float(), softcap) / temperature, targets,
                            ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def head_generalized_jsd_sum(student_hidden: torch.Tensor, student_head: torch.nn.Module,
+                             teacher_hidden: torch.Tensor, teacher_head: torch.nn.Module, mask: torch.Tensor, *,
+                             beta: float, temperature: float = 1.0, num_chunks: int = 8,
+                             student_softcap: float | None = None,
+                             teacher_softcap: float | None = None) -> torch.Tensor:
+    """The generalised Jensen-Shannon divergence between the teacher's and the student's next-token distributions at
+    `temperature`, summed over the positions where `mask` holds (GKD, Agarwal et al. 2024, as TRL 1.16 defines it):
+    beta KL(p_t || m) + (1 - beta) KL(p_s || m) with m = (1 - beta) p_s + beta p_t; beta 0 is the forward KL(p_t ||
+    p_s), 1 the reverse KL(p_s || p_t). `*_hidden`: `[..., hidden]` positions aligned with `mask` `[...]` (each
+    predicting the same next token), each model's own width; the vocabularies must be the same.
+
+    As `head_cross_entropy_sum`: the positions go through both heads in `num_chunks` slices, each slice's logits in
+    fp32 and recomputed in backward, so neither model's logits of the whole batch exist at once, and every rank calls
+    each head equally often. The gradient reaches the student only."""
+    student, teacher = student_hidden.flatten(0, -2), teacher_hidden.flatten(0, -2)
+    parts = zip(student.tensor_split(num_chunks), teacher.tensor_split(num_chunks),
+                mask.flatten().tensor_split(num_chunks))
+    total = student.new_zeros((), dtype=torch.float32)
+    for student_part, teacher_part, mask_part in parts:
+        total = total + torch.utils.checkpoint.checkpoint(
+            _chunk_generalized_jsd, student_part, teacher_part, mask_part, student_head, teacher_head, beta,
+            temperature, student_softcap, teacher_softcap, use_reentrant=False)
+    return total
+
+
+def _chunk_generalized_jsd(student_hidden, teacher_hidden, mask, student_head, teacher_head, beta, temperature,
+                           student_softcap, teacher_softcap):
+    log_ps = F.log_softmax(soft_capped(student_head(student_hidden).float(), student_softcap) / temperature, dim=-1)
+    with torch.no_grad():
+        log_pt = F.log_softmax(soft_capped(teacher_head(teacher_hidden).float(), teacher_softcap) / temperature, dim=-1)
+    if beta == 0:
+        divergence = (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+    elif beta == 1:
+        divergence = (log_ps.exp() * (log_ps - log_pt)).sum(-1)
+    else:
+        log_m = torch.logaddexp(log_ps + math.log(1 - beta), log_pt + math.log(beta))
+        divergence = (beta * log_pt.exp() * (log_pt - log_m) + (1 - beta) * log_ps.exp() * (log_ps - log_m)).sum(-1)
+    return (divergence * mask).sum()
 
 
 def soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
