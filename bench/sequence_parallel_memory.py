@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import VideoArgs
@@ -107,13 +107,20 @@ def main():
     parser.add_argument("--frames", type=int, default=128)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--results", default=str(RESULTS), help="the JSON-lines file to append to")
+    parser.add_argument("--rank", nargs=5, help=argparse.SUPPRESS)  # a rank of the sp=2 run: rank port dir frames out
     args = parser.parse_args()
+    if args.rank:
+        rank, port, directory, frames, out = args.rank
+        return measure(int(rank), 2, int(port), directory, int(frames), out)
     frames = 16 if args.quick else args.frames
     with tempfile.TemporaryDirectory() as folder:
         directory = save_tiny_vlm("qwen2_5_vl", Path(folder) / "model")
         measure(0, 1, 0, directory, frames, folder)
-        mp.start_processes(measure, args=(2, 29500 + os.getpid() % 1000, directory, frames, folder), nprocs=2,
-                           start_method="spawn")
+        port = str(29500 + os.getpid() % 1000)
+        ranks = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), port, str(directory), str(frames),
+                                   folder]) for rank in (0, 1)]
+        if any(rank.wait() for rank in ranks):
+            raise RuntimeError("a rank of the sp=2 run failed (its output is above)")
         runs = {name: torch.load(Path(folder) / f"{name}.pt") for name in ("1_0", "2_0", "2_1")}
     whole, shards = runs["1_0"], [runs["2_0"], runs["2_1"]]
     mib = 2 ** 20
