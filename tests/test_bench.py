@@ -36,6 +36,7 @@ BENCHES = [
     ("grpo_sampling.py", ["--quick"]),
     ("label_alignment.py", ["--quick"]),
     ("sequence_parallel_memory.py", ["--quick"]),
+    ("vlm_loss_memory.py", ["--quick", "--loss", "jsd"]),
 ]
 HALVES = 2
 
