@@ -87,9 +87,10 @@ def measure(rank, world, port, directory, frames, out):
     step = VLMForTraining(model, SequenceParallel(model, world) if world > 1 else None)
     saved = SavedActivations(model)
     start = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
+    # enable_grad: tests/run_benches.py runs scripts in one process, after some that switch gradients off
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
         loss = loss_sum(step, batch)
-    loss.backward()
+        loss.backward()
     grads = [param.grad for param in model.parameters() if param.grad is not None]
     if world > 1:  # each shard got its gradient once from each rank's loss (mmrecipes.vlm.sequence_parallel)
         for grad in grads:
