@@ -39,7 +39,14 @@ from .families import (
     video_as_image_names,
 )
 from .lora import save_lora
-from .losses import head_cross_entropy_per_row, head_cross_entropy_per_token, head_cross_entropy_sum, soft_capped
+from .losses import (
+    IGNORE_INDEX,
+    head_cross_entropy_per_row,
+    head_cross_entropy_per_token,
+    head_cross_entropy_sum,
+    head_generalized_jsd_sum,
+    soft_capped,
+)
 from .module_groups import ModuleGroups
 from .moe import routing
 from .packing import packed_position_ids
@@ -69,8 +76,11 @@ class VLMForTraining(torch.nn.Module):
         # checkpoints only in training mode), until an evaluation's train() would turn them on mid-run
         model.train()
 
-    def forward(self, batch: dict, output: str = "loss_sum", temperature: float = 1.0):
+    def forward(self, batch: dict, output: str = "loss_sum", temperature: float = 1.0, teacher=None,
+                beta: float = 0.5):
         """`output` of a `ChatCollator` batch on the device (`images.to_device`); see the named functions."""
+        if output == "head_logits":  # a teacher's: another model's hidden states through this one's output layer
+            return soft_capped(self.model.get_output_embeddings()(batch["hidden"]), self.softcap)
         with_routing = output in ("loss_sum_and_routing", "routing")
         split = self.sequence_parallel is not None and self.training and output != "logits"
         with self.sequence_parallel.splitting(split) if self.sequence_parallel else contextlib.nullcontext():
@@ -83,6 +93,8 @@ class VLMForTraining(torch.nn.Module):
                 return routed
         if output == "logits":  # evaluation and sampling: no backward, so no dummy term
             return soft_capped(head(hidden), self.softcap)
+        if output == "hidden":  # a teacher's, without a graph
+            return hidden
         if split:  # `hidden` is this rank's shard
             value = self.sequence_parallel.whole(output, hidden, head, labels, softcap=self.softcap,
                                                  temperature=temperature)
@@ -93,9 +105,13 @@ class VLMForTraining(torch.nn.Module):
             value = -head_cross_entropy_per_row(hidden, head, labels, softcap=self.softcap)
         elif output == "token_logps":
             value = -head_cross_entropy_per_token(hidden, head, labels, softcap=self.softcap, temperature=temperature)
+        elif output == "generalized_jsd":
+            value = head_generalized_jsd_sum(hidden[:, :-1], head, batch["teacher_hidden"][:, :-1], teacher,
+                                             labels[:, 1:] != IGNORE_INDEX, beta=beta, temperature=temperature,
+                                             student_softcap=self.softcap)
         else:
             raise ValueError(f"no output {output!r}: one of loss_sum, loss_sum_and_routing, routing, sequence_logps, "
-                             "token_logps, logits")
+                             "token_logps, generalized_jsd, logits, hidden, head_logits")
         value = value + self._dummy_terms(dummies)
         return (value, *routed) if with_routing else value
 
@@ -184,6 +200,18 @@ def token_logps(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
     """Each target token's log-probability at `temperature` (GRPO's: the sampling temperature, as TRL scores them),
     `[rows, tokens - 1]`, 0 elsewhere."""
     return model(batch, "token_logps", temperature)
+
+
+def generalized_jsd_sum(model, batch: dict, teacher, *, beta: float, temperature: float) -> torch.Tensor:
+    """The batch's summed generalised JSD between the teacher's and the student's next-token distributions over its
+    target tokens (`losses.head_generalized_jsd_sum`); `batch["teacher_hidden"]`: the teacher's `hidden_states` of the
+    same tokens; `teacher`: its output layer (`distill.Teacher.head_logits`)."""
+    return model(batch, "generalized_jsd", temperature, teacher, beta)
+
+
+def hidden_states(model, batch: dict) -> torch.Tensor:
+    """The language model's last hidden states, `[rows, tokens, hidden]`: a teacher's, without a graph."""
+    return model(batch, "hidden")
 
 
 def logits(model, batch: dict) -> torch.Tensor:

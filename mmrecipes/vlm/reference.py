@@ -14,6 +14,15 @@ from ..images import to_device
 from .models import sequence_logps, token_logps
 
 
+def parameter_values_held(model) -> tuple[int, int]:
+    """(the parameter values this rank holds, all of the model's): ZeRO-3's partitions and FSDP2's shards."""
+    held = total = 0
+    for param in model.parameters():
+        total += getattr(param, "ds_numel", param.numel())  # ZeRO-3: the full size; numel() is 0 once partitioned
+        held += (param.ds_tensor if hasattr(param, "ds_tensor") else getattr(param, "_local_tensor", param)).numel()
+    return held, total
+
+
 def frozen_reference(accelerator, reference):
     """`reference` (a frozen `VLMForTraining`, copied before `prepare`) as the engine keeps the policy: sharded by
     FSDP2, and partitioned by ZeRO-3 (a DeepSpeed engine without an optimizer, as TRL prepares its reference), never
@@ -75,10 +84,7 @@ class Reference:
     def describe(self) -> str:
         if self.peft_model is not None:
             return "reference: the policy with its LoRA adapters disabled"
-        held = total = 0
-        for param in self.model.parameters():
-            total += getattr(param, "ds_numel", param.numel())  # ZeRO-3: the full size; numel() is 0 once partitioned
-            held += (param.ds_tensor if hasattr(param, "ds_tensor") else getattr(param, "_local_tensor", param)).numel()
+        held, total = parameter_values_held(self.model)
         return (f"reference: a frozen copy of the starting model, {type(self.model).__name__} holding {held:,} of its "
                 f"{total:,} parameter values on this rank")
 
