@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import tempfile
@@ -117,11 +118,15 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         directory = save_tiny_vlm("qwen2_5_vl", Path(folder) / "model")
         measure(0, 1, 0, directory, frames, folder)
-        port = str(29500 + os.getpid() % 1000)
+        with socket.socket() as probe:  # a free port for the ranks' rendezvous
+            probe.bind(("127.0.0.1", 0))
+            port = str(probe.getsockname()[1])
         ranks = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), port, str(directory), str(frames),
-                                   folder]) for rank in (0, 1)]
-        if any(rank.wait() for rank in ranks):
-            raise RuntimeError("a rank of the sp=2 run failed (its output is above)")
+                                   folder], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank in (0, 1)]
+        outputs = [rank.communicate()[0] for rank in ranks]
+        if any(rank.returncode for rank in ranks):
+            raise RuntimeError("a rank of the sp=2 run failed:\n" + "\n".join(output[-3000:] for output in outputs))
         runs = {name: torch.load(Path(folder) / f"{name}.pt") for name in ("1_0", "2_0", "2_1")}
     whole, shards = runs["1_0"], [runs["2_0"], runs["2_1"]]
     mib = 2 ** 20
