@@ -104,6 +104,20 @@ def measure(rank, world, port, directory, frames, out):
         dist.destroy_process_group()
 
 
+def run_ranks(directory, frames: int, folder) -> str | None:
+    """The sp=2 run: 2 processes of this script (`--rank`); None, or the failing ranks' output."""
+    with socket.socket() as probe:  # a free port for the ranks' rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    ranks = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), port, str(directory), str(frames),
+                               folder], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [rank.communicate()[0] for rank in ranks]
+    if any(rank.returncode for rank in ranks):
+        return "\n".join(f"rank {index} (exit {rank.returncode}):\n{output[-3000:]}"
+                         for index, (rank, output) in enumerate(zip(ranks, outputs)))
+    return None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, default=128)
@@ -118,15 +132,13 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         directory = save_tiny_vlm("qwen2_5_vl", Path(folder) / "model")
         measure(0, 1, 0, directory, frames, folder)
-        with socket.socket() as probe:  # a free port for the ranks' rendezvous
-            probe.bind(("127.0.0.1", 0))
-            port = str(probe.getsockname()[1])
-        ranks = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), port, str(directory), str(frames),
-                                   folder], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for rank in (0, 1)]
-        outputs = [rank.communicate()[0] for rank in ranks]
-        if any(rank.returncode for rank in ranks):
-            raise RuntimeError("a rank of the sp=2 run failed:\n" + "\n".join(output[-3000:] for output in outputs))
+        for attempt in (1, 2):  # a second try once, said: a rank failed once in a full CI-style run, unexplained
+            outputs = run_ranks(directory, frames, folder)
+            if outputs is None:
+                break
+            print(f"sp=2 attempt {attempt} failed:\n{outputs}")
+        else:
+            raise RuntimeError("both sp=2 attempts failed (their output is above)")
         runs = {name: torch.load(Path(folder) / f"{name}.pt") for name in ("1_0", "2_0", "2_1")}
     whole, shards = runs["1_0"], [runs["2_0"], runs["2_1"]]
     mib = 2 ** 20
