@@ -174,6 +174,7 @@ RULES = {
     "non_negative": (lambda v: _number(v, 0, False), "a finite number, 0 or more"),
     "non_negative_or_none": (lambda v: v is None or _number(v, 0, False), "a finite number, 0 or more, or unset"),
     "fraction": (lambda v: _number(v, 0, False) and v < 1, "a number from 0 up to (not including) 1"),
+    "share": (lambda v: _number(v, 0, False) and v <= 1, "a number from 0 to 1"),
     "probability": (lambda v: _number(v, 0, True) and v <= 1, "a number above 0 and at most 1"),
     # SigLIP 2 NaFlex: attention grows with the square of an image's patches; published models use up to 1024
     "patches": (lambda v: v is None or (_count(v, 1) and v <= 4096), "a positive integer, at most 4096 (a 64 x 64 "

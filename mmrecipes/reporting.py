@@ -22,6 +22,7 @@ FORMATS = {"loss": ".6f", "aux_loss": ".6f", "grad_norm": ".6f", "lr": ".2e", "s
            "tokens_per_s": ".0f", "mfu": ".2%", "data_wait": ".3f", "rewards/accuracies": ".3f"}
 FORMATS |= dict.fromkeys(("rewards/chosen", "rewards/rejected", "rewards/margins"), ".5f")  # the DPO recipe's
 FORMATS |= dict.fromkeys(("logps/chosen", "logps/rejected"), ".4f")
+FORMATS |= dict.fromkeys(("generation_share", "on_policy", "sample_length"), ".3f")  # GRPO's, distillation's
 LABELS = {"samples_per_s": "samples/s", "tokens_per_s": "tokens/s", "mfu": "MFU"}
 
 
@@ -114,11 +115,12 @@ class Report:
     def add_batches(self, window: list, trained: list | None = None):
         """Count a step's batches: those read (`window`: rows, `num_samples`, and the data counts) and those trained
         (`trained`, by default the ones read: tokens and text-only batches where the collator counts them, FLOPs).
-        GRPO reads prompts and trains their completions, each batch of them for --num_iterations steps."""
+        GRPO reads prompts and trains their completions, each batch of them for --num_iterations steps; distillation
+        trains samples of its prompts or their answers: a batch of `prompts` read is never counted as trained."""
         share = 1 if self.counts_batches else 0  # a peer's zeros: every rank sums the same names
         for batch in window:
             self.window.add(data_counts=batch["data_counts"] * share, samples=batch["num_samples"] * share)
-        for batch in window if trained is None else trained:
+        for batch in [batch for batch in window if "prompts" not in batch] if trained is None else trained:
             counts = {"tokens": batch["num_tokens"], "dummy_image_batches": batch["dummy_image"]} if (
                 "num_tokens" in batch) else {}
             if self.flops is not None:

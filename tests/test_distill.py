@@ -6,13 +6,20 @@ step, with the reason."""
 import re
 
 import pytest
+from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from helpers import tiny
+from helpers import chat_row, tiny
 from launch import REPO, run_engine, run_recipe
-from mmrecipes.vlm.arguments import VLMModelArgs
-from mmrecipes.vlm.distill import Teacher, mismatch
+from mmrecipes.paths import resolve_name
+from mmrecipes.vlm.arguments import PromptDataArgs, VLMModelArgs
+from mmrecipes.vlm.collate import ChatCollator
+from mmrecipes.vlm.distill import DistillCollator, DistillPreprocessor, Teacher, mismatch, on_policy
+from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.losses import IGNORE_INDEX
 from mmrecipes.vlm.models import load_vlm
+
+TINY_SFT_VLM = resolve_name("embedded:tiny_sft_vlm")
 
 WINDOW = REPO / "tests" / "distill_window.py"
 LINE = re.compile(r"window loss ([\d.]+) \| grad_norm ([\d.]+) \| teacher: (.*)")
@@ -56,4 +63,48 @@ def test_a_teacher_of_another_vocabulary_or_processor_is_refused(tiny_vlms, tmp_
     wider_processor.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="needs a teacher of the student's vocabulary and processor"):
         Teacher.load(str(tmp_path), student, processor)
-    assert mismatch(student, processor, *load_vlm(VLMModelArgs(text_hidden_size=192))) is None
+    wider, wider_processor = load_vlm(VLMModelArgs(text_hidden_size=192))
+    assert mismatch(student, processor, wider, wider_processor) is None
+    wider_processor.image_processor.image_mean = [0.0, 0.0, 0.0]  # the same tokens, other pixels
+    assert "other inputs (pixel_values)" in mismatch(student, processor, wider, wider_processor)
+
+
+def test_prompt_rows_and_chat_rows_become_a_prompt_with_the_dataset_answer_after_it():
+    """TRL's prompt rows (with a `solution`) and chat rows: the prompt as the processor writes it with the generation
+    prompt, then the dataset's answer, its tokens the only targets (a chat row's earlier answers are context, as in a
+    sample); a prompt row without a solution has no off-policy answer and is counted."""
+    processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
+    stops = [processor.tokenizer.convert_tokens_to_ids("<|end|>")]
+    preprocess = DistillPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=64)
+    red = Image.new("RGB", (32, 32), (220, 40, 40))
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}]
+    earlier = chat_row("Name a colour.", "blue")["messages"]
+    rows = [{"prompt": question, "images": [red], "solution": "red"},
+            chat_row("What colour is it?", "red", red),
+            {"messages": earlier + chat_row("What colour is it?", "red", red)["messages"], "images": [red]},
+            {"prompt": "What colour is it?", "images": [red]},  # no solution
+            {"prompt": "What colour is it? " * 40, "solution": "red"}]  # over max_length
+    out = preprocess({key: [row.get(key) for row in rows] for key in {key for row in rows for key in row}})
+    assert preprocess.drops.totals == {"no_target": 1, "too_long": 1}
+    prompt = processor(text=processor.apply_chat_template(question, add_generation_prompt=True), images=[red])
+    answer = processor.tokenizer("red<|end|>", add_special_tokens=False)["input_ids"]
+    for input_ids, labels, length in zip(out["input_ids"][:2], out["labels"][:2], out["prompt_length"][:2]):
+        assert list(input_ids[:length]) == list(prompt["input_ids"][0]) and length == len(prompt["input_ids"][0])
+        assert [int(t) for t in labels if t != IGNORE_INDEX] == answer == list(input_ids[length:length + 2])
+    input_ids, labels, length = out["input_ids"][2], out["labels"][2], out["prompt_length"][2]
+    assert [int(t) for t in labels if t != IGNORE_INDEX] == answer  # "blue" is context
+    assert processor.tokenizer.decode(input_ids[:length]).count("blue") == 1
+    # the collator: the off-policy micro-batch, and each row's prompt for the samplers
+    batch = DistillCollator(ChatCollator(processor.tokenizer.pad_token_id, {}))(
+        [dict(zip(out, values)) for values in zip(*out.values())])
+    assert batch["answers"]["target_tokens"] == 3 * len(answer) and batch["num_samples"] == 3
+    assert [len(prompt["input_ids"]) for prompt in batch["prompts"]] == list(out["prompt_length"])
+
+
+def test_a_step_is_on_policy_with_probability_lmbda_the_same_draw_on_every_rank():
+    draws = [on_policy(42, step, 0.3) for step in range(2000)]
+    assert sum(draws) / len(draws) == pytest.approx(0.3, abs=0.03)
+    assert draws == [on_policy(42, step, 0.3) for step in range(2000)]  # a rank, a resume: the same
+    assert draws != [on_policy(7, step, 0.3) for step in range(2000)]
+    assert not any(on_policy(42, step, 0.0) for step in range(100)) and all(
+        on_policy(42, step, 1.0) for step in range(100))

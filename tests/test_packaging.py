@@ -59,7 +59,7 @@ def test_clip_recipe_copied_out_of_the_checkout_trains_and_saves(installed_wheel
 # The VLM recipes in one Python process, one after the other: their imports are shared (about 15 s each).
 BOTH_VLM_RECIPES = """
 import runpy, sys
-for recipe in ("vlm_finetune.py", "vlm_dpo.py", "vlm_grpo.py"):
+for recipe in ("vlm_finetune.py", "vlm_dpo.py", "vlm_grpo.py", "vlm_distill.py"):
     sys.argv = [recipe, "--report_to", "none", "--max_steps", "2", "--eval_steps", "2"]
     runpy.run_path(recipe, run_name="__main__")
     print("== finished", recipe, flush=True)
@@ -68,13 +68,15 @@ for recipe in ("vlm_finetune.py", "vlm_dpo.py", "vlm_grpo.py"):
 
 def test_vlm_recipes_copied_out_of_the_checkout_start(installed_wheel, tmp_path):
     project = tmp_path / "my_vlm_project"
-    env = copied_into(project, installed_wheel, "vlm_finetune.py", "vlm_dpo.py", "vlm_grpo.py")
+    env = copied_into(project, installed_wheel, "vlm_finetune.py", "vlm_dpo.py", "vlm_grpo.py", "vlm_distill.py")
     result = run_command([sys.executable, "-c", BOTH_VLM_RECIPES], cwd=project, environment=env)
     assert result.returncode == 0, result.log[-3000:]
     finetune, rest = result.log.split("== finished vlm_finetune.py")
-    dpo, grpo = rest.split("== finished vlm_dpo.py")
+    dpo, rest = rest.split("== finished vlm_dpo.py")
+    grpo, distill = rest.split("== finished vlm_grpo.py")
     assert sorted(losses(finetune)) == [2] and "answer_accuracy" in finetune
     assert sorted(losses(dpo)) == [2] and "eval_pairs 256" in dpo  # the embedded preference pairs came from the wheel
     assert "step 2/2 | loss" in grpo and "eval_generated 256" in grpo  # and the SFT'd start model
-    for output in ("vlm_finetune", "vlm_dpo", "vlm_grpo"):
+    assert "step 2/2 | loss" in distill and "teacher_generated_accuracy" in distill  # and the teacher
+    for output in ("vlm_finetune", "vlm_dpo", "vlm_grpo", "vlm_distill"):
         assert (project / "outputs" / output / "config.json").is_file()

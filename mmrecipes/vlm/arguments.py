@@ -241,8 +241,8 @@ class PromptDataArgs(ChatDataArgs):
     def __post_init__(self):
         super().__post_init__()
         if self.packing or self.max_tokens_per_batch:
-            raise ValueError("--packing and --max_tokens_per_batch split or join rows; GRPO samples whole completions "
-                             "per prompt: use --per_device_train_batch_size")
+            raise ValueError("--packing and --max_tokens_per_batch split or join rows; GRPO and distillation sample "
+                             "whole completions per prompt: use --per_device_train_batch_size")
 
 
 @dataclass
@@ -301,3 +301,36 @@ class GRPOArgs(CheckedArgs):
         if save_steps % self.num_iterations:  # a checkpoint keeps no completions: its resume would sample new ones
             raise ValueError(f"--save_steps {save_steps}: a multiple of --num_iterations {self.num_iterations}, so "
                              "that every checkpoint falls between two batches of completions")
+
+
+@dataclass
+class DistillArgs(CheckedArgs):
+    """On-policy distillation (GKD, Agarwal et al. 2024), TRL's names: beta, temperature and max_completion_length as
+    in its DistillationConfig, lmbda and seq_kd as in its GKD trainer."""
+
+    # The frozen teacher: an image-text-to-text checkpoint of the student's vocabulary and processor
+    # (embedded:tiny_teacher_vlm: a wider tiny Llava fine-tuned on the embedded conversations, data_prep/)
+    teacher_model_name_or_path: str = "embedded:tiny_teacher_vlm"
+    # the generalised JSD: 0 the forward KL(teacher || student), 1 the reverse KL (TRL's default), between them the JSD
+    beta: float = checked(1.0, "share")
+    # the share of steps trained on the student's own samples (on-policy); the others on the dataset's answers
+    lmbda: float = checked(0.5, "share")
+    seq_kd: bool = False  # the off-policy steps on the teacher's samples instead of the dataset's answers
+    temperature: float = checked(1.0, "positive")  # of the sampling and of both distributions in the divergence
+    top_p: float = checked(1.0, "probability")
+    max_completion_length: int = checked(8, "count")  # a sample stops here (TRL: 512)
+    # ZeRO-3: gather the whole student on every rank while it samples (as GRPO's flag; the teacher samples layer by
+    # layer)
+    ds3_gather_for_generation: bool = False
+    # what GRPO's sampler reads besides: one sample per prompt, a truncated one trained as it is (no reward to spoil)
+    num_generations: ClassVar[int] = 1
+    mask_truncated_completions: ClassVar[bool] = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.teacher_model_name_or_path = resolve_name(self.teacher_model_name_or_path)
+
+    def check_with(self, parsed):
+        if self.other(parsed, VLMModelArgs).sequence_parallel_size > 1:
+            raise ValueError("--sequence_parallel_size: distillation does not split sequences yet (the teacher's "
+                             "hidden states would need the same split); use 1")

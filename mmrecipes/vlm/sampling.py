@@ -142,16 +142,18 @@ class Sampler:
     def describe(self) -> str:
         return generation_line(self.accelerator, self.args.ds3_gather_for_generation)
 
-    def rollouts(self, model, prompts, layout, scorer, seed: int) -> "Rollouts":
+    def rollouts(self, model, prompts, layout, scorer, seed: int, gather: bool | None = None) -> "Rollouts":
         """This rank's completions of the team's `prompts` (`GroupLayout.pieces`), sampled as the engine allows
-        (`model_for_sampling`), decoded and scored (`sample`)."""
-        with model_for_sampling(self.accelerator, model, self.args.ds3_gather_for_generation) as (sampling, whole):
+        (`model_for_sampling`; `gather` None: --ds3_gather_for_generation), decoded and scored (`sample`)."""
+        gather = self.args.ds3_gather_for_generation if gather is None else gather
+        with model_for_sampling(self.accelerator, model, gather) as (sampling, whole):
             return self.sample(sampling, whole, prompts, layout, scorer, seed)
 
     def sample(self, model, whole: bool, prompts, layout, scorer, seed: int) -> "Rollouts":
         """Each group of the pieces from `prompt_seed(seed, prompt)` (`seed`: the run's + the step), by `generate_group`
         on a `whole` model, else by `sample_group` (as many times on every rank: a filler where a rank has fewer
-        pieces); decoded and scored (`RewardScorer`, once), in micro-batches of `layout.micro_batch`."""
+        pieces); decoded and scored (`RewardScorer`, once; unscored where `scorer` is None), in micro-batches of
+        `layout.micro_batch`."""
         started, rollouts, rows, scored = time.perf_counter(), Rollouts(), [], []
         device, args = self.accelerator.device, self.args
         pieces = [(piece, True) for piece in layout.pieces()] if whole else batches_in_step(layout.pieces(), (0, [0]),
@@ -169,9 +171,10 @@ class Sampler:
             rollouts.lengths += [len(ids) for ids in completions]
             rollouts.truncated += [cut for _, cut in group]
             rows += chat_rows(prompt, completions, [not (cut and args.mask_truncated_completions) for _, cut in group])
-        prompts_of, ids, texts = zip(*scored)
-        reward_prompts, completions, columns = reward_inputs(prompts_of, texts)
-        rollouts.scores = scorer(reward_prompts, completions, list(ids), columns)
+        if scorer is not None:
+            prompts_of, ids, texts = zip(*scored)
+            reward_prompts, completions, columns = reward_inputs(prompts_of, texts)
+            rollouts.scores = scorer(reward_prompts, completions, list(ids), columns)
         rollouts.micro_batches = [self.collator(rows[start:start + layout.micro_batch])
                                   for start in range(0, len(rows), layout.micro_batch)]
         rollouts.seconds = time.perf_counter() - started

@@ -1,0 +1,261 @@
+"""On-policy distillation (GKD) of an image-text-to-text model from a larger one of its vocabulary.
+
+    accelerate launch recipes/vlm_distill.py
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/vlm_distill.py \
+        --model_name_or_path Qwen/Qwen2.5-VL-3B-Instruct --learning_rate 1.0e-6 \
+        --teacher_model_name_or_path Qwen/Qwen2.5-VL-7B-Instruct --max_completion_length 512
+
+Each step the student (--model_name_or_path) learns the frozen teacher's next-token distribution,
+token by token: on its own samples of the prompts with probability --lmbda (on-policy, GRPO's
+seeded samplers: W ranks sample what one process does), else on the dataset's answers (--seq_kd:
+on the teacher's samples). The divergence is TRL's generalised JSD (--beta 0: forward KL, 1:
+reverse KL), computed slice by slice through both output layers, so neither model's logits of a
+batch exist whole, and normalised over the step's target tokens on every rank. The teacher is
+kept as the engine keeps the student: sharded (FSDP2), partitioned (ZeRO-3), whole (DDP). Prompts
+in the layouts GRPO reads; a chat row's last answer or a prompt row's `solution` is the dataset's
+answer (docs/distill.md). With no arguments: the tiny SFT'd Llava learns from a wider one.
+"""
+
+from dataclasses import asdict, dataclass
+
+from mmrecipes.arguments import TrainingArgs
+from mmrecipes.config import checked, parse_args
+from mmrecipes.vlm.arguments import DistillArgs, LoraArgs, PromptDataArgs, VLMModelArgs
+
+
+@dataclass
+class ModelArgs(VLMModelArgs):
+    # The tiny Llava after 60 SFT steps (data_prep/tiny_sft_vlm.py), the student of a wider one
+    model_name_or_path: str | None = "embedded:tiny_sft_vlm"
+
+
+@dataclass
+class TrainArgs(TrainingArgs):
+    output_dir: str = "outputs/vlm_distill"
+    max_steps: int = 150
+    per_device_train_batch_size: int = 16  # prompts
+    # for the tiny SFT'd default; TRL's default for real models is 1e-6
+    learning_rate: float = 3.0e-4
+    warmup_steps: int = 0
+    # used when --train_modules all (as vlm_finetune.py)
+    vision_tower_learning_rate: float = checked(2.0e-6, "learning_rate")
+    vision_tower_weight_decay: float = checked(0.0, "non_negative")
+    weight_decay: float = 0.0
+    per_device_eval_batch_size: int = 64
+    eval_steps: int = 50
+
+
+# the flags and YAML keys it takes
+ARGUMENTS = (ModelArgs, LoraArgs, PromptDataArgs, DistillArgs, TrainArgs)
+if __name__ == "__main__":
+    parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from mmrecipes.checkpointing import Checkpointer, data_layout
+from mmrecipes.distributed import (
+    data_parallel_rank_and_world,
+    engine_line,
+    reconcile_deepspeed_config,
+    sum_over_ranks,
+)
+from mmrecipes.images import to_device
+from mmrecipes.loader import TrainBatches, check_held_out
+from mmrecipes.model_card import write_model_card
+from mmrecipes.reporting import Report, ratio
+from mmrecipes.step_guard import StepGuard
+from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
+from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
+from mmrecipes.vlm.collate import ChatCollator
+from mmrecipes.vlm.distill import (
+    DistillCollator,
+    DistillPreprocessor,
+    OnePerPrompt,
+    Teacher,
+    evaluate_divergence,
+    on_policy,
+)
+from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
+from mmrecipes.vlm.labels import AnswerLabeller, check_template
+from mmrecipes.vlm.losses import token_loss_scale
+from mmrecipes.vlm.models import VLMForTraining, generalized_jsd_sum, save_vlm
+from mmrecipes.vlm.parts import vlm_parts
+from mmrecipes.vlm.sampling import Sampler
+
+
+def main(argv=None):
+    model_args, lora_args, data_args, distill_args, args = parse_args(ARGUMENTS, argv)
+    set_seed(args.seed)
+    # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
+    vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2)
+    model, processor = vlm.model, vlm.processor
+    # The teacher, checked now against the student's vocabulary and processor (logits compared
+    # entry by entry)
+    teacher = Teacher.load(distill_args.teacher_model_name_or_path, model, processor,
+                           model_args.attn_implementation)
+    labeller = AnswerLabeller(processor, vlm.stops)  # the dataset's answers: off-policy targets
+    template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
+
+    # shared: accelerator
+    accelerator = accelerator_from_args(args)
+
+    data_rank, data_world = data_parallel_rank_and_world(accelerator)
+    batch_size = per_device_batch_size(args, data_world)
+    sequence_parallel = None  # refused (DistillArgs): the teacher's states would need the split too
+    # shared: vlm log
+    accelerator.print(template_line)
+    accelerator.print(f"evaluation: {data_args.evaluation}")
+    accelerator.print(vlm.describe())
+
+    # shared: vlm optimizer
+    optimizer = adamw(vlm.optimizer_groups(args), args)  # the tower, if it trains, at its own lr
+    scheduler = lr_scheduler(optimizer, args)
+
+    # shared: deepspeed
+    reconcile_deepspeed_config(accelerator, train_micro_batch_size_per_gpu=batch_size,
+                               gradient_accumulation_steps=args.gradient_accumulation_steps,
+                               gradient_clipping=args.max_grad_norm)
+
+    # shared: vlm prepare
+    # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
+    model, optimizer = accelerator.prepare(VLMForTraining(model, sequence_parallel), optimizer)
+
+    teacher.prepare(accelerator)  # sharded, partitioned or whole, as the student
+    engine = engine_line(accelerator, model)
+    accelerator.print(engine)
+    accelerator.print(teacher.describe())
+    chat_collator = ChatCollator(processor.tokenizer.pad_token_id, vlm.dummy_inputs)
+    sampler = Sampler(accelerator, chat_collator, processor.tokenizer, distill_args, vlm.stops,
+                      vlm.placeholders)
+    accelerator.print(sampler.describe())
+    divergence = dict(beta=distill_args.beta, temperature=distill_args.temperature)
+
+    # Each data rank reads its own rows: a prompt and the dataset's answer after it
+    loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world,
+                         preprocessor=DistillPreprocessor)
+    train_loader = build_chat_dataloader(data_args, collator=DistillCollator(chat_collator),
+                                         batch_size=batch_size, shuffle_seed=args.seed,
+                                         **loader_kwargs)
+    eval_loader, held_out = None, []
+    if data_args.eval_dataset_name:
+        eval_loader = build_chat_dataloader(data_args, collator=chat_collator, eval_split=True,
+                                            batch_size=args.per_device_eval_batch_size,
+                                            **loader_kwargs)
+        check_held_out(eval_loader, accelerator.device, data_args.eval_dataset_name)  # no row: stop
+        rows = -(-data_args.eval_generation_rows // data_world)  # this rank's share
+        held_out = generation_prompts(data_args, processor, rows=rows, data_rank=data_rank,
+                                      data_world=data_world, device=accelerator.device)
+
+    data = data_layout(data_args, args, data_world=data_world, batch_size=batch_size)
+    checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model), data)
+    # shared: run state
+    # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
+    # whether a preemption signal arrived (then: checkpoint and exit).
+    guard = StepGuard(accelerator, model, optimizer, checkpoints, signals=args.preemption_signals,
+                      max_skipped_steps=args.max_skipped_steps)
+    start_step, resumed_epoch = checkpoints.open_run(args.resume_from_checkpoint, train_loader)
+    batches = TrainBatches(train_loader, resumed_epoch)
+    progress = tqdm(range(start_step, args.max_steps),
+                    disable=not accelerator.is_local_main_process)
+
+    config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(distill_args)
+    accelerator.init_trackers("vlm_distill", config | asdict(args))
+    report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
+                    total=checkpoints.resumed_totals)
+
+    def evaluate(scores: dict, filler: dict):
+        scores |= evaluate_answers(model, eval_loader, filler, accelerator.device)
+        scores |= evaluate_generation(model, held_out, filler, chat_collator, processor.tokenizer,
+                                      vlm.stops, accelerator.device, vlm.placeholders)
+        scores |= evaluate_divergence(model, teacher, eval_loader, filler, accelerator.device,
+                                      **divergence)
+
+    # shared: loop head
+    for step in progress:
+        window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
+        if step == start_step:  # a rank without rows says why, on every rank
+            batches.check_rows(window, accelerator, data_world)
+        report.add_batches(window)
+        filler_batch = window[-1]  # any batch: what a rank with no eval rows left forwards
+
+        if eval_loader is not None and step == 0:  # where the student starts, and the teacher
+            with report.evaluating(0) as scores:
+                evaluate(scores, filler_batch["answers"])
+                scores |= teacher.scores(evaluate_generation, held_out, filler_batch["answers"],
+                                         chat_collator, processor.tokenizer, vlm.stops,
+                                         accelerator.device, vlm.placeholders)
+        # This step's targets, the same choice on every rank: the student's samples (--lmbda), the
+        # teacher's (--seq_kd) or the dataset's answers; each prompt from a seed of its own
+        sampled = on_policy(args.seed, step, distill_args.lmbda)
+        samples = [sampler.rollouts(model if sampled else teacher.model, batch["prompts"],
+                                    OnePerPrompt(len(batch["prompts"])), None, args.seed + step,
+                                    gather=None if sampled else False)
+                   for batch in window if sampled or distill_args.seq_kd]
+        micro_batches = ([rollouts.micro_batches[0] for rollouts in samples] if samples
+                         else [batch["answers"] for batch in window])
+        report.add_batches([], trained=micro_batches)
+        # One collective per optimizer step: the window's target tokens N on all ranks
+        local_tokens = torch.tensor(float(sum(batch["target_tokens"] for batch in micro_batches)))
+        tokens = sum_over_ranks(local_tokens.to(accelerator.device))
+        loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps, data_world)
+        window_divergence = []
+        for batch in micro_batches:
+            with accelerator.accumulate(model):
+                inputs = to_device(batch, accelerator.device)
+                inputs["teacher_hidden"] = teacher.hidden(inputs)  # no graph; the head: by slices
+                summed = generalized_jsd_sum(model, inputs, teacher.head_logits, **divergence)
+                accelerator.backward(summed * loss_scale)
+            window_divergence.append(summed.detach())
+        step_losses = torch.stack(window_divergence)
+        # shared: optimizer step
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # unclipped
+        done = step + 1
+        if guard.should_call_optimizer(step_losses, grad_norm, done):  # fused AdamW: always
+            optimizer.step()  # under DeepSpeed the engine stepped inside accelerator.backward
+            scheduler.step()
+        optimizer.zero_grad()
+
+        lengths = [length for rollouts in samples for length in rollouts.lengths]
+        report.add_step(guard.applied, divergence=sum(window_divergence),
+                        target_tokens=local_tokens,
+                        rows=sum(batch["num_samples"] for batch in micro_batches),
+                        student_samples=len(lengths) * sampled, sampled_rows=len(lengths),
+                        sample_length=sum(lengths),
+                        generation_seconds=sum(rollouts.seconds for rollouts in samples))
+
+        if report.due(done):
+            sums = report.close()
+            generation = ratio(sums["generation_seconds"], sums["seconds"] * data_world)
+            report.log(done, {"loss": ratio(sums["divergence"], sums["target_tokens"]),
+                              "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                              "on_policy": ratio(sums["student_samples"], sums["rows"]),
+                              "sample_length": ratio(sums["sample_length"], sums["sampled_rows"]),
+                              "generation_share": generation}, sums)
+        if eval_loader is not None and report.evaluation_due(done):
+            with report.evaluating(done) as held_out_scores:
+                evaluate(held_out_scores, filler_batch["answers"])
+        # shared: save
+        checkpoints.save_if_due(done, batches.epoch, guard, report)
+
+    save_vlm(accelerator, model, processor, args.output_dir, vlm.peft_config)
+    seen = (f"{report.total['samples']:,.0f} prompts, {report.total['tokens']:,.0f} tokens, "
+            f"teacher {distill_args.teacher_model_name_or_path}")
+    if accelerator.is_main_process:
+        tags = ["vlm", "distillation", "lora" if vlm.peft_config else "full fine-tune",
+                type(vlm.model).__name__]
+        write_model_card(args.output_dir, report.history, pipeline_tag="image-text-to-text",
+                         eval_metrics=["generated_accuracy", "answer_accuracy", "divergence"],
+                         base_model=model_args.model_name_or_path, tags=tags,
+                         datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
+                         seen=seen, engine=engine, resumed_at=start_step)
+    # shared: the end
+    # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
+    # the card aborted once under ZeRO-3 ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
+    accelerator.print(f"saved model to {args.output_dir}")
+    accelerator.end_training()
+
+if __name__ == "__main__":
+    main()
