@@ -94,7 +94,7 @@ def main(argv=None):
     # The teacher, checked now against the student's vocabulary and processor (logits compared
     # entry by entry)
     teacher = Teacher.load(distill_args.teacher_model_name_or_path, model, processor,
-                           model_args.attn_implementation)
+                           model_args.attn_implementation, distill_args.seq_kd)
     labeller = AnswerLabeller(processor, vlm.stops)  # the dataset's answers: off-policy targets
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
 
@@ -132,15 +132,16 @@ def main(argv=None):
     accelerator.print(sampler.describe())
     divergence = dict(beta=distill_args.beta, temperature=distill_args.temperature)
 
-    # Each data rank reads its own rows: a prompt and the dataset's answer after it
+    # Each data rank reads its own rows: a prompt and the dataset's answer after it (and the
+    # prompt as the teacher's processor writes it, where it writes images otherwise)
     loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world,
-                         preprocessor=DistillPreprocessor)
-    train_loader = build_chat_dataloader(data_args, collator=DistillCollator(chat_collator),
-                                         batch_size=batch_size, shuffle_seed=args.seed,
+                         collator=DistillCollator(chat_collator), preprocessor=DistillPreprocessor,
+                         preprocessor_kwargs=dict(teacher_processor=teacher.own_processor))
+    train_loader = build_chat_dataloader(data_args, batch_size=batch_size, shuffle_seed=args.seed,
                                          **loader_kwargs)
-    eval_loader, held_out = None, []
+    eval_loader, held_out, rows = None, [], 0
     if data_args.eval_dataset_name:
-        eval_loader = build_chat_dataloader(data_args, collator=chat_collator, eval_split=True,
+        eval_loader = build_chat_dataloader(data_args, eval_split=True,
                                             batch_size=args.per_device_eval_batch_size,
                                             **loader_kwargs)
         check_held_out(eval_loader, accelerator.device, data_args.eval_dataset_name)  # no row: stop
@@ -165,10 +166,12 @@ def main(argv=None):
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals)
 
-    def evaluate(scores: dict, filler: dict):
-        scores |= evaluate_answers(model, eval_loader, filler, accelerator.device)
-        scores |= evaluate_generation(model, held_out, filler, chat_collator, processor.tokenizer,
-                                      vlm.stops, accelerator.device, vlm.placeholders)
+    def evaluate(scores: dict, filler: dict):  # held-out answers, generation and divergence
+        answers = (batch["answers"] for batch in eval_loader)
+        scores |= evaluate_answers(model, answers, filler["answers"], accelerator.device)
+        scores |= evaluate_generation(model, held_out, filler["answers"], chat_collator,
+                                      processor.tokenizer, vlm.stops, accelerator.device,
+                                      vlm.placeholders)
         scores |= evaluate_divergence(model, teacher, eval_loader, filler, accelerator.device,
                                       **divergence)
 
@@ -182,10 +185,9 @@ def main(argv=None):
 
         if eval_loader is not None and step == 0:  # where the student starts, and the teacher
             with report.evaluating(0) as scores:
-                evaluate(scores, filler_batch["answers"])
-                scores |= teacher.scores(evaluate_generation, held_out, filler_batch["answers"],
-                                         chat_collator, processor.tokenizer, vlm.stops,
-                                         accelerator.device, vlm.placeholders)
+                evaluate(scores, filler_batch)
+                scores |= teacher.generated_accuracy(data_args, rows, data_rank, data_world,
+                                                     accelerator.device)
         # This step's targets, the same choice on every rank: the student's samples (--lmbda), the
         # teacher's (--seq_kd) or the dataset's answers; each prompt from a seed of its own
         sampled = on_policy(args.seed, step, distill_args.lmbda)
@@ -201,10 +203,11 @@ def main(argv=None):
         tokens = sum_over_ranks(local_tokens.to(accelerator.device))
         loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps, data_world)
         window_divergence = []
-        for batch in micro_batches:
+        for batch, read in zip(micro_batches, window):
             with accelerator.accumulate(model):
                 inputs = to_device(batch, accelerator.device)
-                inputs["teacher_hidden"] = teacher.hidden(inputs)  # no graph; the head: by slices
+                # no graph; its own rows where its processor writes images otherwise
+                inputs["teacher_hidden"] = teacher.hidden(inputs, read["prompts"])
                 summed = generalized_jsd_sum(model, inputs, teacher.head_logits, **divergence)
                 accelerator.backward(summed * loss_scale)
             window_divergence.append(summed.detach())
@@ -235,7 +238,7 @@ def main(argv=None):
                               "generation_share": generation}, sums)
         if eval_loader is not None and report.evaluation_due(done):
             with report.evaluating(done) as held_out_scores:
-                evaluate(held_out_scores, filler_batch["answers"])
+                evaluate(held_out_scores, filler_batch)
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 

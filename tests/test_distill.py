@@ -6,18 +6,22 @@ step, with the reason."""
 import re
 
 import pytest
+import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from helpers import chat_row, tiny
 from launch import REPO, run_engine, run_recipe
+from mmrecipes.images import to_device
 from mmrecipes.paths import resolve_name
 from mmrecipes.vlm.arguments import PromptDataArgs, VLMModelArgs
 from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.distill import DistillCollator, DistillPreprocessor, Teacher, mismatch, on_policy
+from mmrecipes.vlm.distill import DistillCollator, DistillPreprocessor, Teacher, mismatch, on_policy, reads_own_rows
+from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import load_vlm
+from mmrecipes.vlm.models import VLMForTraining, generalized_jsd_sum, load_vlm
+from test_distill_loss import dense_jsd
 
 TINY_SFT_VLM = resolve_name("embedded:tiny_sft_vlm")
 
@@ -51,22 +55,29 @@ def test_two_ranks_by_two_micro_batches_equal_one_process_with_the_teacher_shard
         assert (values[0] < values[1]) == (config != "ddp.yaml"), (config, held)  # sharded, partitioned, whole
 
 
-def test_a_teacher_of_another_vocabulary_or_processor_is_refused(tiny_vlms, tmp_path):
+def test_a_teacher_of_another_vocabulary_or_template_is_refused_and_other_images_read_its_own_rows(tiny_vlms,
+                                                                                                    tmp_path):
     student, processor, _ = tiny()
     other = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen2_5_vl"])
     assert "output layer has" in mismatch(student, processor, other, AutoProcessor.from_pretrained(
         tiny_vlms["qwen2_5_vl"]))
-    # the same tokenizer, images at another size: another image token count
-    wider, wider_processor = load_vlm(VLMModelArgs(image_size=64))
-    assert "as other tokens" in mismatch(student, processor, wider, wider_processor)
-    wider.save_pretrained(tmp_path)
-    wider_processor.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="needs a teacher of the student's vocabulary and processor"):
-        Teacher.load(str(tmp_path), student, processor)
+    # the same tokenizer and template: rows of the student's, or (other image tokens, other pixels) its own
     wider, wider_processor = load_vlm(VLMModelArgs(text_hidden_size=192))
     assert mismatch(student, processor, wider, wider_processor) is None
+    assert not reads_own_rows(processor, wider_processor)
+    larger_images, larger_images_processor = load_vlm(VLMModelArgs(image_size=64))
+    assert mismatch(student, processor, larger_images, larger_images_processor) is None
+    assert reads_own_rows(processor, larger_images_processor)
     wider_processor.image_processor.image_mean = [0.0, 0.0, 0.0]  # the same tokens, other pixels
-    assert "other inputs (pixel_values)" in mismatch(student, processor, wider, wider_processor)
+    assert mismatch(student, processor, wider, wider_processor) is None
+    assert reads_own_rows(processor, wider_processor)
+    # another chat template: other text tokens, which no alignment can pair
+    wider_processor.chat_template = "{{ 'Be brief.' }}" + wider_processor.chat_template
+    assert "write the same conversation as other text tokens" in mismatch(student, processor, wider, wider_processor)
+    wider.save_pretrained(tmp_path)
+    wider_processor.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="needs a teacher of the student's vocabulary and chat template"):
+        Teacher.load(str(tmp_path), student, processor)
 
 
 def test_prompt_rows_and_chat_rows_become_a_prompt_with_the_dataset_answer_after_it():
@@ -108,3 +119,46 @@ def test_a_step_is_on_policy_with_probability_lmbda_the_same_draw_on_every_rank(
     assert draws != [on_policy(7, step, 0.3) for step in range(2000)]
     assert not any(on_policy(42, step, 0.0) for step in range(100)) and all(
         on_policy(42, step, 1.0) for step in range(100))
+
+
+def test_a_teacher_whose_processor_writes_other_image_tokens_reads_its_own_rows_aligned_on_the_text(tmp_path):
+    """A teacher of 64 px images (64 image tokens against the student's 16, other pixels) reads its own prompts,
+    followed by the student row's text after the prompt: the divergence equals each model run on the whole
+    conversation as its own processor writes it, their logits compared at the answer's tokens (the dense formula)."""
+    student, processor, _ = tiny()
+    wider, wider_processor = load_vlm(VLMModelArgs(image_size=64, text_hidden_size=192))
+    wider.save_pretrained(tmp_path)
+    wider_processor.save_pretrained(tmp_path)
+    teacher = Teacher.load(str(tmp_path), student, processor)
+    assert teacher.own_processor is not None and "reading rows of its own" in teacher.describe()
+    with pytest.raises(ValueError, match="--seq_kd with --teacher_model_name_or_path"):
+        Teacher.load(str(tmp_path), student, processor, seq_kd=True)
+    stops = [processor.tokenizer.convert_tokens_to_ids("<|end|>")]
+    preprocess = DistillPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=128,
+                                     teacher_processor=teacher.own_processor)
+    rows = [chat_row("What colour is the shape?", "red", Image.new("RGB", (40, 40), (220, 40, 40))),
+            chat_row("Which colour is grass?", "green, as a rule"),
+            chat_row("How many shapes?", "two", Image.new("RGB", (32, 32), (30, 60, 200)))]
+    out = preprocess({key: [row[key] for row in rows] for key in rows[0]})
+    batch = DistillCollator(ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(student, processor)))(
+        [dict(zip(out, values)) for values in zip(*out.values())])
+    inputs = to_device(batch["answers"], "cpu")
+    inputs["teacher_hidden"] = teacher.hidden(inputs, batch["prompts"])
+    got = generalized_jsd_sum(VLMForTraining(student).eval(), inputs, teacher.head_logits, beta=0.5, temperature=0.8)
+
+    expected = torch.zeros(())
+    for row in rows:
+        logits = []
+        for model, model_processor in ((student, processor), (wider, wider_processor)):
+            text = model_processor.apply_chat_template(row["messages"], tokenize=False)
+            encoded = model_processor(text=text, images=row["images"] or None, return_tensors="pt")
+            with torch.no_grad():
+                logits.append(model(**encoded).logits[0])
+        answer = len(processor.tokenizer(row["messages"][1]["content"][0]["text"] + "<|end|>",
+                                         add_special_tokens=False)["input_ids"])
+        assert processor.tokenizer.decode(encoded["input_ids"][0, -1]) == "\n"  # after the answer's <|end|>
+        # the positions predicting the answer's tokens: the `answer` ones before the last two
+        student_logits, teacher_logits = (values[-answer - 2:-2] for values in logits)
+        assert len(logits[1]) - len(logits[0]) == (48 if row["images"] else 0)  # 64 image tokens against 16
+        expected += dense_jsd(student_logits.double(), teacher_logits.double(), torch.ones(answer), 0.5, 0.8)
+    assert float(got) == pytest.approx(float(expected), rel=1e-5)

@@ -6,7 +6,8 @@ bad settings are refused before the first step.
 The student is the embedded SFT'd tiny Llava, the teacher the embedded wider one (`data_prep/tiny_sft_vlm.py`). With
 --seed 0 and --lmbda 0.5 steps 2 and 4 train on the student's samples and steps 1 and 3 on the dataset's answers (or,
 --seq_kd, on the teacher's samples). Orthogonal runs (tests/README.md):
-- FSDP2: the student samples by the synced loop (every forward gathers), the teacher sharded; answers off-policy;
+- FSDP2: the student samples by the synced loop (every forward gathers); a sharded teacher of 64 px images (64
+  image tokens against 16) reads rows of its own; the dataset's answers off-policy;
 - ZeRO-3: the student samples by `generate` on the gathered model (--ds3_gather_for_generation), the partitioned
   teacher by the synced loop (--seq_kd); held-out divergence and accuracy at steps 0 and 4.
 """
@@ -19,6 +20,8 @@ from transformers import AutoModelForImageTextToText, pipeline
 
 from helpers import chat_row, write_chat_parquet
 from launch import REPO, assert_engine, load_recipe, run_engine, run_recipe
+from mmrecipes.vlm.arguments import VLMModelArgs
+from mmrecipes.vlm.models import load_vlm
 from test_grpo_engines import metric
 
 DISTILL_RECIPE = REPO / "recipes" / "vlm_distill.py"
@@ -30,7 +33,7 @@ RANKS = ["--per_device_train_batch_size", 1, "--gradient_accumulation_steps", 2]
 SINGLE = ["--per_device_train_batch_size", 4, "--gradient_accumulation_steps", 1]
 NO_EVALUATION = ["--eval_dataset_name", "", "--eval_steps", 100]
 RUNS = {  # engine -> its flags, the same for its one-process ground truth
-    "fsdp2.yaml": NO_EVALUATION,
+    "fsdp2.yaml": [*NO_EVALUATION, "--teacher_model_name_or_path", "LARGER_IMAGES"],
     "zero3.yaml": ["--seq_kd", "true", "--ds3_gather_for_generation", "true", "--eval_dataset_name", "parquet",
                    "--eval_data_files", "HELD_OUT", "--eval_steps", STEPS, "--eval_generation_rows", 4,
                    "--per_device_eval_batch_size", 2],
@@ -58,6 +61,10 @@ def scenario(tmp_path_factory):
     write_chat_parquet(data / "single" / "all.parquet", single)
     (data / "held_out").mkdir()
     write_chat_parquet(data / "held_out" / "test.parquet", pictures[::-1] + texts)
+    # a wider teacher of 64 px images (64 image tokens against the student's 16): it reads rows of its own
+    model, processor = load_vlm(VLMModelArgs(image_size=64, text_hidden_size=192))
+    model.save_pretrained(data / "teacher")
+    processor.save_pretrained(data / "teacher")
     return data
 
 
@@ -66,7 +73,8 @@ def runs(scenario, tmp_path_factory):
     """{engine: (2-process result, one-process result)}."""
     results = {}
     for config, flags in RUNS.items():
-        flags = [scenario / "held_out" / "test.parquet" if flag == "HELD_OUT" else flag for flag in flags]
+        flags = [{"HELD_OUT": scenario / "held_out" / "test.parquet", "LARGER_IMAGES": scenario / "teacher"}.get(
+            flag, flag) for flag in flags]
         single = run_recipe(*COMMON, *SINGLE, *flags, "--data_files", scenario / "single" / "all.parquet",
                             "--output_dir", tmp_path_factory.mktemp("distill_single"), recipe=DISTILL_RECIPE)
         assert single.returncode == 0, single.log[-3000:]
@@ -86,6 +94,7 @@ def test_two_ranks_sample_and_step_as_one_process_with_the_teacher_sharded(runs,
         r"teacher: LlavaForConditionalGeneration holding ([\d,]+) of its ([\d,]+)", ranks.log).groups())
     assert held < total, ranks.log  # sharded, partitioned: never whole on a rank
     assert ("sampling: generate, the whole model gathered" in ranks.log) == (config == "zero3.yaml")
+    assert ("reading rows of its own" in ranks.log) == (config == "fsdp2.yaml")
     assert metric(single.log, "on_policy") == {1: 0.0, 2: 1.0, 3: 0.0, 4: 1.0}  # --seed 0's draws
     sampled = [1, 2, 3, 4] if "--seq_kd" in RUNS[config] else [2, 4]  # the teacher's samples, or the answers
     for name in ("on_policy", "sample_length", "loss", "grad_norm"):

@@ -377,9 +377,10 @@ def _as_tensor(value):
 
 
 def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size, data_rank, data_world,
-                          shuffle_seed=None, eval_split=False, preprocessor=ChatPreprocessor):
+                          shuffle_seed=None, eval_split=False, preprocessor=ChatPreprocessor, preprocessor_kwargs=None):
     """A DataLoader over this data rank's rows: the training mixture, or (eval_split) the held-out set, read by
-    `preprocessor` (conversations; `mmrecipes.vlm.preference.PreferencePreprocessor`: preference pairs).
+    `preprocessor` (conversations; `mmrecipes.vlm.preference.PreferencePreprocessor`: preference pairs), built with
+    `preprocessor_kwargs` besides.
 
     The sources are mixed at `dataset_weights` (`mmrecipes.sources.mixed_stream`), then the mixture is shuffled
     in blocks and tokenised (`ResumableShuffle`: a checkpoint resumes it exactly). An epoch ends once every
@@ -391,6 +392,7 @@ def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size,
                           data_rank=data_rank, data_world=data_world, seed=shuffle_seed or 0,
                           check_columns=preprocessor.check_columns)
     budget = args.max_tokens_per_batch if shuffle_seed is not None else None  # evaluation keeps fixed batches
-    preprocess = preprocessor(args, labeller, min(args.max_length, budget or args.max_length))
+    preprocess = preprocessor(args, labeller, min(args.max_length, budget or args.max_length),
+                              **(preprocessor_kwargs or {}))
     return rank_loader(stream, preprocess, collator, args, batch_size=batch_size, shuffle_seed=shuffle_seed,
                        remove_columns=[*preprocessor.COLUMNS, PROBLEM, DATA_FILE], budget=budget, cpu_workers=1)

@@ -3,8 +3,11 @@ whose last hidden states the student's divergence reads through the teacher's ow
 (`models.generalized_jsd_sum`), so neither model's logits of a whole batch exist.
 
 Logit distillation compares the two next-token distributions entry by entry: the teacher must share the student's
-vocabulary (the same tokens at the same ids, the same output size) and read the student's rows as the same tokens
-(its processor writing the same image tokens). Both are checked before the first step (`mismatch`).
+vocabulary (the same tokens at the same ids, the same output size) and its chat template must write a conversation
+as the same text tokens (`mismatch`, before the first step). Where its processor writes images otherwise (another
+image token count, other pixels: `reads_own_rows`), the teacher reads rows of its own, its prompt as its processor
+writes it followed by the student row's text after the prompt, and its states are aligned with the student's on
+that text (every target is in it).
 
 The rows (`DistillPreprocessor`, `DistillCollator`): a prompt in any layout GRPO reads, with the dataset's answer (a
 chat row's last answer, a prompt row's `solution`) as the off-policy target; a step trains on the student's own
@@ -21,19 +24,31 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from ..distributed import batches_in_step, sum_over_ranks
 from ..images import to_device
 from ..skips import Skip
-from .chat_data import encode_row, has_video, media_folder, prompt_row, row_images
+from .chat_data import encode_row, generation_prompts, has_video, media_folder, prompt_row, row_images
+from .collate import ChatCollator
+from .evaluation import evaluate_generation
+from .families import dummy_image_inputs, placeholder_token_ids
 from .labels import UnalignedAnswer
 from .losses import IGNORE_INDEX
-from .models import VLMForTraining, generalized_jsd_sum, hidden_states
+from .models import VLMForTraining, generalized_jsd_sum, hidden_states, stop_token_ids
 from .prompts import PromptPreprocessor, prompt_chat
 from .reference import frozen_reference, parameter_values_held
 
 PROBE = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
          {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
+HELLO = [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}]
+
+
+def _probe(processor) -> dict:
+    """The probe conversation with a red square through `processor`'s own chat template."""
+    text = processor.apply_chat_template(PROBE, tokenize=False)
+    return processor(text=text, images=[Image.new("RGB", (32, 32), (200, 30, 30))], return_tensors="pt")
 
 
 def mismatch(student, student_processor, teacher, teacher_processor) -> str | None:
-    """Why the teacher cannot give the student its next-token distributions entry by entry, or None."""
+    """Why the teacher cannot give the student its next-token distributions entry by entry, or None: another output
+    size or vocabulary, or a chat template writing a conversation as other text tokens (image tokens left out: those
+    may differ, `reads_own_rows`)."""
     sizes = [model.get_output_embeddings().weight.shape[0] for model in (student, teacher)]
     if sizes[0] != sizes[1]:
         return f"the student's output layer has {sizes[0]} entries, the teacher's {sizes[1]}"
@@ -42,34 +57,40 @@ def mismatch(student, student_processor, teacher, teacher_processor) -> str | No
         differing = sorted(token for token in vocabularies[0].keys() ^ vocabularies[1].keys())[:3] or sorted(
             token for token in vocabularies[0] if vocabularies[0][token] != vocabularies[1][token])[:3]
         return f"their tokenizers differ ({len(vocabularies[0])} and {len(vocabularies[1])} tokens; e.g. {differing})"
-    text = student_processor.apply_chat_template(PROBE, tokenize=False)
-    image = Image.new("RGB", (32, 32), (200, 30, 30))
     try:
-        outputs = [processor(text=text, images=[image], return_tensors="pt") for processor in (student_processor,
-                                                                                              teacher_processor)]
+        ids = [_probe(processor)["input_ids"][0].tolist() for processor in (student_processor, teacher_processor)]
     except (ValueError, KeyError, TypeError) as error:
-        return f"the teacher's processor cannot read the student's conversation with an image ({error})"
-    ids = [output["input_ids"][0] for output in outputs]
-    if list(ids[0]) != list(ids[1]):
-        return (f"their processors write the same conversation with an image as other tokens ({len(ids[0])} and "
-                f"{len(ids[1])}: another image token count); aligning the two on the text tokens is not supported")
-    # the teacher reads the student's rows: its image processor must give the same pixels
-    differing = sorted(name for name in outputs[0].keys() | outputs[1].keys() if name not in outputs[0]
-                       or name not in outputs[1] or not torch.equal(outputs[0][name], outputs[1][name]))
-    if differing:
-        return f"their processors give the same image other inputs ({', '.join(differing)})"
+        return f"the teacher's processor cannot read a conversation with an image ({error})"
+    texts = [[token for token in tokens if token not in placeholder_token_ids(model, processor)] for tokens, model,
+             processor in zip(ids, (student, teacher), (student_processor, teacher_processor))]
+    if texts[0] != texts[1]:
+        return (f"their chat templates write the same conversation as other text tokens ({len(texts[0])} and "
+                f"{len(texts[1])} besides the image tokens), so the targets cannot be aligned")
     return None
+
+
+def reads_own_rows(student_processor, teacher_processor) -> bool:
+    """Whether the teacher's processor writes a conversation with an image otherwise than the student's (other image
+    tokens or pixels): then the teacher reads rows of its own (`Teacher.hidden`)."""
+    outputs = [_probe(processor) for processor in (student_processor, teacher_processor)]
+    return outputs[0].keys() != outputs[1].keys() or not all(
+        torch.equal(outputs[0][name], outputs[1][name]) for name in outputs[0])
 
 
 class Teacher:
     """The frozen teacher (`load` before `Accelerator()`, `prepare` after the student's `prepare`): its hidden states
-    of a batch (`hidden`, no graph) and its output layer (`head_logits`, the divergence's second head)."""
+    at the student's positions (`hidden`, no graph), its output layer (`head_logits`, the divergence's second head),
+    its held-out accuracy (`generated_accuracy`). `own_processor`: what renders its own prompts, None where it reads
+    the student's rows."""
 
-    def __init__(self, model: VLMForTraining, processor):
-        self.model, self.processor = model, processor
+    def __init__(self, model: VLMForTraining, processor, own_rows: bool, stops, placeholders, dummy_inputs):
+        self.model, self.processor, self.stops, self.placeholders = model, processor, stops, placeholders
+        self.own_processor = processor if own_rows else None
+        self.collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs)
 
     @classmethod
-    def load(cls, path: str, student, student_processor, attn_implementation: str = "sdpa") -> "Teacher":
+    def load(cls, path: str, student, student_processor, attn_implementation: str = "sdpa",
+             seq_kd: bool = False) -> "Teacher":
         """`path`'s model and processor, checked against the student's (`mismatch`); build it before `Accelerator()`
         (under ZeRO-3 a model built afterwards is partitioned and re-initialised)."""
         model = AutoModelForImageTextToText.from_pretrained(path)
@@ -77,16 +98,40 @@ class Teacher:
         model.set_attn_implementation(attn_implementation)
         if why := mismatch(student, student_processor, model, processor):
             raise ValueError(f"--teacher_model_name_or_path {path}: {why}. Logit distillation needs a teacher of the "
-                             "student's vocabulary and processor (its family, another size)")
-        return cls(VLMForTraining(model).requires_grad_(False).eval(), processor)
+                             "student's vocabulary and chat template (its family, another size)")
+        own_rows = reads_own_rows(student_processor, processor)
+        if own_rows and seq_kd:
+            raise ValueError(f"--seq_kd with --teacher_model_name_or_path {path}: its processor writes images "
+                             "otherwise than the student's, so its samples would follow other prompts; use --seq_kd "
+                             "false (the dataset's answers off-policy)")
+        return cls(VLMForTraining(model).requires_grad_(False).eval(), processor, own_rows,
+                   stop_token_ids(model, processor), placeholder_token_ids(model, processor),
+                   dummy_image_inputs(model, processor))
 
     def prepare(self, accelerator):
         """Kept as the engine keeps the student: sharded by FSDP2, partitioned by ZeRO-3, whole under DDP."""
         self.model = frozen_reference(accelerator, self.model)
 
     @torch.no_grad()
-    def hidden(self, inputs: dict) -> torch.Tensor:
-        return hidden_states(self.model, inputs)
+    def hidden(self, inputs: dict, prompts=None) -> torch.Tensor:
+        """Its last hidden states at the positions of the student's batch `inputs`: of the same rows, or (reading its
+        own) of each of `prompts`' own prompt (`DistillCollator`: the batch's, in row order) followed by the student
+        row's text after its prompt, shifted to the student's positions (the prompts' positions hold no target)."""
+        if self.own_processor is None:
+            return hidden_states(self.model, inputs)
+        rows, shifts, device = [], [], inputs["input_ids"].device
+        for ids, mask, labels, prompt in zip(inputs["input_ids"], inputs["attention_mask"], inputs["labels"], prompts):
+            own, start, kept = prompt["teacher"], len(prompt["input_ids"]), mask.bool()
+            rows.append({"input_ids": torch.cat([own["input_ids"], ids[kept][start:].cpu()]),
+                         "labels": torch.cat([torch.full_like(own["input_ids"], IGNORE_INDEX),
+                                              labels[kept][start:].cpu()]),
+                         "media_inputs": own["media_inputs"]})
+            shifts.append(len(own["input_ids"]) - start)
+        hidden = hidden_states(self.model, to_device(self.collator(rows), device))
+        positions = torch.arange(inputs["input_ids"].shape[1], device=device) + torch.tensor(shifts, device=device)[
+            :, None]
+        positions = positions.clamp(0, hidden.shape[1] - 1)[..., None].expand(-1, -1, hidden.shape[-1])
+        return hidden.gather(1, positions)
 
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -94,17 +139,23 @@ class Teacher:
         engine gathers the layer as in any forward."""
         return self.model({"hidden": hidden}, "head_logits")
 
-    def scores(self, evaluation, *args) -> dict:
-        """The student's `evaluation` (`evaluation.evaluate_generation`, say) of the teacher, its metrics named
-        teacher_*; the teacher is left in eval mode."""
-        scores = evaluation(self.model, *args)
+    def generated_accuracy(self, data_args, rows: int, data_rank: int, data_world: int, device) -> dict:
+        """Its held-out generated accuracy (`evaluation.evaluate_generation`) on its share of `rows` held-out
+        questions, as its own processor writes them; teacher_* names; it stays in eval mode."""
+        prompts = generation_prompts(data_args, self.processor, rows=rows, data_rank=data_rank,
+                                     data_world=data_world, device=device)
+        filler = self.collator([prompt_row(self.processor, HELLO, [])])
+        scores = evaluate_generation(self.model, prompts, filler, self.collator, self.processor.tokenizer,
+                                     self.stops, device, self.placeholders)
         self.model.eval()
         return {f"teacher_{name}": value for name, value in scores.items()}
 
     def describe(self) -> str:
         held, total = parameter_values_held(self.model)
         family = type(getattr(self.model, "module", self.model).model).__name__  # inside ZeRO-3's engine, FSDP2's
-        return f"teacher: {family} holding {held:,} of its {total:,} parameter values on this rank, frozen"
+        rows = (", reading rows of its own (its processor writes images otherwise), aligned on the text after each "
+                "prompt") if self.own_processor else ""
+        return f"teacher: {family} holding {held:,} of its {total:,} parameter values on this rank, frozen{rows}"
 
 
 def on_policy(seed: int, step: int, lmbda: float) -> bool:
@@ -135,7 +186,11 @@ class DistillPreprocessor(PromptPreprocessor):
     template writes the prompt otherwise before an answer than with its generation prompt counts as unaligned (its
     samples and its answer would follow different prompts)."""
 
-    OUTPUTS = ("input_ids", "labels", "media_inputs", "prompt_length")
+    OUTPUTS = ("input_ids", "labels", "media_inputs", "prompt_length", "teacher_prompt")
+
+    def __init__(self, args, labeller, max_length: int, teacher_processor=None):
+        super().__init__(args, labeller, max_length)
+        self.teacher_processor = teacher_processor  # `Teacher.own_processor`: its prompt as it writes it
 
     def example(self, row):
         try:
@@ -149,6 +204,7 @@ class DistillPreprocessor(PromptPreprocessor):
             prompt = prompt_row(self.labeller.processor, messages, images)["input_ids"]
             answer = {"role": "assistant", "content": [{"type": "text", "text": str(columns["solution"])}]}
             input_ids, labels, media_inputs = encode_row(self.labeller, [*messages, answer], images)
+            teacher = self.teacher_processor and prompt_row(self.teacher_processor, messages, images)
         except Skip:
             raise
         except UnalignedAnswer as error:
@@ -162,7 +218,8 @@ class DistillPreprocessor(PromptPreprocessor):
         labels[:len(prompt)] = IGNORE_INDEX  # earlier answers are context, as in the samples
         if not (labels[1:] != IGNORE_INDEX).any():
             raise Skip("no_target", "no answer to learn")
-        return (input_ids, labels, media_inputs, len(prompt)), note
+        teacher = teacher and {"input_ids": teacher["input_ids"], "media_inputs": teacher["media_inputs"]}
+        return (input_ids, labels, media_inputs, len(prompt), teacher), note
 
 
 class DistillCollator:
@@ -176,7 +233,7 @@ class DistillCollator:
     def __call__(self, rows):
         answers = self.chat_collator(rows)
         prompts = [{"input_ids": torch.as_tensor(row["input_ids"])[:row["prompt_length"]],
-                    "media_inputs": row["media_inputs"]} for row in rows]
+                    "media_inputs": row["media_inputs"], "teacher": row["teacher_prompt"]} for row in rows]
         return {"answers": answers, "prompts": prompts, "num_samples": answers["num_samples"],
                 "data_counts": answers["data_counts"]}
 
@@ -185,16 +242,17 @@ class DistillCollator:
 def evaluate_divergence(model, teacher: Teacher, eval_loader, filler_batch, device, *, beta: float,
                         temperature: float) -> dict:
     """The held-out divergence: the token mean of the generalised JSD to the teacher on the held-out answers, over
-    every rank's share, each rank forwarding as often as every other (`batches_in_step`; `filler_batch`: a chat batch
-    a rank with nothing left forwards and discards)."""
+    every rank's share (`DistillCollator` batches), each rank forwarding as often as every other (`batches_in_step`;
+    `filler_batch`: one a rank with nothing left forwards and discards)."""
     model.eval()
     totals = torch.zeros(2, device=device)  # the divergence summed over target tokens, the tokens
     for batch, real in batches_in_step(eval_loader, filler_batch, device):
-        inputs = to_device(batch, device)
-        inputs["teacher_hidden"] = teacher.hidden(inputs)
+        inputs = to_device(batch["answers"], device)
+        inputs["teacher_hidden"] = teacher.hidden(inputs, batch["prompts"])
         value = generalized_jsd_sum(model, inputs, teacher.head_logits, beta=beta, temperature=temperature)
         if real:
-            totals += torch.stack([value.float(), torch.tensor(float(batch["target_tokens"]), device=device)])
+            tokens = float(batch["answers"]["target_tokens"])
+            totals += torch.stack([value.float(), torch.tensor(tokens, device=device)])
     model.train()
     divergence, tokens = sum_over_ranks(totals).tolist()
     return {"divergence": divergence / tokens, "eval_tokens": int(tokens)} if tokens else {}
