@@ -44,6 +44,8 @@ def conversation(user, answer, role="assistant"):
      "(?s)held-out row of json.*: 2 of 2 rows read were skipped.*bad_row: 2"),
     ("vlm_grpo.py", ["--eval_dataset_name", "json", "--eval_data_files", "{bad}"],
      "No data rank has a held-out question of json to answer by generation.*left out: bad_row 2"),
+    ("vlm_distill.py", ["--eval_dataset_name", "json", "--eval_data_files", "{bad}"],
+     "(?s)No data rank has a usable held-out row of json.*: 2 of 2 rows read were skipped.*bad_row: 2"),
     ("clip_pretrain.py", ["--dataset_name", "parquet", "--data_files", "{captions}", "--eval_data_files", "{bad}"],
      "(?s)No data rank has a usable held-out row of test.*bad_shard: 1"),
 ])
