@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
+from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
 from helpers import chat_row, tiny
 from launch import REPO, run_engine, run_recipe
@@ -162,3 +163,45 @@ def test_a_teacher_whose_processor_writes_other_image_tokens_reads_its_own_rows_
         assert len(logits[1]) - len(logits[0]) == (48 if row["images"] else 0)  # 64 image tokens against 16
         expected += dense_jsd(student_logits.double(), teacher_logits.double(), torch.ones(answer), 0.5, 0.8)
     assert float(got) == pytest.approx(float(expected), rel=1e-5)
+
+
+@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 0.7), (1.0, 1.0)])
+def test_the_recipes_divergence_equals_trls_on_the_embedded_student_and_teacher(beta, temperature):
+    """The recipe's step (`Teacher.hidden`, `generalized_jsd_sum` through `VLMForTraining`) on the embedded student
+    and teacher and a micro-batch of image and text-only rows, against TRL 1.16's `DistillationTrainer` loss
+    (`_chunked_divergence_loss`) on the hidden states TRL takes (each model's `base_model` on the same batch): the
+    summed divergence and the student's output-layer gradient."""
+    student = AutoModelForImageTextToText.from_pretrained(TINY_SFT_VLM)
+    processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
+    teacher = Teacher.load(resolve_name("embedded:tiny_teacher_vlm"), student, processor)
+    stops = [processor.tokenizer.convert_tokens_to_ids("<|end|>")]
+    preprocess = DistillPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=128)
+    rows = [chat_row("What colour is the shape?", "red", Image.new("RGB", (32, 32), (220, 40, 40))),
+            chat_row("Which colour is grass?", "green, as a rule"),
+            chat_row("What colour is the shape?", "blue", Image.new("RGB", (32, 32), (30, 60, 200)))]
+    out = preprocess({key: [row[key] for row in rows] for key in rows[0]})
+    batch = DistillCollator(ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(student, processor)))(
+        [dict(zip(out, values)) for values in zip(*out.values())])
+    inputs = to_device(batch["answers"], "cpu")
+    inputs["teacher_hidden"] = teacher.hidden(inputs, batch["prompts"])
+    ours = generalized_jsd_sum(VLMForTraining(student).eval(), inputs, teacher.head_logits, beta=beta,
+                               temperature=temperature)
+    ours.backward()
+    our_grad = student.lm_head.weight.grad.clone()
+    student.zero_grad()
+
+    def trl_hidden(model):  # as DistillationTrainer._get_last_hidden_state: the backbone, the last position dropped
+        return model.base_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                pixel_values=inputs["pixel_values"]).last_hidden_state[:, :-1]
+
+    mask = inputs["labels"][:, 1:] != IGNORE_INDEX
+    with torch.no_grad():
+        teacher_hidden = trl_hidden(teacher.model.model)
+    tokens = int(mask.sum())
+    trl, _, counted = _chunked_divergence_loss(trl_hidden(student), teacher_hidden, student.lm_head.weight,
+                                               teacher.model.model.lm_head.weight, mask, beta,
+                                               num_items_in_batch=tokens, temperature=temperature)
+    (trl * tokens).backward()
+    assert int(counted) == tokens == batch["answers"]["target_tokens"] > 0
+    assert ours.item() == pytest.approx(trl.item() * tokens, rel=1e-5)
+    torch.testing.assert_close(our_grad, student.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
