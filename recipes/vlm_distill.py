@@ -91,8 +91,8 @@ def main(argv=None):
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2)
     model, processor = vlm.model, vlm.processor
-    # The teacher, checked now against the student's vocabulary and processor (logits compared
-    # entry by entry)
+    # The teacher, checked now against the student's vocabulary and chat template (logits compared
+    # entry by entry); it reads rows of its own where its processor writes images otherwise
     teacher = Teacher.load(distill_args.teacher_model_name_or_path, model, processor,
                            model_args.attn_implementation, distill_args.seq_kd)
     labeller = AnswerLabeller(processor, vlm.stops)  # the dataset's answers: off-policy targets
