@@ -61,8 +61,9 @@ def mismatch(student, student_processor, teacher, teacher_processor) -> str | No
         ids = [_probe(processor)["input_ids"][0].tolist() for processor in (student_processor, teacher_processor)]
     except (ValueError, KeyError, TypeError) as error:
         return f"the teacher's processor cannot read a conversation with an image ({error})"
-    texts = [[token for token in tokens if token not in placeholder_token_ids(model, processor)] for tokens, model,
-             processor in zip(ids, (student, teacher), (student_processor, teacher_processor))]
+    placeholders = [set(placeholder_token_ids(model, processor)) for model, processor in ((student, student_processor),
+                                                                                          (teacher, teacher_processor))]
+    texts = [[token for token in tokens if token not in images] for tokens, images in zip(ids, placeholders)]
     if texts[0] != texts[1]:
         return (f"their chat templates write the same conversation as other text tokens ({len(texts[0])} and "
                 f"{len(texts[1])} besides the image tokens), so the targets cannot be aligned")
