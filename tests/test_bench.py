@@ -15,10 +15,11 @@ from launch import REPO, run_command, run_env
 pytestmark = pytest.mark.launch
 
 # Dealt to the two processes in turn (0, 1, 0, ...), in an order that gives each about half: toy-size seconds on
-# 2 cores, each script alone, 18 | 16, 15 | 12, 12 | 10, 9 | 9, <1 | 5, <1 | 2, <1 | <1 (53 s a process).
+# 2 cores, both halves at once (2026-11-27), 40 | 14, 19 | 14, 16 | 13, 11 | 11, <1 | 9, <1 | 1, <1 | <1, <1 | <1,
+# 1 | 23, <1 (88 s and 85 s). sequence_parallel_memory's ranks are fresh processes: their imports are most of it.
 # gpu_recipe_throughput's toy recipe runs take no DataLoader workers: their fork server's start is half of such a run.
 BENCHES = [
-    ("video.py", ["--quick"]),
+    ("sequence_parallel_memory.py", ["--quick"]),
     ("gpu_recipe_throughput.py", ["--mode", "vlm", "--toy", "--torch_compile", "false", "--workers", "0"]),
     ("data_loading.py", ["--quick"]),
     ("recipe_throughput.py", ["--quick"]),
@@ -35,7 +36,7 @@ BENCHES = [
     ("answers_by_kind.py", ["--quick"]),
     ("grpo_sampling.py", ["--quick"]),
     ("label_alignment.py", ["--quick"]),
-    ("sequence_parallel_memory.py", ["--quick"]),
+    ("video.py", ["--quick"]),
     ("vlm_loss_memory.py", ["--quick", "--loss", "jsd"]),
 ]
 HALVES = 2
