@@ -21,7 +21,7 @@ from mmrecipes.vlm.distill import DistillCollator, DistillPreprocessor, Teacher,
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining, generalized_jsd_sum, load_vlm
+from mmrecipes.vlm.models import VLMForTraining, generalized_jsd_sum, load_vlm, stop_token_ids
 from test_distill_loss import dense_jsd
 
 TINY_SFT_VLM = resolve_name("embedded:tiny_sft_vlm")
@@ -122,24 +122,39 @@ def test_a_step_is_on_policy_with_probability_lmbda_the_same_draw_on_every_rank(
         on_policy(42, step, 1.0) for step in range(100))
 
 
-def test_a_teacher_whose_processor_writes_other_image_tokens_reads_its_own_rows_aligned_on_the_text(tmp_path):
-    """A teacher of 64 px images (64 image tokens against the student's 16, other pixels) reads its own prompts,
-    followed by the student row's text after the prompt: the divergence equals each model run on the whole
-    conversation as its own processor writes it, their logits compared at the answer's tokens (the dense formula)."""
-    student, processor, _ = tiny()
-    wider, wider_processor = load_vlm(VLMModelArgs(image_size=64, text_hidden_size=192))
-    wider.save_pretrained(tmp_path)
-    wider_processor.save_pretrained(tmp_path)
-    teacher = Teacher.load(str(tmp_path), student, processor)
+def other_image_tokens(family, tiny_vlms, directory):
+    """(the student, its processor, the directory of a teacher whose processor writes more image tokens): the tiny
+    Llava and a wider one of 64 px images (64 image tokens against 16), or the tiny Qwen2.5-VL and itself with
+    `min_pixels` raised (images upscaled: 4 times the tokens of a 64 px image)."""
+    if family == "llava":
+        student, processor, _ = tiny()
+        teacher, teacher_processor = load_vlm(VLMModelArgs(image_size=64, text_hidden_size=192))
+    else:
+        student, processor, _ = tiny(tiny_vlms[family])
+        teacher = student
+        teacher_processor = AutoProcessor.from_pretrained(tiny_vlms[family],
+                                                          size={"shortest_edge": 16384, "longest_edge": 65536})
+    teacher.save_pretrained(directory)
+    teacher_processor.save_pretrained(directory)
+    return student, processor, directory
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+def test_a_teacher_whose_processor_writes_other_image_tokens_reads_its_own_rows_aligned_on_the_text(
+        family, tiny_vlms, tmp_path):
+    """A teacher whose processor writes more image tokens (other pixels too) reads its own prompts, followed by the
+    student row's text after the prompt: the divergence equals each model run on the whole conversation as its own
+    processor writes it, their logits compared where both predict the answer's tokens (the dense formula)."""
+    student, processor, teacher_dir = other_image_tokens(family, tiny_vlms, tmp_path)
+    teacher = Teacher.load(str(teacher_dir), student, processor)
     assert teacher.own_processor is not None and "reading rows of its own" in teacher.describe()
     with pytest.raises(ValueError, match="--seq_kd with --teacher_model_name_or_path"):
-        Teacher.load(str(tmp_path), student, processor, seq_kd=True)
-    stops = [processor.tokenizer.convert_tokens_to_ids("<|end|>")]
-    preprocess = DistillPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=128,
-                                     teacher_processor=teacher.own_processor)
+        Teacher.load(str(teacher_dir), student, processor, seq_kd=True)
+    preprocess = DistillPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stop_token_ids(student, processor)),
+                                     max_length=512, teacher_processor=teacher.own_processor)
     rows = [chat_row("What colour is the shape?", "red", Image.new("RGB", (40, 40), (220, 40, 40))),
             chat_row("Which colour is grass?", "green, as a rule"),
-            chat_row("How many shapes?", "two", Image.new("RGB", (32, 32), (30, 60, 200)))]
+            chat_row("How many shapes?", "two", Image.new("RGB", (64, 64), (30, 60, 200)))]
     out = preprocess({key: [row[key] for row in rows] for key in rows[0]})
     batch = DistillCollator(ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(student, processor)))(
         [dict(zip(out, values)) for values in zip(*out.values())])
@@ -147,21 +162,19 @@ def test_a_teacher_whose_processor_writes_other_image_tokens_reads_its_own_rows_
     inputs["teacher_hidden"] = teacher.hidden(inputs, batch["prompts"])
     got = generalized_jsd_sum(VLMForTraining(student).eval(), inputs, teacher.head_logits, beta=0.5, temperature=0.8)
 
-    expected = torch.zeros(())
-    for row in rows:
-        logits = []
-        for model, model_processor in ((student, processor), (wider, wider_processor)):
+    expected, teacher_model = torch.zeros((), dtype=torch.float64), teacher.model.model
+    for row, labels in zip(rows, out["labels"]):
+        answer = int((labels != IGNORE_INDEX).sum())  # the answer's tokens, its end of turn included
+        ids, logits = [], []
+        for model, model_processor in ((student, processor), (teacher_model, teacher.processor)):
             text = model_processor.apply_chat_template(row["messages"], tokenize=False)
             encoded = model_processor(text=text, images=row["images"] or None, return_tensors="pt")
+            assert model_processor.tokenizer.decode(encoded["input_ids"][0, -1]) == "\n"  # after the end of turn
             with torch.no_grad():
-                logits.append(model(**encoded).logits[0])
-        answer = len(processor.tokenizer(row["messages"][1]["content"][0]["text"] + "<|end|>",
-                                         add_special_tokens=False)["input_ids"])
-        assert processor.tokenizer.decode(encoded["input_ids"][0, -1]) == "\n"  # after the answer's <|end|>
-        # the positions predicting the answer's tokens: the `answer` ones before the last two
-        student_logits, teacher_logits = (values[-answer - 2:-2] for values in logits)
-        assert len(logits[1]) - len(logits[0]) == (48 if row["images"] else 0)  # 64 image tokens against 16
-        expected += dense_jsd(student_logits.double(), teacher_logits.double(), torch.ones(answer), 0.5, 0.8)
+                logits.append(model(**encoded).logits[0, -answer - 2:-2])  # where each predicts the answer
+            ids.append(encoded["input_ids"][0, -answer - 1:-1].tolist())
+        assert ids[0] == ids[1]  # the same answer tokens, after prompts of other lengths
+        expected += dense_jsd(logits[0].double(), logits[1].double(), torch.ones(answer), 0.5, 0.8)
     assert float(got) == pytest.approx(float(expected), rel=1e-5)
 
 
