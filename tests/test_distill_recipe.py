@@ -9,7 +9,7 @@ The student is the embedded SFT'd tiny Llava, the teacher the embedded wider one
 - FSDP2: the student samples by the synced loop (every forward gathers); a sharded teacher of 64 px images (64
   image tokens against 16) reads rows of its own; the dataset's answers off-policy;
 - ZeRO-3: the student samples by `generate` on the gathered model (--ds3_gather_for_generation), the partitioned
-  teacher by the synced loop (--seq_kd); held-out divergence and accuracy at steps 0 and 4.
+  teacher by the synced loop (--seq_kd); held-out divergence and accuracy at steps 0 and 4; resumed from step 2.
 """
 
 import re
@@ -36,7 +36,7 @@ RUNS = {  # engine -> its flags, the same for its one-process ground truth
     "fsdp2.yaml": [*NO_EVALUATION, "--teacher_model_name_or_path", "LARGER_IMAGES"],
     "zero3.yaml": ["--seq_kd", "true", "--ds3_gather_for_generation", "true", "--eval_dataset_name", "parquet",
                    "--eval_data_files", "HELD_OUT", "--eval_steps", STEPS, "--eval_generation_rows", 4,
-                   "--per_device_eval_batch_size", 2],
+                   "--per_device_eval_batch_size", 2, "--save_steps", 2],
 }
 EVAL = r"^eval step {step} \|.* {name} ([\d.]+)"
 
@@ -68,26 +68,31 @@ def scenario(tmp_path_factory):
     return data
 
 
+def engine_flags(config, scenario):
+    return [{"HELD_OUT": scenario / "held_out" / "test.parquet", "LARGER_IMAGES": scenario / "teacher"}.get(
+        flag, flag) for flag in [*COMMON, *RANKS, *RUNS[config], "--data_files", scenario / "rank*.parquet"]]
+
+
 @pytest.fixture(scope="module")
 def runs(scenario, tmp_path_factory):
-    """{engine: (2-process result, one-process result)}."""
+    """{engine: (2-process result, one-process result, the 2-process run's output directory)}."""
     results = {}
-    for config, flags in RUNS.items():
-        flags = [{"HELD_OUT": scenario / "held_out" / "test.parquet", "LARGER_IMAGES": scenario / "teacher"}.get(
-            flag, flag) for flag in flags]
+    for config in RUNS:
+        flags = engine_flags(config, scenario)[len(COMMON) + len(RANKS):-2]
         single = run_recipe(*COMMON, *SINGLE, *flags, "--data_files", scenario / "single" / "all.parquet",
                             "--output_dir", tmp_path_factory.mktemp("distill_single"), recipe=DISTILL_RECIPE)
         assert single.returncode == 0, single.log[-3000:]
-        ranks = run_engine(config, *COMMON, *RANKS, *flags, "--data_files", scenario / "rank*.parquet",
-                           "--output_dir", tmp_path_factory.mktemp(f"distill_{config[:-5]}"), recipe=DISTILL_RECIPE)
-        results[config] = ranks, single
+        output_dir = tmp_path_factory.mktemp(f"distill_{config[:-5]}")
+        ranks = run_engine(config, *engine_flags(config, scenario), "--output_dir", output_dir,
+                           recipe=DISTILL_RECIPE)
+        results[config] = ranks, single, output_dir
     return results
 
 
 @pytest.mark.launch
 @pytest.mark.parametrize("config", list(RUNS), ids=[config[:-5] for config in RUNS])
 def test_two_ranks_sample_and_step_as_one_process_with_the_teacher_sharded(runs, config):
-    ranks, single = runs[config]
+    ranks, single, _ = runs[config]
     assert ranks.returncode == 0, ranks.log[-3000:]
     assert_engine(ranks.log, config, wrapped="VLMForTraining")
     held, total = (int(value.replace(",", "")) for value in re.search(
@@ -108,6 +113,25 @@ def test_two_ranks_sample_and_step_as_one_process_with_the_teacher_sharded(runs,
             pattern = re.compile(EVAL.format(step=step, name=name), re.M)
             assert float(pattern.search(ranks.log)[1]) == pytest.approx(float(pattern.search(single.log)[1]),
                                                                          rel=1e-5), (step, name)
+
+
+@pytest.mark.launch
+def test_a_resume_repeats_the_straight_run(runs, scenario, tmp_path):
+    """From ZeRO-3's checkpoint-2: the same draws, samples (the teacher's at step 3, the student's at step 4),
+    divergence and gradient norms at steps 3 and 4, and the same held-out divergence at step 4."""
+    straight, _, output_dir = runs["zero3.yaml"]
+    resumed = run_engine("zero3.yaml", *engine_flags("zero3.yaml", scenario), "--output_dir", tmp_path,
+                         "--resume_from_checkpoint", output_dir / "checkpoints" / "checkpoint-2",
+                         recipe=DISTILL_RECIPE)
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    for name in ("on_policy", "sample_length", "loss", "grad_norm"):
+        got, expected = metric(resumed.log, name), metric(straight.log, name)
+        assert sorted(got) == [3, 4], name
+        for step in got:
+            assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-6), (name, step)
+    pattern = re.compile(EVAL.format(step=4, name="divergence"), re.M)
+    assert float(pattern.search(resumed.log)[1]) == pytest.approx(float(pattern.search(straight.log)[1]), rel=1e-5)
+    assert "eval step 0" not in resumed.log  # the start's evaluation is the straight run's
 
 
 def test_the_default_run_distils_the_embedded_teacher_into_a_model_that_loads(tmp_path, capsys):
