@@ -20,7 +20,7 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.distill import DistillCollator, DistillPreprocessor, Teacher, mismatch, on_policy, reads_own_rows
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.losses import IGNORE_INDEX
+from mmrecipes.vlm.losses import IGNORE_INDEX, count_target_tokens
 from mmrecipes.vlm.models import VLMForTraining, generalized_jsd_sum, load_vlm, stop_token_ids
 from test_distill_loss import dense_jsd
 
@@ -139,6 +139,19 @@ def other_image_tokens(family, tiny_vlms, directory):
     return student, processor, directory
 
 
+def recipe_micro_batch(student, processor, teacher, rows):
+    """(`DistillPreprocessor`'s columns, the micro-batch of `rows` as the recipe forwards it: the dataset's answers
+    through `DistillCollator`, on the device, with the teacher's hidden states at the student's positions)."""
+    preprocess = DistillPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stop_token_ids(student, processor)),
+                                     max_length=512, teacher_processor=teacher.own_processor)
+    out = preprocess({key: [row[key] for row in rows] for key in rows[0]})
+    batch = DistillCollator(ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(student, processor)))(
+        [dict(zip(out, values)) for values in zip(*out.values())])
+    inputs = to_device(batch["answers"], "cpu")
+    inputs["teacher_hidden"] = teacher.hidden(inputs, batch["prompts"])
+    return out, inputs
+
+
 @pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
 def test_a_teacher_whose_processor_writes_other_image_tokens_reads_its_own_rows_aligned_on_the_text(
         family, tiny_vlms, tmp_path):
@@ -150,16 +163,10 @@ def test_a_teacher_whose_processor_writes_other_image_tokens_reads_its_own_rows_
     assert teacher.own_processor is not None and "reading rows of its own" in teacher.describe()
     with pytest.raises(ValueError, match="--seq_kd with --teacher_model_name_or_path"):
         Teacher.load(str(teacher_dir), student, processor, seq_kd=True)
-    preprocess = DistillPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stop_token_ids(student, processor)),
-                                     max_length=512, teacher_processor=teacher.own_processor)
     rows = [chat_row("What colour is the shape?", "red", Image.new("RGB", (40, 40), (220, 40, 40))),
             chat_row("Which colour is grass?", "green, as a rule"),
             chat_row("How many shapes?", "two", Image.new("RGB", (64, 64), (30, 60, 200)))]
-    out = preprocess({key: [row[key] for row in rows] for key in rows[0]})
-    batch = DistillCollator(ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(student, processor)))(
-        [dict(zip(out, values)) for values in zip(*out.values())])
-    inputs = to_device(batch["answers"], "cpu")
-    inputs["teacher_hidden"] = teacher.hidden(inputs, batch["prompts"])
+    out, inputs = recipe_micro_batch(student, processor, teacher, rows)
     got = generalized_jsd_sum(VLMForTraining(student).eval(), inputs, teacher.head_logits, beta=0.5, temperature=0.8)
 
     expected, teacher_model = torch.zeros((), dtype=torch.float64), teacher.model.model
@@ -187,16 +194,10 @@ def test_the_recipes_divergence_equals_trls_on_the_embedded_student_and_teacher(
     student = AutoModelForImageTextToText.from_pretrained(TINY_SFT_VLM)
     processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
     teacher = Teacher.load(resolve_name("embedded:tiny_teacher_vlm"), student, processor)
-    stops = [processor.tokenizer.convert_tokens_to_ids("<|end|>")]
-    preprocess = DistillPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=128)
     rows = [chat_row("What colour is the shape?", "red", Image.new("RGB", (32, 32), (220, 40, 40))),
             chat_row("Which colour is grass?", "green, as a rule"),
             chat_row("What colour is the shape?", "blue", Image.new("RGB", (32, 32), (30, 60, 200)))]
-    out = preprocess({key: [row[key] for row in rows] for key in rows[0]})
-    batch = DistillCollator(ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(student, processor)))(
-        [dict(zip(out, values)) for values in zip(*out.values())])
-    inputs = to_device(batch["answers"], "cpu")
-    inputs["teacher_hidden"] = teacher.hidden(inputs, batch["prompts"])
+    _, inputs = recipe_micro_batch(student, processor, teacher, rows)
     ours = generalized_jsd_sum(VLMForTraining(student).eval(), inputs, teacher.head_logits, beta=beta,
                                temperature=temperature)
     ours.backward()
@@ -215,6 +216,6 @@ def test_the_recipes_divergence_equals_trls_on_the_embedded_student_and_teacher(
                                                teacher.model.model.lm_head.weight, mask, beta,
                                                num_items_in_batch=tokens, temperature=temperature)
     (trl * tokens).backward()
-    assert int(counted) == tokens == batch["answers"]["target_tokens"] > 0
+    assert int(counted) == tokens == count_target_tokens(inputs["labels"]) > 0  # the collator's target_tokens
     assert ours.item() == pytest.approx(trl.item() * tokens, rel=1e-5)
     torch.testing.assert_close(our_grad, student.lm_head.weight.grad, rtol=1e-4, atol=1e-6)

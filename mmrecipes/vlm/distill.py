@@ -129,10 +129,9 @@ class Teacher:
                          "media_inputs": own["media_inputs"]})
             shifts.append(len(own["input_ids"]) - start)
         hidden = hidden_states(self.model, to_device(self.collator(rows), device))
-        positions = torch.arange(inputs["input_ids"].shape[1], device=device) + torch.tensor(shifts, device=device)[
-            :, None]
-        positions = positions.clamp(0, hidden.shape[1] - 1)[..., None].expand(-1, -1, hidden.shape[-1])
-        return hidden.gather(1, positions)
+        shift = torch.tensor(shifts, device=device)[:, None]
+        positions = (torch.arange(inputs["input_ids"].shape[1], device=device) + shift).clamp(0, hidden.shape[1] - 1)
+        return hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
 
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
