@@ -68,9 +68,14 @@ def scenario(tmp_path_factory):
     return data
 
 
+def run_flags(config, scenario):
+    """RUNS[config] with the scenario's paths in."""
+    paths = {"HELD_OUT": scenario / "held_out" / "test.parquet", "LARGER_IMAGES": scenario / "teacher"}
+    return [paths.get(flag, flag) for flag in RUNS[config]]
+
+
 def engine_flags(config, scenario):
-    return [{"HELD_OUT": scenario / "held_out" / "test.parquet", "LARGER_IMAGES": scenario / "teacher"}.get(
-        flag, flag) for flag in [*COMMON, *RANKS, *RUNS[config], "--data_files", scenario / "rank*.parquet"]]
+    return [*COMMON, *RANKS, *run_flags(config, scenario), "--data_files", scenario / "rank*.parquet"]
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +83,9 @@ def runs(scenario, tmp_path_factory):
     """{engine: (2-process result, one-process result, the 2-process run's output directory)}."""
     results = {}
     for config in RUNS:
-        flags = engine_flags(config, scenario)[len(COMMON) + len(RANKS):-2]
-        single = run_recipe(*COMMON, *SINGLE, *flags, "--data_files", scenario / "single" / "all.parquet",
-                            "--output_dir", tmp_path_factory.mktemp("distill_single"), recipe=DISTILL_RECIPE)
+        single = run_recipe(*COMMON, *SINGLE, *run_flags(config, scenario), "--data_files",
+                            scenario / "single" / "all.parquet", "--output_dir",
+                            tmp_path_factory.mktemp("distill_single"), recipe=DISTILL_RECIPE)
         assert single.returncode == 0, single.log[-3000:]
         output_dir = tmp_path_factory.mktemp(f"distill_{config[:-5]}")
         ranks = run_engine(config, *engine_flags(config, scenario), "--output_dir", output_dir,
