@@ -185,37 +185,70 @@ def test_a_teacher_whose_processor_writes_other_image_tokens_reads_its_own_rows_
     assert float(got) == pytest.approx(float(expected), rel=1e-5)
 
 
-@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 0.7), (1.0, 1.0)])
-def test_the_recipes_divergence_equals_trls_on_the_embedded_student_and_teacher(beta, temperature):
-    """The recipe's step (`Teacher.hidden`, `generalized_jsd_sum` through `VLMForTraining`) on the embedded student
-    and teacher and a micro-batch of image and text-only rows, against TRL 1.16's `DistillationTrainer` loss
-    (`_chunked_divergence_loss`) on the hidden states TRL takes (each model's `base_model` on the same batch): the
-    summed divergence and the student's output-layer gradient."""
-    student = AutoModelForImageTextToText.from_pretrained(TINY_SFT_VLM)
-    processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
-    teacher = Teacher.load(resolve_name("embedded:tiny_teacher_vlm"), student, processor)
-    rows = [chat_row("What colour is the shape?", "red", Image.new("RGB", (32, 32), (220, 40, 40))),
-            chat_row("Which colour is grass?", "green, as a rule"),
-            chat_row("What colour is the shape?", "blue", Image.new("RGB", (32, 32), (30, 60, 200)))]
+TRL_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+                       "token_type_ids", "mm_token_type_ids", "image_position_ids")  # what TRL 1.16 passes on
+
+
+def assert_equals_trls_loss(student, processor, teacher, rows, beta, temperature):
+    """The recipe's step (`Teacher.hidden`, `generalized_jsd_sum` through `VLMForTraining`) on `rows`, against TRL
+    1.16's `DistillationTrainer` loss (`_chunked_divergence_loss`) on the hidden states TRL takes (each model's
+    `base_model` on the same batch, the multimodal inputs TRL passes, the text config's softcap): the summed
+    divergence and the student's output-layer gradient."""
     _, inputs = recipe_micro_batch(student, processor, teacher, rows)
     ours = generalized_jsd_sum(VLMForTraining(student).eval(), inputs, teacher.head_logits, beta=beta,
                                temperature=temperature)
     ours.backward()
-    our_grad = student.lm_head.weight.grad.clone()
+    head = student.get_output_embeddings()
+    our_grad = head.weight.grad.clone()
     student.zero_grad()
 
     def trl_hidden(model):  # as DistillationTrainer._get_last_hidden_state: the backbone, the last position dropped
+        extra = {key: inputs[key] for key in TRL_MULTIMODAL_KEYS if key in inputs}
         return model.base_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                pixel_values=inputs["pixel_values"]).last_hidden_state[:, :-1]
+                                **extra).last_hidden_state[:, :-1]
 
     mask = inputs["labels"][:, 1:] != IGNORE_INDEX
+    teacher_model = teacher.model.model
     with torch.no_grad():
-        teacher_hidden = trl_hidden(teacher.model.model)
+        teacher_hidden = trl_hidden(teacher_model)
     tokens = int(mask.sum())
-    trl, _, counted = _chunked_divergence_loss(trl_hidden(student), teacher_hidden, student.lm_head.weight,
-                                               teacher.model.model.lm_head.weight, mask, beta,
-                                               num_items_in_batch=tokens, temperature=temperature)
+    softcaps = [getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+                for model in (student, teacher_model)]
+    trl, _, counted = _chunked_divergence_loss(trl_hidden(student), teacher_hidden, head.weight,
+                                               teacher_model.get_output_embeddings().weight, mask, beta,
+                                               num_items_in_batch=tokens, temperature=temperature,
+                                               student_final_logit_softcapping=softcaps[0],
+                                               teacher_final_logit_softcapping=softcaps[1])
     (trl * tokens).backward()
     assert int(counted) == tokens == count_target_tokens(inputs["labels"]) > 0  # the collator's target_tokens
     assert ours.item() == pytest.approx(trl.item() * tokens, rel=1e-5)
-    torch.testing.assert_close(our_grad, student.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(our_grad, head.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+ROWS = [chat_row("What colour is the shape?", "red", Image.new("RGB", (32, 32), (220, 40, 40))),
+        chat_row("Which colour is grass?", "green, as a rule"),
+        chat_row("What colour is the shape?", "blue", Image.new("RGB", (32, 32), (30, 60, 200)))]
+
+
+@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 0.7), (1.0, 1.0)])
+def test_the_recipes_divergence_equals_trls_on_the_embedded_student_and_teacher(beta, temperature):
+    """On the embedded student and teacher, a micro-batch of image and text-only rows, beta 0, 0.5 and 1."""
+    student = AutoModelForImageTextToText.from_pretrained(TINY_SFT_VLM)
+    processor = AutoProcessor.from_pretrained(TINY_SFT_VLM)
+    teacher = Teacher.load(resolve_name("embedded:tiny_teacher_vlm"), student, processor)
+    assert_equals_trls_loss(student, processor, teacher, ROWS, beta, temperature)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_5"])
+def test_the_recipes_divergence_equals_trls_on_the_families_trl_distils(family, tiny_vlms, tmp_path):
+    """The VLM families TRL 1.16's DistillationTrainer names (Gemma 3, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3.5):
+    the tiny checkpoint as the student, and as the teacher with its weights moved by seeded noise."""
+    student, processor, _ = tiny(tiny_vlms[family])
+    teacher = AutoModelForImageTextToText.from_pretrained(tiny_vlms[family])
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in teacher.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.02)
+    teacher.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    assert_equals_trls_loss(student, processor, Teacher.load(str(tmp_path), student, processor), ROWS, 0.5, 0.7)
