@@ -1,7 +1,7 @@
 """vlm_distill.py: on 2 CPU processes it gives what one process holding the whole window gives (the same samples, the
-same divergence and gradient norm every step, the same held-out divergence), with the teacher kept as the engine keeps
-the student; the default run trains on the embedded data and its output loads with the Auto class and the pipeline;
-bad settings are refused before the first step.
+same divergence and gradient norm every step, the same weights after it, the same held-out divergence), with the
+teacher kept as the engine keeps the student; the default run trains on the embedded data and its output loads with
+the Auto class and the pipeline; bad settings are refused before the first step.
 
 The student is the embedded SFT'd tiny Llava, the teacher the embedded wider one (`data_prep/tiny_sft_vlm.py`). With
 --seed 0 and --lmbda 0.5 steps 2 and 4 train on the student's samples and steps 1 and 3 on the dataset's answers (or,
@@ -15,8 +15,9 @@ The student is the embedded SFT'd tiny Llava, the teacher the embedded wider one
 import re
 
 import pytest
+import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, pipeline
+from transformers import AutoModelForImageTextToText, LlavaForConditionalGeneration, pipeline
 
 from helpers import chat_row, write_chat_parquet
 from launch import REPO, assert_engine, load_recipe, run_engine, run_recipe
@@ -80,24 +81,24 @@ def engine_flags(config, scenario):
 
 @pytest.fixture(scope="module")
 def runs(scenario, tmp_path_factory):
-    """{engine: (2-process result, one-process result, the 2-process run's output directory)}."""
+    """{engine: (2-process result, one-process result, the 2-process run's output directory, the one process's)}."""
     results = {}
     for config in RUNS:
+        single_dir = tmp_path_factory.mktemp("distill_single")
         single = run_recipe(*COMMON, *SINGLE, *run_flags(config, scenario), "--data_files",
-                            scenario / "single" / "all.parquet", "--output_dir",
-                            tmp_path_factory.mktemp("distill_single"), recipe=DISTILL_RECIPE)
+                            scenario / "single" / "all.parquet", "--output_dir", single_dir, recipe=DISTILL_RECIPE)
         assert single.returncode == 0, single.log[-3000:]
         output_dir = tmp_path_factory.mktemp(f"distill_{config[:-5]}")
         ranks = run_engine(config, *engine_flags(config, scenario), "--output_dir", output_dir,
                            recipe=DISTILL_RECIPE)
-        results[config] = ranks, single, output_dir
+        results[config] = ranks, single, output_dir, single_dir
     return results
 
 
 @pytest.mark.launch
 @pytest.mark.parametrize("config", list(RUNS), ids=[config[:-5] for config in RUNS])
 def test_two_ranks_sample_and_step_as_one_process_with_the_teacher_sharded(runs, config):
-    ranks, single, _ = runs[config]
+    ranks, single, output_dir, single_dir = runs[config]
     assert ranks.returncode == 0, ranks.log[-3000:]
     assert_engine(ranks.log, config, wrapped="VLMForTraining")
     held, total = (int(value.replace(",", "")) for value in re.search(
@@ -112,6 +113,10 @@ def test_two_ranks_sample_and_step_as_one_process_with_the_teacher_sharded(runs,
         assert sorted(got) == sorted(expected) == (sampled if name == "sample_length" else [1, 2, 3, 4]), name
         for step in got:
             assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-6), (name, step)
+    # the gradients themselves, through four AdamW steps: the saved students hold the same weights
+    expected = LlavaForConditionalGeneration.from_pretrained(single_dir).state_dict()
+    for name, tensor in LlavaForConditionalGeneration.from_pretrained(output_dir).state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=1e-4, msg=name)
     if "--seq_kd" in RUNS[config]:  # held-out: the student at steps 0 and 4, the teacher once
         for step, name in ((0, "divergence"), (4, "divergence"), (0, "teacher_generated_accuracy"),
                            (4, "answer_accuracy"), (4, "eval_tokens"), (4, "eval_generated")):
@@ -124,7 +129,7 @@ def test_two_ranks_sample_and_step_as_one_process_with_the_teacher_sharded(runs,
 def test_a_resume_repeats_the_straight_run(runs, scenario, tmp_path):
     """From ZeRO-3's checkpoint-2: the same draws, samples (the teacher's at step 3, the student's at step 4),
     divergence and gradient norms at steps 3 and 4, and the same held-out divergence at step 4."""
-    straight, _, output_dir = runs["zero3.yaml"]
+    straight, _, output_dir, _ = runs["zero3.yaml"]
     resumed = run_engine("zero3.yaml", *engine_flags("zero3.yaml", scenario), "--output_dir", tmp_path,
                          "--resume_from_checkpoint", output_dir / "checkpoints" / "checkpoint-2",
                          recipe=DISTILL_RECIPE)
