@@ -78,7 +78,7 @@ from mmrecipes.vlm.distill import (
     on_policy,
 )
 from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
-from mmrecipes.vlm.labels import AnswerLabeller, check_template
+from mmrecipes.vlm.labels import AnswerLabeller, check_generation_prompt, check_template
 from mmrecipes.vlm.losses import token_loss_scale
 from mmrecipes.vlm.models import VLMForTraining, generalized_jsd_sum, save_vlm
 from mmrecipes.vlm.parts import vlm_parts
@@ -96,7 +96,9 @@ def main(argv=None):
     teacher = Teacher.load(distill_args.teacher_model_name_or_path, model, processor,
                            model_args.attn_implementation, distill_args.seq_kd)
     labeller = AnswerLabeller(processor, vlm.stops)  # the dataset's answers: off-policy targets
-    template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
+    source = model_args.template_source()
+    template_line = check_template(labeller, source, data_args.max_length)
+    template_line += "\n" + check_generation_prompt(labeller, source)  # what the samples follow
 
     # shared: accelerator
     accelerator = accelerator_from_args(args)

@@ -70,7 +70,7 @@ from mmrecipes.vlm import grpo
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import evaluate_generation
-from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.labels import AnswerLabeller, check_generation_prompt
 from mmrecipes.vlm.losses import token_loss_scale
 from mmrecipes.vlm.models import VLMForTraining, save_vlm, token_logps
 from mmrecipes.vlm.parts import vlm_parts
@@ -91,6 +91,8 @@ def main(argv=None):
                     frozen_copy=grpo_args.beta > 0)
     model, processor = vlm.model, vlm.processor
     labeller = AnswerLabeller(processor, vlm.stops)  # the prompts go through its template
+    # the assistant header the samples start after
+    template_line = check_generation_prompt(labeller, model_args.template_source())
 
     # shared: accelerator
     accelerator = accelerator_from_args(args)
@@ -111,6 +113,9 @@ def main(argv=None):
     # A step's completions are whole groups; a group's may sit on several micro-batches and ranks
     layout = grpo.GroupLayout(grpo_args.num_generations, batch_size,
                               args.gradient_accumulation_steps, data_rank, data_world, sp_size)
+
+    # shared: vlm log
+    accelerator.print(template_line)
     accelerator.print(f"evaluation: {data_args.evaluation}")
     accelerator.print(vlm.describe())
 

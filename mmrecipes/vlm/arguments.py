@@ -1,8 +1,10 @@
 """The VLM recipes' arguments (model, LoRA, chat and preference data, videos, DPO), each with its value rules; no
 torch (`--help`)."""
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from ..arguments import SourceArgs, TrainingArgs
@@ -11,6 +13,42 @@ from ..paths import PLAIN_CHAT_TEMPLATE, TINY_VLM_TOKENIZER, resolve_name
 from ..sources import evaluation_source
 
 TRAIN_MODULES = ("projector", "projector,language_model", "all")  # what --train_modules may name
+CHAT_TEMPLATE_FILE = ("a chat template file is the Jinja text of one template, which renders `messages` (a saved "
+                      "model's chat_template.jinja, or TRL's chat_templates/*.jinja)")
+
+
+def read_chat_template(path: str, flag: str = "--chat_template_path") -> str:
+    """The text of a chat template file, or a ValueError naming `flag` and what the file is instead: missing, a
+    folder, not UTF-8 text, empty, JSON (a tokenizer_config.json), or text with no Jinja in it."""
+    file = Path(path)
+    if file.is_dir():
+        inside = file / "chat_template.jinja"
+        hint = f": give the file itself ({inside})" if inside.is_file() else ""
+        raise ValueError(f"{flag} {path} is a folder; {CHAT_TEMPLATE_FILE}{hint}")
+    try:
+        data = file.read_bytes()
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: {error.strerror or error}; {CHAT_TEMPLATE_FILE}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{flag} {path} is not UTF-8 text (byte {error.start} is 0x{data[error.start]:02x}); "
+                         f"{CHAT_TEMPLATE_FILE}") from None
+    if "\x00" in text:
+        raise ValueError(f"{flag} {path} is a binary file (it holds NUL bytes); {CHAT_TEMPLATE_FILE}")
+    if not text.strip():
+        raise ValueError(f"{flag} {path} is empty; {CHAT_TEMPLATE_FILE}")
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if isinstance(value, dict) and isinstance(value.get("chat_template"), str):
+        raise ValueError(f"{flag} {path} is JSON (a tokenizer_config.json or chat_template.json): its "
+                         f"\"chat_template\" value is the template; write that value to a .jinja file and give it. "
+                         f"{CHAT_TEMPLATE_FILE[0].upper()}{CHAT_TEMPLATE_FILE[1:]}")
+    if value is not None or not ("{{" in text or "{%" in text):
+        raise ValueError(f"{flag} {path} holds no Jinja ({{{{ ... }}}} or {{% ... %}}); {CHAT_TEMPLATE_FILE}")
+    return text
 
 
 @dataclass
@@ -60,6 +98,8 @@ class VLMModelArgs(CheckedArgs):
         if all(parts) and self.model_name_or_path:
             raise ValueError("--model_name_or_path loads a built VLM; --vision_model_name_or_path and "
                              "--language_model_name_or_path compose one: give one or the other")
+        if self.chat_template_path:
+            read_chat_template(self.chat_template_path)  # a file that can be one, before any model loads
         if (self.chat_template is not None or self.vision_feature_layer != -2) and not all(parts):
             raise ValueError("--chat_template and --vision_feature_layer shape a composed VLM: give "
                              "--vision_model_name_or_path and --language_model_name_or_path (a built model's template "

@@ -26,6 +26,7 @@ from transformers.utils import CONFIG_NAME
 
 from ..checkpointing import MARKER, checkpoint_weights
 from ..paths import PLAIN_CHAT_TEMPLATE
+from .arguments import read_chat_template
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 IMAGE_TOKEN = "<image>"
@@ -61,7 +62,7 @@ def compose_llava(vision_name_or_path: str, language_name_or_path: str, *, visio
     language_model = AutoModelForCausalLM.from_pretrained(language_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(language_name_or_path)
     if chat_template_path:
-        tokenizer.chat_template = Path(chat_template_path).read_text()
+        tokenizer.chat_template = read_chat_template(chat_template_path)
     template = chat_template_for(tokenizer, chat_template, chat_template_path or language_name_or_path)
     _add_tokens(language_model, tokenizer)
     class_token = hasattr(tower.embeddings, "class_embedding")  # CLIP's CLS position; SigLIP has none

@@ -264,6 +264,21 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
     return f"chat template of {source}: assistant turns found by {labeller.rule}; it {ends}{writes}"
 
 
+def check_generation_prompt(labeller: AnswerLabeller, source: str) -> str:
+    """Raise unless the chat template writes a generation prompt (its `add_generation_prompt` branch: the assistant
+    header a sample starts after); the log line that names it. Without one, GRPO's and distillation's samples would
+    follow the user's turn directly, a place the model never answers from."""
+    question = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]}]
+    without, prompted = (labeller.render(question, add_generation_prompt=asked)[0] for asked in (False, True))
+    header = prompted.removeprefix(without)
+    if not header.strip():
+        raise TemplateError(
+            f"The chat template of {source} writes no generation prompt (add_generation_prompt adds "
+            f"{header!r} after the user's turn), so samples would start with no assistant header. Give a template "
+            "with an add_generation_prompt branch (the model's own has one) with --chat_template_path")
+    return f"chat template of {source}: samples start after its generation prompt {header!r}"
+
+
 def _runs(mask):
     """Index ranges of the consecutive True stretches of a 1-D bool mask."""
     positions = mask.nonzero().flatten().tolist()

@@ -12,7 +12,6 @@ a whole batch never exist in training. Family differences come from signatures, 
 import contextlib
 import inspect
 import logging
-from pathlib import Path
 
 import torch
 from transformers import (
@@ -27,7 +26,7 @@ from transformers import (
 
 from ..distributed import fsdp_block_classes
 from ..images import to_device
-from .arguments import VLMModelArgs
+from .arguments import VLMModelArgs, read_chat_template
 from .collate import ChatCollator, probe_rows
 from .compose import compose_llava, replaced_template
 from .families import (
@@ -302,7 +301,8 @@ def load_vlm(args: VLMModelArgs):
     else:
         model, processor = _tiny_llava(args)
     if args.chat_template_path and not args.vision_model_name_or_path:  # compose_llava took it as the LM's
-        processor.chat_template = replaced_template(processor.chat_template, Path(args.chat_template_path).read_text())
+        template = read_chat_template(args.chat_template_path)
+        processor.chat_template = replaced_template(processor.chat_template, template)
     try:
         model.set_attn_implementation(args.attn_implementation)
     except ValueError as error:  # a family without that kernel: Gemma 2's LM (PaliGemma 2) has no sdpa

@@ -77,7 +77,7 @@ class PromptPreprocessor(ChatPreprocessor):
 
     @staticmethod
     def check_columns(name, available):
-        if not {"prompt", "messages", "conversations"} & set(available):
+        if available is not None and not {"prompt", "messages", "conversations"} & set(available):
             raise ValueError(f"{name} has none of the columns prompt, messages or conversations (it has "
                              f"{', '.join(sorted(available))})")
 
