@@ -26,8 +26,10 @@ from mmrecipes.vlm.chat_data import ChatPreprocessor
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining, load_vlm, logits, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, logits
+from mmrecipes.vlm.parts import load_vlm
 
 RESULTS = Path(__file__).resolve().parent / "results" / "answers_by_kind.jsonl"
 

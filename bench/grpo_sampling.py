@@ -22,7 +22,9 @@ from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs, VLMModelArgs
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs, placeholder_token_ids
 from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.models import VLMForTraining, load_vlm, stop_token_ids
+from mmrecipes.vlm.loading import stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining
+from mmrecipes.vlm.parts import load_vlm
 from mmrecipes.vlm.prompts import PromptCollator, PromptPreprocessor
 from mmrecipes.vlm.sampling import generate_group, prompt_seed, sample_group
 

@@ -22,7 +22,8 @@ from PIL import Image
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import ChatPreprocessor
 from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.models import load_vlm, stop_token_ids
+from mmrecipes.vlm.loading import stop_token_ids
+from mmrecipes.vlm.parts import load_vlm
 
 RESULTS = Path(__file__).resolve().parent / "results" / "label_alignment.jsonl"
 

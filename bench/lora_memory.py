@@ -32,9 +32,11 @@ def _variant(use_peft, sizes, steps, batch_size, queue):
     from mmrecipes.vlm.collate import ChatCollator
     from mmrecipes.vlm.families import dummy_image_inputs
     from mmrecipes.vlm.labels import AnswerLabeller
+    from mmrecipes.vlm.loading import stop_token_ids
     from mmrecipes.vlm.lora import add_lora
-    from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, loss_sum, stop_token_ids
-    from mmrecipes.vlm.module_groups import module_groups
+    from mmrecipes.vlm.models import VLMForTraining, loss_sum
+    from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
+    from mmrecipes.vlm.parts import load_vlm
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -31,7 +31,8 @@ from mmrecipes.vlm.chat_data import encode_row
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs, video_path
 from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.models import VLMForTraining, loss_sum, stop_token_ids
+from mmrecipes.vlm.loading import stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, loss_sum
 from mmrecipes.vlm.videos import decode_video
 
 REPO = Path(__file__).resolve().parents[1]

@@ -30,9 +30,11 @@ from mmrecipes.vlm.chat_data import build_chat_dataloader
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import token_cross_entropy_sum
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, loss_sum, stop_token_ids
-from mmrecipes.vlm.module_groups import module_groups
+from mmrecipes.vlm.models import VLMForTraining, loss_sum
+from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.parts import load_vlm
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vlm_dummy.jsonl"
 

@@ -79,6 +79,7 @@ from mmrecipes.vlm.distill import (
 )
 from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
 from mmrecipes.vlm.labels import AnswerLabeller, check_generation_prompt, check_template
+from mmrecipes.vlm.loading import check_trainable
 from mmrecipes.vlm.losses import token_loss_scale
 from mmrecipes.vlm.models import VLMForTraining, generalized_jsd_sum, save_vlm
 from mmrecipes.vlm.parts import vlm_parts
@@ -87,6 +88,8 @@ from mmrecipes.vlm.sampling import Sampler
 
 def main(argv=None):
     model_args, lora_args, data_args, distill_args, args = parse_args(ARGUMENTS, argv)
+    # the teacher's folder and config checked before either model loads
+    check_trainable(distill_args.teacher_model_name_or_path, "--teacher_model_name_or_path")
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2)

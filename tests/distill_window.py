@@ -26,9 +26,11 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.distill import Teacher
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import count_target_tokens, token_loss_scale
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, generalized_jsd_sum, load_vlm, stop_token_ids
-from mmrecipes.vlm.module_groups import module_groups
+from mmrecipes.vlm.models import VLMForTraining, generalized_jsd_sum
+from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.parts import load_vlm
 
 COLOURS = {"red": (200, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 200), "yellow": (220, 200, 40)}
 # (question, answer, image colour or None): text-only rows among image rows, answers of different lengths

@@ -15,8 +15,10 @@ from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generat
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining, load_vlm, logits, loss_sum, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, logits, loss_sum
+from mmrecipes.vlm.parts import load_vlm
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,10 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.compose import FLATTEN_CONTENT, IMAGE_TOKEN, compose_llava
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller, _runs, check_template
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, loss_sum, stop_token_ids
-from mmrecipes.vlm.module_groups import module_groups
+from mmrecipes.vlm.loading import stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, loss_sum
+from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.parts import load_vlm
 from tiny_language_models import save_tiny_language_model
 
 DPO_RECIPE = REPO / "recipes" / "vlm_dpo.py"

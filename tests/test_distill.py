@@ -20,8 +20,10 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.distill import DistillCollator, DistillPreprocessor, Teacher, mismatch, on_policy, reads_own_rows
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import IGNORE_INDEX, count_target_tokens
-from mmrecipes.vlm.models import VLMForTraining, generalized_jsd_sum, load_vlm, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, generalized_jsd_sum
+from mmrecipes.vlm.parts import load_vlm
 from test_distill_loss import dense_jsd
 
 TINY_SFT_VLM = resolve_name("embedded:tiny_sft_vlm")

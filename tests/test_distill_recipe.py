@@ -22,7 +22,7 @@ from transformers import AutoModelForImageTextToText, LlavaForConditionalGenerat
 from helpers import chat_row, write_chat_parquet
 from launch import REPO, assert_engine, load_recipe, run_engine, run_recipe
 from mmrecipes.vlm.arguments import VLMModelArgs
-from mmrecipes.vlm.models import load_vlm
+from mmrecipes.vlm.parts import load_vlm
 from test_grpo_engines import metric
 
 DISTILL_RECIPE = REPO / "recipes" / "vlm_distill.py"

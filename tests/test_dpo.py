@@ -20,10 +20,12 @@ from mmrecipes.vlm.arguments import DPOArgs, LoraArgs, PreferenceDataArgs, VLMMo
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.lora import add_lora
 from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining, load_vlm, sequence_logps, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, sequence_logps
 from mmrecipes.vlm.module_groups import module_groups
+from mmrecipes.vlm.parts import load_vlm
 from mmrecipes.vlm.preference import (
     PreferenceCollator,
     PreferencePreprocessor,

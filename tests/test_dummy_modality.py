@@ -17,8 +17,9 @@ from mmrecipes.vlm.losses import (
     token_cross_entropy_sum,
     token_loss_scale,
 )
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, loss_sum
-from mmrecipes.vlm.module_groups import module_groups
+from mmrecipes.vlm.models import VLMForTraining, loss_sum
+from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.parts import load_vlm
 from recipe_without_dummy import SkipsTowerOnTextOnly
 
 USER = 3  # any ordinary token id

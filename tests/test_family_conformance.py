@@ -24,8 +24,10 @@ from mmrecipes.vlm.chat_data import encode_row
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.lora import add_lora, save_lora
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, loss_sum, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, loss_sum
+from mmrecipes.vlm.module_groups import apply_train_modules
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 40)}
 QUESTION = "What colour is the shape?"

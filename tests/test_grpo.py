@@ -25,8 +25,9 @@ from mmrecipes.vlm.evaluation import greedy_tokens
 from mmrecipes.vlm.families import dummy_image_inputs, placeholder_token_ids
 from mmrecipes.vlm.grpo import GroupLayout, LossNormaliser, group_advantages, token_losses
 from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining, stop_token_ids, token_logps
+from mmrecipes.vlm.models import VLMForTraining, token_logps
 from mmrecipes.vlm.prompts import PromptPreprocessor
 from mmrecipes.vlm.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
 from mmrecipes.vlm.sampling import Sampler, chat_rows, generate_group, prompt_seed, sample_group

@@ -44,7 +44,8 @@ from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller, check_template
-from mmrecipes.vlm.models import load_vlm, stop_token_ids
+from mmrecipes.vlm.loading import stop_token_ids
+from mmrecipes.vlm.parts import load_vlm
 
 CLIP_RECIPE, VLM = load_recipe(), load_recipe(VLM_RECIPE)
 

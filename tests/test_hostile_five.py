@@ -65,3 +65,63 @@ def test_an_empty_prompts_file_says_there_are_no_training_rows(recipe, content, 
     data.write_text(content)
     with pytest.raises(RuntimeError, match="(?s)A data rank has no training rows.*file is empty"):
         run_main(recipe, "--dataset_name", "json", "--data_files", data, tmp_path=tmp_path)
+
+
+@pytest.fixture(scope="module")
+def not_teachers(tmp_path_factory):
+    """Folders a user gives --teacher_model_name_or_path by mistake, with what the refusal must say. Before: an empty
+    name and a missing folder gave huggingface_hub's HFValidationError about repo ids, 12 s after the student loaded;
+    a training checkpoint (or a link to one) "Unrecognized model ... should have a model_type key"; a text-only
+    language model or a BERT "Unrecognized configuration class"."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    folder = tmp_path_factory.mktemp("not_teachers")
+    checkpoint = folder / "run" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "checkpoint.json").write_text("{}")
+    (folder / "latest").symlink_to(checkpoint)
+    bert = folder / "bert"
+    BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64)).save_pretrained(bert)
+    return {"": "is empty: give a saved model's folder or a hub id", folder / "missing": "no such folder",
+            checkpoint: "is a training checkpoint", folder / "latest": "is a training checkpoint",
+            REPO / "data" / "tiny_lm": "model type 'llama' is not an image-text-to-text model",
+            bert: "model type 'bert' is not an image-text-to-text model"}
+
+
+def test_a_teacher_folder_that_is_no_vlm_is_refused_naming_the_flag_before_any_model_loads(not_teachers, tmp_path):
+    recipe = load_recipe(RECIPES / "vlm_distill.py")
+
+    def student_loads(*args, **kwargs):
+        raise AssertionError("the student loaded before the teacher's folder was checked")
+
+    recipe.vlm_parts = student_loads
+    for path, problem in not_teachers.items():
+        flags = ["--teacher_model_name_or_path", str(path), "--report_to", "none", "--output_dir", str(tmp_path)]
+        with pytest.raises(ValueError, match=f"--teacher_model_name_or_path {path}.*{problem}"):
+            recipe.main(flags)
+
+
+def test_a_teacher_whose_weights_are_an_unsafe_pickle_is_refused_naming_the_file_and_safetensors(tmp_path):
+    """torch's weights-only traceback, whose advice is to turn the protection off; nothing in the pickle ran."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(REPO / "data" / "tiny_teacher_vlm", teacher)
+    weights = load_file(teacher / "model.safetensors") | {"run": RunsCode()}
+    (teacher / "model.safetensors").unlink()
+    torch.save(weights, teacher / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=f"--teacher_model_name_or_path {teacher}: pytorch_model.bin is a pickle "
+                                         "holding more than tensors.*save the model as safetensors"):
+        run_main("vlm_distill.py", "--teacher_model_name_or_path", teacher, tmp_path=tmp_path)
+    assert not RunsCode.ran
+
+
+class RunsCode:
+    ran = False
+
+    def __reduce__(self):
+        return setattr, (RunsCode, "ran", True)

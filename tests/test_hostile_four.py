@@ -18,7 +18,8 @@ from mmrecipes.vlm import labels
 from mmrecipes.vlm.arguments import ChatDataArgs, DPOArgs, PreferenceDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import ChatPreprocessor
 from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.models import load_vlm, stop_token_ids
+from mmrecipes.vlm.loading import stop_token_ids
+from mmrecipes.vlm.parts import load_vlm
 from mmrecipes.vlm.preference import PreferencePreprocessor
 
 RECIPES = REPO / "recipes"

@@ -15,7 +15,8 @@ from mmrecipes.sources import PROBLEM, load_stream, read_files
 from mmrecipes.vlm.arguments import ChatDataArgs, VideoArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import ChatPreprocessor
 from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.models import load_vlm, stop_token_ids
+from mmrecipes.vlm.loading import stop_token_ids
+from mmrecipes.vlm.parts import load_vlm
 from mmrecipes.vlm.videos import decode_video
 
 

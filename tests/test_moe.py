@@ -16,8 +16,9 @@ from mmrecipes.vlm.arguments import MoEArgs
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import token_loss_scale
-from mmrecipes.vlm.models import VLMForTraining, loss_sum_and_routing, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, loss_sum_and_routing
 from mmrecipes.vlm.moe import LoadBalance, balance_loss, sparse_block_classes
 from test_family_conformance import collator_row
 

@@ -5,8 +5,12 @@ router, embeddings and the writes to one hidden dimension set so, `split_routing
 - ZeRO-3, full fine-tuning, global-batch load balancing: no hang (the sparse blocks are leaf modules), and every
   step's loss, aux_loss and gradient norm equal DDP's and one process's holding the window;
 - FSDP2, LoRA on attention and the fused experts, the model's own balancing: the loss falls, the adapter on the base
-  gives the merged model's logits, and the merged model loads with the Auto class with its experts changed.
+  gives the merged model's logits, and the merged model loads with the Auto class with its experts changed;
+- README's command, flags as written (ZeRO-3, LoRA at the default --lora_dropout, global-batch balancing), on the tiny
+  Qwen3-VL-MoE and Qwen3.5-MoE: it stopped in PEFT ("lora.ParamWrapper does not work with lora_dropout != 0").
 """
+
+import shlex
 
 import pytest
 import torch
@@ -15,11 +19,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from helpers import chat_row, write_chat_parquet
-from launch import VLM_RECIPE, assert_engine, assert_same_curves, losses, run_engine, run_recipe
+from launch import REPO, VLM_RECIPE, assert_engine, assert_same_curves, losses, run_engine, run_recipe
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.models import VLMForTraining, stop_token_ids
+from mmrecipes.vlm.loading import stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining
 from test_family_conformance import collator_row
 
 pytestmark = pytest.mark.launch
@@ -121,6 +126,36 @@ def test_lora_on_the_experts_under_fsdp2_merges_into_a_model_the_auto_class_load
     inputs = processor(text=processor.apply_chat_template(chat, add_generation_prompt=True), return_tensors="pt")
     with torch.no_grad():
         torch.testing.assert_close(adapted(**inputs).logits, merged(**inputs).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_readmes_moe_lora_command_runs_as_written_under_zero3(tiny_vlms, family, tmp_path):
+    command = readme_command("Qwen3-VL-30B-A3B-Instruct")
+    assert command[:4] == ["accelerate", "launch", "--config_file", "accelerate_configs/zero3.yaml"]
+    model = command.index("--model_name_or_path")
+    flags = command[5:model] + command[model + 2:]  # as written, the checkpoint swapped for the tiny one
+    assert "--use_peft" in flags and "--lora_dropout" not in flags
+    result = run_engine("zero3.yaml", *flags, "--model_name_or_path", tiny_vlms[family], "--max_steps", 2,
+                        "--logging_steps", 1, "--per_device_train_batch_size", 2, "--eval_steps", 2,
+                        "--eval_generation_rows", 2, "--output_dir", tmp_path, recipe=VLM_RECIPE)
+    assert result.returncode == 0, result.log[-3000:]
+    assert_engine(result.log, "zero3.yaml", wrapped="VLMForTraining")
+    assert "LoRA dropout 0, not --lora_dropout 0.05: the adapters on the fused experts" in result.log
+    assert len(aux_losses(result.log)) == 2
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert any(".mlp.experts.lora_A." in name for name in adapter)
+
+
+def readme_command(mark: str) -> list[str]:
+    """README's shell command that names `mark`, its continued lines joined, as arguments."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    end = next(index for index, line in enumerate(lines) if mark in line)
+    start = end
+    while lines[start - 1].rstrip().endswith("\\"):
+        start -= 1
+    while lines[end].rstrip().endswith("\\"):
+        end += 1
+    return shlex.split(" ".join(line.rstrip().rstrip("\\") for line in lines[start:end + 1]))
 
 
 def aux_losses(log: str) -> list[float]:

@@ -18,8 +18,10 @@ from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import token_cross_entropy_sum
-from mmrecipes.vlm.models import VLMForTraining, check_packing, load_vlm, logits, loss_sum, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, check_packing, logits, loss_sum
+from mmrecipes.vlm.parts import load_vlm
 
 PACKING_FAMILIES = [None, "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3",
                     "llava_onevision", "mistral3", "qwen3_vl_moe", "gemma4"]  # None: the tiny default Llava

@@ -30,7 +30,9 @@ from mmrecipes.vlm.arguments import MoEArgs
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, sequence_logps, stop_token_ids, token_logps
+from mmrecipes.vlm.loading import stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, sequence_logps, token_logps
+from mmrecipes.vlm.module_groups import apply_train_modules
 from mmrecipes.vlm.moe import LoadBalance
 from test_family_conformance import collator_row, colour_conversation, square
 

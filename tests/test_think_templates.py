@@ -14,7 +14,7 @@ from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
 from mmrecipes.vlm.chat_data import encode_row
 from mmrecipes.vlm.labels import AnswerLabeller, TemplateError, _runs, check_template
-from mmrecipes.vlm.models import stop_token_ids
+from mmrecipes.vlm.loading import stop_token_ids
 from test_family_conformance import COLOURS, STEPS, colour_conversation, square, train
 
 TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"

@@ -20,8 +20,10 @@ from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs, video_path
 from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import IGNORE_INDEX, token_cross_entropy_sum
-from mmrecipes.vlm.models import VLMForTraining, load_vlm, logits, loss_sum, stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining, logits, loss_sum
+from mmrecipes.vlm.parts import load_vlm
 from mmrecipes.vlm.videos import DecodedVideo, decode_video
 
 VIDEO_CHAT = REPO / "data" / "vlm_shapes" / "video_chat"

@@ -19,11 +19,13 @@ from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row, generation_prompts, prompt_row
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import greedy_tokens
-from mmrecipes.vlm.families import PROJECTORS, check_trainable, dummy_image_inputs
+from mmrecipes.vlm.families import PROJECTORS, dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller, TemplateError, check_template
+from mmrecipes.vlm.loading import check_trainable, stop_token_ids
 from mmrecipes.vlm.losses import IGNORE_INDEX, token_cross_entropy_sum
-from mmrecipes.vlm.models import VLMForTraining, apply_train_modules, load_vlm, loss_sum, stop_token_ids
-from mmrecipes.vlm.module_groups import module_groups
+from mmrecipes.vlm.models import VLMForTraining, loss_sum
+from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.parts import load_vlm
 
 MARKERS = {"llava", "llava_onevision"}  # the only official templates with {% generation %}
 LAST_ANSWER_ONLY = {"qwen3_5", "qwen3_5_moe"}  # official templates that drop an earlier answer's think block

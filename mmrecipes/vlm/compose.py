@@ -27,6 +27,7 @@ from transformers.utils import CONFIG_NAME
 from ..checkpointing import MARKER, checkpoint_weights
 from ..paths import PLAIN_CHAT_TEMPLATE
 from .arguments import read_chat_template
+from .loading import model_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 IMAGE_TOKEN = "<image>"
@@ -105,24 +106,13 @@ def _tower(name_or_path: str):
     return model.vision_model
 
 
-def _config(flag: str, name_or_path: str):
-    """The config at `name_or_path` (a folder here, or a hub id), or a ValueError naming the flag and why not."""
-    if Path(name_or_path).is_absolute() and not Path(name_or_path).exists():
-        raise ValueError(f"--{flag} {name_or_path}: no such folder")
-    try:
-        return AutoConfig.from_pretrained(name_or_path)
-    except (OSError, ValueError) as error:  # not a folder here, and not on the hub (or no network)
-        raise ValueError(f"--{flag} {name_or_path}: neither a model folder here nor a model transformers can fetch "
-                         f"({str(error).splitlines()[0]})") from error
-
-
 def _vision_config(name_or_path: str, feature_layer: int):
     """The tower's config, once it proves to be one that Llava can take, and `feature_layer` one of its layers."""
     flag = "vision_model_name_or_path"
     if (Path(name_or_path) / MARKER).is_file() and not (Path(name_or_path) / CONFIG_NAME).is_file():
         raise ValueError(f"{name_or_path} is a checkpoint saved before checkpoints held their model's config: compose "
                          "from the run's saved model, or from a checkpoint of a newer run")
-    config = _config(flag, name_or_path)
+    config = model_config(name_or_path, f"--{flag}", training_checkpoint=True)
     if getattr(config, "image_token_id", None) is not None or getattr(config, "image_token_index", None) is not None:
         raise ValueError(f"--{flag} {name_or_path} is a built image-text-to-text model ({config.model_type}), not a "
                          "vision tower: fine-tune it with --model_name_or_path, or give its tower's own checkpoint")
@@ -145,7 +135,7 @@ def _vision_config(name_or_path: str, feature_layer: int):
 def _check_language_model(name_or_path: str):
     """Refuse, before its weights are read, what is not a decoder-only causal LM with a tokenizer."""
     flag = "language_model_name_or_path"
-    config = _config(flag, name_or_path)
+    config = model_config(name_or_path, f"--{flag}")
     causal = [name for name in config.architectures or [] if name.endswith("ForCausalLM")]
     if config.is_encoder_decoder or not causal:
         raise ValueError(f"--{flag} {name_or_path} is a {', '.join(config.architectures or [config.model_type])}, "

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from ..distributed import batches_in_step, sum_over_ranks
 from ..images import to_device
@@ -29,8 +28,9 @@ from .collate import ChatCollator
 from .evaluation import evaluate_generation
 from .families import dummy_image_inputs, placeholder_token_ids
 from .labels import UnalignedAnswer
+from .loading import load_pretrained, stop_token_ids
 from .losses import IGNORE_INDEX
-from .models import VLMForTraining, generalized_jsd_sum, hidden_states, stop_token_ids
+from .models import VLMForTraining, generalized_jsd_sum, hidden_states
 from .prompts import PromptPreprocessor, prompt_chat
 from .reference import frozen_reference, parameter_values_held
 
@@ -94,8 +94,7 @@ class Teacher:
              seq_kd: bool = False) -> "Teacher":
         """`path`'s model and processor, checked against the student's (`mismatch`); build it before `Accelerator()`
         (under ZeRO-3 a model built afterwards is partitioned and re-initialised)."""
-        model = AutoModelForImageTextToText.from_pretrained(path)
-        processor = AutoProcessor.from_pretrained(path)
+        model, processor = load_pretrained(path, "--teacher_model_name_or_path")
         model.set_attn_implementation(attn_implementation)
         if why := mismatch(student, student_processor, model, processor):
             raise ValueError(f"--teacher_model_name_or_path {path}: {why}. Logit distillation needs a teacher of the "

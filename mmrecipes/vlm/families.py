@@ -20,8 +20,6 @@ import inspect
 import numpy
 import torch
 from PIL import Image
-from transformers import AutoConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 from transformers.video_utils import VideoMetadata
 
 # Outputs of a vision encoder that the language model never reads.
@@ -46,25 +44,6 @@ PROJECTORS = {
     "gemma3": ("model.multi_modal_projector",),
     "mistral3": ("model.multi_modal_projector",),
 }
-
-
-def check_trainable(model_name_or_path: str):
-    """Raise, naming the model type and why, if the recipe cannot train this checkpoint; reads its config only."""
-    config = AutoConfig.from_pretrained(model_name_or_path)
-    model_type = config.model_type
-    if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
-        raise ValueError(f"{model_name_or_path}: model type {model_type!r} is not an image-text-to-text model "
-                         "(AutoModelForImageTextToText has no class for it)")
-    model_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
-    reason = None
-    if getattr(config, "is_encoder_decoder", False):
-        reason = "it is an encoder-decoder model; the recipe trains decoder-only language models"
-    elif not hasattr(model_class, "get_image_features"):
-        reason = f"{model_class.__name__} has no get_image_features, so a text-only batch cannot run the vision step"
-    elif "mm_encoder_outputs" not in inspect.signature(model_class.forward).parameters:
-        reason = f"{model_class.__name__}.forward takes no precomputed image features (mm_encoder_outputs)"
-    if reason:
-        raise ValueError(f"{model_name_or_path}: model type {model_type!r} cannot be trained by this recipe: {reason}")
 
 
 def lm_features(output) -> list[torch.Tensor]:

@@ -44,9 +44,21 @@ def lora_config(model, groups: ModuleGroups, train_modules: str, args: LoraArgs)
     modules = dict(model.named_modules())
     if unknown := [name for name in extra if name not in modules]:
         raise ValueError(f"--lora_modules_to_save: the model has no module {', '.join(unknown)}")
-    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets,
-                      target_parameters=expert_parameters(model, groups) if args.lora_target_modules is None else None,
+    experts = expert_parameters(model, groups) if args.lora_target_modules is None else None
+    # PEFT's adapters on a parameter (ParamWrapper) refuse dropout, and a config holds one dropout for every adapter
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0 if experts else args.lora_dropout,
+                      target_modules=targets, target_parameters=experts,
                       modules_to_save=projector_modules(model, groups) + extra)
+
+
+def dropout_note(config: LoraConfig, args: LoraArgs) -> str | None:
+    """The log line where the adapters train without the dropout asked for: a mixture of experts' fused experts
+    carry adapters (`expert_parameters`), which PEFT runs without dropout, and one config holds one dropout."""
+    if config.target_parameters and args.lora_dropout:
+        return (f"LoRA dropout 0, not --lora_dropout {args.lora_dropout}: the adapters on the fused experts "
+                "(PEFT's target_parameters) take none, and one adapter config holds one dropout for all; "
+                "--lora_target_modules (linear layers only, no expert adapters) keeps it")
+    return None
 
 
 def expert_parameters(model, groups: ModuleGroups) -> list[str] | None:

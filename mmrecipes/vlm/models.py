@@ -11,26 +11,13 @@ a whole batch never exist in training. Family differences come from signatures, 
 
 import contextlib
 import inspect
-import logging
 
 import torch
-from transformers import (
-    AutoModelForImageTextToText,
-    AutoProcessor,
-    AutoTokenizer,
-    CLIPImageProcessor,
-    LlavaConfig,
-    LlavaForConditionalGeneration,
-    LlavaProcessor,
-)
 
 from ..distributed import fsdp_block_classes
 from ..images import to_device
-from .arguments import VLMModelArgs, read_chat_template
 from .collate import ChatCollator, probe_rows
-from .compose import compose_llava, replaced_template
 from .families import (
-    check_trainable,
     height_width,
     lm_features,
     split_items,
@@ -46,11 +33,9 @@ from .losses import (
     head_generalized_jsd_sum,
     soft_capped,
 )
-from .module_groups import ModuleGroups
 from .moe import routing
 from .packing import packed_position_ids
 
-logger = logging.getLogger(__name__)
 
 class VLMForTraining(torch.nn.Module):
     """One training/eval step of an image-text-to-text model that is the same graph on every rank.
@@ -280,97 +265,6 @@ def check_packing(step, labeller, dummy_inputs):
         raise ValueError(f"--packing: {type(model).__name__} does not keep packed samples apart (its logits differ by "
                          f"{(packed - alone).abs().max().item():.3g} from the samples run alone{why}): drop "
                          "--packing, or keep --max_tokens_per_batch without it")
-
-
-def load_vlm(args: VLMModelArgs):
-    """(model, processor): any `AutoModelForImageTextToText` checkpoint, a Llava composed from a vision tower and a
-    language model (`mmrecipes.vlm.compose`), or the tiny Llava built from a config.
-
-    A family the recipe cannot train is rejected from its config, before any weight is read.
-    Build it *before* `Accelerator()` (under ZeRO-3 a model built afterwards is partitioned and
-    re-initialised, as for CLIP).
-    """
-    if args.vision_model_name_or_path:
-        model, processor = compose_llava(args.vision_model_name_or_path, args.language_model_name_or_path,
-                                         vision_feature_layer=args.vision_feature_layer,
-                                         chat_template=args.chat_template, chat_template_path=args.chat_template_path)
-    elif args.model_name_or_path:
-        check_trainable(args.model_name_or_path)
-        model = AutoModelForImageTextToText.from_pretrained(args.model_name_or_path)
-        processor = AutoProcessor.from_pretrained(args.model_name_or_path)
-    else:
-        model, processor = _tiny_llava(args)
-    if args.chat_template_path and not args.vision_model_name_or_path:  # compose_llava took it as the LM's
-        template = read_chat_template(args.chat_template_path)
-        processor.chat_template = replaced_template(processor.chat_template, template)
-    try:
-        model.set_attn_implementation(args.attn_implementation)
-    except ValueError as error:  # a family without that kernel: Gemma 2's LM (PaliGemma 2) has no sdpa
-        if args.attn_implementation != "sdpa":
-            raise ValueError(f"--attn_implementation {args.attn_implementation}: {error}") from error
-        logger.warning("%s has no sdpa attention; using eager (--attn_implementation eager)", type(model).__name__)
-        model.set_attn_implementation("eager")
-    return model, processor
-
-
-def _tiny_llava(args: VLMModelArgs):
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name)
-    image_token_id = tokenizer.convert_tokens_to_ids(tokenizer.image_token)
-    vision = dict(model_type="clip_vision_model", hidden_size=args.vision_hidden_size,
-                  intermediate_size=4 * args.vision_hidden_size, num_hidden_layers=args.vision_layers,
-                  num_attention_heads=max(1, args.vision_hidden_size // 32), image_size=args.image_size,
-                  patch_size=args.patch_size)
-    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=args.text_hidden_size,
-                intermediate_size=4 * args.text_hidden_size, num_hidden_layers=args.text_layers,
-                num_attention_heads=max(1, args.text_hidden_size // 32),
-                max_position_embeddings=tokenizer.model_max_length,
-                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_id=image_token_id,
-        # The last layer (not LLaVA's -2): a -2 layer here would leave the tower's last layer unused.
-        vision_feature_layer=-1, vision_feature_select_strategy="default",
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )
-    model = LlavaForConditionalGeneration(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    image_processor = CLIPImageProcessor(size={"shortest_edge": args.image_size},
-                                         crop_size={"height": args.image_size, "width": args.image_size})
-    # What AutoProcessor and the image-text-to-text pipeline need of the saved directory: patch_size, CLIP's one
-    # extra (CLS) token, the model's feature select strategy, the image token (else "Image features and image
-    # tokens do not match").
-    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=args.patch_size,
-                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                               image_token=tokenizer.image_token, chat_template=tokenizer.chat_template)
-    return model, processor
-
-
-def stop_token_ids(model, processor) -> list[int]:
-    """The tokens that end an assistant turn: the generation config's eos ids and the tokenizer's eos."""
-    eos = model.generation_config.eos_token_id
-    ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-    return [i for i in {*ids, processor.tokenizer.eos_token_id} if i is not None]
-
-
-def apply_train_modules(groups: ModuleGroups, train_modules: str) -> dict[str, list[torch.nn.Parameter]]:
-    """Freeze what `train_modules` does not name, and every unreached parameter; returns the
-    trainable parameters by group (vision_tower, projector, language_model).
-
-    Frozen parameters get `requires_grad=False` before `accelerator.prepare`, so DDP needs no
-    `find_unused_parameters`, FSDP2 and ZeRO-3 skip their gradients, and the optimizer (built
-    from the returned groups) holds no state for them.
-    """
-    names = {"projector"} | ({"language_model"} if "language_model" in train_modules else set())
-    if train_modules == "all":
-        names = {"projector", "language_model", "vision_tower"}
-    unreached = set(groups.unreached)
-    trainable = {}
-    for name, params in groups.items():
-        for param_name, param in params:
-            param.requires_grad_(name in names and param_name not in unreached)
-        if name in names:
-            trainable[name] = [param for param_name, param in params if param_name not in unreached]
-    return trainable
 
 
 def save_vlm(accelerator, model, processor, output_dir, peft_config=None):

@@ -167,3 +167,24 @@ def covering_modules(names, all_names):
             best = prefix
         covered[best] = None
     return list(covered)
+
+
+def apply_train_modules(groups: ModuleGroups, train_modules: str) -> dict[str, list[torch.nn.Parameter]]:
+    """Freeze what `train_modules` does not name, and every unreached parameter; returns the
+    trainable parameters by group (vision_tower, projector, language_model).
+
+    Frozen parameters get `requires_grad=False` before `accelerator.prepare`, so DDP needs no
+    `find_unused_parameters`, FSDP2 and ZeRO-3 skip their gradients, and the optimizer (built
+    from the returned groups) holds no state for them.
+    """
+    names = {"projector"} | ({"language_model"} if "language_model" in train_modules else set())
+    if train_modules == "all":
+        names = {"projector", "language_model", "vision_tower"}
+    unreached = set(groups.unreached)
+    trainable = {}
+    for name, params in groups.items():
+        for param_name, param in params:
+            param.requires_grad_(name in names and param_name not in unreached)
+        if name in names:
+            trainable[name] = [param for param_name, param in params if param_name not in unreached]
+    return trainable

@@ -1,22 +1,29 @@
 """What a VLM recipe trains, in one call before `Accelerator()`: the model and its processor, the stop and placeholder
 ids, the dummy image, the module groups and what of them trains (the freezing preset, or LoRA), the engine's input
 gradients and ZeRO-3 leaf modules (a mixture of experts' sparse blocks), the FLOPs per batch; and the log lines that
-say so. The recipe keeps the Accelerate skeleton."""
+say so; `load_vlm`: a saved checkpoint (`loading`), a Llava composed from parts (`compose`) or the tiny Llava. The
+recipe keeps the Accelerate skeleton."""
 
 import copy
+import logging
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoTokenizer, CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
 from ..arguments import TrainingArgs
 from ..training import optimizer_groups
-from .arguments import LoraArgs, VLMModelArgs
+from .arguments import LoraArgs, VLMModelArgs, read_chat_template
+from .compose import compose_llava, replaced_template
 from .families import dummy_image_inputs, placeholder_token_ids
 from .flops import VLMFlops
-from .lora import add_lora, describe_trainable
-from .models import VLMForTraining, apply_train_modules, load_vlm, stop_token_ids
-from .module_groups import ModuleGroups, module_groups
+from .loading import load_pretrained, stop_token_ids
+from .lora import add_lora, describe_trainable, dropout_note
+from .models import VLMForTraining
+from .module_groups import ModuleGroups, apply_train_modules, module_groups
 from .moe import sparse_block_classes
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,6 +39,7 @@ class VLMParts:
     flops: VLMFlops | None = None  # a batch's training FLOPs (MFU)
     frozen_copy: VLMForTraining | None = None  # a reference's starting weights, copied before `prepare`
     sparse_blocks: tuple[str, ...] = ()  # a mixture of experts' router-and-experts classes: ZeRO-3 leaf modules
+    notes: tuple[str, ...] = ()  # what the run does otherwise than its flags say, and why (describe)
 
     @property
     def peft_config(self):
@@ -50,6 +58,7 @@ class VLMParts:
             lines.append(f"sparse blocks {', '.join(self.sparse_blocks)}: each a ZeRO-3 leaf module (gathered as one, "
                          "whichever experts a rank's tokens pick); a load-balancing loss only in vlm_finetune.py "
                          "(--router_aux_loss_coef): vlm_dpo.py and vlm_grpo.py add none")
+        lines += list(self.notes)
         if self.groups.unreached:
             lines.append(f"froze {len(self.groups.unreached)} parameters no forward path reaches: "
                          + ", ".join(self.groups.unreached))
@@ -67,9 +76,10 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
     dummy_inputs = dummy_image_inputs(model, processor)
     groups = module_groups(model, dummy_inputs)
     trainable = apply_train_modules(groups, model_args.train_modules)
-    peft_model = None
+    peft_model, notes = None, ()
     if lora_args.use_peft:  # adapters injected into `model` itself
         peft_model, trainable = add_lora(model, groups, model_args.train_modules, lora_args)
+        notes = tuple(filter(None, [dropout_note(peft_model.peft_config["default"], lora_args)]))
     if blocks := sparse_block_classes(model):  # ranks route to different experts: gather each block whole
         from deepspeed.utils import set_z3_leaf_modules  # here: seconds to import, for MoE models only
 
@@ -87,6 +97,68 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
     copied = None
     if frozen_copy and peft_model is None:  # with LoRA the reference is the policy, its adapters disabled
         copied = copy.deepcopy(VLMForTraining(model)).requires_grad_(False).eval()
-    return VLMParts(model, processor, stop_token_ids(model, processor), placeholder_token_ids(model, processor),
-                    dummy_inputs, groups, trainable, peft_model, flops, copied,
-                    tuple(sorted(block.__name__ for block in blocks)))
+    return VLMParts(model=model, processor=processor, stops=stop_token_ids(model, processor),
+                    placeholders=placeholder_token_ids(model, processor), dummy_inputs=dummy_inputs, groups=groups,
+                    trainable=trainable, peft_model=peft_model, flops=flops, frozen_copy=copied,
+                    sparse_blocks=tuple(sorted(block.__name__ for block in blocks)), notes=notes)
+
+
+def load_vlm(args: VLMModelArgs):
+    """(model, processor): any `AutoModelForImageTextToText` checkpoint, a Llava composed from a vision tower and a
+    language model (`mmrecipes.vlm.compose`), or the tiny Llava built from a config.
+
+    A family the recipe cannot train is rejected from its config, before any weight is read.
+    Build it *before* `Accelerator()` (under ZeRO-3 a model built afterwards is partitioned and
+    re-initialised, as for CLIP).
+    """
+    if args.vision_model_name_or_path:
+        model, processor = compose_llava(args.vision_model_name_or_path, args.language_model_name_or_path,
+                                         vision_feature_layer=args.vision_feature_layer,
+                                         chat_template=args.chat_template, chat_template_path=args.chat_template_path)
+    elif args.model_name_or_path:
+        model, processor = load_pretrained(args.model_name_or_path)
+    else:
+        model, processor = _tiny_llava(args)
+    if args.chat_template_path and not args.vision_model_name_or_path:  # compose_llava took it as the LM's
+        template = read_chat_template(args.chat_template_path)
+        processor.chat_template = replaced_template(processor.chat_template, template)
+    try:
+        model.set_attn_implementation(args.attn_implementation)
+    except ValueError as error:  # a family without that kernel: Gemma 2's LM (PaliGemma 2) has no sdpa
+        if args.attn_implementation != "sdpa":
+            raise ValueError(f"--attn_implementation {args.attn_implementation}: {error}") from error
+        logger.warning("%s has no sdpa attention; using eager (--attn_implementation eager)", type(model).__name__)
+        model.set_attn_implementation("eager")
+    return model, processor
+
+
+def _tiny_llava(args: VLMModelArgs):
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name)
+    image_token_id = tokenizer.convert_tokens_to_ids(tokenizer.image_token)
+    vision = dict(model_type="clip_vision_model", hidden_size=args.vision_hidden_size,
+                  intermediate_size=4 * args.vision_hidden_size, num_hidden_layers=args.vision_layers,
+                  num_attention_heads=max(1, args.vision_hidden_size // 32), image_size=args.image_size,
+                  patch_size=args.patch_size)
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=args.text_hidden_size,
+                intermediate_size=4 * args.text_hidden_size, num_hidden_layers=args.text_layers,
+                num_attention_heads=max(1, args.text_hidden_size // 32),
+                max_position_embeddings=tokenizer.model_max_length,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=image_token_id,
+        # The last layer (not LLaVA's -2): a -2 layer here would leave the tower's last layer unused.
+        vision_feature_layer=-1, vision_feature_select_strategy="default",
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    image_processor = CLIPImageProcessor(size={"shortest_edge": args.image_size},
+                                         crop_size={"height": args.image_size, "width": args.image_size})
+    # What AutoProcessor and the image-text-to-text pipeline need of the saved directory: patch_size, CLIP's one
+    # extra (CLS) token, the model's feature select strategy, the image token (else "Image features and image
+    # tokens do not match").
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=args.patch_size,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               image_token=tokenizer.image_token, chat_template=tokenizer.chat_template)
+    return model, processor
