@@ -83,7 +83,9 @@ from mmrecipes.vlm.sequence_parallel import SequenceParallel, evaluation_ranks
 
 def main(argv=None):
     model_args, lora_args, data_args, grpo_args, args = parse_args(ARGUMENTS, argv)
-    reward_funcs = load_reward_funcs(grpo_args.funcs, grpo_args.format_pattern)  # known names?
+    # known names? a module whose import blocks is named within --reward_timeout
+    reward_funcs = load_reward_funcs(grpo_args.funcs, grpo_args.format_pattern,
+                                     grpo_args.reward_timeout)
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     # The KL's reference (--beta): the policy with its LoRA adapters disabled, or a frozen copy.
@@ -194,7 +196,7 @@ def main(argv=None):
             local_count = torch.tensor(normaliser.count([batch.mask for batch in micro_batches]))
             count = sum_over_ranks(local_count.to(accelerator.device)) / sp_size  # a group: once
             loss_scale = token_loss_scale(count, args.gradient_accumulation_steps, data_world)
-            failures = scorer.take_failures(accelerator.print, accelerator.process_index)
+            failures = scorer.take_failures(accelerator)  # said in the main log, with their ranks
             sampled = rollouts.sums(rewards, zero_std, failures, reward_funcs,
                                     counted=reads_counted)
             filler_batch = window[0]["chat"]  # what a rank with no held-out prompt left decodes

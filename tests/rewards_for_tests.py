@@ -68,3 +68,30 @@ def always_fails(completions, answer, **kwargs):
 def sleeps(completions, **kwargs):
     time.sleep(30)
     return [1.0] * len(completions)
+
+
+def retries(completions, **kwargs):
+    """Retries forever on any Exception, as an HTTP-calling reward is written: it swallowed SIGALRM's TimeoutError."""
+    while True:
+        try:
+            time.sleep(1)
+        except Exception:  # noqa: BLE001 (the user's code)
+            pass
+
+
+def swallows_everything(completions, **kwargs):
+    """Retries forever on anything at all (a bare except)."""
+    while True:
+        try:
+            time.sleep(1)
+        except BaseException:  # noqa: BLE001 (the user's code)
+            pass
+
+
+def fails_off_rank_0(completions, **kwargs):
+    """1.0 on rank 0; raises on any other rank (of the process group, or of the RANK the launcher set)."""
+    import os
+
+    if int(os.environ.get("RANK", "0")):
+        raise RuntimeError("the judge is down on this node")
+    return [1.0] * len(completions)

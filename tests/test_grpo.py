@@ -131,10 +131,10 @@ def test_a_reward_function_that_raises_or_gives_nan_fails_only_what_it_scored():
     scores = scorer(None, ["red"] * 4, None, columns)  # the second call raises: every completion failed
     assert torch.isnan(scores[:, 1]).all()
     said = []
-    assert scorer.take_failures(said.append, 1) == {"rewards_for_tests:flaky": 6}
-    assert said == [f"reward function rewards_for_tests:flaky failed on rank 1: {why}" for why in (
+    assert scorer.take_failures(say=said.append) == {"rewards_for_tests:flaky": 6}
+    assert said == [f"reward function rewards_for_tests:flaky failed on rank 0: {why}" for why in (
         "gave NaN", "gave None (TRL's way to leave a completion unscored)", "RuntimeError: the judge is down")]
-    assert scorer.take_failures(said.append) == {} and len(said) == 3
+    assert scorer.take_failures(say=said.append) == {} and len(said) == 3
 
 
 def test_the_recipe_samples_scores_and_trains_from_the_embedded_sft_model(tmp_path, capsys):

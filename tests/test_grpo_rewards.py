@@ -49,7 +49,7 @@ def scored(funcs: str, prompts, texts, ids=None, timeout=None):
     reward_prompts, completions, columns = reward_inputs(prompts, texts)
     scores = scorer(reward_prompts, completions, ids or [[1] * len(text) for text in texts], columns)
     said = []
-    return scores, scorer.take_failures(said.append), said
+    return scores, scorer.take_failures(say=said.append), said
 
 
 def test_rewards_get_what_trl_gives_them_conversational_or_not_with_every_column(prompts):
@@ -98,7 +98,8 @@ def test_a_reward_that_ends_the_process_or_gives_no_number_is_said_once_and_coun
     assert failures == {"rewards_for_tests:words": 3} and len(said) == 1
     assert said[0].endswith("gave a str, not a number: 'high'")
     scores, _, said = scored("rewards_for_tests:sleeps", prompts[:1], ["a"], timeout=0.5)
-    assert torch.isnan(scores).all() and said[0].endswith("TimeoutError: ran past --reward_timeout 0.5 s")
+    assert torch.isnan(scores).all() and said[0].endswith(
+        "RewardTimeout: reward function rewards_for_tests:sleeps ran past --reward_timeout 0.5 s")
 
 
 def test_huge_rewards_are_refused_with_a_reason_not_turned_into_zero_advantages(prompts):

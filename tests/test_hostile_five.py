@@ -3,11 +3,17 @@ prompt, empty prompt files, teacher folders that are not image-text-to-text mode
 silently before (the tests name what it did)."""
 
 import json
+import re
+import subprocess
+import sys
+import time
 
 import pytest
+import torch
 
-from launch import REPO, load_recipe
+from launch import REPO, load_recipe, run_engine
 from mmrecipes.vlm.labels import TemplateError
+from mmrecipes.vlm.rewards import RewardScorer, load_reward_funcs
 
 RECIPES = REPO / "recipes"
 TINY_SFT_TEMPLATE = (REPO / "data" / "tiny_sft_vlm" / "chat_template.jinja").read_text()
@@ -106,7 +112,6 @@ def test_a_teacher_whose_weights_are_an_unsafe_pickle_is_refused_naming_the_file
     """torch's weights-only traceback, whose advice is to turn the protection off; nothing in the pickle ran."""
     import shutil
 
-    import torch
     from safetensors.torch import load_file
 
     teacher = tmp_path / "teacher"
@@ -125,3 +130,58 @@ class RunsCode:
 
     def __reduce__(self):
         return setattr, (RunsCode, "ran", True)
+
+
+def test_a_reward_that_swallows_every_exception_is_timed_out_and_counted(capsys):
+    """`while True: try: sleep(1) except Exception: pass`: SIGALRM's TimeoutError was caught by the user's own
+    except, and the step (and a SIGTERM waiting for it) never ended. The timeout is no Exception now."""
+    started = time.monotonic()
+    scorer = RewardScorer(load_reward_funcs(["rewards_for_tests:retries"], ""), [1.0], timeout=0.5)
+    scores = scorer(["q"], ["a"], [[1]], {})
+    said = []
+    assert scorer.take_failures(say=said.append) == {"rewards_for_tests:retries": 1} and torch.isnan(scores).all()
+    assert said == ["reward function rewards_for_tests:retries failed on rank 0: RewardTimeout: reward function "
+                    "rewards_for_tests:retries ran past --reward_timeout 0.5 s"]
+    assert time.monotonic() - started < 5
+
+
+def test_a_reward_that_swallows_even_the_timeout_ends_the_process_naming_itself():
+    """A bare `except:` catches any exception the timer raises: the process ends STUCK_S past the timeout, and says
+    which function was stuck (it waited forever, naming nothing)."""
+    script = ("import sys; sys.path.insert(0, 'tests')\n"
+              "from mmrecipes.vlm import rewards\n"
+              "rewards.STUCK_S = 1.0\n"
+              "scorer = rewards.RewardScorer(rewards.load_reward_funcs(['rewards_for_tests:swallows_everything'], ''), "
+              "[1.0], timeout=0.5)\n"
+              "scorer(['q'], ['a'], [[1]], {})\n")
+    started = time.monotonic()
+    ended = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert ended.returncode == 1 and time.monotonic() - started < 30
+    assert re.search(r"reward function rewards_for_tests:swallows_everything ran \d s past --reward_timeout 0.5 s, "
+                     "catching every timeout raised in it: ending the process", ended.stderr), ended.stderr
+
+
+def test_a_reward_module_whose_import_blocks_is_named_within_the_timeout(tmp_path, monkeypatch):
+    """The log stayed empty (the import ran before any print; --reward_timeout covered calls only)."""
+    (tmp_path / "blocking_reward.py").write_text("import time\ntime.sleep(120)\n\ndef score(completions, **kw):\n"
+                                                 "    return [1.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"importing blocking_reward \(--reward_funcs blocking_reward:score\) ran "
+                                         r"past --reward_timeout 1 s: its module blocks while it is imported"):
+        run_main("vlm_grpo.py", "--reward_funcs", "blocking_reward:score", "--reward_timeout", 1, tmp_path=tmp_path)
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.launch
+def test_a_reward_failing_on_another_rank_is_named_in_the_main_log_with_its_rank(tmp_path):
+    """Rank 1's failures were counted (`failed 8`) and never said: `take_failures` printed on the main process
+    only, its own failures."""
+    result = run_engine("ddp.yaml", "--reward_funcs", "accuracy,rewards_for_tests:fails_off_rank_0", "--max_steps", 2,
+                        "--logging_steps", 1, "--per_device_train_batch_size", 8, "--num_generations", 4,
+                        "--eval_dataset_name", "", "--output_dir", tmp_path, recipe=RECIPES / "vlm_grpo.py",
+                        env={"PYTHONPATH": str(REPO / "tests")})
+    assert result.returncode == 0, result.log[-3000:]
+    said = "reward function rewards_for_tests:fails_off_rank_0 failed on rank 1: RuntimeError: the judge is down"
+    assert result.log.count(said) == 1, result.log[-3000:]  # each failure once, from the main process
+    assert "failed on rank 0" not in result.log

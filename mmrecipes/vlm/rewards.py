@@ -7,9 +7,15 @@ string prompt's are strings; every other column of the rows comes as a keyword (
 
 A function that raises (`sys.exit` included), runs past --reward_timeout, or gives something that is not a finite
 number of at most `MAX_REWARD` (None, NaN, a string, 1e308) fails that completion: `RewardScorer` counts it per
-function and says each kind of failure once; the recipe gives the completion no advantage and leaves it out of its
-group's statistics (TRL sums the other functions instead). A function that fails every completion of a logging
-window stops the run with its first error (`check_window`).
+function and says each kind of failure once, with the ranks it happened on, in the main log; the recipe gives the
+completion no advantage and leaves it out of its group's statistics (TRL sums the other functions instead). A function
+that fails every completion of a logging window stops the run with its first error (`check_window`).
+
+The timeout is a `RewardTimeout`, which is no `Exception`: a function that retries on every Exception (as HTTP clients
+are written) cannot swallow it; one that swallows even that is timed out again every second, and `STUCK_S` seconds
+later the process ends, naming it. A reward module whose import blocks is timed out the same way, naming the module.
+What no function in the process can be stopped from is ending the process itself (`os._exit`, a crash): run such code
+in a process of its own inside the reward (docs/grpo.md).
 """
 
 import asyncio
@@ -17,17 +23,26 @@ import contextlib
 import importlib
 import inspect
 import math
+import os
 import re
 import signal
 import threading
+import time
 from collections import Counter
 
 import torch
+from accelerate.utils import gather_object
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # Larger rewards are refused: squared in a group's std (and the log's float32 sums) they would overflow, leaving every
 # advantage 0 or NaN (1e308 did)
 MAX_REWARD = 1e9
+STUCK_S = 30.0  # how long past its timeout a function that swallows every timeout may run before the process ends
+
+
+class RewardTimeout(BaseException):
+    """A reward function, or its module's import, ran past --reward_timeout. A BaseException, as KeyboardInterrupt is:
+    `except Exception` in a user's retry loop lets it through."""
 
 
 def completion_text(completion) -> str:
@@ -77,8 +92,9 @@ def format_reward(pattern: str):
     return format
 
 
-def load_reward_funcs(names: list[str], format_pattern: str) -> dict:
-    """{name: function} for `--reward_funcs`: the built-ins by name, others by `module:function` import path."""
+def load_reward_funcs(names: list[str], format_pattern: str, timeout: float | None = None) -> dict:
+    """{name: function} for `--reward_funcs`: the built-ins by name, others by `module:function` import path, each
+    import within `timeout` seconds (--reward_timeout)."""
     funcs = {}
     for name in names:
         if name == "accuracy":
@@ -88,9 +104,13 @@ def load_reward_funcs(names: list[str], format_pattern: str) -> dict:
         elif ":" in name:
             module, _, attribute = name.partition(":")
             try:
-                funcs[name] = getattr(importlib.import_module(module), attribute)
+                with _time_limit(timeout, f"importing {module} (--reward_funcs {name})"):
+                    funcs[name] = getattr(importlib.import_module(module), attribute)
             except (ImportError, AttributeError) as error:
                 raise ValueError(f"--reward_funcs {name}: cannot import it ({error})") from error
+            except RewardTimeout as error:
+                raise ValueError(f"{error}: its module blocks while it is imported (a network call or a lock at "
+                                 "module level?); move that work into the function") from None
         else:
             raise ValueError(f"--reward_funcs {name}: accuracy, format, or a function's import path module:function")
     return funcs
@@ -150,12 +170,12 @@ class RewardScorer:
             ids = {"completion_ids": completion_ids} | (
                 {"completions_ids": completion_ids} if name in self.ids_as_documented else {})
             try:
-                with _time_limit(self.timeout):
+                with _time_limit(self.timeout, f"reward function {name}"):
                     values = func(prompts=prompts, completions=completions, **ids, **columns)
                     values = list(asyncio.run(values) if inspect.iscoroutine(values) else values)
                 if len(values) != len(completions):
                     raise ValueError(f"gave {len(values)} rewards for {len(completions)} completions")
-            except (Exception, SystemExit) as error:  # a user's function must not end the run: counted, said once
+            except (Exception, SystemExit, RewardTimeout) as error:  # a user's function must not end the run
                 why = (f"it called sys.exit({error.code!r}), which would end the run" if isinstance(error, SystemExit)
                        else f"{type(error).__name__}: {error}")
                 self._failed(name, type(error).__name__, why, len(completions))
@@ -178,10 +198,19 @@ class RewardScorer:
         """The weighted sum per completion; NaN where any function failed."""
         return (scores * self.weights).sum(dim=1)
 
-    def take_failures(self, say=print, rank: int = 0) -> Counter:
-        """Failed completions per function since the last call, then reset; each failure not yet said goes to `say`."""
-        for name, why in self.errors:
-            say(f"reward function {name} failed on rank {rank}: {why}")
+    def take_failures(self, accelerator=None, say=print) -> Counter:
+        """Failed completions per function on this rank since the last call, then reset. Each failure not yet said,
+        on any rank, is said once with the ranks it happened on: by `accelerator.print` in the main log, gathered
+        from every rank (a collective: every rank calls this at the same step), or by `say` in one process."""
+        rank = 0 if accelerator is None else accelerator.process_index
+        errors = [(name, why, rank) for name, why in self.errors]
+        if accelerator is not None:
+            errors, say = gather_object(errors), accelerator.print
+        ranks = {}
+        for name, why, where in errors:
+            ranks.setdefault((name, why), []).append(where)
+        for (name, why), where in ranks.items():
+            say(f"reward function {name} failed on rank{'s' * (len(where) > 1)} {', '.join(map(str, where))}: {why}")
         taken, self.failures, self.errors = self.failures, Counter(), []
         return taken
 
@@ -197,17 +226,24 @@ class RewardScorer:
 
 
 @contextlib.contextmanager
-def _time_limit(seconds: float | None):
-    """Raise TimeoutError in the block after `seconds` (the main thread only: a signal timer)."""
+def _time_limit(seconds: float | None, what: str):
+    """Raise `RewardTimeout` in the block after `seconds`, and every second after while it lasts (the main thread
+    only: a signal timer); `STUCK_S` seconds past the limit, end the process, naming `what` on stderr."""
     if not seconds or threading.current_thread() is not threading.main_thread():
         yield
         return
+    deadline = time.monotonic() + seconds
 
     def expire(signum, frame):
-        raise TimeoutError(f"ran past --reward_timeout {seconds:g} s")
+        late = time.monotonic() - deadline
+        if late > STUCK_S:  # it swallowed every timeout so far: nothing in the process can stop it
+            os.write(2, f"{what} ran {late:.0f} s past --reward_timeout {seconds:g} s, catching every timeout raised "
+                        "in it: ending the process\n".encode())
+            os._exit(1)
+        raise RewardTimeout(f"{what} ran past --reward_timeout {seconds:g} s")
 
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
     try:
         yield
     finally:
