@@ -228,6 +228,27 @@ def assert_same_curves(log: str, reference: str, steps=None, *, rel=1e-4, abs=No
                 f"grad norm, step {step}: {got_norms[step]} against {expected_norms[step]}")
 
 
+# what two runs of the same steps may differ in
+TIMED = ("samples/s", "tokens/s", "MFU", "data_wait", "generation_share")
+
+
+def assert_resume_repeats(resumed: str, straight: str, steps):
+    """Every number the resumed run logged at `steps` (step and eval lines) is the straight run's, to the last printed
+    digit, but for the timings (`TIMED`): a resume is exact on CPU, where a tolerance would hide a state it lost."""
+    def lines(log):
+        found = {}
+        for line in log.splitlines():
+            if match := re.match(r"^(eval )?step (\d+)(?:/\d+)? \| ", line):
+                fields = [field for field in line.split(" | ")[1:] if field.split(" ")[0] not in TIMED]
+                found[(bool(match[1]), int(match[2]))] = fields
+        return found
+
+    got, expected = lines(resumed), lines(straight)
+    assert sorted(step for evaluation, step in got if not evaluation) == list(steps), sorted(got)
+    for key, fields in got.items():
+        assert fields == expected[key], (key, fields, expected[key])
+
+
 def losses(log: str) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in re.findall(r"^step (\d+)/\d+ \| loss ([\d.]+)", log, re.M)}
 
