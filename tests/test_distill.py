@@ -124,21 +124,37 @@ def test_a_step_is_on_policy_with_probability_lmbda_the_same_draw_on_every_rank(
         on_policy(42, step, 1.0) for step in range(100))
 
 
-def other_image_tokens(family, tiny_vlms, directory):
+def other_image_tokens(case, tiny_vlms, directory):
     """(the student, its processor, the directory of a teacher whose processor writes more image tokens): the tiny
-    Llava and a wider one of 64 px images (64 image tokens against 16), or the tiny Qwen2.5-VL and itself with
-    `min_pixels` raised (images upscaled: 4 times the tokens of a 64 px image)."""
-    if family == "llava":
+    Llava and a wider one of 64 px images (64 image tokens against 16); the tiny Qwen2.5-VL and itself with
+    `min_pixels` raised (images upscaled: 4 times the tokens of a 64 px image); or a student of the tiny Qwen2.5-VL
+    whose `max_pixels` is lowered to a 32 px image's, as users set it to save memory, and the teacher at its own
+    (the same tokens and pixels at 32 px, fewer above: a probe image could not tell them apart)."""
+    if case == "llava":
         student, processor, _ = tiny()
         teacher, teacher_processor = load_vlm(VLMModelArgs(image_size=64, text_hidden_size=192))
-    else:
-        student, processor, _ = tiny(tiny_vlms[family])
+    elif case == "qwen2_5_vl":
+        student, processor, _ = tiny(tiny_vlms[case])
         teacher = student
-        teacher_processor = AutoProcessor.from_pretrained(tiny_vlms[family],
+        teacher_processor = AutoProcessor.from_pretrained(tiny_vlms[case],
                                                           size={"shortest_edge": 16384, "longest_edge": 65536})
+    else:
+        teacher, teacher_processor, _ = tiny(tiny_vlms["qwen2_5_vl"])
+        student = teacher
+        processor = AutoProcessor.from_pretrained(tiny_vlms["qwen2_5_vl"],
+                                                  size={"shortest_edge": 64, "longest_edge": 32 * 32})
+        assert encoded(processor, 32) == encoded(teacher_processor, 32)  # alike at the probe's size
+        assert encoded(processor, 64) != encoded(teacher_processor, 64)  # not at the data's
     teacher.save_pretrained(directory)
     teacher_processor.save_pretrained(directory)
     return student, processor, directory
+
+
+def encoded(processor, side: int) -> dict:
+    """What `processor` makes of one `side` px image (its tokens and pixels), as lists."""
+    image = Image.new("RGB", (side, side), (220, 40, 40))
+    outputs = processor(text=processor.image_token, images=[image], return_tensors="pt")
+    return {name: value.tolist() for name, value in outputs.items()}
 
 
 def recipe_micro_batch(student, processor, teacher, rows):
@@ -154,13 +170,14 @@ def recipe_micro_batch(student, processor, teacher, rows):
     return out, inputs
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("case", ["llava", "qwen2_5_vl", "student_max_pixels"])
 def test_a_teacher_whose_processor_writes_other_image_tokens_reads_its_own_rows_aligned_on_the_text(
-        family, tiny_vlms, tmp_path):
+        case, tiny_vlms, tmp_path):
     """A teacher whose processor writes more image tokens (other pixels too) reads its own prompts, followed by the
     student row's text after the prompt: the divergence equals each model run on the whole conversation as its own
-    processor writes it, their logits compared where both predict the answer's tokens (the dense formula)."""
-    student, processor, teacher_dir = other_image_tokens(family, tiny_vlms, tmp_path)
+    processor writes it, their logits compared where both predict the answer's tokens (the dense formula). The old
+    failure: judged from one 32 px probe, a student with a lower max_pixels fed the teacher its own pixels."""
+    student, processor, teacher_dir = other_image_tokens(case, tiny_vlms, tmp_path)
     teacher = Teacher.load(str(teacher_dir), student, processor)
     assert teacher.own_processor is not None and "reading rows of its own" in teacher.describe()
     with pytest.raises(ValueError, match="--seq_kd with --teacher_model_name_or_path"):

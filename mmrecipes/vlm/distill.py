@@ -71,11 +71,16 @@ def mismatch(student, student_processor, teacher, teacher_processor) -> str | No
 
 
 def reads_own_rows(student_processor, teacher_processor) -> bool:
-    """Whether the teacher's processor writes a conversation with an image otherwise than the student's (other image
-    tokens or pixels): then the teacher reads rows of its own (`Teacher.hidden`)."""
-    outputs = [_probe(processor) for processor in (student_processor, teacher_processor)]
-    return outputs[0].keys() != outputs[1].keys() or not all(
-        torch.equal(outputs[0][name], outputs[1][name]) for name in outputs[0])
+    """Whether the teacher reads rows of its own (`Teacher.hidden`): its processor is configured otherwise than the
+    student's (its image or video processor, or how it writes image tokens), so an image could reach it as other
+    pixels or other image tokens than its own processor makes. Decided from the configurations, never from a probe
+    image: two processors that agree at one size may differ at the data's (a student with a lower max_pixels)."""
+    return _configuration(student_processor) != _configuration(teacher_processor)
+
+
+def _configuration(processor) -> dict:
+    """What a processor does to a conversation's images, as saved (its chat template is `mismatch`'s to compare)."""
+    return {key: value for key, value in processor.to_dict().items() if key != "chat_template"}
 
 
 class Teacher:
