@@ -28,7 +28,8 @@ from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining, logits
+from mmrecipes.vlm.models import VLMForTraining
+from mmrecipes.vlm.outputs import Logits
 from mmrecipes.vlm.parts import load_vlm
 
 RESULTS = Path(__file__).resolve().parent / "results" / "answers_by_kind.jsonl"
@@ -57,7 +58,7 @@ def accuracy_by_kind(path: str, rows) -> tuple[Counter, Counter]:
         (input_ids, labels, media_inputs), _ = preprocess.example(row)
         batch = collate([{"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs}])
         inputs = to_device(batch, "cpu")
-        predicted = logits(step, inputs)[:, :-1].argmax(-1)
+        predicted = step(inputs, Logits())[:, :-1].argmax(-1)
         targets = inputs["labels"][:, 1:]
         scored = targets != IGNORE_INDEX
         kind = kind_of(row["messages"])

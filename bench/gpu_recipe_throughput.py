@@ -64,8 +64,9 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.models import VLMForTraining, loss_sum
+from mmrecipes.vlm.models import VLMForTraining
 from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.outputs import LossSum
 from mmrecipes.vlm.parts import load_vlm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,7 +172,7 @@ def vlm_compute_only(directory: Path, batch_size: int, max_length: int, steps: i
 
     def train_step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=RECIPE_BF16):
-            loss = loss_sum(step, inputs)
+            loss = step(inputs, LossSum())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(step.parameters(), 1.0)
         optimizer.step()

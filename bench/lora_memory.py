@@ -34,8 +34,9 @@ def _variant(use_peft, sizes, steps, batch_size, queue):
     from mmrecipes.vlm.labels import AnswerLabeller
     from mmrecipes.vlm.loading import stop_token_ids
     from mmrecipes.vlm.lora import add_lora
-    from mmrecipes.vlm.models import VLMForTraining, loss_sum
+    from mmrecipes.vlm.models import VLMForTraining
     from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
+    from mmrecipes.vlm.outputs import LossSum
     from mmrecipes.vlm.parts import load_vlm
 
     torch.manual_seed(0)
@@ -60,7 +61,7 @@ def _variant(use_peft, sizes, steps, batch_size, queue):
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for batch in batches:
-        loss_sum(wrapper, batch).backward()
+        wrapper(batch, LossSum()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # keep the gradients allocated: they count
     seconds = (time.perf_counter() - start) / len(batches)

@@ -32,7 +32,8 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs, video_path
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.models import VLMForTraining, loss_sum
+from mmrecipes.vlm.models import VLMForTraining
+from mmrecipes.vlm.outputs import LossSum
 from mmrecipes.vlm.videos import decode_video
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +92,7 @@ def measure(rank, world, port, directory, frames, out):
     start = time.perf_counter()
     # enable_grad: tests/run_benches.py runs scripts in one process, after some that switch gradients off
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
-        loss = loss_sum(step, batch)
+        loss = step(batch, LossSum())
         loss.backward()
     grads = [param.grad for param in model.parameters() if param.grad is not None]
     if world > 1:  # each shard got its gradient once from each rank's loss (mmrecipes.vlm.sequence_parallel)

@@ -39,7 +39,8 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs, video_path
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.models import VLMForTraining, loss_sum
+from mmrecipes.vlm.models import VLMForTraining
+from mmrecipes.vlm.outputs import LossSum
 from mmrecipes.vlm.videos import DecodedVideo, decode_video
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,7 +113,7 @@ def direction_accuracy(model_dir: Path, reverse: bool, limit: int) -> float:
             batch = collator([{"input_ids": input_ids, "labels": labels, "media_inputs": inputs}
                              ])
             with torch.no_grad():
-                losses[candidate] = float(loss_sum(step, to_device(batch, "cpu")))
+                losses[candidate] = float(step(to_device(batch, "cpu"), LossSum()))
         right += min(losses, key=losses.get) == answer
         total += 1
     return right / total

@@ -32,8 +32,9 @@ from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import token_cross_entropy_sum
-from mmrecipes.vlm.models import VLMForTraining, loss_sum
+from mmrecipes.vlm.models import VLMForTraining
 from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.outputs import LossSum
 from mmrecipes.vlm.parts import load_vlm
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vlm_dummy.jsonl"
@@ -68,7 +69,7 @@ def dummy_overhead(batch_size, repeats):
     wrapper, inputs = VLMForTraining(model), to_device(batch, "cpu")
 
     def with_dummy():
-        loss_sum(wrapper, inputs).backward()
+        wrapper(inputs, LossSum()).backward()
 
     def without_vision():
         logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
@@ -96,7 +97,7 @@ def _guard_worker(rank, world, port, batch_size, repeats, out_dir):
 
     def step():
         for batch in batches:
-            loss_sum(ddp, batch).backward()
+            ddp(batch, LossSum()).backward()
 
     timed(step, 1)
     off, on = [], []

@@ -60,8 +60,9 @@ def _variant(mode, mixture, budget, steps, queue):
     from mmrecipes.vlm.labels import AnswerLabeller
     from mmrecipes.vlm.loading import stop_token_ids
     from mmrecipes.vlm.losses import count_target_tokens
-    from mmrecipes.vlm.models import VLMForTraining, loss_sum
+    from mmrecipes.vlm.models import VLMForTraining
     from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
+    from mmrecipes.vlm.outputs import LossSum
     from mmrecipes.vlm.parts import load_vlm
 
     torch.manual_seed(0)
@@ -87,7 +88,7 @@ def _variant(mode, mixture, budget, steps, queue):
         batch = next(batches)
         inputs = to_device(batch, device)
         start = time.perf_counter()
-        summed = loss_sum(step, inputs)
+        summed = step(inputs, LossSum())
         (summed / max(1, count_target_tokens(batch["labels"]))).backward()
         optimizer.step()
         optimizer.zero_grad()

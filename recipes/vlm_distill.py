@@ -81,7 +81,8 @@ from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
 from mmrecipes.vlm.labels import AnswerLabeller, check_generation_prompt, check_template
 from mmrecipes.vlm.loading import check_trainable
 from mmrecipes.vlm.losses import token_loss_scale
-from mmrecipes.vlm.models import VLMForTraining, generalized_jsd_sum, save_vlm
+from mmrecipes.vlm.models import VLMForTraining, save_vlm
+from mmrecipes.vlm.outputs import GeneralizedJSD
 from mmrecipes.vlm.parts import vlm_parts
 from mmrecipes.vlm.sampling import Sampler
 
@@ -213,7 +214,7 @@ def main(argv=None):
                 inputs = to_device(batch, accelerator.device)
                 # no graph; its own rows where its processor writes images otherwise
                 inputs["teacher_hidden"] = teacher.hidden(inputs, read["prompts"])
-                summed = generalized_jsd_sum(model, inputs, teacher.head_logits, **divergence)
+                summed = model(inputs, GeneralizedJSD(teacher.head_logits, **divergence))
                 accelerator.backward(summed * loss_scale)
             window_divergence.append(summed.detach())
         step_losses = torch.stack(window_divergence)

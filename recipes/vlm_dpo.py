@@ -66,7 +66,8 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import evaluate_answers
 from mmrecipes.vlm.labels import AnswerLabeller, check_template
 from mmrecipes.vlm.losses import token_loss_scale
-from mmrecipes.vlm.models import VLMForTraining, save_vlm, sequence_logps
+from mmrecipes.vlm.models import VLMForTraining, save_vlm
+from mmrecipes.vlm.outputs import SequenceLogps
 from mmrecipes.vlm.parts import vlm_parts
 from mmrecipes.vlm.preference import (
     PREFERENCE_COUNTED,
@@ -196,7 +197,7 @@ def main(argv=None):
             inputs = to_device(batch, accelerator.device)
             reference_side = reference(batch, inputs)  # no graph
             with accelerator.accumulate(model):
-                policy_side = sequence_logps(model, inputs)  # chosen rows first, then rejected
+                policy_side = model(inputs, SequenceLogps())  # chosen rows first, then rejected
                 losses, chosen_rewards, rejected_rewards = dpo_loss(policy_side, reference_side,
                                                                     answer_tokens(inputs), dpo_args)
                 accelerator.backward(losses.sum() * loss_scale)

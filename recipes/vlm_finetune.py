@@ -78,14 +78,9 @@ from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
 from mmrecipes.vlm.families import video_path
 from mmrecipes.vlm.labels import AnswerLabeller, check_template
 from mmrecipes.vlm.losses import token_loss_scale
-from mmrecipes.vlm.models import (
-    VLMForTraining,
-    check_packing,
-    loss_sum,
-    loss_sum_and_routing,
-    save_vlm,
-)
+from mmrecipes.vlm.models import VLMForTraining, save_vlm
 from mmrecipes.vlm.moe import LoadBalance
+from mmrecipes.vlm.outputs import LossSum
 from mmrecipes.vlm.parts import vlm_parts
 from mmrecipes.vlm.sequence_parallel import SequenceParallel, evaluation_ranks
 
@@ -102,7 +97,7 @@ def main(argv=None):
                               template=model_args.training_template())
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
     if data_args.packing:  # samples kept apart in one sequence?
-        check_packing(VLMForTraining(model), labeller, vlm.dummy_inputs)
+        vlm.check_packing(labeller)
     # shared: accelerator
     accelerator = accelerator_from_args(args)
 
@@ -119,9 +114,10 @@ def main(argv=None):
     if sequence_parallel:
         accelerator.print(sequence_parallel.describe())
 
-    # A mixture of experts: its load-balancing loss, or the line saying it is off
-    balance, balance_line = LoadBalance.of(model, moe_args, args.gradient_accumulation_steps,
-                                           data_world, split=sequence_parallel is not None)
+    # The step's output: the summed token CE; a mixture of experts' load-balancing term rides on it
+    balance = LoadBalance.of(model, moe_args, args.gradient_accumulation_steps, data_world,
+                             split=sequence_parallel is not None)
+    loss = LossSum(balance)
 
     if args.torch_compile:  # in place, before prepare wraps the model
         accelerator.print(compile_blocks(model))
@@ -131,8 +127,8 @@ def main(argv=None):
     accelerator.print(f"evaluation: {data_args.evaluation}")
     accelerator.print(vlm.describe())
 
-    if balance_line:
-        accelerator.print(balance_line)
+    if balance.line:
+        accelerator.print(balance.line)
 
     # shared: vlm optimizer
     optimizer = adamw(vlm.optimizer_groups(args), args)  # the tower, if it trains, at its own lr
@@ -209,21 +205,14 @@ def main(argv=None):
         local_tokens = torch.tensor(float(sum(batch["target_tokens"] for batch in window)))
         tokens = sum_over_ranks(local_tokens.to(accelerator.device)) / sp_size
         loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps, data_world)
-        window_ce, window_aux = [], []
+        window_ce = []
         # The global scope's expert choices in the window on all ranks (a forward without gradients)
-        routing = balance.window_routing(model, window, accelerator.device) if balance else None
+        balance.start_window(model, window, accelerator.device)
         for batch in window:
             # Gradients are all-reduced only on the window's last micro-batch (no_sync before it).
             with accelerator.accumulate(model):
-                on_device = to_device(batch, accelerator.device)
-                if balance is None:
-                    summed = loss_sum(model, on_device)
-                    accelerator.backward(summed * loss_scale)
-                else:  # a mixture of experts: its load-balancing term beside the CE
-                    summed, routed = loss_sum_and_routing(model, on_device)
-                    term, aux = balance.term(routed, routing)
-                    accelerator.backward(summed * loss_scale + term)
-                    window_aux.append(aux)
+                summed = model(to_device(batch, accelerator.device), loss)
+                accelerator.backward(summed * loss_scale + loss.term)  # term: the balance's, or 0
             window_ce.append(summed.detach())
         step_losses = torch.stack(window_ce)
         # shared: optimizer step
@@ -235,12 +224,12 @@ def main(argv=None):
         optimizer.zero_grad()
 
         report.add_step(guard.applied, ce=sum(window_ce), target_tokens=local_tokens,
-                        **(balance.window_sums(window_aux) if balance else {}))
+                        **balance.window_sums())
 
         if report.due(done):
             sums = report.close()
             report.log(done, {"loss": ratio(sums["ce"], sums["target_tokens"]),
-                              **(balance.metrics(sums) if balance else {}),
+                              **balance.metrics(sums),
                               "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]},
                        sums)
         if eval_loader is not None and report.evaluation_due(done):

@@ -72,7 +72,8 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import evaluate_generation
 from mmrecipes.vlm.labels import AnswerLabeller, check_generation_prompt
 from mmrecipes.vlm.losses import token_loss_scale
-from mmrecipes.vlm.models import VLMForTraining, save_vlm, token_logps
+from mmrecipes.vlm.models import VLMForTraining, save_vlm
+from mmrecipes.vlm.outputs import TokenLogps
 from mmrecipes.vlm.parts import vlm_parts
 from mmrecipes.vlm.prompts import PromptCollator, PromptPreprocessor
 from mmrecipes.vlm.reference import Reference
@@ -205,7 +206,7 @@ def main(argv=None):
         step_sums = grpo.LossSums()
         for batch in micro_batches:
             with accelerator.accumulate(model):
-                logps = token_logps(model, batch.inputs, grpo_args.temperature)
+                logps = model(batch.inputs, TokenLogps(grpo_args.temperature))
                 terms = grpo.token_losses(logps, batch.old_logps(logps), batch.reference_logps,
                                           batch.advantages, batch.mask, grpo_args)
                 weighted = (terms["loss"] * normaliser.weights(batch.mask)).sum()

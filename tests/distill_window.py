@@ -28,8 +28,9 @@ from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import count_target_tokens, token_loss_scale
-from mmrecipes.vlm.models import VLMForTraining, generalized_jsd_sum
+from mmrecipes.vlm.models import VLMForTraining
 from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.outputs import GeneralizedJSD
 from mmrecipes.vlm.parts import load_vlm
 
 COLOURS = {"red": (200, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 200), "yellow": (220, 200, 40)}
@@ -77,7 +78,7 @@ def main(argv=None):
         with accelerator.accumulate(model):
             inputs = to_device(batch, accelerator.device)
             inputs["teacher_hidden"] = teacher.hidden(inputs)
-            value = generalized_jsd_sum(model, inputs, teacher.head_logits, beta=0.5, temperature=0.9)
+            value = model(inputs, GeneralizedJSD(teacher.head_logits, beta=0.5, temperature=0.9))
             accelerator.backward(value * scale)
         summed += value.detach()
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), 1e9)

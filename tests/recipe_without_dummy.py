@@ -11,17 +11,18 @@ from pathlib import Path
 
 from mmrecipes.vlm.losses import token_cross_entropy_sum
 from mmrecipes.vlm.models import VLMForTraining
+from mmrecipes.vlm.outputs import Logits
 
 with_dummy = VLMForTraining.forward
 
 
-def skip_tower_on_text_only(self, batch, output="loss_sum", temperature=1.0):
+def skip_tower_on_text_only(self, batch, output):
     if not batch["dummy_image"]:
-        return with_dummy(self, batch, output, temperature)
+        return with_dummy(self, batch, output)
     text_inputs = {name: value for name, value in batch.items()
                    if name in self.forward_input_names - self.vision_input_names - {"labels"}}
     logits = self.model(**text_inputs).logits
-    return logits if output == "logits" else token_cross_entropy_sum(logits, batch["labels"])
+    return logits if isinstance(output, Logits) else token_cross_entropy_sum(logits, batch["labels"])
 
 
 class SkipsTowerOnTextOnly(VLMForTraining):

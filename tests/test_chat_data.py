@@ -17,7 +17,8 @@ from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining, logits, loss_sum
+from mmrecipes.vlm.models import VLMForTraining
+from mmrecipes.vlm.outputs import Logits, LossSum
 from mmrecipes.vlm.parts import load_vlm
 
 
@@ -122,10 +123,10 @@ def test_chat_format_text_only_batch_gets_the_dummy_image(tmp_path, tiny):
     wrapper = VLMForTraining(model)
     for batch in (image_batch, text_batch):
         inputs = to_device(batch, "cpu")
-        assert torch.isfinite(loss_sum(wrapper, inputs)) and logits(wrapper, inputs).shape[:2] == batch[
+        assert torch.isfinite(wrapper(inputs, LossSum())) and wrapper(inputs, Logits()).shape[:2] == batch[
             "input_ids"].shape
     plain = model(input_ids=text_batch["input_ids"], attention_mask=text_batch["attention_mask"]).logits
-    assert torch.equal(logits(wrapper, to_device(text_batch, "cpu")), plain)
+    assert torch.equal(wrapper(to_device(text_batch, "cpu"), Logits()), plain)
 
 
 def test_every_rank_sees_the_weighted_mixture(tiny):

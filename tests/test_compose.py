@@ -34,8 +34,9 @@ from mmrecipes.vlm.compose import FLATTEN_CONTENT, IMAGE_TOKEN, compose_llava
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller, _runs, check_template
 from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.models import VLMForTraining, loss_sum
+from mmrecipes.vlm.models import VLMForTraining
 from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.outputs import LossSum
 from mmrecipes.vlm.parts import load_vlm
 from tiny_language_models import save_tiny_language_model
 
@@ -127,7 +128,7 @@ def test_a_composed_llava_counts_its_image_tokens_keeps_its_parts_and_stage_1_tr
     optimizer = torch.optim.SGD([p for params in trainable.values() for p in params], lr=0.1)
     batch = ChatCollator(tokenizer.pad_token_id, dummy)([{"input_ids": input_ids, "labels": labels,
                                                            "media_inputs": media}])
-    loss_sum(VLMForTraining(model), to_device(batch, "cpu")).backward()
+    VLMForTraining(model)(to_device(batch, "cpu"), LossSum()).backward()
     optimizer.step()
     moved = {name for name, param in model.named_parameters() if not torch.equal(param, before[name])}
     assert moved and all(name.startswith("model.multi_modal_projector.") for name in moved)

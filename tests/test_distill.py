@@ -22,7 +22,8 @@ from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import IGNORE_INDEX, count_target_tokens
-from mmrecipes.vlm.models import VLMForTraining, generalized_jsd_sum
+from mmrecipes.vlm.models import VLMForTraining
+from mmrecipes.vlm.outputs import GeneralizedJSD
 from mmrecipes.vlm.parts import load_vlm
 from test_distill_loss import dense_jsd
 
@@ -186,7 +187,7 @@ def test_a_teacher_whose_processor_writes_other_image_tokens_reads_its_own_rows_
             chat_row("Which colour is grass?", "green, as a rule"),
             chat_row("How many shapes?", "two", Image.new("RGB", (64, 64), (30, 60, 200)))]
     out, inputs = recipe_micro_batch(student, processor, teacher, rows)
-    got = generalized_jsd_sum(VLMForTraining(student).eval(), inputs, teacher.head_logits, beta=0.5, temperature=0.8)
+    got = VLMForTraining(student).eval()(inputs, GeneralizedJSD(teacher.head_logits, beta=0.5, temperature=0.8))
 
     expected, teacher_model = torch.zeros((), dtype=torch.float64), teacher.model.model
     for row, labels in zip(rows, out["labels"]):
@@ -214,8 +215,8 @@ def assert_equals_trls_loss(student, processor, teacher, rows, beta, temperature
     `base_model` on the same batch, the multimodal inputs TRL passes, the text config's softcap): the summed
     divergence and the student's output-layer gradient."""
     _, inputs = recipe_micro_batch(student, processor, teacher, rows)
-    ours = generalized_jsd_sum(VLMForTraining(student).eval(), inputs, teacher.head_logits, beta=beta,
-                               temperature=temperature)
+    divergence = GeneralizedJSD(teacher.head_logits, beta=beta, temperature=temperature)
+    ours = VLMForTraining(student).eval()(inputs, divergence)
     ours.backward()
     head = student.get_output_embeddings()
     our_grad = head.weight.grad.clone()

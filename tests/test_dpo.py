@@ -23,8 +23,9 @@ from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.lora import add_lora
 from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining, sequence_logps
+from mmrecipes.vlm.models import VLMForTraining
 from mmrecipes.vlm.module_groups import module_groups
+from mmrecipes.vlm.outputs import SequenceLogps
 from mmrecipes.vlm.parts import load_vlm
 from mmrecipes.vlm.preference import (
     PreferenceCollator,
@@ -146,7 +147,7 @@ def test_loss_and_rewards_equal_the_dpo_formula_from_the_models_own_logits(tiny,
     model.eval(), reference_model.eval()
     with torch.no_grad():
         inputs = to_device(collator(pairs), "cpu")
-        policy = sequence_logps(VLMForTraining(model), inputs)
+        policy = VLMForTraining(model)(inputs, SequenceLogps())
         reference = Reference(VLMForTraining(reference_model))(None, inputs)
         losses, chosen_rewards, rejected_rewards = dpo_loss(policy, reference, answer_tokens(inputs), args)
 
@@ -219,7 +220,7 @@ def test_first_step_equals_trl_dpo_trainer(tiny, loss_type, tmp_path):
     pairs = preprocessed(PreferencePreprocessor(PreferenceDataArgs(), labeller, 256), rows)
     with torch.no_grad():
         inputs = to_device(collator(pairs), "cpu")
-        policy = sequence_logps(VLMForTraining(model.eval()), inputs)
+        policy = VLMForTraining(model.eval())(inputs, SequenceLogps())
         reference = Reference(VLMForTraining(reference_model))(None, inputs)
         losses, chosen, rejected = dpo_loss(policy, reference, answer_tokens(inputs), DPOArgs(beta=0.5,
                                                                                               loss_type=loss_type))
@@ -271,7 +272,7 @@ def test_lora_reference_is_the_base_model_and_costs_no_copy(tiny):
     step = VLMForTraining(adapted)
     with torch.no_grad():
         reference = Reference(step, peft_model)(None, inputs)
-        frozen, policy = sequence_logps(VLMForTraining(base), inputs), sequence_logps(step, inputs)
+        frozen, policy = VLMForTraining(base)(inputs, SequenceLogps()), step(inputs, SequenceLogps())
     torch.testing.assert_close(reference, frozen, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(policy, frozen, atol=1e-2)
 

@@ -17,8 +17,9 @@ from mmrecipes.vlm.losses import (
     token_cross_entropy_sum,
     token_loss_scale,
 )
-from mmrecipes.vlm.models import VLMForTraining, loss_sum
+from mmrecipes.vlm.models import VLMForTraining
 from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.outputs import LossSum
 from mmrecipes.vlm.parts import load_vlm
 from recipe_without_dummy import SkipsTowerOnTextOnly
 
@@ -86,7 +87,7 @@ def test_dummy_gives_exact_zero_vision_gradients_and_changes_nothing_else(family
     generator = torch.Generator().manual_seed(0)
     batch = collate(model, [row(model, 4, image=False, generator=generator) for _ in range(2)])
     assert batch["dummy_image"]
-    summed = loss_sum(VLMForTraining(model), inputs(batch))
+    summed = VLMForTraining(model)(inputs(batch), LossSum())
     summed.backward()
     with_dummy = {name: p.grad.clone() if p.grad is not None else None for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -116,7 +117,7 @@ def _ddp_mixed_steps(rank, world_size, family, wrapper_class):
     generator = torch.Generator().manual_seed(rank)
     ddp = torch.nn.parallel.DistributedDataParallel(wrapper_class(model))  # find_unused_parameters=False
     for _ in range(2):
-        loss_sum(ddp, inputs(collate(model, [row(model, 3, image=rank == 0, generator=generator)]))).backward()
+        ddp(inputs(collate(model, [row(model, 3, image=rank == 0, generator=generator)])), LossSum()).backward()
     return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
@@ -153,7 +154,7 @@ def _accelerate_window(rank, world_size, normalisation):
     window_tokens = sum_over_ranks(torch.tensor(float(sum(count_target_tokens(b["labels"]) for b in window))))
     for batch in window:
         with accelerator.accumulate(ddp):
-            summed = loss_sum(ddp, inputs(batch))
+            summed = ddp(inputs(batch), LossSum())
             if normalisation in ("token", "token_packed"):
                 accelerator.backward(summed * token_loss_scale(window_tokens, 2, world_size))
             else:  # the per-micro-batch mean most loops compute
@@ -170,7 +171,7 @@ def test_window_gradient_is_the_token_mean_of_one_big_batch(normalisation):
     model = tiny_llava()
     everything = [r for rank in WINDOW for rows in window_rows(model, rank) for r in rows]
     batch = collate(model, everything)
-    (loss_sum(VLMForTraining(model), inputs(batch)) / count_target_tokens(batch["labels"])).backward()
+    (VLMForTraining(model)(inputs(batch), LossSum()) / count_target_tokens(batch["labels"])).backward()
     truth = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
     grads = run_on_ranks(_accelerate_window, 2, normalisation)[0]

@@ -26,8 +26,9 @@ from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.lora import add_lora, save_lora
-from mmrecipes.vlm.models import VLMForTraining, loss_sum
+from mmrecipes.vlm.models import VLMForTraining
 from mmrecipes.vlm.module_groups import apply_train_modules
+from mmrecipes.vlm.outputs import LossSum
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 40)}
 QUESTION = "What colour is the shape?"
@@ -71,7 +72,7 @@ def train(model, processor, parameters, steps, shown=square, family=None) -> lis
     shuffle, losses = random.Random(0), []
     for _ in range(steps):
         batch = collator(shuffle.sample(rows * 2, 8))
-        summed = loss_sum(wrapper, to_device(batch, "cpu"))
+        summed = wrapper(to_device(batch, "cpu"), LossSum())
         (summed / batch["target_tokens"]).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -115,7 +116,7 @@ def _mixed_ranks_steps(rank, world_size, directories):
         assert batch["dummy_image"] == (rank == 1)
         ddp = DistributedDataParallel(VLMForTraining(model))
         for _ in range(2):
-            loss_sum(ddp, to_device(batch, "cpu")).backward()
+            ddp(to_device(batch, "cpu"), LossSum()).backward()
         grads[family] = {name: param.grad for name, param in model.named_parameters() if param.requires_grad}
     return grads
 

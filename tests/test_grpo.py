@@ -27,7 +27,8 @@ from mmrecipes.vlm.grpo import GroupLayout, LossNormaliser, group_advantages, to
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining, token_logps
+from mmrecipes.vlm.models import VLMForTraining
+from mmrecipes.vlm.outputs import TokenLogps
 from mmrecipes.vlm.prompts import PromptPreprocessor
 from mmrecipes.vlm.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
 from mmrecipes.vlm.sampling import Sampler, chat_rows, generate_group, prompt_seed, sample_group
@@ -380,7 +381,7 @@ def test_one_micro_batch_equals_trl_grpo_trainer(loss_type, beta, tmp_path):
         for tensor, source in zip(placed, (old, ref)):
             tensor[row, start:start + len(ids)] = source[row, :len(ids)]
     with torch.no_grad():
-        logps = token_logps(VLMForTraining(model), inputs, 0.7)
+        logps = VLMForTraining(model)(inputs, TokenLogps(0.7))
         terms = token_losses(logps, placed[0], placed[1], advantages, mask, args)
         normaliser = LossNormaliser(args)
         ours = float((terms["loss"] * normaliser.weights(mask)).sum() / normaliser.count([mask]))

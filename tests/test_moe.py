@@ -18,8 +18,9 @@ from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import token_loss_scale
-from mmrecipes.vlm.models import VLMForTraining, loss_sum_and_routing
-from mmrecipes.vlm.moe import LoadBalance, balance_loss, sparse_block_classes
+from mmrecipes.vlm.models import VLMForTraining
+from mmrecipes.vlm.moe import LoadBalance, Routing, balance_loss, sparse_block_classes
+from mmrecipes.vlm.outputs import LossSum
 from test_family_conformance import collator_row
 
 MOE_FAMILIES = ["qwen3_vl_moe", "qwen3_5_moe"]
@@ -60,18 +61,18 @@ def test_the_aux_loss_is_the_models_own_on_the_same_micro_batch_over_real_tokens
     step = VLMForTraining(model)
     batch_rows = rows(processor, model)[:2]
     padded = to_device(ChatCollator(processor.tokenizer.pad_token_id, dummy)(batch_rows), "cpu")
-    summed, routed = loss_sum_and_routing(step, padded)
+    routed = step(padded, Routing(2))
     own = model(**{name: value for name, value in padded.items() if name in step.forward_input_names - {"labels"}},
                 output_router_logits=True)
     torch.testing.assert_close(balance_loss(*routed), own.aux_loss, rtol=1e-5, atol=1e-6)
-    _, line = LoadBalance.of(model, MoEArgs(), 1, 1)
+    line = LoadBalance.of(model, MoEArgs(), 1, 1).line
     assert "4 experts, 2 per token; load-balancing loss off" in line and "--router_aux_loss_coef 0.001" in line
     if family == "qwen3_5_moe":  # its linear attention does not keep packed samples apart (test_packing.py)
         return
     packed = to_device(ChatCollator(0, dummy, packing=True, pack_length=len(batch_rows[0]["input_ids"]) + 1)(
         batch_rows), "cpu")
     assert not packed["attention_mask"].all()  # the second sequence is padded
-    _, packed_routed = loss_sum_and_routing(step, packed)
+    packed_routed = step(packed, Routing(2))
     torch.testing.assert_close(balance_loss(*packed_routed), balance_loss(*routed), rtol=1e-5, atol=1e-6)
 
 
@@ -80,12 +81,13 @@ def test_a_model_without_experts_or_without_a_balancing_loss_refuses_the_coeffic
     is already a probability, and it has no router_aux_loss_coef): both refuse a coefficient, and the MoE says it
     adds none. Its sparse block, the decoder layer holding router and experts, is still found."""
     model, _ = load(tiny_vlms["qwen3_5"])
-    assert LoadBalance.of(model, MoEArgs(), 1, 1) == (None, "")
+    off = LoadBalance.of(model, MoEArgs(), 1, 1)
+    assert not off.on and off.line == "" and off.window_sums() == {} and off.metrics({}) == {}
     with pytest.raises(ValueError, match="--router_aux_loss_coef 0.01: Qwen3_5ForConditionalGeneration has no experts"):
         LoadBalance.of(model, MoEArgs(router_aux_loss_coef=0.01), 1, 1)
     gemma, _ = load(tiny_vlms["gemma4_moe"])
     assert {cls.__name__ for cls in sparse_block_classes(gemma)} == {"Gemma4TextDecoderLayer"}
-    assert LoadBalance.of(gemma, MoEArgs(), 1, 1)[1].endswith("defines no load-balancing loss; none is added")
+    assert LoadBalance.of(gemma, MoEArgs(), 1, 1).line.endswith("defines no load-balancing loss; none is added")
     with pytest.raises(ValueError, match="Gemma4ForConditionalGeneration's config defines no load-balancing loss"):
         LoadBalance.of(gemma, MoEArgs(router_aux_loss_coef=0.01), 1, 1)
 
@@ -101,17 +103,16 @@ def _window(model, processor, batches, balance, world, ddp=None):
     if world > 1:
         torch.distributed.all_reduce(tokens)
     scale = token_loss_scale(tokens, len(batches), world)
-    window_counts = balance.window_routing(step, batches, "cpu") if balance else None
-    logged = torch.zeros(2)
+    balance = balance or LoadBalance()  # off: the plain CE
+    balance.start_window(step, batches, "cpu")
+    output = LossSum(balance)
     for index, batch in enumerate(batches):
         syncing = ddp.no_sync() if ddp is not None and index < len(batches) - 1 else nullcontext()
         with syncing:
-            summed, routed = loss_sum_and_routing(step, to_device(batch, "cpu"))
-            loss = summed * scale
-            if balance:
-                term, value = balance.term(routed, window_counts)
-                loss, logged = loss + term, logged + torch.stack([value, torch.tensor(balance.logged_batches())])
-            (loss / len(batches)).backward()
+            summed = step(to_device(batch, "cpu"), output)
+            ((summed * scale + output.term) / len(batches)).backward()
+    sums = balance.window_sums()
+    logged = torch.tensor([float(sums["aux"]), sums["aux_batches"]]) if balance.on else torch.zeros(2)
     return {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}, logged
 
 
@@ -121,7 +122,7 @@ def _two_ranks(rank, world_size, directory, scope):
     model, processor = load(directory)
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
     mine = rows(processor, model)[2 * rank:2 * rank + 2]
-    balance = LoadBalance(4, 2, COEF, scope, accumulation=2, data_world=world_size)
+    balance = LoadBalance(num_experts=4, top_k=2, coef=COEF, scope=scope, accumulation=2, data_world=world_size)
     grads, logged = _window(model, processor, [collator([row]) for row in mine], balance, world_size,
                             ddp=DistributedDataParallel(VLMForTraining(model)))
     torch.distributed.all_reduce(logged)
@@ -140,7 +141,7 @@ def test_two_ranks_of_two_micro_batches_give_one_process_holding_the_window(tiny
     batches = [collator([row]) for row in rows(processor, model)]
     step = VLMForTraining(model)
     tokens = sum(batch["target_tokens"] for batch in batches)
-    parts = [loss_sum_and_routing(step, to_device(batch, "cpu")) for batch in batches]
+    parts = [(step(to_device(batch, "cpu"), LossSum()), step(to_device(batch, "cpu"), Routing(2))) for batch in batches]
     if scope == "global_batch":
         aux = balance_loss(*(sum(part[1][i] for part in parts) for i in range(3)))
     else:

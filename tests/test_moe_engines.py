@@ -25,6 +25,7 @@ from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.models import VLMForTraining
+from mmrecipes.vlm.moe import Routing
 from test_family_conformance import collator_row
 
 pytestmark = pytest.mark.launch
@@ -85,7 +86,7 @@ def test_zero3_with_experts_per_rank_gives_one_processs_steps(split):
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
     counts = [VLMForTraining(model)(collator([collator_row(labeller, row["messages"], []) for row in rows]),
-                                    "routing")[0] for rows in (RANK0, RANK1)]
+                                    Routing(2))[0] for rows in (RANK0, RANK1)]
     assert counts[0][2:].sum() == 0 and counts[0][:2].all() and counts[1][2:].all()  # the scenario holds
     truth = run_recipe(*COMMON, *GLOBAL, "--model_name_or_path", directory, "--per_device_train_batch_size", 4,
                        "--gradient_accumulation_steps", 1, "--data_files", data / "single" / "all.parquet",

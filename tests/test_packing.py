@@ -20,8 +20,9 @@ from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import token_cross_entropy_sum
-from mmrecipes.vlm.models import VLMForTraining, check_packing, logits, loss_sum
-from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.models import VLMForTraining
+from mmrecipes.vlm.outputs import Logits, LossSum
+from mmrecipes.vlm.parts import check_packing, load_vlm
 
 PACKING_FAMILIES = [None, "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3",
                     "llava_onevision", "mistral3", "qwen3_vl_moe", "gemma4"]  # None: the tiny default Llava
@@ -62,27 +63,27 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
     dummy_inputs = dummy_image_inputs(model, processor)
     rows = rows_of(labeller)
     step = VLMForTraining(model)
-    alone = [logits(step, to_device(ChatCollator(0, dummy_inputs)([row]), "cpu")) for row in rows]
-    alone_losses = [loss_sum(step, to_device(ChatCollator(0, dummy_inputs)([row]), "cpu")) for row in rows]
+    alone = [step(to_device(ChatCollator(0, dummy_inputs)([row]), "cpu"), Logits()) for row in rows]
+    alone_losses = [step(to_device(ChatCollator(0, dummy_inputs)([row]), "cpu"), LossSum()) for row in rows]
     lengths = [len(row["input_ids"]) for row in rows]
     for pack_length, sequences in ((None, [[0, 1, 2]]), (lengths[0] + lengths[1], [[0, 1], [2]])):
         batch = to_device(ChatCollator(0, dummy_inputs, packing=True, pack_length=pack_length)(rows),
                                   "cpu")
-        packed_logits = logits(step, batch)
+        packed_logits = step(batch, Logits())
         assert packed_logits.shape[0] == len(sequences)
         for index, sequence in enumerate(sequences):
             expected = torch.cat([alone[i] for i in sequence], dim=1)[0]
             torch.testing.assert_close(packed_logits[index, :len(expected)], expected, rtol=1e-5, atol=1e-5)
         loss = token_cross_entropy_sum(packed_logits, batch["labels"])
         torch.testing.assert_close(loss, sum(alone_losses), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(loss_sum(step, batch), loss, rtol=1e-5, atol=1e-5)  # the training loss, in slices
+        torch.testing.assert_close(step(batch, LossSum()), loss, rtol=1e-5, atol=1e-5)  # the training loss, in slices
     packed = to_device(ChatCollator(0, dummy_inputs, packing=True)(rows), "cpu")
-    packed_logits = logits(step, packed)
-    check_packing(VLMForTraining(model), labeller, dummy_inputs)
+    packed_logits = step(packed, Logits())
+    check_packing(model, labeller, dummy_inputs)
 
     one_sequence = {k: v for k, v in packed.items() if k not in ("sample_lengths", "media_per_sample")}
     # positions go on, attention crosses
-    assert not torch.allclose(logits(step, one_sequence), packed_logits, atol=1e-3)
+    assert not torch.allclose(step(one_sequence, Logits()), packed_logits, atol=1e-3)
     crossing = model(input_ids=packed["input_ids"], attention_mask=packed["attention_mask"], use_cache=False,
                           position_ids=torch.cat([torch.arange(len(row["input_ids"])) for row in rows])[None],
                           **{k: v for k, v in packed.items() if k in ("mm_token_type_ids", "pixel_values",
@@ -106,7 +107,7 @@ def test_a_family_that_does_not_keep_packed_samples_apart_is_rejected(tiny_vlms,
     samples: `--packing` stops before the first step, names the layers where it can, and says what to do instead."""
     model, processor = load(tiny_vlms, family)
     with pytest.raises(ValueError, match="--packing: " + reason):
-        check_packing(VLMForTraining(model), AnswerLabeller(processor, stop_token_ids(model, processor)),
+        check_packing(model, AnswerLabeller(processor, stop_token_ids(model, processor)),
                       dummy_image_inputs(model, processor))
 
 

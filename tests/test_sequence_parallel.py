@@ -31,9 +31,10 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.models import VLMForTraining, sequence_logps, token_logps
+from mmrecipes.vlm.models import VLMForTraining
 from mmrecipes.vlm.module_groups import apply_train_modules
 from mmrecipes.vlm.moe import LoadBalance
+from mmrecipes.vlm.outputs import Logits, LossSum, SequenceLogps, TokenLogps
 from test_family_conformance import collator_row, colour_conversation, square
 
 # every family the rule lets split (Qwen3-VL: deepstack features; Qwen3-VL-MoE: experts, no balancing loss)
@@ -60,15 +61,15 @@ def _shards_against_whole(rank, world_size, directories, forced):
         batch = to_device(collator([collator_row(labeller, colour_conversation("red"), [square("red")]),
                                     collator_row(labeller, text, [])]), "cpu")
         step = VLMForTraining(model)
-        whole_logps = [token_logps(step, batch, 0.7), sequence_logps(step, batch)]
-        whole = VLMForTraining(model)(batch)
+        whole_logps = [step(batch, TokenLogps(0.7)), step(batch, SequenceLogps())]
+        whole = VLMForTraining(model)(batch, LossSum())
         whole.backward()
         truth = {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
         model.zero_grad()
         split = sequence_parallel.SequenceParallel(model, 2)
         step = VLMForTraining(model, split)
-        logps = [token_logps(step, batch, 0.7), sequence_logps(step, batch)]
-        summed = step(batch)  # the whole sequence's, on both ranks
+        logps = [step(batch, TokenLogps(0.7)), step(batch, SequenceLogps())]
+        summed = step(batch, LossSum())  # the whole sequence's, on both ranks
         summed.backward()
         for param in model.parameters():  # each shard got its gradient twice: once from each rank's loss
             if param.grad is not None:
@@ -93,20 +94,20 @@ def _four_ways(rank, world_size, directory):
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
     batch = to_device(collator([collator_row(labeller, colour_conversation("red"), [square("red")])]), "cpu")
     step = VLMForTraining(model)
-    logits = step.eval()(batch, "logits")
-    whole = step.train()(batch)
+    logits = step.eval()(batch, Logits())
+    whole = step.train()(batch, LossSum())
     whole.backward()
     truth = {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
     model.zero_grad()
     split = VLMForTraining(model, sequence_parallel.SequenceParallel(model, world_size))
-    summed = split(batch)
+    summed = split(batch, LossSum())
     summed.backward()
     for param in model.parameters():
         if param.grad is not None:
             dist.all_reduce(param.grad)
             param.grad /= world_size
     worst = max((param.grad - truth[name]).abs().max() for name, param in model.named_parameters() if name in truth)
-    after = split.eval()(batch, "logits")
+    after = split.eval()(batch, Logits())
     return abs(summed.item() - whole.item()), worst.item(), (after - logits).abs().max().item()
 
 

@@ -22,7 +22,8 @@ from mmrecipes.vlm.families import dummy_image_inputs, video_path
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
 from mmrecipes.vlm.losses import IGNORE_INDEX, token_cross_entropy_sum
-from mmrecipes.vlm.models import VLMForTraining, logits, loss_sum
+from mmrecipes.vlm.models import VLMForTraining
+from mmrecipes.vlm.outputs import Logits, LossSum
 from mmrecipes.vlm.parts import load_vlm
 from mmrecipes.vlm.videos import DecodedVideo, decode_video
 
@@ -119,14 +120,14 @@ def test_clips_leave_the_workers_as_uint8_and_are_finished_to_the_processors_own
     assert torch.equal(inputs["pixel_values_videos"], own)
     assert not torch.equal(batch["pixel_values_videos"].float(), own)  # the raw uint8 values are not the inputs
     step = VLMForTraining(model)
-    assert torch.equal(loss_sum(step, inputs), loss_sum(step, inputs | {"pixel_values_videos": own}))
+    assert torch.equal(step(inputs, LossSum()), step(inputs | {"pixel_values_videos": own}, LossSum()))
 
 
 def losses_of(model, dummy, rows, packing=False):
     step = VLMForTraining(model)
     batch = ChatCollator(0, dummy, packing=packing)(rows)
     inputs = to_device(batch, "cpu")
-    return token_cross_entropy_sum(logits(step, inputs), inputs["labels"]), logits(step, inputs)
+    return token_cross_entropy_sum(step(inputs, Logits()), inputs["labels"]), step(inputs, Logits())
 
 
 @torch.no_grad()
@@ -158,7 +159,7 @@ def test_every_batch_makes_the_same_tower_calls(tiny_vlms, name, calls):
         try:
             batch = ChatCollator(0, dummy)(rows)
             model.zero_grad()
-            loss_sum(step, to_device(batch, "cpu")).backward()
+            step(to_device(batch, "cpu"), LossSum()).backward()
         finally:
             hook.remove()
         assert batch["dummy_image"] and len(counted) == calls[kind], (kind, counted)

@@ -30,7 +30,8 @@ from .families import dummy_image_inputs, placeholder_token_ids
 from .labels import UnalignedAnswer
 from .loading import load_pretrained, stop_token_ids
 from .losses import IGNORE_INDEX
-from .models import VLMForTraining, generalized_jsd_sum, hidden_states
+from .models import VLMForTraining
+from .outputs import GeneralizedJSD, Hidden, OutputLayer
 from .prompts import PromptPreprocessor, prompt_chat
 from .reference import frozen_reference, parameter_values_held
 
@@ -123,7 +124,7 @@ class Teacher:
         own) of each of `prompts`' own prompt (`DistillCollator`: the batch's, in row order) followed by the student
         row's text after its prompt, shifted to the student's positions (the prompts' positions hold no target)."""
         if self.own_processor is None:
-            return hidden_states(self.model, inputs)
+            return self.model(inputs, Hidden())
         rows, shifts, device = [], [], inputs["input_ids"].device
         for ids, mask, labels, prompt in zip(inputs["input_ids"], inputs["attention_mask"], inputs["labels"], prompts):
             own, start, kept = prompt["teacher"], len(prompt["input_ids"]), mask.bool()
@@ -132,7 +133,7 @@ class Teacher:
                                               labels[kept][start:].cpu()]),
                          "media_inputs": own["media_inputs"]})
             shifts.append(len(own["input_ids"]) - start)
-        hidden = hidden_states(self.model, to_device(self.collator(rows), device))
+        hidden = self.model(to_device(self.collator(rows), device), Hidden())
         shift = torch.tensor(shifts, device=device)[:, None]
         positions = (torch.arange(inputs["input_ids"].shape[1], device=device) + shift).clamp(0, hidden.shape[1] - 1)
         return hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
@@ -141,7 +142,7 @@ class Teacher:
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """A slice of the teacher's hidden states through its output layer: one call of its prepared module, so the
         engine gathers the layer as in any forward."""
-        return self.model({"hidden": hidden}, "head_logits")
+        return self.model({}, OutputLayer(hidden))
 
     def generated_accuracy(self, data_args, rows: int, data_rank: int, data_world: int, device) -> dict:
         """Its held-out generated accuracy (`evaluation.evaluate_generation`) on its share of `rows` held-out
@@ -253,7 +254,7 @@ def evaluate_divergence(model, teacher: Teacher, eval_loader, filler_batch, devi
     for batch, real in batches_in_step(eval_loader, filler_batch, device):
         inputs = to_device(batch["answers"], device)
         inputs["teacher_hidden"] = teacher.hidden(inputs, batch["prompts"])
-        value = generalized_jsd_sum(model, inputs, teacher.head_logits, beta=beta, temperature=temperature)
+        value = model(inputs, GeneralizedJSD(teacher.head_logits, beta=beta, temperature=temperature))
         if real:
             tokens = float(batch["answers"]["target_tokens"])
             totals += torch.stack([value.float(), torch.tensor(tokens, device=device)])

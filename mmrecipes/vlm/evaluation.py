@@ -7,7 +7,7 @@ from ..distributed import batches_in_step, max_over_ranks, sum_over_ranks
 from ..images import to_device
 from .chat_data import TOKEN_ALIGNED
 from .losses import IGNORE_INDEX
-from .models import logits
+from .outputs import Logits
 
 
 @torch.no_grad()
@@ -25,7 +25,7 @@ def evaluate_answers(model, eval_loader, filler_batch, device) -> dict:
     totals = torch.zeros(2, device=device)  # correct answers, answers
     for batch, real in batches_in_step(eval_loader, filler_batch, device):
         inputs = to_device(batch, device)
-        predicted = logits(model, inputs)[:, :-1].argmax(-1)
+        predicted = model(inputs, Logits())[:, :-1].argmax(-1)
         if real:
             targets = inputs["labels"][:, 1:]
             scored = targets != IGNORE_INDEX
@@ -74,7 +74,7 @@ def greedy_tokens(model, inputs: dict, new_tokens: int, placeholders=()) -> list
     `placeholders` (`families.placeholder_token_ids`: appended, one would not match the images)."""
     generated, never = [], torch.tensor(list(placeholders), dtype=torch.long, device=inputs["input_ids"].device)
     for _ in range(new_tokens):
-        token = logits(model, inputs)[:, -1].index_fill(-1, never, -torch.inf).argmax(-1)
+        token = model(inputs, Logits())[:, -1].index_fill(-1, never, -torch.inf).argmax(-1)
         generated.append(int(token[0]))
         inputs = with_token_appended(inputs, token)
     return generated

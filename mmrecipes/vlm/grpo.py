@@ -19,7 +19,7 @@ from ..images import to_device
 from ..reporting import ratio
 from .arguments import GRPOArgs
 from .losses import IGNORE_INDEX
-from .models import token_logps
+from .outputs import TokenLogps
 
 CLIP_COUNTS = ("low", "high", "region")  # TRL's clip_ratio/low_mean, high_mean, region_mean
 
@@ -195,7 +195,7 @@ def micro_batches(rollouts, advantages: torch.Tensor, model, reference, args: GR
     masks = [batch["labels"][:, 1:] != IGNORE_INDEX for batch in inputs]
     advantages = advantages.to(device, torch.float32).split([len(mask) for mask in masks])
     with torch.no_grad():
-        sampled = [token_logps(model, batch, args.temperature) if args.num_iterations > 1 else None for batch in inputs]
+        sampled = [model(batch, TokenLogps(args.temperature)) if args.num_iterations > 1 else None for batch in inputs]
     references = [reference.token_logps(batch, args.temperature) if reference else None for batch in inputs]
     return [MicroBatch(*fields) for fields in zip(inputs, masks, advantages, sampled, references)]
 

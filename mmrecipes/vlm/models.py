@@ -1,5 +1,5 @@
 """The VLM step, `VLMForTraining`: any `AutoModelForImageTextToText` model running the same graph on every rank
-whatever each rank's batch holds, with named outputs; loading (`load_vlm`), the freezing presets, saving.
+whatever each rank's batch holds, its outputs objects (`outputs`); saving (`save_vlm`).
 
 Every micro-batch calls the vision step once (its images and clips, or the collator's tiny dummy image), and a dummy's
 features enter the output as a zero-length slice inside the module the engine wraps: a text-only rank runs the vision
@@ -15,36 +15,20 @@ import inspect
 import torch
 
 from ..distributed import fsdp_block_classes
-from ..images import to_device
-from .collate import ChatCollator, probe_rows
-from .families import (
-    height_width,
-    lm_features,
-    split_items,
-    stateful_mixers,
-    video_as_image_names,
-)
+from .families import height_width, lm_features, split_items, video_as_image_names
 from .lora import save_lora
-from .losses import (
-    IGNORE_INDEX,
-    head_cross_entropy_per_row,
-    head_cross_entropy_per_token,
-    head_cross_entropy_sum,
-    head_generalized_jsd_sum,
-    soft_capped,
-)
-from .moe import routing
+from .outputs import Forward, StepOutput
 from .packing import packed_position_ids
 
 
 class VLMForTraining(torch.nn.Module):
     """One training/eval step of an image-text-to-text model that is the same graph on every rank.
 
-    Its outputs are named (`loss_sum`, `sequence_logps`, `token_logps`, `logits`: the functions below), and each is
-    one call of the module, `model(batch, output)`, the prepared one included: the engine's forward runs its hooks
-    (DDP's, FSDP2's unsharding, ZeRO-3's gathers) around everything, and the dummy's features enter the output
-    inside it. Wrap the model *before* `accelerator.prepare`, or DDP sees the vision parameters' (zero) gradients
-    too late.
+    Its outputs are objects (`outputs`: `LossSum`, `SequenceLogps`, `TokenLogps`, `GeneralizedJSD`, `Logits`,
+    `Hidden`, or a recipe's own), and each is one call of the module, `model(batch, output)`, the prepared one
+    included: the engine's forward runs its hooks (DDP's, FSDP2's unsharding, ZeRO-3's gathers) around everything,
+    and the dummy's features enter the output inside it. Wrap the model *before* `accelerator.prepare`, or DDP sees
+    the vision parameters' (zero) gradients too late.
     """
 
     def __init__(self, model, sequence_parallel=None):
@@ -60,44 +44,21 @@ class VLMForTraining(torch.nn.Module):
         # checkpoints only in training mode), until an evaluation's train() would turn them on mid-run
         model.train()
 
-    def forward(self, batch: dict, output: str = "loss_sum", temperature: float = 1.0, teacher=None,
-                beta: float = 0.5):
-        """`output` of a `ChatCollator` batch on the device (`images.to_device`); see the named functions."""
-        if output == "head_logits":  # a teacher's: another model's hidden states through this one's output layer
-            return soft_capped(self.model.get_output_embeddings()(batch["hidden"]), self.softcap)
-        with_routing = output in ("loss_sum_and_routing", "routing")
-        split = self.sequence_parallel is not None and self.training and output != "logits"
+    def forward(self, batch: dict, output: StepOutput) -> torch.Tensor:
+        """`output` (`outputs.StepOutput`) of a `ChatCollator` batch on the device (`images.to_device`): the hidden
+        states (split over a sequence-parallel group where the output splits, in training), then the output, plus
+        the dummy's zero term where a backward follows."""
+        head = self.model.get_output_embeddings()
+        if not output.runs_model:
+            return output.compute(Forward(None, head, self.softcap, batch))
+        split = self.sequence_parallel is not None and self.training and output.splits
         with self.sequence_parallel.splitting(split) if self.sequence_parallel else contextlib.nullcontext():
-            hidden, dummies, router_logits = self._hidden_states(**batch, output_router_logits=with_routing)
-        head, labels = self.model.get_output_embeddings(), batch["labels"]
-        if with_routing:  # over the real tokens: a packed batch passes the model no mask
-            top_k = self.model.config.get_text_config().num_experts_per_tok
-            routed = routing(router_logits, batch["attention_mask"], top_k)
-            if output == "routing":
-                return routed
-        if output == "logits":  # evaluation and sampling: no backward, so no dummy term
-            return soft_capped(head(hidden), self.softcap)
-        if output == "hidden":  # a teacher's, without a graph
-            return hidden
-        if split:  # `hidden` is this rank's shard
-            value = self.sequence_parallel.whole(output, hidden, head, labels, softcap=self.softcap,
-                                                 temperature=temperature)
-            return value + self._dummy_terms(dummies)
-        if output in ("loss_sum", "loss_sum_and_routing"):
-            value = head_cross_entropy_sum(hidden, head, labels, softcap=self.softcap)
-        elif output == "sequence_logps":
-            value = -head_cross_entropy_per_row(hidden, head, labels, softcap=self.softcap)
-        elif output == "token_logps":
-            value = -head_cross_entropy_per_token(hidden, head, labels, softcap=self.softcap, temperature=temperature)
-        elif output == "generalized_jsd":
-            value = head_generalized_jsd_sum(hidden[:, :-1], head, batch["teacher_hidden"][:, :-1], teacher,
-                                             labels[:, 1:] != IGNORE_INDEX, beta=beta, temperature=temperature,
-                                             student_softcap=self.softcap)
-        else:
-            raise ValueError(f"no output {output!r}: one of loss_sum, loss_sum_and_routing, routing, sequence_logps, "
-                             "token_logps, generalized_jsd, logits, hidden, head_logits")
-        value = value + self._dummy_terms(dummies)
-        return (value, *routed) if with_routing else value
+            hidden, dummies, router_logits = self._hidden_states(**batch, output_router_logits=output.routing)
+        shard = self.sequence_parallel.shard if split else None
+        value = output.compute(Forward(hidden, head, self.softcap, batch, shard, router_logits))
+        if shard is not None:
+            value = output.reduce(value, shard)
+        return value + self._dummy_terms(dummies) if output.trains else value
 
     @staticmethod
     def _dummy_terms(dummies) -> torch.Tensor | float:
@@ -162,48 +123,6 @@ class VLMForTraining(torch.nn.Module):
         return fsdp_block_classes(self.model)
 
 
-def loss_sum(model, batch: dict) -> torch.Tensor:
-    """The batch's summed token CE (training back-propagates it times `losses.token_loss_scale`). `model`: a
-    `VLMForTraining`, prepared or not; `batch`: on the device."""
-    return model(batch, "loss_sum")
-
-
-def loss_sum_and_routing(model, batch: dict) -> tuple[torch.Tensor, tuple]:
-    """`loss_sum`, and what the routers of a mixture-of-experts model did over the batch's real tokens (the parts of
-    its load-balancing loss: `moe.routing`)."""
-    summed, *routed = model(batch, "loss_sum_and_routing")
-    return summed, tuple(routed)
-
-
-def sequence_logps(model, batch: dict) -> torch.Tensor:
-    """Each row's answer log-probability, `[rows]`: the sum over its target tokens (DPO's; unpacked batches)."""
-    return model(batch, "sequence_logps")
-
-
-def token_logps(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
-    """Each target token's log-probability at `temperature` (GRPO's: the sampling temperature, as TRL scores them),
-    `[rows, tokens - 1]`, 0 elsewhere."""
-    return model(batch, "token_logps", temperature)
-
-
-def generalized_jsd_sum(model, batch: dict, teacher, *, beta: float, temperature: float) -> torch.Tensor:
-    """The batch's summed generalised JSD between the teacher's and the student's next-token distributions over its
-    target tokens (`losses.head_generalized_jsd_sum`); `batch["teacher_hidden"]`: the teacher's `hidden_states` of the
-    same tokens; `teacher`: its output layer (`distill.Teacher.head_logits`)."""
-    return model(batch, "generalized_jsd", temperature, teacher, beta)
-
-
-def hidden_states(model, batch: dict) -> torch.Tensor:
-    """The language model's last hidden states, `[rows, tokens, hidden]`: a teacher's, without a graph."""
-    return model(batch, "hidden")
-
-
-def logits(model, batch: dict) -> torch.Tensor:
-    """The logits, `[rows, tokens, vocabulary]` (soft-capped where the family does): evaluation and sampling, never
-    a backward (they carry no dummy term)."""
-    return model(batch, "logits")
-
-
 @torch.no_grad()
 def _clip_layout(model) -> tuple[int, int] | None:
     """(rows per frame, rows after the frames) of a video path of the model's own, for one clip of
@@ -242,29 +161,6 @@ def _own_frames(features, frames: list[int], layout) -> torch.Tensor:
     per_frame, extra = layout
     return torch.cat([torch.cat([clip[:count * per_frame], clip[len(clip) - extra:]])
                       for clip, count in zip(features, frames)])[None]
-
-
-@torch.no_grad()
-def check_packing(step, labeller, dummy_inputs):
-    """Raise before the first step unless an image conversation and a text one, packed into one
-    sequence, give the logits each gives alone (the model keeps packed samples apart). `step`: the
-    model's `VLMForTraining`."""
-    rows = probe_rows(labeller)
-    model, training = step.model, step.model.training
-    model.eval()
-    try:
-        packed = logits(step, to_device(ChatCollator(0, dummy_inputs, packing=True)(rows), "cpu"))
-        alone = torch.cat([logits(step, to_device(ChatCollator(0, dummy_inputs)([row]), "cpu")) for row in rows],
-                          dim=1)
-    finally:
-        model.train(training)
-    if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4):
-        mixers = stateful_mixers(model)
-        why = (f"; its {' and '.join(mixers)} carry their state from one sample into the next: transformers' torch "
-               "path of them takes no sample boundaries") if mixers else ""
-        raise ValueError(f"--packing: {type(model).__name__} does not keep packed samples apart (its logits differ by "
-                         f"{(packed - alone).abs().max().item():.3g} from the samples run alone{why}): drop "
-                         "--packing, or keep --max_tokens_per_batch without it")
 
 
 def save_vlm(accelerator, model, processor, output_dir, peft_config=None):

@@ -23,6 +23,7 @@ from ..distributed import sum_over_ranks
 from ..images import to_device
 from ..reporting import ratio
 from .arguments import MoEArgs
+from .outputs import StepOutput
 
 
 def router_class(model):
@@ -79,22 +80,42 @@ def balance_loss(counts, probabilities, rows) -> torch.Tensor:
     return len(counts) * torch.sum(counts / rows * probabilities / rows)
 
 
+class Routing(StepOutput):
+    """What the routers did over the batch's real tokens: (choices per expert, summed router probabilities per
+    expert, rows), the parts of the load-balancing loss (`routing`); a forward of its own, without gradients."""
+
+    splits = trains = False
+    routing = True
+
+    def __init__(self, top_k: int):
+        self.top_k = top_k
+
+    def compute(self, forward) -> tuple:
+        return routing(forward.router_logits, forward.batch["attention_mask"], self.top_k)
+
+
 class LoadBalance:
-    """The load-balancing term of a MoE model's training loss (`of`: None where it is off).
+    """The load-balancing term of a MoE model's training loss (`of`; `on` False where there is none, and then every
+    method below does nothing). It rides on the step's `outputs.LossSum`: `start_window(model, window, device)` before
+    a window's micro-batches (the global scope's counts), then each forward's `term(routing)`: what to back-propagate
+    beside the CE (the engine's averaging over the accumulation steps and ranks already cancelled), its value kept for
+    the log (`window_sums`, `metrics`: `aux_loss`)."""
 
-    `window_routing(model, window, device)` before the window's micro-batches (the global scope's counts), then per
-    micro-batch `term(routing, window_counts)`: what to back-propagate beside the CE (the engine's averaging over the
-    accumulation steps and ranks already cancelled) and the value to log, `aux_loss`."""
-
-    def __init__(self, num_experts: int, top_k: int, coef: float, scope: str, accumulation: int, data_world: int):
+    def __init__(self, num_experts: int = 0, top_k: int = 0, coef: float = 0.0, scope: str = "micro_batch",
+                 accumulation: int = 1, data_world: int = 1, line: str = ""):
         self.num_experts, self.top_k, self.coef, self.scope = num_experts, top_k, coef, scope
-        self.accumulation, self.data_world = accumulation, data_world
+        self.accumulation, self.data_world, self.line = accumulation, data_world, line
+        self.window_counts, self.values = None, []
+
+    @property
+    def on(self) -> bool:
+        return self.coef > 0
 
     @classmethod
-    def of(cls, model, args: MoEArgs, accumulation: int, data_world: int, *,
-           split: bool = False) -> tuple["LoadBalance | None", str]:
-        """(the term, or None where it is off; the log line that says which). A model without routers, or whose config
-        defines no load-balancing loss, refuses a coefficient; so does a sequence-parallel run (`split`)."""
+    def of(cls, model, args: MoEArgs, accumulation: int, data_world: int, *, split: bool = False) -> "LoadBalance":
+        """The term, off where the model has no routers or --router_aux_loss_coef is 0, with the log line that says
+        which (`line`). A model without routers, or whose config defines no load-balancing loss, refuses a
+        coefficient; so does a sequence-parallel run (`split`)."""
         coef, scope = args.router_aux_loss_coef, args.router_aux_loss_scope
         if coef and split:
             raise ValueError("--router_aux_loss_coef with --sequence_parallel_size: the load-balancing loss is not "
@@ -105,7 +126,7 @@ class LoadBalance:
             if coef:
                 raise ValueError(f"--router_aux_loss_coef {coef}: {type(model).__name__} has no experts to balance; "
                                  "leave it at 0")
-            return None, ""
+            return cls()
         experts = getattr(config, "num_experts", None)
         top_k = getattr(config, "num_experts_per_tok", None)
         if own is None or experts is None or top_k is None:
@@ -113,51 +134,61 @@ class LoadBalance:
                 raise ValueError(f"--router_aux_loss_coef {coef}: {type(model).__name__}'s config defines no "
                                  "load-balancing loss (no router_aux_loss_coef, num_experts, num_experts_per_tok); "
                                  "leave it at 0")
-            return None, f"mixture of experts: {type(model).__name__} defines no load-balancing loss; none is added"
+            return cls(line=f"mixture of experts: {type(model).__name__} defines no load-balancing loss; none is added")
         line = f"mixture of experts: {experts} experts, {top_k} per token; load-balancing loss "
         if not coef:
-            return None, line + (f"off (--router_aux_loss_coef 0; the checkpoint's config gives {own}: "
-                                 f"--router_aux_loss_coef {own} turns it on)")
-        return (cls(experts, top_k, coef, scope, accumulation, data_world),
-                line + f"x {coef} ({scope.replace('_', '-')}; the checkpoint's config gives {own}), logged as aux_loss")
+            return cls(experts, top_k, line=line + (f"off (--router_aux_loss_coef 0; the checkpoint's config gives "
+                                                    f"{own}: --router_aux_loss_coef {own} turns it on)"))
+        line += f"x {coef} ({scope.replace('_', '-')}; the checkpoint's config gives {own}), logged as aux_loss"
+        return cls(num_experts=experts, top_k=top_k, coef=coef, scope=scope, accumulation=accumulation,
+                   data_world=data_world, line=line)
 
     @torch.no_grad()
-    def window_routing(self, model, window: list[dict], device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The global scope's (choices per expert, rows) over the window on all ranks, from a forward without
-        gradients per micro-batch (k > 1; None for k = 1, whose counts come with its own forward, and for the
-        micro-batch scope)."""
-        if self.scope != "global_batch" or len(window) == 1:
-            return None
+    def start_window(self, model, window: list[dict], device):
+        """Before a window's micro-batches: the global scope's (choices per expert, rows) over the window on all
+        ranks, from a forward without gradients per micro-batch (k > 1; with k = 1 the counts come with the
+        micro-batch's own forward, and the micro-batch scope needs none)."""
+        self.window_counts = None
+        if not self.on or self.scope != "global_batch" or len(window) == 1:
+            return
         counts = rows = 0
         for batch in window:
-            batch_counts, _, batch_rows = model(to_device(batch, device), "routing")
+            batch_counts, _, batch_rows = model(to_device(batch, device), Routing(self.top_k))
             counts, rows = counts + batch_counts, rows + batch_rows
-        return self._over_ranks(counts, rows)
+        self.window_counts = self._over_ranks(counts, rows)
 
-    def term(self, routing, window_counts=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(what to back-propagate beside the CE, the value to log: summed over the window's micro-batches and the
-        ranks it is the step's aux_loss, see `logged_batches`)."""
+    def term_of(self, forward) -> torch.Tensor:
+        """`term` of a forward of the step that recorded its routers' logits (`outputs.LossSum`): over the real tokens
+        (a packed batch passes the model no mask)."""
+        return self.term(Routing(self.top_k).compute(forward))
+
+    def term(self, routing) -> torch.Tensor:
+        """What to back-propagate beside the CE for a micro-batch whose routers did `routing` (`moe.routing`); its
+        value is kept for the log (summed over the window's micro-batches and the ranks it is the step's aux_loss, see
+        `logged_batches`)."""
         counts, probabilities, rows = routing
         if self.scope == "micro_batch":  # accelerate divides by the accumulation steps and DDP averages: the mean
             aux = balance_loss(counts, probabilities, rows)
-            return self.coef * aux, aux.detach()
-        total_counts, total_rows = window_counts or self._over_ranks(counts, rows)
+            self.values.append(aux.detach())
+            return self.coef * aux
+        total_counts, total_rows = self.window_counts or self._over_ranks(counts, rows)
         part = balance_loss(total_counts, probabilities, total_rows)  # this micro-batch's share of the step's loss
-        return self.coef * part * self.accumulation * self.data_world, part.detach()
+        self.values.append(part.detach())
+        return self.coef * part * self.accumulation * self.data_world
 
     def logged_batches(self) -> float:
         """What one micro-batch adds to the count the logged aux sums are divided by: the micro-batch scope logs the
         mean over micro-batches and ranks; the global scope's parts add up to the step's loss."""
         return 1.0 if self.scope == "micro_batch" else 1.0 / (self.accumulation * self.data_world)
 
-    def window_sums(self, values: list[torch.Tensor]) -> dict:
-        """A window's `term` values as the report sums them over ranks (`metrics` reads them)."""
-        return {"aux": sum(values), "aux_batches": len(values) * self.logged_batches()}
+    def window_sums(self) -> dict:
+        """The window's `term` values as the report sums them over ranks (`metrics` reads them); none where off."""
+        values, self.values = self.values, []
+        return {"aux": sum(values), "aux_batches": len(values) * self.logged_batches()} if self.on else {}
 
-    @staticmethod
-    def metrics(sums: dict) -> dict:
-        """The logged aux_loss of a logging window's sums over ranks and steps."""
-        return {"aux_loss": ratio(sums["aux"], sums["aux_batches"])}
+    def metrics(self, sums: dict) -> dict:
+        """The logged aux_loss of a logging window's sums over ranks and steps; none where off."""
+        return {"aux_loss": ratio(sums["aux"], sums["aux_batches"])} if self.on else {}
 
     def _over_ranks(self, counts, rows):
         summed = sum_over_ranks(torch.cat([counts, rows.reshape(1)]))

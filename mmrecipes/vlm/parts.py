@@ -12,16 +12,19 @@ import torch
 from transformers import AutoTokenizer, CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
 from ..arguments import TrainingArgs
+from ..images import to_device
 from ..training import optimizer_groups
 from .arguments import LoraArgs, VLMModelArgs, read_chat_template
+from .collate import ChatCollator, probe_rows
 from .compose import compose_llava, replaced_template
-from .families import dummy_image_inputs, placeholder_token_ids
+from .families import dummy_image_inputs, placeholder_token_ids, stateful_mixers
 from .flops import VLMFlops
 from .loading import load_pretrained, stop_token_ids
 from .lora import add_lora, describe_trainable, dropout_note
 from .models import VLMForTraining
 from .module_groups import ModuleGroups, apply_train_modules, module_groups
 from .moe import sparse_block_classes
+from .outputs import Logits
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,10 @@ class VLMParts:
                                 own_rates={"vision_tower": (args.vision_tower_learning_rate,
                                                             args.vision_tower_weight_decay)})
 
+    def check_packing(self, labeller):
+        """`check_packing` of this model (--packing), before the first step."""
+        check_packing(self.model, labeller, self.dummy_inputs)
+
     def describe(self) -> str:
         lines = [self.groups.describe(), describe_trainable(self.model)]
         if self.sparse_blocks:
@@ -63,6 +70,27 @@ class VLMParts:
             lines.append(f"froze {len(self.groups.unreached)} parameters no forward path reaches: "
                          + ", ".join(self.groups.unreached))
         return "\n".join(lines)
+
+
+@torch.no_grad()
+def check_packing(model, labeller, dummy_inputs):
+    """Raise unless an image conversation and a text one, packed into one sequence, give the logits each gives alone
+    (the model keeps packed samples apart), naming the layers that carry a state from one sample into the next."""
+    rows, step, training = probe_rows(labeller), VLMForTraining(model), model.training
+    model.eval()
+    try:
+        packed = step(to_device(ChatCollator(0, dummy_inputs, packing=True)(rows), "cpu"), Logits())
+        alone = torch.cat([step(to_device(ChatCollator(0, dummy_inputs)([row]), "cpu"), Logits()) for row in rows],
+                          dim=1)
+    finally:
+        model.train(training)
+    if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4):
+        mixers = stateful_mixers(model)
+        why = (f"; its {' and '.join(mixers)} carry their state from one sample into the next: transformers' torch "
+               "path of them takes no sample boundaries") if mixers else ""
+        raise ValueError(f"--packing: {type(model).__name__} does not keep packed samples apart (its logits differ by "
+                         f"{(packed - alone).abs().max().item():.3g} from the samples run alone{why}): drop "
+                         "--packing, or keep --max_tokens_per_batch without it")
 
 
 def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, frozen_copy: bool = False) -> VLMParts:

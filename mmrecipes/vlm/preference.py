@@ -18,7 +18,7 @@ from ..sources import DATA_FILE, PROBLEM, row_name
 from .arguments import DPOArgs
 from .chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor, string_prompt
 from .losses import IGNORE_INDEX
-from .models import sequence_logps
+from .outputs import SequenceLogps
 from .reference import Reference
 
 PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image", "id"]
@@ -169,7 +169,7 @@ def evaluate_preferences(model, reference: Reference, eval_loader, filler_batch,
     totals = torch.zeros(3, device=device)  # correct pairs, summed margins, pairs
     for batch, real in batches_in_step(eval_loader, filler_batch, device):
         inputs = to_device(batch, device)
-        _, chosen, rejected = dpo_loss(sequence_logps(model, inputs), reference(batch, inputs), answer_tokens(inputs),
+        _, chosen, rejected = dpo_loss(model(inputs, SequenceLogps()), reference(batch, inputs), answer_tokens(inputs),
                                        args)
         if real:
             margins = chosen - rejected

@@ -11,7 +11,7 @@ from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
 from ..distributed import all_ranks_true, batches_in_step
 from ..images import to_device
-from .models import sequence_logps, token_logps
+from .outputs import SequenceLogps, TokenLogps
 
 
 def parameter_values_held(model) -> tuple[int, int]:
@@ -73,13 +73,13 @@ class Reference:
     @torch.no_grad()
     def _computed(self, inputs: dict) -> torch.Tensor:
         with self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext():
-            return sequence_logps(self.model, inputs)
+            return self.model(inputs, SequenceLogps())
 
     @torch.no_grad()
     def token_logps(self, inputs: dict, temperature: float = 1.0) -> torch.Tensor:
         """Each target token's log-probability at `temperature`, `[rows, tokens - 1]` (0 elsewhere): GRPO's KL."""
         with self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext():
-            return token_logps(self.model, inputs, temperature)
+            return self.model(inputs, TokenLogps(temperature))
 
     def describe(self) -> str:
         if self.peft_model is not None:

@@ -24,7 +24,7 @@ from ..images import to_device
 from .arguments import GRPOArgs
 from .evaluation import with_token_appended
 from .losses import IGNORE_INDEX
-from .models import logits
+from .outputs import Logits
 from .rewards import reward_inputs
 
 
@@ -67,7 +67,7 @@ def sample_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed: 
     for _ in range(args.max_completion_length):
         if not max_over_ranks(torch.tensor(float(not all(stopped)), device=device)).item():
             break  # every rank's completions have stopped
-        tokens = torch.tensor(sampler.draw(logits(model, inputs)[:, -1]))
+        tokens = torch.tensor(sampler.draw(model(inputs, Logits())[:, -1]))
         for index, token in enumerate(tokens.tolist()):
             if not stopped[index]:
                 completions[index].append(token)

@@ -6,20 +6,22 @@ The N ranks of a group hold the same rows (their data rank is the group's index:
 the vision step on all of their images, so the step is the same graph on every rank (the dummy image too). A pre-hook
 on the language model splits what the merge made into N contiguous shards, the sequence padded at its end to a
 multiple of N: the embeddings, the positions (mRoPE's computed on the whole sequence), Qwen3-VL's deepstack features.
-Around attention DeepSpeed's all-to-all swaps the sequence split for a head split. Each rank computes its shard's
-CE against the whole sequence's shifted labels (`shard_targets`), and the group sums it (`whole`): every
-rank of a group holds the whole sequence's loss, as a data-parallel rank without the split does, and the backward
-gives each shard the group's gradients. So with the window's target tokens counted once per group, the engine's
-average over every rank (DDP, FSDP2, ZeRO-2/3 alike) is the exact token mean, as without the split.
+Around attention DeepSpeed's all-to-all swaps the sequence split for a head split. Each rank computes the step's
+output on its shard (`Shard`: its positions, their targets in the whole sequence) and the output reduces itself over
+the group (`outputs.StepOutput.reduce`, a sum by default): every rank of a group holds the whole sequence's loss,
+as a data-parallel rank without the split does, and the backward gives each shard the group's gradients. So with the
+window's target tokens counted once per group, the engine's average over every rank (DDP, FSDP2, ZeRO-2/3 alike) is
+the exact token mean, as without the split.
 
 Only the language model's attention is wrapped, under its own name (`ATTENTION`): accelerate's path
 (`ParallelismConfig(sp_backend="deepspeed")`) replaces transformers' sdpa everywhere, the vision tower's attention
-included. Only `VLMForTraining`'s outputs in training mode split (`splitting`); evaluation, sampling and `generate`
-run whole sequences: each rank holds whole sequences there.
+included. Only the outputs that say so (`splits`) split, in training mode (`splitting`); evaluation, sampling and
+`generate` run whole sequences: each rank holds whole sequences there.
 """
 
 import inspect
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .families import stateful_mixers
-from .losses import IGNORE_INDEX, head_cross_entropy_per_row, head_cross_entropy_per_token, head_cross_entropy_sum
+from .losses import IGNORE_INDEX
 
 ATTENTION = "ulysses"  # the language model's attn_implementation while it trains split
 
@@ -65,6 +67,38 @@ def refusal(model, size: int) -> str | None:
         return ("eager attention is not causal without its mask, which Ulysses attention drops: "
                 "--attn_implementation sdpa (or flash_attention_2)")
     return None
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part of the last split sequence: positions `start` to `end` of the sequence padded at its end to
+    `padded` tokens (`length` before the padding), and the ranks of its `group`."""
+
+    start: int
+    end: int
+    padded: int
+    length: int
+    group: object
+
+    def take(self, per_token: torch.Tensor, fill=0) -> torch.Tensor:
+        """A per-token tensor of the whole sequence, `[rows, length, ...]`, at the shard's positions."""
+        trailing = [0, 0] * (per_token.dim() - 2)
+        return F.pad(per_token, (*trailing, 0, self.padded - per_token.shape[1]), value=fill)[:, self.start:self.end]
+
+    def targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """The next-token targets of the shard's positions, `[rows, end - start]` (IGNORE_INDEX past the sequence)."""
+        return self.take(labels[:, 1:], fill=IGNORE_INDEX)
+
+    def place(self, value: torch.Tensor) -> torch.Tensor:
+        """A per-position value of the shard, `[rows, end - start]`, at its place in the padded sequence (0
+        elsewhere)."""
+        return F.pad(value, (self.start, self.padded - self.end))
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the group, on every rank of it: torch's differentiable all-reduce, whose backward sums
+        the group's gradients into each shard (a group's ranks computing the same loss give each shard its gradient
+        times the group's size; the engine's average over every rank divides it back)."""
+        return collectives.all_reduce(value, "sum", self.group)
 
 
 class SequenceParallel:
@@ -154,7 +188,7 @@ class SequenceParallel:
             positions = torch.arange(length, device=embeds.device).expand(rows, length)
         extra = torch.arange(1, padded - length + 1, device=embeds.device)
         positions = torch.cat([positions, positions[..., -1:] + extra], dim=-1)  # mRoPE's [3, rows, length] too
-        self.shard = (start, end, padded)
+        self.shard = Shard(start, end, padded, length, self.group)
         self.positions = torch.arange(start, end, device=embeds.device).expand(rows, end - start)
         kwargs |= {"inputs_embeds": F.pad(embeds, (0, 0, 0, padded - length))[:, start:end],
                    "position_ids": positions[..., start:end], "attention_mask": None}
@@ -166,33 +200,6 @@ class SequenceParallel:
             kwargs["visual_pos_masks"] = masks[:, start:end]
             kwargs["deepstack_visual_embeds"] = [embeds[kept] for embeds in kwargs["deepstack_visual_embeds"]]
         return args, kwargs
-
-    def shard_targets(self, labels: torch.Tensor) -> torch.Tensor:
-        """The next-token targets of this rank's shard of the last split, `[rows, shard]` (IGNORE_INDEX past the
-        sequence)."""
-        start, end, padded = self.shard
-        return F.pad(labels[:, 1:], (0, padded - labels.shape[1] + 1), value=IGNORE_INDEX)[:, start:end]
-
-    def whole(self, output: str, hidden, head, labels, *, softcap, temperature: float = 1.0) -> torch.Tensor:
-        """`output` (loss_sum, sequence_logps, token_logps) of the whole sequences on every rank of the group, from
-        this rank's shard of the last split: summed over the group by an all-reduce whose backward sums the group's
-        gradients into each shard (a group's ranks computing the same loss give each shard its gradient times the
-        group's size; the engine's average over every rank divides it back)."""
-        targets = self.shard_targets(labels)
-        if output == "loss_sum":
-            value = head_cross_entropy_sum(hidden, head, targets, softcap=softcap, shifted=True)
-        elif output == "sequence_logps":
-            value = -head_cross_entropy_per_row(hidden, head, targets, softcap=softcap, shifted=True)
-        elif output == "token_logps":  # this shard's place in the whole sequence, zeros elsewhere
-            start, end, padded = self.shard
-            shard = -head_cross_entropy_per_token(hidden, head, targets, softcap=softcap, temperature=temperature,
-                                                  shifted=True)
-            value = F.pad(shard, (start, padded - end))
-        else:
-            raise ValueError(f"sequence parallelism gives no {output!r} in training: loss_sum, sequence_logps or "
-                             "token_logps")
-        value = collectives.all_reduce(value, "sum", self.group)
-        return value[:, :labels.shape[1] - 1] if output == "token_logps" else value
 
     def _attention(self, module, query, key, value, attention_mask, *args, **kwargs):
         if not self.split_now:  # whole sequences, with their mask
