@@ -1,0 +1,88 @@
+"""A recipe's own loss in its own file: a copy of vlm_finetune.py defines a label-smoothed cross-entropy as a step
+output (a `LossSum` whose `cross_entropy` it replaces) and trains with it, no library file touched. Under DDP (2 data
+ranks) and under ZeRO-3 with the sequence split over 2 ranks it gives one process's losses and gradient norms: the
+output runs inside the engine's forward, and splits and reduces itself over the group as the library's outputs do."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from launch import VLM_RECIPE, assert_same_curves, losses, run_engine, run_recipe
+from mmrecipes.vlm.arguments import VLMModelArgs
+from mmrecipes.vlm.collate import ChatCollator
+from mmrecipes.vlm.families import dummy_image_inputs
+from mmrecipes.vlm.labels import AnswerLabeller
+from mmrecipes.vlm.loading import stop_token_ids
+from mmrecipes.vlm.models import VLMForTraining
+from mmrecipes.vlm.outputs import Logits, LossSum
+from mmrecipes.vlm.parts import load_vlm
+from test_family_conformance import collator_row, colour_conversation, square
+from test_sequence_parallel import rank_files
+
+LABEL_SMOOTHED = '''
+import torch.nn.functional as F
+
+from mmrecipes.vlm.outputs import LossSum
+
+
+class LabelSmoothedLossSum(LossSum):
+    """The summed cross-entropy with torch's label smoothing over the targets, in place of the library's."""
+
+    def __init__(self, balance=None, smoothing=0.1):
+        super().__init__(balance)
+        self.smoothing = smoothing
+
+    def cross_entropy(self, forward):
+        logits = forward.logits(forward.positions).float()
+        return F.cross_entropy(logits.flatten(0, 1), forward.targets.flatten(), ignore_index=-100,
+                               reduction="sum", label_smoothing=self.smoothing)
+
+
+def main('''
+
+
+def copied_recipe(folder):
+    """vlm_finetune.py copied to `folder`, its step's output the label-smoothed loss defined in the copy."""
+    source = VLM_RECIPE.read_text()
+    assert source.count("\ndef main(") == 1 and source.count("    loss = LossSum(balance)\n") == 1
+    copy = folder / "vlm_finetune_label_smoothed.py"
+    copy.write_text(source.replace("\ndef main(", LABEL_SMOOTHED, 1).replace(
+        "    loss = LossSum(balance)\n", "    loss = LabelSmoothedLossSum(balance, smoothing=0.1)\n"))
+    return copy
+
+
+def test_the_copied_output_is_torchs_label_smoothed_cross_entropy(tmp_path):
+    namespace = {}
+    exec(LABEL_SMOOTHED.removesuffix("def main("), namespace)
+    model, processor = load_vlm(VLMModelArgs())
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    batch = collator([collator_row(labeller, colour_conversation("red"), [square("red")]),
+                      collator_row(labeller, colour_conversation("blue"), [square("blue")])])
+    step = VLMForTraining(model)
+    logits, labels = step(batch, Logits())[:, :-1].float(), batch["labels"][:, 1:]
+    smoothed = step(batch, namespace["LabelSmoothedLossSum"](smoothing=0.1))
+    expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", label_smoothing=0.1)
+    torch.testing.assert_close(smoothed, expected, rtol=1e-6, atol=1e-5)
+    assert abs(float(smoothed) - float(step(batch, LossSum()))) > 1e-2  # not the plain CE
+
+
+@pytest.mark.launch
+def test_a_recipes_own_loss_trains_under_ddp_and_split_under_zero3_as_one_process(tmp_path):
+    rank_files(tmp_path)
+    recipe = copied_recipe(tmp_path)
+    common = ["--max_steps", 2, "--logging_steps", 1, "--dataset_name", "parquet", "--dataset_weights", "",
+              "--shuffle_buffer_size", 1, "--eval_dataset_name", "", "--ddp_timeout", 120,
+              "--per_device_train_batch_size", 1]
+    whole = ["--gradient_accumulation_steps", 4, "--data_files", tmp_path / "single" / "all.parquet"]
+    truth = run_recipe(*common, *whole, "--output_dir", tmp_path / "one", recipe=recipe)
+    assert truth.returncode == 0, truth.log[-3000:]
+    plain = run_recipe(*common, *whole, "--output_dir", tmp_path / "plain", recipe=VLM_RECIPE)
+    assert abs(losses(plain.log)[1] - losses(truth.log)[1]) > 1e-3  # the copy's own loss trained, not the library's
+    runs = {"ddp.yaml": ["--gradient_accumulation_steps", 2, "--data_files", tmp_path / "rank*.parquet"],
+            "zero3.yaml": [*whole, "--sequence_parallel_size", 2]}
+    for config, flags in runs.items():
+        result = run_engine(config, *common, *flags, "--output_dir", tmp_path / config, recipe=recipe)
+        assert result.returncode == 0, result.log[-3000:]
+        assert_same_curves(result.log, truth.log, [1, 2], rel=1e-5, grad_norm=True)
+    assert "sequence parallel: each sequence split over 2 ranks" in result.log
