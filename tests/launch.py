@@ -5,6 +5,7 @@ import atexit
 import contextlib
 import importlib.util
 import io
+import math
 import multiprocessing
 import os
 import re
@@ -247,6 +248,35 @@ def assert_resume_repeats(resumed: str, straight: str, steps):
     assert sorted(step for evaluation, step in got if not evaluation) == list(steps), sorted(got)
     for key, fields in got.items():
         assert fields == expected[key], (key, fields, expected[key])
+
+
+def adam_step_bound(steps: int, beta1: float = 0.9, beta2: float = 0.999) -> float:
+    """The most one AdamW step moves a weight, in learning rates, over the first `steps` steps: |m_hat / sqrt(v_hat)|
+    at step t is at most (1 - beta1) / (1 - beta1^t) * sqrt((1 - beta2^t) / (1 - beta2)) * sqrt(sum_k<t (beta1^2 /
+    beta2)^k) (Cauchy-Schwarz on the moments' sums): 1 at step 1, 1.10 by step 16 with torch's betas."""
+    return max((1 - beta1) / (1 - beta1 ** t) * math.sqrt((1 - beta2 ** t) / (1 - beta2))
+               * math.sqrt(sum((beta1 ** 2 / beta2) ** k for k in range(t))) for t in range(1, steps + 1))
+
+
+def assert_adam_weights_close(got: dict, expected: dict, *, learning_rate: float, steps: int, rtol: float = 1e-4,
+                              atol: float = 1e-6):
+    """Weights after `steps` AdamW steps at learning rates up to `learning_rate`, from two runs that summed the same
+    gradients in another order (two engines, or one engine on two CPUs: AVX2 and AVX-512 kernels round otherwise).
+    What the engines promise, the losses and gradient norms, the tests compare at float32's tolerance; here, where an
+    element's gradient is within float32 rounding of zero (a key bias, an embedding row a step barely reaches), AdamW
+    divides the rounding by its own size and steps up to the learning rate either way. So every element is within the
+    two runs' largest parting, 2 x steps x learning_rate x `adam_step_bound`, and all but one in a thousand (the runs
+    show one in 65,536) within rtol/atol of the other run: a weight the engine did not train or save would fail
+    both."""
+    bound = 2 * steps * learning_rate * adam_step_bound(steps) + atol
+    loose = elements = 0
+    assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
+    for name, tensor in got.items():
+        difference = (tensor.float() - expected[name].float()).abs()
+        assert difference.max() <= bound, (name, float(difference.max()), bound)
+        loose += int((difference > atol + rtol * expected[name].float().abs()).sum())
+        elements += tensor.numel()
+    assert loose <= 1 + elements // 1000, f"{loose} of {elements} values beyond rtol {rtol}, atol {atol}"
 
 
 def losses(log: str) -> dict[int, float]:

@@ -11,6 +11,7 @@ from transformers import SiglipModel, pipeline
 
 from launch import (
     REPO,
+    assert_adam_weights_close,
     assert_engine,
     assert_same_curves,
     load_recipe,
@@ -66,11 +67,8 @@ def test_zero3_agrees_with_ddp(runs):
     assert ddp_result.returncode == 0 and result.returncode == 0
     assert_same_curves(result.log, ddp_result.log, range(1, STEPS + 1))
     assert recall(result.log) == recall(ddp_result.log)
-    reference = SiglipModel.from_pretrained(ddp_dir).state_dict()
-    for name, tensor in SiglipModel.from_pretrained(output_dir).state_dict().items():
-        if name.endswith("k_proj.bias"):  # true gradient 0: Adam amplifies rounding noise (test_engines.py)
-            continue
-        torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert_adam_weights_close(SiglipModel.from_pretrained(output_dir).state_dict(),
+                              SiglipModel.from_pretrained(ddp_dir).state_dict(), learning_rate=2e-3, steps=STEPS)
 
 
 def test_resume_from_a_zero3_checkpoint(runs, tmp_path):

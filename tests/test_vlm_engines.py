@@ -30,6 +30,7 @@ from launch import (
     REPO,
     VLM_RECIPE,
     accelerate_launch,
+    assert_adam_weights_close,
     assert_engine,
     assert_same_curves,
     losses,
@@ -146,9 +147,9 @@ def test_mixed_ranks_match_one_process(runs, truth, config, feature):
     assert_same_curves(result.log, reference.log, range(1, STEPS + 1), grad_norm=True)
     assert losses(result.log)[STEPS] < losses(result.log)[1]
     if feature in ("full", "composed"):
-        expected = LlavaForConditionalGeneration.from_pretrained(reference_dir).state_dict()
-        for name, tensor in LlavaForConditionalGeneration.from_pretrained(output_dir).state_dict().items():
-            torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=1e-5, msg=name)
+        assert_adam_weights_close(LlavaForConditionalGeneration.from_pretrained(output_dir).state_dict(),
+                                  LlavaForConditionalGeneration.from_pretrained(reference_dir).state_dict(),
+                                  learning_rate=1e-3, steps=STEPS)
     else:
         assert "trainable parameters" in result.log and "frozen" in result.log
     if config == "fsdp2.yaml" and feature == "full":  # the guard was on, found nothing, changed no number
