@@ -40,6 +40,7 @@ from transformers import CLIPImageProcessor, Qwen2VLImageProcessor
 from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
 from mmrecipes.contrastive.data import build_dataloader
 from mmrecipes.contrastive.models import build_contrastive
+from mmrecipes.distributed import Ranks
 from mmrecipes.images import UINT8_PIXELS, decode_image, finish_pixels, processed_pixels, uint8_normalization
 from mmrecipes.paths import SHAPES_DATA
 
@@ -125,8 +126,8 @@ def main():
     rows = rows.cast_column("image", datasets.Image())
 
     def ours():
-        return build_dataloader(data_args, "train", None, tokenizer, image_processor, batch_size=64, data_rank=0,
-                                data_world=1, shuffle_seed=0)
+        return build_dataloader(data_args, "train", None, tokenizer, image_processor, batch_size=64,
+                                ranks=Ranks(), shuffle_seed=0)
 
     def per_row_pil():
         pipeline = PerRowPILPipeline(rows, tokenizer, image_processor, tokenizer.model_max_length)

@@ -54,6 +54,7 @@ from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPMode
 
 from gpu_clip_throughput import TOY, VIT_B_16, build, measure, timed_steps
 from mmrecipes.contrastive.flops import clip_train_flops_per_sample
+from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
 from mmrecipes.paths import TINY_TOKENIZER
 from mmrecipes.throughput import peak_flops
@@ -162,7 +163,7 @@ def vlm_compute_only(directory: Path, batch_size: int, max_length: int, steps: i
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy)
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
     loader = build_chat_dataloader(ChatDataArgs(max_length=max_length, dataloader_num_workers=0), labeller, collator,
-                                   batch_size=batch_size, data_rank=0, data_world=1, shuffle_seed=0)
+                                   batch_size=batch_size, ranks=Ranks(), shuffle_seed=0)
     batch = next(batch for batch in loader if not batch["dummy_image"])
     tokens = int(batch["attention_mask"].sum())
     inputs = to_device(batch, device)

@@ -26,6 +26,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "lora_memory.jsonl"
 
 
 def _variant(use_peft, sizes, steps, batch_size, queue):
+    from mmrecipes.distributed import Ranks
     from mmrecipes.images import to_device
     from mmrecipes.vlm.arguments import ChatDataArgs, LoraArgs, VLMModelArgs
     from mmrecipes.vlm.chat_data import build_chat_dataloader
@@ -54,7 +55,7 @@ def _variant(use_peft, sizes, steps, batch_size, queue):
     args = ChatDataArgs(dataloader_num_workers=0, eval_dataset_name=None)
     loader = build_chat_dataloader(args, AnswerLabeller(processor, stop_token_ids(model, processor)),
                                    ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs),
-                                   batch_size=batch_size, data_rank=0, data_world=1, shuffle_seed=0)
+                                   batch_size=batch_size, ranks=Ranks(), shuffle_seed=0)
     batches = [to_device(batch, device) for _, batch in zip(range(steps), loader)]
     before = torch.cuda.memory_allocated() if device == "cuda" else resident_bytes()
     if device == "cuda":

@@ -33,6 +33,7 @@ from PIL import Image
 from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
 from mmrecipes.contrastive.data import build_dataloader
 from mmrecipes.contrastive.models import build_contrastive
+from mmrecipes.distributed import Ranks
 
 RESULTS = Path(__file__).resolve().parent / "results" / "resume_time.jsonl"
 
@@ -79,7 +80,7 @@ def main():
 
         def make_loader():
             return build_dataloader(args, "train", args.data_files, tokenizer, image_processor, batch_size=64,
-                                    data_rank=0, data_world=1, shuffle_seed=0)
+                                    ranks=Ranks(), shuffle_seed=0)
 
         states, loader = {}, make_loader()
         for step, _ in enumerate(loader, start=1):

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
 from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
@@ -48,7 +49,7 @@ def setup(batch_size, dataset):
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs)
     args = ChatDataArgs(dataset_name=dataset, dataset_weights=None, dataloader_num_workers=0)
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
-    loader = build_chat_dataloader(args, labeller, collator, batch_size=batch_size, data_rank=0, data_world=1,
+    loader = build_chat_dataloader(args, labeller, collator, batch_size=batch_size, ranks=Ranks(),
                                    shuffle_seed=0)
     return model, loader
 

@@ -51,6 +51,7 @@ def long_tail_source(directory: Path) -> str:
 
 
 def _variant(mode, mixture, budget, steps, queue):
+    from mmrecipes.distributed import Ranks
     from mmrecipes.images import to_device
     from mmrecipes.paths import VLM_SHAPES
     from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
@@ -79,7 +80,7 @@ def _variant(mode, mixture, budget, steps, queue):
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs, packing=mode == "packed",
                                   pack_length=PACK_LENGTH)
     loader = build_chat_dataloader(args, AnswerLabeller(processor, stop_token_ids(model, processor)), collator,
-                                   batch_size=16, data_rank=0, data_world=1, shuffle_seed=0)
+                                   batch_size=16, ranks=Ranks(), shuffle_seed=0)
     step = VLMForTraining(model).to(device)
     batches = iter(loader)
     tokens, seconds, losses = 0, 0.0, []

@@ -47,9 +47,10 @@ def step_of(checkpoint: Path) -> int:
     return int(CHECKPOINT_NAME.fullmatch(checkpoint.name)[1])
 
 
-def data_layout(data_args, args, *, data_world: int, batch_size: int) -> dict:
-    """What a saved data position depends on: resuming it with anything else would read other rows."""
-    layout = {"data_ranks": data_world, "per_device_train_batch_size": batch_size,
+def data_layout(data_args, args, ranks, *, batch_size: int) -> dict:
+    """What a saved data position depends on (`ranks`: `distributed.Ranks`): resuming it with anything else would read
+    other rows. The flags as typed (a rank's token budget, not a sequence-parallel group's)."""
+    layout = {"data_ranks": ranks.data_world, "per_device_train_batch_size": batch_size,
               "gradient_accumulation_steps": args.gradient_accumulation_steps, "seed": args.seed,
               "shuffle_buffer_size": data_args.shuffle_buffer_size,
               "data": data_fingerprint(data_args.training_sources())}
@@ -103,8 +104,8 @@ class Checkpointer:
     checkpoint names its model as a saved directory does (`mmrecipes.vlm.compose` takes a CLIP checkpoint as a tower).
     """
 
-    def __init__(self, accelerator, args, scheduler, model, layout: dict, saved_with: tuple = ()):
-        self.accelerator, self.scheduler, self.saved_with = accelerator, scheduler, saved_with
+    def __init__(self, accelerator, args, scheduler, model, layout: dict, ranks, saved_with: tuple = ()):
+        self.accelerator, self.scheduler, self.saved_with, self.ranks = accelerator, scheduler, saved_with, ranks
         self.root = Path(args.output_dir) / "checkpoints"
         self.total_limit, self.ignore_data_skip = args.save_total_limit, args.ignore_data_skip
         self.save_steps, self.max_steps = args.save_steps, args.max_steps
@@ -114,12 +115,10 @@ class Checkpointer:
         self.resumed_totals = {}  # the log's totals at the checkpoint resumed from (`resume`)
 
     def _data_state(self) -> tuple[str, bool]:
-        """(this rank's data position file, whether it writes it): its data rank's. The ranks of a sequence-parallel
-        group (consecutive, reading the same rows) share their group's, written by the first; so a resume with
+        """(this rank's data position file, whether it writes it): its data rank's (`ranks`). The ranks of a
+        sequence-parallel group (reading the same rows) share their group's, written by the first; so a resume with
         another group size reads each data rank's own position."""
-        per_data_rank = self.accelerator.num_processes // self.layout["data_ranks"]
-        rank = self.accelerator.process_index
-        return f"data_state_{rank // per_data_rank}.json", rank % per_data_rank == 0
+        return f"data_state_{self.ranks.data_rank}.json", self.ranks.counts_reads
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first (other names beside them, e.g. a copy 'checkpoint-6-backup', are not)."""

@@ -1,4 +1,4 @@
-"""Data-parallel helpers: a real multi-process CPU accelerator, the engine line, data ranks.
+"""Data-parallel helpers: a real multi-process CPU accelerator, the engine line, data ranks (`Ranks`).
 
 `make_accelerator` exists because accelerate 1.15 silently runs the wrong thing on a CPU-only
 machine when you only swap `--config_file` (one process, two unconnected processes, or DDP
@@ -9,6 +9,7 @@ run on GPUs run for real on CPU. On GPUs and in a single process it is plain `Ac
 
 import os
 import zlib
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 
@@ -85,6 +86,58 @@ def data_parallel_rank_and_world(accelerator: Accelerator, sequence_parallel_siz
         raise ValueError("--sequence_parallel_size with a device mesh (HSDP, accelerate's parallelism_config) is not "
                          "supported: drop the parallelism_config from the accelerate config, or the flag")
     return mesh_data_rank_and_world(mesh)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Which rows each rank reads and how its sums count: torchtitan's ParallelDims for these recipes (`of`, after
+    `Accelerator()`; built by hand, one process's share of a data world). `split`: the split of each training sequence
+    over a group of `split_size` consecutive ranks (`vlm.sequence_parallel.SequenceParallel`), or None. A group's ranks
+    read the same rows (their data rank is the group's index; on an HSDP mesh, `mesh_data_rank_and_world`), and only
+    the first of the `replicas` ranks that read the same rows counts them (`counts_reads`, a checkpoint's data
+    position too); evaluation reads whole sequences, so there every rank reads rows of its own (`reads(evaluation=
+    True)`). `sum_over_data`: a sum over the data-parallel ranks, the rows each group read counted once."""
+
+    data_rank: int = 0
+    data_world: int = 1
+    split: object = None
+    replicas: int = 1
+    counts_reads: bool = True
+    eval_rank: int | None = None  # None: data_rank
+    eval_world: int | None = None
+    device: object = "cpu"  # where its collectives run
+
+    @classmethod
+    def of(cls, accelerator: Accelerator, split=None) -> "Ranks":
+        size = split.size if split is not None else 1
+        data_rank, data_world = data_parallel_rank_and_world(accelerator, size)
+        replicas = accelerator.num_processes // data_world
+        grouped = size > 1
+        return cls(data_rank, data_world, split, replicas, counts_reads=accelerator.process_index % replicas == 0,
+                   eval_rank=accelerator.process_index if grouped else None,
+                   eval_world=accelerator.num_processes if grouped else None, device=accelerator.device)
+
+    @property
+    def split_size(self) -> int:
+        return self.split.size if self.split is not None else 1
+
+    def reads(self, evaluation: bool = False) -> dict:
+        """`data_rank` and `data_world` of the training rows, or of the held-out ones."""
+        if evaluation and self.eval_world is not None:
+            return {"data_rank": self.eval_rank, "data_world": self.eval_world}
+        return {"data_rank": self.data_rank, "data_world": self.data_world}
+
+    def share(self, total: int) -> int:
+        """This rank's share of `total` held-out rows (the last ranks' may run short)."""
+        return -(-total // self.reads(evaluation=True)["data_world"])
+
+    def sum_over_data(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over every rank, the rows each group read counted once (its ranks hold the same)."""
+        return sum_over_ranks(values) / self.replicas
+
+    def describe(self) -> str:
+        line = f"data: {self.data_world} data-parallel rank{'s' * (self.data_world > 1)}"
+        return line + (f"; {self.split.describe()}" if self.split is not None else "")
 
 
 def mesh_data_rank_and_world(mesh) -> tuple[int, int]:

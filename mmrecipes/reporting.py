@@ -88,15 +88,14 @@ class Report:
     `batches`: the loop's `loader.TrainBatches` (its wait for data is the report's `data_wait`, its epoch goes to
     the tracker); `counted`: the names of the collator's `data_counts`; `flops(batch)`: a batch's training FLOPs
     (MFU; None: not reported); `guard`: the run's `StepGuard` (its skipped steps are reported);
-    `total`: the sums a resumed run starts from (`Checkpointer.resumed_totals`); `counts_batches` False: another rank
-    counts the batches this one reads too (a sequence-parallel peer).
+    `total`: the sums a resumed run starts from (`Checkpointer.resumed_totals`); `ranks` (`distributed.Ranks`): where
+    another rank counts the batches this one reads too (a sequence-parallel peer), this one counts none.
     """
 
-    def __init__(self, accelerator, args, batches, counted: tuple[str, ...], *, guard, flops=None, total=None,
-                 counts_batches: bool = True):
+    def __init__(self, accelerator, args, batches, counted: tuple[str, ...], *, guard, ranks, flops=None, total=None):
         self.accelerator, self.batches, self.counted, self.guard, self.flops = (
             accelerator, batches, counted, guard, flops)
-        self.counts_batches = counts_batches
+        self.counts_batches = ranks.counts_reads
         self.logging_steps, self.eval_steps, self.max_steps = args.logging_steps, args.eval_steps, args.max_steps
         self.peak = peak_flops(args.peak_tflops)
         self.window, self.history = WindowSums(accelerator.device, counted, total), History()

@@ -65,11 +65,7 @@ from mmrecipes.contrastive.losses import clip_loss, siglip_loss
 from mmrecipes.contrastive.models import build_contrastive, clamp_logit_scale_, save_contrastive
 from mmrecipes.contrastive.patch_dropout import add_patch_dropout
 from mmrecipes.contrastive.zeroshot import ZeroShotSet, evaluate_zeroshot
-from mmrecipes.distributed import (
-    data_parallel_rank_and_world,
-    engine_line,
-    reconcile_deepspeed_config,
-)
+from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches, check_held_out
 from mmrecipes.model_card import write_model_card
@@ -98,8 +94,8 @@ def main(argv=None):
     # shared: accelerator
     accelerator = accelerator_from_args(args)
 
-    data_rank, data_world = data_parallel_rank_and_world(accelerator)
-    batch_size = per_device_batch_size(args, data_world)
+    ranks = Ranks.of(accelerator)  # the rows each rank reads (an HSDP mesh's data ranks)
+    batch_size = per_device_batch_size(args, ranks.data_world)
 
     if model_args.init_from_checkpoint:  # its weights only, strictly; a new run
         model.load_state_dict(checkpoint_weights(model_args.init_from_checkpoint))
@@ -131,8 +127,8 @@ def main(argv=None):
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare
     # (it would split a datasets stream a second time). SigLIP pads to the tokenizer's length.
     pad_to_max_length = accelerator.unwrap_model(model).pads_text_to_max_length
-    loader_kwargs = dict(tokenizer=tokenizer, image_processor=image_processor, data_rank=data_rank,
-                         data_world=data_world, pad_to_max_length=pad_to_max_length)
+    loader_kwargs = dict(tokenizer=tokenizer, image_processor=image_processor, ranks=ranks,
+                         pad_to_max_length=pad_to_max_length)
     train_loader = build_dataloader(data_args, data_args.train_split, data_args.data_files,
                                     batch_size=batch_size, shuffle_seed=args.seed, **loader_kwargs)
     eval_loader, no_eval = None, evaluation_off_reason(data_args)
@@ -151,15 +147,15 @@ def main(argv=None):
     accelerator.print("evaluation: " + "; ".join(evaluated))
     zeroshot = None
     if zeroshot_args.zeroshot_dataset:
-        zeroshot = ZeroShotSet(zeroshot_args, tokenizer, image_processor, data_rank=data_rank,
-                               data_world=data_world, caption_length=captions,
+        zeroshot = ZeroShotSet(zeroshot_args, tokenizer, image_processor, **ranks.reads(),
+                               caption_length=captions,
                                pad_to_max_length=pad_to_max_length)
 
     # A checkpoint also holds the config and image processor: compose takes it as a VLM's tower.
-    layout = data_layout(data_args, args, data_world=data_world, batch_size=batch_size)
+    layout = data_layout(data_args, args, ranks, batch_size=batch_size)
     saved_with = (accelerator.unwrap_model(model).config, image_processor)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
-                               layout, saved_with=saved_with)
+                               layout, ranks, saved_with=saved_with)
     # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
@@ -174,7 +170,7 @@ def main(argv=None):
     accelerator.init_trackers(f"{model_args.loss}_pretrain", config)
     # The data counters: bad rows by kind, and the rows of each source where there are several
     report = Report(accelerator, args, batches, data_args.counted(), guard=guard, flops=batch_flops,
-                    total=checkpoints.resumed_totals)
+                    total=checkpoints.resumed_totals, ranks=ranks)
     # Both take (image_embeds, text_embeds, *the model's other outputs: scale, SigLIP's bias)
     loss_fn = (siglip_loss if model_args.loss == "siglip"
                else partial(clip_loss, tile_size=args.loss_tile_size))
@@ -182,7 +178,7 @@ def main(argv=None):
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
         if step == start_step:  # a rank without rows says why, on every rank
-            batches.check_rows(window, accelerator, data_world)
+            batches.check_rows(window, accelerator, ranks.data_world)
         report.add_batches(window)
         filler_batch = window[-1]  # any batch: what a rank with no eval rows left forwards
 

@@ -55,14 +55,9 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from mmrecipes.checkpointing import Checkpointer, data_layout
-from mmrecipes.distributed import (
-    data_parallel_rank_and_world,
-    engine_line,
-    reconcile_deepspeed_config,
-    sum_over_ranks,
-)
+from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.images import to_device
-from mmrecipes.loader import TrainBatches, check_held_out
+from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
@@ -85,6 +80,7 @@ from mmrecipes.vlm.models import VLMForTraining, save_vlm
 from mmrecipes.vlm.outputs import GeneralizedJSD
 from mmrecipes.vlm.parts import vlm_parts
 from mmrecipes.vlm.sampling import Sampler
+from mmrecipes.vlm.sequence_parallel import SequenceParallel
 
 
 def main(argv=None):
@@ -107,9 +103,14 @@ def main(argv=None):
     # shared: accelerator
     accelerator = accelerator_from_args(args)
 
-    data_rank, data_world = data_parallel_rank_and_world(accelerator)
-    batch_size = per_device_batch_size(args, data_world)
-    sequence_parallel = None  # refused (DistillArgs): the teacher's states would need the split too
+    # shared: ranks
+    # The rows each rank reads; --sequence_parallel_size splits each training sequence over that
+    # many ranks, which read the same rows (Ulysses; evaluation reads whole sequences)
+    split = SequenceParallel.of(accelerator, model, model_args.sequence_parallel_size)
+    ranks = Ranks.of(accelerator, split)
+    batch_size = per_device_batch_size(args, ranks.data_world)
+    accelerator.print(ranks.describe())
+
     # shared: vlm log
     accelerator.print(template_line)
     accelerator.print(f"evaluation: {data_args.evaluation}")
@@ -126,9 +127,9 @@ def main(argv=None):
 
     # shared: vlm prepare
     # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
-    model, optimizer = accelerator.prepare(VLMForTraining(model, sequence_parallel), optimizer)
+    model, optimizer = accelerator.prepare(VLMForTraining(model, ranks.split), optimizer)
 
-    teacher.prepare(accelerator)  # sharded, partitioned or whole, as the student
+    teacher.prepare(accelerator)  # sharded, partitioned or whole, as the student; never split
     engine = engine_line(accelerator, model)
     accelerator.print(engine)
     accelerator.print(teacher.describe())
@@ -140,23 +141,21 @@ def main(argv=None):
 
     # Each data rank reads its own rows: a prompt and the dataset's answer after it (and the
     # prompt as the teacher's processor writes it, where it writes images otherwise)
-    loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world,
+    loader_kwargs = dict(labeller=labeller, ranks=ranks,
                          collator=DistillCollator(chat_collator), preprocessor=DistillPreprocessor,
                          preprocessor_kwargs=dict(teacher_processor=teacher.own_processor))
     train_loader = build_chat_dataloader(data_args, batch_size=batch_size, shuffle_seed=args.seed,
                                          **loader_kwargs)
-    eval_loader, held_out, rows = None, [], 0
+    eval_loader, held_out, rows = None, [], data_args.eval_generation_rows
     if data_args.eval_dataset_name:
         eval_loader = build_chat_dataloader(data_args, eval_split=True,
                                             batch_size=args.per_device_eval_batch_size,
                                             **loader_kwargs)
-        check_held_out(eval_loader, accelerator.device, data_args.eval_dataset_name)  # no row: stop
-        rows = -(-data_args.eval_generation_rows // data_world)  # this rank's share
-        held_out = generation_prompts(data_args, processor, rows=rows, data_rank=data_rank,
-                                      data_world=data_world, device=accelerator.device)
+        held_out = generation_prompts(data_args, processor, rows=rows, ranks=ranks)
 
-    data = data_layout(data_args, args, data_world=data_world, batch_size=batch_size)
-    checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model), data)
+    data = data_layout(data_args, args, ranks, batch_size=batch_size)
+    checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model), data,
+                               ranks)
     # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
@@ -170,7 +169,7 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(distill_args)
     accelerator.init_trackers("vlm_distill", config | asdict(args))
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals)
+                    total=checkpoints.resumed_totals, ranks=ranks)
 
     def evaluate(scores: dict, filler: dict):  # held-out answers, generation and divergence
         answers = (batch["answers"] for batch in eval_loader)
@@ -185,15 +184,14 @@ def main(argv=None):
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
         if step == start_step:  # a rank without rows says why, on every rank
-            batches.check_rows(window, accelerator, data_world)
+            batches.check_rows(window, accelerator, ranks.data_world)
         report.add_batches(window)
         filler_batch = window[-1]  # any batch: what a rank with no eval rows left forwards
 
         if eval_loader is not None and step == 0:  # where the student starts, and the teacher
             with report.evaluating(0) as scores:
                 evaluate(scores, filler_batch)
-                scores |= teacher.generated_accuracy(data_args, rows, data_rank, data_world,
-                                                     accelerator.device)
+                scores |= teacher.generated_accuracy(data_args, rows, ranks)
         # This step's targets, the same choice on every rank: the student's samples (--lmbda), the
         # teacher's (--seq_kd) or the dataset's answers; each prompt from a seed of its own
         sampled = on_policy(args.seed, step, distill_args.lmbda)
@@ -206,8 +204,8 @@ def main(argv=None):
         report.add_batches([], trained=micro_batches)
         # One collective per optimizer step: the window's target tokens N on all ranks
         local_tokens = torch.tensor(float(sum(batch["target_tokens"] for batch in micro_batches)))
-        tokens = sum_over_ranks(local_tokens.to(accelerator.device))
-        loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps, data_world)
+        tokens = ranks.sum_over_data(local_tokens.to(accelerator.device))  # a group's once
+        loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps, ranks.data_world)
         window_divergence = []
         for batch, read in zip(micro_batches, window):
             with accelerator.accumulate(model):
@@ -236,7 +234,7 @@ def main(argv=None):
 
         if report.due(done):
             sums = report.close()
-            generation = ratio(sums["generation_seconds"], sums["seconds"] * data_world)
+            generation = ratio(sums["generation_seconds"], sums["seconds"] * ranks.data_world)
             report.log(done, {"loss": ratio(sums["divergence"], sums["target_tokens"]),
                               "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
                               "on_policy": ratio(sums["student_samples"], sums["rows"]),

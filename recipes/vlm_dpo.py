@@ -49,14 +49,9 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from mmrecipes.checkpointing import Checkpointer, data_layout
-from mmrecipes.distributed import (
-    data_parallel_rank_and_world,
-    engine_line,
-    reconcile_deepspeed_config,
-    sum_over_ranks,
-)
+from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.images import to_device
-from mmrecipes.loader import TrainBatches, check_held_out
+from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
@@ -78,7 +73,7 @@ from mmrecipes.vlm.preference import (
     evaluate_preferences,
 )
 from mmrecipes.vlm.reference import Reference
-from mmrecipes.vlm.sequence_parallel import SequenceParallel, evaluation_ranks
+from mmrecipes.vlm.sequence_parallel import SequenceParallel
 
 # each step's, over its pairs
 PAIR_SUMS = ("loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected")
@@ -99,18 +94,13 @@ def main(argv=None):
     # shared: accelerator
     accelerator = accelerator_from_args(args)
 
-    # shared: sequence parallel
-    # Ulysses: each training sequence split over --sequence_parallel_size ranks, which read the
-    # same rows (evaluation reads whole sequences, each rank its own rows)
-    sp_size = model_args.sequence_parallel_size
-    sequence_parallel = SequenceParallel.of(accelerator, model, sp_size, packing=data_args.packing,
-                                            compiled=args.torch_compile)
-    data_rank, data_world = data_parallel_rank_and_world(accelerator, sp_size)
-    eval_ranks = evaluation_ranks(accelerator, data_rank, data_world, sp_size)
-    batch_size = per_device_batch_size(args, data_world)
-    reads_counted = not sequence_parallel or sequence_parallel.rank == 0  # a group's, once
-    if sequence_parallel:
-        accelerator.print(sequence_parallel.describe())
+    # shared: ranks
+    # The rows each rank reads; --sequence_parallel_size splits each training sequence over that
+    # many ranks, which read the same rows (Ulysses; evaluation reads whole sequences)
+    split = SequenceParallel.of(accelerator, model, model_args.sequence_parallel_size)
+    ranks = Ranks.of(accelerator, split)
+    batch_size = per_device_batch_size(args, ranks.data_world)
+    accelerator.print(ranks.describe())
 
     # shared: vlm log
     accelerator.print(template_line)
@@ -128,7 +118,7 @@ def main(argv=None):
 
     # shared: vlm prepare
     # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
-    model, optimizer = accelerator.prepare(VLMForTraining(model, sequence_parallel), optimizer)
+    model, optimizer = accelerator.prepare(VLMForTraining(model, ranks.split), optimizer)
 
     reference = Reference.build(accelerator, model, vlm)  # sharded like the policy
     engine = engine_line(accelerator, model)
@@ -138,23 +128,20 @@ def main(argv=None):
 
     chat_collator = ChatCollator(processor.tokenizer.pad_token_id, vlm.dummy_inputs)
     collator = PreferenceCollator(chat_collator, keys=dpo_args.precompute_ref_log_probs)
-    loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world,
-                         preprocessor=PreferencePreprocessor)
+    loader_kwargs = dict(labeller=labeller, ranks=ranks, preprocessor=PreferencePreprocessor)
     train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size,
                                          shuffle_seed=args.seed, **loader_kwargs)
     eval_loader = question_loader = None
     if data_args.eval_dataset_name:
         eval_loader = build_chat_dataloader(data_args, collator=collator, eval_split=True,
                                             batch_size=args.per_device_eval_batch_size,
-                                            **loader_kwargs | eval_ranks)
-        check_held_out(eval_loader, accelerator.device, data_args.eval_dataset_name)  # none: stop
+                                            **loader_kwargs)
     if data_args.eval_questions:  # held-out questions' answers, as vlm_finetune.py scores them
         questions = replace(data_args, eval_dataset_name=data_args.eval_questions,
                             eval_data_files=data_args.eval_questions_data_files)
         question_loader = build_chat_dataloader(questions, collator=chat_collator, eval_split=True,
                                                 batch_size=args.per_device_eval_batch_size,
-                                                labeller=labeller, **eval_ranks)
-        check_held_out(question_loader, accelerator.device, data_args.eval_questions)
+                                                labeller=labeller, ranks=ranks)
 
     if dpo_args.precompute_ref_log_probs:  # an epoch of this rank's pairs, then no reference model
         first_pass = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size,
@@ -162,9 +149,9 @@ def main(argv=None):
         loaders = [first_pass, *[eval_loader] * (eval_loader is not None)]
         accelerator.print(reference.precompute(loaders, accelerator.device))
     # shared: vlm checkpoints
-    layout = data_layout(data_args, args, data_world=data_world, batch_size=batch_size)
+    layout = data_layout(data_args, args, ranks, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
-                               layout)
+                               layout, ranks)
 
     # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
@@ -179,19 +166,19 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(dpo_args)
     accelerator.init_trackers("vlm_dpo", config | asdict(args))
     report = Report(accelerator, args, batches, PREFERENCE_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals, counts_batches=reads_counted)
+                    total=checkpoints.resumed_totals, ranks=ranks)
     # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
         if step == start_step:  # a rank without rows says why, on every rank
-            batches.check_rows(window, accelerator, data_world)
+            batches.check_rows(window, accelerator, ranks.data_world)
         report.add_batches(window)
         filler_batch = window[-1]  # any batch: what a rank with no eval rows left forwards
 
         # One collective per optimizer step: the window's pairs on all ranks (the loss: their mean)
         local_pairs = torch.tensor(float(sum(batch["num_samples"] for batch in window)))
-        pairs = sum_over_ranks(local_pairs.to(accelerator.device)) / sp_size  # a group: once
-        loss_scale = token_loss_scale(pairs, args.gradient_accumulation_steps, data_world)
+        pairs = ranks.sum_over_data(local_pairs.to(accelerator.device))  # a group's once
+        loss_scale = token_loss_scale(pairs, args.gradient_accumulation_steps, ranks.data_world)
         window_sums = []
         for batch in window:
             inputs = to_device(batch, accelerator.device)

@@ -15,7 +15,7 @@ exact token mean over the accumulation window on all ranks (docs/vlm.md). Data: 
 (`--dataset_name json --data_files llava.json --image_folder images/`), `messages` + `images` rows.
 """
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from mmrecipes.arguments import TrainingArgs
 from mmrecipes.config import checked, parse_args
@@ -53,15 +53,9 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from mmrecipes.checkpointing import Checkpointer, data_layout
-from mmrecipes.distributed import (
-    DivergenceGuard,
-    data_parallel_rank_and_world,
-    engine_line,
-    reconcile_deepspeed_config,
-    sum_over_ranks,
-)
+from mmrecipes.distributed import DivergenceGuard, Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.images import to_device
-from mmrecipes.loader import TrainBatches, check_held_out
+from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
@@ -82,7 +76,7 @@ from mmrecipes.vlm.models import VLMForTraining, save_vlm
 from mmrecipes.vlm.moe import LoadBalance
 from mmrecipes.vlm.outputs import LossSum
 from mmrecipes.vlm.parts import vlm_parts
-from mmrecipes.vlm.sequence_parallel import SequenceParallel, evaluation_ranks
+from mmrecipes.vlm.sequence_parallel import SequenceParallel
 
 
 def main(argv=None):
@@ -101,22 +95,16 @@ def main(argv=None):
     # shared: accelerator
     accelerator = accelerator_from_args(args)
 
-    # shared: sequence parallel
-    # Ulysses: each training sequence split over --sequence_parallel_size ranks, which read the
-    # same rows (evaluation reads whole sequences, each rank its own rows)
-    sp_size = model_args.sequence_parallel_size
-    sequence_parallel = SequenceParallel.of(accelerator, model, sp_size, packing=data_args.packing,
-                                            compiled=args.torch_compile)
-    data_rank, data_world = data_parallel_rank_and_world(accelerator, sp_size)
-    eval_ranks = evaluation_ranks(accelerator, data_rank, data_world, sp_size)
-    batch_size = per_device_batch_size(args, data_world)
-    reads_counted = not sequence_parallel or sequence_parallel.rank == 0  # a group's, once
-    if sequence_parallel:
-        accelerator.print(sequence_parallel.describe())
+    # shared: ranks
+    # The rows each rank reads; --sequence_parallel_size splits each training sequence over that
+    # many ranks, which read the same rows (Ulysses; evaluation reads whole sequences)
+    split = SequenceParallel.of(accelerator, model, model_args.sequence_parallel_size)
+    ranks = Ranks.of(accelerator, split)
+    batch_size = per_device_batch_size(args, ranks.data_world)
+    accelerator.print(ranks.describe())
 
     # The step's output: the summed token CE; a mixture of experts' load-balancing term rides on it
-    balance = LoadBalance.of(model, moe_args, args.gradient_accumulation_steps, data_world,
-                             split=sequence_parallel is not None)
+    balance = LoadBalance.of(model, moe_args, args.gradient_accumulation_steps, ranks)
     loss = LossSum(balance)
 
     if args.torch_compile:  # in place, before prepare wraps the model
@@ -141,7 +129,7 @@ def main(argv=None):
 
     # shared: vlm prepare
     # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
-    model, optimizer = accelerator.prepare(VLMForTraining(model, sequence_parallel), optimizer)
+    model, optimizer = accelerator.prepare(VLMForTraining(model, ranks.split), optimizer)
 
     engine = engine_line(accelerator, model)
     accelerator.print(engine)
@@ -150,16 +138,13 @@ def main(argv=None):
                                                     timeout_s=args.ddp_timeout)
 
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare.
-    # --max_tokens_per_batch: each micro-batch holds whole rows up to that many tokens; --packing:
-    # they form one sequence without padding (mmrecipes.vlm.packing). Evaluation: fixed batches.
-    # Split over N ranks, a micro-batch holds N times what one rank does: the budget is a rank's.
-    if sequence_parallel and data_args.max_tokens_per_batch:
-        budget = data_args.max_tokens_per_batch * sp_size
-        data_args = replace(data_args, max_tokens_per_batch=budget)
+    # --max_tokens_per_batch: each micro-batch holds whole rows up to that many tokens (a rank's:
+    # split over N ranks, N times as many); --packing: they form one sequence without padding
+    # (mmrecipes.vlm.packing). Evaluation: fixed batches.
     pack_length = min(data_args.max_length, data_args.max_tokens_per_batch or data_args.max_length)
     pad = processor.tokenizer.pad_token_id
     collator = ChatCollator(pad, vlm.dummy_inputs, data_args.packing, pack_length)
-    loader_kwargs = dict(labeller=labeller, data_rank=data_rank, data_world=data_world)
+    loader_kwargs = dict(labeller=labeller, ranks=ranks)
     train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size,
                                          shuffle_seed=args.seed, **loader_kwargs)
     eval_loader = None
@@ -167,16 +152,14 @@ def main(argv=None):
         eval_collator = ChatCollator(pad, vlm.dummy_inputs)
         eval_loader = build_chat_dataloader(data_args, collator=eval_collator, eval_split=True,
                                             batch_size=args.per_device_eval_batch_size,
-                                            **loader_kwargs | eval_ranks)
-        check_held_out(eval_loader, accelerator.device, data_args.eval_dataset_name)  # no row: stop
-        rows = -(-args.eval_generation_rows // eval_ranks["data_world"])  # this rank's share
-        prompts = generation_prompts(data_args, processor, rows=rows, **eval_ranks,
-                                     device=accelerator.device)
+                                            **loader_kwargs)
+        prompts = generation_prompts(data_args, processor, rows=args.eval_generation_rows,
+                                     ranks=ranks)
 
     # shared: vlm checkpoints
-    layout = data_layout(data_args, args, data_world=data_world, batch_size=batch_size)
+    layout = data_layout(data_args, args, ranks, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
-                               layout)
+                               layout, ranks)
 
     # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
@@ -191,20 +174,20 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args)
     accelerator.init_trackers("vlm_finetune", config)
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals, counts_batches=reads_counted)
+                    total=checkpoints.resumed_totals, ranks=ranks)
     # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
         if step == start_step:  # a rank without rows says why, on every rank
-            batches.check_rows(window, accelerator, data_world)
+            batches.check_rows(window, accelerator, ranks.data_world)
         report.add_batches(window)
         filler_batch = window[-1]  # any batch: what a rank with no eval rows left forwards
 
         # One collective per optimizer step: the window's target tokens N on all ranks, a
         # sequence-parallel group's counted once (its ranks hold the same rows).
         local_tokens = torch.tensor(float(sum(batch["target_tokens"] for batch in window)))
-        tokens = sum_over_ranks(local_tokens.to(accelerator.device)) / sp_size
-        loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps, data_world)
+        tokens = ranks.sum_over_data(local_tokens.to(accelerator.device))
+        loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps, ranks.data_world)
         window_ce = []
         # The global scope's expert choices in the window on all ranks (a forward without gradients)
         balance.start_window(model, window, accelerator.device)

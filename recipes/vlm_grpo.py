@@ -55,12 +55,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from mmrecipes.checkpointing import Checkpointer, data_layout
-from mmrecipes.distributed import (
-    data_parallel_rank_and_world,
-    engine_line,
-    reconcile_deepspeed_config,
-    sum_over_ranks,
-)
+from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
@@ -79,7 +74,7 @@ from mmrecipes.vlm.prompts import PromptCollator, PromptPreprocessor
 from mmrecipes.vlm.reference import Reference
 from mmrecipes.vlm.rewards import RewardScorer, load_reward_funcs
 from mmrecipes.vlm.sampling import Sampler
-from mmrecipes.vlm.sequence_parallel import SequenceParallel, evaluation_ranks
+from mmrecipes.vlm.sequence_parallel import SequenceParallel
 
 
 def main(argv=None):
@@ -100,22 +95,17 @@ def main(argv=None):
     # shared: accelerator
     accelerator = accelerator_from_args(args)
 
-    # shared: sequence parallel
-    # Ulysses: each training sequence split over --sequence_parallel_size ranks, which read the
-    # same rows (evaluation reads whole sequences, each rank its own rows)
-    sp_size = model_args.sequence_parallel_size
-    sequence_parallel = SequenceParallel.of(accelerator, model, sp_size, packing=data_args.packing,
-                                            compiled=args.torch_compile)
-    data_rank, data_world = data_parallel_rank_and_world(accelerator, sp_size)
-    eval_ranks = evaluation_ranks(accelerator, data_rank, data_world, sp_size)
-    batch_size = per_device_batch_size(args, data_world)
-    reads_counted = not sequence_parallel or sequence_parallel.rank == 0  # a group's, once
-    if sequence_parallel:
-        accelerator.print(sequence_parallel.describe())
+    # shared: ranks
+    # The rows each rank reads; --sequence_parallel_size splits each training sequence over that
+    # many ranks, which read the same rows (Ulysses; evaluation reads whole sequences)
+    split = SequenceParallel.of(accelerator, model, model_args.sequence_parallel_size)
+    ranks = Ranks.of(accelerator, split)
+    batch_size = per_device_batch_size(args, ranks.data_world)
+    accelerator.print(ranks.describe())
 
     # A step's completions are whole groups; a group's may sit on several micro-batches and ranks
-    layout = grpo.GroupLayout(grpo_args.num_generations, batch_size,
-                              args.gradient_accumulation_steps, data_rank, data_world, sp_size)
+    layout = grpo.GroupLayout.of(grpo_args.num_generations, batch_size,
+                                 args.gradient_accumulation_steps, ranks)
 
     # shared: vlm log
     accelerator.print(template_line)
@@ -133,7 +123,7 @@ def main(argv=None):
 
     # shared: vlm prepare
     # The wrapper is what the engine wraps: the dummy's features must enter the loss inside it.
-    model, optimizer = accelerator.prepare(VLMForTraining(model, sequence_parallel), optimizer)
+    model, optimizer = accelerator.prepare(VLMForTraining(model, ranks.split), optimizer)
 
     reference = Reference.build(accelerator, model, vlm) if grpo_args.beta else None  # sharded
     engine = engine_line(accelerator, model)
@@ -150,19 +140,18 @@ def main(argv=None):
     prompt_collator = PromptCollator(chat_collator, counted=layout.member == 0)
     train_loader = build_chat_dataloader(replace(data_args, max_length=prompt_length), labeller,
                                          prompt_collator, shuffle_seed=args.seed,
-                                         batch_size=layout.prompts_per_step, data_rank=layout.team,
-                                         data_world=layout.teams, preprocessor=PromptPreprocessor)
+                                         batch_size=layout.prompts_per_step, ranks=layout,
+                                         preprocessor=PromptPreprocessor)
     held_out = []  # questions answered by greedy decoding at each evaluation
     if data_args.eval_dataset_name:
-        rows = -(-data_args.eval_generation_rows // eval_ranks["data_world"])  # this rank's share
-        held_out = generation_prompts(data_args, processor, rows=rows, **eval_ranks,
-                                      device=accelerator.device)
+        held_out = generation_prompts(data_args, processor, rows=data_args.eval_generation_rows,
+                                      ranks=ranks)
     scorer = RewardScorer(reward_funcs, grpo_args.weights, grpo_args.reward_timeout)
     normaliser = grpo.LossNormaliser(grpo_args)
 
-    data = data_layout(data_args, args, data_world=data_world, batch_size=batch_size)
+    data = data_layout(data_args, args, ranks, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
-                               data | layout.describe())
+                               data | layout.describe(), ranks)
     # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
@@ -176,7 +165,7 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(grpo_args)
     accelerator.init_trackers("vlm_grpo", config | asdict(args))
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals, counts_batches=reads_counted)
+                    total=checkpoints.resumed_totals, ranks=ranks)
     rollouts = None
     for step in progress:
         window = []  # a batch of the team's prompts, read once every --num_iterations steps
@@ -195,11 +184,11 @@ def main(argv=None):
                                                accelerator.device)
             # One collective per batch of completions: the normaliser N over every rank's
             local_count = torch.tensor(normaliser.count([batch.mask for batch in micro_batches]))
-            count = sum_over_ranks(local_count.to(accelerator.device)) / sp_size  # a group: once
-            loss_scale = token_loss_scale(count, args.gradient_accumulation_steps, data_world)
+            count = ranks.sum_over_data(local_count.to(accelerator.device))  # a group's once
+            loss_scale = token_loss_scale(count, args.gradient_accumulation_steps, ranks.data_world)
             failures = scorer.take_failures(accelerator)  # said in the main log, with their ranks
             sampled = rollouts.sums(rewards, zero_std, failures, reward_funcs,
-                                    counted=reads_counted)
+                                    counted=ranks.counts_reads)
             filler_batch = window[0]["chat"]  # what a rank with no held-out prompt left decodes
         report.add_batches(window, trained=rollouts.micro_batches)
 
@@ -227,7 +216,7 @@ def main(argv=None):
 
         if report.due(done):
             sums = report.close()
-            sampling = ratio(sums["generation_seconds"], sums["seconds"] * data_world)
+            sampling = ratio(sums["generation_seconds"], sums["seconds"] * ranks.data_world)
             report.log(done, grpo.grpo_metrics(sums, reward_funcs, grpo_args.beta) | {
                 "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
                 "generation_share": sampling}, sums)

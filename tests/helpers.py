@@ -32,6 +32,7 @@ from mmrecipes.checkpoint_validation import file_digest
 from mmrecipes.checkpointing import MARKER, Checkpointer, data_layout
 from mmrecipes.contrastive.arguments import DataArgs
 from mmrecipes.contrastive.data import build_dataloader
+from mmrecipes.distributed import Ranks
 from mmrecipes.vlm.arguments import VLMModelArgs
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.module_groups import module_groups
@@ -127,10 +128,10 @@ def make_checkpointer(output_dir, model, tokenizer, image_processor, data_args=N
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = get_scheduler("cosine", optimizer, 2, 10)
     model, optimizer = accelerator.prepare(model, optimizer)
-    loader = build_dataloader(data_args, "train", None, tokenizer, image_processor, batch_size=16, data_rank=0,
-                              data_world=1, shuffle_seed=args.seed)
-    checkpoints = Checkpointer(accelerator, args, scheduler, model, data_layout(data_args, args, data_world=1,
-                                                                                batch_size=16))
+    loader = build_dataloader(data_args, "train", None, tokenizer, image_processor, batch_size=16, ranks=Ranks(),
+                              shuffle_seed=args.seed)
+    layout = data_layout(data_args, args, Ranks(), batch_size=16)
+    checkpoints = Checkpointer(accelerator, args, scheduler, model, layout, Ranks())
     checkpoints.layout["dataloader_num_workers"] = loader.num_workers
     return SimpleNamespace(checkpoints=checkpoints, loader=loader, optimizer=optimizer, scheduler=scheduler)
 

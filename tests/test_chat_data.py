@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from helpers import chat_row, write_chat_parquet
+from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
@@ -31,8 +32,8 @@ def tiny():
 def load_all(args, tiny, batch_size=64, max_batches=None, **kwargs):
     model, processor, collator = tiny
     labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
-    loader = build_chat_dataloader(args, labeller, collator, batch_size=batch_size, data_rank=kwargs.pop("rank", 0),
-                                   data_world=kwargs.pop("world", 1), **kwargs)
+    ranks = Ranks(kwargs.pop("rank", 0), kwargs.pop("world", 1))
+    loader = build_chat_dataloader(args, labeller, collator, batch_size=batch_size, ranks=ranks, **kwargs)
     return list(itertools.islice(loader, max_batches))
 
 
@@ -102,7 +103,7 @@ def test_video_rows_are_counted_and_never_trained_as_text(tmp_path, tiny):
     assert counts["video"] == 4 and sum(counts.values()) == 4, counts
     assert answers(batch, processor.tokenizer) == ["below<|end|>"]
     assert "video" not in processor.tokenizer.decode(batch["input_ids"][0])
-    prompts = generation_prompts(args, processor, rows=8, data_rank=0, data_world=1)
+    prompts = generation_prompts(args, processor, rows=8, ranks=Ranks())
     assert [answer for _, answer in prompts] == ["below"]
 
 

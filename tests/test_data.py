@@ -19,6 +19,7 @@ from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
 from mmrecipes.contrastive.data import COUNTED, ImageTextCollator, build_dataloader
 from mmrecipes.contrastive.evaluation import evaluate_retrieval, retrieval_recall_at_1
 from mmrecipes.contrastive.models import build_contrastive
+from mmrecipes.distributed import Ranks
 from mmrecipes.images import processed_pixels, to_device
 from mmrecipes.loader import batches_forever
 from mmrecipes.sources import expand_data_files
@@ -61,7 +62,7 @@ def test_bad_rows_are_converted_or_skipped_and_counted(tmp_path, tiny):
     ]
     write_parquet(tmp_path / "train.parquet", rows)
     args = DataArgs(dataset_name="parquet", data_files=str(tmp_path / "train.parquet"), max_image_pixels=50_000_000)
-    loader = build_dataloader(args, "train", args.data_files, *tiny, batch_size=4, data_rank=0, data_world=1)
+    loader = build_dataloader(args, "train", args.data_files, *tiny, batch_size=4, ranks=Ranks())
     batches = list(loader)
     kept = sum(len(b["input_ids"]) for b in batches)
     counts = dict(zip(COUNTED, sum(b["data_counts"] for b in batches).tolist()))
@@ -124,7 +125,7 @@ def test_transparent_pixels_become_white_not_black():
 
 def captions_of_rank(rank, world, tiny, shuffle_seed=None):
     args = DataArgs()
-    loader = build_dataloader(args, "train", None, *tiny, batch_size=64, data_rank=rank, data_world=world,
+    loader = build_dataloader(args, "train", None, *tiny, batch_size=64, ranks=Ranks(rank, world),
                               shuffle_seed=shuffle_seed)
     return [tuple(ids[mask.bool()].tolist()) for batch in loader
             for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]  # without the batch's padding
@@ -142,14 +143,14 @@ def test_batches_forever_reshuffles_each_epoch_and_flags_empty_shards(tmp_path, 
     rows = [(png(Image.new("RGB", (8, 8), (i, 0, 0))), f"caption {i}") for i in range(6)]
     write_parquet(tmp_path / "one.parquet", rows)
     args = DataArgs(dataset_name="parquet", data_files=str(tmp_path / "one.parquet"))
-    loader = build_dataloader(args, "train", args.data_files, *tiny, batch_size=6, data_rank=0, data_world=1,
+    loader = build_dataloader(args, "train", args.data_files, *tiny, batch_size=6, ranks=Ranks(),
                               shuffle_seed=0)
     stream = batches_forever(loader)
     (epoch0, first), (epoch1, second) = next(stream), next(stream)
     assert (epoch0, epoch1) == (0, 1)
     assert sorted(first["input_ids"].tolist()) == sorted(second["input_ids"].tolist())
     assert first["input_ids"].tolist() != second["input_ids"].tolist()
-    empty = build_dataloader(args, "train", args.data_files, *tiny, batch_size=6, data_rank=6, data_world=7)
+    empty = build_dataloader(args, "train", args.data_files, *tiny, batch_size=6, ranks=Ranks(6, 7))
     assert next(batches_forever(empty)) == (0, None)  # the recipe turns this into one error on every rank
 
 
@@ -157,10 +158,10 @@ def _eval_on_ranks(rank, world, data_files):
     torch.manual_seed(0)
     model, tokenizer, image_processor = build_contrastive(ModelArgs())
     args = DataArgs(dataset_name="parquet", data_files=data_files)
-    loader = build_dataloader(args, "train", data_files, tokenizer, image_processor, batch_size=4, data_rank=rank,
-                              data_world=world)
+    loader = build_dataloader(args, "train", data_files, tokenizer, image_processor, batch_size=4,
+                              ranks=Ranks(rank, world))
     filler = next(iter(build_dataloader(args, "train", data_files, tokenizer, image_processor, batch_size=4,
-                                        data_rank=0, data_world=1)))
+                                        ranks=Ranks())))
     forwards = []
     model.register_forward_hook(lambda *_: forwards.append(1))
     return evaluate_retrieval(model, loader, filler, torch.device("cpu")), len(forwards)
@@ -182,8 +183,7 @@ def test_eval_with_unequal_shares_stops_together_and_matches_one_process(tmp_pat
     torch.manual_seed(0)
     model, tokenizer, image_processor = build_contrastive(ModelArgs())
     args = DataArgs(dataset_name="parquet", data_files=files)
-    loader = build_dataloader(args, "train", files, tokenizer, image_processor, batch_size=14, data_rank=0,
-                              data_world=1)
+    loader = build_dataloader(args, "train", files, tokenizer, image_processor, batch_size=14, ranks=Ranks())
     with torch.no_grad():
         image_embeds, text_embeds, _ = model(**to_device(next(iter(loader)), torch.device("cpu")))
     assert recall0 == retrieval_recall_at_1(image_embeds, text_embeds)
@@ -221,7 +221,7 @@ def test_weighted_sources_mix_at_their_weights_and_count_each(tiny, tmp_path):
     tokenizer, _ = tiny
     marker = tokenizer("from the other source")["input_ids"]
     for rank, world, tolerance in ((0, 1, 0.02), (0, 2, 0.05), (1, 2, 0.05)):
-        loader = build_dataloader(args, "train", None, *tiny, batch_size=64, data_rank=rank, data_world=world,
+        loader = build_dataloader(args, "train", None, *tiny, batch_size=64, ranks=Ranks(rank, world),
                                   shuffle_seed=0)
         batches = list(loader)
         rows = sum(len(batch["input_ids"]) for batch in batches)
@@ -232,7 +232,7 @@ def test_weighted_sources_mix_at_their_weights_and_count_each(tiny, tmp_path):
         assert abs(from_other / rows - 0.25) < tolerance, (from_other, rows)
     with pytest.raises(ValueError, match="give one finite weight, 0 or more, per --dataset_name source"):
         build_dataloader(DataArgs(dataset_name=args.dataset_name, dataset_weights="1"), "train", None, *tiny,
-                         batch_size=4, data_rank=0, data_world=1)
+                         batch_size=4, ranks=Ranks())
 
 
 def test_uneven_shard_split_is_reported_once(caplog, monkeypatch):
@@ -257,7 +257,7 @@ def test_webdataset_shards_with_broken_members_are_skipped_and_counted(tmp_path,
     written = make_webdataset(tmp_path)
     args = DataArgs(dataset_name="webdataset", image_column="jpg", caption_column="txt",
                     data_files=f"{tmp_path}/train-{{00000..00002}}.tar,file://{tmp_path}/train-00003.tar")
-    loader = build_dataloader(args, "train", args.data_files, *tiny, batch_size=16, data_rank=0, data_world=1)
+    loader = build_dataloader(args, "train", args.data_files, *tiny, batch_size=16, ranks=Ranks())
     assert loader.dataset.n_shards == 4
     batches = list(loader)
     counts = dict(zip(COUNTED, sum(b["data_counts"] for b in batches).tolist()))
@@ -276,7 +276,7 @@ def test_jsonl_rows_with_image_paths(tmp_path, tiny):
     (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
     args = DataArgs(dataset_name="json", data_files=str(tmp_path / "rows.jsonl"), image_column="image_path",
                     caption_column="caption")
-    batches = list(build_dataloader(args, "train", args.data_files, *tiny, batch_size=4, data_rank=0, data_world=1))
+    batches = list(build_dataloader(args, "train", args.data_files, *tiny, batch_size=4, ranks=Ranks()))
     assert sum(len(b["input_ids"]) for b in batches) == 5
     assert dict(zip(COUNTED, sum(b["data_counts"] for b in batches).tolist()))["undecodable"] == 1
 
@@ -291,7 +291,7 @@ def test_one_persistent_worker_reads_the_same_sample_order_as_none_in_every_epoc
     def three_epochs(workers):
         args = DataArgs(dataset_name="parquet", data_files=str(tmp_path / "rows.parquet"),
                         dataloader_num_workers=workers, shuffle_buffer_size=16)
-        loader = build_dataloader(args, "train", args.data_files, *tiny, batch_size=8, data_rank=0, data_world=1,
+        loader = build_dataloader(args, "train", args.data_files, *tiny, batch_size=8, ranks=Ranks(),
                                   shuffle_seed=3)
         assert loader.persistent_workers == bool(workers)
         return [(epoch, batch["input_ids"]) for (epoch, batch), _ in zip(batches_forever(loader), range(15))]
@@ -317,7 +317,7 @@ def test_resume_from_the_loader_state_is_exact_with_workers_and_epochs_order_sha
     def loader():
         args = DataArgs(dataset_name="parquet", data_files=str(tmp_path / "*.parquet"), dataloader_num_workers=workers,
                         shuffle_buffer_size=8, train_augment=True)
-        return build_dataloader(args, "train", args.data_files, *tiny, batch_size=5, data_rank=0, data_world=1,
+        return build_dataloader(args, "train", args.data_files, *tiny, batch_size=5, ranks=Ranks(),
                                 shuffle_seed=3)
 
     straight_loader, straight, states = loader(), [], []
@@ -346,7 +346,7 @@ def test_train_augment_crops_training_rows_only(tiny):
     pixels, the same again from the same stream positions; the evaluation split keeps the eval transform."""
     def first_batch(augment, split, seed):
         args = DataArgs(train_augment=augment, dataloader_num_workers=0)
-        return next(iter(build_dataloader(args, split, None, *tiny, batch_size=16, data_rank=0, data_world=1,
+        return next(iter(build_dataloader(args, split, None, *tiny, batch_size=16, ranks=Ranks(),
                                           shuffle_seed=seed)))
 
     cropped, again, plain = first_batch(True, "train", 0), first_batch(True, "train", 0), first_batch(False, "train", 0)
@@ -379,7 +379,7 @@ def test_workers_outlive_a_preemption_signal_to_the_process_group(tiny):
     own, and the fork server it comes from ignores the signal, so the batches keep coming until
     the recipe's step boundary (where StepGuard saves and exits)."""
     args = DataArgs(dataloader_num_workers=1)
-    loader = build_dataloader(args, "train", None, *tiny, batch_size=32, data_rank=0, data_world=1, shuffle_seed=0)
+    loader = build_dataloader(args, "train", None, *tiny, batch_size=32, ranks=Ranks(), shuffle_seed=0)
     batches = iter(loader)
     next(batches)
     worker, = batches._workers

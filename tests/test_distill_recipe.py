@@ -170,7 +170,6 @@ def test_the_default_run_distils_the_embedded_teacher_into_a_model_that_loads(tm
 
 @pytest.mark.parametrize("flags, message", [
     (["--teacher_model_name_or_path", "embedded:tiny_lm"], "is not an image-text-to-text|Unrecognized"),
-    (["--sequence_parallel_size", "2"], "distillation does not split sequences yet"),
     (["--lmbda", "1.5"], "--lmbda 1.5: must be a number from 0 to 1"),
     (["--beta", "-0.1"], "--beta -0.1: must be a number from 0 to 1"),
     (["--packing", "true"], "GRPO and distillation sample whole completions"),

@@ -34,7 +34,7 @@ from mmrecipes.config import parse_args
 from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
 from mmrecipes.contrastive.data import COUNTED, build_dataloader
 from mmrecipes.contrastive.models import build_contrastive
-from mmrecipes.distributed import make_accelerator
+from mmrecipes.distributed import Ranks, make_accelerator
 from mmrecipes.images import decode_image
 from mmrecipes.loader import batches_forever
 from mmrecipes.output_dir import LOCK_NAME, STALE_AFTER_S, OutputDirBusy, OutputDirLock
@@ -373,7 +373,7 @@ def image_bytes(colour=(200, 10, 10), size=(24, 20), fmt="PNG"):
 def clip_rows(clip_tiny, data_args, *, batch_size=64, shuffle_seed=None):
     """(kept captions' token counts, counts by kind) of one epoch of the CLIP stream."""
     loader = build_dataloader(data_args, "train", data_args.data_files, *clip_tiny, batch_size=batch_size,
-                              data_rank=0, data_world=1, shuffle_seed=shuffle_seed)
+                              ranks=Ranks(), shuffle_seed=shuffle_seed)
     batches = list(loader)
     counts = dict(zip(COUNTED, sum(batch["data_counts"] for batch in batches).tolist()))
     return sum(len(batch["input_ids"]) for batch in batches), counts
@@ -398,8 +398,8 @@ def test_an_empty_shard_in_the_training_stream_resumes_across_epochs(tmp_path, c
     args = DataArgs(dataset_name="parquet", data_files=f"{tmp_path}/train-*.parquet", shuffle_buffer_size=10)
 
     def stream():
-        loader = build_dataloader(args, "train", args.data_files, *clip_tiny, batch_size=5, data_rank=0,
-                                  data_world=1, shuffle_seed=0)
+        loader = build_dataloader(args, "train", args.data_files, *clip_tiny, batch_size=5,
+                                  ranks=Ranks(), shuffle_seed=0)
         return loader, batches_forever(loader)
 
     loader, batches = stream()
@@ -491,7 +491,7 @@ def vlm_tiny():
 
 def chat_counts(vlm_tiny, args):
     labeller, collator = vlm_tiny
-    batches = list(build_chat_dataloader(args, labeller, collator, batch_size=64, data_rank=0, data_world=1))
+    batches = list(build_chat_dataloader(args, labeller, collator, batch_size=64, ranks=Ranks()))
     counts = dict(zip(CHAT_COUNTED, sum(batch["data_counts"] for batch in batches).tolist()))
     return sum(batch["num_samples"] for batch in batches), counts
 

@@ -11,6 +11,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from gloo import run_on_ranks
+from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import MoEArgs
 from mmrecipes.vlm.collate import ChatCollator
@@ -65,7 +66,7 @@ def test_the_aux_loss_is_the_models_own_on_the_same_micro_batch_over_real_tokens
     own = model(**{name: value for name, value in padded.items() if name in step.forward_input_names - {"labels"}},
                 output_router_logits=True)
     torch.testing.assert_close(balance_loss(*routed), own.aux_loss, rtol=1e-5, atol=1e-6)
-    line = LoadBalance.of(model, MoEArgs(), 1, 1).line
+    line = LoadBalance.of(model, MoEArgs(), 1, Ranks()).line
     assert "4 experts, 2 per token; load-balancing loss off" in line and "--router_aux_loss_coef 0.001" in line
     if family == "qwen3_5_moe":  # its linear attention does not keep packed samples apart (test_packing.py)
         return
@@ -81,15 +82,15 @@ def test_a_model_without_experts_or_without_a_balancing_loss_refuses_the_coeffic
     is already a probability, and it has no router_aux_loss_coef): both refuse a coefficient, and the MoE says it
     adds none. Its sparse block, the decoder layer holding router and experts, is still found."""
     model, _ = load(tiny_vlms["qwen3_5"])
-    off = LoadBalance.of(model, MoEArgs(), 1, 1)
+    off = LoadBalance.of(model, MoEArgs(), 1, Ranks())
     assert not off.on and off.line == "" and off.window_sums() == {} and off.metrics({}) == {}
     with pytest.raises(ValueError, match="--router_aux_loss_coef 0.01: Qwen3_5ForConditionalGeneration has no experts"):
-        LoadBalance.of(model, MoEArgs(router_aux_loss_coef=0.01), 1, 1)
+        LoadBalance.of(model, MoEArgs(router_aux_loss_coef=0.01), 1, Ranks())
     gemma, _ = load(tiny_vlms["gemma4_moe"])
     assert {cls.__name__ for cls in sparse_block_classes(gemma)} == {"Gemma4TextDecoderLayer"}
-    assert LoadBalance.of(gemma, MoEArgs(), 1, 1).line.endswith("defines no load-balancing loss; none is added")
+    assert LoadBalance.of(gemma, MoEArgs(), 1, Ranks()).line.endswith("defines no load-balancing loss; none is added")
     with pytest.raises(ValueError, match="Gemma4ForConditionalGeneration's config defines no load-balancing loss"):
-        LoadBalance.of(gemma, MoEArgs(router_aux_loss_coef=0.01), 1, 1)
+        LoadBalance.of(gemma, MoEArgs(router_aux_loss_coef=0.01), 1, Ranks())
 
 
 def _window(model, processor, batches, balance, world, ddp=None):

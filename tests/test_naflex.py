@@ -16,6 +16,7 @@ from mmrecipes.contrastive.data import build_dataloader, check_image_batching
 from mmrecipes.contrastive.flops import ContrastiveFlops, clip_train_flops_per_sample
 from mmrecipes.contrastive.models import build_contrastive
 from mmrecipes.contrastive.patch_dropout import add_patch_dropout
+from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
 
 MAX_PATCHES = 16  # 8-pixel patches: a square image is 4 x 4 of them, a 3:2 one 3 x 5, a 2:3 one 5 x 3
@@ -74,8 +75,8 @@ def test_batches_hold_mixed_aspect_ratios_within_the_budget_and_padding_changes_
     train_files, _ = mixed_shapes
     args = DataArgs(dataset_name="parquet", data_files=train_files, max_patches_per_batch=BUDGET,
                     dataloader_num_workers=0)
-    loader = build_dataloader(args, "train", train_files, tokenizer, image_processor, batch_size=16, data_rank=0,
-                              data_world=1, shuffle_seed=0, pad_to_max_length=True)
+    loader = build_dataloader(args, "train", train_files, tokenizer, image_processor, batch_size=16,
+                              ranks=Ranks(), shuffle_seed=0, pad_to_max_length=True)
     batches = [batch for batch, _ in zip(loader, range(5))]
     for batch, following in zip(batches, batches[1:]):
         patches = batch["spatial_shapes"].prod(-1)

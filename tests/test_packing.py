@@ -12,6 +12,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from launch import VLM_RECIPE, assert_engine, assert_same_curves, run_engine
+from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row
@@ -118,7 +119,7 @@ def test_token_budget_batches_hold_whole_rows_and_resume_exactly():
 
     def loader(budget):
         args = ChatDataArgs(max_tokens_per_batch=budget, dataloader_num_workers=0, shuffle_buffer_size=64)
-        return build_chat_dataloader(args, labeller, collator, batch_size=16, data_rank=0, data_world=1, shuffle_seed=0)
+        return build_chat_dataloader(args, labeller, collator, batch_size=16, ranks=Ranks(), shuffle_seed=0)
 
     straight_loader, straight, states = loader(300), [], []
     for _, batch in zip(range(8), straight_loader):

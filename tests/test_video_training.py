@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from launch import REPO
+from mmrecipes.distributed import Ranks
 from mmrecipes.images import NORMALIZED_BY, to_device
 from mmrecipes.vlm.arguments import ChatDataArgs, VideoArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row
@@ -213,8 +214,7 @@ def test_bad_clips_are_counted_and_the_rest_train(qwen, tmp_path):
     (tmp_path / "rows.jsonl").write_text("\n".join(map(json.dumps, rows)))
     args = ChatDataArgs(dataset_name="json", data_files=str(tmp_path / "rows.jsonl"), dataset_weights=None,
                         video_folder=str(tmp_path), dataloader_num_workers=0)
-    loader = build_chat_dataloader(args, labeller, ChatCollator(0, dummy), batch_size=8, data_rank=0,
-                                   data_world=1)
+    loader = build_chat_dataloader(args, labeller, ChatCollator(0, dummy), batch_size=8, ranks=Ranks())
     (batch,) = list(loader)
     counts = {name: count for name, count in zip(CHAT_COUNTED, batch["data_counts"].tolist()) if count}
     assert counts == {"undecodable": 4, "video_mismatch": 1}, counts
@@ -224,6 +224,5 @@ def test_bad_clips_are_counted_and_the_rest_train(qwen, tmp_path):
     (tmp_path / "long.jsonl").write_text("\n".join(map(json.dumps, [rows[-1], text])))
     short = ChatDataArgs(dataset_name="json", data_files=str(tmp_path / "long.jsonl"), dataset_weights=None,
                          video_folder=str(tmp_path), dataloader_num_workers=0, video_max_seconds=1.0)
-    (batch,) = list(build_chat_dataloader(short, labeller, ChatCollator(0, dummy), batch_size=8, data_rank=0,
-                                          data_world=1))
+    (batch,) = list(build_chat_dataloader(short, labeller, ChatCollator(0, dummy), batch_size=8, ranks=Ranks()))
     assert batch["data_counts"][CHAT_COUNTED.index("video_too_long")] == 1 and "pixel_values_videos" not in batch

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor,
 
 from helpers import ANSWER_LEAD, END_OF_TURN, FAMILIES
 from launch import VLM_RECIPE, load_recipe
-from mmrecipes.distributed import fsdp_block_classes
+from mmrecipes.distributed import Ranks, fsdp_block_classes
 from mmrecipes.images import HOST_KEYS, to_device
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row, generation_prompts, prompt_row
@@ -151,7 +151,7 @@ def test_a_row_the_template_refuses_is_a_counted_skip(tiny_vlms, tmp_path):
     args = ChatDataArgs(dataset_name="json", data_files=str(tmp_path / "rows.json"), dataset_weights=None,
                         dataloader_num_workers=0)
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
-    (batch,) = build_chat_dataloader(args, labeller, collator, batch_size=2, data_rank=0, data_world=1)
+    (batch,) = build_chat_dataloader(args, labeller, collator, batch_size=2, ranks=Ranks())
     assert len(batch["input_ids"]) == 1 and batch["data_counts"][CHAT_COUNTED.index("no_target")] == 1
     with pytest.raises(TemplateError, match="the template refuses the conversation: Conversation roles must alternate"):
         labeller([{"role": "user", "content": [{"type": "text", "text": "hi"}]}] * 2, [])
@@ -277,7 +277,7 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
         # Mistral 3.1's template writes its 500-token default system prompt into every row
         args = ChatDataArgs(dataset_name="json", data_files=str(llava_json / file), image_folder=str(llava_json),
                             dataset_weights=None, dataloader_num_workers=0, max_length=1024)
-        return list(build_chat_dataloader(args, labeller, collator, batch_size=batch_size, data_rank=0, data_world=1))
+        return list(build_chat_dataloader(args, labeller, collator, batch_size=batch_size, ranks=Ranks()))
 
     (batch,) = batches("rows.json", 3)
     assert dict(zip(CHAT_COUNTED, batch["data_counts"].tolist())) == dict.fromkeys(CHAT_COUNTED, 0)
@@ -330,7 +330,7 @@ def test_a_two_image_llava_row_brings_both_images_to_the_loss(tiny_vlms, tmp_pat
         (tmp_path / f"{name}.json").write_text(json.dumps([one, {"image": pair, "conversations": question}]))
         args = ChatDataArgs(dataset_name="json", data_files=str(tmp_path / f"{name}.json"),
                             image_folder=str(tmp_path), dataset_weights=None, dataloader_num_workers=0)
-        (batch,) = build_chat_dataloader(args, labeller, collator, batch_size=2, data_rank=0, data_world=1)
+        (batch,) = build_chat_dataloader(args, labeller, collator, batch_size=2, ranks=Ranks())
         assert not batch["data_counts"].any()
         image_tokens = (batch["input_ids"] == labeller.image_token_id).sum(dim=1)
         assert image_tokens[1] > image_tokens[0] > 0  # both images expanded in the two-image row
@@ -413,6 +413,6 @@ def test_generation_prompts_skip_what_training_skips_and_read_nothing_outside_th
     _, processor = load(tiny_vlms["qwen2_5_vl"])
     args = ChatDataArgs(eval_dataset_name="json", eval_data_files=str(tmp_path / "eval.json"), eval_split="train",
                         image_folder=str(folder))
-    prompts = generation_prompts(args, processor, rows=8, data_rank=0, data_world=1)
+    prompts = generation_prompts(args, processor, rows=8, ranks=Ranks())
     assert [answer for _, answer in prompts] == ["red"]
     assert (prompts[0][0]["input_ids"] == processor.image_token_id).any()

@@ -12,6 +12,7 @@ from PIL import Image
 
 from launch import QUICK, REPO, VLM_RECIPE, _in_process, run_recipe
 from mmrecipes.config import parse_args
+from mmrecipes.distributed import Ranks
 from mmrecipes.skips import DropCounter, Skip, no_rows_error
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader
@@ -33,7 +34,7 @@ def llava():
 def loader_of(labeller, collator, data_file, **flags):
     args = ChatDataArgs(dataset_name="json", data_files=str(data_file), dataset_weights=None, max_length=256,
                         **flags)
-    return build_chat_dataloader(args, labeller, collator, batch_size=64, data_rank=0, data_world=1, shuffle_seed=0)
+    return build_chat_dataloader(args, labeller, collator, batch_size=64, ranks=Ranks(), shuffle_seed=0)
 
 
 def image(path, colour):

@@ -145,9 +145,10 @@ class ImageTextCollator:
         return batch
 
 
-def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_processor, *, batch_size, data_rank,
-                     data_world, shuffle_seed=None, pad_to_max_length=False):
-    """A DataLoader over this data rank's rows of `split`: the training sources mixed at `dataset_weights`
+def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_processor, *, batch_size, ranks,
+                     shuffle_seed=None, pad_to_max_length=False):
+    """A DataLoader over this data rank's rows of `split` (`ranks.reads()`: `distributed.Ranks`): the training
+    sources mixed at `dataset_weights`
     (`mmrecipes.sources.mixed_stream`), or, for any other split, the first source's. Pass it to
     `accelerator.prepare`? No: it is already split by data rank, and accelerate would shard a datasets stream
     a second time. `pad_to_max_length`: pad every caption to `caption_length` (SigLIP), not to the batch max."""
@@ -160,7 +161,7 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_process
 
     sources = split_sources(args.dataset_name, args.dataset_config_name, split, data_files)
     sources = sources if split == args.train_split else sources[:1]
-    stream = mixed_stream(sources, args.dataset_weights, columns, data_rank=data_rank, data_world=data_world,
+    stream = mixed_stream(sources, args.dataset_weights, columns, **ranks.reads(),
                           seed=shuffle_seed or 0, check_columns=check_columns, tag_sources=True)
     max_length = caption_length(args, tokenizer, pad_to_max_length)
     augment = args.train_augment and split == args.train_split and shuffle_seed is not None  # ROW_SEED's source

@@ -105,6 +105,23 @@ class VLMModelArgs(CheckedArgs):
                              "--vision_model_name_or_path and --language_model_name_or_path (a built model's template "
                              "goes to --chat_template_path)")
 
+    def check_with(self, parsed):
+        """Under --sequence_parallel_size, what cannot run split is refused now, each with its reason."""
+        if self.sequence_parallel_size == 1:
+            return
+        data, training, moe = (next((args for cls, args in parsed.items() if issubclass(cls, kind)), None)
+                               for kind in (ChatDataArgs, TrainingArgs, MoEArgs))  # those the recipe takes
+        if data is not None and data.packing:
+            raise ValueError("--sequence_parallel_size with --packing: Ulysses attention is causal over the whole "
+                             "gathered sequence, so packed samples would see each other; drop --packing")
+        if training is not None and training.torch_compile:
+            raise ValueError("--sequence_parallel_size with --torch_compile: compiling the blocks around DeepSpeed's "
+                             "all-to-all fails in torch 2.14's AOT autograd ('int' object has no attribute 'meta'); "
+                             "drop --torch_compile")
+        if moe is not None and moe.router_aux_loss_coef:
+            raise ValueError("--router_aux_loss_coef with --sequence_parallel_size: the load-balancing loss is not "
+                             "gathered over a sequence-parallel group yet; drop one of them")
+
     def training_template(self) -> str | None:
         """The chat template the labels are made in when it is not the model's own (--chat_template plain: LLaVA's
         stage-1 format, while the composed model keeps its language model's template for stage 2), else None."""
@@ -369,8 +386,3 @@ class DistillArgs(CheckedArgs):
     def __post_init__(self):
         super().__post_init__()
         self.teacher_model_name_or_path = resolve_name(self.teacher_model_name_or_path)
-
-    def check_with(self, parsed):
-        if self.other(parsed, VLMModelArgs).sequence_parallel_size > 1:
-            raise ValueError("--sequence_parallel_size: distillation does not split sequences yet (the teacher's "
-                             "hidden states would need the same split); use 1")

@@ -19,7 +19,7 @@ from PIL import Image
 
 from ..distributed import all_ranks_true
 from ..images import decode_image
-from ..loader import rank_loader
+from ..loader import check_held_out, rank_loader
 from ..skips import SKIPPED, DropCounter, Skip
 from ..sources import DATA_FILE, PROBLEM, load_stream, mixed_stream, row_name
 from .arguments import ChatDataArgs
@@ -316,17 +316,18 @@ def _unbatched(encoded) -> tuple[torch.Tensor, dict]:
     return input_ids, {key: _as_tensor(value[0] if key in TOKEN_ALIGNED else value) for key, value in encoded.items()}
 
 
-def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: int, data_world: int,
-                       device="cpu") -> list:
-    """Up to `rows` held-out conversations of this data rank, as (prompt row, answer): the conversation up to
+def generation_prompts(args: ChatDataArgs, processor, *, rows: int, ranks) -> list:
+    """This rank's share of `rows` held-out conversations (`ranks`: `distributed.Ranks`, their evaluation reads), as
+    (prompt row, answer): the conversation up to
     its last assistant turn through the processor's own chat template with its generation prompt and images
     (what a user's `generate` call gets), and that turn's text. Independent of the labels, so that
     `evaluation.evaluate_generation` checks them. Rows that cannot be read are left out; where no rank has a prompt,
     every rank raises together, with what its share left out by reason (the evaluation would never run)."""
     if not rows:
         return []
+    rows = ranks.share(rows)
     stream, _ = load_stream(args.eval_dataset_name, args.dataset_config_name, args.eval_split, args.eval_data_files,
-                            CHAT_COLUMNS, data_rank=data_rank, data_world=data_world)
+                            CHAT_COLUMNS, **ranks.reads(evaluation=True))
     prompts, skipped = [], Counter()
     for row in stream:
         if len(prompts) == rows:
@@ -337,7 +338,7 @@ def generation_prompts(args: ChatDataArgs, processor, *, rows: int, data_rank: i
             skipped[skip.reason] += 1
         except Exception as error:  # a row the training data would count as bad
             skipped[f"bad_row ({type(error).__name__})"] += 1
-    if all_ranks_true(not prompts, device):
+    if all_ranks_true(not prompts, ranks.device):
         counts = ", ".join(f"{reason} {count}" for reason, count in skipped.most_common()) or "none read"
         raise RuntimeError(f"No data rank has a held-out question of {args.eval_dataset_name} to answer by "
                            f"generation, so that evaluation would never run; this rank left out: {counts}")
@@ -376,11 +377,14 @@ def _as_tensor(value):
     return torch.as_tensor(value)
 
 
-def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size, data_rank, data_world,
-                          shuffle_seed=None, eval_split=False, preprocessor=ChatPreprocessor, preprocessor_kwargs=None):
-    """A DataLoader over this data rank's rows: the training mixture, or (eval_split) the held-out set, read by
-    `preprocessor` (conversations; `mmrecipes.vlm.preference.PreferencePreprocessor`: preference pairs), built with
-    `preprocessor_kwargs` besides.
+def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size, ranks, shuffle_seed=None,
+                          eval_split=False, preprocessor=ChatPreprocessor, preprocessor_kwargs=None):
+    """A DataLoader over this rank's rows (`ranks.reads`: `distributed.Ranks`, or GRPO's `GroupLayout`): the training
+    mixture, or (eval_split) the held-out set, read by `preprocessor` (conversations;
+    `mmrecipes.vlm.preference.PreferencePreprocessor`: preference pairs), built with `preprocessor_kwargs` besides.
+    --max_tokens_per_batch is what one rank holds: a micro-batch split over `ranks.split_size` ranks holds that many
+    times as many tokens. A held-out set that gives no rank a row stops the run now (`loader.check_held_out`: every
+    rank together, a collective).
 
     The sources are mixed at `dataset_weights` (`mmrecipes.sources.mixed_stream`), then the mixture is shuffled
     in blocks and tokenised (`ResumableShuffle`: a checkpoint resumes it exactly). An epoch ends once every
@@ -389,10 +393,14 @@ def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size,
     sources = ([(args.eval_dataset_name, args.dataset_config_name, args.eval_split, args.eval_data_files)]
                if eval_split else args.training_sources())
     stream = mixed_stream(sources, None if eval_split else args.dataset_weights, preprocessor.COLUMNS,
-                          data_rank=data_rank, data_world=data_world, seed=shuffle_seed or 0,
-                          check_columns=preprocessor.check_columns)
-    budget = args.max_tokens_per_batch if shuffle_seed is not None else None  # evaluation keeps fixed batches
+                          **ranks.reads(eval_split), seed=shuffle_seed or 0, check_columns=preprocessor.check_columns)
+    budget = None  # evaluation keeps fixed batches
+    if shuffle_seed is not None and args.max_tokens_per_batch:
+        budget = args.max_tokens_per_batch * ranks.split_size
     preprocess = preprocessor(args, labeller, min(args.max_length, budget or args.max_length),
                               **(preprocessor_kwargs or {}))
-    return rank_loader(stream, preprocess, collator, args, batch_size=batch_size, shuffle_seed=shuffle_seed,
-                       remove_columns=[*preprocessor.COLUMNS, PROBLEM, DATA_FILE], budget=budget, cpu_workers=1)
+    loader = rank_loader(stream, preprocess, collator, args, batch_size=batch_size, shuffle_seed=shuffle_seed,
+                         remove_columns=[*preprocessor.COLUMNS, PROBLEM, DATA_FILE], budget=budget, cpu_workers=1)
+    if eval_split:
+        check_held_out(loader, ranks.device, args.eval_dataset_name)
+    return loader

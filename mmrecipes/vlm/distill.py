@@ -144,14 +144,14 @@ class Teacher:
         engine gathers the layer as in any forward."""
         return self.model({}, OutputLayer(hidden))
 
-    def generated_accuracy(self, data_args, rows: int, data_rank: int, data_world: int, device) -> dict:
-        """Its held-out generated accuracy (`evaluation.evaluate_generation`) on its share of `rows` held-out
-        questions, as its own processor writes them; teacher_* names; it stays in eval mode."""
-        prompts = generation_prompts(data_args, self.processor, rows=rows, data_rank=data_rank,
-                                     data_world=data_world, device=device)
+    def generated_accuracy(self, data_args, rows: int, ranks) -> dict:
+        """Its held-out generated accuracy (`evaluation.evaluate_generation`) on this rank's share of `rows` held-out
+        questions (`ranks`: `distributed.Ranks`), as its own processor writes them; teacher_* names; it stays in eval
+        mode."""
+        prompts = generation_prompts(data_args, self.processor, rows=rows, ranks=ranks)
         filler = self.collator([prompt_row(self.processor, HELLO, [])])
         scores = evaluate_generation(self.model, prompts, filler, self.collator, self.processor.tokenizer,
-                                     self.stops, device, self.placeholders)
+                                     self.stops, ranks.device, self.placeholders)
         self.model.eval()
         return {f"teacher_{name}": value for name, value in scores.items()}
 

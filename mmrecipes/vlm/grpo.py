@@ -72,6 +72,20 @@ class GroupLayout:
     def prompts_per_step(self) -> int:
         return self.team_size * self.per_rank // self.group_size
 
+    @classmethod
+    def of(cls, group_size: int, micro_batch: int, accumulation: int, ranks) -> "GroupLayout":
+        """The layout of `ranks` (`distributed.Ranks`): a sequence-parallel group's ranks hold the same completions."""
+        return cls(group_size, micro_batch, accumulation, ranks.data_rank, ranks.data_world, ranks.split_size)
+
+    @property
+    def split_size(self) -> int:
+        return self.replicas
+
+    def reads(self, evaluation: bool = False) -> dict:
+        """The prompts' reader (`Ranks.reads`): a team reads its share as one batch; held-out questions as `Ranks`."""
+        assert not evaluation, "held-out questions are read by Ranks"
+        return {"data_rank": self.team, "data_world": self.teams}
+
     def describe(self) -> dict:
         """What a checkpoint records of it (a resume with other groups reads other prompts a step)."""
         return {"num_generations": self.group_size, "prompt_teams": self.teams,

@@ -112,14 +112,11 @@ class LoadBalance:
         return self.coef > 0
 
     @classmethod
-    def of(cls, model, args: MoEArgs, accumulation: int, data_world: int, *, split: bool = False) -> "LoadBalance":
-        """The term, off where the model has no routers or --router_aux_loss_coef is 0, with the log line that says
-        which (`line`). A model without routers, or whose config defines no load-balancing loss, refuses a
-        coefficient; so does a sequence-parallel run (`split`)."""
-        coef, scope = args.router_aux_loss_coef, args.router_aux_loss_scope
-        if coef and split:
-            raise ValueError("--router_aux_loss_coef with --sequence_parallel_size: the load-balancing loss is not "
-                             "gathered over a sequence-parallel group yet; drop one of them")
+    def of(cls, model, args: MoEArgs, accumulation: int, ranks) -> "LoadBalance":
+        """The term over `ranks`' data-parallel ranks (`distributed.Ranks`), off where the model has no routers or
+        --router_aux_loss_coef is 0, with the log line that says which (`line`). A model without routers, or whose
+        config defines no load-balancing loss, refuses a coefficient."""
+        coef, scope, data_world = args.router_aux_loss_coef, args.router_aux_loss_scope, ranks.data_world
         config = model.config.get_text_config()
         own = getattr(config, "router_aux_loss_coef", None)
         if router_class(model) is None:

@@ -137,20 +137,14 @@ class SequenceParallel:
         model.get_decoder().register_forward_pre_hook(self._split, with_kwargs=True)
 
     @classmethod
-    def of(cls, accelerator, model, size: int, *, packing: bool = False, compiled: bool = False):
+    def of(cls, accelerator, model, size: int):
         """The split for `--sequence_parallel_size size`, None for 1; accelerate's own sequence parallelism refused
-        (it replaces sdpa in the vision tower too), and what cannot run split."""
+        (it replaces sdpa in the vision tower too). What cannot run split with other flags is refused when they are
+        parsed (`arguments.VLMModelArgs.check_with`)."""
         config = accelerator.parallelism_config
         if config is not None and (config.sp_size or 1) > 1:
             raise ValueError("the accelerate config's parallelism_config_sp_size wraps every sdpa attention, the "
                              "vision tower's too: drop it from the config and give the recipe --sequence_parallel_size")
-        if size > 1 and packing:
-            raise ValueError("--sequence_parallel_size with --packing: Ulysses attention is causal over the whole "
-                             "gathered sequence, so packed samples would see each other; drop --packing")
-        if size > 1 and compiled:
-            raise ValueError("--sequence_parallel_size with --torch_compile: compiling the blocks around DeepSpeed's "
-                             "all-to-all fails in torch 2.14's AOT autograd ('int' object has no attribute 'meta'); "
-                             "drop --torch_compile")
         return cls(model, size) if size > 1 else None
 
     def describe(self) -> str:
