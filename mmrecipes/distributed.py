@@ -131,6 +131,11 @@ class Ranks:
         """This rank's share of `total` held-out rows (the last ranks' may run short)."""
         return -(-total // self.reads(evaluation=True)["data_world"])
 
+    def loss_scale(self, local: torch.Tensor, accumulation: int) -> torch.Tensor:
+        """`token_loss_scale` of a window whose loss sums over `local` items on this rank (target tokens, pairs,
+        completions): one all-reduce, each group's items once."""
+        return token_loss_scale(self.sum_over_data(local.to(self.device)), accumulation, self.data_world)
+
     def sum_over_data(self, values: torch.Tensor) -> torch.Tensor:
         """`values` summed over every rank, the rows each group read counted once (its ranks hold the same)."""
         return sum_over_ranks(values) / self.replicas
@@ -138,6 +143,17 @@ class Ranks:
     def describe(self) -> str:
         line = f"data: {self.data_world} data-parallel rank{'s' * (self.data_world > 1)}"
         return line + (f"; {self.split.describe()}" if self.split is not None else "")
+
+
+def token_loss_scale(window_tokens: torch.Tensor, accumulation_steps: int, data_world: int) -> torch.Tensor:
+    """Multiplier for a micro-batch's summed CE so that the engine's gradient is the exact
+    token mean over the window: GA cancels `accelerator.backward`'s (or DeepSpeed's) division by
+    the accumulation steps, W cancels the gradient averaging over data ranks, N normalises.
+
+    `window_tokens`: N, the window's target tokens summed over data ranks (count each data replica
+    once: tensor-parallel peers hold the same batch). A window with none gives 0 (no update).
+    """
+    return accumulation_steps * data_world / window_tokens.clamp_min(1)
 
 
 def mesh_data_rank_and_world(mesh) -> tuple[int, int]:

@@ -64,23 +64,17 @@ from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
 from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
 from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.distill import (
-    DistillCollator,
-    DistillPreprocessor,
-    OnePerPrompt,
-    Teacher,
-    evaluate_divergence,
-    on_policy,
-)
+from mmrecipes.vlm.distill import StepTargets, evaluate_divergence
 from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
 from mmrecipes.vlm.labels import AnswerLabeller, check_generation_prompt, check_template
 from mmrecipes.vlm.loading import check_trainable
-from mmrecipes.vlm.losses import token_loss_scale
 from mmrecipes.vlm.models import VLMForTraining, save_vlm
 from mmrecipes.vlm.outputs import GeneralizedJSD
 from mmrecipes.vlm.parts import vlm_parts
+from mmrecipes.vlm.prompts import DistillCollator, DistillPreprocessor
 from mmrecipes.vlm.sampling import Sampler
 from mmrecipes.vlm.sequence_parallel import SequenceParallel
+from mmrecipes.vlm.teacher import Teacher
 
 
 def main(argv=None):
@@ -134,10 +128,13 @@ def main(argv=None):
     accelerator.print(engine)
     accelerator.print(teacher.describe())
     chat_collator = ChatCollator(processor.tokenizer.pad_token_id, vlm.dummy_inputs)
-    sampler = Sampler(accelerator, chat_collator, processor.tokenizer, distill_args, vlm.stops,
-                      vlm.placeholders)
+    sampler = Sampler(accelerator, chat_collator, distill_args, vlm.stops, vlm.placeholders)
     accelerator.print(sampler.describe())
-    divergence = dict(beta=distill_args.beta, temperature=distill_args.temperature)
+    # Each step's targets, the same choice on every rank: the student's samples (--lmbda), the
+    # teacher's (--seq_kd) or the dataset's answers; each prompt sampled from a seed of its own
+    targets = StepTargets(sampler, teacher, distill_args, args.seed)
+    divergence = GeneralizedJSD(teacher.head_logits, beta=distill_args.beta,
+                                temperature=distill_args.temperature)
 
     # Each data rank reads its own rows: a prompt and the dataset's answer after it (and the
     # prompt as the teacher's processor writes it, where it writes images otherwise)
@@ -171,14 +168,16 @@ def main(argv=None):
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals, ranks=ranks)
 
-    def evaluate(scores: dict, filler: dict):  # held-out answers, generation and divergence
+    def evaluate(scores: dict, filler: dict, teacher_too: bool = False):  # held-out scores
         answers = (batch["answers"] for batch in eval_loader)
         scores |= evaluate_answers(model, answers, filler["answers"], accelerator.device)
         scores |= evaluate_generation(model, held_out, filler["answers"], chat_collator,
                                       processor.tokenizer, vlm.stops, accelerator.device,
                                       vlm.placeholders)
         scores |= evaluate_divergence(model, teacher, eval_loader, filler, accelerator.device,
-                                      **divergence)
+                                      divergence)
+        if teacher_too:  # its generated accuracy on the same questions
+            scores |= teacher.generated_accuracy(data_args, rows, ranks)
 
     # shared: loop head
     for step in progress:
@@ -190,29 +189,18 @@ def main(argv=None):
 
         if eval_loader is not None and step == 0:  # where the student starts, and the teacher
             with report.evaluating(0) as scores:
-                evaluate(scores, filler_batch)
-                scores |= teacher.generated_accuracy(data_args, rows, ranks)
-        # This step's targets, the same choice on every rank: the student's samples (--lmbda), the
-        # teacher's (--seq_kd) or the dataset's answers; each prompt from a seed of its own
-        sampled = on_policy(args.seed, step, distill_args.lmbda)
-        samples = [sampler.rollouts(model if sampled else teacher.model, batch["prompts"],
-                                    OnePerPrompt(len(batch["prompts"])), None, args.seed + step,
-                                    gather=None if sampled else False)
-                   for batch in window if sampled or distill_args.seq_kd]
-        micro_batches = ([rollouts.micro_batches[0] for rollouts in samples] if samples
-                         else [batch["answers"] for batch in window])
+                evaluate(scores, filler_batch, teacher_too=True)
+        micro_batches = targets(model, window, step)
         report.add_batches([], trained=micro_batches)
         # One collective per optimizer step: the window's target tokens N on all ranks
         local_tokens = torch.tensor(float(sum(batch["target_tokens"] for batch in micro_batches)))
-        tokens = ranks.sum_over_data(local_tokens.to(accelerator.device))  # a group's once
-        loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps, ranks.data_world)
+        loss_scale = ranks.loss_scale(local_tokens, args.gradient_accumulation_steps)
         window_divergence = []
         for batch, read in zip(micro_batches, window):
             with accelerator.accumulate(model):
                 inputs = to_device(batch, accelerator.device)
-                # no graph; its own rows where its processor writes images otherwise
-                inputs["teacher_hidden"] = teacher.hidden(inputs, read["prompts"])
-                summed = model(inputs, GeneralizedJSD(teacher.head_logits, **divergence))
+                inputs["teacher_hidden"] = teacher.hidden(inputs, read["prompts"])  # no graph
+                summed = model(inputs, divergence)
                 accelerator.backward(summed * loss_scale)
             window_divergence.append(summed.detach())
         step_losses = torch.stack(window_divergence)
@@ -224,22 +212,14 @@ def main(argv=None):
             scheduler.step()
         optimizer.zero_grad()
 
-        lengths = [length for rollouts in samples for length in rollouts.lengths]
         report.add_step(guard.applied, divergence=sum(window_divergence),
-                        target_tokens=local_tokens,
-                        rows=sum(batch["num_samples"] for batch in micro_batches),
-                        student_samples=len(lengths) * sampled, sampled_rows=len(lengths),
-                        sample_length=sum(lengths),
-                        generation_seconds=sum(rollouts.seconds for rollouts in samples))
+                        target_tokens=local_tokens, **targets.sums())
 
         if report.due(done):
             sums = report.close()
-            generation = ratio(sums["generation_seconds"], sums["seconds"] * ranks.data_world)
             report.log(done, {"loss": ratio(sums["divergence"], sums["target_tokens"]),
                               "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
-                              "on_policy": ratio(sums["student_samples"], sums["rows"]),
-                              "sample_length": ratio(sums["sample_length"], sums["sampled_rows"]),
-                              "generation_share": generation}, sums)
+                              **targets.metrics(sums, ranks.data_world)}, sums)
         if eval_loader is not None and report.evaluation_due(done):
             with report.evaluating(done) as held_out_scores:
                 evaluate(held_out_scores, filler_batch)

@@ -60,7 +60,6 @@ from mmrecipes.vlm.chat_data import build_chat_dataloader
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import evaluate_answers
 from mmrecipes.vlm.labels import AnswerLabeller, check_template
-from mmrecipes.vlm.losses import token_loss_scale
 from mmrecipes.vlm.models import VLMForTraining, save_vlm
 from mmrecipes.vlm.outputs import SequenceLogps
 from mmrecipes.vlm.parts import vlm_parts
@@ -177,8 +176,7 @@ def main(argv=None):
 
         # One collective per optimizer step: the window's pairs on all ranks (the loss: their mean)
         local_pairs = torch.tensor(float(sum(batch["num_samples"] for batch in window)))
-        pairs = ranks.sum_over_data(local_pairs.to(accelerator.device))  # a group's once
-        loss_scale = token_loss_scale(pairs, args.gradient_accumulation_steps, ranks.data_world)
+        loss_scale = ranks.loss_scale(local_pairs, args.gradient_accumulation_steps)
         window_sums = []
         for batch in window:
             inputs = to_device(batch, accelerator.device)

@@ -71,7 +71,6 @@ from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
 from mmrecipes.vlm.families import video_path
 from mmrecipes.vlm.labels import AnswerLabeller, check_template
-from mmrecipes.vlm.losses import token_loss_scale
 from mmrecipes.vlm.models import VLMForTraining, save_vlm
 from mmrecipes.vlm.moe import LoadBalance
 from mmrecipes.vlm.outputs import LossSum
@@ -175,6 +174,11 @@ def main(argv=None):
     accelerator.init_trackers("vlm_finetune", config)
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals, ranks=ranks)
+    def evaluate(scores: dict, filler: dict):  # teacher-forced and generated held-out answers
+        scores |= evaluate_answers(model, eval_loader, filler, accelerator.device)
+        scores |= evaluate_generation(model, prompts, filler, eval_collator, processor.tokenizer,
+                                      vlm.stops, accelerator.device, vlm.placeholders)
+
     # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
@@ -186,14 +190,11 @@ def main(argv=None):
         # One collective per optimizer step: the window's target tokens N on all ranks, a
         # sequence-parallel group's counted once (its ranks hold the same rows).
         local_tokens = torch.tensor(float(sum(batch["target_tokens"] for batch in window)))
-        tokens = ranks.sum_over_data(local_tokens.to(accelerator.device))
-        loss_scale = token_loss_scale(tokens, args.gradient_accumulation_steps, ranks.data_world)
+        loss_scale = ranks.loss_scale(local_tokens, args.gradient_accumulation_steps)
         window_ce = []
-        # The global scope's expert choices in the window on all ranks (a forward without gradients)
-        balance.start_window(model, window, accelerator.device)
+        balance.start_window(model, window, accelerator.device)  # the global scope's expert counts
         for batch in window:
-            # Gradients are all-reduced only on the window's last micro-batch (no_sync before it).
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model):  # gradients all-reduced on the last micro-batch
                 summed = model(to_device(batch, accelerator.device), loss)
                 accelerator.backward(summed * loss_scale + loss.term)  # term: the balance's, or 0
             window_ce.append(summed.detach())
@@ -217,10 +218,7 @@ def main(argv=None):
                        sums)
         if eval_loader is not None and report.evaluation_due(done):
             with report.evaluating(done) as scores:
-                scores |= evaluate_answers(model, eval_loader, filler_batch, accelerator.device)
-                scores |= evaluate_generation(model, prompts, filler_batch, eval_collator,
-                                              processor.tokenizer, vlm.stops, accelerator.device,
-                                              vlm.placeholders)
+                evaluate(scores, filler_batch)
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 

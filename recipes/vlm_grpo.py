@@ -66,7 +66,6 @@ from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generat
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.evaluation import evaluate_generation
 from mmrecipes.vlm.labels import AnswerLabeller, check_generation_prompt
-from mmrecipes.vlm.losses import token_loss_scale
 from mmrecipes.vlm.models import VLMForTraining, save_vlm
 from mmrecipes.vlm.outputs import TokenLogps
 from mmrecipes.vlm.parts import vlm_parts
@@ -131,8 +130,7 @@ def main(argv=None):
     if reference is not None:
         accelerator.print(reference.describe())
     chat_collator = ChatCollator(processor.tokenizer.pad_token_id, vlm.dummy_inputs)
-    sampler = Sampler(accelerator, chat_collator, processor.tokenizer, grpo_args, vlm.stops,
-                      vlm.placeholders)
+    sampler = Sampler(accelerator, chat_collator, grpo_args, vlm.stops, vlm.placeholders)
     accelerator.print(sampler.describe())
 
     # The loader reads a team's prompts for a step as one batch, leaving room for the completions
@@ -176,7 +174,9 @@ def main(argv=None):
             # This rank's completions, sampled and scored; their advantages from every rank's
             # rewards (none where a reward function failed); what the loss needs before any update
             prompts = window[0]["prompts"]
-            rollouts = sampler.rollouts(model, prompts, layout, scorer, seed=args.seed + step)
+            rollouts = sampler.rollouts(model, prompts, layout, seed=args.seed + step,
+                                        mask_truncated=grpo_args.mask_truncated_completions)
+            rollouts.scores = scorer.score(rollouts.completions, processor.tokenizer, vlm.stops)
             rewards = scorer.total(rollouts.scores)
             advantages, zero_std = layout.advantages(rewards, grpo_args.scale_rewards,
                                                      accelerator.device)
@@ -184,8 +184,7 @@ def main(argv=None):
                                                accelerator.device)
             # One collective per batch of completions: the normaliser N over every rank's
             local_count = torch.tensor(normaliser.count([batch.mask for batch in micro_batches]))
-            count = ranks.sum_over_data(local_count.to(accelerator.device))  # a group's once
-            loss_scale = token_loss_scale(count, args.gradient_accumulation_steps, ranks.data_world)
+            loss_scale = ranks.loss_scale(local_count, args.gradient_accumulation_steps)
             failures = scorer.take_failures(accelerator)  # said in the main log, with their ranks
             sampled = rollouts.sums(rewards, zero_std, failures, reward_funcs,
                                     counted=ranks.counts_reads)

@@ -18,20 +18,21 @@ from mmrecipes.distributed import (
     make_accelerator,
     reconcile_deepspeed_config,
     sum_over_ranks,
+    token_loss_scale,
 )
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import VLMModelArgs
 from mmrecipes.vlm.chat_data import encode_row
 from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.distill import Teacher
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.losses import count_target_tokens, token_loss_scale
+from mmrecipes.vlm.losses import count_target_tokens
 from mmrecipes.vlm.models import VLMForTraining
 from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
 from mmrecipes.vlm.outputs import GeneralizedJSD
 from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.teacher import Teacher
 
 COLOURS = {"red": (200, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 200), "yellow": (220, 200, 40)}
 # (question, answer, image colour or None): text-only rows among image rows, answers of different lengths

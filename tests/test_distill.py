@@ -17,7 +17,7 @@ from mmrecipes.images import to_device
 from mmrecipes.paths import resolve_name
 from mmrecipes.vlm.arguments import PromptDataArgs, VLMModelArgs
 from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.distill import DistillCollator, DistillPreprocessor, Teacher, mismatch, on_policy, reads_own_rows
+from mmrecipes.vlm.distill import on_policy
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
@@ -25,6 +25,8 @@ from mmrecipes.vlm.losses import IGNORE_INDEX, count_target_tokens
 from mmrecipes.vlm.models import VLMForTraining
 from mmrecipes.vlm.outputs import GeneralizedJSD
 from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.prompts import DistillCollator, DistillPreprocessor
+from mmrecipes.vlm.teacher import Teacher, mismatch, reads_own_rows
 from test_distill_loss import dense_jsd
 
 TINY_SFT_VLM = resolve_name("embedded:tiny_sft_vlm")

@@ -7,6 +7,7 @@ from accelerate.utils import set_seed
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
 from gloo import run_on_ranks
+from mmrecipes.distributed import token_loss_scale
 from mmrecipes.vlm.arguments import VLMModelArgs
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
@@ -15,7 +16,6 @@ from mmrecipes.vlm.losses import (
     count_target_tokens,
     head_cross_entropy_sum,
     token_cross_entropy_sum,
-    token_loss_scale,
 )
 from mmrecipes.vlm.models import VLMForTraining
 from mmrecipes.vlm.module_groups import apply_train_modules, module_groups

@@ -235,9 +235,10 @@ def _rollouts(rank, world, micro_batch, accumulation, whole):
     forwards = []
     step.register_forward_hook(lambda *_: forwards.append(1))
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
-    sampler = Sampler(SimpleNamespace(device=torch.device("cpu")), collator, processor.tokenizer, args, stops,
+    sampler = Sampler(SimpleNamespace(device=torch.device("cpu")), collator, args, stops,
                       placeholder_token_ids(model, processor))
-    rollouts = sampler.sample(step, whole, prompts, layout, scorer, 0)
+    rollouts = sampler.sample(step, whole, prompts, layout, 0)
+    rollouts.scores = scorer.score(rollouts.completions, processor.tokenizer, stops)
     advantages, zero_std = layout.advantages(scorer.total(rollouts.scores), "group", torch.device("cpu"))
     return ([[ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
              for batch in rollouts.micro_batches], advantages, zero_std,

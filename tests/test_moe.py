@@ -11,14 +11,13 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from gloo import run_on_ranks
-from mmrecipes.distributed import Ranks
+from mmrecipes.distributed import Ranks, token_loss_scale
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import MoEArgs
 from mmrecipes.vlm.collate import ChatCollator
 from mmrecipes.vlm.families import dummy_image_inputs
 from mmrecipes.vlm.labels import AnswerLabeller
 from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.losses import token_loss_scale
 from mmrecipes.vlm.models import VLMForTraining
 from mmrecipes.vlm.moe import LoadBalance, Routing, balance_loss, sparse_block_classes
 from mmrecipes.vlm.outputs import LossSum

@@ -303,13 +303,22 @@ class PromptDataArgs(ChatDataArgs):
 
 
 @dataclass
-class GRPOArgs(CheckedArgs):
-    """TRL 1.16's GRPOConfig names; defaults TRL's unless said."""
+class SamplingArgs(CheckedArgs):
+    """How completions are sampled, GRPO's and distillation's (TRL 1.16's names; defaults TRL's unless said)."""
 
-    num_generations: int = checked(8, "count")  # completions per prompt, one group
     temperature: float = checked(1.0, "positive")
     top_p: float = checked(1.0, "probability")
     max_completion_length: int = checked(8, "count")  # a completion stops here, truncated (TRL: 512)
+    # ZeRO-3: gather the whole model on every rank while sampling (fast; a whole model's memory per rank). TRL's
+    # default is True; here the layer-at-a-time gathers of training are kept unless asked
+    ds3_gather_for_generation: bool = False
+
+
+@dataclass
+class GRPOArgs(SamplingArgs):
+    """TRL 1.16's GRPOConfig names; defaults TRL's unless said."""
+
+    num_generations: int = checked(8, "count")  # completions per prompt, one group
     # grpo: each completion's token mean, averaged; dr_grpo: token sum / (completions x max_completion_length);
     # dapo and bnpo: token sum / tokens. Each over the optimizer step on every rank (TRL's bnpo: per rank).
     loss_type: str = checked("dapo", choices=GRPO_LOSS_TYPES)
@@ -329,9 +338,6 @@ class GRPOArgs(CheckedArgs):
     format_pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
     # seconds one reward function may take to score a rank's completions of a step; then they count as failed
     reward_timeout: float = checked(300.0, "positive")
-    # ZeRO-3: gather the whole model on every rank while sampling (fast; a whole model's memory per rank). TRL's
-    # default is True; here the layer-at-a-time gathers of training are kept unless asked
-    ds3_gather_for_generation: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -361,7 +367,7 @@ class GRPOArgs(CheckedArgs):
 
 
 @dataclass
-class DistillArgs(CheckedArgs):
+class DistillArgs(SamplingArgs):
     """On-policy distillation (GKD, Agarwal et al. 2024), TRL's names: beta, temperature and max_completion_length as
     in its DistillationConfig, lmbda and seq_kd as in its GKD trainer."""
 
@@ -374,14 +380,9 @@ class DistillArgs(CheckedArgs):
     lmbda: float = checked(0.5, "share")
     seq_kd: bool = False  # the off-policy steps on the teacher's samples instead of the dataset's answers
     temperature: float = checked(1.0, "positive")  # of the sampling and of both distributions in the divergence
-    top_p: float = checked(1.0, "probability")
-    max_completion_length: int = checked(8, "count")  # a sample stops here (TRL: 512)
     # ZeRO-3: gather the whole student on every rank while it samples (as GRPO's flag; the teacher samples layer by
     # layer)
     ds3_gather_for_generation: bool = False
-    # what GRPO's sampler reads besides: one sample per prompt, a truncated one trained as it is (no reward to spoil)
-    num_generations: ClassVar[int] = 1
-    mask_truncated_completions: ClassVar[bool] = False
 
     def __post_init__(self):
         super().__post_init__()

@@ -3,7 +3,7 @@
 The right gradient is (1/N) * grad(sum of CE over every target token of the window on all ranks), N = the window's
 target tokens on all data ranks. A per-micro-batch mean weights a micro-batch of 3 target tokens like one of 300.
 Count N once per window (one all-reduce), then back-propagate each micro-batch's *summed* CE times
-`token_loss_scale` (docs/losses.md).
+`distributed.token_loss_scale` (`Ranks.loss_scale`; docs/losses.md).
 """
 
 import math
@@ -135,14 +135,3 @@ def soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
 def count_target_tokens(labels: torch.Tensor) -> int:
     """Target tokens of a batch after the shift (what `token_cross_entropy_sum` sums over)."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
-
-
-def token_loss_scale(window_tokens: torch.Tensor, accumulation_steps: int, data_world: int) -> torch.Tensor:
-    """Multiplier for a micro-batch's summed CE so that the engine's gradient is the exact
-    token mean over the window: GA cancels `accelerator.backward`'s (or DeepSpeed's) division by
-    the accumulation steps, W cancels the gradient averaging over data ranks, N normalises.
-
-    `window_tokens`: N, the window's target tokens summed over data ranks (count each data replica
-    once: tensor-parallel peers hold the same batch). A window with none gives 0 (no update).
-    """
-    return accumulation_steps * data_world / window_tokens.clamp_min(1)

@@ -77,8 +77,8 @@ class StepOutput:
 
 
 class LossSum(StepOutput):
-    """The summed token cross-entropy over the targets (training back-propagates it times `losses.token_loss_scale`:
-    the exact token mean over the optimizer step). With a mixture of experts' `balance` (`moe.LoadBalance`, on), its
+    """The summed token cross-entropy over the targets (training back-propagates it times `Ranks.loss_scale`: the exact
+    token mean over the optimizer step). With a mixture of experts' `balance` (`moe.LoadBalance`, on), its
     load-balancing term rides on it: after each forward, `term` is what to back-propagate beside the scaled sum."""
 
     def __init__(self, balance=None):

@@ -2,7 +2,7 @@
 budgets and packing").
 
 `TokenBudgetBatches` (`--max_tokens_per_batch N`) fills each micro-batch with whole rows up to N tokens; the loss
-stays the exact token mean because `losses.token_loss_scale` counts the window's targets on every rank. Packing
+stays the exact token mean because `distributed.token_loss_scale` counts the window's targets on every rank. Packing
 (`--packing true`) concatenates the rows into sequences of up to `--max_length` tokens in which each sample attends
 only to itself and its positions restart: `packed_position_ids` gives plain positions per sample, or each sample's own
 3-D mRoPE positions for the Qwen families; `models.check_packing` proves it on the model before the first step.

@@ -1,7 +1,8 @@
-"""GRPO's prompts: TRL's prompt rows (`prompt`, a string or a conversation, with `images` and any other columns) or
-chat rows in any layout `chat_data` reads, up to their last answer; rendered with the checkpoint's generation prompt,
-carrying what reward functions get (the prompt as TRL passes it, the row's other columns); bad rows skipped and counted
-as in SFT."""
+"""The prompts GRPO and distillation sample: TRL's prompt rows (`prompt`, a string or a conversation, with `images`
+and any other columns) or chat rows in any layout `chat_data` reads, up to their last answer; rendered with the
+checkpoint's generation prompt, carrying what reward functions get (the prompt as TRL passes it, the row's other
+columns; `PromptPreprocessor`); for distillation with the dataset's answer after them (`DistillPreprocessor`); bad
+rows skipped and counted as in SFT."""
 
 import json
 
@@ -14,6 +15,7 @@ from .chat_data import (
     CHAT_COUNTED,
     BadRow,
     ChatPreprocessor,
+    encode_row,
     has_video,
     media_folder,
     prompt_row,
@@ -23,6 +25,8 @@ from .chat_data import (
     to_chat,
     to_message,
 )
+from .labels import UnalignedAnswer
+from .losses import IGNORE_INDEX
 from .sampling import chat_rows
 
 PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution", OTHER_COLUMNS]
@@ -97,3 +101,62 @@ class PromptCollator:
         return {"prompts": prompts, "num_samples": len(rows) * self.counted,
                 "data_counts": data_counts(rows, CHAT_COUNTED) * self.counted,
                 "chat": self.chat_collator([row for prompt in prompts for row in chat_rows(prompt, [[]], [False])])}
+
+
+class DistillPreprocessor(PromptPreprocessor):
+    """Batched `datasets.map` function: rows GRPO reads in (TRL prompt rows with a `solution`, chat rows); out, the
+    prompt with the dataset's answer after it, the answer's tokens the only targets (the off-policy sample), and the
+    prompt's length (what the student's and the teacher's samples continue). Bad rows dropped and counted; a row whose
+    template writes the prompt otherwise before an answer than with its generation prompt counts as unaligned (its
+    samples and its answer would follow different prompts)."""
+
+    OUTPUTS = ("input_ids", "labels", "media_inputs", "prompt_length", "teacher_prompt")
+
+    def __init__(self, args, labeller, max_length: int, teacher_processor=None):
+        super().__init__(args, labeller, max_length)
+        self.teacher_processor = teacher_processor  # `Teacher.own_processor`: its prompt as it writes it
+
+    def example(self, row):
+        try:
+            messages, raw_images, _, columns = prompt_chat(row)
+            if has_video(row, messages):
+                raise Skip("video", "distillation samples image and text prompts")
+            if columns.get("solution") is None:
+                raise Skip("no_target", "a prompt row without a solution: no answer for the off-policy steps")
+            self.check_text_length(messages)
+            images, note = row_images(self.args, media_folder(row, self.args.image_folder), messages, raw_images)
+            prompt = prompt_row(self.labeller.processor, messages, images)["input_ids"]
+            answer = {"role": "assistant", "content": [{"type": "text", "text": str(columns["solution"])}]}
+            input_ids, labels, media_inputs = encode_row(self.labeller, [*messages, answer], images)
+            teacher = self.teacher_processor and prompt_row(self.teacher_processor, messages, images)
+        except Skip:
+            raise
+        except UnalignedAnswer as error:
+            raise Skip("unaligned", str(error)) from error
+        except Exception as error:  # a template that refuses the row, say: counted, never a crash
+            raise Skip("bad_row", f"{type(error).__name__}: {error}") from error
+        if len(input_ids) > self.max_length:
+            raise Skip("too_long", f"{len(input_ids)} tokens, over {self.max_length}")
+        if not torch.equal(input_ids[:len(prompt)], prompt):
+            raise Skip("unaligned", "the template writes the prompt otherwise before its answer")
+        labels[:len(prompt)] = IGNORE_INDEX  # earlier answers are context, as in the samples
+        if not (labels[1:] != IGNORE_INDEX).any():
+            raise Skip("no_target", "no answer to learn")
+        teacher = teacher and {"input_ids": teacher["input_ids"], "media_inputs": teacher["media_inputs"]}
+        return (input_ids, labels, media_inputs, len(prompt), teacher), note
+
+
+class DistillCollator:
+    """A micro-batch of `DistillPreprocessor` rows: {answers: the rows through `chat_collator` (an off-policy
+    micro-batch, and what evaluation and a rank with nothing left forward), prompts: each row's prompt (what a sample
+    continues, `sampling.Sampler`), num_samples, data_counts}."""
+
+    def __init__(self, chat_collator):
+        self.chat_collator = chat_collator
+
+    def __call__(self, rows):
+        answers = self.chat_collator(rows)
+        prompts = [{"input_ids": torch.as_tensor(row["input_ids"])[:row["prompt_length"]],
+                    "media_inputs": row["media_inputs"], "teacher": row["teacher_prompt"]} for row in rows]
+        return {"answers": answers, "prompts": prompts, "num_samples": answers["num_samples"],
+                "data_counts": answers["data_counts"]}

@@ -186,6 +186,15 @@ class RewardScorer:
                     self._failed(name, kind, why)
         return scores
 
+    def score(self, completions, tokenizer, stop_ids) -> torch.Tensor:
+        """`completions` ((prompt, token ids) each: `sampling.Rollouts`) decoded (without their stop tokens) and
+        scored as TRL hands them to reward functions (`reward_inputs`)."""
+        prompts, ids = zip(*completions)
+        texts = [tokenizer.decode([token for token in row if token not in stop_ids], skip_special_tokens=True)
+                 for row in ids]
+        reward_prompts, values, columns = reward_inputs(prompts, texts)
+        return self(reward_prompts, values, list(ids), columns)
+
     def _failed(self, name: str, kind: str, why: str, completions: int = 1):
         """Count a failure; the first of each `kind` per function is said (`take_failures`)."""
         self.failures[name] += completions

@@ -1,11 +1,12 @@
-"""Sampling a step's completions for GRPO, alike on any number of ranks (docs/grpo.md, "Rollouts").
+"""Sampling a step's completions for GRPO and distillation, alike on any number of ranks (docs/grpo.md, "Rollouts").
 
 Each completion draws from its own generator (`prompt_seed`: the run's seed, the step, the prompt's tokens and pixels,
 its index), so one process and W ranks sample the same completions however the data is split. Where the model is whole
 on a rank (`model_for_sampling`: DDP, ZeRO-1/2, one process, ZeRO-3 with `ds3_gather_for_generation`), `generate_group`
 uses transformers' `generate` with its KV cache; where every forward gathers parameters (FSDP2, ZeRO-3 without the
 gather), `sample_group` forwards whole sequences a token at a time until every rank's completions have stopped. Both
-draw the same tokens (`RowSampler`). `Sampler.rollouts`: a step's completions on this rank, decoded and scored.
+draw the same tokens (`RowSampler`). `Sampler.rollouts`: a step's completions on this rank, as token ids and as
+micro-batches to train on; GRPO scores them (`rewards.RewardScorer.score`).
 """
 
 import time
@@ -21,11 +22,10 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ..distributed import batches_in_step, max_over_ranks
 from ..images import to_device
-from .arguments import GRPOArgs
+from .arguments import SamplingArgs
 from .evaluation import with_token_appended
 from .losses import IGNORE_INDEX
 from .outputs import Logits
-from .rewards import reward_inputs
 
 
 def prompt_seed(seed: int, prompt: dict) -> int:
@@ -53,7 +53,7 @@ def chat_rows(prompt: dict, completions: list[list[int]], labelled: list[bool]) 
 
 
 @torch.no_grad()
-def sample_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed: int, device, suppressed=(),
+def sample_group(model, prompt: dict, collator, args: SamplingArgs, stop_ids, seed: int, device, suppressed=(),
                  indices=None, live=True):
     """[(completion token ids, truncated)] of the completions `indices` (default: all --num_generations) of
     `prompt`'s group, each from its own generator (`seed` + its index), sampled at --temperature within --top_p
@@ -77,7 +77,7 @@ def sample_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed: 
 
 
 @torch.no_grad()
-def generate_group(model, prompt: dict, collator, args: GRPOArgs, stop_ids, seed: int, device, suppressed=(),
+def generate_group(model, prompt: dict, collator, args: SamplingArgs, stop_ids, seed: int, device, suppressed=(),
                    indices=None):
     """What `sample_group` samples, by `generate` with a KV cache, on a `VLMForTraining` whole on this rank (no
     collective in its forward: `model_for_sampling`): the prompt as the processor gave it (a text-only prompt
@@ -105,7 +105,7 @@ class RowSampler(LogitsProcessor):
     index), at --temperature within --top_p, never a `suppressed` token. Both samplers draw with it; as `generate`'s
     last logits processor it leaves only the drawn token a finite score, for greedy search to take."""
 
-    def __init__(self, indices, seed: int, args: GRPOArgs, suppressed=()):
+    def __init__(self, indices, seed: int, args: SamplingArgs, suppressed=()):
         self.generators = [torch.Generator().manual_seed(seed + index) for index in indices]
         self.args, self.suppressed = args, list(suppressed)
 
@@ -133,28 +133,29 @@ def _sampled(logits: torch.Tensor, generator, temperature: float, top_p: float) 
 
 class Sampler:
     """What every step's sampling takes: the accelerator (the engine decides how: `model_for_sampling`), the
-    collator, the tokenizer, the GRPO flags, the stop ids and the ids never sampled (`placeholder_token_ids`)."""
+    collator, the sampling flags (`SamplingArgs`), the stop ids and the ids never sampled (`placeholder_token_ids`)."""
 
-    def __init__(self, accelerator, collator, tokenizer, args: GRPOArgs, stop_ids, suppressed):
-        self.accelerator, self.collator, self.tokenizer, self.args = accelerator, collator, tokenizer, args
+    def __init__(self, accelerator, collator, args: SamplingArgs, stop_ids, suppressed):
+        self.accelerator, self.collator, self.args = accelerator, collator, args
         self.stop_ids, self.suppressed = list(stop_ids), list(suppressed)
 
     def describe(self) -> str:
         return generation_line(self.accelerator, self.args.ds3_gather_for_generation)
 
-    def rollouts(self, model, prompts, layout, scorer, seed: int, gather: bool | None = None) -> "Rollouts":
+    def rollouts(self, model, prompts, layout, seed: int, gather: bool | None = None,
+                 mask_truncated: bool = False) -> "Rollouts":
         """This rank's completions of the team's `prompts` (`GroupLayout.pieces`), sampled as the engine allows
-        (`model_for_sampling`; `gather` None: --ds3_gather_for_generation), decoded and scored (`sample`)."""
+        (`model_for_sampling`; `gather` None: --ds3_gather_for_generation), `sample`'s."""
         gather = self.args.ds3_gather_for_generation if gather is None else gather
         with model_for_sampling(self.accelerator, model, gather) as (sampling, whole):
-            return self.sample(sampling, whole, prompts, layout, scorer, seed)
+            return self.sample(sampling, whole, prompts, layout, seed, mask_truncated)
 
-    def sample(self, model, whole: bool, prompts, layout, scorer, seed: int) -> "Rollouts":
+    def sample(self, model, whole: bool, prompts, layout, seed: int, mask_truncated: bool = False) -> "Rollouts":
         """Each group of the pieces from `prompt_seed(seed, prompt)` (`seed`: the run's + the step), by `generate_group`
         on a `whole` model, else by `sample_group` (as many times on every rank: a filler where a rank has fewer
-        pieces); decoded and scored (`RewardScorer`, once; unscored where `scorer` is None), in micro-batches of
-        `layout.micro_batch`."""
-        started, rollouts, rows, scored = time.perf_counter(), Rollouts(), [], []
+        pieces), in micro-batches of `layout.micro_batch` whose targets are the completions (none for a truncated one
+        where `mask_truncated`: GRPO's --mask_truncated_completions)."""
+        started, rollouts, rows = time.perf_counter(), Rollouts(), []
         device, args = self.accelerator.device, self.args
         pieces = [(piece, True) for piece in layout.pieces()] if whole else batches_in_step(layout.pieces(), (0, [0]),
                                                                                           device)
@@ -166,15 +167,10 @@ class Sampler:
             if not real:
                 continue
             completions = [ids for ids, _ in group]
-            scored += [(prompt, ids, self.tokenizer.decode([t for t in ids if t not in self.stop_ids],
-                                                           skip_special_tokens=True)) for ids in completions]
+            rollouts.completions += [(prompt, ids) for ids in completions]
             rollouts.lengths += [len(ids) for ids in completions]
             rollouts.truncated += [cut for _, cut in group]
-            rows += chat_rows(prompt, completions, [not (cut and args.mask_truncated_completions) for _, cut in group])
-        if scorer is not None:
-            prompts_of, ids, texts = zip(*scored)
-            reward_prompts, completions, columns = reward_inputs(prompts_of, texts)
-            rollouts.scores = scorer(reward_prompts, completions, list(ids), columns)
+            rows += chat_rows(prompt, completions, [not (cut and mask_truncated) for _, cut in group])
         rollouts.micro_batches = [self.collator(rows[start:start + layout.micro_batch])
                                   for start in range(0, len(rows), layout.micro_batch)]
         rollouts.seconds = time.perf_counter() - started
@@ -183,9 +179,11 @@ class Sampler:
 
 @dataclass
 class Rollouts:
-    """A batch of completions on this rank: the micro-batches to train on (`ChatCollator` batches), each completion's
-    rewards per function (NaN where one failed), length and truncation, and the seconds sampling and scoring took."""
+    """A batch of completions on this rank: each with its prompt (`completions`: (prompt, token ids)), the
+    micro-batches to train on (`ChatCollator` batches), each completion's length and truncation, the seconds sampling
+    took, and (GRPO's) its rewards per function (NaN where one failed)."""
 
+    completions: list = field(default_factory=list)
     micro_batches: list = field(default_factory=list)
     scores: torch.Tensor | None = None
     lengths: list = field(default_factory=list)
