@@ -113,7 +113,8 @@ class Ranks:
         data_rank, data_world = data_parallel_rank_and_world(accelerator, size)
         replicas = accelerator.num_processes // data_world
         grouped = size > 1
-        return cls(data_rank, data_world, split, replicas, counts_reads=accelerator.process_index % replicas == 0,
+        return cls(data_rank=data_rank, data_world=data_world, split=split, replicas=replicas,
+                   counts_reads=accelerator.process_index % replicas == 0,
                    eval_rank=accelerator.process_index if grouped else None,
                    eval_world=accelerator.num_processes if grouped else None, device=accelerator.device)
 

@@ -17,12 +17,10 @@ from .distributed import sum_over_ranks
 from .model_card import History
 from .throughput import peak_flops
 
-# How the log line writes a value (others: as they are); the tracker gets the numbers.
-FORMATS = {"loss": ".6f", "aux_loss": ".6f", "grad_norm": ".6f", "lr": ".2e", "samples_per_s": ".1f",
-           "tokens_per_s": ".0f", "mfu": ".2%", "data_wait": ".3f", "rewards/accuracies": ".3f"}
-FORMATS |= dict.fromkeys(("rewards/chosen", "rewards/rejected", "rewards/margins"), ".5f")  # the DPO recipe's
-FORMATS |= dict.fromkeys(("logps/chosen", "logps/rejected"), ".4f")
-FORMATS |= dict.fromkeys(("generation_share", "on_policy", "sample_length"), ".3f")  # GRPO's, distillation's
+# How the log line writes a value (others: as they are; a recipe adds its own metrics', `Report(formats=...)`); the
+# tracker gets the numbers.
+FORMATS = {"loss": ".6f", "grad_norm": ".6f", "lr": ".2e", "samples_per_s": ".1f", "tokens_per_s": ".0f",
+           "mfu": ".2%", "data_wait": ".3f"}
 LABELS = {"samples_per_s": "samples/s", "tokens_per_s": "tokens/s", "mfu": "MFU"}
 
 
@@ -89,12 +87,15 @@ class Report:
     the tracker); `counted`: the names of the collator's `data_counts`; `flops(batch)`: a batch's training FLOPs
     (MFU; None: not reported); `guard`: the run's `StepGuard` (its skipped steps are reported);
     `total`: the sums a resumed run starts from (`Checkpointer.resumed_totals`); `ranks` (`distributed.Ranks`): where
-    another rank counts the batches this one reads too (a sequence-parallel peer), this one counts none.
+    another rank counts the batches this one reads too (a sequence-parallel peer), this one counts none; `formats`:
+    how the log line writes the recipe's own metrics (`FORMATS`' format specs).
     """
 
-    def __init__(self, accelerator, args, batches, counted: tuple[str, ...], *, guard, ranks, flops=None, total=None):
+    def __init__(self, accelerator, args, batches, counted: tuple[str, ...], *, guard, ranks, flops=None, total=None,
+                 formats: dict | None = None):
         self.accelerator, self.batches, self.counted, self.guard, self.flops = (
             accelerator, batches, counted, guard, flops)
+        self.formats = FORMATS | (formats or {})
         self.counts_batches = ranks.counts_reads
         self.logging_steps, self.eval_steps, self.max_steps = args.logging_steps, args.eval_steps, args.max_steps
         self.peak = peak_flops(args.peak_tflops)
@@ -126,9 +127,9 @@ class Report:
                 counts["flops"] = self.flops(batch)
             self.window.add(**{name: value * share for name, value in counts.items()})
 
-    def add_step(self, applied: torch.Tensor, **sums):
-        """The step's own sums (loss parts), on the device, counted only if the step was `applied`."""
-        self.window.add_applied(applied, **sums)
+    def add_step(self, **sums):
+        """The step's own sums (loss parts), on the device, counted only if the guard applied the step."""
+        self.window.add_applied(self.guard.applied, **sums)
 
     def close(self) -> dict[str, float]:
         """The window's sums over all ranks (one collective), with its `seconds`; the next window starts."""
@@ -159,7 +160,7 @@ class Report:
         metrics = metrics | self.throughput(sums)
         self.accelerator.log(metrics | {"epoch": self.batches.epoch}, step=step)
         self.history.add(step, metrics)
-        self.write(log_line(step, self.max_steps, metrics))
+        self.write(log_line(step, self.max_steps, metrics, self.formats))
 
     @contextmanager
     def evaluating(self, step: int):
@@ -179,9 +180,9 @@ def ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else float("nan")
 
 
-def log_line(step: int, max_steps: int, metrics: dict) -> str:
-    """`step N/M | name value | ...`, each value as FORMATS writes it."""
-    return f"step {step}/{max_steps} | " + " | ".join(_pair(name, value) for name, value in metrics.items())
+def log_line(step: int, max_steps: int, metrics: dict, formats: dict = FORMATS) -> str:
+    """`step N/M | name value | ...`, each value as `formats` writes it."""
+    return f"step {step}/{max_steps} | " + " | ".join(_pair(name, value, formats) for name, value in metrics.items())
 
 
 def eval_line(step: int, metrics: dict) -> str:
@@ -189,7 +190,7 @@ def eval_line(step: int, metrics: dict) -> str:
         f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}" for name, value in metrics.items())
 
 
-def _pair(name, value) -> str:
+def _pair(name, value, formats: dict) -> str:
     if value is None:
         return f"{LABELS.get(name, name)} n/a"
-    return f"{LABELS.get(name, name)} {format(value, FORMATS.get(name, ''))}"
+    return f"{LABELS.get(name, name)} {format(value, formats.get(name, ''))}"

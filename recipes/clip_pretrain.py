@@ -47,6 +47,7 @@ class TrainArgs(TrainingArgs):
 
 # the flags and YAML keys this recipe takes
 ARGUMENTS = (ModelArgs, LockArgs, DataArgs, ZeroShotArgs, TrainArgs)
+# shared: flags first
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
 
@@ -204,7 +205,7 @@ def main(argv=None):
         optimizer.zero_grad()
 
         clamp_logit_scale_(accelerator, model)  # after a skipped step a no-op
-        report.add_step(guard.applied, loss=step_losses.mean(), applied_steps=1)  # on the device
+        report.add_step(loss=step_losses.mean(), applied_steps=1)  # on the device
 
         if report.due(done):
             # The mean over ranks of the local losses is the global batch's (contrastive.losses)

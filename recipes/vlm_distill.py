@@ -18,35 +18,31 @@ answer (docs/distill.md). With no arguments: the tiny SFT'd Llava learns from a 
 
 from dataclasses import asdict, dataclass
 
-from mmrecipes.arguments import TrainingArgs
-from mmrecipes.config import checked, parse_args
-from mmrecipes.vlm.arguments import DistillArgs, LoraArgs, PromptDataArgs, VLMModelArgs
+from mmrecipes.config import parse_args
+from mmrecipes.vlm.arguments import (
+    DistillArgs,
+    LoraArgs,
+    PromptDataArgs,
+    TunedModelArgs,
+    VLMTrainingArgs,
+)
 
 
 @dataclass
-class ModelArgs(VLMModelArgs):
-    # The tiny Llava after 60 SFT steps (data_prep/tiny_sft_vlm.py), the student of a wider one
-    model_name_or_path: str | None = "embedded:tiny_sft_vlm"
-
-
-@dataclass
-class TrainArgs(TrainingArgs):
+class TrainArgs(VLMTrainingArgs):
     output_dir: str = "outputs/vlm_distill"
     max_steps: int = 150
     per_device_train_batch_size: int = 16  # prompts
     # for the tiny SFT'd default; TRL's default for real models is 1e-6
     learning_rate: float = 3.0e-4
     warmup_steps: int = 0
-    # used when --train_modules all (as vlm_finetune.py)
-    vision_tower_learning_rate: float = checked(2.0e-6, "learning_rate")
-    vision_tower_weight_decay: float = checked(0.0, "non_negative")
-    weight_decay: float = 0.0
     per_device_eval_batch_size: int = 64
     eval_steps: int = 50
 
 
 # the flags and YAML keys it takes
-ARGUMENTS = (ModelArgs, LoraArgs, PromptDataArgs, DistillArgs, TrainArgs)
+ARGUMENTS = (TunedModelArgs, LoraArgs, PromptDataArgs, DistillArgs, TrainArgs)
+# shared: flags first
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
 
@@ -166,7 +162,7 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(distill_args)
     accelerator.init_trackers("vlm_distill", config | asdict(args))
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals, ranks=ranks)
+                    total=checkpoints.resumed_totals, ranks=ranks, formats=targets.FORMATS)
 
     def evaluate(scores: dict, filler: dict, teacher_too: bool = False):  # held-out scores
         answers = (batch["answers"] for batch in eval_loader)
@@ -212,7 +208,7 @@ def main(argv=None):
             scheduler.step()
         optimizer.zero_grad()
 
-        report.add_step(guard.applied, divergence=sum(window_divergence),
+        report.add_step(divergence=sum(window_divergence),
                         target_tokens=local_tokens, **targets.sums())
 
         if report.due(done):

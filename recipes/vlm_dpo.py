@@ -19,28 +19,30 @@ exact mean over the window's pairs on every rank (docs/dpo.md).
 
 from dataclasses import asdict, dataclass, replace
 
-from mmrecipes.arguments import TrainingArgs
-from mmrecipes.config import checked, parse_args
-from mmrecipes.vlm.arguments import DPOArgs, LoraArgs, PreferenceDataArgs, VLMModelArgs
+from mmrecipes.config import parse_args
+from mmrecipes.vlm.arguments import (
+    DPOArgs,
+    LoraArgs,
+    PreferenceDataArgs,
+    VLMModelArgs,
+    VLMTrainingArgs,
+)
 
 
 @dataclass
-class TrainArgs(TrainingArgs):
+class TrainArgs(VLMTrainingArgs):
     output_dir: str = "outputs/vlm_dpo"
     max_steps: int = 300
     per_device_train_batch_size: int = 16  # pairs
     # the tiny default from scratch; TRL's DPO default for real models is 1e-6
     learning_rate: float = 1.0e-3
-    # used when --train_modules all (as vlm_finetune.py)
-    vision_tower_learning_rate: float = checked(2.0e-6, "learning_rate")
-    vision_tower_weight_decay: float = checked(0.0, "non_negative")
-    weight_decay: float = 0.0
     per_device_eval_batch_size: int = 64
     eval_steps: int = 100
 
 
 # the flags and YAML keys it takes
 ARGUMENTS = (VLMModelArgs, LoraArgs, PreferenceDataArgs, DPOArgs, TrainArgs)
+# shared: flags first
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
 
@@ -64,6 +66,7 @@ from mmrecipes.vlm.models import VLMForTraining, save_vlm
 from mmrecipes.vlm.outputs import SequenceLogps
 from mmrecipes.vlm.parts import vlm_parts
 from mmrecipes.vlm.preference import (
+    DPO_FORMATS,
     PREFERENCE_COUNTED,
     PreferenceCollator,
     PreferencePreprocessor,
@@ -165,7 +168,7 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(dpo_args)
     accelerator.init_trackers("vlm_dpo", config | asdict(args))
     report = Report(accelerator, args, batches, PREFERENCE_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals, ranks=ranks)
+                    total=checkpoints.resumed_totals, ranks=ranks, formats=DPO_FORMATS)
     # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
@@ -201,7 +204,7 @@ def main(argv=None):
             scheduler.step()
         optimizer.zero_grad()
 
-        report.add_step(guard.applied, pairs=local_pairs, **dict(zip(PAIR_SUMS, step_sums)))
+        report.add_step(pairs=local_pairs, **dict(zip(PAIR_SUMS, step_sums)))
 
         if report.due(done):
             sums = report.close()

@@ -17,23 +17,17 @@ exact token mean over the accumulation window on all ranks (docs/vlm.md). Data: 
 
 from dataclasses import asdict, dataclass
 
-from mmrecipes.arguments import TrainingArgs
 from mmrecipes.config import checked, parse_args
-from mmrecipes.vlm.arguments import ChatDataArgs, LoraArgs, MoEArgs, VLMModelArgs
+from mmrecipes.vlm.arguments import ChatDataArgs, LoraArgs, MoEArgs, VLMModelArgs, VLMTrainingArgs
 
 
 @dataclass
-class TrainArgs(TrainingArgs):
+class TrainArgs(VLMTrainingArgs):
     output_dir: str = "outputs/vlm_finetune"
     max_steps: int = 500
     per_device_train_batch_size: int = 16
     # the tiny default from scratch; LLaVA stage 2 uses 2e-5, stage 1 1e-3
     learning_rate: float = 1.0e-3
-    # used when --train_modules all
-    vision_tower_learning_rate: float = checked(2.0e-6, "learning_rate")
-    # 0 keeps AdamW from decaying the tower on steps where it only saw a dummy image (zero gradient)
-    vision_tower_weight_decay: float = checked(0.0, "non_negative")
-    weight_decay: float = 0.0
     per_device_eval_batch_size: int = 64
     eval_steps: int = 200
     # held-out questions answered by greedy generation at each evaluation; 0: none
@@ -45,6 +39,7 @@ class TrainArgs(TrainingArgs):
 
 # the flags and YAML keys this recipe takes
 ARGUMENTS = (VLMModelArgs, LoraArgs, MoEArgs, ChatDataArgs, TrainArgs)
+# shared: flags first
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
 
@@ -173,7 +168,8 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args)
     accelerator.init_trackers("vlm_finetune", config)
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals, ranks=ranks)
+                    total=checkpoints.resumed_totals, ranks=ranks, formats=balance.FORMATS)
+
     def evaluate(scores: dict, filler: dict):  # teacher-forced and generated held-out answers
         scores |= evaluate_answers(model, eval_loader, filler, accelerator.device)
         scores |= evaluate_generation(model, prompts, filler, eval_collator, processor.tokenizer,
@@ -207,7 +203,7 @@ def main(argv=None):
             scheduler.step()
         optimizer.zero_grad()
 
-        report.add_step(guard.applied, ce=sum(window_ce), target_tokens=local_tokens,
+        report.add_step(ce=sum(window_ce), target_tokens=local_tokens,
                         **balance.window_sums())
 
         if report.due(done):

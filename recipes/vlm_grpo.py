@@ -18,19 +18,18 @@ model that never answers right gets no reward to learn from.
 
 from dataclasses import asdict, dataclass, replace
 
-from mmrecipes.arguments import TrainingArgs
-from mmrecipes.config import checked, parse_args
-from mmrecipes.vlm.arguments import GRPOArgs, LoraArgs, PromptDataArgs, VLMModelArgs
+from mmrecipes.config import parse_args
+from mmrecipes.vlm.arguments import (
+    GRPOArgs,
+    LoraArgs,
+    PromptDataArgs,
+    TunedModelArgs,
+    VLMTrainingArgs,
+)
 
 
 @dataclass
-class ModelArgs(VLMModelArgs):
-    # The tiny Llava after 60 SFT steps (data_prep/tiny_sft_vlm.py): it answers sometimes
-    model_name_or_path: str | None = "embedded:tiny_sft_vlm"
-
-
-@dataclass
-class TrainArgs(TrainingArgs):
+class TrainArgs(VLMTrainingArgs):
     output_dir: str = "outputs/vlm_grpo"
     max_steps: int = 150
     # completions; a step's, over ranks and accumulation: whole groups
@@ -38,15 +37,12 @@ class TrainArgs(TrainingArgs):
     # for the tiny SFT'd default; TRL's default for real models is 1e-6
     learning_rate: float = 3.0e-4
     warmup_steps: int = 0
-    # used when --train_modules all (as vlm_finetune.py)
-    vision_tower_learning_rate: float = checked(2.0e-6, "learning_rate")
-    vision_tower_weight_decay: float = checked(0.0, "non_negative")
-    weight_decay: float = 0.0
     eval_steps: int = 50
 
 
 # the flags and YAML keys it takes
-ARGUMENTS = (ModelArgs, LoraArgs, PromptDataArgs, GRPOArgs, TrainArgs)
+ARGUMENTS = (TunedModelArgs, LoraArgs, PromptDataArgs, GRPOArgs, TrainArgs)
+# shared: flags first
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
 
@@ -163,7 +159,7 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(grpo_args)
     accelerator.init_trackers("vlm_grpo", config | asdict(args))
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals, ranks=ranks)
+                    total=checkpoints.resumed_totals, ranks=ranks, formats=grpo.FORMATS)
     rollouts = None
     for step in progress:
         window = []  # a batch of the team's prompts, read once every --num_iterations steps
@@ -210,7 +206,7 @@ def main(argv=None):
             scheduler.step()
         optimizer.zero_grad()
 
-        report.add_step(guard.applied, **step_sums, normaliser=local_count,
+        report.add_step(**step_sums, normaliser=local_count,
                         **(sampled if window else {}))
 
         if report.due(done):

@@ -6,6 +6,7 @@ comment, up to the next blank line, must read the same in every recipe that has 
 blocks (three lines or more) must be marked shared or moved into mmrecipes. In process: no recipe runs.
 """
 
+import ast
 import itertools
 from pathlib import Path
 
@@ -49,14 +50,23 @@ def drift(texts: dict[str, str]) -> list[str]:
     return problems
 
 
+def code_lines(text: str) -> list[str]:
+    """A recipe's code: its argument dataclasses and `main`, without its docstring and imports (every recipe imports
+    what it names), comments and blank lines."""
+    body = ast.parse(text).body
+    imports = {line for node in body if isinstance(node, (ast.Import, ast.ImportFrom))
+               for line in range(node.lineno, node.end_lineno + 1)}
+    docstring = set(range(body[0].lineno, body[0].end_lineno + 1)) if isinstance(body[0], ast.Expr) else set()
+    return [line.strip() for number, line in enumerate(text.splitlines(), 1)
+            if line.strip() and not line.strip().startswith("#") and number not in imports | docstring]
+
+
 def unmarked_repeats(texts: dict[str, str]) -> list[str]:
-    """Runs of more than LONGEST_UNMARKED_REPEAT consecutive code lines of a recipe's `main`, outside its shared
-    blocks, that another recipe's `main` holds too (comments and blank lines left out)."""
+    """Runs of more than LONGEST_UNMARKED_REPEAT consecutive code lines of a recipe (its argument dataclasses and
+    `main`), outside its shared blocks, that another recipe holds too."""
     def code(text, unmarked):
         blocks = {line.strip() for lines in shared_blocks(text).values() for line in lines} if unmarked else set()
-        main = text[text.index("\ndef main("):]
-        return [line.strip() for line in main.splitlines()
-                if line.strip() and not line.strip().startswith("#") and line.strip() not in blocks]
+        return [line for line in code_lines(text) if line not in blocks]
 
     found, width = [], LONGEST_UNMARKED_REPEAT + 1
     for one, other in itertools.permutations(texts, 2):

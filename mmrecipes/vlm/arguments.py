@@ -137,6 +137,25 @@ class VLMModelArgs(CheckedArgs):
 
 
 @dataclass
+class TunedModelArgs(VLMModelArgs):
+    """The model flags of the recipes that sample (GRPO, distillation), whose default model must answer sometimes: the
+    tiny Llava after 60 SFT steps (data_prep/tiny_sft_vlm.py)."""
+
+    model_name_or_path: str | None = "embedded:tiny_sft_vlm"
+
+
+@dataclass
+class VLMTrainingArgs(TrainingArgs):
+    """The training flags of every VLM recipe: the shared ones (`TrainingArgs`), and the vision tower's own rates."""
+
+    weight_decay: float = 0.0
+    # the vision tower's, used when --train_modules all
+    vision_tower_learning_rate: float = checked(2.0e-6, "learning_rate")
+    # 0 keeps AdamW from decaying the tower on steps where it only saw a dummy image (zero gradient)
+    vision_tower_weight_decay: float = checked(0.0, "non_negative")
+
+
+@dataclass
 class LoraArgs(CheckedArgs):
     use_peft: bool = False  # train LoRA adapters instead of the weights (TRL's flag names)
     lora_r: int = checked(16, "count")

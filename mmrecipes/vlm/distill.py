@@ -44,6 +44,8 @@ class StepTargets:
     each prompt sampled from a seed of its own (`sampling.Sampler`: W ranks sample what one process does). `sums`:
     what the log counts of the last step; `metrics`: the log's values of a window's sums."""
 
+    FORMATS = dict.fromkeys(("on_policy", "sample_length", "generation_share"), ".3f")  # the log line's, of `metrics`
+
     def __init__(self, sampler, teacher: Teacher, args: DistillArgs, seed: int):
         self.sampler, self.teacher, self.args, self.seed = sampler, teacher, args, seed
         self.sampled, self.samples, self.micro_batches = False, [], []

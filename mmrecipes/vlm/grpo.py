@@ -22,6 +22,7 @@ from .losses import IGNORE_INDEX
 from .outputs import TokenLogps
 
 CLIP_COUNTS = ("low", "high", "region")  # TRL's clip_ratio/low_mean, high_mean, region_mean
+FORMATS = {"generation_share": ".3f"}  # how the log line writes it (TRL's metrics: as they are)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ class GroupLayout:
     @classmethod
     def of(cls, group_size: int, micro_batch: int, accumulation: int, ranks) -> "GroupLayout":
         """The layout of `ranks` (`distributed.Ranks`): a sequence-parallel group's ranks hold the same completions."""
-        return cls(group_size, micro_batch, accumulation, ranks.data_rank, ranks.data_world, ranks.split_size)
+        return cls(group_size=group_size, micro_batch=micro_batch, accumulation=accumulation,
+                   data_rank=ranks.data_rank, data_world=ranks.data_world, replicas=ranks.split_size)
 
     @property
     def split_size(self) -> int:

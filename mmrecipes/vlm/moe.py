@@ -101,6 +101,8 @@ class LoadBalance:
     beside the CE (the engine's averaging over the accumulation steps and ranks already cancelled), its value kept for
     the log (`window_sums`, `metrics`: `aux_loss`)."""
 
+    FORMATS = {"aux_loss": ".6f"}  # how the log line writes `metrics`
+
     def __init__(self, num_experts: int = 0, top_k: int = 0, coef: float = 0.0, scope: str = "micro_batch",
                  accumulation: int = 1, data_world: int = 1, line: str = ""):
         self.num_experts, self.top_k, self.coef, self.scope = num_experts, top_k, coef, scope

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer, CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
-from ..arguments import TrainingArgs
 from ..images import to_device
 from ..training import optimizer_groups
-from .arguments import LoraArgs, VLMModelArgs, read_chat_template
+from .arguments import LoraArgs, VLMModelArgs, VLMTrainingArgs, read_chat_template
 from .collate import ChatCollator, probe_rows
 from .compose import compose_llava, replaced_template
 from .families import dummy_image_inputs, placeholder_token_ids, stateful_mixers
@@ -48,7 +47,7 @@ class VLMParts:
     def peft_config(self):
         return self.peft_model.peft_config["default"] if self.peft_model is not None else None
 
-    def optimizer_groups(self, args: TrainingArgs) -> list[dict]:
+    def optimizer_groups(self, args: VLMTrainingArgs) -> list[dict]:
         """AdamW groups of the trainable parameters (frozen ones hold no state); the tower, if it trains, at its own
         lr and weight decay (--vision_tower_learning_rate, --vision_tower_weight_decay)."""
         return optimizer_groups(self.trainable, learning_rate=args.learning_rate, weight_decay=args.weight_decay,

@@ -107,6 +107,11 @@ class PreferencePreprocessor(ChatPreprocessor):
                              "'rejected' (+ 'images'), or LLaVA's 'conversations' with 'chosen' and 'rejected'")
 
 
+# How the log line writes DPO's metrics (TRL's names)
+DPO_FORMATS = {"rewards/accuracies": ".3f", "logps/chosen": ".4f", "logps/rejected": ".4f",
+               **dict.fromkeys(("rewards/chosen", "rewards/rejected", "rewards/margins"), ".5f")}
+
+
 class PreferenceCollator:
     """Pairs -> one `ChatCollator` batch: the chosen rows, then the rejected rows (`num_samples` counts pairs, the
     data counts the pairs' `PREFERENCE_COUNTED`); with `keys`, each pair's `pair_key` too (precomputed reference
