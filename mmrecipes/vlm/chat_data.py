@@ -23,8 +23,7 @@ from ..loader import check_held_out, rank_loader
 from ..skips import SKIPPED, DropCounter, Skip
 from ..sources import DATA_FILE, PROBLEM, load_stream, mixed_stream, row_name
 from .arguments import ChatDataArgs
-from .labels import TemplateError, UnalignedAnswer
-from .losses import IGNORE_INDEX
+from .labels import IGNORE_INDEX, TemplateError, UnalignedAnswer
 from .videos import VIDEO_COUNTED, decode_video
 
 logger = logging.getLogger(__name__)

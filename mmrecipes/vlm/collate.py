@@ -13,7 +13,7 @@ from PIL import Image
 from ..images import NORMALIZED_BY
 from ..skips import data_counts
 from .chat_data import CHAT_COUNTED, TOKEN_ALIGNED, encode_row
-from .losses import IGNORE_INDEX, count_target_tokens
+from .labels import IGNORE_INDEX, count_target_tokens
 
 MEDIA_KEYS = ("pixel_values", "pixel_values_videos")  # a row holds images, videos or both when it has these
 
@@ -134,4 +134,17 @@ def probe_rows(labeller) -> list[dict]:
                     {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
         input_ids, labels, media_inputs = encode_row(labeller, messages, images)
         rows.append({"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs})
+    return rows
+
+
+def chat_rows(prompt: dict, completions: list[list[int]], labelled: list[bool]) -> list[dict]:
+    """Collator rows (`ChatCollator`) of a prompt and its completions: the completion tokens are the targets (none
+    where `labelled` is False: a masked truncated completion)."""
+    rows = []
+    for completion, target in zip(completions, labelled):
+        tokens = torch.tensor(completion, dtype=prompt["input_ids"].dtype)
+        labels = torch.cat([torch.full_like(prompt["input_ids"], IGNORE_INDEX),
+                            tokens if target else torch.full_like(tokens, IGNORE_INDEX)])
+        rows.append({"input_ids": torch.cat([prompt["input_ids"], tokens]), "labels": labels,
+                     "media_inputs": prompt["media_inputs"]})
     return rows

@@ -6,7 +6,7 @@ import torch
 from ..distributed import batches_in_step, max_over_ranks, sum_over_ranks
 from ..images import to_device
 from .chat_data import TOKEN_ALIGNED
-from .losses import IGNORE_INDEX
+from .labels import IGNORE_INDEX
 from .outputs import Logits
 
 

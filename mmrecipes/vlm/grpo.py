@@ -18,7 +18,7 @@ from ..distributed import sum_over_ranks
 from ..images import to_device
 from ..reporting import ratio
 from .arguments import GRPOArgs
-from .losses import IGNORE_INDEX
+from .labels import IGNORE_INDEX
 from .outputs import TokenLogps
 
 CLIP_COUNTS = ("low", "high", "region")  # TRL's clip_ratio/low_mean, high_mean, region_mean

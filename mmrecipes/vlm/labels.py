@@ -22,6 +22,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from ..images import NORMALIZED_BY, UINT8_PIXELS, fused_normalization, uint8_normalization
 
+IGNORE_INDEX = -100  # label of positions that are not trained on (prompt, image tokens, padding)
 REFUSED = "the template refuses the conversation"
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 MAX_DIFF_CELLS = 4_000_000  # a diff of 2,000 x 2,000 tokens of repetitive text took 0.5 s
@@ -297,3 +298,8 @@ def _without_stop(text, stop_strings):
         if text.endswith(stop):
             return text[:-len(stop)].strip()
     return text
+
+
+def count_target_tokens(labels: torch.Tensor) -> int:
+    """Target tokens of a batch after the shift (what the token losses sum over)."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-IGNORE_INDEX = -100  # label of positions that are not trained on (prompt, image tokens, padding)
+from .labels import IGNORE_INDEX
 
 
 def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -130,8 +130,3 @@ def _chunk_generalized_jsd(student_hidden, teacher_hidden, mask, student_head, t
 def soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """Gemma-style final logit soft-capping, `tanh(logits / cap) * cap`; the logits as they are for None."""
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
-
-
-def count_target_tokens(labels: torch.Tensor) -> int:
-    """Target tokens of a batch after the shift (what `token_cross_entropy_sum` sums over)."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())

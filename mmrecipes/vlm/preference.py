@@ -17,7 +17,7 @@ from ..skips import SKIPPED, Skip, data_counts
 from ..sources import DATA_FILE, PROBLEM, row_name
 from .arguments import DPOArgs
 from .chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor, string_prompt
-from .losses import IGNORE_INDEX
+from .labels import IGNORE_INDEX
 from .outputs import SequenceLogps
 from .reference import Reference
 

@@ -25,9 +25,8 @@ from .chat_data import (
     to_chat,
     to_message,
 )
-from .labels import UnalignedAnswer
-from .losses import IGNORE_INDEX
-from .sampling import chat_rows
+from .collate import chat_rows
+from .labels import IGNORE_INDEX, UnalignedAnswer
 
 PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution", OTHER_COLUMNS]
 

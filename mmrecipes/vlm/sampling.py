@@ -23,8 +23,8 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from ..distributed import batches_in_step, max_over_ranks
 from ..images import to_device
 from .arguments import SamplingArgs
+from .collate import chat_rows
 from .evaluation import with_token_appended
-from .losses import IGNORE_INDEX
 from .outputs import Logits
 
 
@@ -37,19 +37,6 @@ def prompt_seed(seed: int, prompt: dict) -> int:
         if isinstance(value, torch.Tensor):
             digest = zlib.crc32(value.contiguous().numpy().tobytes(), digest)
     return digest
-
-
-def chat_rows(prompt: dict, completions: list[list[int]], labelled: list[bool]) -> list[dict]:
-    """Collator rows (`ChatCollator`) of a prompt and its completions: the completion tokens are the targets (none
-    where `labelled` is False: a masked truncated completion)."""
-    rows = []
-    for completion, target in zip(completions, labelled):
-        tokens = torch.tensor(completion, dtype=prompt["input_ids"].dtype)
-        labels = torch.cat([torch.full_like(prompt["input_ids"], IGNORE_INDEX),
-                            tokens if target else torch.full_like(tokens, IGNORE_INDEX)])
-        rows.append({"input_ids": torch.cat([prompt["input_ids"], tokens]), "labels": labels,
-                     "media_inputs": prompt["media_inputs"]})
-    return rows
 
 
 @torch.no_grad()

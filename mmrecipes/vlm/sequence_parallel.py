@@ -31,7 +31,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .families import stateful_mixers
-from .losses import IGNORE_INDEX
+from .labels import IGNORE_INDEX
 
 ATTENTION = "ulysses"  # the language model's attn_implementation while it trains split
 

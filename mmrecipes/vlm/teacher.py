@@ -18,8 +18,8 @@ from .chat_data import generation_prompts, prompt_row
 from .collate import ChatCollator
 from .evaluation import evaluate_generation
 from .families import dummy_image_inputs, placeholder_token_ids
+from .labels import IGNORE_INDEX
 from .loading import load_pretrained, stop_token_ids
-from .losses import IGNORE_INDEX
 from .models import VLMForTraining
 from .outputs import Hidden, OutputLayer
 from .reference import frozen_reference, parameter_values_held
