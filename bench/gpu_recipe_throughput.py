@@ -60,15 +60,15 @@ from mmrecipes.paths import TINY_TOKENIZER
 from mmrecipes.throughput import peak_flops
 from mmrecipes.training import resolve_mixed_precision
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
-from mmrecipes.vlm.chat_data import build_chat_dataloader
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
-from mmrecipes.vlm.outputs import LossSum
-from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.model.outputs import LossSum
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.chat_data import build_chat_dataloader
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "gpu_recipe_throughput.jsonl"

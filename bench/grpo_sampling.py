@@ -18,15 +18,15 @@ import datasets
 import torch
 
 from mmrecipes.paths import VLM_SHAPES
+from mmrecipes.vlm.algorithms.sampling import generate_group, prompt_seed, sample_group
 from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs, VLMModelArgs
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs, placeholder_token_ids
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.parts import load_vlm
-from mmrecipes.vlm.prompts import PromptCollator, PromptPreprocessor
-from mmrecipes.vlm.sampling import generate_group, prompt_seed, sample_group
+from mmrecipes.vlm.model.families import dummy_image_inputs, placeholder_token_ids
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller
+from mmrecipes.vlm.rows.prompts import PromptCollator, PromptPreprocessor
 
 RESULTS = Path(__file__).resolve().parent / "results" / "grpo_sampling.jsonl"
 

@@ -20,10 +20,10 @@ from pathlib import Path
 from PIL import Image
 
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
-from mmrecipes.vlm.chat_data import ChatPreprocessor
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.rows.chat_data import ChatPreprocessor
+from mmrecipes.vlm.rows.labels import AnswerLabeller
 
 RESULTS = Path(__file__).resolve().parent / "results" / "label_alignment.jsonl"
 

@@ -27,14 +27,14 @@ import torch.distributed as dist
 
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import VideoArgs
-from mmrecipes.vlm.chat_data import encode_row
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs, video_path
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.outputs import LossSum
-from mmrecipes.vlm.videos import decode_video
+from mmrecipes.vlm.model.families import dummy_image_inputs, video_path
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.outputs import LossSum
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.chat_data import encode_row
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller
+from mmrecipes.vlm.rows.videos import decode_video
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "sequence_parallel_memory.jsonl"
@@ -80,7 +80,7 @@ def long_clip_batch(directory, frames: int):
 
 def measure(rank, world, port, directory, frames, out):
     """One forward and backward of the row on this rank (split over `world` ranks if 2); its numbers to `out`."""
-    from mmrecipes.vlm.sequence_parallel import SequenceParallel
+    from mmrecipes.vlm.parallel.sequence_parallel import SequenceParallel
 
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -95,7 +95,7 @@ def measure(rank, world, port, directory, frames, out):
         loss = step(batch, LossSum())
         loss.backward()
     grads = [param.grad for param in model.parameters() if param.grad is not None]
-    if world > 1:  # each shard got its gradient once from each rank's loss (mmrecipes.vlm.sequence_parallel)
+    if world > 1:  # each shard got its gradient once from each rank's loss (mmrecipes.vlm.parallel.sequence_parallel)
         for grad in grads:
             dist.all_reduce(grad)
             grad /= world

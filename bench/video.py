@@ -3,11 +3,11 @@
     python bench/video.py            # 300 recipe steps (about 2 minutes on 2 cores)
     python bench/video.py --quick    # a smoke run: 10 steps, 2 motion questions
 
-1. Decoding (`mmrecipes.vlm.videos.decode_video`, PyAV, one process = one DataLoader worker): clips/s and
+1. Decoding (`mmrecipes.vlm.rows.videos.decode_video`, PyAV, one process = one DataLoader worker): clips/s and
    sampled frames/s at the recipe's defaults (--video_fps 2, --video_max_frames 8) on the embedded clips
    (48 px, 8 frames at 4 fps) and on a generated 224 px, 10-second clip at 30 fps. Then Qwen2.5-VL's video
    processor (its class defaults) on that clip's 8 sampled frames, in the worker: ms and bytes per clip as the
-   float32 it finishes itself and as the uint8 the recipe ships through shared memory (`mmrecipes.vlm.videos`).
+   float32 it finishes itself and as the uint8 the recipe ships through shared memory (`mmrecipes.vlm.rows.videos`).
 2. `vlm_finetune.py` on a tiny Qwen2.5-VL (data_prep/tiny_vlm.py) on the embedded video conversations
    only, at the default DataLoader workers: data_wait (median over log lines after the first) and the
    teacher-forced answer accuracy on the 64 held-out clips.
@@ -34,14 +34,14 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2VLVide
 from mmrecipes.images import UINT8_PIXELS, to_device
 from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.vlm.arguments import VideoArgs
-from mmrecipes.vlm.chat_data import encode_row
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs, video_path
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.outputs import LossSum
-from mmrecipes.vlm.videos import DecodedVideo, decode_video
+from mmrecipes.vlm.model.families import dummy_image_inputs, video_path
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.outputs import LossSum
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.chat_data import encode_row
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller
+from mmrecipes.vlm.rows.videos import DecodedVideo, decode_video
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "video.jsonl"

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from fresh_process import resident_bytes, run_in_fresh_process
-from mmrecipes.vlm.losses import IGNORE_INDEX, head_cross_entropy_sum, head_generalized_jsd_sum, token_cross_entropy_sum
+from mmrecipes.vlm.model.losses import head_cross_entropy_sum, head_generalized_jsd_sum, token_cross_entropy_sum
+from mmrecipes.vlm.rows.labels import IGNORE_INDEX
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vlm_loss_memory.jsonl"
 

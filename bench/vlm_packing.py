@@ -55,16 +55,15 @@ def _variant(mode, mixture, budget, steps, queue):
     from mmrecipes.images import to_device
     from mmrecipes.paths import VLM_SHAPES
     from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
-    from mmrecipes.vlm.chat_data import build_chat_dataloader
-    from mmrecipes.vlm.collate import ChatCollator
-    from mmrecipes.vlm.families import dummy_image_inputs
-    from mmrecipes.vlm.labels import AnswerLabeller
-    from mmrecipes.vlm.loading import stop_token_ids
-    from mmrecipes.vlm.losses import count_target_tokens
-    from mmrecipes.vlm.models import VLMForTraining
-    from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
-    from mmrecipes.vlm.outputs import LossSum
-    from mmrecipes.vlm.parts import load_vlm
+    from mmrecipes.vlm.model.families import dummy_image_inputs
+    from mmrecipes.vlm.model.loading import stop_token_ids
+    from mmrecipes.vlm.model.module_groups import apply_train_modules, module_groups
+    from mmrecipes.vlm.model.outputs import LossSum
+    from mmrecipes.vlm.model.parts import load_vlm
+    from mmrecipes.vlm.model.step import VLMForTraining
+    from mmrecipes.vlm.rows.chat_data import build_chat_dataloader
+    from mmrecipes.vlm.rows.collate import ChatCollator
+    from mmrecipes.vlm.rows.labels import AnswerLabeller, count_target_tokens
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"

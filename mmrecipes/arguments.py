@@ -3,8 +3,8 @@
 Flags and YAML keys are these fields (`mmrecipes.config.parse_args`); their comments are the `--help` text. This
 module imports neither torch nor transformers' models, so a recipe parses its flags, `--help` included, before it
 loads them (under a second, where every import took 4-5 s here and 38-58 s on a cold disk). The components keep
-their code in their own modules (`mmrecipes.training`, `mmrecipes.vlm.chat_data`, ...), which import their arguments
-from here.
+their code in their own modules (`mmrecipes.training`, `mmrecipes.vlm.rows.chat_data`, ...), which import their
+arguments from here.
 """
 
 import math

@@ -101,7 +101,8 @@ class Checkpointer:
 
     `model`: the unwrapped model (its parameter layout is recorded); `layout`: `data_layout(...)`; `saved_with`:
     what writes JSON beside the weights with `save_pretrained` (the model's config, its image processor), so that a
-    checkpoint names its model as a saved directory does (`mmrecipes.vlm.compose` takes a CLIP checkpoint as a tower).
+    checkpoint names its model as a saved directory does (`mmrecipes.vlm.model.compose` takes a CLIP checkpoint as a
+    tower).
     """
 
     def __init__(self, accelerator, args, scheduler, model, layout: dict, ranks, saved_with: tuple = ()):

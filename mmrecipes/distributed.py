@@ -275,7 +275,7 @@ class DivergenceGuard:
             raise RuntimeError(
                 f"divergence guard: ranks run different modules at module call {self.calls}: {calls}. Every rank must "
                 "call the same modules in the same order, or the engine's collectives hang or abort (for a VLM: give "
-                "text-only batches the dummy image, mmrecipes.vlm.models).")
+                "text-only batches the dummy image, mmrecipes.vlm.model.step).")
 
     def remove(self):
         for handle in self.handles:

@@ -13,7 +13,8 @@ SHAPES_ZEROSHOT = EMBEDDED / "shapes_zeroshot"  # the zero-shot image folder (da
 VLM_PREFERENCES = EMBEDDED / "vlm_preferences"  # pairs of its questions (data_prep/make_vlm_preferences.py)
 VLM_SHAPES = EMBEDDED / "vlm_shapes"  # chat data: image_chat, text_chat (data_prep/make_vlm_data.py)
 TINY_LM = EMBEDDED / "tiny_lm"  # a tiny base causal LM to compose a VLM with (data_prep/tiny_lm.py)
-PLAIN_CHAT_TEMPLATE = EMBEDDED / "chat_templates" / "plain.jinja"  # LLaVA's stage-1 format (mmrecipes.vlm.compose)
+# LLaVA's stage-1 format (mmrecipes.vlm.model.compose)
+PLAIN_CHAT_TEMPLATE = EMBEDDED / "chat_templates" / "plain.jinja"
 
 EMBEDDED_PREFIX = "embedded:"  # `embedded:vlm_shapes/image_chat`: a folder of the embedded data, from any directory
 

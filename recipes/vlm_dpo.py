@@ -58,14 +58,7 @@ from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
-from mmrecipes.vlm.chat_data import build_chat_dataloader
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.evaluation import evaluate_answers
-from mmrecipes.vlm.labels import AnswerLabeller, check_template
-from mmrecipes.vlm.models import VLMForTraining, save_vlm
-from mmrecipes.vlm.outputs import SequenceLogps
-from mmrecipes.vlm.parts import vlm_parts
-from mmrecipes.vlm.preference import (
+from mmrecipes.vlm.algorithms.preference import (
     DPO_FORMATS,
     PREFERENCE_COUNTED,
     PreferenceCollator,
@@ -74,8 +67,15 @@ from mmrecipes.vlm.preference import (
     dpo_loss,
     evaluate_preferences,
 )
-from mmrecipes.vlm.reference import Reference
-from mmrecipes.vlm.sequence_parallel import SequenceParallel
+from mmrecipes.vlm.algorithms.reference import Reference
+from mmrecipes.vlm.model.evaluation import evaluate_answers
+from mmrecipes.vlm.model.outputs import SequenceLogps
+from mmrecipes.vlm.model.parts import vlm_parts
+from mmrecipes.vlm.model.step import VLMForTraining, save_vlm
+from mmrecipes.vlm.parallel.sequence_parallel import SequenceParallel
+from mmrecipes.vlm.rows.chat_data import build_chat_dataloader
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller, check_template
 
 # each step's, over its pairs
 PAIR_SUMS = ("loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected")

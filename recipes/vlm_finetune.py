@@ -61,16 +61,16 @@ from mmrecipes.training import (
     lr_scheduler,
     per_device_batch_size,
 )
-from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.evaluation import evaluate_answers, evaluate_generation
-from mmrecipes.vlm.families import video_path
-from mmrecipes.vlm.labels import AnswerLabeller, check_template
-from mmrecipes.vlm.models import VLMForTraining, save_vlm
-from mmrecipes.vlm.moe import LoadBalance
-from mmrecipes.vlm.outputs import LossSum
-from mmrecipes.vlm.parts import vlm_parts
-from mmrecipes.vlm.sequence_parallel import SequenceParallel
+from mmrecipes.vlm.model.evaluation import evaluate_answers, evaluate_generation
+from mmrecipes.vlm.model.families import video_path
+from mmrecipes.vlm.model.moe import LoadBalance
+from mmrecipes.vlm.model.outputs import LossSum
+from mmrecipes.vlm.model.parts import vlm_parts
+from mmrecipes.vlm.model.step import VLMForTraining, save_vlm
+from mmrecipes.vlm.parallel.sequence_parallel import SequenceParallel
+from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller, check_template
 
 
 def main(argv=None):
@@ -134,7 +134,7 @@ def main(argv=None):
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare.
     # --max_tokens_per_batch: each micro-batch holds whole rows up to that many tokens (a rank's:
     # split over N ranks, N times as many); --packing: they form one sequence without padding
-    # (mmrecipes.vlm.packing). Evaluation: fixed batches.
+    # (mmrecipes.vlm.rows.packing). Evaluation: fixed batches.
     pack_length = min(data_args.max_length, data_args.max_tokens_per_batch or data_args.max_length)
     pad = processor.tokenizer.pad_token_id
     collator = ChatCollator(pad, vlm.dummy_inputs, data_args.packing, pack_length)

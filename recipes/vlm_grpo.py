@@ -57,19 +57,19 @@ from mmrecipes.model_card import write_model_card
 from mmrecipes.reporting import Report, ratio
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
-from mmrecipes.vlm import grpo
-from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.evaluation import evaluate_generation
-from mmrecipes.vlm.labels import AnswerLabeller, check_generation_prompt
-from mmrecipes.vlm.models import VLMForTraining, save_vlm
-from mmrecipes.vlm.outputs import TokenLogps
-from mmrecipes.vlm.parts import vlm_parts
-from mmrecipes.vlm.prompts import PromptCollator, PromptPreprocessor
-from mmrecipes.vlm.reference import Reference
-from mmrecipes.vlm.rewards import RewardScorer, load_reward_funcs
-from mmrecipes.vlm.sampling import Sampler
-from mmrecipes.vlm.sequence_parallel import SequenceParallel
+from mmrecipes.vlm.algorithms import grpo
+from mmrecipes.vlm.algorithms.reference import Reference
+from mmrecipes.vlm.algorithms.rewards import RewardScorer, load_reward_funcs
+from mmrecipes.vlm.algorithms.sampling import Sampler
+from mmrecipes.vlm.model.evaluation import evaluate_generation
+from mmrecipes.vlm.model.outputs import TokenLogps
+from mmrecipes.vlm.model.parts import vlm_parts
+from mmrecipes.vlm.model.step import VLMForTraining, save_vlm
+from mmrecipes.vlm.parallel.sequence_parallel import SequenceParallel
+from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller, check_generation_prompt
+from mmrecipes.vlm.rows.prompts import PromptCollator, PromptPreprocessor
 
 
 def main(argv=None):

@@ -21,18 +21,17 @@ from mmrecipes.distributed import (
     token_loss_scale,
 )
 from mmrecipes.images import to_device
+from mmrecipes.vlm.algorithms.teacher import Teacher
 from mmrecipes.vlm.arguments import VLMModelArgs
-from mmrecipes.vlm.chat_data import encode_row
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.losses import count_target_tokens
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
-from mmrecipes.vlm.outputs import GeneralizedJSD
-from mmrecipes.vlm.parts import load_vlm
-from mmrecipes.vlm.teacher import Teacher
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.model.outputs import GeneralizedJSD
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.chat_data import encode_row
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller, count_target_tokens
 
 COLOURS = {"red": (200, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 200), "yellow": (220, 200, 40)}
 # (question, answer, image colour or None): text-only rows among image rows, answers of different lengths

@@ -64,8 +64,8 @@ def start_rank_server():
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), saved]))
     try:
-        start_worker_server(["mmrecipes.contrastive.data", "mmrecipes.vlm.preference", "mmrecipes.vlm.collate",
-                             "rank_preload"])
+        start_worker_server(["mmrecipes.contrastive.data", "mmrecipes.vlm.algorithms.preference",
+                             "mmrecipes.vlm.rows.collate", "rank_preload"])
     finally:
         if saved is None:
             del os.environ["PYTHONPATH"]

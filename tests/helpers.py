@@ -34,9 +34,9 @@ from mmrecipes.contrastive.arguments import DataArgs
 from mmrecipes.contrastive.data import build_dataloader
 from mmrecipes.distributed import Ranks
 from mmrecipes.vlm.arguments import VLMModelArgs
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.module_groups import module_groups
-from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.module_groups import module_groups
+from mmrecipes.vlm.model.parts import load_vlm
 
 FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3", "gemma3",
             "llava_onevision", "mistral3", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma4", "gemma4_moe"]

@@ -9,9 +9,9 @@ image (so the passing runs prove something).
 import runpy
 from pathlib import Path
 
-from mmrecipes.vlm.losses import token_cross_entropy_sum
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.outputs import Logits
+from mmrecipes.vlm.model.losses import token_cross_entropy_sum
+from mmrecipes.vlm.model.outputs import Logits
+from mmrecipes.vlm.model.step import VLMForTraining
 
 with_dummy = VLMForTraining.forward
 

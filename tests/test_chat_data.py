@@ -12,15 +12,14 @@ from helpers import chat_row, write_chat_parquet
 from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
-from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.outputs import Logits, LossSum
-from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.outputs import Logits, LossSum
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""A LLaVA composed from a vision tower and a language model (mmrecipes.vlm.compose), in process, on tiny
+"""A LLaVA composed from a vision tower and a language model (mmrecipes.vlm.model.compose), in process, on tiny
 checkpoints built from their configs: towers with a class token (CLIP) and without (SigLIP); language models with
 their own tokenizer classes and official chat templates (data_prep/tiny_language_models.py: Llama 3.2 and Gemma 3
 text with tied embeddings, Qwen3 untied and padded past its tokenizer); and the recipe's stage 1 on
@@ -28,16 +28,16 @@ from mmrecipes.checkpointing import checkpoint_weights
 from mmrecipes.images import to_device
 from mmrecipes.paths import PLAIN_CHAT_TEMPLATE, TINY_LM
 from mmrecipes.vlm.arguments import VLMModelArgs
-from mmrecipes.vlm.chat_data import encode_row
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.compose import FLATTEN_CONTENT, IMAGE_TOKEN, compose_llava
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller, _runs, check_template
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
-from mmrecipes.vlm.outputs import LossSum
-from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.model.compose import FLATTEN_CONTENT, IMAGE_TOKEN, compose_llava
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.model.outputs import LossSum
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.chat_data import encode_row
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller, _runs, check_template
 from tiny_language_models import save_tiny_language_model
 
 DPO_RECIPE = REPO / "recipes" / "vlm_dpo.py"

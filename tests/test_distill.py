@@ -1,7 +1,7 @@
-"""Distillation's teacher and divergence (mmrecipes.vlm.distill): the step over a window on 2 ranks x 2 micro-batches
-equals one process holding the window (loss and gradient norm) under DDP, FSDP2 and ZeRO-3, the teacher kept as the
-engine keeps the student (sharded, partitioned); a teacher whose vocabulary or processor differs is refused before any
-step, with the reason."""
+"""Distillation's teacher and divergence (mmrecipes.vlm.algorithms.distill, .teacher): the step over a window on 2 ranks
+x 2 micro-batches equals one process holding the window (loss and gradient norm) under DDP, FSDP2 and ZeRO-3, the
+teacher kept as the engine keeps the student (sharded, partitioned); a teacher whose vocabulary or processor differs
+is refused before any step, with the reason."""
 
 import re
 
@@ -15,18 +15,17 @@ from helpers import chat_row, tiny
 from launch import REPO, run_engine, run_recipe
 from mmrecipes.images import to_device
 from mmrecipes.paths import resolve_name
+from mmrecipes.vlm.algorithms.distill import on_policy
+from mmrecipes.vlm.algorithms.teacher import Teacher, mismatch, reads_own_rows
 from mmrecipes.vlm.arguments import PromptDataArgs, VLMModelArgs
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.distill import on_policy
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.losses import IGNORE_INDEX, count_target_tokens
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.outputs import GeneralizedJSD
-from mmrecipes.vlm.parts import load_vlm
-from mmrecipes.vlm.prompts import DistillCollator, DistillPreprocessor
-from mmrecipes.vlm.teacher import Teacher, mismatch, reads_own_rows
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.outputs import GeneralizedJSD
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller, count_target_tokens
+from mmrecipes.vlm.rows.prompts import DistillCollator, DistillPreprocessor
 from test_distill_loss import dense_jsd
 
 TINY_SFT_VLM = resolve_name("embedded:tiny_sft_vlm")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
-from mmrecipes.vlm.losses import head_generalized_jsd_sum
+from mmrecipes.vlm.model.losses import head_generalized_jsd_sum
 
 VOCAB, STUDENT_WIDTH, TEACHER_WIDTH = 50, 16, 24  # a teacher wider than its student: only the vocabulary is shared
 # 0.3: a mixture that is not symmetric, so the weights of p_s and p_t in it cannot be swapped unseen

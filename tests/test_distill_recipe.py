@@ -29,7 +29,7 @@ from launch import (
     run_recipe,
 )
 from mmrecipes.vlm.arguments import VLMModelArgs
-from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.model.parts import load_vlm
 from test_grpo_engines import metric
 
 DISTILL_RECIPE = REPO / "recipes" / "vlm_distill.py"

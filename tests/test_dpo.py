@@ -16,24 +16,23 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 from launch import REPO, assert_engine, assert_same_curves, run_engine, run_recipe
 from mmrecipes.images import to_device
 from mmrecipes.skips import SKIPPED
-from mmrecipes.vlm.arguments import DPOArgs, LoraArgs, PreferenceDataArgs, VLMModelArgs
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.lora import add_lora
-from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.module_groups import module_groups
-from mmrecipes.vlm.outputs import SequenceLogps
-from mmrecipes.vlm.parts import load_vlm
-from mmrecipes.vlm.preference import (
+from mmrecipes.vlm.algorithms.preference import (
     PreferenceCollator,
     PreferencePreprocessor,
     answer_tokens,
     dpo_loss,
 )
-from mmrecipes.vlm.reference import Reference
+from mmrecipes.vlm.algorithms.reference import Reference
+from mmrecipes.vlm.arguments import DPOArgs, LoraArgs, PreferenceDataArgs, VLMModelArgs
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.lora import add_lora
+from mmrecipes.vlm.model.module_groups import module_groups
+from mmrecipes.vlm.model.outputs import SequenceLogps
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller
 
 DPO_RECIPE = REPO / "recipes" / "vlm_dpo.py"
 RED = Image.new("RGB", (32, 32), (220, 40, 40))

@@ -9,18 +9,14 @@ from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 from gloo import run_on_ranks
 from mmrecipes.distributed import token_loss_scale
 from mmrecipes.vlm.arguments import VLMModelArgs
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.losses import (
-    IGNORE_INDEX,
-    count_target_tokens,
-    head_cross_entropy_sum,
-    token_cross_entropy_sum,
-)
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
-from mmrecipes.vlm.outputs import LossSum
-from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.losses import head_cross_entropy_sum, token_cross_entropy_sum
+from mmrecipes.vlm.model.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.model.outputs import LossSum
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import IGNORE_INDEX, count_target_tokens
 from recipe_without_dummy import SkipsTowerOnTextOnly
 
 USER = 3  # any ordinary token id

@@ -20,15 +20,15 @@ from gloo import run_on_ranks
 from helpers import END_OF_TURN, FAMILIES, settings, tiny
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import LoraArgs
-from mmrecipes.vlm.chat_data import encode_row
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.lora import add_lora, save_lora
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.module_groups import apply_train_modules
-from mmrecipes.vlm.outputs import LossSum
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.lora import add_lora, save_lora
+from mmrecipes.vlm.model.module_groups import apply_train_modules
+from mmrecipes.vlm.model.outputs import LossSum
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.chat_data import encode_row
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 40)}
 QUESTION = "What colour is the shape?"

@@ -1,7 +1,7 @@
-"""GRPO (recipes/vlm_grpo.py, mmrecipes.vlm.grpo and .rewards), in process: the loss of each TRL 1.16 loss type equals
-the papers' formulas written out here, for fixed completions, rewards and old log-probabilities (clipping active,
-with and without the KL), whatever the micro-batches; the group statistics; rewards that raise or give NaN counted,
-never a crash; and the recipe from the embedded SFT'd model, its output loading with the Auto classes."""
+"""GRPO (recipes/vlm_grpo.py, mmrecipes.vlm.algorithms.grpo and .rewards), in process: the loss of each TRL 1.16 loss
+type equals the papers' formulas written out here, for fixed completions, rewards and old log-probabilities (clipping
+active, with and without the KL), whatever the micro-batches; the group statistics; rewards that raise or give NaN
+counted, never a crash; and the recipe from the embedded SFT'd model, its output loading with the Auto classes."""
 
 import json
 import math
@@ -19,19 +19,18 @@ from helpers import FAMILIES, chat_row
 from launch import REPO, load_recipe
 from mmrecipes.images import to_device
 from mmrecipes.paths import EMBEDDED
+from mmrecipes.vlm.algorithms.grpo import GroupLayout, LossNormaliser, group_advantages, token_losses
+from mmrecipes.vlm.algorithms.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
+from mmrecipes.vlm.algorithms.sampling import Sampler, generate_group, prompt_seed, sample_group
 from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.evaluation import greedy_tokens
-from mmrecipes.vlm.families import dummy_image_inputs, placeholder_token_ids
-from mmrecipes.vlm.grpo import GroupLayout, LossNormaliser, group_advantages, token_losses
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.outputs import TokenLogps
-from mmrecipes.vlm.prompts import PromptPreprocessor
-from mmrecipes.vlm.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
-from mmrecipes.vlm.sampling import Sampler, chat_rows, generate_group, prompt_seed, sample_group
+from mmrecipes.vlm.model.evaluation import greedy_tokens
+from mmrecipes.vlm.model.families import dummy_image_inputs, placeholder_token_ids
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.outputs import TokenLogps
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.collate import ChatCollator, chat_rows
+from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller
+from mmrecipes.vlm.rows.prompts import PromptPreprocessor
 
 GRPO_RECIPE = REPO / "recipes" / "vlm_grpo.py"
 TINY_SFT_VLM = EMBEDDED / "tiny_sft_vlm"

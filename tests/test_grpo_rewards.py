@@ -14,12 +14,12 @@ from transformers import AutoProcessor
 
 from mmrecipes.paths import EMBEDDED
 from mmrecipes.sources import OTHER_COLUMNS
+from mmrecipes.vlm.algorithms.grpo import group_advantages
+from mmrecipes.vlm.algorithms.rewards import RewardScorer, load_reward_funcs, reward_inputs
+from mmrecipes.vlm.algorithms.sampling import generation_line
 from mmrecipes.vlm.arguments import PromptDataArgs
-from mmrecipes.vlm.grpo import group_advantages
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.prompts import PromptCollator, PromptPreprocessor
-from mmrecipes.vlm.rewards import RewardScorer, load_reward_funcs, reward_inputs
-from mmrecipes.vlm.sampling import generation_line
+from mmrecipes.vlm.rows.labels import AnswerLabeller
+from mmrecipes.vlm.rows.prompts import PromptCollator, PromptPreprocessor
 
 RED = Image.new("RGB", (32, 32), (220, 40, 40))
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}]

@@ -40,12 +40,12 @@ from mmrecipes.loader import batches_forever
 from mmrecipes.output_dir import LOCK_NAME, STALE_AFTER_S, OutputDirBusy, OutputDirLock
 from mmrecipes.paths import SHAPES_DATA
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
-from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller, check_template
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller, check_template
 
 CLIP_RECIPE, VLM = load_recipe(), load_recipe(VLM_RECIPE)
 

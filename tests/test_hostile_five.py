@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from launch import REPO, load_recipe, run_engine
-from mmrecipes.vlm.labels import TemplateError
-from mmrecipes.vlm.rewards import RewardScorer, load_reward_funcs
+from mmrecipes.vlm.algorithms.rewards import RewardScorer, load_reward_funcs
+from mmrecipes.vlm.rows.labels import TemplateError
 
 RECIPES = REPO / "recipes"
 TINY_SFT_TEMPLATE = (REPO / "data" / "tiny_sft_vlm" / "chat_template.jinja").read_text()

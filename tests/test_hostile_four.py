@@ -14,13 +14,13 @@ from PIL import Image
 from launch import REPO, load_recipe
 from mmrecipes.skips import Skip
 from mmrecipes.sources import PROBLEM, load_stream, read_files
-from mmrecipes.vlm import labels
+from mmrecipes.vlm.algorithms.preference import PreferencePreprocessor
 from mmrecipes.vlm.arguments import ChatDataArgs, DPOArgs, PreferenceDataArgs, VLMModelArgs
-from mmrecipes.vlm.chat_data import ChatPreprocessor
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.parts import load_vlm
-from mmrecipes.vlm.preference import PreferencePreprocessor
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.rows import labels
+from mmrecipes.vlm.rows.chat_data import ChatPreprocessor
+from mmrecipes.vlm.rows.labels import AnswerLabeller
 
 RECIPES = REPO / "recipes"
 RED = Image.new("RGB", (32, 32), (220, 40, 40))

@@ -13,11 +13,11 @@ import numpy
 from mmrecipes.skips import Skip
 from mmrecipes.sources import PROBLEM, load_stream, read_files
 from mmrecipes.vlm.arguments import ChatDataArgs, VideoArgs, VLMModelArgs
-from mmrecipes.vlm.chat_data import ChatPreprocessor
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.parts import load_vlm
-from mmrecipes.vlm.videos import decode_video
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.rows.chat_data import ChatPreprocessor
+from mmrecipes.vlm.rows.labels import AnswerLabeller
+from mmrecipes.vlm.rows.videos import decode_video
 
 
 def clip(container: str, codec: str, frames: int, width: int, height: int) -> bytes:

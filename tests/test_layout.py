@@ -1,7 +1,9 @@
 """The library's layout: a flat core and two pipeline packages, `mmrecipes.contrastive` and `mmrecipes.vlm`, that
-never import each other, so a CLIP forker reads the core and the contrastive package only; and no module imports
-itself through others (an import cycle, hidden or not by a function-local import). Checked on the import statements
-(every module, lazy imports inside functions included) and by importing each package alone."""
+never import each other, so a CLIP forker reads the core and the contrastive package only; `mmrecipes.vlm` by concept,
+its floors `arguments` -> `rows` -> `model` -> `parallel` -> `algorithms`, each importing only from its own floor and
+those below; and no module imports itself through others (an import cycle, hidden or not by a function-local import).
+Checked on the import statements (every module, lazy imports inside functions included) and by importing each package
+alone."""
 
 import ast
 import subprocess
@@ -10,6 +12,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "mmrecipes"
 PIPELINES = ("contrastive", "vlm")
+FLOORS = ("mmrecipes.vlm.arguments", "mmrecipes.vlm.rows", "mmrecipes.vlm.model", "mmrecipes.vlm.parallel",
+          "mmrecipes.vlm.algorithms")  # from the bottom up
 
 
 def module_name(path: Path) -> str:
@@ -56,16 +60,47 @@ def test_neither_pipeline_imports_the_other_and_the_core_imports_neither():
     assert crossings() == []
 
 
+def floor_of(module: str) -> int | None:
+    return next((index for index, floor in enumerate(FLOORS) if module == floor or module.startswith(floor + ".")),
+                None)
+
+
+def upward_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """Each import of a `mmrecipes.vlm` module from a floor above its own."""
+    problems = []
+    for module, (text, is_package) in sorted(sources.items()):
+        if (floor := floor_of(module)) is None:
+            continue
+        for imported in sorted(imported_modules(text, module, is_package)):
+            if (other := floor_of(imported)) is not None and other > floor:
+                problems.append(f"{module} ({FLOORS[floor]}) imports {imported} ({FLOORS[other]})")
+    return problems
+
+
+def test_the_vlm_floors_import_only_downwards():
+    sources = library_sources()
+    assert {floor_of(module) for module in sources if module.startswith("mmrecipes.vlm.")} == set(range(len(FLOORS)))
+    assert upward_imports(sources) == []
+    text, is_package = sources["mmrecipes.vlm.rows.collate"]  # what the rows did: the sampler's chat_rows
+    sources["mmrecipes.vlm.rows.collate"] = (text + "\n\ndef _rows():\n    from ..algorithms.sampling import x\n",
+                                             is_package)
+    assert upward_imports(sources) == ["mmrecipes.vlm.rows.collate (mmrecipes.vlm.rows) imports "
+                                       "mmrecipes.vlm.algorithms.sampling (mmrecipes.vlm.algorithms)",
+                                       "mmrecipes.vlm.rows.collate (mmrecipes.vlm.rows) imports "
+                                       "mmrecipes.vlm.algorithms.sampling.x (mmrecipes.vlm.algorithms)"]
+
+
 def test_the_check_sees_a_lazy_cross_import():
-    source = (PACKAGE / "contrastive" / "data.py").read_text() + "\n\ndef _peek():\n    from ..vlm import collate\n"
-    assert "mmrecipes.vlm.collate" in imported_modules(source, "mmrecipes.contrastive.data")
+    lazy = "\n\ndef _peek():\n    from ..vlm.rows import collate\n"
+    source = (PACKAGE / "contrastive" / "data.py").read_text() + lazy
+    assert "mmrecipes.vlm.rows.collate" in imported_modules(source, "mmrecipes.contrastive.data")
     assert "mmrecipes.vlm" in imported_modules("import mmrecipes.vlm", "mmrecipes.loader")
 
 
 def test_each_pipeline_imports_alone():
     """Every module of one pipeline imported in a fresh process loads no module of the other."""
     for pipeline, other in (PIPELINES, PIPELINES[::-1]):
-        modules = [module_name(path) for path in sorted((PACKAGE / pipeline).glob("*.py"))]
+        modules = [module_name(path) for path in sorted((PACKAGE / pipeline).rglob("*.py"))]
         code = (f"import sys\nfor name in {modules!r}:\n    __import__(name)\n"
                 f"print(sorted(name for name in sys.modules if name.startswith('mmrecipes.{other}')))")
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -8,7 +8,7 @@ import torch
 from helpers import adapted_layers, tiny
 from launch import VLM_RECIPE, load_recipe
 from mmrecipes.vlm.arguments import LoraArgs
-from mmrecipes.vlm.lora import lora_config
+from mmrecipes.vlm.model.lora import lora_config
 
 
 @pytest.mark.parametrize("family", [None, "qwen2_5_vl"])

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from gloo import run_on_ranks
 from mmrecipes.contrastive import losses
-from mmrecipes.vlm import losses as token_losses
+from mmrecipes.vlm.model import losses as token_losses
 
 D = 8
 SIZES = {2: [(4, 4), (3, 5)], 3: [(3, 5, 1), (2, 2, 2)]}

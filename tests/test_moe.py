@@ -14,13 +14,13 @@ from gloo import run_on_ranks
 from mmrecipes.distributed import Ranks, token_loss_scale
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import MoEArgs
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.moe import LoadBalance, Routing, balance_loss, sparse_block_classes
-from mmrecipes.vlm.outputs import LossSum
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.moe import LoadBalance, Routing, balance_loss, sparse_block_classes
+from mmrecipes.vlm.model.outputs import LossSum
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller
 from test_family_conformance import collator_row
 
 MOE_FAMILIES = ["qwen3_vl_moe", "qwen3_5_moe"]

@@ -20,12 +20,12 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from helpers import chat_row, write_chat_parquet
 from launch import REPO, VLM_RECIPE, assert_engine, assert_same_curves, losses, run_engine, run_recipe
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.moe import Routing
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.moe import Routing
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller
 from test_family_conformance import collator_row
 
 pytestmark = pytest.mark.launch

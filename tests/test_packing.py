@@ -1,4 +1,4 @@
-"""Token-budget micro-batches and packed sequences (mmrecipes.vlm.packing): a packed micro-batch equals its
+"""Token-budget micro-batches and packed sequences (mmrecipes.vlm.rows.packing): a packed micro-batch equals its
 samples run one by one on every family that packs, the ways of getting it wrong fail, budgets group
 whole rows and resume exactly, and launched under every engine packing gives the losses of the same
 token-budget batches padded. (The 2-rank gradient of packed windows: test_dummy_modality.py.)"""
@@ -15,15 +15,15 @@ from launch import VLM_RECIPE, assert_engine, assert_same_curves, run_engine
 from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
-from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.losses import token_cross_entropy_sum
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.outputs import Logits, LossSum
-from mmrecipes.vlm.parts import check_packing, load_vlm
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.losses import token_cross_entropy_sum
+from mmrecipes.vlm.model.outputs import Logits, LossSum
+from mmrecipes.vlm.model.parts import check_packing, load_vlm
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller
 
 PACKING_FAMILIES = [None, "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3",
                     "llava_onevision", "mistral3", "qwen3_vl_moe", "gemma4"]  # None: the tiny default Llava

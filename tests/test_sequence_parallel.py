@@ -1,5 +1,5 @@
-"""Ulysses sequence parallelism (`--sequence_parallel_size`, mmrecipes.vlm.sequence_parallel) against one process
-holding the whole sequence.
+"""Ulysses sequence parallelism (`--sequence_parallel_size`, mmrecipes.vlm.parallel.sequence_parallel) against one
+process holding the whole sequence.
 
 - In process, on 2 gloo ranks: for each family that splits, a batch of an image row and a shorter text row (padding
   inside it) gives, summed over the 2 shards, the whole sequence's loss and gradients; the families the rule refuses
@@ -35,15 +35,15 @@ from mmrecipes.arguments import TrainingArgs
 from mmrecipes.config import parse_args
 from mmrecipes.images import to_device
 from mmrecipes.paths import VLM_SHAPES
-from mmrecipes.vlm import sequence_parallel
 from mmrecipes.vlm.arguments import ChatDataArgs, MoEArgs, VLMModelArgs
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.module_groups import apply_train_modules
-from mmrecipes.vlm.outputs import Logits, LossSum, SequenceLogps, TokenLogps
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.module_groups import apply_train_modules
+from mmrecipes.vlm.model.outputs import Logits, LossSum, SequenceLogps, TokenLogps
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.parallel import sequence_parallel
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller
 from test_family_conformance import collator_row, colour_conversation, square
 
 # every family the rule lets split (Qwen3-VL: deepstack features; Qwen3-VL-MoE: experts, no balancing loss)

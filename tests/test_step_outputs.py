@@ -9,20 +9,20 @@ import torch.nn.functional as F
 
 from launch import VLM_RECIPE, assert_same_curves, losses, run_engine, run_recipe
 from mmrecipes.vlm.arguments import VLMModelArgs
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.outputs import Logits, LossSum
-from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.outputs import Logits, LossSum
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import AnswerLabeller
 from test_family_conformance import collator_row, colour_conversation, square
 from test_sequence_parallel import rank_files
 
 LABEL_SMOOTHED = '''
 import torch.nn.functional as F
 
-from mmrecipes.vlm.outputs import LossSum
+from mmrecipes.vlm.model.outputs import LossSum
 
 
 class LabelSmoothedLossSum(LossSum):

@@ -12,9 +12,9 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 from trl.chat_template_utils import get_training_chat_template
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
-from mmrecipes.vlm.chat_data import encode_row
-from mmrecipes.vlm.labels import AnswerLabeller, TemplateError, _runs, check_template
-from mmrecipes.vlm.loading import stop_token_ids
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.rows.chat_data import encode_row
+from mmrecipes.vlm.rows.labels import AnswerLabeller, TemplateError, _runs, check_template
 from test_family_conformance import COLOURS, STEPS, colour_conversation, square, train
 
 TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"

@@ -17,16 +17,16 @@ from launch import REPO
 from mmrecipes.distributed import Ranks
 from mmrecipes.images import NORMALIZED_BY, to_device
 from mmrecipes.vlm.arguments import ChatDataArgs, VideoArgs, VLMModelArgs
-from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs, video_path
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.losses import IGNORE_INDEX, token_cross_entropy_sum
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.outputs import Logits, LossSum
-from mmrecipes.vlm.parts import load_vlm
-from mmrecipes.vlm.videos import DecodedVideo, decode_video
+from mmrecipes.vlm.model.families import dummy_image_inputs, video_path
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.losses import token_cross_entropy_sum
+from mmrecipes.vlm.model.outputs import Logits, LossSum
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller
+from mmrecipes.vlm.rows.videos import DecodedVideo, decode_video
 
 VIDEO_CHAT = REPO / "data" / "vlm_shapes" / "video_chat"
 

@@ -1,4 +1,4 @@
-"""Clips decoded and sampled (mmrecipes.vlm.videos), in process: frame sampling as transformers' video
+"""Clips decoded and sampled (mmrecipes.vlm.rows.videos), in process: frame sampling as transformers' video
 processors sample, the motion kept in order, and every bad clip a counted problem, never an exception."""
 
 import io
@@ -12,7 +12,7 @@ from transformers import AutoProcessor
 
 from launch import REPO
 from mmrecipes.vlm.arguments import VideoArgs
-from mmrecipes.vlm.videos import decode_video, sampled_indices
+from mmrecipes.vlm.rows.videos import decode_video, sampled_indices
 
 sys.path.insert(0, str(REPO / "data_prep"))
 from make_shapes import COLORS  # noqa: E402

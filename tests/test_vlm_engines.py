@@ -38,7 +38,7 @@ from launch import (
     run_recipe,
 )
 from mmrecipes.vlm.arguments import LoraArgs
-from mmrecipes.vlm.lora import lora_config
+from mmrecipes.vlm.model.lora import lora_config
 from tiny_language_models import save_tiny_language_model
 
 pytestmark = pytest.mark.launch
@@ -52,7 +52,8 @@ SCENARIO = [*COMMON, "--dataset_name", "parquet", "--dataset_weights", "", "--sh
 LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout", 0.0]  # dropout 0: same on any ranks
 # What each run trains, on top of the scenario: its single-process ground truth has the same flags.
 FEATURES = {"full": [], "lora": LORA, "lora_qwen": LORA,
-            # a Llava composed from a CLIP tower and Gemma 3 text (mmrecipes.vlm.compose): stage 2, and stage 1's preset
+            # a Llava composed from a CLIP tower and Gemma 3 text (mmrecipes.vlm.model.compose): stage 2, and
+            # stage 1's preset
             "composed": [], "composed_stage1": ["--train_modules", "projector"]}
 RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("ddp.yaml", "full"): [],

@@ -16,17 +16,17 @@ from launch import VLM_RECIPE, load_recipe
 from mmrecipes.distributed import Ranks, fsdp_block_classes
 from mmrecipes.images import HOST_KEYS, to_device
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
-from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row, generation_prompts, prompt_row
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.evaluation import greedy_tokens
-from mmrecipes.vlm.families import PROJECTORS, dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller, TemplateError, check_template
-from mmrecipes.vlm.loading import check_trainable, stop_token_ids
-from mmrecipes.vlm.losses import IGNORE_INDEX, token_cross_entropy_sum
-from mmrecipes.vlm.models import VLMForTraining
-from mmrecipes.vlm.module_groups import apply_train_modules, module_groups
-from mmrecipes.vlm.outputs import LossSum
-from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.model.evaluation import greedy_tokens
+from mmrecipes.vlm.model.families import PROJECTORS, dummy_image_inputs
+from mmrecipes.vlm.model.loading import check_trainable, stop_token_ids
+from mmrecipes.vlm.model.losses import token_cross_entropy_sum
+from mmrecipes.vlm.model.module_groups import apply_train_modules, module_groups
+from mmrecipes.vlm.model.outputs import LossSum
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row, generation_prompts, prompt_row
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller, TemplateError, check_template
 
 MARKERS = {"llava", "llava_onevision"}  # the only official templates with {% generation %}
 LAST_ANSWER_ONLY = {"qwen3_5", "qwen3_5_moe"}  # official templates that drop an earlier answer's think block

@@ -20,8 +20,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
 from launch import REPO, VLM_RECIPE, assert_adam_weights_close, assert_engine, assert_same_curves, losses, run_engine
 from mmrecipes.paths import VLM_SHAPES
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.module_groups import module_groups
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.module_groups import module_groups
 
 pytestmark = pytest.mark.launch
 

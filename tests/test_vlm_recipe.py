@@ -23,7 +23,7 @@ from launch import (
 )
 from mmrecipes.model_card import CURVES_SIZE
 from mmrecipes.vlm.arguments import VLMModelArgs
-from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.model.parts import load_vlm
 
 pytestmark = pytest.mark.launch
 

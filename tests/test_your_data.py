@@ -15,13 +15,12 @@ from mmrecipes.config import parse_args
 from mmrecipes.distributed import Ranks
 from mmrecipes.skips import DropCounter, Skip, no_rows_error
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
-from mmrecipes.vlm.chat_data import CHAT_COUNTED, build_chat_dataloader
-from mmrecipes.vlm.collate import ChatCollator
-from mmrecipes.vlm.families import dummy_image_inputs
-from mmrecipes.vlm.labels import AnswerLabeller
-from mmrecipes.vlm.loading import stop_token_ids
-from mmrecipes.vlm.losses import IGNORE_INDEX
-from mmrecipes.vlm.parts import load_vlm
+from mmrecipes.vlm.model.families import dummy_image_inputs
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.parts import load_vlm
+from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller
 
 
 @pytest.fixture(scope="module")

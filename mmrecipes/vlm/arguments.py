@@ -76,9 +76,9 @@ class VLMModelArgs(CheckedArgs):
     vision_layers: int = checked(2, "count")
     text_hidden_size: int = checked(128, "count")
     text_layers: int = checked(2, "count")
-    # Or compose a LLaVA (mmrecipes.vlm.compose): the vision half of a CLIP or SigLIP checkpoint (clip_pretrain.py's
-    # output included) and any causal language model with its tokenizer (embedded:tiny_lm: a tiny base one), joined
-    # by a fresh two-layer projector
+    # Or compose a LLaVA (mmrecipes.vlm.model.compose): the vision half of a CLIP or SigLIP checkpoint
+    # (clip_pretrain.py's output included) and any causal language model with its tokenizer (embedded:tiny_lm: a tiny
+    # base one), joined by a fresh two-layer projector
     vision_model_name_or_path: str | None = None
     language_model_name_or_path: str | None = None
     vision_feature_layer: int = -2  # the tower's layer the projector reads (LLaVA's penultimate); later ones frozen

@@ -11,14 +11,14 @@ import hashlib
 import torch
 import torch.nn.functional as F
 
-from ..distributed import batches_in_step, sum_over_ranks
-from ..images import to_device
-from ..skips import SKIPPED, Skip, data_counts
-from ..sources import DATA_FILE, PROBLEM, row_name
-from .arguments import DPOArgs
-from .chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor, string_prompt
-from .labels import IGNORE_INDEX
-from .outputs import SequenceLogps
+from ...distributed import batches_in_step, sum_over_ranks
+from ...images import to_device
+from ...skips import SKIPPED, Skip, data_counts
+from ...sources import DATA_FILE, PROBLEM, row_name
+from ..arguments import DPOArgs
+from ..model.outputs import SequenceLogps
+from ..rows.chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor, string_prompt
+from ..rows.labels import IGNORE_INDEX
 from .reference import Reference
 
 PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image", "id"]

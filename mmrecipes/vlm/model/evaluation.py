@@ -3,10 +3,10 @@ own prompt, each rank forwarding as often as every other."""
 
 import torch
 
-from ..distributed import batches_in_step, max_over_ranks, sum_over_ranks
-from ..images import to_device
-from .chat_data import TOKEN_ALIGNED
-from .labels import IGNORE_INDEX
+from ...distributed import batches_in_step, max_over_ranks, sum_over_ranks
+from ...images import to_device
+from ..rows.chat_data import TOKEN_ALIGNED
+from ..rows.labels import IGNORE_INDEX
 from .outputs import Logits
 
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..distributed import sum_over_ranks
-from ..images import to_device
-from ..reporting import ratio
-from .arguments import GRPOArgs
-from .labels import IGNORE_INDEX
-from .outputs import TokenLogps
+from ...distributed import sum_over_ranks
+from ...images import to_device
+from ...reporting import ratio
+from ..arguments import GRPOArgs
+from ..model.outputs import TokenLogps
+from ..rows.labels import IGNORE_INDEX
 
 CLIP_COUNTS = ("low", "high", "region")  # TRL's clip_ratio/low_mean, high_mean, region_mean
 FORMATS = {"generation_share": ".3f"}  # how the log line writes it (TRL's metrics: as they are)

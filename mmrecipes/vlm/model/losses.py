@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from .labels import IGNORE_INDEX
+from ..rows.labels import IGNORE_INDEX
 
 
 def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

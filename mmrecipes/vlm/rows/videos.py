@@ -15,8 +15,8 @@ import av
 import numpy
 from transformers.video_utils import VideoMetadata
 
-from ..images import readable_source
-from .arguments import VideoArgs
+from ...images import readable_source
+from ..arguments import VideoArgs
 
 logger = logging.getLogger(__name__)
 

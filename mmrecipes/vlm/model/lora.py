@@ -15,7 +15,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers.modeling_utils import set_zero3_state
 
-from .arguments import LoraArgs
+from ..arguments import LoraArgs
 from .module_groups import ModuleGroups, covering_modules
 from .moe import sparse_block_classes
 

@@ -19,10 +19,10 @@ the mean router probability of e; aux = E * sum_e f_e * P_e (k when the load is 
 
 import torch
 
-from ..distributed import sum_over_ranks
-from ..images import to_device
-from ..reporting import ratio
-from .arguments import MoEArgs
+from ...distributed import sum_over_ranks
+from ...images import to_device
+from ...reporting import ratio
+from ..arguments import MoEArgs
 from .outputs import StepOutput
 
 

@@ -8,8 +8,8 @@ import json
 
 import torch
 
-from ..skips import Skip, data_counts
-from ..sources import OTHER_COLUMNS
+from ...skips import Skip, data_counts
+from ...sources import OTHER_COLUMNS
 from .chat_data import (
     CHAT_COLUMNS,
     CHAT_COUNTED,

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from ..images import NORMALIZED_BY, UINT8_PIXELS, fused_normalization, uint8_normalization
+from ...images import NORMALIZED_BY, UINT8_PIXELS, fused_normalization, uint8_normalization
 
 IGNORE_INDEX = -100  # label of positions that are not trained on (prompt, image tokens, padding)
 REFUSED = "the template refuses the conversation"
@@ -41,7 +41,7 @@ class AnswerLabeller:
 
     `stop_token_ids`: the tokens that end a turn (the generation config's eos ids and the
     tokenizer's eos). `videos`: how the model trains on clips (`families.video_path`; None: it does
-    not); they go to the processor as decoded frames (`mmrecipes.vlm.videos.DecodedVideo`) with their
+    not); they go to the processor as decoded frames (`mmrecipes.vlm.rows.videos.DecodedVideo`) with their
     metadata, already sampled. Images (where the image processor gives its own floats that way:
     `images.uint8_normalization`) and clips that reach the model as `pixel_values_videos` come back uint8, with
     the constants that finish them on the device (`images.NORMALIZED_BY`, `images.to_device`). A

@@ -14,11 +14,11 @@ import inspect
 
 import torch
 
-from ..distributed import fsdp_block_classes
+from ...distributed import fsdp_block_classes
+from ..rows.packing import packed_position_ids
 from .families import height_width, lm_features, split_items, video_as_image_names
 from .lora import save_lora
 from .outputs import Forward, StepOutput
-from .packing import packed_position_ids
 
 
 class VLMForTraining(torch.nn.Module):
@@ -99,7 +99,7 @@ class VLMForTraining(torch.nn.Module):
             encoded["image"] = features
         if encoded:
             other_inputs["mm_encoder_outputs"] = encoded
-        if sample_lengths is not None:  # packed: no mask, positions restart per sample (mmrecipes.vlm.packing)
+        if sample_lengths is not None:  # packed: no mask, positions restart per sample (mmrecipes.vlm.rows.packing)
             other_inputs["position_ids"] = packed_position_ids(self.model, input_ids, sample_lengths, media_per_sample,
                                                                media_inputs)
             attention_mask = None

@@ -17,12 +17,12 @@ from collections import Counter
 import torch
 from PIL import Image
 
-from ..distributed import all_ranks_true
-from ..images import decode_image
-from ..loader import check_held_out, rank_loader
-from ..skips import SKIPPED, DropCounter, Skip
-from ..sources import DATA_FILE, PROBLEM, load_stream, mixed_stream, row_name
-from .arguments import ChatDataArgs
+from ...distributed import all_ranks_true
+from ...images import decode_image
+from ...loader import check_held_out, rank_loader
+from ...skips import SKIPPED, DropCounter, Skip
+from ...sources import DATA_FILE, PROBLEM, load_stream, mixed_stream, row_name
+from ..arguments import ChatDataArgs
 from .labels import IGNORE_INDEX, TemplateError, UnalignedAnswer
 from .videos import VIDEO_COUNTED, decode_video
 
@@ -267,7 +267,7 @@ def row_images(args: ChatDataArgs, folder: str | None, messages, raw_images):
 
 
 def row_videos(args: ChatDataArgs, folder: str | None, messages, raw_videos):
-    """The decoded clips of a row (`mmrecipes.vlm.videos.DecodedVideo`s), or `Skip`: as for images, and a clip that
+    """The decoded clips of a row (`mmrecipes.vlm.rows.videos.DecodedVideo`s), or `Skip`: as for images, and a clip that
     yields no frame or runs over --video_max_seconds."""
     placeholders = _count_parts(messages, "video")
     if placeholders != len(raw_videos):
@@ -379,8 +379,8 @@ def _as_tensor(value):
 def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size, ranks, shuffle_seed=None,
                           eval_split=False, preprocessor=ChatPreprocessor, preprocessor_kwargs=None):
     """A DataLoader over this rank's rows (`ranks.reads`: `distributed.Ranks`, or GRPO's `GroupLayout`): the training
-    mixture, or (eval_split) the held-out set, read by `preprocessor` (conversations;
-    `mmrecipes.vlm.preference.PreferencePreprocessor`: preference pairs), built with `preprocessor_kwargs` besides.
+    mixture, or (eval_split) the held-out set, read by `preprocessor` (conversations; `PreferencePreprocessor`:
+    preference pairs; `PromptPreprocessor`: prompts), built with `preprocessor_kwargs` besides.
     --max_tokens_per_batch is what one rank holds: a micro-batch split over `ranks.split_size` ranks holds that many
     times as many tokens. A held-out set that gives no rank a row stops the run now (`loader.check_held_out`: every
     rank together, a collective).

@@ -1,6 +1,6 @@
 """Training FLOPs of an image-text-to-text batch, for MFU."""
 
-from ..throughput import transformer_train_flops
+from ...throughput import transformer_train_flops
 from .families import height_width
 from .moe import inactive_expert_params
 

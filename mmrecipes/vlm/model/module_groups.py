@@ -112,7 +112,7 @@ def _projector_prefixes(model, modules: dict, widths: dict, vision_blocks: list[
             raise ValueError(
                 f"Cannot tell the projector of model type {model.config.model_type!r} from its vision tower "
                 f"(the tower is as wide as the language model, {lm_width}): add its projector modules to "
-                "PROJECTORS in mmrecipes/vlm/families.py")
+                "PROJECTORS in mmrecipes/vlm/model/families.py")
         return prefixes, "table"
     prefixes = []
     for tower in towers:

@@ -30,8 +30,8 @@ from torch.distributed import _functional_collectives as collectives  # torch's 
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .families import stateful_mixers
-from .labels import IGNORE_INDEX
+from ..model.families import stateful_mixers
+from ..rows.labels import IGNORE_INDEX
 
 ATTENTION = "ulysses"  # the language model's attn_implementation while it trains split
 

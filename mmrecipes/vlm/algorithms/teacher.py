@@ -13,15 +13,15 @@ that text (every target is in it).
 import torch
 from PIL import Image
 
-from ..images import to_device
-from .chat_data import generation_prompts, prompt_row
-from .collate import ChatCollator
-from .evaluation import evaluate_generation
-from .families import dummy_image_inputs, placeholder_token_ids
-from .labels import IGNORE_INDEX
-from .loading import load_pretrained, stop_token_ids
-from .models import VLMForTraining
-from .outputs import Hidden, OutputLayer
+from ...images import to_device
+from ..model.evaluation import evaluate_generation
+from ..model.families import dummy_image_inputs, placeholder_token_ids
+from ..model.loading import load_pretrained, stop_token_ids
+from ..model.outputs import Hidden, OutputLayer
+from ..model.step import VLMForTraining
+from ..rows.chat_data import generation_prompts, prompt_row
+from ..rows.collate import ChatCollator
+from ..rows.labels import IGNORE_INDEX
 from .reference import frozen_reference, parameter_values_held
 
 PROBE = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},

@@ -1,4 +1,4 @@
-"""What one forward of the VLM step returns: `model(batch, output)`, `model` a `models.VLMForTraining` (prepared or
+"""What one forward of the VLM step returns: `model(batch, output)`, `model` a `step.VLMForTraining` (prepared or
 not), `output` one of the objects below.
 
 Each output computes itself from the language model's last hidden states and its output layer (`Forward`), says
@@ -123,7 +123,7 @@ class GeneralizedJSD(StepOutput):
     """The batch's summed generalised JSD between the teacher's and the student's next-token distributions over its
     target tokens (`losses.head_generalized_jsd_sum`): `batch["teacher_hidden"]`, the teacher's hidden states of the
     same tokens (`Hidden`, whole sequences); `teacher_head`, its output layer (`OutputLayer` through the teacher's
-    prepared module: `distill.Teacher.head_logits`)."""
+    prepared module: `teacher.Teacher.head_logits`)."""
 
     def __init__(self, teacher_head, *, beta: float, temperature: float):
         self.teacher_head, self.beta, self.temperature = teacher_head, beta, temperature

@@ -11,19 +11,19 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer, CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
-from ..images import to_device
-from ..training import optimizer_groups
-from .arguments import LoraArgs, VLMModelArgs, VLMTrainingArgs, read_chat_template
-from .collate import ChatCollator, probe_rows
+from ...images import to_device
+from ...training import optimizer_groups
+from ..arguments import LoraArgs, VLMModelArgs, VLMTrainingArgs, read_chat_template
+from ..rows.collate import ChatCollator, probe_rows
 from .compose import compose_llava, replaced_template
 from .families import dummy_image_inputs, placeholder_token_ids, stateful_mixers
 from .flops import VLMFlops
 from .loading import load_pretrained, stop_token_ids
 from .lora import add_lora, describe_trainable, dropout_note
-from .models import VLMForTraining
 from .module_groups import ModuleGroups, apply_train_modules, module_groups
 from .moe import sparse_block_classes
 from .outputs import Logits
+from .step import VLMForTraining
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
 
 def load_vlm(args: VLMModelArgs):
     """(model, processor): any `AutoModelForImageTextToText` checkpoint, a Llava composed from a vision tower and a
-    language model (`mmrecipes.vlm.compose`), or the tiny Llava built from a config.
+    language model (`mmrecipes.vlm.model.compose`), or the tiny Llava built from a config.
 
     A family the recipe cannot train is rejected from its config, before any weight is read.
     Build it *before* `Accelerator()` (under ZeRO-3 a model built afterwards is partitioned and

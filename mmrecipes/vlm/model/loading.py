@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 from transformers.utils import CONFIG_NAME
 
-from ..checkpointing import MARKER
+from ...checkpointing import MARKER
 
 
 def model_config(name_or_path: str, flag: str = "--model_name_or_path", *, training_checkpoint: bool = False):

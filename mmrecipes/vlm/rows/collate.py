@@ -2,7 +2,7 @@
 checks before the first step that use it.
 
 `ChatCollator` gives a batch without any image the model's tiny dummy image, so the vision step
-runs on every rank for every micro-batch (see mmrecipes.vlm.models); it also counts, on the host, what the
+runs on every rank for every micro-batch (see mmrecipes.vlm.model.step); it also counts, on the host, what the
 loop needs (rows, tokens, target tokens, data counts: `images.HOST_KEYS`, which `images.to_device` leaves on the
 host). `probe_rows`: two probe conversations for the checks before training (`models.check_packing`).
 """
@@ -10,8 +10,8 @@ host). `probe_rows`: two probe conversations for the checks before training (`mo
 import torch
 from PIL import Image
 
-from ..images import NORMALIZED_BY
-from ..skips import data_counts
+from ...images import NORMALIZED_BY
+from ...skips import data_counts
 from .chat_data import CHAT_COUNTED, TOKEN_ALIGNED, encode_row
 from .labels import IGNORE_INDEX, count_target_tokens
 
@@ -19,17 +19,17 @@ MEDIA_KEYS = ("pixel_values", "pixel_values_videos")  # a row holds images, vide
 
 
 class ChatCollator:
-    """Rows -> one micro-batch that runs the same graph on every rank (see mmrecipes.vlm.models).
+    """Rows -> one micro-batch that runs the same graph on every rank (see mmrecipes.vlm.model.step).
 
     Pads each row to the longest on the right (labels with IGNORE_INDEX). With `packing`, the rows
     are first packed in order into sequences of up to `pack_length` tokens (one sequence if None),
     each row's first label ignored (it is never predicted from the sample before it), and
     `sample_lengths` / `media_per_sample` (images, and videos where the batch has any) list every
     segment of the padded `[sequences, L]` batch in order (a sequence's padding is a segment of its
-    own), for per-sample positions and attention (mmrecipes.vlm.packing). Concatenates the rows' image
+    own), for per-sample positions and attention (mmrecipes.vlm.rows.packing). Concatenates the rows' image
     and video inputs in row order, and gives a batch without any image the model's tiny dummy image
     (`dummy_image_inputs`) with `dummy_image=True`, so the vision step runs on every micro-batch (a
-    batch's videos go through the tower in the same call: `mmrecipes.vlm.models.VLMForTraining`). Where the
+    batch's videos go through the tower in the same call: `mmrecipes.vlm.model.step.VLMForTraining`). Where the
     dummy inputs hold a clip (a video path of the model's own), a batch without a clip gets it, with
     `dummy_video=True`.
     """

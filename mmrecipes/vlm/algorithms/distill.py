@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..distributed import batches_in_step, sum_over_ranks
-from ..images import to_device
-from ..reporting import ratio
-from .arguments import DistillArgs
-from .outputs import GeneralizedJSD
+from ...distributed import batches_in_step, sum_over_ranks
+from ...images import to_device
+from ...reporting import ratio
+from ..arguments import DistillArgs
+from ..model.outputs import GeneralizedJSD
 from .teacher import Teacher
 
 

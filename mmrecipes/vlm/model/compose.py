@@ -24,9 +24,9 @@ from transformers import (
 )
 from transformers.utils import CONFIG_NAME
 
-from ..checkpointing import MARKER, checkpoint_weights
-from ..paths import PLAIN_CHAT_TEMPLATE
-from .arguments import read_chat_template
+from ...checkpointing import MARKER, checkpoint_weights
+from ...paths import PLAIN_CHAT_TEMPLATE
+from ..arguments import read_chat_template
 from .loading import model_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

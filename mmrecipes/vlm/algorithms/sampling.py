@@ -20,12 +20,12 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from ..distributed import batches_in_step, max_over_ranks
-from ..images import to_device
-from .arguments import SamplingArgs
-from .collate import chat_rows
-from .evaluation import with_token_appended
-from .outputs import Logits
+from ...distributed import batches_in_step, max_over_ranks
+from ...images import to_device
+from ..arguments import SamplingArgs
+from ..model.evaluation import with_token_appended
+from ..model.outputs import Logits
+from ..rows.collate import chat_rows
 
 
 def prompt_seed(seed: int, prompt: dict) -> int:

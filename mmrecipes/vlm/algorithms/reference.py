@@ -9,9 +9,9 @@ import torch
 from accelerate.utils import DistributedType
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-from ..distributed import all_ranks_true, batches_in_step
-from ..images import to_device
-from .outputs import SequenceLogps, TokenLogps
+from ...distributed import all_ranks_true, batches_in_step
+from ...images import to_device
+from ..model.outputs import SequenceLogps, TokenLogps
 
 
 def parameter_values_held(model) -> tuple[int, int]:

@@ -1,0 +1,1 @@
+"""Parallelism over a sequence: Ulysses sequence parallelism (the split after the vision merge)."""
