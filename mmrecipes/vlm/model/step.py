@@ -55,7 +55,8 @@ class VLMForTraining(torch.nn.Module):
         with self.sequence_parallel.splitting(split) if self.sequence_parallel else contextlib.nullcontext():
             hidden, dummies, router_logits = self._hidden_states(**batch, output_router_logits=output.routing)
         shard = self.sequence_parallel.shard if split else None
-        value = output.compute(Forward(hidden, head, self.softcap, batch, shard, router_logits))
+        value = output.compute(Forward(hidden=hidden, head=head, softcap=self.softcap, batch=batch, shard=shard,
+                                       router_logits=router_logits))
         if shard is not None:
             value = output.reduce(value, shard)
         return value + self._dummy_terms(dummies) if output.trains else value
