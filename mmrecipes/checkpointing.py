@@ -47,6 +47,10 @@ def step_of(checkpoint: Path) -> int:
     return int(CHECKPOINT_NAME.fullmatch(checkpoint.name)[1])
 
 
+# What the learning rate of every step depends on: a resume with other values follows another schedule (said)
+SCHEDULE = ("max_steps", "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps")
+
+
 def data_layout(data_args, args, ranks, *, batch_size: int) -> dict:
     """What a saved data position depends on (`ranks`: `distributed.Ranks`): resuming it with anything else would read
     other rows. The flags as typed (a rank's token budget, not a sequence-parallel group's)."""
@@ -113,6 +117,7 @@ class Checkpointer:
         self.lock = OutputDirLock(args.output_dir)
         self.train_loader = None  # the training stream whose position saves keep (`resume`)
         self.layout, self.model = dict(layout), model_layout(model)
+        self.schedule = {name: getattr(args, name) for name in SCHEDULE}
         self.resumed_totals = {}  # the log's totals at the checkpoint resumed from (`resume`)
 
     def _data_state(self) -> tuple[str, bool]:
@@ -167,6 +172,7 @@ class Checkpointer:
                                             checkpoint_files(partial, MARKER)))
         if accelerator.is_main_process:
             (partial / MARKER).write_text(json.dumps({"step": step, "layout": self.layout, "model": self.model,
+                                                      "schedule": self.schedule,
                                                       "files": manifest, "totals": totals or {}}, indent=1))
             replaced = self.root / f"{PARTIAL}replaced-checkpoint-{step}"
             if final.exists():  # the same step saved again, e.g. after resuming from an older checkpoint
@@ -340,7 +346,9 @@ class Checkpointer:
         self.accelerator.load_state(checkpoint)
         self.scheduler.load_state_dict(json.loads((checkpoint / SCHEDULER).read_text()))
         start_step = step_of(checkpoint)
-        totals = json.loads((checkpoint / MARKER).read_text()).get("totals")  # counters: finite, >= 0, or left out
+        marker = json.loads((checkpoint / MARKER).read_text())
+        self._say_schedule(checkpoint, start_step, marker.get("schedule"))
+        totals = marker.get("totals")  # counters: finite, >= 0, or left out
         self.resumed_totals = {name: value for name, value in (totals if isinstance(totals, dict) else {}).items()
                                if type(value) in (int, float) and math.isfinite(value) and value >= 0}
         if self.ignore_data_skip:
@@ -352,6 +360,20 @@ class Checkpointer:
         self.accelerator.print(f"resumed from {checkpoint} at step {start_step}, the data at its saved position in "
                                f"epoch {data_state['epoch']}")
         return start_step, data_state["epoch"]
+
+
+    def _say_schedule(self, checkpoint: Path, step: int, saved):
+        """Where this run's learning-rate schedule is not the checkpoint's run's, say so: its steps after `step`
+        follow this one, those before followed the other, so the run repeats no straight run."""
+        if not isinstance(saved, dict):
+            return
+        changed = [(name, saved.get(name), value) for name, value in self.schedule.items() if saved.get(name) != value]
+        if changed:
+            self.accelerator.print(
+                f"resumed with {', '.join(f'--{name} {new}' for name, _, new in changed)} where {checkpoint} was saved "
+                f"with {', '.join(f'--{name} {old}' for name, old, _ in changed)}: the learning rate of the steps after "
+                f"{step} follows this run's schedule, of those before the saved run's, so this run repeats neither "
+                "straight run")
 
 
 def _positions(loader_state):

@@ -185,3 +185,21 @@ def test_a_reward_failing_on_another_rank_is_named_in_the_main_log_with_its_rank
     said = "reward function rewards_for_tests:fails_off_rank_0 failed on rank 1: RuntimeError: the judge is down"
     assert result.log.count(said) == 1, result.log[-3000:]  # each failure once, from the main process
     assert "failed on rank 0" not in result.log
+
+
+def test_a_resume_with_another_schedule_says_so(tmp_path, capsys):
+    """GRPO, 4 steps with a checkpoint at 2, resumed to 6: step 6's gradient norm was not the straight 6-step run's,
+    silently (its first steps had followed a 4-step cosine schedule). A resume repeats a straight run exactly only
+    under the same schedule (test_grpo_engines.py, test_distill_recipe.py); under another it says so."""
+    flags = ["--save_steps", 2, "--logging_steps", 1, "--eval_dataset_name", "", "--dataloader_num_workers", 0,
+             "--per_device_train_batch_size", 8, "--num_generations", 4]
+    recipe = load_recipe(RECIPES / "vlm_grpo.py")
+    common = [*map(str, flags), "--report_to", "none", "--output_dir", str(tmp_path / "run")]
+    recipe.main([*common, "--max_steps", "4"])
+    checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint-2"
+    capsys.readouterr()
+    recipe.main([*common, "--max_steps", "6", "--resume_from_checkpoint", str(checkpoint)])
+    assert (f"resumed with --max_steps 6 where {checkpoint} was saved with --max_steps 4: the learning rate of the "
+            "steps after 2 follows this run's schedule") in capsys.readouterr().out
+    recipe.main([*common, "--max_steps", "4", "--resume_from_checkpoint", str(checkpoint)])
+    assert "resumed with" not in capsys.readouterr().out.replace("resumed from", "")
