@@ -93,10 +93,9 @@ class Report:
 
     def __init__(self, accelerator, args, batches, counted: tuple[str, ...], *, guard, ranks, flops=None, total=None,
                  formats: dict | None = None):
-        self.accelerator, self.batches, self.counted, self.guard, self.flops = (
-            accelerator, batches, counted, guard, flops)
+        self.accelerator, self.batches, self.counted, self.guard, self.flops, self.ranks = (
+            accelerator, batches, counted, guard, flops, ranks)
         self.formats = FORMATS | (formats or {})
-        self.counts_batches = ranks.counts_reads
         self.logging_steps, self.eval_steps, self.max_steps = args.logging_steps, args.eval_steps, args.max_steps
         self.peak = peak_flops(args.peak_tflops)
         self.window, self.history = WindowSums(accelerator.device, counted, total), History()
@@ -117,7 +116,7 @@ class Report:
         (`trained`, by default the ones read: tokens and text-only batches where the collator counts them, FLOPs).
         GRPO reads prompts and trains their completions, each batch of them for --num_iterations steps; distillation
         trains samples of its prompts or their answers: a batch of `prompts` read is never counted as trained."""
-        share = 1 if self.counts_batches else 0  # a peer's zeros: every rank sums the same names
+        share = 1 if self.ranks.counts_reads else 0  # a peer's zeros: every rank sums the same names
         for batch in window:
             self.window.add(data_counts=batch["data_counts"] * share, samples=batch["num_samples"] * share)
         for batch in [batch for batch in window if "prompts" not in batch] if trained is None else trained:

@@ -211,7 +211,7 @@ TRL_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask",
 
 
 def assert_equals_trls_loss(student, processor, teacher, rows, beta, temperature):
-    """The recipe's step (`Teacher.hidden`, `generalized_jsd_sum` through `VLMForTraining`) on `rows`, against TRL
+    """The recipe's step (`Teacher.hidden`, `GeneralizedJSD` through `VLMForTraining`) on `rows`, against TRL
     1.16's `DistillationTrainer` loss (`_chunked_divergence_loss`) on the hidden states TRL takes (each model's
     `base_model` on the same batch, the multimodal inputs TRL passes, the text config's softcap): the summed
     divergence and the student's output-layer gradient."""

@@ -33,7 +33,7 @@ def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: 
     slices' shapes come from the batch's shape, never from its values (no host read, no recompile
     for a new count of targets). Ignored positions (prompt, image, padding) add exactly 0.
     `softcap`: Gemma-style final logit soft-capping (`tanh(logits / cap) * cap`). `shifted`: `labels` are already
-    each position's next-token target (a sequence-parallel shard's: `sequence_parallel.shard_targets`).
+    each position's next-token target (a sequence-parallel shard's: `sequence_parallel.Shard.targets`).
     """
     return _chunked_sum(hidden, head, labels, num_chunks, softcap, per_row=False, shifted=shifted)
 
