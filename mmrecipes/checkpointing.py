@@ -369,11 +369,11 @@ class Checkpointer:
             return
         changed = [(name, saved.get(name), value) for name, value in self.schedule.items() if saved.get(name) != value]
         if changed:
-            self.accelerator.print(
-                f"resumed with {', '.join(f'--{name} {new}' for name, _, new in changed)} where {checkpoint} was saved "
-                f"with {', '.join(f'--{name} {old}' for name, old, _ in changed)}: the learning rate of the steps after "
-                f"{step} follows this run's schedule, of those before the saved run's, so this run repeats neither "
-                "straight run")
+            now = ", ".join(f"--{name} {new}" for name, _, new in changed)
+            before = ", ".join(f"--{name} {old}" for name, old, _ in changed)
+            self.accelerator.print(f"resumed with {now} where {checkpoint} was saved with {before}: the learning rate "
+                                   f"of the steps after {step} follows this run's schedule, of those before the saved "
+                                   "run's, so this run repeats neither straight run")
 
 
 def _positions(loader_state):
