@@ -67,8 +67,6 @@ def test_the_aux_loss_is_the_models_own_on_the_same_micro_batch_over_real_tokens
     torch.testing.assert_close(balance_loss(*routed), own.aux_loss, rtol=1e-5, atol=1e-6)
     line = LoadBalance.of(model, MoEArgs(), 1, Ranks()).line
     assert "4 experts, 2 per token; load-balancing loss off" in line and "--router_aux_loss_coef 0.001" in line
-    if family == "qwen3_5_moe":  # its linear attention does not keep packed samples apart (test_packing.py)
-        return
     packed = to_device(ChatCollator(0, dummy, packing=True, pack_length=len(batch_rows[0]["input_ids"]) + 1)(
         batch_rows), "cpu")
     assert not packed["attention_mask"].all()  # the second sequence is padded

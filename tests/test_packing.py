@@ -26,7 +26,7 @@ from mmrecipes.vlm.rows.collate import ChatCollator
 from mmrecipes.vlm.rows.labels import AnswerLabeller
 
 PACKING_FAMILIES = [None, "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3",
-                    "llava_onevision", "mistral3", "qwen3_vl_moe", "gemma4"]  # None: the tiny default Llava
+                    "llava_onevision", "mistral3", "qwen3_vl_moe", "gemma4", "qwen3_5", "qwen3_5_moe"]  # None: Llava
 
 
 def load(tiny_vlms, family):
@@ -99,13 +99,19 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
                r"from the samples run alone\)"),
     ("gemma4_moe", r"Gemma4ForConditionalGeneration does not keep packed samples apart"),
     ("qwen3_5", r"Qwen3_5ForConditionalGeneration does not keep packed samples apart \(its logits differ by [\d.]+ "
-                r"from the samples run alone; its linear_attention layers \(Qwen3_5GatedDeltaNet\) carry their state")])
-def test_a_family_that_does_not_keep_packed_samples_apart_is_rejected(tiny_vlms, family, reason):
+                r"from the samples run alone; its linear_attention layers \(Qwen3_5GatedDeltaNet\) carry their state "
+                r"from one sample into the next: they do not pass each token's segment \(seq_idx\) on")])
+def test_a_family_that_does_not_keep_packed_samples_apart_is_rejected(tiny_vlms, family, reason, monkeypatch):
     """Gemma 3 and Gemma 4 26B-A4B (image tokens attend bidirectionally, through token_type_ids or
-    mm_token_type_ids) and Qwen3.5 (the recurrence and causal
-    convolution of its Gated DeltaNet layers run across the packed samples: transformers' torch path of them takes no
-    sample boundaries, so restarted positions and a block mask keep only its attention layers apart) mix packed
-    samples: `--packing` stops before the first step, names the layers where it can, and says what to do instead."""
+    mm_token_type_ids) mix packed samples; so would a linear-attention layer that does not pass the tokens' segments
+    on to its recurrence and convolution (a Qwen3.5 whose Gated DeltaNet drops them, as Kimi Linear's forwards no
+    boundaries). `--packing` stops before the first step, names the layers where it can, and says what to do instead."""
+    if family == "qwen3_5":
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+        forward = Qwen3_5GatedDeltaNet.forward
+        monkeypatch.setattr(Qwen3_5GatedDeltaNet, "forward",
+                            lambda self, *args, seq_idx=None, **kwargs: forward(self, *args, **kwargs))
     model, processor = load(tiny_vlms, family)
     with pytest.raises(ValueError, match="--packing: " + reason):
         check_packing(model, AnswerLabeller(processor, stop_token_ids(model, processor)),
@@ -176,3 +182,41 @@ def test_a_packed_token_budget_run_resumes_exactly(budget_runs, tmp_path):
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert "the data at its saved position in epoch 0" in resumed.log  # the last row of the last pack
     assert_same_curves(resumed.log, straight.log, [4, 5, 6], abs=1e-5)
+
+
+def test_the_segment_aware_mixers_equal_each_sample_alone_in_values_and_gradients():
+    """The chunked gated delta rule and the causal convolution on one packed row of six samples (1 token, over two
+    chunks, exactly one chunk, ...) against transformers' own torch path run on each sample alone: outputs and the
+    inputs' gradients to float32's rounding; the same row through transformers' path whole mixes the samples."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+
+    from mmrecipes.vlm.model.segments import segment_causal_conv1d, segment_chunk_gated_delta_rule, segment_ids
+
+    rule = getattr(qwen3_5.torch_chunk_gated_delta_rule, "__wrapped__", qwen3_5.torch_chunk_gated_delta_rule)
+    conv = getattr(qwen3_5.causal_conv1d_fn, "__wrapped__", qwen3_5.causal_conv1d_fn)
+    lengths = torch.tensor([1, 70, 5, 32, 3, 17])
+    length, generator = int(lengths.sum()), torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, length, *shape, generator=generator, requires_grad=True)
+              for shape in ((2, 8), (2, 8), (4, 6))]
+    gates = [(-torch.rand(1, length, 4, generator=generator)).requires_grad_(),
+             torch.rand(1, length, 4, generator=generator).requires_grad_()]
+    signal = torch.randn(1, 12, length, generator=generator, requires_grad=True)
+    weight = torch.randn(12, 4, generator=generator)
+    segments = segment_ids(lengths, (1, length))
+    packed = [segment_chunk_gated_delta_rule(*inputs, *gates, segments, chunk_size=32, use_qk_l2norm_in_kernel=True),
+              segment_causal_conv1d(signal, weight, None, segments)]
+    starts = [0, *lengths.cumsum(0).tolist()]
+    parts = [slice(start, end) for start, end in zip(starts, starts[1:])]
+    alone = [torch.cat([rule(*(x[:, part] for x in inputs), g=gates[0][:, part], beta=gates[1][:, part],
+                             chunk_size=32, use_qk_l2norm_in_kernel=True)[0] for part in parts], dim=1),
+             torch.cat([conv(signal[..., part], weight, None) for part in parts], dim=-1)]
+    for got, expected in zip(packed, alone):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    leaves = [*inputs, *gates, signal]
+    directions = [torch.randn(x.shape, generator=generator) for x in packed]
+    grads = [torch.autograd.grad(sum((x * d).sum() for x, d in zip(outputs, directions)), leaves)
+             for outputs in (packed, alone)]
+    for got, expected in zip(*grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    leaky = rule(*inputs, g=gates[0], beta=gates[1], chunk_size=32, use_qk_l2norm_in_kernel=True)[0]
+    assert not torch.allclose(leaky, alone[0], atol=1e-2)

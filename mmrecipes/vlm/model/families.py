@@ -209,21 +209,26 @@ def placeholder_token_ids(model, processor) -> list[int]:
 ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")  # transformers' layer_types
 
 
-def stateful_mixers(model) -> list[str]:
-    """"<layer type> layers (<class>)" for each layer type of the language model's config that is not attention
-    (Qwen3.5's linear_attention: a Gated DeltaNet, a recurrence with a causal convolution), its class the one its
-    layers hold where the attention layers hold another."""
+def stateful_mixer_classes(model) -> dict[str, set[type]]:
+    """{layer type: the classes its layers hold that the attention layers do not} for each layer type of the language
+    model's config that is not attention (Qwen3.5's linear_attention: a Gated DeltaNet, a recurrence with a causal
+    convolution)."""
     types = getattr(model.config.get_text_config(), "layer_types", None) or []
     layers = next((child for child in model.get_decoder().children()
                    if isinstance(child, torch.nn.ModuleList) and len(child) == len(types)), None)
     if layers is None:
-        return []
+        return {}
 
     def classes(kind):
-        return {type(child).__name__ for layer, layer_type in zip(layers, types) if layer_type == kind
+        return {type(child) for layer, layer_type in zip(layers, types) if layer_type == kind
                 for child in layer.children()}
 
     attention = set().union(*(classes(kind) for kind in ATTENTION_LAYERS))
-    return [f"{kind} layers ({', '.join(sorted(classes(kind) - attention))})"
-            for kind in dict.fromkeys(types) if kind not in ATTENTION_LAYERS]
+    return {kind: classes(kind) - attention for kind in dict.fromkeys(types) if kind not in ATTENTION_LAYERS}
+
+
+def stateful_mixers(model) -> list[str]:
+    """"<layer type> layers (<class>)" for each of `stateful_mixer_classes`."""
+    return [f"{kind} layers ({', '.join(sorted(cls.__name__ for cls in classes))})"
+            for kind, classes in stateful_mixer_classes(model).items()]
 

@@ -85,8 +85,8 @@ def check_packing(model, labeller, dummy_inputs):
         model.train(training)
     if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4):
         mixers = stateful_mixers(model)
-        why = (f"; its {' and '.join(mixers)} carry their state from one sample into the next: transformers' torch "
-               "path of them takes no sample boundaries") if mixers else ""
+        why = (f"; its {' and '.join(mixers)} carry their state from one sample into the next: they do not pass each "
+               "token's segment (seq_idx) on to their mixers") if mixers else ""
         raise ValueError(f"--packing: {type(model).__name__} does not keep packed samples apart (its logits differ by "
                          f"{(packed - alone).abs().max().item():.3g} from the samples run alone{why}): drop "
                          "--packing, or keep --max_tokens_per_batch without it")

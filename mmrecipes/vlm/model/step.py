@@ -16,9 +16,10 @@ import torch
 
 from ...distributed import fsdp_block_classes
 from ..rows.packing import packed_position_ids
-from .families import height_width, lm_features, split_items, video_as_image_names
+from .families import height_width, lm_features, split_items, stateful_mixer_classes, video_as_image_names
 from .lora import save_lora
 from .outputs import Forward, StepOutput
+from .segments import make_segment_aware, segment_ids
 
 
 class VLMForTraining(torch.nn.Module):
@@ -40,6 +41,10 @@ class VLMForTraining(torch.nn.Module):
         self.forward_input_names = set(inspect.signature(model.forward).parameters) - {"kwargs"}
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         self.clip_layout = _clip_layout(model) if not self.video_as_image else None
+        # Linear-attention layers: a packed batch gives them each token's segment (`segments`)
+        mixers = set().union(*stateful_mixer_classes(model).values())
+        make_segment_aware(mixers)
+        self.segmented = bool(mixers)
         # from_pretrained leaves a model in eval mode: no dropout, and no gradient checkpointing (transformers
         # checkpoints only in training mode), until an evaluation's train() would turn them on mid-run
         model.train()
@@ -103,6 +108,8 @@ class VLMForTraining(torch.nn.Module):
         if sample_lengths is not None:  # packed: no mask, positions restart per sample (mmrecipes.vlm.rows.packing)
             other_inputs["position_ids"] = packed_position_ids(self.model, input_ids, sample_lengths, media_per_sample,
                                                                media_inputs)
+            if self.segmented:
+                other_inputs["seq_idx"] = segment_ids(sample_lengths, input_ids.shape)
             attention_mask = None
         # No KV cache: training needs none, and transformers reads packed positions only without one.
         if output_router_logits:

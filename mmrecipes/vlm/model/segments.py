@@ -1,0 +1,148 @@
+"""Token mixers that keep packed samples apart: a linear-attention layer's chunked gated delta rule and its short
+causal convolution, each given every token's segment (`segment_ids`: the sample it belongs to in a packed row), equal
+to running every sample alone.
+
+transformers' torch path of Qwen3.5's Gated DeltaNet (`torch_chunk_gated_delta_rule`, `causal_conv1d_fn`) takes no
+sample boundaries: on a packed row the recurrent state and the convolution's window run from one sample into the
+next. Here the same chunk algorithm keeps its terms within a sample:
+- inside a chunk, a token attends (and its delta-rule update system reads) only the tokens of its own segment before
+  it: the pairwise decays of two segments are masked to 0, so the triangular system is block diagonal by segment;
+- the state carried into a chunk belongs to the segment of the chunk before's last token: only the tokens of that
+  segment read it (the query's read and the delta rule's correction), and it is carried on only when the chunk's
+  last token is of that segment too;
+- the state a chunk hands on holds the updates of its last segment only.
+The convolution adds a tap `x[t - k]` only where that token is of `t`'s segment. Each equals the samples run alone
+(tests/test_packing.py), at about the cost of the unmasked path.
+"""
+
+import functools
+import sys
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+
+def segment_ids(sample_lengths: torch.Tensor, shape) -> torch.Tensor:
+    """Each token's segment, `[rows, length]`: the index of its sample among a packed batch's `sample_lengths`
+    (every sample, and every row's padding, in row order)."""
+    segments = torch.arange(len(sample_lengths), device=sample_lengths.device)
+    return segments.repeat_interleave(sample_lengths).reshape(shape)
+
+
+def segment_causal_conv1d(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          segments: torch.Tensor) -> torch.Tensor:
+    """A depthwise causal convolution, `[rows, channels, length]` in and out (`weight`: `[channels, taps]`), whose
+    window never reaches into an earlier segment (`segments`: `[rows, length]`)."""
+    taps, length = weight.shape[-1], hidden.shape[-1]
+    out = hidden.new_zeros(hidden.shape, dtype=weight.dtype) if bias is None else bias[None, :, None].expand(
+        hidden.shape[0], -1, length).to(weight.dtype)
+    source = hidden.to(weight.dtype)
+    for back in range(taps):  # tap `back`: the token `back` places earlier, weighted by weight[:, taps - 1 - back]
+        shifted = F.pad(source, (back, 0))[..., :length]
+        same = F.pad(segments, (back, 0), value=-1)[..., :length] == segments
+        out = out + shifted * same[:, None] * weight[:, taps - 1 - back, None]
+    return out
+
+
+def segment_chunk_gated_delta_rule(query, key, value, g, beta, segments: torch.Tensor, *, chunk_size: int = 64,
+                                   use_qk_l2norm_in_kernel: bool = False) -> torch.Tensor:
+    """The gated delta rule of `[rows, length, heads, dim]` queries, keys and values (`g`: log decays, `beta`: write
+    strengths, `[rows, length, value heads]`), chunk by chunk, each token's read and write within its segment
+    (`segments`: `[rows, length]`); the output `[rows, length, value heads, value dim]`, in the inputs' dtype."""
+    dtype = query.dtype
+    rows, length, key_heads, key_dim = key.shape
+    value_heads, value_dim = value.shape[-2:]
+    if key_heads != value_heads:  # each query/key head serves consecutive value heads
+        query, key = (x.repeat_interleave(value_heads // key_heads, dim=2) for x in (query, key))
+    query, key, value, beta, g = (x.transpose(1, 2).float() for x in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        query, key = (x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6) for x in (query, key))
+    query = query * query.shape[-1] ** -0.5
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    segments = F.pad(segments, (0, pad), value=-1)  # the padding: a segment of its own
+    chunks = (length + pad) // chunk_size
+
+    def chunked(x):
+        return x.reshape(rows, value_heads, chunks, chunk_size, *x.shape[3:])
+
+    query, key, value, beta, g = (chunked(x) for x in (query, key, value, beta, g))
+    segments = segments.reshape(rows, 1, chunks, chunk_size)
+    carried = _previous_last(segments)  # the segment whose state enters each chunk
+    same = segments[..., :, None] == segments[..., None, :]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).tril()
+    decay = g.cumsum(dim=-1)  # from the chunk's start
+    pairwise = (decay[..., :, None] - decay[..., None, :]).masked_fill(~(causal & same), float("-inf")).exp()
+    k_beta, v_beta = key * beta[..., None], value * beta[..., None]
+    system = (k_beta @ key.transpose(-1, -2)) * pairwise  # its strictly lower part: block diagonal by segment
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    reads = (segments == carried).float()[..., None]  # the tokens that continue the carried segment
+    k_decayed = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False,
+                                              unitriangular=True) * reads
+    attention = (query @ key.transpose(-1, -2)) * pairwise
+    query_read = query * decay.exp()[..., None] * reads
+    last = segments[..., -1:]
+    key_write = key * (decay[..., -1:] - decay).exp()[..., None] * (segments == last).float()[..., None]
+    keeps = (last == carried).float()[..., None] * decay[..., -1:, None].exp()  # the whole chunk continues it
+    state = query.new_zeros(rows, value_heads, key_dim, value_dim)
+    out = torch.zeros_like(value)
+    for index in range(chunks):
+        corrected = new_values[:, :, index] - k_decayed[:, :, index] @ state
+        out[:, :, index] = query_read[:, :, index] @ state + attention[:, :, index] @ corrected
+        state = state * keeps[:, :, index] + key_write[:, :, index].transpose(-1, -2) @ corrected
+    out = out.reshape(rows, value_heads, -1, value_dim)[:, :, :length]
+    return out.transpose(1, 2).to(dtype)
+
+
+def _previous_last(segments: torch.Tensor) -> torch.Tensor:
+    """Each chunk's preceding chunk's last segment, `[..., chunks, 1]` (none before the first: -2)."""
+    lasts = segments[..., -1:]
+    return torch.cat([torch.full_like(lasts[..., :1, :], -2), lasts[..., :-1, :]], dim=-2)
+
+
+def _conv(hidden_states, weight, bias=None, activation=None, *, segments, **kwargs):
+    out = segment_causal_conv1d(hidden_states, weight, bias, segments)
+    return (ACT2FN[activation](out) if activation is not None else out).to(hidden_states.dtype)
+
+
+def _rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+          use_qk_l2norm_in_kernel=False, *, segments, **kwargs):
+    if initial_state is not None or output_final_state:
+        raise ValueError("a packed batch runs without a cache: its segments carry no state out")
+    return segment_chunk_gated_delta_rule(query, key, value, g, beta, segments, chunk_size=chunk_size,
+                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel), None
+
+
+# transformers' names of the torch paths a linear-attention layer mixes its tokens with, and their segment-aware
+# versions
+MIXERS = {"torch_chunk_gated_delta_rule": _rule, "causal_conv1d_fn": _conv}
+
+
+def make_segment_aware(layer_classes) -> list[str]:
+    """Wrap, once, each mixer function (`MIXERS`) that the modules of `layer_classes` (a model's stateful mixers:
+    `families.stateful_mixers`) call: a call given `seq_idx`, each token's segment, runs the segment-aware version,
+    any other the original as it was. A layer that passes no `seq_idx` on (or mixes with other functions) still mixes
+    samples, which `parts.check_packing` finds and refuses. Returns the classes whose module calls none of them."""
+    untouched = []
+    for cls in layer_classes:
+        module = sys.modules[cls.__module__]
+        names = [name for name in MIXERS if callable(getattr(module, name, None))]
+        for name in names:
+            if not getattr(getattr(module, name), "segment_aware", False):
+                setattr(module, name, _dispatching(getattr(module, name), MIXERS[name]))
+        if not names:
+            untouched.append(cls.__name__)
+    return untouched
+
+
+def _dispatching(original, segmented):
+    @functools.wraps(original)
+    def mixer(*args, seq_idx=None, **kwargs):
+        if seq_idx is None:
+            return original(*args, **kwargs)
+        return segmented(*args, segments=seq_idx, **kwargs)
+
+    mixer.segment_aware = True
+    return mixer
