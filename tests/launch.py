@@ -280,7 +280,7 @@ def assert_adam_weights_close(got: dict, expected: dict, *, learning_rate: float
 
 
 def losses(log: str) -> dict[int, float]:
-    return {int(step): float(loss) for step, loss in re.findall(r"^step (\d+)/\d+ \| loss ([\d.]+)", log, re.M)}
+    return {int(step): float(loss) for step, loss in re.findall(r"^step (\d+)/\d+ \| loss (-?[\d.]+)", log, re.M)}
 
 
 def grad_norms(log: str) -> dict[int, float]:

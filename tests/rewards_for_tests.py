@@ -95,3 +95,8 @@ def fails_off_rank_0(completions, **kwargs):
     if int(os.environ.get("RANK", "0")):
         raise RuntimeError("the judge is down on this node")
     return [1.0] * len(completions)
+
+
+def token_spread(completion_ids, **kwargs):
+    """The completion's token ids summed, mod 7: a spread in every group, whatever the completions' lengths."""
+    return [float(sum(ids) % 7) for ids in completion_ids]

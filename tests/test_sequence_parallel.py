@@ -46,10 +46,11 @@ from mmrecipes.vlm.rows.collate import ChatCollator
 from mmrecipes.vlm.rows.labels import AnswerLabeller
 from test_family_conformance import collator_row, colour_conversation, square
 
-# every family the rule lets split (Qwen3-VL: deepstack features; Qwen3-VL-MoE: experts, no balancing loss)
+# every family the rule lets split (Qwen3-VL: deepstack features; Qwen3-VL-MoE: experts, no balancing loss; Qwen3.5:
+# Gated DeltaNet layers, head-parallel)
 SPLITS = ["llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "idefics2",
-          "idefics3", "internvl3", "mistral3"]
-REFUSED = {"gemma3": "sliding_attention layers", "qwen3_5": "linear_attention layers (Qwen3_5GatedDeltaNet)"}
+          "idefics3", "internvl3", "mistral3", "qwen3_5", "qwen3_5_think", "qwen3_5_moe"]
+REFUSED = {"gemma3": "sliding_attention layers"}
 
 
 def _shards_against_whole(rank, world_size, directories, forced):
@@ -61,6 +62,8 @@ def _shards_against_whole(rank, world_size, directories, forced):
             {"role": "assistant", "content": [{"type": "text", "text": "blue"}]}]
     if forced:
         sequence_parallel.refusal = lambda model, size: None
+    if forced == "on shards":  # linear attention as before: the recurrence and its convolution on each shard
+        sequence_parallel.mixer_layers = lambda model: []
     for family, directory in directories.items():
         torch.manual_seed(0)
         model, processor, groups = tiny(directory)
@@ -145,16 +148,22 @@ def test_the_shards_sum_to_the_whole_sequence_for_each_family_that_splits(direct
         assert tokens < 1e-5 and rows < 1e-4, family  # GRPO's and DPO's outputs, gathered over the group
 
 
-def test_the_refused_families_differ_when_forced_and_the_rule_says_why(directories):
-    """The old failure: Gemma 3's sliding window and bidirectional image attention, and Qwen3.5's recurrence, give
-    other losses split; the rule refuses each, naming its layers."""
+def test_the_refused_families_differ_when_forced_and_the_rule_says_why(directories, monkeypatch):
+    """The old failure: Gemma 3's sliding window and bidirectional image attention, and Qwen3.5's recurrence run on
+    each shard (what head-parallel linear attention replaced), give other gradients split; the rule refuses Gemma 3,
+    naming its layers, and a linear-attention layer that cannot run head-parallel, or whose heads do not split."""
     forced = run_on_ranks(_shards_against_whole, 2, {family: directories[family] for family in REFUSED}, True)[0]
+    forced |= run_on_ranks(_shards_against_whole, 2, {"qwen3_5": directories["qwen3_5"]}, "on shards")[0]
     for family, (whole, summed, worst, *_) in forced.items():
         # the gradients differ a hundred times beyond what the families that split pass (Gemma 3: 3e-2, its loss by
         # 5e-7 only; Qwen3.5: 7e-3)
         assert worst > 1e-3, (family, whole, summed, worst)
-        model = tiny(directories[family])[0]
-        assert REFUSED[family] in sequence_parallel.refusal(model, 2)
+        if family in REFUSED:
+            assert REFUSED[family] in sequence_parallel.refusal(tiny(directories[family])[0], 2)
+    qwen3_5 = tiny(directories["qwen3_5"])[0]  # 2 key heads, 4 value heads in its Gated DeltaNet
+    assert "2 key heads and 4 value heads do not split over 4 ranks" in sequence_parallel.refusal(qwen3_5, 4)
+    monkeypatch.setattr(sequence_parallel, "parallel_layer", lambda layer: False)
+    assert "linear_attention layers (Qwen3_5GatedDeltaNet) carry a state" in sequence_parallel.refusal(qwen3_5, 2)
     llava = tiny()[0]
     assert "do not split over 8 ranks" in sequence_parallel.refusal(llava, 8)  # 4 heads
     llava.set_attn_implementation("eager")
@@ -183,7 +192,8 @@ def assert_same_run(result, truth, output_dir, truth_dir, config, processes=2, l
 
 @pytest.mark.launch
 @pytest.mark.parametrize("family, configs, extra", [("llava", ["ddp.yaml", "zero3.yaml"], []),
-                                                    ("qwen2_5_vl", ["fsdp2.yaml"], WITH_VIDEO)])
+                                                    ("qwen2_5_vl", ["fsdp2.yaml"], WITH_VIDEO),
+                                                    ("qwen3_5", ["ddp.yaml", "zero3.yaml"], WITH_VIDEO)])
 def test_sp2_on_two_ranks_equals_one_process(tiny_vlms, tmp_path, family, configs, extra):
     model = ["--model_name_or_path", tiny_vlms[family]] if family != "llava" else []
     truth = run_recipe(*COMMON, *model, *extra, "--output_dir", tmp_path / "one", recipe=VLM_RECIPE)
@@ -305,6 +315,25 @@ def test_grpo_at_sp2_equals_one_process_under_zero3(tmp_path):
     assert_same_run(result, truth, tmp_path / "sp", tmp_path / "one", "zero3.yaml", learning_rate=3e-4)
     step = next(line for line in truth.log.splitlines() if line.startswith("step 1/"))
     assert step.split("| grad_norm")[0] in result.log  # rewards, lengths, clip ratios: counted once
+
+
+@pytest.mark.launch
+def test_qwen3_5_dpo_and_grpo_at_sp2_equal_one_process(tiny_vlms, tmp_path):
+    """Qwen3.5's Gated DeltaNet layers head-parallel in the preference and RL recipes: a DPO step under DDP (the
+    frozen reference whole) and a GRPO step under ZeRO-3 (sampling whole sequences, a reward with a spread),
+    each equal to one process."""
+    model = ["--model_name_or_path", tiny_vlms["qwen3_5"], "--max_steps", 1, "--logging_steps", 1,
+             "--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2, "--ddp_timeout", 120,
+             "--eval_dataset_name", ""]
+    runs = {DPO_RECIPE: ("ddp.yaml", ["--eval_questions", ""]),
+            GRPO_RECIPE: ("zero3.yaml", ["--num_generations", 4, "--reward_funcs", "rewards_for_tests:token_spread"])}
+    for recipe, (config, flags) in runs.items():
+        truth = run_recipe(*model, *flags, "--output_dir", tmp_path / recipe.stem / "one", recipe=recipe)
+        assert truth.returncode == 0, truth.log[-3000:]
+        result = run_engine(config, *model, *flags, *SP, "--output_dir", tmp_path / recipe.stem / "sp",
+                            recipe=recipe, env={"PYTHONPATH": str(VLM_RECIPE.parents[1] / "tests")})
+        assert_same_run(result, truth, tmp_path / recipe.stem / "sp", tmp_path / recipe.stem / "one", config,
+                        logged=[1], learning_rate=1e-3 if recipe == DPO_RECIPE else 3e-4)
 
 
 def long_clip_rows(path, rows=4, frames=64):

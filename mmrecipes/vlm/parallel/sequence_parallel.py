@@ -30,8 +30,9 @@ from torch.distributed import _functional_collectives as collectives  # torch's 
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..model.families import stateful_mixers
+from ..model.families import stateful_mixer_classes, stateful_mixers
 from ..rows.labels import IGNORE_INDEX
+from .linear_attention import head_parallel_forward, heads_refusal, parallel_layer
 
 ATTENTION = "ulysses"  # the language model's attn_implementation while it trains split
 
@@ -53,9 +54,15 @@ def refusal(model, size: int) -> str | None:
         return (f"its language model's {heads} attention heads ({kv_heads} key/value heads) do not split over "
                 f"{size} ranks: give a size that divides the heads (and divides or is a multiple of the key/value "
                 "heads)")
-    if mixers := stateful_mixers(model):
-        return f"its {' and '.join(mixers)} carry a state along the sequence, which the split would cut"
-    other = sorted({kind for kind in getattr(text, "layer_types", None) or () if kind != "full_attention"})
+    mixer_kinds = stateful_mixer_classes(model)
+    if layers := mixer_layers(model):
+        if not all(parallel_layer(layer) for layer in layers):
+            return (f"its {' and '.join(stateful_mixers(model))} carry a state along the sequence, which the split "
+                    "would cut (only a Gated DeltaNet's runs head-parallel)")
+        if why := heads_refusal(layers[0], size):
+            return f"{why}: give a size that divides both"
+    other = sorted({kind for kind in getattr(text, "layer_types", None) or ()
+                    if kind != "full_attention" and kind not in mixer_kinds})
     if other or getattr(text, "use_sliding_window", False):
         return (f"its {', '.join(other) or 'sliding-window'} layers need their attention mask, which Ulysses "
                 "attention drops")
@@ -101,6 +108,12 @@ class Shard:
         return collectives.all_reduce(value, "sum", self.group)
 
 
+def mixer_layers(model) -> list[torch.nn.Module]:
+    """The language model's stateful mixer layers (`families.stateful_mixer_classes`: Qwen3.5's Gated DeltaNet)."""
+    classes = tuple(set().union(*stateful_mixer_classes(model).values()))
+    return [module for module in model.get_decoder().modules() if classes and isinstance(module, classes)]
+
+
 class SequenceParallel:
     """The split of every training sequence over `size` consecutive ranks (`rank // size` is the group). Build it
     after `Accelerator()` (it makes the groups) and before `prepare`; `VLMForTraining(model, sequence_parallel=...)`
@@ -135,6 +148,8 @@ class SequenceParallel:
         self.shard = self.positions = None
         self.asked = self.split_now = False  # a split asked for (`splitting`); the last forward split
         model.get_decoder().register_forward_pre_hook(self._split, with_kwargs=True)
+        for layer in mixer_layers(model):  # linear attention: head-parallel around the whole block
+            layer.forward = self._head_parallel(layer, layer.forward)
 
     @classmethod
     def of(cls, accelerator, model, size: int):
@@ -194,6 +209,15 @@ class SequenceParallel:
             kwargs["visual_pos_masks"] = masks[:, start:end]
             kwargs["deepstack_visual_embeds"] = [embeds[kept] for embeds in kwargs["deepstack_visual_embeds"]]
         return args, kwargs
+
+    def _head_parallel(self, layer, whole):
+        def forward(*args, **kwargs):
+            if not self.split_now:
+                return whole(*args, **kwargs)
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            return head_parallel_forward(layer, hidden, self.size, self.rank, self.group)
+
+        return forward
 
     def _attention(self, module, query, key, value, attention_mask, *args, **kwargs):
         if not self.split_now:  # whole sequences, with their mask
