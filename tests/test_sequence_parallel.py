@@ -3,9 +3,11 @@ process holding the whole sequence.
 
 - In process, on 2 gloo ranks: for each family that splits, a batch of an image row and a shorter text row (padding
   inside it) gives, summed over the 2 shards, the whole sequence's loss and gradients; the families the rule refuses
-  (sliding-window and bidirectional-image attention, Gated DeltaNet) really differ when forced, and say why.
+  (sliding-window and bidirectional-image attention; a Gated DeltaNet run on each shard) really differ when forced,
+  and say why. On 4 ranks: Qwen2.5-VL's 2 key/value heads replicated, Qwen3.5's Gated DeltaNet with 4 key heads.
 - Launched: vlm_finetune.py at sp=2 on 2 ranks equals one process (loss, gradient norm, weights after 2 steps) for
-  the tiny Llava under DDP and ZeRO-3 and for Qwen2.5-VL (mRoPE) with image, text-only and video rows under FSDP2;
+  the tiny Llava under DDP and ZeRO-3, for Qwen2.5-VL (mRoPE) with image, text-only and video rows under FSDP2 and
+  for Qwen3.5 (Gated DeltaNet head-parallel) with those rows under DDP and ZeRO-3; DPO and GRPO on Qwen3.5;
   dp=2 x sp=2 on 4 ranks (ZeRO-2) equals one process holding both replicas' window.
 """
 
@@ -18,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from transformers import AutoModelForImageTextToText
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from gloo import run_on_ranks
 from helpers import chat_row, tiny, write_chat_parquet
@@ -97,8 +99,8 @@ def _shards_against_whole(rank, world_size, directories, forced):
 
 def _four_ways(rank, world_size, directory):
     """(loss difference, gradient difference, whole-sequence logits difference after the split) of a batch split
-    over 4 ranks of a model with 2 key/value heads: DeepSpeed replicates them, and an unsplit forward afterwards
-    still needs them as they were."""
+    over 4 ranks of a model whose attention has 2 key/value heads: DeepSpeed replicates them, and an unsplit forward
+    afterwards still needs them as they were."""
     torch.manual_seed(0)
     model, processor, groups = tiny(directory)
     apply_train_modules(groups, "all")
@@ -123,9 +125,23 @@ def _four_ways(rank, world_size, directory):
     return abs(summed.item() - whole.item()), worst.item(), (after - logits).abs().max().item()
 
 
-def test_four_ranks_replicate_the_key_value_heads_and_leave_them_as_they_were(tiny_vlms):
-    loss, grads, logits = run_on_ranks(_four_ways, 4, tiny_vlms["qwen2_5_vl"])[0]  # 4 heads, 2 key/value heads
-    assert loss < 1e-4 and grads < 1e-5 and logits < 1e-5, (loss, grads, logits)
+def wider_linear_attention(directory, output_dir):
+    """The tiny Qwen3.5 (or its MoE) with 4 key and 8 value heads in its Gated DeltaNet: what sp=4 needs."""
+    config = AutoConfig.from_pretrained(directory)
+    config.text_config.linear_num_key_heads, config.text_config.linear_num_value_heads = 4, 8
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(output_dir)
+    AutoProcessor.from_pretrained(directory).save_pretrained(output_dir)
+    return output_dir
+
+
+def test_four_ranks_replicate_the_key_value_heads_and_leave_them_as_they_were(tiny_vlms, tmp_path):
+    """Qwen2.5-VL (4 heads, 2 key/value heads) and Qwen3.5 with 4 key heads in its Gated DeltaNet at sp=4."""
+    qwen3_5 = wider_linear_attention(tiny_vlms["qwen3_5"], tmp_path / "qwen3_5")
+    assert sequence_parallel.refusal(tiny(qwen3_5)[0], 4) is None
+    for directory in [tiny_vlms["qwen2_5_vl"], qwen3_5]:
+        loss, grads, logits = run_on_ranks(_four_ways, 4, directory)[0]
+        assert loss < 1e-4 and grads < 1e-5 and logits < 1e-5, (directory.name, loss, grads, logits)
 
 
 def test_the_rule_lets_exactly_the_tested_families_split(tiny_vlms):
