@@ -1,7 +1,7 @@
 """Mixture-of-experts VLMs (data_prep/tiny_vlm_2026.py: Qwen3-VL-MoE, Qwen3.5-MoE; 4 experts, 2 per token), in process:
 the load-balancing loss equals the model's own on the same micro-batch, counts real tokens only under packing, and
-over 2 gloo ranks x 2 micro-batches gives one process's loss and gradients in both scopes; the sparse blocks are
-found from the model."""
+over 2 gloo ranks x 2 micro-batches (and split over a sequence-parallel group of 2) gives one process's loss and
+gradients in both scopes; the sparse blocks are found from the model."""
 
 from contextlib import nullcontext
 
@@ -120,9 +120,27 @@ def _two_ranks(rank, world_size, directory, scope):
     model, processor = load(directory)
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
     mine = rows(processor, model)[2 * rank:2 * rank + 2]
-    balance = LoadBalance(num_experts=4, top_k=2, coef=COEF, scope=scope, accumulation=2, data_world=world_size)
+    balance = LoadBalance(num_experts=4, top_k=2, coef=COEF, scope=scope, accumulation=2,
+                          ranks=Ranks(data_world=world_size))
     grads, logged = _window(model, processor, [collator([row]) for row in mine], balance, world_size,
                             ddp=DistributedDataParallel(VLMForTraining(model)))
+    torch.distributed.all_reduce(logged)
+    return grads, float(logged[0] / logged[1])
+
+
+def _one_group_of_two(rank, world_size, directory, scope):
+    """The window's four micro-batches on both ranks, each sequence split over the two (sequence parallelism)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from mmrecipes.vlm.parallel.sequence_parallel import SequenceParallel
+
+    model, processor = load(directory)
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    split = SequenceParallel(model, world_size)
+    balance = LoadBalance(num_experts=4, top_k=2, coef=COEF, scope=scope, accumulation=4,
+                          ranks=Ranks(data_world=1, split=split, replicas=world_size))
+    grads, logged = _window(model, processor, [collator([row]) for row in rows(processor, model)], balance, 1,
+                            ddp=DistributedDataParallel(VLMForTraining(model, split)))
     torch.distributed.all_reduce(logged)
     return grads, float(logged[0] / logged[1])
 
@@ -132,7 +150,9 @@ def test_two_ranks_of_two_micro_batches_give_one_process_holding_the_window(tiny
     """The window's four micro-batches on 2 gloo ranks x 2 accumulation steps, CE and balance term together, give the
     gradients of one process computing the window's loss at once: the token-mean CE plus COEF x the aux over all
     four (global_batch: one f and P over every real token; micro_batch: the mean of the four micro-batches' own). The
-    logged aux is that process's. Without the term the gradients differ (the old run: no balance at all)."""
+    logged aux is that process's. So do the four micro-batches split over a sequence-parallel group of 2 ranks (each
+    rank routes its shard; the parts summed over the group). Without the term the gradients differ (the old run: no
+    balance at all)."""
     directory = tiny_vlms["qwen3_vl_moe"]
     model, processor = load(directory)
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
@@ -147,7 +167,7 @@ def test_two_ranks_of_two_micro_batches_give_one_process_holding_the_window(tiny
     (sum(part[0] for part in parts) / tokens + COEF * aux).backward()
     expected = {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
 
-    ranks = run_on_ranks(_two_ranks, 2, directory, scope)
+    ranks = run_on_ranks(_two_ranks, 2, directory, scope) + run_on_ranks(_one_group_of_two, 2, directory, scope)
     for grads, logged in ranks:
         assert logged == pytest.approx(float(aux.detach()), rel=1e-5)
         assert grads.keys() == expected.keys()

@@ -192,6 +192,7 @@ COMMON = ["--max_steps", STEPS, "--logging_steps", 1, "--per_device_train_batch_
 WITH_VIDEO = ["--dataset_name", ",".join(str(VLM_SHAPES / name) for name in ("image_chat", "text_chat", "video_chat")),
               "--dataset_weights", "0.5,0.25,0.25"]
 SP = ["--sequence_parallel_size", 2]
+BALANCED = ["--router_aux_loss_coef", 0.01, "--router_aux_loss_scope", "global_batch"]  # summed over the group
 
 
 def assert_same_run(result, truth, output_dir, truth_dir, config, processes=2, logged=range(1, STEPS + 1),
@@ -209,7 +210,8 @@ def assert_same_run(result, truth, output_dir, truth_dir, config, processes=2, l
 @pytest.mark.launch
 @pytest.mark.parametrize("family, configs, extra", [("llava", ["ddp.yaml", "zero3.yaml"], []),
                                                     ("qwen2_5_vl", ["fsdp2.yaml"], WITH_VIDEO),
-                                                    ("qwen3_5", ["ddp.yaml", "zero3.yaml"], WITH_VIDEO)])
+                                                    ("qwen3_5", ["ddp.yaml", "zero3.yaml"], WITH_VIDEO),
+                                                    ("qwen3_5_moe", ["zero3.yaml"], [*WITH_VIDEO, *BALANCED])])
 def test_sp2_on_two_ranks_equals_one_process(tiny_vlms, tmp_path, family, configs, extra):
     model = ["--model_name_or_path", tiny_vlms[family]] if family != "llava" else []
     truth = run_recipe(*COMMON, *model, *extra, "--output_dir", tmp_path / "one", recipe=VLM_RECIPE)
@@ -218,6 +220,10 @@ def test_sp2_on_two_ranks_equals_one_process(tiny_vlms, tmp_path, family, config
         result = run_engine(config, *COMMON, *model, *extra, *SP, "--output_dir", tmp_path / config,
                             recipe=VLM_RECIPE)
         assert_same_run(result, truth, tmp_path / config, tmp_path / "one", config)
+        if BALANCED[0] in extra:  # the step's load-balancing loss, its parts summed over the group
+            aux = [re.findall(r"\| aux_loss ([\d.]+)", run.log) for run in (result, truth)]
+            got, expected = ([float(value) for value in values] for values in aux)
+            assert len(expected) == STEPS and got == pytest.approx(expected, rel=1e-5)
         # evaluation runs whole sequences, each row once over the 4 ranks' own rows
         eval_line = next(line for line in truth.log.splitlines() if line.startswith("eval step"))
         assert eval_line in result.log
@@ -277,12 +283,12 @@ def test_dp2_by_sp2_on_four_ranks_equals_one_process_holding_the_window_and_resu
 
 
 def test_what_cannot_split_exactly_is_refused_before_the_first_step(tiny_vlms):
-    """Packing (Ulysses attention is causal over the whole gathered sequence), the load-balancing loss (not gathered
-    over the group yet) and --torch_compile, when the flags are parsed; accelerate's own path (its sdpa replacement
-    reaches the vision tower's attention) when the split is built."""
+    """Packing (Ulysses attention is causal over the whole gathered sequence) and --torch_compile, when the flags are
+    parsed (the load-balancing loss is not refused: its parts are summed over the group); accelerate's own path (its
+    sdpa replacement reaches the vision tower's attention) when the split is built."""
     arguments = (VLMModelArgs, MoEArgs, ChatDataArgs, TrainingArgs)
+    parse_args(arguments, ["--sequence_parallel_size", "2", "--router_aux_loss_coef", "0.001"])
     for flags, message in ((["--packing", "true"], "packed samples would see each other; drop --packing"),
-                           (["--router_aux_loss_coef", "0.001"], "the load-balancing loss is not gathered"),
                            (["--torch_compile", "true"], "compiling the blocks around DeepSpeed's all-to-all")):
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_args(arguments, ["--sequence_parallel_size", "2", *flags])

@@ -109,8 +109,8 @@ class VLMModelArgs(CheckedArgs):
         """Under --sequence_parallel_size, what cannot run split is refused now, each with its reason."""
         if self.sequence_parallel_size == 1:
             return
-        data, training, moe = (next((args for cls, args in parsed.items() if issubclass(cls, kind)), None)
-                               for kind in (ChatDataArgs, TrainingArgs, MoEArgs))  # those the recipe takes
+        data, training = (next((args for cls, args in parsed.items() if issubclass(cls, kind)), None)
+                          for kind in (ChatDataArgs, TrainingArgs))  # those the recipe takes
         if data is not None and data.packing:
             raise ValueError("--sequence_parallel_size with --packing: Ulysses attention is causal over the whole "
                              "gathered sequence, so packed samples would see each other; drop --packing")
@@ -118,9 +118,6 @@ class VLMModelArgs(CheckedArgs):
             raise ValueError("--sequence_parallel_size with --torch_compile: compiling the blocks around DeepSpeed's "
                              "all-to-all fails in torch 2.14's AOT autograd ('int' object has no attribute 'meta'); "
                              "drop --torch_compile")
-        if moe is not None and moe.router_aux_loss_coef:
-            raise ValueError("--router_aux_loss_coef with --sequence_parallel_size: the load-balancing loss is not "
-                             "gathered over a sequence-parallel group yet; drop one of them")
 
     def training_template(self) -> str | None:
         """The chat template the labels are made in when it is not the model's own (--chat_template plain: LLaVA's

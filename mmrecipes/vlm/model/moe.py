@@ -15,11 +15,14 @@ the mean router probability of e; aux = E * sum_e f_e * P_e (k when the load is 
   on every rank, so W ranks x k micro-batches give one process's loss and gradients. f must be known before the first
   backward: with k > 1 micro-batches the window is first run without gradients to count the choices (one forward
   more each), then one all-reduce of the counts; with k = 1 the counts of the micro-batch itself are all-reduced.
+Split over a sequence-parallel group, each rank routes its shard's tokens and the parts are summed over the group (the
+probabilities by the differentiable all-reduce the loss uses), so each rank holds its micro-batch's whole routing, as
+an unsplit rank does; the rows a group read count once in the global scope's sums.
 """
 
 import torch
 
-from ...distributed import sum_over_ranks
+from ...distributed import Ranks
 from ...images import to_device
 from ...reporting import ratio
 from ..arguments import MoEArgs
@@ -82,16 +85,20 @@ def balance_loss(counts, probabilities, rows) -> torch.Tensor:
 
 class Routing(StepOutput):
     """What the routers did over the batch's real tokens: (choices per expert, summed router probabilities per
-    expert, rows), the parts of the load-balancing loss (`routing`); a forward of its own, without gradients."""
+    expert, rows), the parts of the load-balancing loss (`routing`); a forward of its own, without gradients. Split,
+    each rank routes its shard and the parts are summed over the group."""
 
-    splits = trains = False
+    trains = False
     routing = True
 
     def __init__(self, top_k: int):
         self.top_k = top_k
 
     def compute(self, forward) -> tuple:
-        return routing(forward.router_logits, forward.batch["attention_mask"], self.top_k)
+        return routing(forward.router_logits, forward.token_mask, self.top_k)
+
+    def reduce(self, value: tuple, shard) -> tuple:
+        return tuple(shard.sum(part) for part in value)
 
 
 class LoadBalance:
@@ -104,9 +111,9 @@ class LoadBalance:
     FORMATS = {"aux_loss": ".6f"}  # how the log line writes `metrics`
 
     def __init__(self, num_experts: int = 0, top_k: int = 0, coef: float = 0.0, scope: str = "micro_batch",
-                 accumulation: int = 1, data_world: int = 1, line: str = ""):
+                 accumulation: int = 1, ranks: Ranks | None = None, line: str = ""):
         self.num_experts, self.top_k, self.coef, self.scope = num_experts, top_k, coef, scope
-        self.accumulation, self.data_world, self.line = accumulation, data_world, line
+        self.accumulation, self.ranks, self.line = accumulation, ranks or Ranks(), line
         self.window_counts, self.values = None, []
 
     @property
@@ -118,7 +125,7 @@ class LoadBalance:
         """The term over `ranks`' data-parallel ranks (`distributed.Ranks`), off where the model has no routers or
         --router_aux_loss_coef is 0, with the log line that says which (`line`). A model without routers, or whose
         config defines no load-balancing loss, refuses a coefficient."""
-        coef, scope, data_world = args.router_aux_loss_coef, args.router_aux_loss_scope, ranks.data_world
+        coef, scope = args.router_aux_loss_coef, args.router_aux_loss_scope
         config = model.config.get_text_config()
         own = getattr(config, "router_aux_loss_coef", None)
         if router_class(model) is None:
@@ -140,7 +147,7 @@ class LoadBalance:
                                                     f"{own}: --router_aux_loss_coef {own} turns it on)"))
         line += f"x {coef} ({scope.replace('_', '-')}; the checkpoint's config gives {own}), logged as aux_loss"
         return cls(num_experts=experts, top_k=top_k, coef=coef, scope=scope, accumulation=accumulation,
-                   data_world=data_world, line=line)
+                   ranks=ranks, line=line)
 
     @torch.no_grad()
     def start_window(self, model, window: list[dict], device):
@@ -158,8 +165,10 @@ class LoadBalance:
 
     def term_of(self, forward) -> torch.Tensor:
         """`term` of a forward of the step that recorded its routers' logits (`outputs.LossSum`): over the real tokens
-        (a packed batch passes the model no mask)."""
-        return self.term(Routing(self.top_k).compute(forward))
+        (a packed batch passes the model no mask); a shard's summed over its group."""
+        output = Routing(self.top_k)
+        parts = output.compute(forward)
+        return self.term(output.reduce(parts, forward.shard) if forward.shard is not None else parts)
 
     def term(self, routing) -> torch.Tensor:
         """What to back-propagate beside the CE for a micro-batch whose routers did `routing` (`moe.routing`); its
@@ -173,12 +182,12 @@ class LoadBalance:
         total_counts, total_rows = self.window_counts or self._over_ranks(counts, rows)
         part = balance_loss(total_counts, probabilities, total_rows)  # this micro-batch's share of the step's loss
         self.values.append(part.detach())
-        return self.coef * part * self.accumulation * self.data_world
+        return self.coef * part * self.accumulation * self.ranks.data_world
 
     def logged_batches(self) -> float:
         """What one micro-batch adds to the count the logged aux sums are divided by: the micro-batch scope logs the
         mean over micro-batches and ranks; the global scope's parts add up to the step's loss."""
-        return 1.0 if self.scope == "micro_batch" else 1.0 / (self.accumulation * self.data_world)
+        return 1.0 if self.scope == "micro_batch" else 1.0 / (self.accumulation * self.ranks.data_world)
 
     def window_sums(self) -> dict:
         """The window's `term` values as the report sums them over ranks (`metrics` reads them); none where off."""
@@ -190,5 +199,5 @@ class LoadBalance:
         return {"aux_loss": ratio(sums["aux"], sums["aux_batches"])} if self.on else {}
 
     def _over_ranks(self, counts, rows):
-        summed = sum_over_ranks(torch.cat([counts, rows.reshape(1)]))
+        summed = self.ranks.sum_over_data(torch.cat([counts, rows.reshape(1)]))
         return summed[:-1], summed[-1]

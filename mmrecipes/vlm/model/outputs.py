@@ -54,6 +54,12 @@ class Forward:
         labels = self.batch["labels"]
         return self.shard.targets(labels) if self.shard is not None else labels[:, 1:]
 
+    @property
+    def token_mask(self) -> torch.Tensor:
+        """1 for each real token the language model ran, `[rows, tokens]` (a shard: its own, 0 past the sequence)."""
+        mask = self.batch["attention_mask"]
+        return self.shard.take(mask) if self.shard is not None else mask
+
     def aligned(self, per_token: torch.Tensor) -> torch.Tensor:
         """A per-token tensor of the whole sequence (a teacher's hidden states) at `positions`."""
         return self.shard.take(per_token) if self.shard is not None else per_token[:, :-1]
