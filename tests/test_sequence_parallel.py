@@ -49,10 +49,12 @@ from mmrecipes.vlm.rows.labels import AnswerLabeller
 from test_family_conformance import collator_row, colour_conversation, square
 
 # every family the rule lets split (Qwen3-VL: deepstack features; Qwen3-VL-MoE: experts, no balancing loss; Qwen3.5:
-# Gated DeltaNet layers, head-parallel)
+# Gated DeltaNet layers, head-parallel; Gemma 3 and 4: sliding windows and image tokens attending both ways, through
+# the whole sequence's masks; Gemma 4: per-layer embeddings, KV shared between layers)
 SPLITS = ["llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "idefics2",
-          "idefics3", "internvl3", "mistral3", "qwen3_5", "qwen3_5_think", "qwen3_5_moe"]
-REFUSED = {"gemma3": "sliding_attention layers"}
+          "idefics3", "internvl3", "mistral3", "qwen3_5", "qwen3_5_think", "qwen3_5_moe", "gemma3", "gemma4",
+          "gemma4_moe"]
+MASKED = ["gemma3", "gemma4", "gemma4_moe"]  # whose layers need their masks
 
 
 def _shards_against_whole(rank, world_size, directories, forced):
@@ -66,6 +68,8 @@ def _shards_against_whole(rank, world_size, directories, forced):
         sequence_parallel.refusal = lambda model, size: None
     if forced == "on shards":  # linear attention as before: the recurrence and its convolution on each shard
         sequence_parallel.mixer_layers = lambda model: []
+    if forced == "causal":  # as before: every layer causal over the gathered sequence, the model's masks dropped
+        sequence_parallel.needs_masks = lambda model: False
     for family, directory in directories.items():
         torch.manual_seed(0)
         model, processor, groups = tiny(directory)
@@ -153,7 +157,7 @@ def test_the_rule_lets_exactly_the_tested_families_split(tiny_vlms):
 
 @pytest.fixture(scope="module")
 def directories(tiny_vlms):
-    return {family: None if family == "llava" else tiny_vlms[family] for family in [*SPLITS, *REFUSED]}
+    return {family: None if family == "llava" else tiny_vlms[family] for family in SPLITS}
 
 
 def test_the_shards_sum_to_the_whole_sequence_for_each_family_that_splits(directories):
@@ -164,18 +168,19 @@ def test_the_shards_sum_to_the_whole_sequence_for_each_family_that_splits(direct
         assert tokens < 1e-5 and rows < 1e-4, family  # GRPO's and DPO's outputs, gathered over the group
 
 
-def test_the_refused_families_differ_when_forced_and_the_rule_says_why(directories, monkeypatch):
-    """The old failure: Gemma 3's sliding window and bidirectional image attention, and Qwen3.5's recurrence run on
-    each shard (what head-parallel linear attention replaced), give other gradients split; the rule refuses Gemma 3,
-    naming its layers, and a linear-attention layer that cannot run head-parallel, or whose heads do not split."""
-    forced = run_on_ranks(_shards_against_whole, 2, {family: directories[family] for family in REFUSED}, True)[0]
+def test_the_old_failures_differ_and_the_rule_says_why_it_refuses(directories, monkeypatch):
+    """The old failures: Gemma 3's and 4's layers attending causally over the gathered sequence (their masks dropped,
+    as before), and Qwen3.5's recurrence run on each shard (what head-parallel linear attention replaced), give other
+    gradients split; the rule refuses a linear-attention layer that cannot run head-parallel, or whose heads do not
+    split, a size that does not divide the heads, and eager attention (which is not causal without a mask)."""
+    forced = run_on_ranks(_shards_against_whole, 2, {family: directories[family] for family in MASKED}, "causal")[0]
     forced |= run_on_ranks(_shards_against_whole, 2, {"qwen3_5": directories["qwen3_5"]}, "on shards")[0]
     for family, (whole, summed, worst, *_) in forced.items():
-        # the gradients differ a hundred times beyond what the families that split pass (Gemma 3: 3e-2, its loss by
-        # 5e-7 only; Qwen3.5: 7e-3)
+        # the gradients differ a thousand times beyond what the families that split pass (Gemma 3: 3e-2, its loss by
+        # 5e-7 only; Gemma 4: 0.4; Gemma 4 MoE: 1.1; Qwen3.5: 7e-3)
         assert worst > 1e-3, (family, whole, summed, worst)
-        if family in REFUSED:
-            assert REFUSED[family] in sequence_parallel.refusal(tiny(directories[family])[0], 2)
+    assert all(sequence_parallel.needs_masks(tiny(directories[family])[0]) for family in MASKED)
+    assert not sequence_parallel.needs_masks(tiny(directories["qwen3_5"])[0])
     qwen3_5 = tiny(directories["qwen3_5"])[0]  # 2 key heads, 4 value heads in its Gated DeltaNet
     assert "2 key heads and 4 value heads do not split over 4 ranks" in sequence_parallel.refusal(qwen3_5, 4)
     monkeypatch.setattr(sequence_parallel, "parallel_layer", lambda layer: False)
@@ -184,6 +189,26 @@ def test_the_refused_families_differ_when_forced_and_the_rule_says_why(directori
     assert "do not split over 8 ranks" in sequence_parallel.refusal(llava, 8)  # 4 heads
     llava.set_attn_implementation("eager")
     assert "eager attention is not causal without its mask" in sequence_parallel.refusal(llava, 2)
+
+
+def test_the_whole_sequence_masks_pad_so_that_no_real_token_sees_the_padding():
+    """A mask the model built for 3 tokens, extended to 4: the padding attends itself only (no NaN), no real token
+    attends it, the rest as built; bool, additive and padding masks; a mask the split cannot extend is refused."""
+    built = torch.tensor([[True, False, False], [True, True, True], [False, True, True]])[None, None]
+    padded = sequence_parallel.whole_sequence_mask(built, 3, 4)
+    assert padded[0, 0].tolist() == [[True, False, False, False], [True, True, True, False],
+                                     [False, True, True, False], [False, False, False, True]]
+    additive = sequence_parallel.whole_sequence_mask(torch.where(built, 0.0, -1e9), 3, 4)
+    assert torch.equal(additive == 0, padded) and additive.min() == torch.finfo(torch.float32).min
+    padding = sequence_parallel.whole_sequence_mask(torch.ones(2, 3, dtype=torch.long), 3, 4)
+    assert padding.tolist() == [[1, 1, 1, 0]] * 2
+    assert sequence_parallel.whole_sequence_mask(None, 3, 4) is None
+    with pytest.raises(RuntimeError, match=r"a mask of shape \(1, 1, 1, 3\) for a sequence of 3 tokens"):
+        sequence_parallel.whole_sequence_mask(built[:, :, :1], 3, 4)
+    masks = sequence_parallel.whole_sequence_masks({"sliding_attention": built, "full_attention": None}, 3, 4)
+    assert torch.equal(masks["sliding_attention"], padded) and masks["full_attention"] is None
+    with pytest.raises(RuntimeError, match="need the whole sequence's masks by layer type, and it was given none"):
+        sequence_parallel.whole_sequence_masks(torch.ones(1, 3), 3, 4)
 
 
 STEPS = 2
@@ -211,7 +236,10 @@ def assert_same_run(result, truth, output_dir, truth_dir, config, processes=2, l
 @pytest.mark.parametrize("family, configs, extra", [("llava", ["ddp.yaml", "zero3.yaml"], []),
                                                     ("qwen2_5_vl", ["fsdp2.yaml"], WITH_VIDEO),
                                                     ("qwen3_5", ["ddp.yaml", "zero3.yaml"], WITH_VIDEO),
-                                                    ("qwen3_5_moe", ["zero3.yaml"], [*WITH_VIDEO, *BALANCED])])
+                                                    ("qwen3_5_moe", ["zero3.yaml"], [*WITH_VIDEO, *BALANCED]),
+                                                    ("gemma3", ["ddp.yaml", "zero3.yaml"], []),
+                                                    ("gemma4", ["ddp.yaml", "zero3.yaml"], WITH_VIDEO),
+                                                    ("gemma4_moe", ["zero3.yaml"], WITH_VIDEO)])
 def test_sp2_on_two_ranks_equals_one_process(tiny_vlms, tmp_path, family, configs, extra):
     model = ["--model_name_or_path", tiny_vlms[family]] if family != "llava" else []
     truth = run_recipe(*COMMON, *model, *extra, "--output_dir", tmp_path / "one", recipe=VLM_RECIPE)
@@ -340,11 +368,12 @@ def test_grpo_at_sp2_equals_one_process_under_zero3(tmp_path):
 
 
 @pytest.mark.launch
-def test_qwen3_5_dpo_and_grpo_at_sp2_equal_one_process(tiny_vlms, tmp_path):
-    """Qwen3.5's Gated DeltaNet layers head-parallel in the preference and RL recipes: a DPO step under DDP (the
-    frozen reference whole) and a GRPO step under ZeRO-3 (sampling whole sequences, a reward with a spread),
-    each equal to one process."""
-    model = ["--model_name_or_path", tiny_vlms["qwen3_5"], "--max_steps", 1, "--logging_steps", 1,
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_dpo_and_grpo_of_the_2026_families_at_sp2_equal_one_process(tiny_vlms, tmp_path, family):
+    """Qwen3.5's Gated DeltaNet layers head-parallel, Gemma 4's sliding windows through their whole-sequence masks,
+    in the preference and RL recipes: a DPO step under DDP (the frozen reference whole) and a GRPO step under ZeRO-3
+    (sampling whole sequences, a reward with a spread), each equal to one process."""
+    model = ["--model_name_or_path", tiny_vlms[family], "--max_steps", 1, "--logging_steps", 1,
              "--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2, "--ddp_timeout", 120,
              "--eval_dataset_name", ""]
     runs = {DPO_RECIPE: ("ddp.yaml", ["--eval_questions", ""]),

@@ -13,6 +13,12 @@ as a data-parallel rank without the split does, and the backward gives each shar
 window's target tokens counted once per group, the engine's average over every rank (DDP, FSDP2, ZeRO-2/3 alike) is
 the exact token mean, as without the split.
 
+Layers that attend causally get no mask (causal over the gathered sequence: the padding is at its end). Sliding
+windows and image tokens attending both ways (Gemma 3, Gemma 4) need theirs: the model builds one per layer type for
+the whole sequence before the language model, the split pads them (`whole_sequence_masks`) and each layer's reaches
+the core attention after the all-to-all, where the whole sequence is. Other per-token inputs (Gemma 4's per-layer
+embeddings) split with the embeddings.
+
 Only the language model's attention is wrapped, under its own name (`ATTENTION`): accelerate's path
 (`ParallelismConfig(sp_backend="deepspeed")`) replaces transformers' sdpa everywhere, the vision tower's attention
 included. Only the outputs that say so (`splits`) split, in training mode (`splitting`); evaluation, sampling and
@@ -35,6 +41,7 @@ from ..rows.labels import IGNORE_INDEX
 from .linear_attention import head_parallel_forward, heads_refusal, parallel_layer
 
 ATTENTION = "ulysses"  # the language model's attn_implementation while it trains split
+SPLIT_APART = {"position_ids", "attention_mask", "visual_pos_masks"}  # per-token inputs the split handles itself
 
 
 def evaluation_ranks(accelerator, data_rank: int, data_world: int, size: int) -> dict:
@@ -46,30 +53,21 @@ def evaluation_ranks(accelerator, data_rank: int, data_world: int, size: int) ->
 
 
 def refusal(model, size: int) -> str | None:
-    """Why `model`'s language model cannot be split over `size` ranks exactly, or None. Ulysses drops the attention
-    mask and attends causally over the gathered sequence, so every layer must be causal full attention."""
+    """Why `model`'s language model cannot be split over `size` ranks exactly, or None. Its attention heads and its
+    linear attention's must split over the group; layers that need their mask (sliding windows, image tokens attending
+    both ways) get the whole sequence's (`needs_masks`), the others attend causally over the gathered sequence."""
     text = model.config.get_text_config()
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     if heads % size or (kv_heads % size and size % kv_heads):
         return (f"its language model's {heads} attention heads ({kv_heads} key/value heads) do not split over "
                 f"{size} ranks: give a size that divides the heads (and divides or is a multiple of the key/value "
                 "heads)")
-    mixer_kinds = stateful_mixer_classes(model)
     if layers := mixer_layers(model):
         if not all(parallel_layer(layer) for layer in layers):
             return (f"its {' and '.join(stateful_mixers(model))} carry a state along the sequence, which the split "
                     "would cut (only a Gated DeltaNet's runs head-parallel)")
         if why := heads_refusal(layers[0], size):
             return f"{why}: give a size that divides both"
-    other = sorted({kind for kind in getattr(text, "layer_types", None) or ()
-                    if kind != "full_attention" and kind not in mixer_kinds})
-    if other or getattr(text, "use_sliding_window", False):
-        return (f"its {', '.join(other) or 'sliding-window'} layers need their attention mask, which Ulysses "
-                "attention drops")
-    bidirectional = "token_type_ids" in inspect.signature(model.forward).parameters  # Gemma 3's, PaliGemma's
-    if getattr(text, "use_bidirectional_attention", None) or bidirectional:
-        return ("its attention over image tokens is bidirectional (token_type_ids), and Ulysses attention is causal "
-                "only")
     if text._attn_implementation == "eager":
         return ("eager attention is not causal without its mask, which Ulysses attention drops: "
                 "--attn_implementation sdpa (or flash_attention_2)")
@@ -106,6 +104,46 @@ class Shard:
         the group's gradients into each shard (a group's ranks computing the same loss give each shard its gradient
         times the group's size; the engine's average over every rank divides it back)."""
         return collectives.all_reduce(value, "sum", self.group)
+
+
+def needs_masks(model) -> bool:
+    """Whether some layer of `model`'s language model attends other than causally over the whole sequence: sliding
+    windows (Gemma 3, Gemma 4), image tokens attending both ways (Gemma 3's token_type_ids, Gemma 4's
+    use_bidirectional_attention)."""
+    text = model.config.get_text_config()
+    mixer_kinds = stateful_mixer_classes(model)
+    other = {kind for kind in getattr(text, "layer_types", None) or () if kind != "full_attention"} - set(mixer_kinds)
+    both_ways = "token_type_ids" in inspect.signature(model.forward).parameters
+    flags = [getattr(text, name, None) for name in ("use_sliding_window", "use_bidirectional_attention")]
+    return bool(other or any(flags) or both_ways)
+
+
+def whole_sequence_mask(mask: torch.Tensor | None, length: int, padded: int) -> torch.Tensor | None:
+    """A mask the model built for the whole sequence of `length` tokens, for its end padded to `padded`: a padding
+    mask `[rows, length]` or a mask `[rows, heads, length, length]` (True or 0 where a query attends a key). The
+    padding is attended by no real token and attends itself only (a row attending nothing would give NaN)."""
+    if mask is None:  # causal: what the core does over the gathered sequence
+        return None
+    extra = padded - length
+    if mask.dim() == 2:
+        return F.pad(mask, (0, extra))
+    if mask.dim() != 4 or mask.shape[-2:] != (length, length):
+        raise RuntimeError(f"sequence parallel: a mask of shape {tuple(mask.shape)} for a sequence of {length} tokens "
+                           "is not one the split can extend to the whole padded sequence")
+    blocked = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+    mask = F.pad(mask, (0, extra, 0, extra), value=blocked)
+    pads = torch.arange(length, padded, device=mask.device)
+    mask[:, :, pads, pads] = mask.dtype == torch.bool
+    return mask
+
+
+def whole_sequence_masks(masks, length: int, padded: int) -> dict:
+    """The masks by layer type the model built for the whole sequence (Gemma 3's and 4's), each padded."""
+    if not isinstance(masks, dict):
+        raise RuntimeError("sequence parallel: the language model's sliding-window or bidirectional layers need the "
+                           "whole sequence's masks by layer type, and it was given none (a model that builds them "
+                           "itself from each shard cannot split)")
+    return {kind: whole_sequence_mask(mask, length, padded) for kind, mask in masks.items()}
 
 
 def mixer_layers(model) -> list[torch.nn.Module]:
@@ -147,6 +185,7 @@ class SequenceParallel:
         text._attn_implementation = ATTENTION
         self.shard = self.positions = None
         self.asked = self.split_now = False  # a split asked for (`splitting`); the last forward split
+        self.masked = needs_masks(model)  # its layers get the whole sequence's masks, padded
         model.get_decoder().register_forward_pre_hook(self._split, with_kwargs=True)
         for layer in mixer_layers(model):  # linear attention: head-parallel around the whole block
             layer.forward = self._head_parallel(layer, layer.forward)
@@ -199,8 +238,12 @@ class SequenceParallel:
         positions = torch.cat([positions, positions[..., -1:] + extra], dim=-1)  # mRoPE's [3, rows, length] too
         self.shard = Shard(start, end, padded, length, self.group)
         self.positions = torch.arange(start, end, device=embeds.device).expand(rows, end - start)
-        kwargs |= {"inputs_embeds": F.pad(embeds, (0, 0, 0, padded - length))[:, start:end],
-                   "position_ids": positions[..., start:end], "attention_mask": None}
+        kwargs |= {"position_ids": positions[..., start:end],
+                   "attention_mask": whole_sequence_masks(kwargs.get("attention_mask"), length, padded)
+                   if self.masked else None}
+        for name, value in kwargs.items():  # the embeddings, Gemma 4's per-layer embeddings: each token's inputs
+            if name not in SPLIT_APART and torch.is_tensor(value) and value.shape[:2] == (rows, length):
+                kwargs[name] = self.shard.take(value)
         if kwargs.get("visual_pos_masks") is not None:  # Qwen3-VL's deepstack: the shard's visual tokens' rows
             masks = F.pad(kwargs["visual_pos_masks"], (0, padded - length))
             in_shard = torch.zeros_like(masks)
@@ -225,7 +268,8 @@ class SequenceParallel:
         kwargs["position_ids"] = self.positions  # DeepSpeed gathers them; causal masking needs them monotonic
         groups = getattr(module, "num_key_value_groups", None)  # DeepSpeed sets it where it replicates heads
         try:
-            return self._ulysses(len(query))(module, query, key, value, None, *args, **kwargs)
+            mask = attention_mask if self.masked else None  # the whole sequence's, or causal over it
+            return self._ulysses(len(query))(module, query, key, value, mask, *args, **kwargs)
         finally:
             if groups is not None:
                 module.num_key_value_groups = groups  # what a whole-sequence forward needs
