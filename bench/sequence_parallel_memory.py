@@ -5,10 +5,11 @@
 
 The row goes through the recipe's path (decode_video, the labeller, ChatCollator, VLMForTraining): once in one
 process, whole; then on 2 gloo processes with `SequenceParallel` (Ulysses: each rank holds half of the merged
-sequence, and runs the vision tower on the whole clip). Activation memory is what autograd saves for the backward
-during the forward (`torch.autograd.graph.saved_tensors_hooks`, each storage once, parameters left out): what a rank
-holds at its peak between forward and backward, split into the vision tower's and the language model's. The loss
-and gradient norm of both are printed too (they agree). Appends a JSON line to bench/results/.
+sequence; the vision tower's work shared, each rank encoding half of the clip's frames, the features gathered).
+Activation memory is what autograd saves for the backward during the forward
+(`torch.autograd.graph.saved_tensors_hooks`, each storage once, parameters left out): what a rank holds at its peak
+between forward and backward, split into the vision tower's and the language model's. The loss and gradient norm
+of both are printed too (they agree). Appends a JSON line to bench/results/.
 """
 
 import argparse
@@ -153,7 +154,7 @@ def main():
     total = max(run["vision_tower"] + run["language_model"] for run in shards) / (
         whole["vision_tower"] + whole["language_model"])
     print(f"per rank at sp=2 / sp=1: language model {ratios['language_model']:.3f}, vision tower "
-          f"{ratios['vision_tower']:.3f} (every rank runs it on the whole clip), all {total:.3f}")
+          f"{ratios['vision_tower']:.3f} (each rank encodes its share of the frames), all {total:.3f}")
     record = {"bench": "sequence_parallel_memory", "quick": args.quick, "frames": frames, "tokens": whole["tokens"],
               "sp1": whole, "sp2": shards, "ratio_language_model": ratios["language_model"],
               "ratio_vision_tower": ratios["vision_tower"], "ratio_all": total,

@@ -81,7 +81,11 @@ class VLMForTraining(torch.nn.Module):
         # Videos go through the tower in the same call as the images (or the dummy), after them: one call a step.
         joined = {self.video_as_image[name]: torch.cat([vision_inputs[self.video_as_image[name]], value])
                   for name, value in videos.items()}
-        features = self.model.get_image_features(**(vision_inputs | joined), return_dict=True)
+        share = self.sequence_parallel.vision if self.sequence_parallel and self.sequence_parallel.asked else None
+        if share:  # split: each rank of the group encodes a share of the images and frames, gathered
+            features, spare = share.encode(self.model.get_image_features, vision_inputs | joined)
+        else:
+            features, spare = self.model.get_image_features(**(vision_inputs | joined), return_dict=True), None
         encoded = {}
         if videos:
             grid = next(value for name, value in videos.items() if self.video_as_image[name] != "pixel_values")
@@ -98,7 +102,7 @@ class VLMForTraining(torch.nn.Module):
         pixels = {"pixel_values", "pixel_values_videos"}
         keep = self.forward_input_names - pixels - (self.vision_input_names if dummy_image else set())
         other_inputs = {name: value for name, value in media_inputs.items() if name in keep}
-        dummies = [features] if dummy_image else []
+        dummies = ([features] if dummy_image else []) + ([spare] if spare is not None else [])
         if dummy_video:
             dummies.append(encoded.pop("video"))
         if not dummy_image:

@@ -2,8 +2,9 @@
 the language model's attention, the sequence split after the vision merge.
 
 The N ranks of a group hold the same rows (their data rank is the group's index:
-`distributed.data_parallel_rank_and_world`), and each runs
-the vision step on all of their images, so the step is the same graph on every rank (the dummy image too). A pre-hook
+`distributed.data_parallel_rank_and_world`). Each encodes a share of their images and frames and the features are
+gathered (`vision.VisionShare`; where a tower does not split by image, each runs it on all of them), so every rank
+merges the whole batch's features and runs the same graph (the dummy image too). A pre-hook
 on the language model splits what the merge made into N contiguous shards, the sequence padded at its end to a
 multiple of N: the embeddings, the positions (mRoPE's computed on the whole sequence), Qwen3-VL's deepstack features.
 Around attention DeepSpeed's all-to-all swaps the sequence split for a head split. Each rank computes the step's
@@ -39,6 +40,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..model.families import stateful_mixer_classes, stateful_mixers
 from ..rows.labels import IGNORE_INDEX
 from .linear_attention import head_parallel_forward, heads_refusal, parallel_layer
+from .vision import VisionShare
 
 ATTENTION = "ulysses"  # the language model's attn_implementation while it trains split
 SPLIT_APART = {"position_ids", "attention_mask", "visual_pos_masks"}  # per-token inputs the split handles itself
@@ -172,6 +174,7 @@ class SequenceParallel:
         rank = dist.get_rank()
         groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
         self.size, self.rank, self.group = size, rank % size, groups[rank // size]
+        self.vision, self.vision_line = VisionShare.of(model, self.group, size, self.rank)
         text = model.config.get_text_config()
         self.core = ALL_ATTENTION_FUNCTIONS[text._attn_implementation]
         head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -203,7 +206,7 @@ class SequenceParallel:
 
     def describe(self) -> str:
         return (f"sequence parallel: each sequence split over {self.size} ranks after the vision merge (DeepSpeed's "
-                "Ulysses attention in the language model); the vision step runs on every rank of a group")
+                f"Ulysses attention in the language model); {self.vision_line}")
 
     def _ulysses(self, rows: int):
         if rows not in self._by_rows:  # its shapes are fixed per batch size
