@@ -18,6 +18,7 @@ answer (docs/distill.md). With no arguments: the tiny SFT'd Llava learns from a 
 
 from dataclasses import asdict, dataclass
 
+from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.config import parse_args
 from mmrecipes.vlm.arguments import (
     DistillArgs,
@@ -41,7 +42,7 @@ class TrainArgs(VLMTrainingArgs):
 
 
 # the flags and YAML keys it takes
-ARGUMENTS = (TunedModelArgs, LoraArgs, PromptDataArgs, DistillArgs, TrainArgs)
+ARGUMENTS = (TunedModelArgs, LoraArgs, PromptDataArgs, DistillArgs, TrainArgs, BenchmarkArgs)
 # shared: flags first
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
@@ -50,6 +51,7 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from mmrecipes.benchmarks.harness import Benchmarks
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.images import to_device
@@ -61,7 +63,7 @@ from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_d
 from mmrecipes.vlm.algorithms.distill import StepTargets, evaluate_divergence
 from mmrecipes.vlm.algorithms.sampling import Sampler
 from mmrecipes.vlm.algorithms.teacher import Teacher
-from mmrecipes.vlm.model.evaluation import evaluate_answers, evaluate_generation
+from mmrecipes.vlm.model.evaluation import benchmark_answers, evaluate_answers, evaluate_generation
 from mmrecipes.vlm.model.loading import check_trainable
 from mmrecipes.vlm.model.outputs import GeneralizedJSD
 from mmrecipes.vlm.model.parts import vlm_parts
@@ -74,7 +76,7 @@ from mmrecipes.vlm.rows.prompts import DistillCollator, DistillPreprocessor
 
 
 def main(argv=None):
-    model_args, lora_args, data_args, distill_args, args = parse_args(ARGUMENTS, argv)
+    model_args, lora_args, data_args, distill_args, args, bench_args = parse_args(ARGUMENTS, argv)
     # the teacher's folder and config checked before either model loads
     check_trainable(distill_args.teacher_model_name_or_path, "--teacher_model_name_or_path")
     set_seed(args.seed)
@@ -146,6 +148,12 @@ def main(argv=None):
                                             **loader_kwargs)
         held_out = generation_prompts(data_args, processor, rows=rows, ranks=ranks)
 
+    # shared: benchmarks
+    # Standard benchmarks scored as lmms-eval scores them, each rank answering its stride of the
+    # documents
+    benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True))
+    accelerator.print(benchmarks.describe())
+
     data = data_layout(data_args, args, ranks, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model), data,
                                ranks)
@@ -160,7 +168,7 @@ def main(argv=None):
                     disable=not accelerator.is_local_main_process)
 
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(distill_args)
-    accelerator.init_trackers("vlm_distill", config | asdict(args))
+    accelerator.init_trackers("vlm_distill", config | asdict(args) | asdict(bench_args))
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals, ranks=ranks, formats=targets.FORMATS)
 
@@ -219,6 +227,10 @@ def main(argv=None):
         if eval_loader is not None and report.evaluation_due(done):
             with report.evaluating(done) as held_out_scores:
                 evaluate(held_out_scores, filler_batch)
+        # shared: benchmark
+        if benchmarks.due(done, args.max_steps):
+            with report.evaluating(done) as scores:
+                scores |= benchmarks.run(benchmark_answers(model, vlm, accelerator.device))
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
@@ -229,10 +241,12 @@ def main(argv=None):
         tags = ["vlm", "distillation", "lora" if vlm.peft_config else "full fine-tune",
                 type(vlm.model).__name__]
         write_model_card(args.output_dir, report.history, pipeline_tag="image-text-to-text",
-                         eval_metrics=["generated_accuracy", "answer_accuracy", "divergence"],
+                         eval_metrics=["generated_accuracy", "answer_accuracy", "divergence",
+                                       *benchmarks.metrics()],
                          base_model=model_args.model_name_or_path, tags=tags,
                          datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
-                         seen=seen, engine=engine, resumed_at=start_step)
+                         seen=seen, engine=engine, resumed_at=start_step,
+            benchmarks=benchmarks.card_lines())
     # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").

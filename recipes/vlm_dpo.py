@@ -19,6 +19,7 @@ exact mean over the window's pairs on every rank (docs/dpo.md).
 
 from dataclasses import asdict, dataclass, replace
 
+from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.config import parse_args
 from mmrecipes.vlm.arguments import (
     DPOArgs,
@@ -41,7 +42,7 @@ class TrainArgs(VLMTrainingArgs):
 
 
 # the flags and YAML keys it takes
-ARGUMENTS = (VLMModelArgs, LoraArgs, PreferenceDataArgs, DPOArgs, TrainArgs)
+ARGUMENTS = (VLMModelArgs, LoraArgs, PreferenceDataArgs, DPOArgs, TrainArgs, BenchmarkArgs)
 # shared: flags first
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
@@ -50,6 +51,7 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from mmrecipes.benchmarks.harness import Benchmarks
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.images import to_device
@@ -68,7 +70,7 @@ from mmrecipes.vlm.algorithms.preference import (
     evaluate_preferences,
 )
 from mmrecipes.vlm.algorithms.reference import Reference
-from mmrecipes.vlm.model.evaluation import evaluate_answers
+from mmrecipes.vlm.model.evaluation import benchmark_answers, evaluate_answers
 from mmrecipes.vlm.model.outputs import SequenceLogps
 from mmrecipes.vlm.model.parts import vlm_parts
 from mmrecipes.vlm.model.step import VLMForTraining, save_vlm
@@ -82,7 +84,7 @@ PAIR_SUMS = ("loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rej
 
 
 def main(argv=None):
-    model_args, lora_args, data_args, dpo_args, args = parse_args(ARGUMENTS, argv)
+    model_args, lora_args, data_args, dpo_args, args, bench_args = parse_args(ARGUMENTS, argv)
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     # The reference model is the policy with its LoRA adapters disabled, or a frozen copy of the
@@ -145,6 +147,12 @@ def main(argv=None):
                                                 batch_size=args.per_device_eval_batch_size,
                                                 labeller=labeller, ranks=ranks)
 
+    # shared: benchmarks
+    # Standard benchmarks scored as lmms-eval scores them, each rank answering its stride of the
+    # documents
+    benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True))
+    accelerator.print(benchmarks.describe())
+
     if dpo_args.precompute_ref_log_probs:  # an epoch of this rank's pairs, then no reference model
         first_pass = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size,
                                            shuffle_seed=args.seed, **loader_kwargs)
@@ -166,7 +174,7 @@ def main(argv=None):
                     disable=not accelerator.is_local_main_process)
 
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(dpo_args)
-    accelerator.init_trackers("vlm_dpo", config | asdict(args))
+    accelerator.init_trackers("vlm_dpo", config | asdict(args) | asdict(bench_args))
     report = Report(accelerator, args, batches, PREFERENCE_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals, ranks=ranks, formats=DPO_FORMATS)
     # shared: loop head
@@ -223,6 +231,10 @@ def main(argv=None):
                 if question_loader is not None:
                     scores |= evaluate_answers(model, question_loader, filler_batch,
                                                accelerator.device)
+        # shared: benchmark
+        if benchmarks.due(done, args.max_steps):
+            with report.evaluating(done) as scores:
+                scores |= benchmarks.run(benchmark_answers(model, vlm, accelerator.device))
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
@@ -231,13 +243,14 @@ def main(argv=None):
     if accelerator.is_main_process:
         write_model_card(
             args.output_dir, report.history,
-            eval_metrics=["eval_rewards/accuracies", "answer_accuracy"],
+            eval_metrics=["eval_rewards/accuracies", "answer_accuracy", *benchmarks.metrics()],
             pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
             datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
             tags=["vlm", "dpo", "lora" if vlm.peft_config else "full fine-tune",
                   type(vlm.model).__name__],
             engine=engine, resumed_at=start_step,
-            seen=seen)
+            seen=seen,
+            benchmarks=benchmarks.card_lines())
     # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").

@@ -17,6 +17,7 @@ exact token mean over the accumulation window on all ranks (docs/vlm.md). Data: 
 
 from dataclasses import asdict, dataclass
 
+from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.config import checked, parse_args
 from mmrecipes.vlm.arguments import ChatDataArgs, LoraArgs, MoEArgs, VLMModelArgs, VLMTrainingArgs
 
@@ -38,7 +39,7 @@ class TrainArgs(VLMTrainingArgs):
 
 
 # the flags and YAML keys this recipe takes
-ARGUMENTS = (VLMModelArgs, LoraArgs, MoEArgs, ChatDataArgs, TrainArgs)
+ARGUMENTS = (VLMModelArgs, LoraArgs, MoEArgs, ChatDataArgs, TrainArgs, BenchmarkArgs)
 # shared: flags first
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
@@ -47,6 +48,7 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from mmrecipes.benchmarks.harness import Benchmarks
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.distributed import DivergenceGuard, Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.images import to_device
@@ -61,7 +63,7 @@ from mmrecipes.training import (
     lr_scheduler,
     per_device_batch_size,
 )
-from mmrecipes.vlm.model.evaluation import evaluate_answers, evaluate_generation
+from mmrecipes.vlm.model.evaluation import benchmark_answers, evaluate_answers, evaluate_generation
 from mmrecipes.vlm.model.families import video_path
 from mmrecipes.vlm.model.moe import LoadBalance
 from mmrecipes.vlm.model.outputs import LossSum
@@ -74,7 +76,7 @@ from mmrecipes.vlm.rows.labels import AnswerLabeller, check_template
 
 
 def main(argv=None):
-    model_args, lora_args, moe_args, data_args, args = parse_args(ARGUMENTS, argv)
+    model_args, lora_args, moe_args, data_args, args, bench_args = parse_args(ARGUMENTS, argv)
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2)  # what trains, FLOPs
@@ -150,6 +152,12 @@ def main(argv=None):
         prompts = generation_prompts(data_args, processor, rows=args.eval_generation_rows,
                                      ranks=ranks)
 
+    # shared: benchmarks
+    # Standard benchmarks scored as lmms-eval scores them, each rank answering its stride of the
+    # documents
+    benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True))
+    accelerator.print(benchmarks.describe())
+
     # shared: vlm checkpoints
     layout = data_layout(data_args, args, ranks, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
@@ -165,7 +173,8 @@ def main(argv=None):
     progress = tqdm(range(start_step, args.max_steps),
                     disable=not accelerator.is_local_main_process)
 
-    config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args)
+    config = (asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args)
+              | asdict(bench_args))
     accelerator.init_trackers("vlm_finetune", config)
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals, ranks=ranks, formats=balance.FORMATS)
@@ -215,19 +224,24 @@ def main(argv=None):
         if eval_loader is not None and report.evaluation_due(done):
             with report.evaluating(done) as scores:
                 evaluate(scores, filler_batch)
+        # shared: benchmark
+        if benchmarks.due(done, args.max_steps):
+            with report.evaluating(done) as scores:
+                scores |= benchmarks.run(benchmark_answers(model, vlm, accelerator.device))
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
     save_vlm(accelerator, model, processor, args.output_dir, vlm.peft_config)
     seen = f"{report.total['samples']:,.0f} conversations, {report.total['tokens']:,.0f} tokens"
+    curves = ["answer_accuracy", "generated_accuracy", *benchmarks.metrics()]
     if accelerator.is_main_process:
         write_model_card(
-            args.output_dir, report.history, eval_metrics=["answer_accuracy", "generated_accuracy"],
+            args.output_dir, report.history, eval_metrics=curves,
             pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
             datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
             tags=["vlm", "lora" if vlm.peft_config else "full fine-tune", type(vlm.model).__name__],
             engine=engine, resumed_at=start_step,
-            seen=seen)
+            seen=seen, benchmarks=benchmarks.card_lines())
     if divergence_guard is not None:
         divergence_guard.remove()
     # shared: the end

@@ -18,6 +18,7 @@ model that never answers right gets no reward to learn from.
 
 from dataclasses import asdict, dataclass, replace
 
+from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.config import parse_args
 from mmrecipes.vlm.arguments import (
     GRPOArgs,
@@ -41,7 +42,7 @@ class TrainArgs(VLMTrainingArgs):
 
 
 # the flags and YAML keys it takes
-ARGUMENTS = (TunedModelArgs, LoraArgs, PromptDataArgs, GRPOArgs, TrainArgs)
+ARGUMENTS = (TunedModelArgs, LoraArgs, PromptDataArgs, GRPOArgs, TrainArgs, BenchmarkArgs)
 # shared: flags first
 if __name__ == "__main__":
     parse_args(ARGUMENTS)  # --help and a bad flag answer here, before torch and the models load
@@ -50,6 +51,7 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from mmrecipes.benchmarks.harness import Benchmarks
 from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.loader import TrainBatches
@@ -61,7 +63,7 @@ from mmrecipes.vlm.algorithms import grpo
 from mmrecipes.vlm.algorithms.reference import Reference
 from mmrecipes.vlm.algorithms.rewards import RewardScorer, load_reward_funcs
 from mmrecipes.vlm.algorithms.sampling import Sampler
-from mmrecipes.vlm.model.evaluation import evaluate_generation
+from mmrecipes.vlm.model.evaluation import benchmark_answers, evaluate_generation
 from mmrecipes.vlm.model.outputs import TokenLogps
 from mmrecipes.vlm.model.parts import vlm_parts
 from mmrecipes.vlm.model.step import VLMForTraining, save_vlm
@@ -73,7 +75,7 @@ from mmrecipes.vlm.rows.prompts import PromptCollator, PromptPreprocessor
 
 
 def main(argv=None):
-    model_args, lora_args, data_args, grpo_args, args = parse_args(ARGUMENTS, argv)
+    model_args, lora_args, data_args, grpo_args, args, bench_args = parse_args(ARGUMENTS, argv)
     # known names? a module whose import blocks is named within --reward_timeout
     reward_funcs = load_reward_funcs(grpo_args.funcs, grpo_args.format_pattern,
                                      grpo_args.reward_timeout)
@@ -143,6 +145,12 @@ def main(argv=None):
     scorer = RewardScorer(reward_funcs, grpo_args.weights, grpo_args.reward_timeout)
     normaliser = grpo.LossNormaliser(grpo_args)
 
+    # shared: benchmarks
+    # Standard benchmarks scored as lmms-eval scores them, each rank answering its stride of the
+    # documents
+    benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True))
+    accelerator.print(benchmarks.describe())
+
     data = data_layout(data_args, args, ranks, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
                                data | layout.describe(), ranks)
@@ -157,7 +165,7 @@ def main(argv=None):
                     disable=not accelerator.is_local_main_process)
 
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(grpo_args)
-    accelerator.init_trackers("vlm_grpo", config | asdict(args))
+    accelerator.init_trackers("vlm_grpo", config | asdict(args) | asdict(bench_args))
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals, ranks=ranks, formats=grpo.FORMATS)
     rollouts = None
@@ -221,6 +229,10 @@ def main(argv=None):
                 evaluation |= evaluate_generation(model, held_out, filler_batch, chat_collator,
                                                   processor.tokenizer, vlm.stops,
                                                   accelerator.device, vlm.placeholders)
+        # shared: benchmark
+        if benchmarks.due(done, args.max_steps):
+            with report.evaluating(done) as scores:
+                scores |= benchmarks.run(benchmark_answers(model, vlm, accelerator.device))
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
@@ -228,12 +240,14 @@ def main(argv=None):
     seen = f"{report.total['samples']:,.0f} prompts, {report.total['completions']:,.0f} completions"
     if accelerator.is_main_process:
         write_model_card(
-            args.output_dir, report.history, eval_metrics=["generated_accuracy"],
+            args.output_dir, report.history, eval_metrics=["generated_accuracy",
+                                                           *benchmarks.metrics()],
             pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
             datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
             tags=["vlm", "grpo", "lora" if vlm.peft_config else "full fine-tune",
                   type(vlm.model).__name__],
-            seen=seen, engine=engine, resumed_at=start_step)
+            seen=seen, engine=engine, resumed_at=start_step,
+            benchmarks=benchmarks.card_lines())
     # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").

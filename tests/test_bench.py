@@ -38,6 +38,7 @@ BENCHES = [
     ("label_alignment.py", ["--quick"]),
     ("video.py", ["--quick"]),
     ("vlm_loss_memory.py", ["--quick", "--loss", "jsd"]),
+    ("benchmark_cost.py", ["--quick"]),
     ("linear_attention_packing.py", ["--quick"]),
 ]
 HALVES = 2

@@ -148,12 +148,14 @@ def test_a_resume_repeats_the_straight_run(runs, scenario, tmp_path):
 
 def test_the_default_run_distils_the_embedded_teacher_into_a_model_that_loads(tmp_path, capsys):
     """The default run's settings for a few steps: the teacher's and the student's held-out scores at step 0, the
-    student's after; its output loads with the Auto class and answers through the pipeline; its card says what
-    it learnt from."""
+    student's after, and a benchmark's (AI2D's 16-token answers); its output loads with the Auto class and answers
+    through the pipeline; its card says what it learnt from."""
     load_recipe(DISTILL_RECIPE).main(["--max_steps", "4", "--logging_steps", "2", "--eval_steps", "4",
                                       "--eval_generation_rows", "8", "--report_to", "none",
-                                      "--output_dir", str(tmp_path)])
+                                      "--output_dir", str(tmp_path), "--benchmarks", "ai2d", "--benchmark_data_dir",
+                                      "embedded:benchmarks", "--benchmark_limit", "3"])
     log = capsys.readouterr().out
+    assert re.search(r"eval step 4 \| bench/ai2d/exact_match [\d.]+ \| bench/ai2d/documents 3 \|", log)
     assert re.search(r"eval step 0 \|.*divergence [\d.]+ .*teacher_generated_accuracy [\d.]+", log), log[-2000:]
     assert re.search(r"eval step 4 \| answer_accuracy [\d.]+ .*generated_accuracy [\d.]+ .*divergence", log)
     assert "teacher: LlavaForConditionalGeneration holding 2,110,272 of its 2,110,272" in log

@@ -365,11 +365,13 @@ def test_mixed_ranks_give_one_processs_losses(engine_runs, truth, config, featur
 @pytest.mark.launch
 def test_precomputed_reference_log_probs_give_the_live_frozen_copys_losses(scenario, truth, tmp_path):
     """--precompute_ref_log_probs: a first pass over the pairs, kept per pair, then no reference model; every step
-    equals the run with the live frozen copy."""
+    equals the run with the live frozen copy. A benchmark scores the model at the end (docs/benchmarks.md)."""
     result = run_recipe(*SCENARIO, "--precompute_ref_log_probs", "true", "--per_device_train_batch_size", 4,
                         "--gradient_accumulation_steps", 1, "--data_files", scenario / "single" / "all.parquet",
-                        "--output_dir", tmp_path, recipe=DPO_RECIPE)
+                        "--output_dir", tmp_path, "--benchmarks", "chartqa", "--benchmark_data_dir",
+                        "embedded:benchmarks", "--benchmark_limit", 2, recipe=DPO_RECIPE)
     assert result.returncode == 0, result.log[-3000:]
+    assert f"eval step {STEPS} | bench/chartqa/relaxed_overall " in result.log  # a benchmark at the end
     assert "reference: log-probabilities of 2 pairs on this rank precomputed in a first pass" in result.log
     assert_same_curves(result.log, truth["full"][0].log, range(1, STEPS + 1), grad_norm=True, rel=1e-6)
 

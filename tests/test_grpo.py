@@ -137,17 +137,25 @@ def test_a_reward_function_that_raises_or_gives_nan_fails_only_what_it_scored():
     assert scorer.take_failures(say=said.append) == {} and len(said) == 3
 
 
+# a benchmark at the end of the run (docs/benchmarks.md), 3 embedded documents
+BENCHMARK = ["--benchmarks", "docvqa_val", "--benchmark_data_dir", "embedded:benchmarks", "--benchmark_limit", "3",
+             "--benchmark_max_new_tokens", "4"]
+
+
 def test_the_recipe_samples_scores_and_trains_from_the_embedded_sft_model(tmp_path, capsys):
     """Two steps of 1 prompt x 8 completions, with a reward function that fails (all of step 2's completions, not all of
     the window's): counted in the log, not a crash; TRL's
     documented conversational reward scores every completion (the embedded chat rows are conversational); a reward
-    that fails every completion of a window stops the run; the checkpoint refuses a resume with other groups."""
+    that fails every completion of a window stops the run; the checkpoint refuses a resume with other groups; a
+    benchmark scores the model at the end, in the log and the card."""
     load_recipe(GRPO_RECIPE).main(["--max_steps", "2", "--logging_steps", "2", "--eval_steps", "2", "--save_steps", "1",
                                    "--per_device_train_batch_size", "8", "--reward_funcs",
                                    "accuracy,rewards_for_tests:flaky,rewards_for_tests:format_reward_func",
-                                   "--eval_generation_rows", "4", "--report_to", "none", "--output_dir", str(tmp_path)])
+                                   "--eval_generation_rows", "4", "--report_to", "none", "--output_dir", str(tmp_path),
+                                   *BENCHMARK])
     log = capsys.readouterr().out
     assert "step 2/2 | loss" in log and "rewards/rewards_for_tests:flaky/failed" in log
+    assert "eval step 2 | bench/docvqa_val/anls " in log and "## Benchmarks" in (tmp_path / "README.md").read_text()
     assert "rewards/rewards_for_tests:format_reward_func/failed 0" in log
     assert "reward function rewards_for_tests:flaky failed on rank 0: RuntimeError: the judge is down" in log
     assert "eval step 2 | generated_accuracy" in log

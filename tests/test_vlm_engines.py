@@ -16,6 +16,9 @@ Features across engines, not every feature under every engine (tests/README.md):
 | LoRA = one process | Llava, resumed | Llava, checkpointing | | Qwen2.5-VL, checkpointing |
 | without the dummy image: fails | yes | divergence guard names the modules | | yes |
 | a Llava composed from a CLIP tower and Gemma 3 text = one process | stage 2 | stage 1 (projector only) | | stage 2 |
+
+The full fine-tuning runs end with two benchmarks (`--benchmarks`, 5 embedded documents each, uneven over the 2
+ranks): every engine's scores equal one process's.
 """
 
 import pytest
@@ -50,8 +53,11 @@ COMMON = ["--max_steps", STEPS, "--logging_steps", 1, "--per_device_train_batch_
 SCENARIO = [*COMMON, "--dataset_name", "parquet", "--dataset_weights", "", "--shuffle_buffer_size", 1,
             "--eval_dataset_name", ""]
 LORA = ["--use_peft", "true", "--lora_r", 4, "--lora_alpha", 8, "--lora_dropout", 0.0]  # dropout 0: same on any ranks
+# benchmarks at the end, 5 documents over 2 ranks (3 and 2): every engine's scores equal one process's
+BENCHMARKS = ["--benchmarks", "docvqa_val,ai2d", "--benchmark_data_dir", "embedded:benchmarks", "--benchmark_limit", 5,
+              "--benchmark_max_new_tokens", 4]
 # What each run trains, on top of the scenario: its single-process ground truth has the same flags.
-FEATURES = {"full": [], "lora": LORA, "lora_qwen": LORA,
+FEATURES = {"full": BENCHMARKS, "lora": LORA, "lora_qwen": LORA,
             # a Llava composed from a CLIP tower and Gemma 3 text (mmrecipes.vlm.model.compose): stage 2, and
             # stage 1's preset
             "composed": [], "composed_stage1": ["--train_modules", "projector"]}
@@ -155,6 +161,9 @@ def test_mixed_ranks_match_one_process(runs, truth, config, feature):
         assert "trainable parameters" in result.log and "frozen" in result.log
     if config == "fsdp2.yaml" and feature == "full":  # the guard was on, found nothing, changed no number
         assert "divergence guard on" in result.log and "divergence guard:" not in result.log
+    if feature == "full":  # the benchmarks: greedy answers in step over the ranks, scored as by one process
+        scores = [line for line in reference.log.splitlines() if line.startswith(f"eval step {STEPS} | bench/")]
+        assert len(scores) == 1 and "bench/docvqa_val/documents 5 |" in scores[0] and scores[0] in result.log
 
 
 @pytest.mark.parametrize("config, feature", [("zero3.yaml", "full"), ("ddp.yaml", "lora")])

@@ -1,11 +1,12 @@
 """Evaluation every rank agrees on: answer exact match, teacher-forced and by greedy generation from the processor's
-own prompt, each rank forwarding as often as every other."""
+own prompt, and benchmark answers (`benchmark_answers`), each rank forwarding as often as every other."""
 
 import torch
 
 from ...distributed import batches_in_step, max_over_ranks, sum_over_ranks
 from ...images import to_device
-from ..rows.chat_data import TOKEN_ALIGNED
+from ..rows.chat_data import TOKEN_ALIGNED, prompt_row
+from ..rows.collate import ChatCollator
 from ..rows.labels import IGNORE_INDEX
 from .outputs import Logits
 
@@ -78,6 +79,34 @@ def greedy_tokens(model, inputs: dict, new_tokens: int, placeholders=()) -> list
         generated.append(int(token[0]))
         inputs = with_token_appended(inputs, token)
     return generated
+
+
+def benchmark_answers(model, vlm, device):
+    """`answer(request, max_new_tokens)` for `mmrecipes.benchmarks.Benchmarks.run` by the prepared model: the
+    request through the processor's own chat template (`chat_data.prompt_row`), greedy decoding by whole-sequence
+    forwards in step over the ranks until every rank's answer has stopped (a filler's counts as stopped), the text
+    up to the first stop token, special tokens left out (what lmms-eval's Hugging Face models decode)."""
+    collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)
+    stops = set(vlm.stops)
+    never = torch.tensor(list(vlm.placeholders), dtype=torch.long, device=device)
+
+    @torch.no_grad()
+    def answer(request, max_new_tokens: int) -> str:
+        inputs = to_device(collator([prompt_row(vlm.processor, request.messages, request.images)]), device)
+        model.eval()
+        generated, running = [], not request.filler
+        for _ in range(max_new_tokens):
+            if not max_over_ranks(torch.tensor(float(running), device=device)).item():
+                break
+            token = model(inputs, Logits())[:, -1].index_fill(-1, never, -torch.inf).argmax(-1)
+            generated.append(int(token[0]))
+            inputs = with_token_appended(inputs, token)
+            running = running and generated[-1] not in stops
+        model.train()
+        ended = next((index for index, token in enumerate(generated) if token in stops), len(generated))
+        return vlm.processor.tokenizer.decode(generated[:ended], skip_special_tokens=True)
+
+    return answer
 
 
 def with_token_appended(inputs: dict, token: torch.Tensor) -> dict:

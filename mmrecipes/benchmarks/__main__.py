@@ -1,0 +1,82 @@
+"""Score a saved image-text-to-text model on the built-in benchmarks, as lmms-eval scores them.
+
+    python -m mmrecipes.benchmarks --model outputs/vlm_finetune --benchmarks mmstar,chartqa
+    python -m mmrecipes.benchmarks --model outputs/vlm_finetune --benchmarks mmstar \
+        --benchmark_data_dir embedded:benchmarks --benchmark_max_new_tokens 8
+    torchrun --nproc_per_node 8 -m mmrecipes.benchmarks --model Qwen/Qwen2.5-VL-3B-Instruct --benchmarks docvqa_val
+
+The model and its processor load with the Auto classes (its own chat template renders each prompt: one user turn of
+the images, then the task's prompt) and answer greedily with `generate`. Launched on several processes, each holds
+the whole model and answers its stride of the documents; the scores are gathered once. Prints one line per task and
+writes them as JSON (`--output`).
+"""
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from ..config import CheckedArgs, parse_args
+from ..paths import resolve_name
+from .arguments import BenchmarkArgs
+from .harness import Benchmarks
+
+
+@dataclass
+class ModelArgs(CheckedArgs):
+    model: str = ""  # a saved model directory or a hub id (embedded:tiny_sft_vlm: the embedded one)
+    output: str = ""  # a JSON file of the scores ("": printed only)
+    device: str = ""  # "": cuda:<local rank> where there is a GPU, else cpu
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.model:
+            raise ValueError("--model: give a saved model directory or a hub id")
+        self.model = resolve_name(self.model)
+
+
+def generate_answer(model, processor, device):
+    """`answer(request, max_new_tokens)` by `generate`, greedy: the new tokens' text, special tokens left out."""
+    @torch.no_grad()
+    def answer(request, max_new_tokens):
+        if request.filler:  # no collective to stay in step with: nothing to do
+            return None
+        text = processor.apply_chat_template(request.messages, add_generation_prompt=True)
+        inputs = processor(text=[text], images=[request.images], return_tensors="pt").to(device)
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        return processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0]
+
+    return answer
+
+
+def main(argv=None):
+    model_args, bench_args = parse_args((ModelArgs, BenchmarkArgs), argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = model_args.device or (f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+    benchmarks = Benchmarks(bench_args, rank, world)
+    if not benchmarks:
+        raise SystemExit("--benchmarks: name at least one task")
+    model = AutoModelForImageTextToText.from_pretrained(model_args.model).to(device).eval()
+    processor = AutoProcessor.from_pretrained(model_args.model)
+    if rank == 0:
+        print(benchmarks.describe())
+    scores = benchmarks.run(generate_answer(model, processor, device))
+    if rank == 0:
+        for line in benchmarks.card_lines():
+            print(line)
+        if model_args.output:
+            with open(model_args.output, "w") as output:
+                json.dump(scores, output, indent=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return scores
+
+
+if __name__ == "__main__":
+    main()

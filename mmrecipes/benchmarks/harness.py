@@ -1,0 +1,189 @@
+"""Benchmark tasks scored as lmms-eval scores them, their documents sharded over the ranks (`Benchmarks`).
+
+Each task's documents (the first `--benchmark_limit`, as lmms-eval's `--limit`) are strided over the ranks, as
+lmms-eval strides them; every rank answers as many times as the rank with the most (a rank past its own answers a
+filler and drops it), so a sharded model's collectives stay in step; the scores are gathered once per task and every
+rank computes the same numbers from them, in document order. Answers come from a callable the caller gives
+(`answer(request, max_new_tokens)`: the recipes' greedy decoding in step over the ranks, or `generate` for a saved
+model), so this package holds no model code; a rank past its documents gives it a filler request (`Request.filler`).
+
+A document that cannot be scored is counted by reason and named in the log, never scored 0: a missing value, an
+image that does not decode. An answer the task's parser cannot read scores 0, as in lmms-eval, and is counted
+(`unread`). A task that would read no document, an unknown task or a dataset without a column the task reads stops
+the run before its first step.
+"""
+
+import io
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import datasets
+import torch.distributed as dist
+from PIL import Image
+
+from ..paths import resolve_name
+from .arguments import BenchmarkArgs
+from .tasks import LMMS_EVAL, TASKS, Task
+
+
+@dataclass(frozen=True)
+class Request:
+    """One document to answer: one user turn of its images, then its prompt. A `filler` is answered only to stay in
+    step with ranks that have a document left (its answer is dropped: an answerer without collectives may skip
+    it)."""
+
+    index: int
+    messages: list
+    images: list
+    filler: bool = False
+
+
+class Skip(Exception):
+    """A document that cannot be scored, and why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Benchmark:
+    """One task's documents, the ones this rank answers, and its answers' limit."""
+
+    def __init__(self, task: Task, docs, rank: int, world: int, cap: int, source: str):
+        self.task, self.docs, self.rank, self.world, self.source = task, docs, rank, world, source
+        self.max_new_tokens = min(task.max_new_tokens, cap) if cap else task.max_new_tokens
+
+    @classmethod
+    def load(cls, task: Task, args: BenchmarkArgs, rank: int, world: int) -> "Benchmark":
+        try:
+            if args.benchmark_data_dir:
+                folder = Path(resolve_name(args.benchmark_data_dir)) / task.name
+                docs = datasets.load_dataset("parquet", data_files=str(folder / "*.parquet"), split="train")
+            else:
+                docs = datasets.load_dataset(task.dataset, task.subset, split=task.split)
+        except (ValueError, FileNotFoundError) as error:  # no file, or files without a row
+            raise ValueError(f"--benchmarks {task.name}: no document to score ({error}): the benchmark would never "
+                             "run") from error
+        if missing := [column for column in ("image", *task.columns) if column not in docs.column_names]:
+            raise ValueError(f"--benchmarks {task.name}: its documents have no {', '.join(missing)} column (lmms-eval "
+                             f"reads {task.dataset}{f' ({task.subset})' if task.subset else ''}, {task.split})")
+        if isinstance(docs.features["image"], datasets.Image):
+            docs = docs.cast_column("image", datasets.Image(decode=False))  # decoded per document: a bad one counts
+        if args.benchmark_limit:
+            docs = docs.select(range(min(args.benchmark_limit, len(docs))))
+        if not len(docs):
+            raise ValueError(f"--benchmarks {task.name}: no document to score: the benchmark would never run")
+        source = (str(Path(resolve_name(args.benchmark_data_dir)) / task.name) if args.benchmark_data_dir
+                  else f"{task.dataset}{f' ({task.subset})' if task.subset else ''}, {task.split}")
+        return cls(task, docs, rank, world, args.benchmark_max_new_tokens, source)
+
+    def slots(self) -> int:
+        """How many answers every rank gives: the most any rank has."""
+        return -(-len(self.docs) // self.world)
+
+    def request(self, index: int) -> tuple[dict, Request]:
+        """(the document's row, what to answer), or `Skip`."""
+        doc = self.docs[index]
+        if missing := [column for column in ("image", *self.task.columns) if doc[column] is None]:
+            raise Skip(f"missing_{missing[0]}")
+        try:
+            image = doc["image"]
+            image = Image.open(io.BytesIO(image["bytes"]) if image.get("bytes") else image["path"]).convert("RGB")
+        except Exception:  # noqa: BLE001 (any decoder's error: the document is counted, not scored)
+            raise Skip("undecodable_image") from None
+        content = [{"type": "image"}, {"type": "text", "text": self.task.prompt(doc)}]
+        return doc, Request(index, [{"role": "user", "content": content}], [image])
+
+    def filler(self) -> Request | None:
+        """The first document that can be answered, as a filler (the same on every rank; None if none can)."""
+        for index in range(len(self.docs)):
+            try:
+                return replace(self.request(index)[1], filler=True)
+            except Skip:
+                continue
+        return None
+
+    def run(self, answer) -> tuple[list, Counter]:
+        """This rank's (document index, `Scored`) and its counts of documents not scored, by reason."""
+        scored, skipped, filler = [], Counter(), self.filler()
+        mine = list(range(self.rank, len(self.docs), self.world))
+        for slot in range(self.slots()):
+            doc = request = None
+            if slot < len(mine):
+                try:
+                    doc, request = self.request(mine[slot])
+                except Skip as skip:
+                    skipped[skip.reason] += 1
+            if filler is None:  # no document of the task can be answered, on any rank: nothing to stay in step with
+                continue
+            text = answer(request or filler, self.max_new_tokens)
+            if request is not None:
+                scored.append((request.index, self.task.score(doc, text)))
+        return scored, skipped
+
+
+class Benchmarks:
+    """The tasks of `--benchmarks`, loaded before the first step (`data_rank`, `data_world`: the ranks that share the
+    documents, `Ranks.reads(evaluation=True)`: under sequence parallelism every process answers its own)."""
+
+    def __init__(self, args: BenchmarkArgs, data_rank: int = 0, data_world: int = 1):
+        self.args = args
+        self.tasks = [Benchmark.load(TASKS[name], args, data_rank, data_world) for name in args.names()]
+        self.results = {}  # {task: (its numbers, scored documents, unread, skipped)} of the last run
+
+    def __bool__(self) -> bool:
+        return bool(self.tasks)
+
+    def due(self, step: int, max_steps: int) -> bool:
+        steps = self.args.benchmark_steps
+        return bool(self.tasks) and (step == max_steps or (steps > 0 and step % steps == 0))
+
+    def describe(self) -> str:
+        if not self.tasks:
+            return "benchmarks: none (--benchmarks)"
+        tasks = ", ".join(f"{bench.task.name} ({len(bench.docs)} documents, answers of at most "
+                          f"{bench.max_new_tokens} tokens)" for bench in self.tasks)
+        capped = " (--benchmark_max_new_tokens caps them: not lmms-eval's scores)" if any(
+            bench.max_new_tokens < bench.task.max_new_tokens for bench in self.tasks) else ""
+        return f"benchmarks, as lmms-eval {LMMS_EVAL} scores them, greedy: {tasks}{capped}"
+
+    def run(self, answer) -> dict:
+        """Every task answered and scored: {`bench/<task>/<metric>`: value} for the log, counts included."""
+        scores = {}
+        for bench in self.tasks:
+            local = bench.run(answer)
+            parts = [local]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                parts = [None] * dist.get_world_size()
+                dist.all_gather_object(parts, local)  # once per task: every rank gets every score
+            scored = sorted((item for part, _ in parts for item in part), key=lambda item: item[0])
+            skipped = sum((counts for _, counts in parts), Counter())
+            numbers = bench.task.numbers([result.metrics for _, result in scored])
+            unread = sum(not result.read for _, result in scored)
+            self.results[bench.task.name] = (numbers, len(scored), unread, skipped)
+            name = bench.task.name
+            main = {bench.task.main: numbers[bench.task.main]} if bench.task.main in numbers else {}
+            scores |= {f"bench/{name}/{metric.replace(' ', '_')}": value
+                       for metric, value in (main | numbers).items()}
+            scores |= {f"bench/{name}/documents": len(scored), f"bench/{name}/unread": unread,
+                       **{f"bench/{name}/{reason}": count for reason, count in sorted(skipped.items())}}
+        return scores
+
+    def metrics(self) -> list[str]:
+        """The main metric's log name of each task (the curves)."""
+        return [f"bench/{bench.task.name}/{bench.task.main}" for bench in self.tasks]
+
+    def card_lines(self) -> list[str]:
+        """The last run's numbers, each task with its version and documents, for the model card."""
+        lines = []
+        for bench in self.tasks:
+            if bench.task.name not in self.results:
+                continue
+            numbers, documents, unread, skipped = self.results[bench.task.name]
+            shown = ", ".join(f"{metric} {value:.4f}" for metric, value in numbers.items())
+            counts = "".join(f", {reason} {count}" for reason, count in sorted(skipped.items()))
+            lines.append(f"- {bench.task.name} (lmms-eval {LMMS_EVAL}'s task, version {bench.task.version}; "
+                         f"{bench.source}): {shown}; {documents} documents scored, {unread} answers "
+                         f"unread{counts}")
+        return lines

@@ -1,0 +1,113 @@
+"""The answer parsers and scorers of lmms-eval 0.7.3's rule-scored tasks, reproduced in behaviour (their quirks
+included: a harness that scores otherwise reports other numbers for the same answers).
+
+- `choice_letter`: its multiple-choice extraction (`_task_utils.mcq_extract.extract_mcq_answer`): every place a
+  choice letter stands in a recognised form, the most telling form first, the last place within a form;
+- `leading_letter`: AI2D's filter (a letter and a period at the start, else the answer as it is);
+- `exact_match`: its `exact_match` metric (the `evaluate` library's, case and punctuation optionally ignored);
+- `relaxed_correctness`: ChartQA's (a number within 5% of the target, else the same text ignoring case);
+- `anls`: DocVQA's and InfoVQA's average normalised Levenshtein similarity (0 under 0.5), with its length from the
+  answers before normalising.
+"""
+
+import string
+
+CHOICES = "ABCDEFGH"
+# phrases after which a letter is the answer ("the answer is B"), in lmms-eval's order
+ANSWER_PHRASES = ("the answer is", "answer is", "the correct answer is", "correct answer is", "the best answer is",
+                  "best answer is", "the correct option is", "correct option is", "the best option is",
+                  "best option is", "the choice is", "choice is", "the correct choice is", "correct choice is",
+                  "i choose", "i select", "i pick", "my answer is", "my choice is", "옵션", "정답은", "답은", "답:",
+                  "答案是", "答案为", "选", "答えは")
+# how telling each form is: a letter alone at the start, at the end, after a phrase, "(B)", "B.", "B:", "B)", "B "
+FORMS = {"start": 10, "end": 9, "phrase": 7, "parentheses": 6, "period": 5, "colon": 4, "right_paren": 3, "space": 2,
+         "anywhere": 0}
+AROUND = {"parentheses": ("(", ")"), "period": ("", "."), "colon": ("", ":"), "right_paren": ("", ")"),
+          "space": ("", " ")}
+
+
+def choice_letter(response: str, choices=CHOICES) -> str:
+    """The choice letter `response` gives, or "" where it gives none."""
+    if not response or not response.strip():
+        return ""
+    text = response.strip()
+    for mark in ",.!?;:'\"":
+        text = text.strip(mark)
+    text = f" {text} "
+    found = []  # (how telling the form is, position, letter)
+    for form, (before, after) in AROUND.items():
+        found += [(FORMS[form], text.rfind(f"{before}{letter}{after}"), letter) for letter in choices
+                  if f"{before}{letter}{after}" in text]
+    lowered = text.lower()
+    for phrase in ANSWER_PHRASES:
+        if (start := lowered.find(phrase)) != -1:
+            found += [(FORMS["phrase"], position, letter) for letter in choices
+                      if (position := text.find(letter, start + len(phrase))) != -1]
+    alone = text.strip()
+    for letter in choices:
+        if alone.startswith(letter) and (len(alone) == 1 or not alone[1].isalpha()):
+            found.append((FORMS["start"], 0, letter))
+        if alone.endswith(letter) and (len(alone) == 1 or not alone[-2].isalpha()):
+            found.append((FORMS["end"], len(text) - 1, letter))
+    if not found:
+        found = [(FORMS["anywhere"], text.rfind(letter), letter) for letter in choices if letter in text]
+    # the most telling form, then the latest position; equal ones keep their order (a stable sort, as lmms-eval's)
+    return sorted(found, key=lambda item: item[:2], reverse=True)[0][2] if found else ""
+
+
+def leading_letter(response: str) -> str:
+    """AI2D's filter: the letter of a response that starts with one and a period ("B. a cat"), else the response."""
+    stripped = response.lstrip()
+    if len(stripped) > 1 and stripped[0] in string.ascii_uppercase and stripped[1] == ".":
+        return stripped[0]
+    return response
+
+
+def exact_match(prediction: str, reference: str, ignore_case=False, ignore_punctuation=False) -> float:
+    if ignore_case:
+        prediction, reference = prediction.lower(), reference.lower()
+    if ignore_punctuation:
+        table = str.maketrans("", "", string.punctuation)
+        prediction, reference = prediction.translate(table), reference.translate(table)
+    return float(prediction == reference)
+
+
+def relaxed_correctness(prediction: str, target: str, max_relative_change: float = 0.05) -> bool:
+    """ChartQA's relaxed accuracy: a number within `max_relative_change` of a non-zero numeric target (a trailing %
+    divides by 100), else the same text ignoring case."""
+    def number(text: str):
+        try:
+            return float(text.rstrip("%")) / 100.0 if text.endswith("%") else float(text)
+        except ValueError:
+            return None
+
+    predicted, expected = number(prediction), number(target)
+    if predicted is not None and expected:
+        return abs(predicted - expected) / abs(expected) <= max_relative_change
+    return prediction.lower() == target.lower()
+
+
+def levenshtein(one: str, other: str) -> int:
+    if len(one) > len(other):
+        one, other = other, one
+    distances = list(range(len(one) + 1))
+    for row, character in enumerate(other):
+        previous, distances = distances, [row + 1]
+        for column, mine in enumerate(one):
+            distances.append(previous[column] if mine == character
+                             else 1 + min(previous[column], previous[column + 1], distances[-1]))
+    return distances[-1]
+
+
+def anls(answers: list[str], prediction: str, threshold: float = 0.5) -> float:
+    """1 - the smallest normalised edit distance to an answer (lower-cased, spaces collapsed), 0 below `threshold`;
+    normalised by the longer of the answer and the prediction as given (lmms-eval's, Qwen-VL's)."""
+    def normal(text):
+        return " ".join(text.strip().lower().split())
+
+    distances = []
+    for answer in answers:
+        length = max(len(answer.upper()), len(prediction.upper()))
+        distances.append(0.0 if length == 0 else levenshtein(normal(answer), normal(prediction)) / length)
+    score = 1 - min(distances)
+    return 0.0 if score < threshold else score

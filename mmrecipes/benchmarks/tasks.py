@@ -1,0 +1,118 @@
+"""The built-in benchmark tasks: each as lmms-eval 0.7.3 defines it (its task YAML and utils), in one small table.
+
+A task names the hub dataset lmms-eval reads (or local files of the same columns), the columns it needs, its prompt
+(lmms-eval's `doc_to_text` with the default pre- and post-prompt), its images, how many tokens a greedy answer may
+take (its `generation_kwargs`, else the 1024 of lmms-eval's Hugging Face models), how one answer is scored (its
+`process_results`, or its metric after its filters) and how the scores of the documents make the task's numbers (its
+aggregation). Scores equal lmms-eval's own functions on the same documents and answers (tests/test_benchmarks.py).
+"""
+
+import string
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+from .scoring import anls, choice_letter, exact_match, leading_letter, relaxed_correctness
+
+DEFAULT_MAX_NEW_TOKENS = 1024  # lmms-eval's Hugging Face models, where a task sets none
+LMMS_EVAL = "0.7.3"  # the version whose tasks these reproduce
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One answer's scores ({metric: value}; MMStar's: {metric: (l2 category, value)}) and whether the parser read
+    an answer in it (an unread answer scores 0, as in lmms-eval, and is counted)."""
+
+    metrics: dict
+    read: bool = True
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    dataset: str  # the hub dataset lmms-eval reads
+    subset: str | None
+    split: str
+    version: str  # the task YAML's metadata version
+    columns: tuple[str, ...]  # what the prompt and the scorer read, besides the image
+    prompt: Callable[[dict], str]
+    score: Callable[[dict, str], Scored]
+    main: str  # the metric the log line shows first
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    aggregate: Callable[[list[dict]], dict] | None = None  # by default, each metric's mean over the documents
+
+    def numbers(self, scored: list[dict]) -> dict:
+        """The task's metrics from its documents' scores (in document order)."""
+        if self.aggregate is not None:
+            return self.aggregate(scored)
+        values = defaultdict(list)
+        for metrics in scored:
+            for name, value in metrics.items():
+                values[name].append(value)
+        return {name: sum(found) / len(found) for name, found in values.items()}
+
+
+MMSTAR_YES_NO = " Please answer yes or no."
+
+
+def mmstar_prompt(doc) -> str:
+    question = doc["question"].strip().replace(MMSTAR_YES_NO, "")
+    return f"{question}\nAnswer with the option's letter from the given choices directly"
+
+
+def mmstar_score(doc, prediction: str) -> Scored:
+    letter = choice_letter(prediction, "ABCD")
+    score = float(letter == doc["answer"].strip().upper())
+    return Scored({doc["category"]: (doc["l2_category"], score), "average": (doc["l2_category"], score)}, bool(letter))
+
+
+def mean_of_l2_categories(scored: list[dict]) -> dict:
+    """MMStar's aggregation: per metric, the mean over its l2 categories of their mean scores."""
+    by_metric = defaultdict(lambda: defaultdict(list))
+    for metrics in scored:
+        for name, (l2_category, score) in metrics.items():
+            by_metric[name][l2_category].append(score)
+    return {name: sum(sum(scores) / len(scores) for scores in l2.values()) / len(l2) for name, l2 in by_metric.items()}
+
+
+def chartqa_score(doc, prediction: str) -> Scored:
+    score = 1.0 if relaxed_correctness(prediction, doc["answer"]) else 0.0
+    split = "relaxed_human_split" if doc["type"] == "human_test" else "relaxed_augmented_split"
+    return Scored({"relaxed_overall": score, split: score})
+
+
+def anls_score(doc, prediction: str) -> Scored:
+    return Scored({"anls": anls(list(doc["answers"]), prediction.strip())})
+
+
+def ai2d_prompt(doc) -> str:
+    options = "\n".join(f"{chr(ord('A') + index)}. {option}" for index, option in enumerate(doc["options"]))
+    return f"{doc['question']}\n{options}\nAnswer with the option's letter from the given choices directly."
+
+
+def ai2d_score(doc, prediction: str) -> Scored:
+    target = chr(ord("A") + int(doc["answer"]))
+    answer = leading_letter(prediction).strip()
+    letters = {chr(ord("a") + index) for index in range(len(doc["options"]))}
+    read = answer.lower().translate(str.maketrans("", "", string.punctuation)) in letters
+    return Scored({"exact_match": exact_match(answer, target, ignore_case=True, ignore_punctuation=True)}, read)
+
+
+def question_then(post_prompt: str) -> Callable[[dict], str]:
+    return lambda doc: f"{doc['question']}{post_prompt}"
+
+
+SINGLE_WORD_OR_PHRASE = "\nAnswer the question using a single word or phrase."
+TASKS = {task.name: task for task in [
+    Task("mmstar", "Lin-Chen/MMStar", None, "val", "0.0", ("question", "answer", "category", "l2_category"),
+         mmstar_prompt, mmstar_score, main="average", aggregate=mean_of_l2_categories),
+    Task("chartqa", "lmms-lab-encoder/ChartQA", None, "test", "0.0", ("question", "answer", "type"),
+         question_then("\nAnswer the question with a single word."), chartqa_score, main="relaxed_overall",
+         max_new_tokens=16),
+    Task("docvqa_val", "lmms-lab-encoder/DocVQA", "DocVQA", "validation", "0.0", ("question", "answers"),
+         question_then(SINGLE_WORD_OR_PHRASE), anls_score, main="anls", max_new_tokens=32),
+    Task("infovqa_val", "lmms-lab-encoder/DocVQA", "InfographicVQA", "validation", "0.0", ("question", "answers"),
+         question_then(SINGLE_WORD_OR_PHRASE), anls_score, main="anls", max_new_tokens=32),
+    Task("ai2d", "lmms-lab-encoder/ai2d", None, "test", "0.0", ("question", "options", "answer"), ai2d_prompt,
+         ai2d_score, main="exact_match", max_new_tokens=16),
+]}

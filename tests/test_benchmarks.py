@@ -1,0 +1,152 @@
+"""The built-in benchmarks (mmrecipes.benchmarks) against lmms-eval 0.7.3, and sharded over ranks.
+
+- Parity: on the embedded documents of each task, our prompts, each answer's scores and the task's numbers equal
+  what lmms-eval itself gives for the same answers (tests/fixtures/lmms_eval_parity.json, written by
+  data_prep/lmms_eval_parity.py running lmms-eval end to end: it does not install beside this repository's
+  packages, see that script). Where lmms-eval is importable, its own scorers are compared too.
+- Documents strided over 2 gloo ranks (13 over 2: uneven) give one process's numbers; every rank answers as often.
+- What cannot be scored is counted and named: an image that does not decode, a missing value, an answer the parser
+  cannot read; an unknown task, a missing column or no document stops before the first step.
+"""
+
+import importlib.util
+import json
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import pytest
+
+from gloo import run_on_ranks
+from mmrecipes.benchmarks.arguments import BenchmarkArgs
+from mmrecipes.benchmarks.harness import Benchmark, Benchmarks
+from mmrecipes.benchmarks.scoring import anls, choice_letter, relaxed_correctness
+from mmrecipes.benchmarks.tasks import TASKS
+
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "lmms_eval_parity.json").read_text())
+EMBEDDED = BenchmarkArgs(benchmark_data_dir="embedded:benchmarks")
+
+
+def as_lmms_eval(metrics: dict) -> dict:
+    """Our per-document scores in lmms-eval's sample layout (MMStar's: {"l2_category", "score"})."""
+    return {name: {"l2_category": value[0], "score": value[1]} if isinstance(value, tuple) else value
+            for name, value in metrics.items()}
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURE["tasks"]))
+def test_prompts_scores_and_numbers_equal_lmms_evals(name):
+    expected = FIXTURE["tasks"][name]
+    bench = Benchmark.load(TASKS[name], EMBEDDED, 0, 1)
+    assert len(bench.docs) == len(expected["documents"])
+    scored, read = [], Counter()
+    for document in expected["documents"]:
+        doc, request = bench.request(document["doc_id"])
+        assert request.messages[0]["content"][-1]["text"] == document["prompt"]
+        result = bench.task.score(doc, document["answer"])
+        mine = as_lmms_eval(result.metrics)
+        theirs = {metric: {key: value for key, value in score.items() if key != "question_id"}
+                  if isinstance(score, dict) else score for metric, score in document["scores"].items()}
+        assert mine == theirs, (name, document)  # the same arithmetic: equal to the bit
+        scored.append(result.metrics)
+        read[result.read] += 1
+    assert bench.task.numbers(scored) == pytest.approx(expected["numbers"], rel=1e-12)
+    assert read[True] and (read[False] or name in ("chartqa", "docvqa_val", "infovqa_val")), read  # free-form: read
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lmms_eval") is None, reason="lmms-eval is not installed here (it "
+                    "pins av<16; the fixture holds its results)")
+def test_the_scorers_equal_lmms_evals_own_where_it_is_installed():
+    from lmms_eval.api.metrics import anls as their_anls
+    from lmms_eval.tasks._task_utils.mcq_extract import extract_mcq_answer
+    from lmms_eval.tasks.chartqa.utils import relaxed_correctness as their_relaxed
+
+    answers = ["A", "(b)", "the answer is C", "A and B", "", " D.", "x", "I pick B", "E", "2", "2%", "Blue", " red "]
+    for answer in answers:
+        assert choice_letter(answer) == extract_mcq_answer(answer)
+        assert relaxed_correctness(answer, "2") == their_relaxed(answer, "2")
+        assert anls(["red", "blue"], answer.strip()) == their_anls(["red", "blue"], [answer.strip()])["anls"]
+
+
+def test_parsers_on_the_forms_they_must_read():
+    assert [choice_letter(text, "ABCD") for text in ["B", "(C)", "The answer is D.", "a", "Options A or B: B",
+                                                       "A cat", "no letter"]] == ["B", "C", "D", "", "B", "A", ""]
+    assert relaxed_correctness("10.4", "10") and not relaxed_correctness("10.6", "10")
+    assert relaxed_correctness("5%", "0.05") and relaxed_correctness("Yes", "yes")
+    assert anls(["red"], "red") == 1.0 and anls(["red"], "blue") == 0.0 and anls(["purple"], "purplx") == 1 - 1 / 6
+
+
+def _sharded(rank, world_size, limit):
+    """{task: numbers and counts} of the embedded tasks answered on `world_size` ranks, and how often this rank
+    answered (fillers included)."""
+    args = BenchmarkArgs(benchmarks="mmstar,ai2d,chartqa", benchmark_data_dir="embedded:benchmarks",
+                         benchmark_limit=limit)
+    benchmarks = Benchmarks(args, rank, world_size)
+    calls = []
+
+    def answer(request, max_new_tokens):  # a deterministic answer per document: the same on any rank
+        calls.append(not request.filler)
+        return ["A", "B", "C", "D", "2", "(A)", "x"][request.index % 7]
+
+    return benchmarks.run(answer), calls, benchmarks.card_lines()
+
+
+def test_two_ranks_give_one_process_numbers_over_uneven_documents():
+    one = _sharded(0, 1, 0)
+    ranks = run_on_ranks(_sharded, 2, 0)
+    for scores, calls, _ in ranks:
+        assert scores == one[0]
+    # ai2d's 13 documents: 7 answered on rank 0, 6 and a filler on rank 1; every rank answered as often
+    assert [len(calls) for _, calls, _ in ranks] == [6 + 7 + 6, 6 + 7 + 6]
+    assert [sum(calls) for _, calls, _ in ranks] == [6 + 7 + 6, 6 + 6 + 6]
+    assert one[0]["bench/ai2d/documents"] == 13 and one[0]["bench/mmstar/unread"] == 3  # "2", "x", "2"
+    assert any(line.startswith("- ai2d (lmms-eval 0.7.3's task, version 0.0; ") for line in one[2])
+
+
+def test_what_cannot_be_scored_is_counted_and_named(tmp_path):
+    docs = datasets.load_dataset("parquet", data_files="data/benchmarks/chartqa/*.parquet", split="train")
+    broken = docs.cast_column("image", datasets.Image(decode=False)).to_list()
+    broken[0]["image"] = {"bytes": b"not an image", "path": None}
+    broken[1]["answer"] = None
+    (tmp_path / "chartqa").mkdir()
+    datasets.Dataset.from_list(broken).to_parquet(tmp_path / "chartqa" / "test.parquet")
+    args = BenchmarkArgs(benchmarks="chartqa", benchmark_data_dir=str(tmp_path))
+    scores = Benchmarks(args).run(lambda request, _: "2")
+    assert scores["bench/chartqa/undecodable_image"] == 1 and scores["bench/chartqa/missing_answer"] == 1
+    assert scores["bench/chartqa/documents"] == 10
+    with pytest.raises(ValueError, match="no built-in task nope; the tasks: mmstar, chartqa"):
+        BenchmarkArgs(benchmarks="chartqa,nope").names()
+    datasets.Dataset.from_list([{key: value for key, value in row.items() if key != "type"} for row in broken]
+                               ).to_parquet(tmp_path / "chartqa" / "test.parquet")
+    with pytest.raises(ValueError, match="--benchmarks chartqa: its documents have no type column"):
+        Benchmarks(args)
+    datasets.Dataset.from_list(broken).select([]).to_parquet(tmp_path / "chartqa" / "test.parquet")
+    with pytest.raises(ValueError, match=r"--benchmarks chartqa: no document to score \(.*\): the benchmark"):
+        Benchmarks(args)
+
+
+def test_a_saved_model_scores_by_generate_as_in_the_loop(tmp_path):
+    """`python -m mmrecipes.benchmarks` (generate, a KV cache) and the recipes' answerer (whole-sequence forwards in
+    step, `benchmark_answers`) give the same greedy answers, so the same scores, on the tiny Llava; the JSON holds
+    them."""
+    from types import SimpleNamespace
+
+    from helpers import tiny
+    from mmrecipes.benchmarks.__main__ import main
+    from mmrecipes.vlm.model.evaluation import benchmark_answers
+    from mmrecipes.vlm.model.families import dummy_image_inputs, placeholder_token_ids
+    from mmrecipes.vlm.model.loading import stop_token_ids
+    from mmrecipes.vlm.model.step import VLMForTraining
+
+    model, processor, _ = tiny()
+    model.save_pretrained(tmp_path / "model")
+    processor.save_pretrained(tmp_path / "model")
+    flags = ["--benchmarks", "docvqa_val,ai2d", "--benchmark_data_dir", "embedded:benchmarks", "--benchmark_limit", "4",
+             "--benchmark_max_new_tokens", "6"]
+    saved = main(["--model", str(tmp_path / "model"), "--output", str(tmp_path / "scores.json"), *flags])
+    vlm = SimpleNamespace(processor=processor, dummy_inputs=dummy_image_inputs(model, processor),
+                          stops=stop_token_ids(model, processor), placeholders=placeholder_token_ids(model, processor))
+    args = BenchmarkArgs(benchmarks="docvqa_val,ai2d", benchmark_data_dir="embedded:benchmarks", benchmark_limit=4,
+                         benchmark_max_new_tokens=6)
+    in_the_loop = Benchmarks(args).run(benchmark_answers(VLMForTraining(model), vlm, "cpu"))
+    assert saved == in_the_loop == json.loads((tmp_path / "scores.json").read_text())
+    assert saved["bench/docvqa_val/documents"] == 4 and "bench/ai2d/exact_match" in saved
