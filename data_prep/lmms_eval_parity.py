@@ -13,6 +13,8 @@ decoding here runs av 18) and add 52 packages (a pinned wandb, pre-commit, yt-dl
 """
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import datasets
@@ -24,7 +26,7 @@ from lmms_eval.tasks import TaskManager
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "benchmarks"
 OUTPUT = ROOT / "tests" / "fixtures" / "lmms_eval_parity.json"
-TASKS = ["mmstar", "chartqa", "docvqa_val", "infovqa_val", "ai2d"]
+TASKS = ["mmstar", "chartqa", "docvqa_val", "infovqa_val", "ai2d", "scienceqa_img", "ocrbench"]
 # answers the documents get in turn, from each document's right and a wrong answer: the forms each parser must read,
 # and some it must not
 FORMS = {
@@ -36,6 +38,10 @@ FORMS = {
                    "{right_upper}", "  {right}", "{right_typo}", "{wrong_title}", "x"],
     "ai2d": ["{right}.", "{right_lower}", "{right}) foo", "{right} cat", "{wrong_lower}", "{right}. square",
              " {right}.", "({right})", "{right}", "{right_lower}.", "", "{wrong}", "{wrong_lower}."],
+    "scienceqa_img": ["{right}", "{right_lower}", "{right}. a shape", "({right})", "{wrong}.", " {right} ",
+                      "{wrong_lower}", "{right}) x", "The answer is {right}", "", "{right}.", "{wrong}"],
+    "ocrbench": ["{right}", "it is {right}", "{right_upper}", "{wrong}", "", "{right_prefix}", "{right} shape",
+                 "Ｒ{right}", "{right}\nshape", "x", " {right} ", "{right_title}"],
 }
 FORMS["infovqa_val"] = FORMS["docvqa_val"]
 
@@ -47,6 +53,10 @@ def right_and_wrong(task: str, doc: dict) -> tuple[str, str]:
         return doc["answer"], str(int(doc["answer"]) + 1)
     if task == "ai2d":
         return "ABCD"[int(doc["answer"])], "ABCD"[(int(doc["answer"]) + 1) % 4]
+    if task == "scienceqa_img":
+        return "ABCD"[doc["answer"]], "ABCD"[(doc["answer"] + 1) % len(doc["choices"])]
+    if task == "ocrbench":
+        return doc["answer"][0], "purple"
     return doc["answers"][0], "purple"
 
 
@@ -86,8 +96,11 @@ def main():
     ConfigurableTask.download = local_download
     # its reentrant-lock patch reads filelock 3's private module; filelock 4 here has none, and one process needs none
     evaluator._enable_reentrant_filelocks = lambda: None
-    results = evaluator.simple_evaluate(model=FixedAnswers(), tasks=TASKS, task_manager=TaskManager(),
-                                        log_samples=True, bootstrap_iters=0)
+    with tempfile.TemporaryDirectory() as scratch:  # its aggregations write files (OCRBench's) where they run
+        os.chdir(scratch)
+        results = evaluator.simple_evaluate(model=FixedAnswers(), tasks=TASKS, task_manager=TaskManager(),
+                                            log_samples=True, bootstrap_iters=0)
+        os.chdir(ROOT)
     fixture = {"lmms_eval": "0.7.3", "tasks": {}}
     for task in TASKS:
         samples = sorted(results["samples"][task], key=lambda sample: int(sample["doc_id"]))

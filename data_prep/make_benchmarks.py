@@ -73,7 +73,30 @@ def ai2d(rng, index):
             "answer": str(options.index(objects[0][2])), "image": image_feature(image)}
 
 
-MAKERS = {"mmstar": mmstar, "chartqa": chartqa, "docvqa_val": docvqa, "infovqa_val": infovqa, "ai2d": ai2d}
+def scienceqa(rng, index):
+    image, objects, _ = make_scene(rng)
+    choices = list(SHAPES)[:2 + index % 3]  # 2 to 4 choices
+    if objects[0][2] not in choices:
+        choices[-1] = objects[0][2]
+    rng.shuffle(choices)
+    return {"image": image_feature(image), "question": "Which shape is shown first?", "choices": choices,
+            "answer": choices.index(objects[0][2]), "hint": "Shapes are drawn on a dark canvas." if index % 2 else "",
+            "task": "closed choice", "grade": "grade2", "subject": "natural science", "topic": "shapes",
+            "category": "Shapes", "skill": "Identify shapes", "lecture": "", "solution": ""}
+
+
+def ocrbench(rng, index):
+    image, objects, _ = make_scene(rng)
+    kinds = [("Regular Text Recognition", "IIIT5K"), ("Scene Text-centric VQA", "textVQA"),
+             ("Handwritten Mathematical Expression Recognition", "HME100k")]
+    question_type, dataset = kinds[index % 3]
+    return {"dataset": dataset, "question": "What colour is the first shape?", "question_type": question_type,
+            "answer": [objects[0][1], objects[0][1].upper()] if index % 2 else [f"{objects[0][1]} shape"],
+            "image": image_feature(image)}
+
+
+MAKERS = {"mmstar": mmstar, "chartqa": chartqa, "docvqa_val": docvqa, "infovqa_val": infovqa, "ai2d": ai2d,
+          "scienceqa_img": scienceqa, "ocrbench": ocrbench}
 
 
 def main():

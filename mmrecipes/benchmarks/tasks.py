@@ -98,6 +98,48 @@ def ai2d_score(doc, prediction: str) -> Scored:
     return Scored({"exact_match": exact_match(answer, target, ignore_case=True, ignore_punctuation=True)}, read)
 
 
+def scienceqa_prompt(doc) -> str:
+    context = f"Context: {doc['hint']}\n" if doc.get("hint") else ""
+    options = "\n".join(f"{chr(ord('A') + index)}. {choice}" for index, choice in enumerate(doc["choices"]))
+    return f"{context}{doc['question']}\n{options}\nAnswer with the option's letter from the given choices directly."
+
+
+def scienceqa_score(doc, prediction: str) -> Scored:
+    """LLaVA's parse: the letter itself (any case), or a capital letter and a period at the start."""
+    target, answer = chr(ord("a") + doc["answer"]), prediction.strip()
+    letters = {chr(ord("a") + index) for index in range(len(doc["choices"]))}
+    if answer.lower() == target:
+        return Scored({"exact_match": 1.0})
+    if len(answer) >= 2 and answer[0].isupper() and answer[1] == ".":
+        return Scored({"exact_match": float(answer[0].lower() == target)}, answer[0].lower() in letters)
+    return Scored({"exact_match": 0.0}, answer.lower() in letters)
+
+
+def fold_fullwidth(text: str) -> str:
+    """Fullwidth ASCII (and the ideographic space) as ASCII, nothing else normalised (OCRBench's)."""
+    return "".join(chr(ord(c) - 0xFEE0) if 0xFF01 <= ord(c) <= 0xFF5E else " " if c == "\u3000" else c for c in text)
+
+
+def ocrbench_score(doc, prediction: str) -> Scored:
+    """1 where an answer is inside the prediction: spaces and line breaks dropped for handwritten formulas
+    (HME100k), else case and fullwidth characters folded."""
+    answers = doc["answer"] if isinstance(doc["answer"], list) else [doc["answer"]]
+    if doc["dataset"] == "HME100k":
+        def normal(text):
+            return text.strip().replace("\n", " ").replace(" ", "")
+    else:
+        def normal(text):
+            return fold_fullwidth(text).lower().strip().replace("\n", " ")
+    predicted = normal(prediction.strip())
+    return Scored({"ocrbench_accuracy": (doc["question_type"], int(any(normal(a) in predicted for a in answers)))})
+
+
+def per_thousand(scored: list[dict]) -> dict:
+    """OCRBench's aggregation: the documents answered right over 1000, the size of the whole benchmark (with a
+    --benchmark_limit too, as lmms-eval divides)."""
+    return {"ocrbench_accuracy": sum(metrics["ocrbench_accuracy"][1] for metrics in scored) / 1000}
+
+
 def question_then(post_prompt: str) -> Callable[[dict], str]:
     return lambda doc: f"{doc['question']}{post_prompt}"
 
@@ -115,4 +157,10 @@ TASKS = {task.name: task for task in [
          question_then(SINGLE_WORD_OR_PHRASE), anls_score, main="anls", max_new_tokens=32),
     Task("ai2d", "lmms-lab-encoder/ai2d", None, "test", "0.0", ("question", "options", "answer"), ai2d_prompt,
          ai2d_score, main="exact_match", max_new_tokens=16),
+    Task("scienceqa_img", "lmms-lab-encoder/ScienceQA", "ScienceQA-IMG", "test", "0.0",
+         ("question", "choices", "answer"), scienceqa_prompt, scienceqa_score, main="exact_match",
+         max_new_tokens=16),
+    Task("ocrbench", "echo840/OCRBench", None, "test", "0.0", ("question", "answer", "dataset", "question_type"),
+         lambda doc: doc["question"].strip(), ocrbench_score, main="ocrbench_accuracy", max_new_tokens=128,
+         aggregate=per_thousand),
 ]}
