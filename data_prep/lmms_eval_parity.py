@@ -26,7 +26,7 @@ from lmms_eval.tasks import TaskManager
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "benchmarks"
 OUTPUT = ROOT / "tests" / "fixtures" / "lmms_eval_parity.json"
-TASKS = ["mmstar", "chartqa", "docvqa_val", "infovqa_val", "ai2d", "scienceqa_img", "ocrbench"]
+TASKS = ["mmstar", "chartqa", "docvqa_val", "infovqa_val", "ai2d", "scienceqa_img", "ocrbench", "textvqa_val"]
 # answers the documents get in turn, from each document's right and a wrong answer: the forms each parser must read,
 # and some it must not
 FORMS = {
@@ -42,6 +42,8 @@ FORMS = {
                       "{wrong_lower}", "{right}) x", "The answer is {right}", "", "{right}.", "{wrong}"],
     "ocrbench": ["{right}", "it is {right}", "{right_upper}", "{wrong}", "", "{right_prefix}", "{right} shape",
                  "Ｒ{right}", "{right}\nshape", "x", " {right} ", "{right_title}"],
+    "textvqa_val": ["{right}", "a {right}", "The {right}.", "{right_upper}!", "", "{wrong}", "{right} one",
+                    "({right})", "{right}-ish", "two", "{right}\n", "an {right}"],
 }
 FORMS["infovqa_val"] = FORMS["docvqa_val"]
 
@@ -57,6 +59,8 @@ def right_and_wrong(task: str, doc: dict) -> tuple[str, str]:
         return "ABCD"[doc["answer"]], "ABCD"[(doc["answer"] + 1) % len(doc["choices"])]
     if task == "ocrbench":
         return doc["answer"][0], "purple"
+    if task == "textvqa_val":
+        return doc["answers"][0], doc["answers"][-1]
     return doc["answers"][0], "purple"
 
 

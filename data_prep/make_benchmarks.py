@@ -95,8 +95,18 @@ def ocrbench(rng, index):
             "image": image_feature(image)}
 
 
+def textvqa(rng, index):
+    image, objects, _ = make_scene(rng)
+    colour = objects[0][1]
+    answers = [colour] * (4 + index % 5) + ["a " + colour] * 2 + [rng.choice(list(COLORS))] * (4 - index % 5 % 4)
+    return {"image_id": f"shapes{index}", "question_id": 3000 + index, "question": "what colour is the first shape?",
+            "answers": answers[:10], "image": image_feature(image), "image_classes": ["shape"],
+            "flickr_original_url": "", "flickr_300k_url": "", "image_width": 64, "image_height": 64,
+            "set_name": "val", "ocr_tokens": []}
+
+
 MAKERS = {"mmstar": mmstar, "chartqa": chartqa, "docvqa_val": docvqa, "infovqa_val": infovqa, "ai2d": ai2d,
-          "scienceqa_img": scienceqa, "ocrbench": ocrbench}
+          "scienceqa_img": scienceqa, "ocrbench": ocrbench, "textvqa_val": textvqa}
 
 
 def main():

@@ -47,7 +47,8 @@ def test_prompts_scores_and_numbers_equal_lmms_evals(name):
         scored.append(result.metrics)
         read[result.read] += 1
     assert bench.task.numbers(scored) == pytest.approx(expected["numbers"], rel=1e-12)
-    assert read[True] and (read[False] or name in ("chartqa", "docvqa_val", "infovqa_val", "ocrbench")), read
+    free_form = ("chartqa", "docvqa_val", "infovqa_val", "ocrbench", "textvqa_val")  # every answer is read
+    assert read[True] and (read[False] or name in free_form), read
 
 
 @pytest.mark.skipif(importlib.util.find_spec("lmms_eval") is None, reason="lmms-eval is not installed here (it "
@@ -55,13 +56,19 @@ def test_prompts_scores_and_numbers_equal_lmms_evals(name):
 def test_the_scorers_equal_lmms_evals_own_where_it_is_installed():
     from lmms_eval.api.metrics import anls as their_anls
     from lmms_eval.tasks._task_utils.mcq_extract import extract_mcq_answer
+    from lmms_eval.tasks._task_utils.vqa_eval_metric import EvalAIAnswerProcessor
     from lmms_eval.tasks.chartqa.utils import relaxed_correctness as their_relaxed
+
+    from mmrecipes.benchmarks.vqa_answers import normalise_answer
 
     answers = ["A", "(b)", "the answer is C", "A and B", "", " D.", "x", "I pick B", "E", "2", "2%", "Blue", " red "]
     for answer in answers:
         assert choice_letter(answer) == extract_mcq_answer(answer)
         assert relaxed_correctness(answer, "2") == their_relaxed(answer, "2")
         assert anls(["red", "blue"], answer.strip()) == their_anls(["red", "blue"], [answer.strip()])["anls"]
+        assert normalise_answer(answer) == EvalAIAnswerProcessor()(answer)
+    for answer in ["Two dogs", "dont know", "1,000 people", "e.g. x. y.", "Red-blue", "it's john's", "end." * 40]:
+        assert normalise_answer(answer) == EvalAIAnswerProcessor()(answer)
 
 
 def test_parsers_on_the_forms_they_must_read():

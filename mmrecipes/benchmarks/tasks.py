@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .scoring import anls, choice_letter, exact_match, leading_letter, relaxed_correctness
+from .vqa_answers import vqa_accuracy
 
 DEFAULT_MAX_NEW_TOKENS = 1024  # lmms-eval's Hugging Face models, where a task sets none
 LMMS_EVAL = "0.7.3"  # the version whose tasks these reproduce
@@ -140,6 +141,10 @@ def per_thousand(scored: list[dict]) -> dict:
     return {"ocrbench_accuracy": sum(metrics["ocrbench_accuracy"][1] for metrics in scored) / 1000}
 
 
+def textvqa_score(doc, prediction: str) -> Scored:
+    return Scored({"exact_match": vqa_accuracy(list(doc["answers"]), prediction) if doc["answers"] else 0.0})
+
+
 def question_then(post_prompt: str) -> Callable[[dict], str]:
     return lambda doc: f"{doc['question']}{post_prompt}"
 
@@ -160,6 +165,8 @@ TASKS = {task.name: task for task in [
     Task("scienceqa_img", "lmms-lab-encoder/ScienceQA", "ScienceQA-IMG", "test", "0.0",
          ("question", "choices", "answer"), scienceqa_prompt, scienceqa_score, main="exact_match",
          max_new_tokens=16),
+    Task("textvqa_val", "lmms-lab-encoder/textvqa", None, "validation", "0.0", ("question", "answers"),
+         lambda doc: doc["question"].capitalize() + SINGLE_WORD_OR_PHRASE, textvqa_score, main="exact_match"),
     Task("ocrbench", "echo840/OCRBench", None, "test", "0.0", ("question", "answer", "dataset", "question_type"),
          lambda doc: doc["question"].strip(), ocrbench_score, main="ocrbench_accuracy", max_new_tokens=128,
          aggregate=per_thousand),
