@@ -13,6 +13,7 @@ import importlib.util
 import json
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import pytest
@@ -132,8 +133,6 @@ def test_a_saved_model_scores_by_generate_as_in_the_loop(tmp_path):
     """`python -m mmrecipes.benchmarks` (generate, a KV cache) and the recipes' answerer (whole-sequence forwards in
     step, `benchmark_answers`) give the same greedy answers, so the same scores, on the tiny Llava; the JSON holds
     them."""
-    from types import SimpleNamespace
-
     from helpers import tiny
     from mmrecipes.benchmarks.__main__ import main
     from mmrecipes.vlm.model.evaluation import benchmark_answers
@@ -154,3 +153,63 @@ def test_a_saved_model_scores_by_generate_as_in_the_loop(tmp_path):
     in_the_loop = Benchmarks(args).run(benchmark_answers(VLMForTraining(model), vlm, "cpu"))
     assert saved == in_the_loop == json.loads((tmp_path / "scores.json").read_text())
     assert saved["bench/docvqa_val/documents"] == 4 and "bench/ai2d/exact_match" in saved
+
+
+def _lmms_eval_on_ranks(rank, world_size, data, saved=None):
+    """lmms-eval's own `simple_evaluate` over the tiny Llava in memory (`LiveModel` around the recipes' answerer; or,
+    given `saved`, the model saved there, as lmms-eval's command line builds it: `--model mmrecipes --model_args
+    pretrained=...`) on the embedded ChartQA and AI2D documents (read locally instead of from the hub): {task: its
+    numbers}."""
+    import datasets as hf_datasets
+    from lmms_eval import evaluator
+    from lmms_eval.api.task import ConfigurableTask
+    from lmms_eval.tasks import TaskManager
+
+    from helpers import tiny
+    from mmrecipes.benchmarks.lmms_eval_model import LiveModel
+    from mmrecipes.vlm.model.evaluation import benchmark_answers
+    from mmrecipes.vlm.model.families import dummy_image_inputs, placeholder_token_ids
+    from mmrecipes.vlm.model.loading import stop_token_ids
+    from mmrecipes.vlm.model.step import VLMForTraining
+
+    def local(self, dataset_kwargs=None):
+        docs = hf_datasets.load_dataset("parquet", data_files=f"{data}/{self.config.task}/*.parquet", split="train")
+        self.dataset = self.dataset_no_image = hf_datasets.DatasetDict({self.config.test_split: docs})
+
+    ConfigurableTask.download = local
+    evaluator._enable_reentrant_filelocks = lambda: None  # reads filelock 3's private module (filelock 4 here)
+    model, processor, _ = tiny()
+    vlm = SimpleNamespace(processor=processor, dummy_inputs=dummy_image_inputs(model, processor),
+                          stops=stop_token_ids(model, processor), placeholders=placeholder_token_ids(model, processor))
+    live = LiveModel(benchmark_answers(VLMForTraining(model), vlm, "cpu"))
+    if saved is not None:
+        from lmms_eval.models import MODEL_REGISTRY_V2
+
+        path = MODEL_REGISTRY_V2.get_manifest("mmrecipes").simple_class_path  # the entry point (pyproject.toml)
+        assert path == "mmrecipes.benchmarks.lmms_eval_model.LiveModel", path
+        live = LiveModel.create_from_arg_string(f"pretrained={saved}")
+    results = evaluator.simple_evaluate(model=live, tasks=["chartqa", "ai2d"], limit=5, task_manager=TaskManager(),
+                                        distributed_executor_backend="torchrun", bootstrap_iters=0,
+                                        log_samples=False)
+    return results and {task: {name: float(value) for name, value in numbers.items()  # rank 0's, as plain floats
+                               if "stderr" not in name and isinstance(value, (int, float))}
+                        for task, numbers in results["results"].items()}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lmms_eval") is None, reason="lmms-eval is not installed here (the "
+                    "[benchmarks] extra: it pins av<16)")
+def test_lmms_evals_simple_evaluate_runs_the_live_model_on_two_ranks_as_on_one(tmp_path, monkeypatch):
+    """The [benchmarks] extra: lmms-eval's harness on the model in memory, 5 documents of two tasks over 2 gloo ranks
+    as in one process; its command line's model (the entry point, a saved model by generate) scores the same."""
+    monkeypatch.chdir(tmp_path)  # its aggregations may write files where they run
+    data = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
+    one = _lmms_eval_on_ranks(0, 1, data)
+    two = run_on_ranks(_lmms_eval_on_ranks, 2, data)
+    assert set(one) == {"chartqa", "ai2d"} and "relaxed_overall,none" in one["chartqa"] and two[0] == one, (one, two)
+    assert "exact_match,flexible-extract" in one["ai2d"]
+    from helpers import tiny
+
+    model, processor, _ = tiny()
+    model.save_pretrained(tmp_path / "saved")
+    processor.save_pretrained(tmp_path / "saved")
+    assert _lmms_eval_on_ranks(0, 1, data, tmp_path / "saved") == one  # by generate: the same greedy answers

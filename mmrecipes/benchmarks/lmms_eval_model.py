@@ -1,0 +1,87 @@
+"""lmms-eval's model interface around a live model, for its whole task suite (`pip install "mmrecipes[benchmarks]"`).
+
+    from lmms_eval.evaluator import simple_evaluate
+    from mmrecipes.benchmarks.lmms_eval_model import LiveModel
+    from mmrecipes.vlm.model.evaluation import benchmark_answers
+
+    # in a recipe, on every rank: the prepared model answers in step over the ranks
+    simple_evaluate(model=LiveModel(benchmark_answers(model, vlm, accelerator.device), accelerator=accelerator),
+                    tasks=["mmstar"], limit=100, distributed_executor_backend="torchrun")
+    # a saved model from lmms-eval's command line (registered by the entry point group lmms_eval.models)
+    lmms-eval --model mmrecipes --model_args pretrained=outputs/vlm_finetune --tasks mmstar
+
+lmms-eval strides each task's documents over the ranks and pads every rank's requests to the most any rank has, so
+each rank calls the answerer equally often, as `Benchmarks` does. Each request becomes one user turn of its images,
+then its text (the model's own chat template renders it); the answer is cut at the first of the request's `until`
+strings. Only `generate_until` tasks: log-likelihood and multi-round requests are refused with the reason.
+"""
+
+import torch.distributed as dist
+from lmms_eval.api.model import lmms
+from lmms_eval.models.registry_v2 import ModelManifest
+from PIL import Image
+
+from .harness import Request
+
+
+def manifest() -> ModelManifest:
+    """The entry point lmms-eval reads (pyproject.toml: `lmms_eval.models`): `--model mmrecipes`."""
+    return ModelManifest(model_id="mmrecipes", simple_class_path=f"{__name__}.LiveModel")
+
+
+def images_of(visuals) -> list:
+    """The PIL images of a `doc_to_visual` result (nested lists flattened), as RGB."""
+    if isinstance(visuals, Image.Image):
+        return [visuals.convert("RGB")]
+    if isinstance(visuals, (list, tuple)):
+        return [image for visual in visuals for image in images_of(visual)]
+    return []
+
+
+class LiveModel(lmms):
+    """lmms-eval's requests answered by `answer(request, max_new_tokens)` (`mmrecipes.benchmarks.harness.Request`):
+    the recipes' `benchmark_answers` on the prepared model, or, from lmms-eval's command line, `generate` on the
+    saved model `pretrained`."""
+
+    def __init__(self, answer=None, pretrained: str = "", device: str = "", accelerator=None, **unused):
+        super().__init__()
+        self.device = device or (accelerator.device if accelerator is not None else "cpu")  # its collectives' tensors
+        if answer is None:
+            from transformers import AutoModelForImageTextToText, AutoProcessor
+
+            from .__main__ import generate_answer
+
+            device = self.device
+            model = AutoModelForImageTextToText.from_pretrained(pretrained).to(device).eval()
+            answer = generate_answer(model, AutoProcessor.from_pretrained(pretrained), device)
+        self.answer, self.accelerator = answer, accelerator  # lmms-eval waits on its accelerator between requests
+        if dist.is_initialized():
+            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+
+    @property
+    def rank(self):
+        return self._rank
+
+    @property
+    def world_size(self):
+        return self._world_size
+
+    def generate_until(self, requests) -> list[str]:
+        answers = []
+        for instance in requests:
+            context, settings, doc_to_visual, doc_id, task, split = instance.args
+            images = images_of(doc_to_visual(self.task_dict[task][split][doc_id]))
+            content = [{"type": "image"}] * len(images) + [{"type": "text", "text": context}]
+            request = Request(int(doc_id), [{"role": "user", "content": content}], images)
+            text = self.answer(request, int(settings.get("max_new_tokens", 1024)))
+            until = settings.get("until") or []
+            for stop in [until] if isinstance(until, str) else until:
+                text = text.split(stop)[0]
+            answers.append(text)
+        return answers
+
+    def loglikelihood(self, requests):
+        raise NotImplementedError("mmrecipes answers generate_until tasks only: this task scores log-likelihoods")
+
+    def generate_until_multi_round(self, requests):
+        raise NotImplementedError("mmrecipes answers generate_until tasks only: this task is multi-round")
