@@ -38,43 +38,60 @@ LENGTHS = [3, 7, 1, 5, 4, 6]  # two groups of three completions, of different le
 MAX_LENGTH = 8
 
 
-def reference_loss(logps, old, ref, advantages, loss_type, beta, epsilon_low, epsilon_high, corrected):
+def reference_loss(logps, old, ref, advantages, loss_type, beta, epsilon_low, epsilon_high, corrected,
+                   level="token"):
     """The papers' objectives, negated, one completion and token at a time: GRPO (DeepSeekMath, eq. 3: each
     completion's token mean, averaged over completions), DAPO (eq. 8: the token sum over all tokens; TRL's bnpo is
-    the same over the whole step), Dr. GRPO (the token sum over completions x the maximum length); the KL (k3)
-    weighted by the ratio where `corrected` (TRL 1.16's use_bias_correction_kl)."""
+    the same over the whole step), Dr. GRPO (the token sum over completions x the maximum length), LUSPO (each
+    completion's token sum, averaged), CISPO (MiniMax-M1, eq. 4: the log-probability weighted by the ratio clipped
+    above at epsilon_high, over all tokens), SAPO (a sigmoid gate 4/tau sigmoid(tau (r - 1)), tau 1 where the
+    advantage is positive, else 1.05, normalised as GRPO); GSPO's ratio (`level` sequence: exp of a completion's mean
+    log-ratio); the KL (k3) weighted by the ratio where `corrected` (TRL 1.16's use_bias_correction_kl)."""
     per_completion, tokens = [], 0
     for i, length in enumerate(LENGTHS):
+        sequence_ratio = math.exp(sum(logps[i][t] - old[i][t] for t in range(length)) / length)
         terms = []
         for t in range(length):
-            ratio = math.exp(logps[i][t] - old[i][t])
-            clipped = min(max(ratio, 1 - epsilon_low), 1 + epsilon_high)
-            term = -min(ratio * advantages[i], clipped * advantages[i])
+            ratio = sequence_ratio if level == "sequence" else math.exp(logps[i][t] - old[i][t])
+            if loss_type == "cispo":
+                term = -min(ratio, epsilon_high) * advantages[i] * logps[i][t]
+            elif loss_type == "sapo":
+                tau = 1.0 if advantages[i] > 0 else 1.05
+                term = -4 / tau / (1 + math.exp(-tau * (ratio - 1))) * advantages[i]
+            else:
+                clipped = min(max(ratio, 1 - epsilon_low), 1 + epsilon_high)
+                term = -min(ratio * advantages[i], clipped * advantages[i])
             kl = (math.exp(ref[i][t] - logps[i][t]) - (ref[i][t] - logps[i][t]) - 1) * (ratio if corrected else 1)
             terms.append(term + beta * kl)
         per_completion.append(terms)
         tokens += length
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return sum(sum(terms) / len(terms) for terms in per_completion) / len(LENGTHS)
+    if loss_type == "luspo":
+        return sum(map(sum, per_completion)) / len(LENGTHS)
     if loss_type == "dr_grpo":
         return sum(map(sum, per_completion)) / (len(LENGTHS) * MAX_LENGTH)
-    return sum(map(sum, per_completion)) / tokens  # dapo, bnpo
+    return sum(map(sum, per_completion)) / tokens  # dapo, bnpo, cispo
 
 
 @pytest.mark.parametrize("beta, corrected", [(0.0, True), (0.04, True), (0.04, False)])
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_each_loss_type_equals_the_papers_formula_whatever_the_micro_batches(loss_type, beta, corrected):
-    generator = torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("loss_type, level", [("grpo", "token"), ("bnpo", "token"), ("dr_grpo", "token"),
+                                              ("dapo", "token"), ("cispo", "token"), ("sapo", "token"),
+                                              ("luspo", "sequence"), ("grpo", "sequence")])
+def test_each_loss_type_equals_the_papers_formula_whatever_the_micro_batches(loss_type, level, beta, corrected):
+    generator = torch.Generator().manual_seed(2 if level == "sequence" else 0)  # ratios clipped on both sides
     width = max(LENGTHS)
     mask = torch.tensor([[t < length for t in range(width)] for length in LENGTHS])
     logps = -torch.rand(len(LENGTHS), width, generator=generator, dtype=torch.float64) * 3
-    old = logps + torch.randn(logps.shape, generator=generator, dtype=torch.float64) * 0.5  # num_iterations 2
+    spread = 1.0 if level == "sequence" else 0.5  # a completion's mean log-ratio varies less than a token's
+    old = logps + torch.randn(logps.shape, generator=generator, dtype=torch.float64) * spread  # num_iterations 2
     ref = logps + torch.randn(logps.shape, generator=generator, dtype=torch.float64) * 0.3
     advantages = torch.tensor([1.2, -0.4, -0.8, 0.9, 0.1, -1.0], dtype=torch.float64)
-    args = GRPOArgs(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, max_completion_length=MAX_LENGTH,
-                    use_bias_correction_kl=corrected)
+    epsilon_high = 1.3 if loss_type == "cispo" else 0.28  # CISPO clips the ratio itself: some lie above 1.3
+    args = GRPOArgs(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=epsilon_high,
+                    max_completion_length=MAX_LENGTH, use_bias_correction_kl=corrected, importance_sampling_level=level)
     expected = reference_loss(logps.tolist(), old.tolist(), ref.tolist(), advantages.tolist(), loss_type, beta,
-                              0.2, 0.28, corrected)
+                              0.2, epsilon_high, corrected, level)
     normaliser = LossNormaliser(args)
     for split in ([6], [2, 4], [1, 1, 1, 3]):  # micro-batches (or ranks) of the step: one normaliser N for all
         parts = list(zip(*(tensor.split(split) for tensor in (logps, old, ref, advantages, mask))))
@@ -85,7 +102,10 @@ def test_each_loss_type_equals_the_papers_formula_whatever_the_micro_batches(los
             loss += float((terms["loss"] * normaliser.weights(part_mask, torch.float64)).sum()) / total
         assert loss == pytest.approx(expected, rel=1e-12)
     terms = token_losses(logps, old, ref, advantages, mask, args)
-    assert terms["low"].any() and terms["high"].any()  # the clipping is active on both sides
+    if loss_type == "cispo":
+        assert terms["high"].any() and not terms["low"].any()  # CISPO's clip: above only
+    elif loss_type != "sapo":  # SAPO gates instead of clipping
+        assert terms["low"].any() and terms["high"].any()  # the clipping is active on both sides
     if loss_type in ("bnpo", "dapo"):  # TRL's bnpo, a token mean per micro-batch (or rank), averaged: not the step's
         means = [float(token_losses(*(t[:2] for t in (logps, old, ref, advantages)), mask[:2], args)["loss"].sum()
                        / mask[:2].sum()),
@@ -355,12 +375,15 @@ def test_every_family_samples_alike_by_generate_and_by_the_synced_loop(tiny_vlms
                          [processor.tokenizer.convert_tokens_to_ids(processor.image_token)])
 
 
-@pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("dapo", 0.04), ("dr_grpo", 0.0), ("bnpo", 0.04)])
-def test_one_micro_batch_equals_trl_grpo_trainer(loss_type, beta, tmp_path):
+@pytest.mark.parametrize("loss_type, beta, level", [("grpo", 0.0, "token"), ("dapo", 0.04, "token"),
+                                                    ("dr_grpo", 0.0, "token"), ("bnpo", 0.04, "token"),
+                                                    ("cispo", 0.04, "token"), ("sapo", 0.0, "token"),
+                                                    ("luspo", 0.0, "sequence"), ("grpo", 0.04, "sequence")])
+def test_one_micro_batch_equals_trl_grpo_trainer(loss_type, beta, level, tmp_path):
     """TRL 1.16's `GRPOTrainer._compute_loss` on the same model, image prompt, fixed completions of different lengths,
     advantages, old log-probabilities (clipping active) and reference log-probabilities gives our loss, at a
-    sampling temperature of 0.7 (both score the tempered distribution). One micro-batch on one process, where TRL's
-    per-micro-batch normalisations are the step's."""
+    sampling temperature of 0.7 (both score the tempered distribution), for every loss type and GSPO's sequence-level
+    ratio. One micro-batch on one process, where TRL's per-micro-batch normalisations are the step's."""
     import trl  # a dev dependency: imported here, its import costs seconds
     from accelerate.state import AcceleratorState
 
@@ -375,8 +398,9 @@ def test_one_micro_batch_equals_trl_grpo_trainer(loss_type, beta, tmp_path):
     old = -torch.rand(4, width, generator=generator) * 4
     ref = -torch.rand(4, width, generator=generator) * 4
     advantages = torch.tensor([1.1, -0.3, -0.9, 0.2])
-    args = GRPOArgs(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, temperature=0.7,
-                    max_completion_length=width, num_generations=4)
+    epsilon_high = 1.3 if loss_type == "cispo" else 0.28  # CISPO clips the ratio itself
+    args = GRPOArgs(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=epsilon_high, temperature=0.7,
+                    max_completion_length=width, num_generations=4, importance_sampling_level=level)
 
     # Ours: the recipe's rows and per-token log-probabilities, the old and reference ones put at the same positions
     batch = ChatCollator(tokenizer.pad_token_id, dummy_image_inputs(model, processor))(
@@ -393,11 +417,12 @@ def test_one_micro_batch_equals_trl_grpo_trainer(loss_type, beta, tmp_path):
         terms = token_losses(logps, placed[0], placed[1], advantages, mask, args)
         normaliser = LossNormaliser(args)
         ours = float((terms["loss"] * normaliser.weights(mask)).sum() / normaliser.count([mask]))
-    assert terms["region"].any()  # the clip is active
+    assert terms["region"].any() or loss_type == "sapo"  # the clip is active (SAPO gates, it does not clip)
 
     config = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], num_generations=4,
                             per_device_train_batch_size=4, loss_type=loss_type, beta=beta, epsilon=0.2,
-                            epsilon_high=0.28, temperature=0.7, max_completion_length=width)
+                            epsilon_high=epsilon_high, temperature=0.7, max_completion_length=width,
+                            importance_sampling_level=level)
     trainer = trl.GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
                               args=config, processing_class=processor,
                               train_dataset=datasets.Dataset.from_list([{"prompt": messages, "images": [red]}]))

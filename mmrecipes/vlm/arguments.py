@@ -299,7 +299,8 @@ class DPOArgs(CheckedArgs):
                           *[f"deprecated: {line}" for line in self.deprecations]])
 
 
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # TRL 1.16's names for the losses this recipe computes
+# TRL 1.16's names for the losses this recipe computes
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 SCALE_REWARDS = ("group", "batch", "none")
 
 
@@ -335,9 +336,16 @@ class GRPOArgs(SamplingArgs):
     """TRL 1.16's GRPOConfig names; defaults TRL's unless said."""
 
     num_generations: int = checked(8, "count")  # completions per prompt, one group
-    # grpo: each completion's token mean, averaged; dr_grpo: token sum / (completions x max_completion_length);
-    # dapo and bnpo: token sum / tokens. Each over the optimizer step on every rank (TRL's bnpo: per rank).
+    # The clipped surrogate normalised as: grpo, each completion's token mean, averaged; dr_grpo, token sum /
+    # (completions x max_completion_length); dapo and bnpo, token sum / tokens; luspo, each completion's token sum,
+    # averaged. cispo: the log-probability weighted by the ratio clipped above at epsilon_high (no gradient through
+    # it), sapo: a sigmoid gate of the ratio instead of the clip (sapo_temperature_pos/neg), normalised as dapo and
+    # grpo. Each over the optimizer step on every rank (TRL's bnpo: per rank).
     loss_type: str = checked("dapo", choices=GRPO_LOSS_TYPES)
+    # token: a ratio per token; sequence: one per completion, its tokens' mean log-ratio (GSPO)
+    importance_sampling_level: str = checked("token", choices=("token", "sequence"))
+    sapo_temperature_pos: float = checked(1.0, "positive")  # SAPO's gate where the advantage is positive
+    sapo_temperature_neg: float = checked(1.05, "positive")  # and where it is not
     beta: float = checked(0.0, "non_negative")  # weight of the KL to the reference (k3 estimator)
     use_bias_correction_kl: bool = True  # the KL weighted by the importance ratio, as TRL 1.16 does by default
     epsilon: float = checked(0.2, "positive")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]

@@ -134,21 +134,37 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str) -> tupl
 
 
 def token_losses(logps, old_logps, ref_logps, advantages, mask, args: GRPOArgs) -> dict:
-    """Per-token terms of the clipped surrogate (PPO's, with DAPO's asymmetric clip): `loss` = -min(r A, clip(r, 1 -
-    epsilon, 1 + epsilon_high) A) + beta KL, r = exp(logp - old logp), KL the k3 estimator exp(ref - logp) - (ref -
-    logp) - 1, times r with --use_bias_correction_kl (TRL 1.16's default: the KL of the sampling policy's tokens);
-    and the clip flags TRL logs. Every tensor `[rows, tokens]`, zero where `mask` is False."""
-    ratio = torch.exp(logps - old_logps)
+    """Per-token terms of the policy loss, TRL 1.16's `_compute_loss`: r = exp(logp - old logp) per token, or per
+    completion, its tokens' mean log-ratio (--importance_sampling_level sequence: GSPO); the clipped surrogate
+    -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) (PPO's, with DAPO's asymmetric clip), CISPO's -sg(min(r,
+    epsilon_high)) A logp, or SAPO's -sigmoid(tau (r - 1)) 4 / tau A; plus beta KL, the k3 estimator exp(ref - logp) -
+    (ref - logp) - 1, times r with --use_bias_correction_kl (TRL 1.16's default: the KL of the sampling policy's
+    tokens); and the clip flags TRL logs (CISPO's clip counts as high). Every tensor `[rows, tokens]`, zero where
+    `mask` is False."""
+    log_ratio = logps - old_logps
+    if args.importance_sampling_level == "sequence":
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(log_ratio)  # [rows, tokens], or [rows, 1]
     advantages = advantages[:, None]
-    clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)
-    loss = -torch.min(ratio * advantages, clipped * advantages)
+    no_flags = torch.zeros_like(mask)
+    if args.loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=args.epsilon_high).detach() * advantages * logps
+        low, high = no_flags, (ratio > args.epsilon_high) & (advantages > 0) & mask
+    elif args.loss_type == "sapo":
+        temperature = torch.where(advantages > 0, advantages.new_tensor(args.sapo_temperature_pos),
+                                  advantages.new_tensor(args.sapo_temperature_neg))
+        loss = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages
+        low = high = no_flags
+    else:
+        clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)
+        loss = -torch.min(ratio * advantages, clipped * advantages)
+        low = (ratio < 1 - args.epsilon) & (advantages < 0) & mask
+        high = (ratio > 1 + args.epsilon_high) & (advantages > 0) & mask
     terms = {}
     if args.beta:
         delta = ref_logps - logps
         terms["kl"] = (torch.exp(delta) - delta - 1) * (ratio if args.use_bias_correction_kl else 1) * mask
         loss = loss + args.beta * terms["kl"]
-    low = (ratio < 1 - args.epsilon) & (advantages < 0) & mask
-    high = (ratio > 1 + args.epsilon_high) & (advantages > 0) & mask
     return terms | {"loss": loss * mask, "low": low, "high": high, "region": low | high}
 
 
@@ -174,17 +190,17 @@ class LossNormaliser:
 
     def weights(self, mask: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         mask = mask.to(dtype)
-        if self.loss_type == "grpo":  # each completion's token mean
+        if self.loss_type in ("grpo", "sapo"):  # each completion's token mean
             return mask / mask.sum(1, keepdim=True).clamp_min(1)
         return mask
 
     def count(self, masks: list[torch.Tensor]) -> float:
         completions = sum(len(mask) for mask in masks)
-        if self.loss_type == "grpo":
+        if self.loss_type in ("grpo", "sapo", "luspo"):  # completions' token means or sums, averaged
             return float(completions)
         if self.loss_type == "dr_grpo":
             return float(completions * self.max_completion_length)
-        return float(sum(int(mask.sum()) for mask in masks))  # dapo, bnpo: tokens
+        return float(sum(int(mask.sum()) for mask in masks))  # dapo, bnpo, cispo: tokens
 
 
 @dataclass
