@@ -90,3 +90,12 @@ def run_on_ranks(fn, world_size, *args):
                     os.path.exists(os.path.join(result_dir, f"{rank}.pt")) for rank in range(world_size))):
                 raise
         return [torch.load(os.path.join(result_dir, f"{rank}.pt")) for rank in range(world_size)]
+
+
+def average_gradients(model, world_size: int):
+    """Each gradient averaged over the ranks, as the engines do: a sequence-parallel group's ranks each computed the
+    whole sequence's loss, so each shard got its gradient once from every rank's loss."""
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad /= world_size

@@ -19,11 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-from gloo import run_on_ranks
+from gloo import average_gradients, run_on_ranks
 from helpers import chat_row, tiny, write_chat_parquet
 from launch import (
     VLM_RECIPE,
@@ -90,10 +89,7 @@ def _shards_against_whole(rank, world_size, directories, forced):
         logps = [step(batch, TokenLogps(0.7)), step(batch, SequenceLogps())]
         summed = step(batch, LossSum())  # the whole sequence's, on both ranks
         summed.backward()
-        for param in model.parameters():  # each shard got its gradient twice: once from each rank's loss
-            if param.grad is not None:
-                dist.all_reduce(param.grad)
-                param.grad /= 2
+        average_gradients(model, 2)  # each shard got its gradient twice: once from each rank's loss
         scale = max(grad.abs().max() for grad in truth.values())
         worst = max((param.grad - truth[name]).abs().max() for name, param in model.named_parameters()
                     if name in truth) / scale
@@ -103,9 +99,9 @@ def _shards_against_whole(rank, world_size, directories, forced):
 
 
 def _four_ways(rank, world_size, directory):
-    """(loss difference, gradient difference, whole-sequence logits difference after the split) of a batch split
-    over 4 ranks of a model whose attention has 2 key/value heads: DeepSpeed replicates them, and an unsplit forward
-    afterwards still needs them as they were."""
+    """(loss difference, gradient difference relative to the largest gradient, whole-sequence logits difference after
+    the split) of a batch split over 4 ranks of a model whose attention has 2 key/value heads: DeepSpeed replicates
+    them, and an unsplit forward afterwards still needs them as they were."""
     torch.manual_seed(0)
     model, processor, groups = tiny(directory)
     apply_train_modules(groups, "all")
@@ -121,11 +117,10 @@ def _four_ways(rank, world_size, directory):
     split = VLMForTraining(model, sequence_parallel.SequenceParallel(model, world_size))
     summed = split(batch, LossSum())
     summed.backward()
-    for param in model.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad)
-            param.grad /= world_size
-    worst = max((param.grad - truth[name]).abs().max() for name, param in model.named_parameters() if name in truth)
+    average_gradients(model, world_size)
+    scale = max(grad.abs().max() for grad in truth.values())
+    worst = max((param.grad - truth[name]).abs().max() for name, param in model.named_parameters()
+                if name in truth) / scale
     after = split.eval()(batch, Logits())
     return abs(summed.item() - whole.item()), worst.item(), (after - logits).abs().max().item()
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from gloo import run_on_ranks
+from gloo import average_gradients, run_on_ranks
 from helpers import tiny
 from launch import REPO
 from mmrecipes.images import to_device
@@ -92,10 +92,7 @@ def _shared_against_whole(rank, world_size, directories, clip):
             encoded.clear()
             summed = split_step(batch, LossSum())
             summed.backward()
-            for param in model.parameters():
-                if param.grad is not None:
-                    dist.all_reduce(param.grad)
-                    param.grad /= world_size
+            average_gradients(model, world_size)
             scale = max(grad.abs().max() for grad in truth.values())
             worst = max((param.grad - truth[name]).abs().max() for name, param in model.named_parameters()
                         if name in truth) / scale

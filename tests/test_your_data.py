@@ -203,6 +203,6 @@ def test_off_words_mean_the_same_on_the_command_line_and_in_yaml(tmp_path):
     (tmp_path / "off.yaml").write_text("eval_dataset_name: None\nmax_tokens_per_batch: none\ndataset_weights: ''\n")
     for argv in (["--eval_dataset_name", "None", "--max_tokens_per_batch", "none", "--dataset_weights", ""],
                  [str(tmp_path / "off.yaml")]):
-        _, _, _, data_args, _ = parse_args(recipe.ARGUMENTS, argv)
+        data_args = parse_args(recipe.ARGUMENTS, argv)[3]
         assert (data_args.eval_dataset_name, data_args.max_tokens_per_batch, data_args.dataset_weights) == (None,) * 3
         assert data_args.evaluation == "--eval_dataset_name is off"
