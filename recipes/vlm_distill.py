@@ -98,7 +98,7 @@ def main(argv=None):
     # shared: ranks
     # The rows each rank reads; --sequence_parallel_size splits each training sequence over that
     # many ranks, which read the same rows (Ulysses; evaluation reads whole sequences)
-    split = SequenceParallel.of(accelerator, model, model_args.sequence_parallel_size)
+    split = SequenceParallel.of(accelerator, model, model_args.sequence_parallel_size, processor)
     ranks = Ranks.of(accelerator, split)
     batch_size = per_device_batch_size(args, ranks.data_world)
     accelerator.print(ranks.describe())

@@ -3,8 +3,10 @@ running the whole batch.
 
 - In process, on 2 gloo ranks: batches of 1 to 4 images, of different sizes, and a text-only one (the dummy), for a
   grid family (Qwen2.5-VL, whose clips split by frame too: an 8-frame clip alone), one with deepstack features
-  (Qwen3-VL), a Gated DeltaNet one (Qwen3.5) and one image per row (Llava): the loss and every gradient as one process
-  gives them, each rank encoding its share of the pixels (a rank without an image encodes one again, unused).
+  (Qwen3-VL), a Gated DeltaNet one (Qwen3.5), and one image a row (Llava; LLaVA-NeXT's anyres patches, Mistral 3's
+  padded pixels, Gemma 4's patch sequences, each with its sizes or positions): the loss and every gradient as one
+  process gives them, each rank encoding its share of the pixels (a rank without an image encodes one again,
+  unused).
 - README's table of packing, sequence parallelism and the tower's share per family against the checks on each tiny
   family; the balance; a tower that gives other than one item an image stopping every rank at once.
 """
@@ -33,7 +35,7 @@ from mmrecipes.vlm.rows.collate import ChatCollator
 from mmrecipes.vlm.rows.labels import AnswerLabeller
 from mmrecipes.vlm.rows.videos import decode_video
 
-SHARED = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava"]
+SHARED = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "llava_next", "mistral3", "gemma4"]
 GRID_FAMILIES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_think", "qwen3_5_moe"}
 
 
@@ -75,7 +77,7 @@ def _shared_against_whole(rank, world_size, directories, clip):
                 [_row(labeller)]]  # text only: the dummy
         if family in GRID_FAMILIES:
             rows.append([_row(labeller, videos=[_clip(clip)], answer="right")])  # 8 frames, one clip
-        split = SequenceParallel(model, 2)
+        split = SequenceParallel(model, 2, processor)
         assert split.vision is not None, split.vision_line
         whole_step, split_step = VLMForTraining(model), VLMForTraining(model, split)
         encoded = []
@@ -125,8 +127,9 @@ README_FAMILIES = {"Llava-1.5": ["llava"], "LLaVA-NeXT": ["llava_next"], "LLaVA-
 def test_the_readme_table_says_what_the_checks_decide(tiny_vlms):
     """README's table of `--packing`, `--sequence_parallel_size` and the tower's share, row by row, against the checks
     on each family's tiny model (`check_packing`, `sequence_parallel.refusal`, `VisionShare.of`): the checks decide,
-    not a name. Idefics' rows of several images and the towers whose inputs need the processor run whole on every
-    rank, the log line saying why; the balance puts the largest first, each on the least loaded rank."""
+    not a name (the processor makes the probe images, as the recipes pass it). Idefics' and LLaVA-OneVision's rows
+    of several images run whole on every rank, the log line saying why; the balance puts the largest first, each on
+    the least loaded rank."""
     table = (REPO / "README.md").read_text().split("| family | `--packing` |")[1].split("\n\n")[0]
     rows = {cells[0]: cells[1:] for line in table.splitlines()[2:]
             for cells in [[cell.strip() for cell in line.strip("|").split("|")]]}
@@ -144,13 +147,11 @@ def test_the_readme_table_says_what_the_checks_decide(tiny_vlms):
                 packs = False
             assert packs == packing.startswith("yes"), (name, family, packing)
             assert (refusal(model, 2) is None) == split.startswith("yes"), (name, family, split)
-            share, line = vision.VisionShare.of(model, None, 2, 0)
+            share, line = vision.VisionShare.of(model, None, 2, 0, processor)
             assert (share is None) == tower.startswith("whole"), (name, family, line)
             assert share is None or share.frames == ("frames" in tower), (name, family)
-            if family == "idefics3":
+            if family in ("idefics3", "llava_onevision"):  # a row of pixels holds several images
                 assert "its inputs are not one image (or tile) a row" in line
-            if family == "llava_next":
-                assert "get_image_features needs ['image_sizes', 'pixel_values']" in line
     assert vision.owners([5, 1, 4, 4, 2], 2) == [0, 0, 1, 1, 0]  # 5, 4 and 4, then 2 and 1 to the lighter: 8 and 8
     assert vision.owners([3], 2) == [0]  # rank 1 has none
 

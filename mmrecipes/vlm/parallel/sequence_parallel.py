@@ -159,7 +159,7 @@ class SequenceParallel:
     after `Accelerator()` (it makes the groups) and before `prepare`; `VLMForTraining(model, sequence_parallel=...)`
     trains on the shards."""
 
-    def __init__(self, model, size: int):
+    def __init__(self, model, size: int, processor=None):
         from deepspeed import comm
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
@@ -174,7 +174,7 @@ class SequenceParallel:
         rank = dist.get_rank()
         groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
         self.size, self.rank, self.group = size, rank % size, groups[rank // size]
-        self.vision, self.vision_line = VisionShare.of(model, self.group, size, self.rank)
+        self.vision, self.vision_line = VisionShare.of(model, self.group, size, self.rank, processor)
         text = model.config.get_text_config()
         self.core = ALL_ATTENTION_FUNCTIONS[text._attn_implementation]
         head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -194,15 +194,16 @@ class SequenceParallel:
             layer.forward = self._head_parallel(layer, layer.forward)
 
     @classmethod
-    def of(cls, accelerator, model, size: int):
+    def of(cls, accelerator, model, size: int, processor=None):
         """The split for `--sequence_parallel_size size`, None for 1; accelerate's own sequence parallelism refused
         (it replaces sdpa in the vision tower too). What cannot run split with other flags is refused when they are
-        parsed (`arguments.VLMModelArgs.check_with`)."""
+        parsed (`arguments.VLMModelArgs.check_with`). The processor makes the images the tower's check encodes,
+        where the model's config alone cannot (`image_sizes`, `image_position_ids`)."""
         config = accelerator.parallelism_config
         if config is not None and (config.sp_size or 1) > 1:
             raise ValueError("the accelerate config's parallelism_config_sp_size wraps every sdpa attention, the "
                              "vision tower's too: drop it from the config and give the recipe --sequence_parallel_size")
-        return cls(model, size) if size > 1 else None
+        return cls(model, size, processor) if size > 1 else None
 
     def describe(self) -> str:
         return (f"sequence parallel: each sequence split over {self.size} ranks after the vision merge (DeepSpeed's "

@@ -13,6 +13,7 @@ must give what each gives alone, and, for a grid family, a two-frame clip what i
 fails the check (or whose inputs are not laid out by image) runs whole on every rank, as before, and the log says so.
 """
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,8 @@ from torch.distributed import _functional_collectives as collectives
 from ..model.families import ENCODER_ONLY_OUTPUTS, dummy_image_inputs
 
 GRID = "image_grid_thw"  # Qwen's patch grids: one row (frames, height, width) per image or clip
+# inputs that say a row of the pixels holds several images (Idefics' tiles per row, LLaVA-OneVision's images per row)
+ROWS_OF_SEVERAL = ("pixel_attention_mask", "batch_num_images")
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,9 @@ def split_units(inputs: dict, frames: bool) -> list[Unit]:
             start += t * h * w
         return units
     pixels = inputs["pixel_values"]
-    if pixels.dim() != 4 or any(len(value) != len(pixels) for value in inputs.values() if torch.is_tensor(value)):
-        raise ValueError("its inputs are not one image (or tile) a row")  # Idefics' rows hold several images
+    if set(ROWS_OF_SEVERAL) & set(inputs) or any(len(value) != len(pixels) for value in inputs.values()
+                                                  if torch.is_tensor(value)):
+        raise ValueError("its inputs are not one image (or tile) a row")
     return [Unit(item, slice(item, item + 1), None, pixels[item].numel()) for item in range(len(pixels))]
 
 
@@ -109,10 +113,12 @@ class VisionShare:
 
     @classmethod
     @torch.no_grad()
-    def of(cls, model, group, size: int, rank: int) -> tuple["VisionShare | None", str]:
-        """The share for `model`'s tower, or None where its tower does not split by image; and the log line."""
+    def of(cls, model, group, size: int, rank: int, processor=None) -> tuple["VisionShare | None", str]:
+        """The share for `model`'s tower, or None where its tower does not split by image; and the log line. The
+        processor makes the probe images where the model's config alone cannot."""
         try:
-            inputs = dummy_image_inputs(model)
+            takes = inspect.signature(model.get_image_features).parameters  # not a clip of its own video path
+            inputs = {name: value for name, value in dummy_image_inputs(model, processor).items() if name in takes}
             generator = torch.Generator().manual_seed(0)
             pixels = inputs["pixel_values"]
             two = [inputs | {"pixel_values": torch.randint(0, 256, pixels.shape, generator=generator).to(pixels.dtype)
