@@ -69,39 +69,37 @@ def evaluate_generation(model, prompts, filler, collator, tokenizer, stop_token_
     return {"generated_accuracy": correct / count, "eval_generated": int(count)} if count else {}
 
 
-def greedy_tokens(model, inputs: dict, new_tokens: int, placeholders=()) -> list[int]:
+def greedy_tokens(model, inputs: dict, new_tokens: int, placeholders=(), stops=None, running=True) -> list[int]:
     """The `new_tokens` tokens greedy decoding appends to a one-row batch (`VLMForTraining` inputs), stop tokens
     included: what `generate(do_sample=False)` gives, by whole-sequence forwards without a cache, never one of the
-    `placeholders` (`families.placeholder_token_ids`: appended, one would not match the images)."""
+    `placeholders` (`families.placeholder_token_ids`: appended, one would not match the images). Given `stops`, it
+    ends early, in step over the ranks: once every rank's row has given a stop token (one all-reduce a token; a rank
+    decoding a filler passes `running` False)."""
     generated, never = [], torch.tensor(list(placeholders), dtype=torch.long, device=inputs["input_ids"].device)
     for _ in range(new_tokens):
+        if stops is not None and not max_over_ranks(torch.tensor(float(running), device=never.device)).item():
+            break
         token = model(inputs, Logits())[:, -1].index_fill(-1, never, -torch.inf).argmax(-1)
         generated.append(int(token[0]))
         inputs = with_token_appended(inputs, token)
+        if stops is not None:
+            running = running and generated[-1] not in stops
     return generated
 
 
 def benchmark_answers(model, vlm, device):
     """`answer(request, max_new_tokens)` for `mmrecipes.benchmarks.Benchmarks.run` by the prepared model: the
-    request through the processor's own chat template (`chat_data.prompt_row`), greedy decoding by whole-sequence
-    forwards in step over the ranks until every rank's answer has stopped (a filler's counts as stopped), the text
-    up to the first stop token, special tokens left out (what lmms-eval's Hugging Face models decode)."""
+    request through the processor's own chat template (`chat_data.prompt_row`), greedy decoding in step over the
+    ranks until every rank's answer has stopped (`greedy_tokens`; a filler counts as stopped), the text up to the
+    first stop token, special tokens left out (what lmms-eval's Hugging Face models decode)."""
     collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)
     stops = set(vlm.stops)
-    never = torch.tensor(list(vlm.placeholders), dtype=torch.long, device=device)
 
     @torch.no_grad()
     def answer(request, max_new_tokens: int) -> str:
         inputs = to_device(collator([prompt_row(vlm.processor, request.messages, request.images)]), device)
         model.eval()
-        generated, running = [], not request.filler
-        for _ in range(max_new_tokens):
-            if not max_over_ranks(torch.tensor(float(running), device=device)).item():
-                break
-            token = model(inputs, Logits())[:, -1].index_fill(-1, never, -torch.inf).argmax(-1)
-            generated.append(int(token[0]))
-            inputs = with_token_appended(inputs, token)
-            running = running and generated[-1] not in stops
+        generated = greedy_tokens(model, inputs, max_new_tokens, vlm.placeholders, stops, not request.filler)
         model.train()
         ended = next((index for index, token in enumerate(generated) if token in stops), len(generated))
         return vlm.processor.tokenizer.decode(generated[:ended], skip_special_tokens=True)
