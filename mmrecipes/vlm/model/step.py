@@ -81,9 +81,9 @@ class VLMForTraining(torch.nn.Module):
         # Videos go through the tower in the same call as the images (or the dummy), after them: one call a step.
         joined = {self.video_as_image[name]: torch.cat([vision_inputs[self.video_as_image[name]], value])
                   for name, value in videos.items()}
-        share = self.sequence_parallel.vision if self.sequence_parallel and self.sequence_parallel.asked else None
-        if share:  # split: each rank of the group encodes a share of the images and frames, gathered
-            features, spare = share.encode(self.model.get_image_features, vision_inputs | joined)
+        if self.sequence_parallel:  # split, each rank of the group encodes a share of the images and frames
+            features, spare = self.sequence_parallel.image_features(self.model.get_image_features,
+                                                                    vision_inputs | joined)
         else:
             features, spare = self.model.get_image_features(**(vision_inputs | joined), return_dict=True), None
         encoded = {}

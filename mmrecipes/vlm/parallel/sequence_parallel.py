@@ -209,6 +209,13 @@ class SequenceParallel:
         return (f"sequence parallel: each sequence split over {self.size} ranks after the vision merge (DeepSpeed's "
                 f"Ulysses attention in the language model); {self.vision_line}")
 
+    def image_features(self, encoder, inputs: dict):
+        """(`encoder(**inputs)`'s output, features encoded and left unused or None): while a split is asked, each
+        rank of the group encodes a share of the images and frames, gathered (`VisionShare`), else every rank all."""
+        if self.asked and self.vision is not None:
+            return self.vision.encode(encoder, inputs)
+        return encoder(**inputs, return_dict=True), None
+
     def _ulysses(self, rows: int):
         if rows not in self._by_rows:  # its shapes are fixed per batch size
             self._by_rows[rows] = self._ulysses_class(self.core, batch_size=rows, **self._shape)
