@@ -92,10 +92,22 @@ def run_on_ranks(fn, world_size, *args):
         return [torch.load(os.path.join(result_dir, f"{rank}.pt")) for rank in range(world_size)]
 
 
-def average_gradients(model, world_size: int):
-    """Each gradient averaged over the ranks, as the engines do: a sequence-parallel group's ranks each computed the
-    whole sequence's loss, so each shard got its gradient once from every rank's loss."""
+
+def taken_gradients(model) -> dict:
+    """The model's gradients by name, copied, and the model's zeroed: the one-process truth of a split step."""
+    truth = {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
+    model.zero_grad()
+    return truth
+
+
+def averaged_difference(model, truth: dict, world_size: int) -> float:
+    """The model's gradients averaged over the ranks, as the engines do (a sequence-parallel group's ranks each
+    computed the whole sequence's loss, so each shard got its gradient once from every rank's loss), then their largest
+    difference to `truth` (`taken_gradients`) relative to its largest gradient."""
     for param in model.parameters():
         if param.grad is not None:
             dist.all_reduce(param.grad)
             param.grad /= world_size
+    scale = max(grad.abs().max() for grad in truth.values())
+    return (max((param.grad - truth[name]).abs().max() for name, param in model.named_parameters() if name in truth)
+            / scale).item()

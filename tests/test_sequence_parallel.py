@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-from gloo import average_gradients, run_on_ranks
+from gloo import averaged_difference, run_on_ranks, taken_gradients
 from helpers import chat_row, tiny, write_chat_parquet
 from launch import (
     VLM_RECIPE,
@@ -82,18 +82,14 @@ def _shards_against_whole(rank, world_size, directories, forced):
         whole_logps = [step(batch, TokenLogps(0.7)), step(batch, SequenceLogps())]
         whole = VLMForTraining(model)(batch, LossSum())
         whole.backward()
-        truth = {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
-        model.zero_grad()
+        truth = taken_gradients(model)
         split = sequence_parallel.SequenceParallel(model, 2)
         step = VLMForTraining(model, split)
         logps = [step(batch, TokenLogps(0.7)), step(batch, SequenceLogps())]
         summed = step(batch, LossSum())  # the whole sequence's, on both ranks
         summed.backward()
-        average_gradients(model, 2)  # each shard got its gradient twice: once from each rank's loss
-        scale = max(grad.abs().max() for grad in truth.values())
-        worst = max((param.grad - truth[name]).abs().max() for name, param in model.named_parameters()
-                    if name in truth) / scale
-        results[family] = (whole.item(), summed.item(), worst.item(),
+        worst = averaged_difference(model, truth, 2)  # each shard got its gradient twice: once from each rank's loss
+        results[family] = (whole.item(), summed.item(), worst,
                            *[(one - other).abs().max().item() for one, other in zip(whole_logps, logps)])
     return results
 
@@ -112,17 +108,13 @@ def _four_ways(rank, world_size, directory):
     logits = step.eval()(batch, Logits())
     whole = step.train()(batch, LossSum())
     whole.backward()
-    truth = {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
-    model.zero_grad()
+    truth = taken_gradients(model)
     split = VLMForTraining(model, sequence_parallel.SequenceParallel(model, world_size))
     summed = split(batch, LossSum())
     summed.backward()
-    average_gradients(model, world_size)
-    scale = max(grad.abs().max() for grad in truth.values())
-    worst = max((param.grad - truth[name]).abs().max() for name, param in model.named_parameters()
-                if name in truth) / scale
+    worst = averaged_difference(model, truth, world_size)
     after = split.eval()(batch, Logits())
-    return abs(summed.item() - whole.item()), worst.item(), (after - logits).abs().max().item()
+    return abs(summed.item() - whole.item()), worst, (after - logits).abs().max().item()
 
 
 def wider_linear_attention(directory, output_dir):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from gloo import average_gradients, run_on_ranks
+from gloo import averaged_difference, run_on_ranks, taken_gradients
 from helpers import tiny
 from launch import REPO
 from mmrecipes.images import to_device
@@ -89,17 +89,13 @@ def _shared_against_whole(rank, world_size, directories, clip):
             model.zero_grad()
             whole = whole_step(batch, LossSum())
             whole.backward()
-            truth = {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
-            model.zero_grad()
+            truth = taken_gradients(model)
             encoded.clear()
             summed = split_step(batch, LossSum())
             summed.backward()
-            average_gradients(model, world_size)
-            scale = max(grad.abs().max() for grad in truth.values())
-            worst = max((param.grad - truth[name]).abs().max() for name, param in model.named_parameters()
-                        if name in truth) / scale
+            worst = averaged_difference(model, truth, world_size)
             all_pixels = sum(len(batch[name]) for name in ("pixel_values", "pixel_values_videos") if name in batch)
-            results[family].append((whole.item(), summed.item(), worst.item(), encoded[0], all_pixels))
+            results[family].append((whole.item(), summed.item(), worst, encoded[0], all_pixels))
     return results
 
 
