@@ -16,6 +16,7 @@ the run before its first step.
 import io
 from collections import Counter
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 import datasets
@@ -56,27 +57,23 @@ class Benchmark:
 
     @classmethod
     def load(cls, task: Task, args: BenchmarkArgs, rank: int, world: int) -> "Benchmark":
+        folder = Path(resolve_name(args.benchmark_data_dir)) / task.name if args.benchmark_data_dir else None
         try:
-            if args.benchmark_data_dir:
-                folder = Path(resolve_name(args.benchmark_data_dir)) / task.name
-                docs = datasets.load_dataset("parquet", data_files=str(folder / "*.parquet"), split="train")
-            else:
-                docs = datasets.load_dataset(task.dataset, task.subset, split=task.split)
+            docs = (datasets.load_dataset("parquet", data_files=str(folder / "*.parquet"), split="train") if folder
+                    else datasets.load_dataset(task.dataset, task.subset, split=task.split))
         except (ValueError, FileNotFoundError) as error:  # no file, or files without a row
             raise ValueError(f"--benchmarks {task.name}: no document to score ({error}): the benchmark would never "
                              "run") from error
-        if missing := [column for column in ("image", *task.columns) if column not in docs.column_names]:
+        if missing := [column for column in task.reads if column not in docs.column_names]:
             raise ValueError(f"--benchmarks {task.name}: its documents have no {', '.join(missing)} column (lmms-eval "
-                             f"reads {task.dataset}{f' ({task.subset})' if task.subset else ''}, {task.split})")
+                             f"reads {task.hub})")
         if isinstance(docs.features["image"], datasets.Image):
             docs = docs.cast_column("image", datasets.Image(decode=False))  # decoded per document: a bad one counts
         if args.benchmark_limit:
             docs = docs.select(range(min(args.benchmark_limit, len(docs))))
         if not len(docs):
             raise ValueError(f"--benchmarks {task.name}: no document to score: the benchmark would never run")
-        source = (str(Path(resolve_name(args.benchmark_data_dir)) / task.name) if args.benchmark_data_dir
-                  else f"{task.dataset}{f' ({task.subset})' if task.subset else ''}, {task.split}")
-        return cls(task, docs, rank, world, args.benchmark_max_new_tokens, source)
+        return cls(task, docs, rank, world, args.benchmark_max_new_tokens, str(folder) if folder else task.hub)
 
     def slots(self) -> int:
         """How many answers every rank gives: the most any rank has."""
@@ -85,7 +82,7 @@ class Benchmark:
     def request(self, index: int) -> tuple[dict, Request]:
         """(the document's row, what to answer), or `Skip`."""
         doc = self.docs[index]
-        if missing := [column for column in ("image", *self.task.columns) if doc[column] is None]:
+        if missing := [column for column in self.task.reads if doc[column] is None]:
             raise Skip(f"missing_{missing[0]}")
         try:
             image = doc["image"]
@@ -95,8 +92,10 @@ class Benchmark:
         content = [{"type": "image"}, {"type": "text", "text": self.task.prompt(doc)}]
         return doc, Request(index, [{"role": "user", "content": content}], [image])
 
+    @cached_property
     def filler(self) -> Request | None:
-        """The first document that can be answered, as a filler (the same on every rank; None if none can)."""
+        """The first document that can be answered, as a filler (the same on every rank; None if none can): found
+        once, not at every run."""
         for index in range(len(self.docs)):
             try:
                 return replace(self.request(index)[1], filler=True)
@@ -106,7 +105,7 @@ class Benchmark:
 
     def run(self, answer) -> tuple[list, Counter]:
         """This rank's (document index, `Scored`) and its counts of documents not scored, by reason."""
-        scored, skipped, filler = [], Counter(), self.filler()
+        scored, skipped, filler = [], Counter(), self.filler
         mine = list(range(self.rank, len(self.docs), self.world))
         for slot in range(self.slots()):
             doc = request = None

@@ -42,6 +42,16 @@ class Task:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     aggregate: Callable[[list[dict]], dict] | None = None  # by default, each metric's mean over the documents
 
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every column a document must hold: its image, then the columns."""
+        return ("image", *self.columns)
+
+    @property
+    def hub(self) -> str:
+        """Where lmms-eval reads the documents: the dataset (its subset), the split."""
+        return f"{self.dataset}{f' ({self.subset})' if self.subset else ''}, {self.split}"
+
     def numbers(self, scored: list[dict]) -> dict:
         """The task's metrics from its documents' scores (in document order)."""
         if self.aggregate is not None:
