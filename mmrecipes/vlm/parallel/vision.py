@@ -151,7 +151,8 @@ class VisionShare:
         without using them, or None): the encoder runs on this rank's units only."""
         units = split_units(inputs, self.frames)
         owner = owners([unit.patches for unit in units], self.size)
-        mine = [index for index, rank in enumerate(owner) if rank == self.rank]
+        per_rank = [[index for index, rank in enumerate(owner) if rank == other] for other in range(self.size)]
+        mine = per_rank[self.rank]
         spare = not mine
         if spare:  # a rank without an image encodes the smallest again: the same tower and collectives as the others
             mine = [min(range(len(units)), key=lambda index: units[index].patches)]
@@ -170,7 +171,6 @@ class VisionShare:
         if any(stream[-1] for stream in rows):
             raise RuntimeError("sequence parallel: the vision tower gave other than one feature item per image it "
                                "was given on some rank of the group; its work cannot be shared by image")
-        per_rank = [[index for index, rank in enumerate(owner) if rank == other] for other in range(self.size)]
         items = {}
         for stream, (key, parts) in enumerate(local.items()):
             counts = rows[stream]
