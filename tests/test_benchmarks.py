@@ -213,3 +213,13 @@ def test_lmms_evals_simple_evaluate_runs_the_live_model_on_two_ranks_as_on_one(t
     model.save_pretrained(tmp_path / "saved")
     processor.save_pretrained(tmp_path / "saved")
     assert _lmms_eval_on_ranks(0, 1, data, tmp_path / "saved") == one  # by generate: the same greedy answers
+
+
+def test_benchmark_steps_and_the_end_of_the_run_are_when_the_tasks_run():
+    """--benchmark_steps K: every K optimizer steps and at the last; 0: at the last only; no task: never."""
+    every_three = Benchmarks(BenchmarkArgs(benchmarks="ai2d", benchmark_data_dir="embedded:benchmarks",
+                                           benchmark_steps=3))
+    assert [step for step in range(1, 11) if every_three.due(step, 10)] == [3, 6, 9, 10]
+    at_the_end = Benchmarks(BenchmarkArgs(benchmarks="ai2d", benchmark_data_dir="embedded:benchmarks"))
+    assert [step for step in range(1, 11) if at_the_end.due(step, 10)] == [10]
+    assert not any(Benchmarks(BenchmarkArgs()).due(step, 10) for step in range(1, 11))
