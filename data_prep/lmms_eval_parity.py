@@ -12,6 +12,7 @@ this repository's packages only with `--no-deps` into a folder of its own: its r
 decoding here runs av 18) and add 52 packages (a pinned wandb, pre-commit, yt-dlp), so the tests read this file.
 """
 
+import ast
 import json
 import os
 import tempfile
@@ -26,7 +27,8 @@ from lmms_eval.tasks import TaskManager
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "benchmarks"
 OUTPUT = ROOT / "tests" / "fixtures" / "lmms_eval_parity.json"
-TASKS = ["mmstar", "chartqa", "docvqa_val", "infovqa_val", "ai2d", "scienceqa_img", "ocrbench", "textvqa_val"]
+TASKS = ["mmstar", "chartqa", "docvqa_val", "infovqa_val", "ai2d", "scienceqa_img", "ocrbench", "textvqa_val",
+         "mmmu_val", "mmbench_en_dev_static"]
 # answers the documents get in turn, from each document's right and a wrong answer: the forms each parser must read,
 # and some it must not
 FORMS = {
@@ -44,11 +46,25 @@ FORMS = {
                  "Ｒ{right}", "{right}\nshape", "x", " {right} ", "{right_title}"],
     "textvqa_val": ["{right}", "a {right}", "The {right}.", "{right_upper}!", "", "{wrong}", "{right} one",
                     "({right})", "{right}-ish", "two", "{right}\n", "an {right}"],
+    "mmmu_val": ["{right}", "({right})", "The answer is {right}.", "{right_lower}", "", "{right}. because",
+                 "so the answer is {wrong}", "({wrong}) or ({right})", "I would say it is the {right_text} one",
+                 "x = {right}", "I think it is {right}\nso {wrong}", "{right_upper}!"],
+    "mmbench_en_dev_static": ["{right}", "({right})", "The answer is {right}.", "{right_lower}", "",
+                              "{right}. {right_text}", "A {right_text}", "{wrong}", "I choose the {right_text} here",
+                              "{right}: {wrong}", "{right_text}", "Option {right}) is it"],
 }
 FORMS["infovqa_val"] = FORMS["docvqa_val"]
 
 
 def right_and_wrong(task: str, doc: dict) -> tuple[str, str]:
+    if task == "mmmu_val" and doc["question_type"] == "multiple-choice":
+        count = len(ast.literal_eval(doc["options"]))
+        return doc["answer"], "ABCD"[("ABCD".index(doc["answer"]) + 1) % count]
+    if task == "mmmu_val":
+        return doc["answer"], "purple"
+    if task == "mmbench_en_dev_static":
+        letters = [letter for letter in "ABCD" if doc[letter] is not None]
+        return doc["answer"], letters[(letters.index(doc["answer"]) + 1) % len(letters)]
     if task == "mmstar":
         return doc["answer"], "ABCD"[("ABCD".index(doc["answer"]) + 1) % 4]
     if task == "chartqa":
@@ -64,12 +80,57 @@ def right_and_wrong(task: str, doc: dict) -> tuple[str, str]:
     return doc["answers"][0], "purple"
 
 
+def right_text(task: str, doc: dict, right: str) -> str:
+    """The text of the right option (of an open answer, the answer)."""
+    if task == "mmmu_val" and doc["question_type"] == "multiple-choice":
+        return ast.literal_eval(doc["options"])["ABCD".index(right)]
+    return doc[right] if task == "mmbench_en_dev_static" else right
+
+
 def fixed_answer(task: str, doc: dict, doc_id: int) -> str:
     right, wrong = right_and_wrong(task, doc)
     form = FORMS[task][doc_id % len(FORMS[task])]
     return form.format(right=right, wrong=wrong, right_lower=right.lower(), wrong_lower=wrong.lower(),
                        right_title=right.title(), wrong_title=wrong.title(), right_upper=right.upper(),
-                       right_prefix=right[:2], right_typo=right[:-1] + "x")
+                       right_prefix=right[:2], right_typo=right[:-1] + "x", right_text=right_text(task, doc, right))
+
+
+class Named(str):
+    """An image column's name standing for its image: lmms-eval's MMMU functions call `.convert("RGB")` on it."""
+
+    def convert(self, mode):
+        return self
+
+
+def mmmu_turns() -> list:
+    """lmms-eval's MMMU user turn of each document (`doc_to_messages`, default arguments), images as their column."""
+    from lmms_eval.tasks.mmmu import utils
+
+    arguments = {"prompt_type": "format", "multiple_choice_prompt": "Answer with the option's letter from the given "
+                 "choices directly.", "open_ended_prompt": "Answer the question using a single word or phrase."}
+    turns = []
+    for doc in documents("mmmu_val"):
+        named = doc | {f"image_{n}": Named(f"image_{n}") for n in range(1, 8)}
+        content = utils.mmmu_doc_to_messages(named, arguments)[0]["content"]
+        turns.append([block.get("text", block.get("url")) for block in content])
+    return turns
+
+
+def per_document(task: str, sample: dict) -> dict:
+    """Each document's score as lmms-eval's own functions give it (MMMU: its evaluation of one sample; MMBench: the
+    letter of its rules, else of its static extraction, right or not, with the question's index)."""
+    if task == "mmmu_val":
+        from lmms_eval.tasks.mmmu.utils import evaluate_mmmu
+
+        return {"mmmu_acc": evaluate_mmmu([sample["mmmu_acc"]])[1]["acc"],
+                "parsed": sample["mmmu_acc"]["parsed_pred"]}
+    from lmms_eval.tasks._task_utils.mcq_extract import extract_mcq_answer
+    from lmms_eval.tasks.mmbench.en_utils import mmbench_evaluator
+
+    item = sample["gpt_eval_score"]
+    letter = mmbench_evaluator.prefetch_answer(item) or extract_mcq_answer(
+        item["prediction"], choices=sorted(mmbench_evaluator.build_choices(item)))
+    return {"gpt_eval_score": [item["index"], float(letter == item["answer"])], "parsed": letter}
 
 
 class FixedAnswers(lmms):
@@ -114,10 +175,13 @@ def main():
         fixture["tasks"][task] = {
             "documents": [{"doc_id": int(sample["doc_id"]), "prompt": sample["arguments"][0],
                            "answer": sample["resps"][0][0], "filtered": sample["filtered_resps"][0],
-                           "scores": {name: sample[name] for name in numbers if name in sample}}
+                           "scores": per_document(task, sample) if task in ("mmmu_val", "mmbench_en_dev_static")
+                           else {name: sample[name] for name in numbers if name in sample}}
                           for sample in samples],
             "numbers": numbers,
         }
+    for document, turn in zip(fixture["tasks"]["mmmu_val"]["documents"], mmmu_turns()):
+        document["turn"] = turn
     OUTPUT.parent.mkdir(exist_ok=True)
     OUTPUT.write_text(json.dumps(fixture, indent=1, ensure_ascii=False, default=str) + "\n")
     print(f"wrote {OUTPUT}")

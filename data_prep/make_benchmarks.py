@@ -9,6 +9,7 @@ shapes, counts); they are for running the harness end to end and for tests, not 
 
 import argparse
 import random
+import re
 from pathlib import Path
 
 import datasets
@@ -105,8 +106,64 @@ def textvqa(rng, index):
             "set_name": "val", "ocr_tokens": []}
 
 
+MMMU_SUBJECTS = ("Art_Theory", "Biology", "Computer_Science", "Math")
+# (question, options or None for an open question): image placeholders in every place MMMU puts them, the order and
+# repetition quirks of lmms-eval's interleaving included
+MMMU_FORMS = [
+    ("<image 1> Which shape is shown first?", "shapes"),
+    ("What colour is the first shape in <image 1>?", "colours"),
+    ("Compare <image 1> and <image 2>. Which shape comes first in <image 1>?", "shapes"),
+    ("Which image shows the same shape as <image 1>?", "images"),
+    ("In <image 2>, and then in <image 1>, which shape comes first in <image 1>?", "shapes"),
+    ("How many shapes are in <image 1>?", None),
+    ("<image 1> <image 1> What colour is the first shape?", "colours"),
+    ("What colour is the first shape of this picture <image 1>?", None),
+]
+
+
+def mmmu(rng, index):
+    image, objects, _ = make_scene(rng)
+    others = [make_scene(rng)[0] for _ in range(2)]
+    question, kind = MMMU_FORMS[index % len(MMMU_FORMS)]
+    size, colour, shape = objects[0]
+    images = {"image_1": image, "image_2": others[0], "image_3": others[1]}
+    if kind is None:
+        options, answer = [], str(len(objects)) if "How many" in question else colour
+    else:
+        right = {"shapes": shape, "colours": colour, "images": "<image 2>"}[kind]
+        pool = {"shapes": list(SHAPES), "colours": list(COLORS), "images": ["<image 2>", "<image 3>"]}[kind]
+        options = [right, *rng.sample([other for other in pool if other != right], min(3, len(pool) - 1))]
+        rng.shuffle(options)
+        answer = LETTERS[options.index(right)]
+        if kind == "images":
+            images["image_2"] = image  # the same picture as <image 1>
+    row = {"id": f"validation_{MMMU_SUBJECTS[index % 4]}_{index + 1}", "question": question, "options": str(options),
+           "explanation": "", "img_type": "['Diagrams']", "answer": answer, "topic_difficulty": "Easy",
+           "question_type": "multiple-choice" if options else "open", "subfield": "Shapes"}
+    named = set(re.findall(r"<image \d+>", f"{question} {options}"))
+    return row | {f"image_{n}": image_feature(images[f"image_{n}"]) if f"<image {n}>" in named else None
+                  for n in range(1, 8)}
+
+
+def mmbench(rng, index):
+    """A question (index under 10^6) or a circular copy of it (its options rotated, index + k * 10^6)."""
+    question, copy = index % 4, index // 4
+    scene = random.Random(500 + question)  # the copies of a question show the same image
+    image, objects, _ = make_scene(scene)
+    options = [objects[0][2], *scene.sample([other for other in SHAPES if other != objects[0][2]], 1 + question % 3)]
+    scene.shuffle(options)
+    rotated = options[copy % len(options):] + options[:copy % len(options)]
+    letters = {letter: (rotated[number] if number < len(rotated) else None) for number, letter in enumerate(LETTERS)}
+    return {"index": question + copy * 1_000_000, "question": "Which shape is shown first?",
+            "hint": "Shapes are drawn on a dark canvas." if question % 2 else None, **letters,
+            "answer": LETTERS[rotated.index(objects[0][2])], "category": "object_localization",
+            "image": image_feature(image), "source": "shapes", "L2-category": "finegrained_perception (instance-level)",
+            "comment": None, "split": "dev"}
+
+
 MAKERS = {"mmstar": mmstar, "chartqa": chartqa, "docvqa_val": docvqa, "infovqa_val": infovqa, "ai2d": ai2d,
-          "scienceqa_img": scienceqa, "ocrbench": ocrbench, "textvqa_val": textvqa}
+          "scienceqa_img": scienceqa, "ocrbench": ocrbench, "textvqa_val": textvqa,
+          "mmmu_val": mmmu, "mmbench_en_dev_static": mmbench}
 
 
 def main():
@@ -116,7 +173,9 @@ def main():
     for offset, (task, make) in enumerate(MAKERS.items()):
         rng = random.Random(100 + offset)
         docs = [make(rng, index) for index in range(DOCS + (task == "ai2d"))]
-        table = datasets.Dataset.from_list(docs).cast_column("image", datasets.Image())
+        table = datasets.Dataset.from_list(docs)
+        for column in [name for name in table.column_names if re.fullmatch(r"image(_\d)?", name)]:
+            table = table.cast_column(column, datasets.Image())
         folder = Path(args.output_dir) / task
         folder.mkdir(parents=True, exist_ok=True)
         table.to_parquet(folder / "test-00000-of-00001.parquet")

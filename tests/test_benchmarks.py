@@ -21,7 +21,15 @@ import pytest
 from gloo import run_on_ranks
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.benchmarks.harness import Benchmark, Benchmarks
-from mmrecipes.benchmarks.scoring import anls, choice_letter, relaxed_correctness
+from mmrecipes.benchmarks.scoring import (
+    anls,
+    choice_letter,
+    mmbench_prefetch,
+    mmmu_choice,
+    mmmu_open_correct,
+    mmmu_open_predictions,
+    relaxed_correctness,
+)
 from mmrecipes.benchmarks.tasks import TASKS
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "lmms_eval_parity.json").read_text())
@@ -29,8 +37,17 @@ EMBEDDED = BenchmarkArgs(benchmark_data_dir="embedded:benchmarks")
 
 
 def categorised(score):
-    """lmms-eval's per-document score as ours: MMStar's and OCRBench's dicts as (category, score)."""
+    """lmms-eval's per-document score as ours: MMStar's and OCRBench's dicts as (category, score), MMBench's pair as
+    (question index, score)."""
+    if isinstance(score, list):
+        return tuple(score)
     return (score.get("l2_category", score.get("question_type")), score["score"]) if isinstance(score, dict) else score
+
+
+def turn_of(bench, doc, request) -> list:
+    """The request's user turn as the fixture writes lmms-eval's: text, and each image as its column."""
+    columns = iter(bench.task.visuals(doc))
+    return [block["text"] if block["type"] == "text" else next(columns) for block in request.messages[0]["content"]]
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURE["tasks"]))
@@ -41,11 +58,21 @@ def test_prompts_scores_and_numbers_equal_lmms_evals(name):
     scored, read = [], Counter()
     for document in expected["documents"]:
         doc, request = bench.request(document["doc_id"])
-        assert request.messages[0]["content"][-1]["text"] == document["prompt"]
+        if "turn" in document:  # MMMU's interleaved turn (lmms-eval's doc_to_messages)
+            assert turn_of(bench, doc, request) == document["turn"], document
+            assert len(request.images) == len(bench.task.visuals(doc))
+        else:
+            assert request.messages[0]["content"][-1]["text"] == document["prompt"]
         result = bench.task.score(doc, document["answer"])
-        theirs = {metric: categorised(score) for metric, score in document["scores"].items()}
-        assert result.metrics == theirs, (name, document)  # the same arithmetic: equal to the bit
-        scored.append(result.metrics)
+        theirs = {metric: categorised(score) for metric, score in document["scores"].items() if metric != "parsed"}
+        if name == "mmmu_val" and not result.read:
+            # no letter read: lmms-eval guesses from its process's random state, we from the document's; both are a
+            # choice, and lmms-eval's numbers are compared with its guess
+            assert document["scores"]["parsed"][0] in "ABCD" and result.metrics["mmmu_acc"] in (0.0, 1.0)
+            scored.append(theirs)
+        else:
+            assert result.metrics == theirs, (name, document)  # the same arithmetic: equal to the bit
+            scored.append(result.metrics)
         read[result.read] += 1
     assert bench.task.numbers(scored) == pytest.approx(expected["numbers"], rel=1e-12)
     free_form = ("chartqa", "docvqa_val", "infovqa_val", "ocrbench", "textvqa_val")  # every answer is read
@@ -70,6 +97,25 @@ def test_the_scorers_equal_lmms_evals_own_where_it_is_installed():
         assert normalise_answer(answer) == EvalAIAnswerProcessor()(answer)
     for answer in ["Two dogs", "dont know", "1,000 people", "e.g. x. y.", "Red-blue", "it's john's", "end." * 40]:
         assert normalise_answer(answer) == EvalAIAnswerProcessor()(answer)
+    # MMMU's and MMBench's parsers, on answers of every path they take
+    from lmms_eval.tasks._task_utils.mmmu_mcq_utils import parse_mmmu_multi_choice_response
+    from lmms_eval.tasks.mmbench.en_utils import mmbench_evaluator
+    from lmms_eval.tasks.mmmu.utils import eval_open, parse_open_response
+
+    options = ["red circle", "blue", "<image 2>", "3"]
+    answers += ["(A) or (C)", "B. blue", "it is the red circle, not blue at all", "I think the blue one is it here",
+                "A: red", "so the result is 3.14159\nthus 2,000", "x = 7", "The answer is 1e3.", "A B", "C)",
+                "(D).", ":B", "a red circle", "A big one", "Final answer: blue", "answer is ."]
+    for answer in answers:
+        letter = mmmu_choice(answer, options)
+        theirs = parse_mmmu_multi_choice_response(answer, list("ABCD"), dict(zip("ABCD", options)))
+        assert letter == theirs or (letter is None and theirs in "ABCD"), answer  # unread: it guesses
+        assert sorted(map(str, mmmu_open_predictions(answer))) == sorted(map(str, parse_open_response(answer)))
+        for gold in ["2", "3.14", "blue", "a", "2000", "1,000"]:
+            assert mmmu_open_correct(gold, mmmu_open_predictions(answer)) == eval_open(gold, parse_open_response(
+                answer)), (answer, gold)
+        choices = dict(zip("ABCD", options))
+        assert mmbench_prefetch(answer, choices) == (mmbench_evaluator.can_infer(answer, dict(choices)) or "")
 
 
 def test_parsers_on_the_forms_they_must_read():
@@ -83,8 +129,8 @@ def test_parsers_on_the_forms_they_must_read():
 def _sharded(rank, world_size, limit):
     """{task: numbers and counts} of the embedded tasks answered on `world_size` ranks, and how often this rank
     answered (fillers included)."""
-    args = BenchmarkArgs(benchmarks="mmstar,ai2d,chartqa", benchmark_data_dir="embedded:benchmarks",
-                         benchmark_limit=limit)
+    args = BenchmarkArgs(benchmarks="mmstar,ai2d,chartqa,mmbench_en_dev_static",
+                         benchmark_data_dir="embedded:benchmarks", benchmark_limit=limit)
     benchmarks = Benchmarks(args, rank, world_size)
     calls = []
 
@@ -100,9 +146,10 @@ def test_two_ranks_give_one_process_numbers_over_uneven_documents():
     ranks = run_on_ranks(_sharded, 2, 0)
     for scores, calls, _ in ranks:
         assert scores == one[0]
-    # ai2d's 13 documents: 7 answered on rank 0, 6 and a filler on rank 1; every rank answered as often
-    assert [len(calls) for _, calls, _ in ranks] == [6 + 7 + 6, 6 + 7 + 6]
-    assert [sum(calls) for _, calls, _ in ranks] == [6 + 7 + 6, 6 + 6 + 6]
+    # ai2d's 13 documents: 7 answered on rank 0, 6 and a filler on rank 1; every rank answered as often; MMBench's
+    # circular copies of a question are answered on both ranks
+    assert [len(calls) for _, calls, _ in ranks] == [6 + 7 + 6 + 6, 6 + 7 + 6 + 6]
+    assert [sum(calls) for _, calls, _ in ranks] == [6 + 7 + 6 + 6, 6 + 6 + 6 + 6]
     assert one[0]["bench/ai2d/documents"] == 13 and one[0]["bench/mmstar/unread"] == 3  # "2", "x", "2"
     assert any(line.startswith("- ai2d (lmms-eval 0.7.3's task, version 0.0; ") for line in one[2])
 
@@ -127,12 +174,28 @@ def test_what_cannot_be_scored_is_counted_and_named(tmp_path):
     datasets.Dataset.from_list(broken).select([]).to_parquet(tmp_path / "chartqa" / "test.parquet")
     with pytest.raises(ValueError, match=r"--benchmarks chartqa: no document to score \(.*\): the benchmark"):
         Benchmarks(args)
+    # MMMU: options that are no list, an image the question names but the document lacks, one that does not decode
+    mmmu = datasets.load_dataset("parquet", data_files="data/benchmarks/mmmu_val/*.parquet", split="train")
+    mmmu = mmmu.cast_column("image_1", datasets.Image(decode=False)).to_list()
+    mmmu[0]["options"] = "['circle', 'square'"
+    mmmu[1]["question"] += " And in <image 4>?"
+    mmmu[5]["image_1"] = {"bytes": b"not an image", "path": None}
+    (tmp_path / "mmmu_val").mkdir()
+    datasets.Dataset.from_list(mmmu).to_parquet(tmp_path / "mmmu_val" / "test.parquet")
+    args = BenchmarkArgs(benchmarks="mmmu_val,mmbench_en_dev_static", benchmark_data_dir=str(tmp_path))
+    (tmp_path / "mmbench_en_dev_static").symlink_to(Path("data/benchmarks/mmbench_en_dev_static").resolve())
+    answered = []
+    scores = Benchmarks(args).run(lambda request, _: answered.append(request) or "ASSISTANT: B")
+    assert [scores[f"bench/mmmu_val/{reason}"] for reason in ("unreadable_options", "missing_image_4",
+                                                              "undecodable_image", "documents")] == [1, 1, 1, 9]
+    assert [len(request.images) for request in answered if not request.filler][:2] == [2, 3]
+    assert scores["bench/mmbench_en_dev_static/unread"] == 12  # cut at MMBench's stop, as lmms-eval: nothing left
 
 
 def test_a_saved_model_scores_by_generate_as_in_the_loop(tmp_path):
     """`python -m mmrecipes.benchmarks` (generate, a KV cache) and the recipes' answerer (whole-sequence forwards in
-    step, `benchmark_answers`) give the same greedy answers, so the same scores, on the tiny Llava; the JSON holds
-    them."""
+    step, `benchmark_answers`) give the same greedy answers, so the same scores, on the tiny Llava (one image, and
+    MMMU's several interleaved with text); the JSON holds them."""
     from helpers import tiny
     from mmrecipes.benchmarks.__main__ import main
     from mmrecipes.vlm.model.evaluation import benchmark_answers
@@ -143,16 +206,18 @@ def test_a_saved_model_scores_by_generate_as_in_the_loop(tmp_path):
     model, processor, _ = tiny()
     model.save_pretrained(tmp_path / "model")
     processor.save_pretrained(tmp_path / "model")
-    flags = ["--benchmarks", "docvqa_val,ai2d", "--benchmark_data_dir", "embedded:benchmarks", "--benchmark_limit", "4",
+    flags = ["--benchmarks", "docvqa_val,mmmu_val", "--benchmark_data_dir", "embedded:benchmarks", "--benchmark_limit",
+             "4",
              "--benchmark_max_new_tokens", "6"]
     saved = main(["--model", str(tmp_path / "model"), "--output", str(tmp_path / "scores.json"), *flags])
     vlm = SimpleNamespace(processor=processor, dummy_inputs=dummy_image_inputs(model, processor),
                           stops=stop_token_ids(model, processor), placeholders=placeholder_token_ids(model, processor))
-    args = BenchmarkArgs(benchmarks="docvqa_val,ai2d", benchmark_data_dir="embedded:benchmarks", benchmark_limit=4,
+    args = BenchmarkArgs(benchmarks="docvqa_val,mmmu_val", benchmark_data_dir="embedded:benchmarks", benchmark_limit=4,
                          benchmark_max_new_tokens=6)
     in_the_loop = Benchmarks(args).run(benchmark_answers(VLMForTraining(model), vlm, "cpu"))
     assert saved == in_the_loop == json.loads((tmp_path / "scores.json").read_text())
-    assert saved["bench/docvqa_val/documents"] == 4 and "bench/ai2d/exact_match" in saved
+    # MMMU's turns interleave text and up to two images (tiny Llava's own template renders them)
+    assert saved["bench/docvqa_val/documents"] == saved["bench/mmmu_val/documents"] == 4
 
 
 def _lmms_eval_on_ranks(rank, world_size, data, saved=None):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from PIL import Image
 
 from ..paths import resolve_name
+from ..skips import Skip
 from .arguments import BenchmarkArgs
 from .tasks import LMMS_EVAL, TASKS, Task
 
@@ -38,14 +39,6 @@ class Request:
     messages: list
     images: list
     filler: bool = False
-
-
-class Skip(Exception):
-    """A document that cannot be scored, and why."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 class Benchmark:
@@ -67,8 +60,9 @@ class Benchmark:
         if missing := [column for column in task.reads if column not in docs.column_names]:
             raise ValueError(f"--benchmarks {task.name}: its documents have no {', '.join(missing)} column (lmms-eval "
                              f"reads {task.hub})")
-        if isinstance(docs.features["image"], datasets.Image):
-            docs = docs.cast_column("image", datasets.Image(decode=False))  # decoded per document: a bad one counts
+        for column in task.image_columns:  # decoded per document: a bad one counts
+            if isinstance(docs.features[column], datasets.Image):
+                docs = docs.cast_column(column, datasets.Image(decode=False))
         if args.benchmark_limit:
             docs = docs.select(range(min(args.benchmark_limit, len(docs))))
         if not len(docs):
@@ -82,15 +76,20 @@ class Benchmark:
     def request(self, index: int) -> tuple[dict, Request]:
         """(the document's row, what to answer), or `Skip`."""
         doc = self.docs[index]
-        if missing := [column for column in self.task.reads if doc[column] is None]:
+        if missing := [column for column in self.task.columns if doc[column] is None]:
             raise Skip(f"missing_{missing[0]}")
-        try:
-            image = doc["image"]
-            image = Image.open(io.BytesIO(image["bytes"]) if image.get("bytes") else image["path"]).convert("RGB")
-        except Exception:  # noqa: BLE001 (any decoder's error: the document is counted, not scored)
-            raise Skip("undecodable_image") from None
-        content = [{"type": "image"}, {"type": "text", "text": self.task.prompt(doc)}]
-        return doc, Request(index, [{"role": "user", "content": content}], [image])
+        visuals = self.task.visuals(doc)
+        if missing := [column for column in visuals if doc.get(column) is None]:
+            raise Skip(f"missing_{missing[0]}")
+        images = []
+        for column in visuals:
+            try:
+                image = doc[column]
+                image = Image.open(io.BytesIO(image["bytes"]) if image.get("bytes") else image["path"])
+                images.append(image.convert("RGB"))
+            except Exception:  # noqa: BLE001 (any decoder's error: the document is counted, not scored)
+                raise Skip("undecodable_image") from None
+        return doc, Request(index, [{"role": "user", "content": self.task.turn(doc)}], images)
 
     @cached_property
     def filler(self) -> Request | None:
@@ -117,6 +116,8 @@ class Benchmark:
             if filler is None:  # no document of the task can be answered, on any rank: nothing to stay in step with
                 continue
             text = answer(request or filler, self.max_new_tokens)
+            for stop in self.task.until:
+                text = text.split(stop)[0]
             if request is not None:
                 scored.append((request.index, self.task.score(doc, text)))
         return scored, skipped

@@ -7,9 +7,14 @@ included: a harness that scores otherwise reports other numbers for the same ans
 - `exact_match`: its `exact_match` metric (the `evaluate` library's, case and punctuation optionally ignored);
 - `relaxed_correctness`: ChartQA's (a number within 5% of the target, else the same text ignoring case);
 - `anls`: DocVQA's and InfoVQA's average normalised Levenshtein similarity (0 under 0.5), with its length from the
-  answers before normalising.
+  answers before normalising;
+- `mmmu_choice`, `mmmu_open_predictions`, `mmmu_open_correct`: MMMU's parsers (the MMMU authors' `eval_utils`, as
+  lmms-eval runs them);
+- `mmbench_prefetch`: MMBench's rule extraction before its judge (VLMEvalKit's `can_infer`, as lmms-eval's static
+  evaluation runs it).
 """
 
+import re
 import string
 
 CHOICES = "ABCDEFGH"
@@ -111,3 +116,95 @@ def anls(answers: list[str], prediction: str, threshold: float = 0.5) -> float:
         distances.append(0.0 if length == 0 else levenshtein(normal(answer), normal(prediction)) / length)
     score = 1 - min(distances)
     return 0.0 if score < threshold else score
+
+
+def mmmu_choice(response: str, options: list) -> str | None:
+    """The letter of MMMU's multiple-choice parse: "(B)", then "B ", then "B." (the last place where several), then,
+    in an answer of more than five words, an option's text (the last one named); None where none is found (lmms-eval
+    then guesses)."""
+    letters = [chr(ord("A") + index) for index in range(len(options))]
+    for mark in ",.!?;:'":  # one mark after the other, as the original strips them
+        response = response.strip(mark)
+    text = f" {response} "
+    candidates = [letter for letter in letters if f"({letter})" in text]
+    bracketed = bool(candidates)
+    for form in ("{} ", "{}."):
+        candidates = candidates or [letter for letter in letters if form.format(letter) in text]
+    by_text = not candidates and len(text.split()) > 5
+    if by_text:
+        candidates = [letter for letter, option in zip(letters, options) if str(option).lower() in text.lower()]
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else None
+
+    def where(letter):
+        if by_text:
+            return text.lower().rfind(str(options[letters.index(letter)]).lower())
+        return text.rfind(f"({letter})" if bracketed else f" {letter} ")
+
+    return max(candidates, key=where)  # the first of equals, as numpy's argmax
+
+
+NUMBER_FORMS = (r"-?\b\d{1,3}(?:,\d{3})+\b", r"-?\d+(?:\.\d+)?[eE][+-]?\d+",
+                r"-?(?:\d+\.\d+|\.\d+|\d+\b)(?![eE][+-]?\d+)(?![,\d])")  # with commas, scientific, simple
+KEY_INDICATORS = ("could be ", "so ", "is ", "thus ", "therefore ", "final ", "answer ", "result ")
+
+
+def mmmu_normal(text: str) -> list:
+    """A number rounded to 2 places, else the lower-cased text (a single character padded by a space on either side,
+    so that it matches no longer word)."""
+    text = text.strip()
+    try:
+        return [round(float(text.replace(",", "")), 2)]
+    except ValueError:
+        text = text.lower()
+        return [f" {text}", f"{text} "] if len(text) == 1 else [text]
+
+
+def mmmu_open_predictions(response: str) -> list:
+    """MMMU's open-answer parse: of each line, the shortest tail after a key phrase ("so ", "is ", "answer ", "=" on the
+    last line), and the numbers in them, normalised (`mmmu_normal`); the whole answer where no line has one."""
+    response = response.strip().strip(".").lower()
+    lines = re.split(r"\.\s(?=[A-Z])|\n", response)  # (lower-cased: only the line breaks split)
+    keys = []
+    for index, line in enumerate(lines):
+        indicators = KEY_INDICATORS + (("=",) if index == len(lines) - 1 else ())
+        shortest = None
+        for indicator in indicators:
+            if indicator in line:
+                tail = line.split(indicator)[-1].strip()
+                if not shortest or len(tail) < len(shortest):
+                    shortest = tail
+        if shortest and shortest.strip() not in (":", ",", ".", "!", "?", ";", "'"):
+            keys.append(shortest)
+    keys = keys or [response]
+    found = keys + [number for key in keys for form in NUMBER_FORMS for number in re.findall(form, key)]
+    return list({value: None for text in found for value in mmmu_normal(text)})
+
+
+def mmmu_open_correct(answer: str, predictions: list) -> bool:
+    """Whether a normalised answer is inside a predicted text, or equals a predicted number."""
+    answers = mmmu_normal(answer)
+    return any(any(isinstance(expected, str) and expected in predicted for expected in answers)
+               if isinstance(predicted, str) else predicted in answers for predicted in predictions)
+
+
+LETTER_FORMS = (("", "."), ("", ","), ("", ":"), ("", ")"), ("", ")."), ("(", ")"), ("(", ")."), (":", ""), (":", ","),
+                (":", "."), (":", ")"), (":", ")."))
+
+
+def mmbench_prefetch(response: str, options: dict) -> str:
+    """MMBench's letter without a judge: one of A-E alone as a word (not where an "A" may be an article, in more than
+    three words), else one letter in a single form ("B.", "(B)", ":B", ...), else the one option whose text the
+    answer contains; "" where none."""
+    words = [word.strip() for word in response.split()]
+
+    def alone(before="", after=""):
+        return [letter for letter in "ABCDE" if f"{before}{letter}{after}" in words]
+
+    if len(alone()) == 1 and not ("A" in words and len(words) > 3):
+        return alone()[0]
+    for before, after in LETTER_FORMS:
+        if len(found := alone(before, after)) == 1:
+            return found[0]
+    named = [letter for letter, option in options.items() if str(option).lower() in response.lower()]
+    return named[0] if len(named) == 1 else ""

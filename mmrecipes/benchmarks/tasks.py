@@ -7,12 +7,27 @@ take (its `generation_kwargs`, else the 1024 of lmms-eval's Hugging Face models)
 aggregation). Scores equal lmms-eval's own functions on the same documents and answers (tests/test_benchmarks.py).
 """
 
+import ast
+import math
+import random
+import re
 import string
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from .scoring import anls, choice_letter, exact_match, leading_letter, relaxed_correctness
+from ..skips import Skip
+from .scoring import (
+    anls,
+    choice_letter,
+    exact_match,
+    leading_letter,
+    mmbench_prefetch,
+    mmmu_choice,
+    mmmu_open_correct,
+    mmmu_open_predictions,
+    relaxed_correctness,
+)
 from .vqa_answers import vqa_accuracy
 
 DEFAULT_MAX_NEW_TOKENS = 1024  # lmms-eval's Hugging Face models, where a task sets none
@@ -41,11 +56,23 @@ class Task:
     main: str  # the metric the log line shows first
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     aggregate: Callable[[list[dict]], dict] | None = None  # by default, each metric's mean over the documents
+    until: tuple[str, ...] = ()  # the answer is cut at the first of these
+    image_columns: tuple[str, ...] = ("image",)  # the image columns the dataset must have
+    # the image columns a document shows, in order; its user turn (images and text) by default its images, then its
+    # prompt (lmms-eval's turn of `doc_to_visual` and `doc_to_text`), else as `content` gives it (`doc_to_messages`)
+    visuals: Callable[[dict], list[str]] = lambda doc: ["image"]
+    content: Callable[[dict], list] | None = None
 
     @property
     def reads(self) -> tuple[str, ...]:
-        """Every column a document must hold: its image, then the columns."""
-        return ("image", *self.columns)
+        """Every column the dataset must have: its images, then the columns."""
+        return (*self.image_columns, *self.columns)
+
+    def turn(self, doc) -> list:
+        """The document's user turn: {"type": "image"} blocks (its `visuals` in order) and text blocks."""
+        if self.content is not None:
+            return self.content(doc)
+        return [{"type": "image"}] * len(self.visuals(doc)) + [{"type": "text", "text": self.prompt(doc)}]
 
     @property
     def hub(self) -> str:
@@ -155,6 +182,93 @@ def textvqa_score(doc, prediction: str) -> Scored:
     return Scored({"exact_match": vqa_accuracy(list(doc["answers"]), prediction) if doc["answers"] else 0.0})
 
 
+def mmmu_options(doc) -> list:
+    """MMMU's options: a Python list written as a string."""
+    try:
+        options = ast.literal_eval(doc["options"])
+    except (ValueError, SyntaxError):
+        raise Skip("unreadable_options") from None
+    if not isinstance(options, list):
+        raise Skip("unreadable_options")
+    return options
+
+
+def mmmu_prompt(doc) -> str:
+    if doc["question_type"] != "multiple-choice":
+        return f"{doc['question']}\n\n{SINGLE_WORD_OR_PHRASE.strip()}"
+    options = "\n".join(f"{chr(ord('A') + index)}. {option}" for index, option in enumerate(mmmu_options(doc)))
+    return f"{doc['question']}\n{options}\n\nAnswer with the option's letter from the given choices directly."
+
+
+def mmmu_visuals(doc) -> list[str]:
+    """The images the question and options name (`<image 2>`), each once, in the order of their names."""
+    prompt = f"{doc['question']} {doc['options'] if doc['question_type'] == 'multiple-choice' else ''}"
+    return sorted({f"image_{number}" for number in re.findall(r"<image (\d+)>", prompt)})
+
+
+def mmmu_content(doc) -> list:
+    """lmms-eval's interleaved turn: the text before each `<image n>`, then the next image (in `mmmu_visuals`' order,
+    whatever the number), then the text after the last; text beyond the images' count before the last is dropped."""
+    pieces = re.sub(r"<image [1-7]>", "<image>", mmmu_prompt(doc)).split("<image>")
+    content = []
+    for index in range(len(mmmu_visuals(doc))):
+        if index < len(pieces) - 1 and pieces[index].strip():
+            content.append({"type": "text", "text": pieces[index].strip()})
+        content.append({"type": "image"})
+    return content + [{"type": "text", "text": pieces[-1].strip()}]
+
+
+def mmmu_score(doc, prediction: str) -> Scored:
+    """A choice's letter (a guess seeded by the document where none is read: lmms-eval guesses from the process's
+    random state, which depends on the ranks; the guess is counted as unread) or an open answer's match."""
+    if doc["question_type"] != "multiple-choice":
+        return Scored({"mmmu_acc": float(mmmu_open_correct(doc["answer"], mmmu_open_predictions(prediction)))})
+    options = mmmu_options(doc)
+    letter = mmmu_choice(prediction, options)
+    guess = letter or random.Random(doc["id"]).choice([chr(ord("A") + index) for index in range(len(options))])
+    return Scored({"mmmu_acc": float(guess == doc["answer"])}, letter is not None)
+
+
+def rounded_mean(scored: list[dict]) -> dict:
+    """MMMU's accuracy over the documents, rounded to 5 places as lmms-eval reports it."""
+    return {"mmmu_acc": round(sum(metrics["mmmu_acc"] for metrics in scored) / len(scored), 5)}
+
+
+MMBENCH_OPTIONS = "There are several options:"
+CIRCULAR = 1_000_000  # a circular copy's index: its question's plus a multiple of this
+
+
+def given(value) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value)) and value != "nan"
+
+
+def mmbench_prompt(doc) -> str:
+    options = "\n".join(f"{letter}. {doc[letter]}" for letter in "ABCDE" if doc.get(letter) and given(doc[letter]))
+    question = f"{doc['question']} {MMBENCH_OPTIONS}\n{options}".rstrip("\n")
+    hint = f"{doc['hint']} " if given(doc.get("hint")) else ""
+    return f"{hint}{question}\n\nAnswer with the option's letter from the given choices directly."
+
+
+def mmbench_score(doc, prediction: str) -> Scored:
+    """The letter of the rules before MMBench's judge, else of the multiple-choice extraction over the options given;
+    scored per copy, a question right only where every circular copy of it is (`circular_accuracy`)."""
+    # (a column the dataset lacks reads as the text "nan", an option, as in lmms-eval)
+    options = {letter: doc.get(letter, "nan") for letter in "ABCD"}
+    options = {letter: text for letter, text in options.items() if given(text) or text == "nan"}
+    prediction = prediction.strip()
+    letter = mmbench_prefetch(prediction, options) or choice_letter(prediction, sorted(options))
+    return Scored({"gpt_eval_score": (int(doc["index"]), float(letter == doc["answer"]))}, bool(letter))
+
+
+def circular_accuracy(scored: list[dict]) -> dict:
+    """MMBench's circular evaluation: the percentage of questions (index under 10^6) whose copies among the documents
+    are all right."""
+    copies = [metrics["gpt_eval_score"] for metrics in scored]
+    questions = {index for index, _ in copies if index < CIRCULAR}
+    right = [all(score for index, score in copies if index % CIRCULAR == question) for question in questions]
+    return {"gpt_eval_score": 100 * sum(right) / len(right) if right else math.nan}
+
+
 def question_then(post_prompt: str) -> Callable[[dict], str]:
     return lambda doc: f"{doc['question']}{post_prompt}"
 
@@ -180,4 +294,11 @@ TASKS = {task.name: task for task in [
     Task("ocrbench", "echo840/OCRBench", None, "test", "0.0", ("question", "answer", "dataset", "question_type"),
          lambda doc: doc["question"].strip(), ocrbench_score, main="ocrbench_accuracy", max_new_tokens=128,
          aggregate=per_thousand),
+    Task("mmmu_val", "lmms-lab-encoder/MMMU", None, "validation", "0.0",
+         ("id", "question", "options", "answer", "question_type"), mmmu_prompt, mmmu_score, main="mmmu_acc",
+         max_new_tokens=128, aggregate=rounded_mean, image_columns=tuple(f"image_{n}" for n in range(1, 8)),
+         visuals=mmmu_visuals, content=mmmu_content),
+    Task("mmbench_en_dev_static", "lmms-lab-encoder/MMBench", "en", "dev", "0.0",
+         ("index", "question", "A", "B", "answer"), mmbench_prompt, mmbench_score, main="gpt_eval_score",
+         aggregate=circular_accuracy, until=("ASSISTANT:",)),
 ]}
