@@ -280,6 +280,27 @@ def test_lmms_evals_simple_evaluate_runs_the_live_model_on_two_ranks_as_on_one(t
     assert _lmms_eval_on_ranks(0, 1, data, tmp_path / "saved") == one  # by generate: the same greedy answers
 
 
+@pytest.mark.skipif(importlib.util.find_spec("lmms_eval") is None, reason="lmms-eval is not installed here (it pins "
+                    "av<16; its llava_hf model needs decord too)")
+def test_our_answers_are_lmms_evals_own_models_answers(tmp_path):
+    """bench/lmms_eval_agreement.py: lmms-eval's own Llava model class (its chat template rendering, `generate`,
+    decoding) and ours answer the same text on every document, MMMU's interleaved turns included."""
+    import subprocess
+    import sys
+
+    from helpers import tiny
+
+    model, processor, _ = tiny()
+    model.save_pretrained(tmp_path / "saved")
+    processor.save_pretrained(tmp_path / "saved")
+    run = subprocess.run([sys.executable, "bench/lmms_eval_agreement.py", "--model", str(tmp_path / "saved"),
+                          "--lmms_model", "llava_hf", "--tasks", "chartqa,mmmu_val", "--data_dir",
+                          "embedded:benchmarks", "--max_new_tokens", "6", "--device", "cpu"],
+                         capture_output=True, text=True, check=True)
+    for task in ("chartqa", "mmmu_val"):
+        assert f"{task}: answers the same text 12/12" in run.stdout, run.stdout
+
+
 def test_benchmark_steps_and_the_end_of_the_run_are_when_the_tasks_run():
     """--benchmark_steps K: every K optimizer steps and at the last; 0: at the last only; no task: never."""
     every_three = Benchmarks(BenchmarkArgs(benchmarks="ai2d", benchmark_data_dir="embedded:benchmarks",
