@@ -63,6 +63,7 @@ from mmrecipes.vlm.algorithms import grpo
 from mmrecipes.vlm.algorithms.reference import Reference
 from mmrecipes.vlm.algorithms.rewards import RewardScorer, load_reward_funcs
 from mmrecipes.vlm.algorithms.sampling import Sampler
+from mmrecipes.vlm.algorithms.tools import Tools
 from mmrecipes.vlm.model.evaluation import benchmark_answers, evaluate_generation
 from mmrecipes.vlm.model.outputs import TokenLogps
 from mmrecipes.vlm.model.parts import vlm_parts
@@ -86,6 +87,8 @@ def main(argv=None):
                     frozen_copy=grpo_args.beta > 0)
     model, processor = vlm.model, vlm.processor
     labeller = AnswerLabeller(processor, vlm.stops)  # the prompts go through its template
+    # --tools, --environment_factory: completions call them and go on after the results
+    tools = Tools.of(grpo_args, processor, vlm.stops)
     # the assistant header the samples start after
     template_line = check_generation_prompt(labeller, model_args.template_source())
 
@@ -128,8 +131,10 @@ def main(argv=None):
     if reference is not None:
         accelerator.print(reference.describe())
     chat_collator = ChatCollator(processor.tokenizer.pad_token_id, vlm.dummy_inputs)
-    sampler = Sampler(accelerator, chat_collator, grpo_args, vlm.stops, vlm.placeholders)
+    sampler = Sampler(accelerator, chat_collator, grpo_args, vlm.stops, vlm.placeholders, tools)
     accelerator.print(sampler.describe())
+    if tools:
+        accelerator.print(tools.describe())
 
     # The loader reads a team's prompts for a step as one batch, leaving room for the completions
     prompt_length = data_args.max_length - grpo_args.max_completion_length
@@ -137,7 +142,8 @@ def main(argv=None):
     train_loader = build_chat_dataloader(replace(data_args, max_length=prompt_length), labeller,
                                          prompt_collator, shuffle_seed=args.seed,
                                          batch_size=layout.prompts_per_step, ranks=layout,
-                                         preprocessor=PromptPreprocessor)
+                                         preprocessor=PromptPreprocessor,
+                                         preprocessor_kwargs={"tools": tools and tools.schemas()})
     held_out = []  # questions answered by greedy decoding at each evaluation
     if data_args.eval_dataset_name:
         held_out = generation_prompts(data_args, processor, rows=data_args.eval_generation_rows,
@@ -180,7 +186,8 @@ def main(argv=None):
             prompts = window[0]["prompts"]
             rollouts = sampler.rollouts(model, prompts, layout, seed=args.seed + step,
                                         mask_truncated=grpo_args.mask_truncated_completions)
-            rollouts.scores = scorer.score(rollouts.completions, processor.tokenizer, vlm.stops)
+            rollouts.scores = scorer.score(rollouts.completions, processor.tokenizer, vlm.stops,
+                                           rollouts.conversations)
             rewards = scorer.total(rollouts.scores)
             advantages, zero_std = layout.advantages(rewards, grpo_args.scale_rewards,
                                                      accelerator.device)

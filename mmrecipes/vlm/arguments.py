@@ -362,6 +362,13 @@ class GRPOArgs(SamplingArgs):
     format_pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
     # seconds one reward function may take to score a rank's completions of a step; then they count as failed
     reward_timeout: float = checked(300.0, "positive")
+    # Multi-turn rollouts (TRL's names): functions the model may call, by import path (module:function, comma-
+    # separated; type hints and a docstring, as transformers renders them), and/or an environment class
+    # (module:Class: one instance per completion, reset(**row) before it, its public methods tools)
+    tools: str = ""
+    environment_factory: str = ""
+    max_tool_calling_iterations: int | None = checked(None, "count_or_none")  # None: until the completion budget
+    tool_timeout: float = checked(60.0, "positive")  # seconds a tool call may take; then it fails, counted
 
     def __post_init__(self):
         super().__post_init__()

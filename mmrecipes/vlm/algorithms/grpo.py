@@ -244,6 +244,10 @@ def grpo_metrics(sums: dict, names, beta: float) -> dict:
         metrics |= {f"rewards/{name}/mean": ratio(sums[f"reward_{name}"], sums[f"scored_{name}"]),
                     f"rewards/{name}/failed": int(sums[f"failed_{name}"])}
     metrics |= {f"clip_ratio/{name}_mean": ratio(sums[f"clip_{name}"], sums["tokens_trained"]) for name in CLIP_COUNTS}
+    if "tool_calls" in sums:  # TRL's names
+        metrics |= {"tools/call_frequency": ratio(sums["tool_calls"], sums["completions"]),
+                    "tools/failure_frequency": ratio(sums["tool_failures"], sums["tool_calls"]) if sums["tool_calls"]
+                    else 0.0}
     if beta:
         metrics["kl"] = ratio(sums["kl"], sums["tokens_trained"])
     return metrics

@@ -104,7 +104,7 @@ def load_reward_funcs(names: list[str], format_pattern: str, timeout: float | No
         elif ":" in name:
             module, _, attribute = name.partition(":")
             try:
-                with _time_limit(timeout, f"importing {module} (--reward_funcs {name})"):
+                with time_limit(timeout, f"importing {module} (--reward_funcs {name})"):
                     funcs[name] = getattr(importlib.import_module(module), attribute)
             except (ImportError, AttributeError) as error:
                 raise ValueError(f"--reward_funcs {name}: cannot import it ({error})") from error
@@ -170,7 +170,7 @@ class RewardScorer:
             ids = {"completion_ids": completion_ids} | (
                 {"completions_ids": completion_ids} if name in self.ids_as_documented else {})
             try:
-                with _time_limit(self.timeout, f"reward function {name}"):
+                with time_limit(self.timeout, f"reward function {name}"):
                     values = func(prompts=prompts, completions=completions, **ids, **columns)
                     values = list(asyncio.run(values) if inspect.iscoroutine(values) else values)
                 if len(values) != len(completions):
@@ -186,14 +186,15 @@ class RewardScorer:
                     self._failed(name, kind, why)
         return scores
 
-    def score(self, completions, tokenizer, stop_ids) -> torch.Tensor:
+    def score(self, completions, tokenizer, stop_ids, conversations=None) -> torch.Tensor:
         """`completions` ((prompt, token ids) each: `sampling.Rollouts`) decoded (without their stop tokens) and
-        scored as TRL hands them to reward functions (`reward_inputs`)."""
+        scored as TRL hands them to reward functions (`reward_inputs`); multi-turn ones as their `conversations`
+        (the assistant's and the tools' messages, TRL's way)."""
         prompts, ids = zip(*completions)
         texts = [tokenizer.decode([token for token in row if token not in stop_ids], skip_special_tokens=True)
                  for row in ids]
         reward_prompts, values, columns = reward_inputs(prompts, texts)
-        return self(reward_prompts, values, list(ids), columns)
+        return self(reward_prompts, conversations or values, list(ids), columns)
 
     def _failed(self, name: str, kind: str, why: str, completions: int = 1):
         """Count a failure; the first of each `kind` per function is said (`take_failures`)."""
@@ -235,9 +236,10 @@ class RewardScorer:
 
 
 @contextlib.contextmanager
-def _time_limit(seconds: float | None, what: str):
-    """Raise `RewardTimeout` in the block after `seconds`, and every second after while it lasts (the main thread
-    only: a signal timer); `STUCK_S` seconds past the limit, end the process, naming `what` on stderr."""
+def time_limit(seconds: float | None, what: str, flag: str = "--reward_timeout"):
+    """Raise `RewardTimeout` in the block after `seconds` (`flag`'s), and every second after while it lasts (the
+    main thread only: a signal timer); `STUCK_S` seconds past the limit, end the process, naming `what` on stderr.
+    Tools' calls are timed the same way (`tools.ToolBox`)."""
     if not seconds or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -246,10 +248,10 @@ def _time_limit(seconds: float | None, what: str):
     def expire(signum, frame):
         late = time.monotonic() - deadline
         if late > STUCK_S:  # it swallowed every timeout so far: nothing in the process can stop it
-            os.write(2, f"{what} ran {late:.0f} s past --reward_timeout {seconds:g} s, catching every timeout raised "
+            os.write(2, f"{what} ran {late:.0f} s past {flag} {seconds:g} s, catching every timeout raised "
                         "in it: ending the process\n".encode())
             os._exit(1)
-        raise RewardTimeout(f"{what} ran past --reward_timeout {seconds:g} s")
+        raise RewardTimeout(f"{what} ran past {flag} {seconds:g} s")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)

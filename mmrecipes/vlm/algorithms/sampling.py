@@ -26,6 +26,9 @@ from ..arguments import SamplingArgs
 from ..model.evaluation import with_token_appended
 from ..model.outputs import Logits
 from ..rows.collate import chat_rows
+from .tools import Trajectory
+
+TURN_STRIDE = 1 << 20  # a turn's generator: its completion's index + turn x this (the first turn's is the index)
 
 
 def prompt_seed(seed: int, prompt: dict) -> int:
@@ -41,31 +44,34 @@ def prompt_seed(seed: int, prompt: dict) -> int:
 
 @torch.no_grad()
 def sample_group(model, prompt: dict, collator, args: SamplingArgs, stop_ids, seed: int, device, suppressed=(),
-                 indices=None, live=True):
+                 indices=None, live=True, budget=None):
     """[(completion token ids, truncated)] of the completions `indices` (default: all --num_generations) of
     `prompt`'s group, each from its own generator (`seed` + its index), sampled at --temperature within --top_p
     (never a `suppressed` token: `placeholder_token_ids`), each up to its first stop token (included) or
     --max_completion_length tokens (truncated), with forwards until every rank's completions have stopped (`live`
-    False: a filler whose completions count as stopped, forwarded only while another rank samples)."""
+    False: a filler whose completions count as stopped, forwarded only while another rank samples; `budget`: fewer
+    tokens than --max_completion_length, the rest of a multi-turn completion's)."""
     indices = range(args.num_generations) if indices is None else indices
     inputs = to_device(collator(chat_rows(prompt, [[]] * len(indices), [False] * len(indices))), device)
     sampler = RowSampler(indices, seed, args, suppressed)
-    completions, stopped = [[] for _ in indices], [not live] * len(indices)
-    for _ in range(args.max_completion_length):
+    completions, stopped, ended = [[] for _ in indices], [not live] * len(indices), [False] * len(indices)
+    budget = args.max_completion_length if budget is None else budget
+    for _ in range(args.max_completion_length):  # as often on every rank, whatever its budgets
         if not max_over_ranks(torch.tensor(float(not all(stopped)), device=device)).item():
             break  # every rank's completions have stopped
         tokens = torch.tensor(sampler.draw(model(inputs, Logits())[:, -1]))
         for index, token in enumerate(tokens.tolist()):
             if not stopped[index]:
                 completions[index].append(token)
-                stopped[index] = token in stop_ids
+                ended[index] = token in stop_ids
+                stopped[index] = ended[index] or len(completions[index]) >= budget
         inputs = with_token_appended(inputs, tokens.to(device))
-    return [(completion, not done) for completion, done in zip(completions, stopped)]
+    return [(completion, not done) for completion, done in zip(completions, ended)]
 
 
 @torch.no_grad()
 def generate_group(model, prompt: dict, collator, args: SamplingArgs, stop_ids, seed: int, device, suppressed=(),
-                   indices=None):
+                   indices=None, budget=None):
     """What `sample_group` samples, by `generate` with a KV cache, on a `VLMForTraining` whole on this rank (no
     collective in its forward: `model_for_sampling`): the prompt as the processor gave it (a text-only prompt
     without the dummy image, which only keeps sharded ranks in step), each completion's token drawn from its own
@@ -75,7 +81,8 @@ def generate_group(model, prompt: dict, collator, args: SamplingArgs, stop_ids, 
     dummies = (model.vision_input_names if batch["dummy_image"] else set()) | (
         {"pixel_values_videos"} if batch.get("dummy_video") else set())
     inputs = {name: value for name, value in batch.items() if name in model.forward_input_names - dummies - {"labels"}}
-    config = GenerationConfig(max_new_tokens=args.max_completion_length, do_sample=False, eos_token_id=list(stop_ids),
+    budget = args.max_completion_length if budget is None else budget
+    config = GenerationConfig(max_new_tokens=budget, do_sample=False, eos_token_id=list(stop_ids),
                               pad_token_id=collator.pad_token_id)
     sampler = RowSampler(indices, seed, args, suppressed)
     generated = model.model.generate(**inputs, generation_config=config, synced_gpus=False,
@@ -83,7 +90,7 @@ def generate_group(model, prompt: dict, collator, args: SamplingArgs, stop_ids, 
     completions = []
     for row in generated[:, inputs["input_ids"].shape[1]:].tolist():
         end = next((i + 1 for i, token in enumerate(row) if token in stop_ids), None)
-        completions.append((row[:end], False) if end else (row[:args.max_completion_length], True))
+        completions.append((row[:end], False) if end else (row[:budget], True))
     return completions
 
 
@@ -122,9 +129,10 @@ class Sampler:
     """What every step's sampling takes: the accelerator (the engine decides how: `model_for_sampling`), the
     collator, the sampling flags (`SamplingArgs`), the stop ids and the ids never sampled (`placeholder_token_ids`)."""
 
-    def __init__(self, accelerator, collator, args: SamplingArgs, stop_ids, suppressed):
+    def __init__(self, accelerator, collator, args: SamplingArgs, stop_ids, suppressed, tools=None):
         self.accelerator, self.collator, self.args = accelerator, collator, args
         self.stop_ids, self.suppressed = list(stop_ids), list(suppressed)
+        self.tools = tools  # `tools.Tools`: completions go on after their tool calls' results
 
     def describe(self) -> str:
         return generation_line(self.accelerator, self.args.ds3_gather_for_generation)
@@ -146,6 +154,7 @@ class Sampler:
         device, args = self.accelerator.device, self.args
         pieces = [(piece, True) for piece in layout.pieces()] if whole else batches_in_step(layout.pieces(), (0, [0]),
                                                                                           device)
+        trajectories = []
         for (index, indices), real in pieces:
             prompt = prompts[index]
             sample = generate_group if whole else partial(sample_group, live=real)
@@ -153,15 +162,63 @@ class Sampler:
                            self.suppressed, indices)
             if not real:
                 continue
+            if self.tools is not None:
+                for completion, (ids, cut) in zip(indices, group):
+                    trajectory = Trajectory(prompt, completion, prompt_seed(seed, prompt),
+                                            environment=self.tools.environment(prompt))
+                    trajectory.add_turn(ids, cut, self.tools.format, self.tools.tokenizer)
+                    trajectories.append(trajectory)
+                continue
             completions = [ids for ids, _ in group]
             rollouts.completions += [(prompt, ids) for ids in completions]
             rollouts.lengths += [len(ids) for ids in completions]
             rollouts.truncated += [cut for _, cut in group]
             rows += chat_rows(prompt, completions, [not (cut and mask_truncated) for _, cut in group])
+        if self.tools is not None:
+            self.tool_turns(model, whole, trajectories, prompts[0])
+            rollouts.completions = [(trajectory.prompt, trajectory.ids) for trajectory in trajectories]
+            rollouts.conversations = [trajectory.messages for trajectory in trajectories]
+            rollouts.lengths = [sum(trajectory.own) for trajectory in trajectories]
+            rollouts.truncated = [trajectory.truncated for trajectory in trajectories]
+            rows = [trajectory.row(not (trajectory.truncated and mask_truncated)) for trajectory in trajectories]
+            rollouts.tool_counts = self.tools.take_counts(self.accelerator)
         rollouts.micro_batches = [self.collator(rows[start:start + layout.micro_batch])
                                   for start in range(0, len(rows), layout.micro_batch)]
         rollouts.seconds = time.perf_counter() - started
         return rollouts
+
+
+    def tool_turns(self, model, whole: bool, trajectories: list, filler: dict):
+        """Each trajectory's tool calls run and their results appended, then its next turn sampled (its own generator
+        for each turn), until none calls a tool or --max_tool_calling_iterations; a sharded model samples as many
+        turns, as many times, on every rank (`filler` where a rank has fewer)."""
+        tools, args, device = self.tools, self.args, self.accelerator.device
+        turn = 0
+        while tools.max_iterations is None or turn < tools.max_iterations:
+            turn += 1
+            going = []
+            for trajectory in [trajectory for trajectory in trajectories if trajectory.pending]:
+                results = [(name or "call", tools.box.run(name, arguments, trajectory.environment))
+                           for name, arguments in trajectory.pending]
+                tokens, media = tools.format.suffix(results)
+                if len(trajectory.ids) + len(tokens) >= args.max_completion_length:
+                    trajectory.pending = []  # no room for the results and an answer: it ends as it is (TRL's way)
+                    continue
+                trajectory.add_results(results, tokens, media)
+                going.append(trajectory)
+            count = len(going) if whole else int(max_over_ranks(torch.tensor(float(len(going)), device=device)))
+            if not count:
+                break
+            for slot in range(count):
+                trajectory = going[slot] if slot < len(going) else None
+                state = trajectory.state() if trajectory else filler
+                indices = [trajectory.index + turn * TURN_STRIDE] if trajectory else [0]
+                budget = args.max_completion_length - len(trajectory.ids) if trajectory else None
+                sample = generate_group if whole else partial(sample_group, live=trajectory is not None)
+                group = sample(model, state, self.collator, args, self.stop_ids, trajectory.seed if trajectory else 0,
+                               device, self.suppressed, indices, budget=budget)
+                if trajectory:
+                    trajectory.add_turn(*group[0], tools.format, tools.tokenizer)
 
 
 @dataclass
@@ -171,12 +228,14 @@ class Rollouts:
     took, and (GRPO's) its rewards per function (NaN where one failed)."""
 
     completions: list = field(default_factory=list)
+    conversations: list | None = None  # multi-turn: each completion as reward functions get it (messages)
     micro_batches: list = field(default_factory=list)
     scores: torch.Tensor | None = None
     lengths: list = field(default_factory=list)
     truncated: list = field(default_factory=list)
     seconds: float = 0.0
     trained: int = 0  # optimizer steps trained on them so far (--num_iterations)
+    tool_counts: dict = field(default_factory=dict)  # multi-turn: tool calls and failed calls (`Tools.take_counts`)
 
     def sums(self, rewards, zero_std, failures, names, counted: bool = True) -> dict:
         """This rank's sums for the log (summed over ranks and steps by `Report`): the rewards, the completions and
@@ -184,7 +243,7 @@ class Rollouts:
         scores, valid = self.scores, ~rewards.isnan()
         sums = {"completions": len(rewards), "scored": valid.sum(), "reward": rewards[valid].sum(),
                 "reward_square": (rewards[valid] ** 2).sum(), "zero_std": zero_std.sum(), "length": sum(self.lengths),
-                "truncated": sum(self.truncated), "generation_seconds": self.seconds}
+                "truncated": sum(self.truncated), "generation_seconds": self.seconds} | self.tool_counts
         for index, name in enumerate(names):
             sums |= {f"reward_{name}": scores[:, index].nan_to_num(0).sum(), f"failed_{name}": failures[name],
                      f"scored_{name}": (~scores[:, index].isnan()).sum()}

@@ -304,11 +304,11 @@ def encode_row(labeller, messages, images, videos=()):
     """(input_ids, labels, media_inputs) of one conversation: the labeller's tokens and targets, and the
     processor's other outputs (image and video inputs; per-token ones like mm_token_type_ids unbatched)."""
     encoded, target = labeller(messages, images, videos)
-    input_ids, media_inputs = _unbatched(encoded)
+    input_ids, media_inputs = unbatched(encoded)
     return input_ids, torch.where(target, input_ids, IGNORE_INDEX), media_inputs
 
 
-def _unbatched(encoded) -> tuple[torch.Tensor, dict]:
+def unbatched(encoded) -> tuple[torch.Tensor, dict]:
     """(input_ids, the other inputs) of a one-conversation processor output, the mask left out."""
     input_ids = torch.as_tensor(encoded.pop("input_ids")[0])
     encoded.pop("attention_mask")
@@ -362,10 +362,11 @@ def _held_out_prompt(args: ChatDataArgs, processor, row):
     return prompt_row(processor, messages[:last], images), answer.strip()
 
 
-def prompt_row(processor, messages, images) -> dict:
-    """A collator row of `messages` rendered with the generation prompt (no target): what `generate` is given."""
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    input_ids, media_inputs = _unbatched(processor(text=text, images=[images] if images else None))
+def prompt_row(processor, messages, images, tools=None) -> dict:
+    """A collator row of `messages` rendered with the generation prompt (and the `tools`' JSON schemas, where given;
+    no target): what `generate` is given."""
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, **({"tools": tools} if tools else {}))
+    input_ids, media_inputs = unbatched(processor(text=text, images=[images] if images else None))
     return {"input_ids": input_ids, "labels": torch.full_like(input_ids, IGNORE_INDEX), "media_inputs": media_inputs}
 
 

@@ -63,13 +63,17 @@ class PromptPreprocessor(ChatPreprocessor):
     COLUMNS = PROMPT_COLUMNS
     OUTPUTS = ("input_ids", "media_inputs", "reward_prompt", "reward_columns")
 
+    def __init__(self, args, labeller, max_length: int, tools=None):
+        super().__init__(args, labeller, max_length)
+        self.tools = tools  # the JSON schemas of the tools the model may call, rendered in every prompt
+
     def example(self, row):
         try:
             messages, raw_images, reward_prompt, columns = prompt_chat(row)
             if has_video(row, messages):
                 raise Skip("video", "GRPO samples image and text prompts")
             images, note = row_images(self.args, media_folder(row, self.args.image_folder), messages, raw_images)
-            prompt = prompt_row(self.labeller.processor, messages, images)
+            prompt = prompt_row(self.labeller.processor, messages, images, self.tools)
         except Skip:
             raise
         except Exception as error:  # a template that refuses the prompt, say: counted, never a crash

@@ -1,0 +1,362 @@
+"""Tools and environments for multi-turn GRPO, TRL 1.16's API: `--tools module:function,...`, `--environment_factory
+module:Class`, `--max_tool_calling_iterations`, `--tool_timeout` (docs/grpo.md, "Tools").
+
+A completion that calls tools (in the template's own tool-call format, found by rendering one: `ToolFormat`) has
+each call run (`ToolBox.run`), the results rendered as the template renders tool turns and appended after the model's
+tokens as token ids (`ToolFormat.suffix`: never re-tokenised), and the model goes on from there, until it calls no
+tool, --max_tool_calling_iterations, or --max_completion_length (tool tokens count). A tool's images go through the
+processor, their inputs after the prompt's; where the template drops images in a tool turn, they go in a user turn
+after it (said at start-up). Tool-result tokens are no target: the loss, the KL and the entropy read the model's only.
+
+Tools are user code: a call that raises (`sys.exit` included), runs past --tool_timeout, names no known tool, gives
+something that is neither text (a string or a number) nor content blocks, or an image that does not load fails that
+call: counted per kind, its error the result the model reads (TRL's `{"error": ...}`), never a crashed or hung run.
+"""
+
+import importlib
+import inspect
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import gather_object
+from transformers.utils import get_json_schema
+
+from ...images import NORMALIZED_BY
+from ..rows.chat_data import TOKEN_ALIGNED, unbatched
+from ..rows.labels import IGNORE_INDEX
+from .rewards import RewardTimeout, time_limit
+
+SENTINEL = {"name": "tool_name_sentinel", "arguments": {"argument_sentinel": "value_sentinel"}}
+
+
+def imported(path: str, flag: str):
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"{flag} {path}: cannot import it ({error}); give module:name") from error
+
+
+def load_tools(spec: str) -> list:
+    """The functions of `--tools` (comma-separated module:function), each with the JSON schema transformers renders
+    from its type hints and docstring (checked now: a tool without them stops the run before step 1)."""
+    tools = [imported(path.strip(), "--tools") for path in spec.split(",") if path.strip()]
+    for tool in tools:
+        schema(tool, "--tools")
+    return tools
+
+
+def schema(tool, flag: str) -> dict:
+    try:
+        return get_json_schema(tool)
+    except Exception as error:  # noqa: BLE001 (transformers' own errors name what is missing)
+        raise ValueError(f"{flag}: {getattr(tool, '__name__', tool)} cannot be described to the model ({error})")
+
+
+def environment_tools(environment) -> list:
+    """An environment's tools: its public methods but reset and get_reward (TRL's rule)."""
+    return [getattr(environment, name) for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
+
+
+class ToolFormat:
+    """How the chat template writes a tool call (the text around its JSON), tool schemas and tool turns, found by
+    rendering them; `of` refuses a template that writes none of them, or a call other than as JSON."""
+
+    def __init__(self, processor, stop_ids, opening: str, closing: str, images_in_tool_turns: bool):
+        self.processor, self.stop_ids = processor, set(stop_ids)
+        self.opening, self.closing = opening, closing
+        self.images_in_tool_turns = images_in_tool_turns
+
+    @classmethod
+    def of(cls, processor, stop_ids, tools: list) -> "ToolFormat":
+        def render(messages, **kwargs):
+            return processor.apply_chat_template(messages, **kwargs)
+
+        user = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+        plain = render([user, {"role": "assistant", "content": [{"type": "text", "text": ""}]}])
+        called = render([user, calling(SENTINEL["name"], SENTINEL["arguments"])])
+        call = json.dumps(SENTINEL)
+        where = "the model's chat template (--chat_template_path gives another)"
+        if SENTINEL["name"] not in called:
+            raise ValueError(f"--tools: {where} does not write an assistant turn's tool calls: the model would never "
+                             "see how to call one")
+        if call not in called:
+            raise ValueError(f"--tools: {where} writes tool calls other than as JSON {{\"name\": ..., \"arguments\": "
+                             "...}}; only that format is read here yet")
+        schemas = [schema(tool, "--tools") for tool in tools]
+        if schemas[0]["function"]["name"] not in render([user], tools=schemas):
+            raise ValueError(f"--tools: {where} does not write the tools' schemas: the model would not know them")
+        start = called.index(call)
+        prefix = len(common_prefix(plain, called))
+        suffix = len(common_prefix(plain[::-1], called[::-1]))
+        opening, closing = called[prefix:start].strip(), called[start + len(call):len(called) - suffix].strip()
+        if not opening or not closing:
+            raise ValueError(f"--tools: {where} writes a tool call without marks around it: it cannot be told from "
+                             "an answer")
+        result = {"role": "tool", "name": SENTINEL["name"],
+                  "content": [{"type": "image"}, {"type": "text", "text": "result_sentinel"}]}
+        turn = render([user, calling(SENTINEL["name"], {}), result], add_generation_prompt=True)
+        if "result_sentinel" not in turn:
+            raise ValueError(f"--tools: {where} does not write tool turns: the model would never see a result")
+        image_token = getattr(processor, "image_token", None)
+        images = bool(image_token) and turn.count(image_token) > called.count(image_token)
+        return cls(processor, stop_ids, opening, closing, images)
+
+    def describe(self) -> str:
+        where = ("in the tool turn" if self.images_in_tool_turns else
+                 "in a user turn after it (the chat template drops images in tool turns)")
+        return f"tools: calls read between {self.opening!r} and {self.closing!r}; a tool's images go {where}"
+
+    def parse(self, text: str) -> tuple[str, list]:
+        """(the answer's text before its first call, [(name, arguments) or (None, why it is unreadable)])."""
+        pattern = re.escape(self.opening) + r"(.*?)" + re.escape(self.closing)
+        calls = []
+        for inside in re.findall(pattern, text, flags=re.DOTALL):
+            try:
+                call = json.loads(inside)
+                calls.append((str(call["name"]), call.get("arguments") or {}))
+            except (ValueError, KeyError, TypeError) as error:
+                calls.append((None, f"an unreadable tool call ({type(error).__name__}: {error})"))
+        return text.split(self.opening)[0].strip(), calls
+
+    def suffix(self, results: list) -> tuple[torch.Tensor, dict]:
+        """The token ids (and the images' inputs) of tool results `[(name, content blocks)]` as the template writes
+        them after an assistant turn, up to the next generation prompt: the difference between a conversation
+        rendered with them and without, cut after the model's stop token, as TRL 1.16 cuts it."""
+        user = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+        before = [user, calling(results[0][0], {})]
+        turns, images = [], []
+        for name, blocks in results:
+            images += [block["image"] for block in blocks if block["type"] == "image"]
+            kept = blocks if self.images_in_tool_turns else [block for block in blocks if block["type"] == "text"]
+            turns.append({"role": "tool", "name": name,
+                          "content": [{"type": block["type"], **({"text": block["text"]} if "text" in block else {})}
+                                      for block in kept]})
+        if images and not self.images_in_tool_turns:
+            turns.append({"role": "user", "content": [{"type": "image"}] * len(images)})
+        prefix = self.processor(text=self.processor.apply_chat_template(before))["input_ids"][0]
+        text = self.processor.apply_chat_template(before + turns, add_generation_prompt=True)
+        ids, media = unbatched(self.processor(text=text, images=[images] if images else None))
+        ends = [index for index, token in enumerate(prefix) if token in self.stop_ids]
+        cut = ends[-1] + 1 if ends else len(prefix)
+        if ids[:cut].tolist() != list(prefix[:cut]):
+            raise ValueError("--tools: the chat template writes an assistant turn otherwise once a tool turn follows; "
+                             "tool results cannot be appended to the model's tokens")
+        return ids[cut:], {key: value[cut:] if key in TOKEN_ALIGNED else value for key, value in media.items()}
+
+
+def calling(name: str, arguments: dict) -> dict:
+    return {"role": "assistant", "content": [{"type": "text", "text": ""}],
+            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
+def common_prefix(one: str, other: str) -> str:
+    length = next((index for index, (a, b) in enumerate(zip(one, other)) if a != b), min(len(one), len(other)))
+    return one[:length]
+
+
+class ToolBox:
+    """Runs calls of the tools (`--tools`, and a completion's environment's methods), each within `timeout` seconds,
+    and counts the failures by kind (`failures`: {"<tool>/<kind>": calls}) and the calls."""
+
+    def __init__(self, tools: list, timeout: float):
+        self.tools, self.timeout = {tool.__name__: tool for tool in tools}, timeout
+        self.calls, self.failures, self.first_errors = 0, Counter(), {}
+
+    def run(self, name, arguments, environment=None) -> list:
+        """The content blocks of one call's result (its error as text where it failed)."""
+        self.calls += 1
+        tools = self.tools | ({tool.__name__: tool for tool in environment_tools(environment)} if environment else {})
+        if name is None:
+            return self._failed("unreadable", "call", arguments)
+        if name not in tools:
+            return self._failed("unknown", name, f"no tool {name} (the tools: {', '.join(sorted(tools))})")
+        if not isinstance(arguments, dict):
+            return self._failed("arguments", name, f"arguments {arguments!r:.60} are not an object")
+        try:
+            with time_limit(self.timeout, f"tool {name}", "--tool_timeout"):
+                return blocks(tools[name](**arguments))
+        except RewardTimeout as error:
+            return self._failed("timeout", name, str(error))
+        except SystemExit as error:
+            return self._failed("exit", name, f"it called sys.exit({error.code!r}), which would end the run")
+        except BadResult as error:
+            return self._failed(error.kind, name, str(error))
+        except Exception as error:  # noqa: BLE001 (any error of user code fails the call, not the run)
+            return self._failed("raised", name, f"{type(error).__name__}: {error}")
+
+    def _failed(self, kind: str, name: str, why: str) -> list:
+        self.failures[f"{name}/{kind}"] += 1
+        self.first_errors.setdefault(f"{name}/{kind}", why)
+        return [{"type": "text", "text": str({"error": why})}]
+
+
+class BadResult(Exception):
+    def __init__(self, kind: str, why: str):
+        super().__init__(why)
+        self.kind = kind
+
+
+def blocks(result) -> list:
+    """A tool's result as content blocks: text (a string or a number, as TRL writes it) or blocks of text and images
+    (each image loaded now: one that does not load fails the call)."""
+    if isinstance(result, (str, int, float, bool)):
+        return [{"type": "text", "text": str(result)}]
+    if not isinstance(result, list) or not all(isinstance(block, dict) and block.get("type") in ("text", "image")
+                                               for block in result):
+        raise BadResult("result", f"gave a {type(result).__name__}, neither text nor content blocks: {result!r:.60}")
+    loaded = []
+    for block in result:
+        if block["type"] == "text":
+            loaded.append({"type": "text", "text": str(block.get("text", ""))})
+            continue
+        try:
+            loaded.append({"type": "image", "image": block["image"].convert("RGB")})
+        except Exception as error:  # noqa: BLE001 (anything that is no loadable image)
+            raise BadResult("image", f"gave an image that does not load ({type(error).__name__}: {error})") from None
+    return loaded
+
+
+class Tools:
+    """What multi-turn rollouts take (`of`: None without --tools and --environment_factory): the template's format,
+    the tools and their runner, the environment class, --max_tool_calling_iterations, the tokenizer."""
+
+    def __init__(self, tool_format: ToolFormat, box: ToolBox, factory, max_iterations: int | None, tokenizer):
+        self.format, self.box, self.factory = tool_format, box, factory
+        self.max_iterations, self.tokenizer = max_iterations, tokenizer
+        self.environment_failures, self.said = Counter(), set()
+
+    @classmethod
+    def of(cls, args, processor, stop_ids) -> "Tools | None":
+        if not args.tools and not args.environment_factory:
+            return None
+        tools = load_tools(args.tools)
+        factory = imported(args.environment_factory, "--environment_factory") if args.environment_factory else None
+        probe = factory() if factory else None  # its methods' schemas, as TRL reads them
+        if probe is not None and not callable(getattr(probe, "reset", None)):
+            raise ValueError(f"--environment_factory {args.environment_factory}: its instances have no reset method")
+        every = tools + (environment_tools(probe) if probe is not None else [])
+        if not every:
+            raise ValueError("--tools / --environment_factory: no tool to call (an environment's tools are its public "
+                             "methods besides reset and get_reward)")
+        tool_format = ToolFormat.of(processor, stop_ids, every)
+        tools_box = ToolBox(tools, args.tool_timeout)
+        tools_box.schemas = [schema(tool, "--tools") for tool in every]
+        return cls(tool_format, tools_box, factory, args.max_tool_calling_iterations, processor.tokenizer)
+
+    def schemas(self) -> list[dict]:
+        """The JSON schemas every prompt renders."""
+        return self.box.schemas
+
+    def describe(self) -> str:
+        limit = self.max_iterations if self.max_iterations is not None else "no limit but --max_completion_length"
+        names = ", ".join(tool["function"]["name"] for tool in self.schemas())
+        return f"{self.format.describe()}; the tools: {names}; tool turns: {limit}"
+
+    def environment(self, prompt: dict):
+        """A fresh environment for one completion, reset with its row (None where none is given, or where its reset
+        failed: counted, the completion then has the standalone tools only)."""
+        if self.factory is None:
+            return None
+        try:
+            environment = self.factory()
+            observation = environment.reset(prompt=prompt["prompt"], **prompt["columns"])
+        except (Exception, SystemExit) as error:  # noqa: BLE001 (user code: the rollout goes on without it)
+            kind = f"reset/{type(error).__name__}"
+            self.environment_failures[kind] += 1
+            self.box.first_errors.setdefault(kind, f"the environment's reset: {type(error).__name__}: {error}")
+            return None
+        if observation is not None:
+            raise ValueError("--environment_factory: reset() returned an observation; appending it to the prompt is "
+                             "not supported here yet (prompts are tokenised before sampling): give it in the "
+                             "dataset's prompt and return None")
+        return environment
+
+    def take_counts(self, accelerator=None, say=print) -> dict:
+        """Calls and failed calls on this rank since the last call, for the log; each kind of failure said once, by
+        name, with the ranks it happened on (gathered: every rank calls this at the same step)."""
+        failures = self.box.failures + self.environment_failures
+        counts = {"tool_calls": self.box.calls, "tool_failures": sum(failures.values())}
+        kinds = [(kind, getattr(accelerator, "process_index", 0)) for kind in failures if kind not in self.said]
+        if getattr(accelerator, "num_processes", 1) > 1:
+            kinds, say = gather_object(kinds), accelerator.print
+        ranks = {}
+        for kind, rank in kinds:
+            ranks.setdefault(kind, []).append(rank)
+        for kind, where in ranks.items():
+            self.said.add(kind)
+            say(f"tool calls failed ({kind}) on rank{'s' * (len(where) > 1)} {', '.join(map(str, where))}: "
+                f"{self.box.first_errors.get(kind, 'on another rank')}")
+        self.box.calls, self.box.failures, self.environment_failures = 0, Counter(), Counter()
+        return counts
+
+
+@dataclass
+class Trajectory:
+    """One completion over its turns: its tokens after the prompt (the model's and the tools'), which are the
+    model's (`own`), the tools' images' inputs in order, and the completion as reward functions get it (`messages`)."""
+
+    prompt: dict
+    index: int  # its completion's index in its group (its generator's)
+    seed: int  # its group's
+    ids: list = field(default_factory=list)
+    own: list = field(default_factory=list)
+    media: list = field(default_factory=list)
+    messages: list = field(default_factory=list)
+    truncated: bool = False
+    environment: object = None
+    pending: list = field(default_factory=list)  # the calls of its last turn
+
+    def add_turn(self, tokens: list, truncated: bool, tool_format: ToolFormat, tokenizer):
+        self.ids += tokens
+        self.own += [True] * len(tokens)
+        self.truncated = truncated
+        text = tokenizer.decode([token for token in tokens if token not in tool_format.stop_ids])
+        content, calls = tool_format.parse(text)
+        self.pending = [] if truncated else calls
+        message = {"role": "assistant", "content": content if calls else text.strip()}
+        self.messages.append(message | ({"tool_calls": [{"type": "function", "function": {
+            "name": name, "arguments": arguments}} for name, arguments in calls if name]} if calls else {}))
+
+    def add_results(self, results: list, tokens: torch.Tensor, media: dict):
+        self.ids += tokens.tolist()
+        self.own += [False] * len(tokens)
+        self.media.append((len(self.prompt["input_ids"]) + len(self.ids) - len(tokens), media))
+        self.messages += [{"role": "tool", "name": name, "content": content} for name, content in results]
+        self.pending = []
+
+    def state(self) -> dict:
+        """Where the model goes on from: the prompt with every turn so far, as a prompt."""
+        tokens = torch.cat([self.prompt["input_ids"], torch.tensor(self.ids, dtype=self.prompt["input_ids"].dtype)])
+        return {"input_ids": tokens, "media_inputs": self.media_inputs(len(tokens))}
+
+    def media_inputs(self, length: int) -> dict:
+        """The prompt's image inputs, then each tool turn's (per-token ones placed at their tokens)."""
+        pieces = [(0, self.prompt["media_inputs"]), *self.media]
+        merged = {}
+        for key in {key for _, media in pieces for key in media}:
+            values = [media[key] for _, media in pieces if key in media]
+            if key in TOKEN_ALIGNED:
+                row = torch.zeros(length, dtype=values[0].dtype)
+                for start, media in pieces:
+                    if key in media:
+                        row[start:start + len(media[key])] = media[key]
+                merged[key] = row
+            elif key in NORMALIZED_BY.values():  # constants, the same for every image
+                merged[key] = values[0]
+            else:
+                merged[key] = torch.cat(values)
+        return merged
+
+    def row(self, labelled: bool) -> dict:
+        """The collator row to train on: the model's tokens its targets (none where not `labelled`)."""
+        state = self.state()
+        own = torch.tensor(self.own, dtype=torch.bool) & labelled
+        completion = torch.tensor(self.ids, dtype=state["input_ids"].dtype)
+        labels = torch.cat([torch.full_like(self.prompt["input_ids"], IGNORE_INDEX),
+                            torch.where(own, completion, torch.full_like(completion, IGNORE_INDEX))])
+        return {"input_ids": state["input_ids"], "labels": labels, "media_inputs": state["media_inputs"]}

@@ -1,0 +1,217 @@
+"""Multi-turn GRPO with tools (mmrecipes.vlm.algorithms.tools, the sampler's tool turns), in process and on 2 gloo
+ranks, on the tiny Qwen3-VL with its official chat template (which writes tool schemas, calls and image results):
+
+- the template decides how calls are read and where a tool's images go (its tool turn, or a user turn after it where
+  the template drops them); a template that writes no tool call (Qwen2.5-VL's official one) is refused with why;
+- a completion's turns: the model's tokens, then the tools' results as the template writes them (token-in/token-out,
+  equal to the whole conversation rendered at once), images through the processor; tool tokens are no target, and
+  the forward takes the trajectory (image tokens and features agree);
+- tools are user code: each way a call can fail is counted and named, never a crash or a hang;
+- 2 ranks whose completions take different numbers of turns sample what one process samples, forwarding together.
+"""
+
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+
+from gloo import run_on_ranks
+from helpers import chat_row
+from launch import REPO
+from mmrecipes.vlm.algorithms.sampling import Sampler, prompt_seed
+from mmrecipes.vlm.algorithms.tools import ToolBox, ToolFormat, Tools, Trajectory
+from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs
+from mmrecipes.vlm.model.families import dummy_image_inputs, placeholder_token_ids
+from mmrecipes.vlm.model.loading import stop_token_ids
+from mmrecipes.vlm.model.outputs import TokenLogps
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller
+from mmrecipes.vlm.rows.prompts import PromptPreprocessor
+
+sys.path.insert(0, str(REPO / "data_prep"))
+import tiny_vlm  # noqa: E402
+
+TOOLS = "tools_for_tests:multiply,tools_for_tests:crop"
+CALL = '<tool_call>\n{"name": "crop", "arguments": {"left": 3, "top": 4}}\n</tool_call>'
+
+
+def qwen3_vl():
+    model, processor = tiny_vlm.FAMILIES["qwen3_vl"]()
+    return model, processor, stop_token_ids(model, processor)
+
+
+def setup(max_completion_length=200, **flags):
+    """(the tiny Qwen3-VL as the recipe wraps it, its processor, the sampler with --tools, an image prompt rendered
+    with the tools' schemas)."""
+    torch.manual_seed(0)
+    model, processor, stops = qwen3_vl()
+    args = GRPOArgs(tools=TOOLS, num_generations=2, max_completion_length=max_completion_length, **flags)
+    tools = Tools.of(args, processor, stops)
+    preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=4096,
+                                    tools=tools.schemas())
+    row = chat_row("What colour is the shape on the left?", "red", Image.new("RGB", (32, 32), (220, 40, 40)))
+    (input_ids, media, prompt, columns), _ = preprocess.example(row)
+    prompt = {"input_ids": torch.as_tensor(input_ids), "media_inputs": media, "prompt": json.loads(prompt),
+              "columns": json.loads(columns)}
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    sampler = Sampler(SimpleNamespace(device=torch.device("cpu")), collator, args, stops,
+                      placeholder_token_ids(model, processor), tools)
+    return VLMForTraining(model).eval(), processor, sampler, prompt
+
+
+def calling_turn(processor, sampler, prompt, index=0, call=CALL):
+    """A trajectory whose first turn is the model calling crop (the tiny model would not on its own)."""
+    trajectory = Trajectory(prompt, index, prompt_seed(0, prompt))
+    end_of_turn = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")  # the stop the template writes
+    tokens = processor.tokenizer(call, add_special_tokens=False)["input_ids"] + [end_of_turn]
+    trajectory.add_turn(tokens, False, sampler.tools.format, sampler.tools.tokenizer)
+    return trajectory
+
+
+def test_the_template_decides_how_calls_are_read_and_where_tool_images_go():
+    model, processor, stops = qwen3_vl()
+    tools = Tools.of(GRPOArgs(tools=TOOLS), processor, stops)
+    assert (tools.format.opening, tools.format.closing, tools.format.images_in_tool_turns) == (
+        "<tool_call>", "</tool_call>", True)
+    results = [("crop", [{"type": "image", "image": Image.new("RGB", (32, 32))}, {"type": "text", "text": "a region"}])]
+    in_tool_turn = processor.tokenizer.decode(tools.format.suffix(results)[0])
+    assert in_tool_turn.startswith("\n<|im_start|>user\n<tool_response>\n<|vision_start|>")
+    # a template that writes tool calls but drops images in tool turns: the images go in a user turn after it
+    image_in_tool = "<|vision_start|><|image_pad|><|vision_end|>"
+    template = processor.chat_template
+    at = template.index("<tool_response>")
+    processor.chat_template = template[:at] + template[at:].replace(image_in_tool, "", 1)
+    dropping = ToolFormat.of(processor, stops, [tools.box.tools["crop"]])
+    assert not dropping.images_in_tool_turns and "a user turn after it" in dropping.describe()
+    ids, media = dropping.suffix(results)
+    text = processor.tokenizer.decode(ids)
+    assert "a region\n</tool_response><|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|>" in text
+    assert text.count("<|image_pad|>") == media["image_grid_thw"].prod().item() // 4  # the merger's 2x2 patches
+    # Qwen2.5-VL's official template writes no tool call at all: refused, saying so
+    _, qwen25 = tiny_vlm.FAMILIES["qwen2_5_vl"]()
+    with pytest.raises(ValueError, match="does not write an assistant turn's tool calls"):
+        Tools.of(GRPOArgs(tools=TOOLS), qwen25, stops)
+    with pytest.raises(ValueError, match="--tools tools_for_tests:nope: cannot import it"):
+        Tools.of(GRPOArgs(tools="tools_for_tests:nope"), processor, stops)
+
+
+def test_a_tool_that_fails_fails_its_call_never_the_run():
+    from tools_for_tests import broken, multiply
+
+    box = ToolBox([broken, multiply], timeout=0.5)
+    said = {kind: box.run("broken", {"kind": kind})[0]["text"] for kind in ("raise", "exit", "hang", "none", "object",
+                                                                          "image")}
+    said["unknown"] = box.run("divide", {"a": 1})[0]["text"]
+    said["arguments"] = box.run("multiply", {"a": 1, "c": 2})[0]["text"]
+    said["unreadable"] = box.run(None, "an unreadable tool call (JSONDecodeError: ...)")[0]["text"]
+    assert box.failures == {"broken/raised": 1, "broken/exit": 1, "broken/timeout": 1, "broken/result": 2,
+                            "broken/image": 1, "divide/unknown": 1, "multiply/raised": 1, "call/unreadable": 1}
+    assert "RuntimeError: the tool broke" in said["raise"] and "sys.exit(3)" in said["exit"]
+    assert "ran past --tool_timeout 0.5 s" in said["hang"] and "gave a NoneType" in said["none"]
+    assert "no tool divide (the tools: broken, multiply)" in said["unknown"]
+    assert box.run("multiply", {"a": 3, "b": 4}) == [{"type": "text", "text": "12"}] and box.calls == 10
+
+
+def test_a_multi_turn_completion_is_the_models_tokens_then_the_tools_token_in_token_out():
+    step, processor, sampler, prompt = setup()
+    trajectory = calling_turn(processor, sampler, prompt)
+    again = calling_turn(processor, sampler, prompt)
+    sampler.tool_turns(step, True, [trajectory], prompt)  # generate, where the model is whole on the rank
+    sampler.tool_turns(step, False, [again], prompt)  # the synced loop, as under FSDP2 and ZeRO-3
+    assert (trajectory.ids, trajectory.own) == (again.ids, again.own)
+    first = len(processor.tokenizer(CALL, add_special_tokens=False)["input_ids"]) + 1
+    assert trajectory.own[:first] == [True] * first and trajectory.own[-1] and not all(trajectory.own)
+    assert [message["role"] for message in trajectory.messages] == ["assistant", "tool", "assistant"]
+    assert trajectory.messages[0]["tool_calls"][0]["function"] == {"name": "crop", "arguments": {"left": 3, "top": 4}}
+    # token-in/token-out: the ids are those of the whole conversation rendered at once, up to the second turn
+    region = trajectory.messages[1]["content"][0]["image"]
+    conversation = [*prompt["prompt"], {"role": "assistant", "content": "",
+                                        "tool_calls": trajectory.messages[0]["tool_calls"]},
+                    {"role": "tool", "name": "crop", "content": [{"type": "image"}, {"type": "text",
+                                                                                     "text": "region at 3,4"}]}]
+    text = processor.apply_chat_template(conversation, tools=sampler.tools.schemas(), add_generation_prompt=True)
+    whole = processor(text=text, images=[[Image.new("RGB", (32, 32), (220, 40, 40)), region]])
+    state = trajectory.state()
+    tool_end = len(prompt["input_ids"]) + len(trajectory.own) - trajectory.own[::-1].index(False)
+    assert state["input_ids"][:tool_end].tolist() == list(whole["input_ids"][0])
+    torch.testing.assert_close(state["media_inputs"]["pixel_values"], torch.as_tensor(whole["pixel_values"]))
+    # the tools' tokens are no target; the forward takes the trajectory (image tokens and features agree)
+    row = trajectory.row(True)
+    targets = row["labels"][len(prompt["input_ids"]):] != IGNORE_INDEX
+    assert targets.tolist() == trajectory.own
+    logps = step(sampler.collator([row]), TokenLogps(1.0))
+    assert torch.isfinite(logps).all()
+
+
+def _turns_on_ranks(rank, world):
+    """Rank 0's two completions call crop then answer; rank 1's answer at once (or, in one process, all four): each
+    completion's tokens, and how many forwards this rank ran."""
+    step, processor, sampler, prompt = setup()
+    forwards = []
+    step.register_forward_hook(lambda *_: forwards.append(1))
+    calling = [calling_turn(processor, sampler, prompt, index) for index in (0, 1)]
+    answering = [calling_turn(processor, sampler, prompt, index, call="red") for index in (2, 3)]
+    mine = calling + answering if world == 1 else [calling, answering][rank]
+    sampler.tool_turns(step, False, mine, prompt)
+    return [trajectory.ids for trajectory in mine], len(forwards)
+
+
+def test_ranks_whose_completions_take_different_turns_sample_what_one_process_samples():
+    (one, _), = [_turns_on_ranks(0, 1)]
+    (calls, forwards0), (answers, forwards1) = run_on_ranks(_turns_on_ranks, 2)
+    assert calls + answers == one
+    assert forwards0 == forwards1 > 0  # the rank without a tool call forwarded a filler as often
+
+
+def test_an_environment_per_completion_keeps_its_state_over_turns():
+    """--environment_factory (TRL's): one instance per completion, reset with its row; its public methods are the
+    tools, rendered in the prompt; the counter of one completion is its own."""
+    torch.manual_seed(0)
+    model, processor, stops = qwen3_vl()
+    args = GRPOArgs(environment_factory="tools_for_tests:CounterEnv", max_completion_length=400)
+    tools = Tools.of(args, processor, stops)
+    assert [tool["function"]["name"] for tool in tools.schemas()] == ["increment"]
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    sampler = Sampler(SimpleNamespace(device=torch.device("cpu")), collator, args, stops,
+                      placeholder_token_ids(model, processor), tools)
+    preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=4096,
+                                    tools=tools.schemas())
+    (input_ids, media, prompt, columns), _ = preprocess.example(chat_row("Count to four.", "4"))
+    prompt = {"input_ids": torch.as_tensor(input_ids), "media_inputs": media, "prompt": json.loads(prompt),
+              "columns": json.loads(columns)}
+    increments = '<tool_call>\n{"name": "increment", "arguments": {"step": 2}}\n</tool_call>'
+    trajectories = []
+    for index, call in enumerate([increments + increments, increments]):
+        trajectory = calling_turn(processor, sampler, prompt, index, call)
+        trajectory.environment = tools.environment(prompt)
+        trajectories.append(trajectory)
+    sampler.tool_turns(VLMForTraining(model).eval(), True, trajectories, prompt)
+    results = [[message["content"][0]["text"] for message in trajectory.messages if message["role"] == "tool"]
+               for trajectory in trajectories]
+    assert results == [["2", "4"], ["2"]]
+    assert tools.take_counts() == {"tool_calls": 3, "tool_failures": 0}
+
+
+def test_the_recipe_renders_and_runs_tools_and_refuses_a_template_without_them(tmp_path, capsys):
+    """vlm_grpo.py --tools: the prompts carry the tools' schemas, the log says how calls are read and how often the
+    model called (TRL's tools/call_frequency); the embedded Llava's template writes no tool call: refused before the
+    first step."""
+    from launch import load_recipe
+
+    model, processor, _ = qwen3_vl()
+    model.save_pretrained(tmp_path / "qwen3_vl")
+    processor.save_pretrained(tmp_path / "qwen3_vl")
+    recipe = load_recipe(REPO / "recipes" / "vlm_grpo.py")
+    recipe.main(["--model_name_or_path", str(tmp_path / "qwen3_vl"), "--tools", TOOLS, "--max_steps", "1",
+                 "--per_device_train_batch_size", "2", "--num_generations", "2", "--max_completion_length", "8",
+                 "--max_length", "2048", "--eval_steps", "9", "--report_to", "none", "--output_dir",
+                 str(tmp_path / "run")])
+    log = capsys.readouterr().out
+    assert "tools: calls read between '<tool_call>' and '</tool_call>'; a tool's images go in the tool turn" in log
+    assert "tools/call_frequency 0.0 | tools/failure_frequency 0.0" in log
+    with pytest.raises(ValueError, match="does not write an assistant turn's tool calls"):
+        recipe.main(["--tools", TOOLS, "--report_to", "none", "--output_dir", str(tmp_path / "llava")])
