@@ -15,7 +15,9 @@ weights like any two real datasets:
 
 The tokenizer is a byte-level BPE with `<image>`, `<|pad|>` and a chat template whose assistant
 turns are wrapped in `{% generation %}`, so `apply_chat_template(..., return_assistant_tokens_mask=True)`
-marks exactly the tokens to train on.
+marks exactly the tokens to train on. Given `tools`, it lists their JSON schemas in a system turn and writes an
+assistant's tool calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`; a tool's turn is a turn like a
+user's (`<|tool|>`, its images and text).
 """
 
 import argparse
@@ -34,12 +36,16 @@ IMAGE, PAD, END, USER, ASSISTANT = "<image>", "<|pad|>", "<|end|>", "<|user|>", 
 # Role headers, one content part after another, <|end|> closing each turn. Assistant text and
 # its <|end|> are the generation span: what the model learns to say, and where it learns to stop.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|system|>\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ 'Call a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|end|>\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\n' }}"
     "{% if message['content'] is string %}{% set parts = [{'type': 'text', 'text': message['content']}] %}"
     "{% else %}{% set parts = message['content'] %}{% endif %}"
     "{% if message['role'] == 'assistant' %}"
     "{% generation %}{% for part in parts %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% for call in message['tool_calls'] or [] %}{{ '<tool_call>{\"name\": \"' + call['function']['name'] + '\", "
+    "\"arguments\": ' + (call['function']['arguments'] | tojson) + '}</tool_call>' }}{% endfor %}"
     "{{ '<|end|>' }}{% endgeneration %}{{ '\n' }}"
     "{% else %}"
     "{% for part in parts %}{% if part['type'] == 'image' %}{{ '<image>' }}"

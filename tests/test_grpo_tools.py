@@ -198,7 +198,7 @@ def test_an_environment_per_completion_keeps_its_state_over_turns():
 
 def test_the_recipe_renders_and_runs_tools_and_refuses_a_template_without_them(tmp_path, capsys):
     """vlm_grpo.py --tools: the prompts carry the tools' schemas, the log says how calls are read and how often the
-    model called (TRL's tools/call_frequency); the embedded Llava's template writes no tool call: refused before the
+    model called (TRL's tools/call_frequency); Llava-1.5's official template writes no tool call: refused before the
     first step."""
     from launch import load_recipe
 
@@ -214,4 +214,6 @@ def test_the_recipe_renders_and_runs_tools_and_refuses_a_template_without_them(t
     assert "tools: calls read between '<tool_call>' and '</tool_call>'; a tool's images go in the tool turn" in log
     assert "tools/call_frequency 0.0 | tools/failure_frequency 0.0" in log
     with pytest.raises(ValueError, match="does not write an assistant turn's tool calls"):
-        recipe.main(["--tools", TOOLS, "--report_to", "none", "--output_dir", str(tmp_path / "llava")])
+        recipe.main(["--tools", TOOLS, "--chat_template_path", str(REPO / "data_prep" / "chat_templates" /
+                                                                     "llava.jinja"),
+                     "--report_to", "none", "--output_dir", str(tmp_path / "llava")])

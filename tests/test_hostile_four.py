@@ -67,10 +67,10 @@ def test_an_evaluation_that_reads_no_row_stops_the_run_before_its_first_step(rec
 
 
 def test_roles_no_chat_template_knows_are_bad_rows(labeller):
-    """`bot`, `tool` and `ASSISTANT` before a real answer were kept and trained as context (only LLaVA's `from` was
-    checked), where docs/data.md says such rows are bad_row."""
+    """`bot` and `ASSISTANT` before a real answer were kept and trained as context (only LLaVA's `from` was
+    checked), where docs/data.md says such rows are bad_row. (`tool` turns are read: agentic conversations.)"""
     preprocess = ChatPreprocessor(ChatDataArgs(), labeller, 256)
-    for role in ("bot", "tool", "ASSISTANT"):
+    for role in ("bot", "ASSISTANT"):
         row = {"messages": [{"role": "user", "content": "Hi"}, {"role": role, "content": "hello"},
                             {"role": "user", "content": "What comes after one?"},
                             {"role": "assistant", "content": "two"}]}

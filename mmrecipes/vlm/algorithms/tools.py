@@ -90,10 +90,15 @@ class ToolFormat:
         schemas = [schema(tool, "--tools") for tool in tools]
         if schemas[0]["function"]["name"] not in render([user], tools=schemas):
             raise ValueError(f"--tools: {where} does not write the tools' schemas: the model would not know them")
-        start = called.index(call)
-        prefix = len(common_prefix(plain, called))
-        suffix = len(common_prefix(plain[::-1], called[::-1]))
-        opening, closing = called[prefix:start].strip(), called[start + len(call):len(called) - suffix].strip()
+        # the call's marks: between the generation prompt and the JSON, and between the JSON and what an empty
+        # answer ends with
+        header = render([user], add_generation_prompt=True)
+        start, tail = called.index(call), plain[len(header):]
+        if not (plain.startswith(header) and called.startswith(header) and called.endswith(tail)):
+            raise ValueError(f"--tools: {where} writes an assistant turn otherwise after its generation prompt: "
+                             "where a call begins cannot be found")
+        opening = called[len(header):start].strip()
+        closing = called[start + len(call):len(called) - len(tail)].strip()
         if not opening or not closing:
             raise ValueError(f"--tools: {where} writes a tool call without marks around it: it cannot be told from "
                              "an answer")
@@ -152,11 +157,6 @@ class ToolFormat:
 def calling(name: str, arguments: dict) -> dict:
     return {"role": "assistant", "content": [{"type": "text", "text": ""}],
             "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
-
-
-def common_prefix(one: str, other: str) -> str:
-    length = next((index for index, (a, b) in enumerate(zip(one, other)) if a != b), min(len(one), len(other)))
-    return one[:length]
 
 
 class ToolBox:

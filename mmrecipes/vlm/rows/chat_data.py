@@ -9,6 +9,7 @@ counted; a `<video>` placeholder never reaches a model that takes no video as th
 """
 
 import functools
+import json
 import logging
 import os
 import re
@@ -38,11 +39,11 @@ logger = logging.getLogger(__name__)
 CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "image_mismatch", "too_long", "no_target",
                 "unaligned", "bad_text", "bad_row", "bad_shard", "video", *VIDEO_COUNTED, "video_mismatch")
 CAPTIONS = ("caption", "text")  # image-caption rows: a conversation of the image and its caption
-CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", "id", *CAPTIONS]
+CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", "id", "tools", *CAPTIONS]
 MAX_CHARS_PER_TOKEN = 32  # a bound on the characters of text one token holds, with a wide margin
 TYPICAL_CHARS_PER_TOKEN = 4  # about what a token holds of English: longer texts are tokenised before labelling
 TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
-ROLES = ("system", "user", "assistant")  # what the chat templates know; a tool's or a bot's turn is a bad_row
+ROLES = ("system", "user", "assistant", "tool")  # what the chat templates know; a bot's turn is a bad_row
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", **{role: role for role in ROLES}}
 MEDIA_PARTS = {"<image>": "image", "<video>": "video"}  # LLaVA's placeholders -> content part types
 
@@ -86,7 +87,33 @@ def to_message(turn) -> dict:
                      "LLaMA-Factory)")
     if _field(turn, "role") not in ROLES:
         raise BadRow(f"unknown role {turn['role']!r}: {', '.join(ROLES)}")
-    return {"role": turn["role"], "content": _content_parts(_field(turn, "content", list))}
+    message = {"role": turn["role"], "content": _content_parts(_field(turn, "content", list))}
+    if turn.get("tool_calls"):  # an assistant's calls (TRL's layout; arguments as an object or JSON text)
+        message["tool_calls"] = [_tool_call(call) for call in turn["tool_calls"]]
+    if turn.get("name") is not None:  # a tool's turn: the tool it answers for
+        message["name"] = str(turn["name"])
+    return message
+
+
+def _tool_call(call) -> dict:
+    try:
+        function = call["function"]
+        arguments = function.get("arguments") or {}
+        arguments = json.loads(arguments) if isinstance(arguments, str) else dict(arguments)
+        return {"type": "function", "function": {"name": str(function["name"]), "arguments": arguments}}
+    except (TypeError, KeyError, AttributeError, ValueError) as error:
+        raise BadRow(f"a tool call that is not {{\"function\": {{\"name\", \"arguments\"}}}}: {call!r:.80}") from error
+
+
+def row_tools(row) -> list | None:
+    """The JSON schemas of a row's `tools` column (TRL's: a list, or its JSON text), which its template renders."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    tools = json.loads(tools) if isinstance(tools, str) else tools
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise BadRow(f"tools must be a list of JSON schemas, not {tools!r:.80}")
+    return tools or None
 
 
 def string_prompt(prompt: str, images: list) -> dict:
@@ -197,7 +224,7 @@ class ChatPreprocessor:
                 raise Skip("video", "this model's processor takes no video")
             images_folder = media_folder(row, self.args.image_folder)
             videos_folder = media_folder(row, self.args.video_folder or self.args.image_folder)
-            return self.tokenize(messages, raw_images, raw_videos, images_folder, videos_folder)
+            return self.tokenize(messages, raw_images, raw_videos, images_folder, videos_folder, row_tools(row))
         except Skip:
             raise
         except Exception as error:
@@ -206,7 +233,7 @@ class ChatPreprocessor:
                 logger.warning("skipping a row (counted as bad_row): %s: %s", type(error).__name__, error)
             raise Skip("bad_row", f"{type(error).__name__}: {error}") from error
 
-    def tokenize(self, messages, raw_images, raw_videos=(), images_folder=None, videos_folder=None):
+    def tokenize(self, messages, raw_images, raw_videos=(), images_folder=None, videos_folder=None, tools=None):
         """((input_ids, labels, media_inputs), note), or `Skip` with the reason the row is dropped. Relative media
         paths resolve against the folders (`media_folder`). A row whose text alone cannot fit is dropped first,
         before its media are decoded and before the labeller renders and tokenises it."""
@@ -214,7 +241,7 @@ class ChatPreprocessor:
         images, note = row_images(self.args, images_folder, messages, raw_images)
         videos = row_videos(self.args, videos_folder, messages, raw_videos)
         try:
-            input_ids, labels, media_inputs = encode_row(self.labeller, messages, images, videos)
+            input_ids, labels, media_inputs = encode_row(self.labeller, messages, images, videos, tools)
         except UnalignedAnswer as error:
             raise Skip("unaligned", str(error)) from error
         except TemplateError as error:  # the template renders this row's turns differently from its prefixes
@@ -300,10 +327,11 @@ def _unreadable(raw_media) -> str:
     return f"{type(raw_media).__name__} data"
 
 
-def encode_row(labeller, messages, images, videos=()):
-    """(input_ids, labels, media_inputs) of one conversation: the labeller's tokens and targets, and the
-    processor's other outputs (image and video inputs; per-token ones like mm_token_type_ids unbatched)."""
-    encoded, target = labeller(messages, images, videos)
+def encode_row(labeller, messages, images, videos=(), tools=None):
+    """(input_ids, labels, media_inputs) of one conversation (with its `tools`' schemas): the labeller's tokens and
+    targets, and the processor's other outputs (image and video inputs; per-token ones like mm_token_type_ids
+    unbatched)."""
+    encoded, target = labeller(messages, images, videos, tools)
     input_ids, media_inputs = unbatched(encoded)
     return input_ids, torch.where(target, input_ids, IGNORE_INDEX), media_inputs
 

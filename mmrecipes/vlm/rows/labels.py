@@ -65,31 +65,33 @@ class AnswerLabeller:
                               else None}
         self.rule = "generation markers" if self.has_markers else "prefix renderings"
 
-    def render(self, messages, add_generation_prompt=False, marked=False):
-        """(text, the character spans of its `{% generation %}` blocks if `marked`)."""
+    def render(self, messages, add_generation_prompt=False, marked=False, tools=None):
+        """(text, the character spans of its `{% generation %}` blocks if `marked`), with the `tools`' JSON schemas
+        where a row gives them (TRL's `tools` column)."""
         try:
             texts, indices = render_jinja_template(
                 conversations=[messages], chat_template=self.template, add_generation_prompt=add_generation_prompt,
-                return_assistant_tokens_mask=marked, **self.tokenizer.special_tokens_map)
+                return_assistant_tokens_mask=marked, tools=tools, **self.tokenizer.special_tokens_map)
         except jinja2.TemplateError as error:  # raise_exception(...) in the template: roles out of order, say
             raise TemplateError(f"{REFUSED}: {error}") from error
         return texts[0], indices[0] if indices else []
 
-    def answer_spans(self, messages) -> tuple[str, list[tuple[int, int] | None]]:
+    def answer_spans(self, messages, tools=None) -> tuple[str, list[tuple[int, int] | None]]:
         """(the rendered conversation, the character span of each assistant turn: from the end of its
         generation prompt to its end-of-turn token; None for a turn the template rewrites once later turns follow,
         which is context, not a target)."""
-        text, marked = self.render(messages, marked=self.has_markers)
+        text, marked = self.render(messages, marked=self.has_markers, tools=tools)
         turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
         if self.has_markers and len(marked) != len(turns):
             raise TemplateError("the generation markers do not mark one span per assistant turn")
         spans = []
         for number, index in enumerate(turns):
-            start = self.render(messages[:index], add_generation_prompt=True)[0]
+            start = self.render(messages[:index], add_generation_prompt=True, tools=tools)[0]
             if self.has_markers:
-                begin, end = self._marked_begin(text, messages[:index], start, *marked[number]), marked[number][1]
+                begin, end = self._marked_begin(text, messages[:index], start, *marked[number], tools)
+                end = marked[number][1]
             else:
-                end = self._unprompted(messages[:index + 1], text)
+                end = self._unprompted(messages[:index + 1], text, tools)
                 if end is None or not end.startswith(start):
                     spans.append(None)  # rewritten once later turns follow (Qwen3's think blocks are dropped)
                     continue
@@ -100,7 +102,7 @@ class AnswerLabeller:
                                 "a prefix of the whole rendering")
         return text, spans
 
-    def _marked_begin(self, text, history, start, begin, end):
+    def _marked_begin(self, text, history, start, begin, end, tools=None):
         """Where a marked answer begins: the end of its generation prompt `start` where only whitespace lies
         between them, or where the marked text begins with the prompt's tail (an empty think block the generation
         prompt writes, and the markers too: TRL's Qwen3.5 training template), after the prompt's first
@@ -109,17 +111,17 @@ class AnswerLabeller:
             return begin
         if begin >= len(start):
             return len(start) if not text[len(start):begin].strip() else begin
-        before = self._unprompted(history, text)
+        before = self._unprompted(history, text, tools)
         if before is None or begin <= len(before) or not text[len(before):begin].strip() or end <= len(start):
             raise TemplateError(f"the generation markers of assistant turn {len(history)} start inside its "
                                 "generation prompt")
         return len(start)
 
-    def _unprompted(self, messages, text) -> str | None:
+    def _unprompted(self, messages, text, tools=None) -> str | None:
         """The rendering of `messages` without a generation prompt, without the end-of-text token it may end in, if
         it begins `text`, else None. Phi-3.5's template closes every unprompted rendering with that token, where a
         longer conversation goes on; where it ends a turn (LLaVA-NeXT's `</s>`), `_turn_end` takes it back in."""
-        rendering = self.render(messages)[0]
+        rendering = self.render(messages, tools=tools)[0]
         eos = self.tokenizer.eos_token
         if eos:
             rendering = rendering.removesuffix(eos)
@@ -137,8 +139,8 @@ class AnswerLabeller:
             end = after + len(stop)
         return end
 
-    def __call__(self, messages, images, videos=()):
-        text, spans = self.answer_spans(messages)
+    def __call__(self, messages, images, videos=(), tools=None):
+        text, spans = self.answer_spans(messages, tools)
         kwargs = {}
         bos = self.tokenizer.bos_token
         if bos is not None and text.startswith(bos):  # as apply_chat_template does: the template wrote it
