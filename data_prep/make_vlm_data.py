@@ -37,7 +37,7 @@ IMAGE, PAD, END, USER, ASSISTANT = "<image>", "<|pad|>", "<|end|>", "<|user|>", 
 # its <|end|> are the generation span: what the model learns to say, and where it learns to stop.
 CHAT_TEMPLATE = (
     "{% if tools %}{{ '<|system|>\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
-    "{{ 'Call a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|end|>\n' }}{% endif %}"
+    "{{ '<|end|>\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\n' }}"
     "{% if message['content'] is string %}{% set parts = [{'type': 'text', 'text': message['content']}] %}"

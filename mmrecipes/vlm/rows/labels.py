@@ -88,7 +88,7 @@ class AnswerLabeller:
         for number, index in enumerate(turns):
             start = self.render(messages[:index], add_generation_prompt=True, tools=tools)[0]
             if self.has_markers:
-                begin, end = self._marked_begin(text, messages[:index], start, *marked[number], tools)
+                begin = self._marked_begin(text, messages[:index], start, *marked[number], tools)
                 end = marked[number][1]
             else:
                 end = self._unprompted(messages[:index + 1], text, tools)

@@ -1,0 +1,77 @@
+"""Multi-turn vlm_grpo.py (--environment_factory: the zoom task's environment, the tiny zoom model that calls it) on
+2 CPU processes under DDP, FSDP2 and ZeRO-3 gives what one process holding the whole step gives: the same
+trajectories (their model tokens' mean length, the calls and failed calls, the rewards), losses, gradient norms and
+weights, 2 micro-batches a step on each rank (groups of 4 in micro-batches of 4, as tests/test_grpo_engines.py's
+FSDP2 run). Turns are sampled at temperature 1, so calls that do not parse (counted as failed, the error the tool's
+result) and answers without a call mix with well-formed calls: trajectories of different turn counts on the ranks,
+sampled in step (the synced loop under FSDP2 and ZeRO-3: a filler where a rank has fewer going on)."""
+
+import re
+
+import datasets
+import pytest
+from transformers import LlavaForConditionalGeneration
+
+from launch import REPO, assert_adam_weights_close, assert_engine, run_engine, run_recipe
+
+pytestmark = pytest.mark.launch
+
+GRPO_RECIPE = REPO / "recipes" / "vlm_grpo.py"
+STEPS = 2
+COMMON = ["--model_name_or_path", "embedded:tiny_zoom_vlm", "--environment_factory",
+          "mmrecipes.vlm.algorithms.zoom:ZoomEnv", "--max_length", 512, "--max_completion_length", 160,
+          "--max_steps", STEPS, "--logging_steps", 1, "--eval_steps", 100, "--learning_rate", 1e-3,
+          "--warmup_steps", 0, "--dataset_name", "parquet", "--dataset_weights", "", "--shuffle_buffer_size", 1,
+          "--eval_dataset_name", "", "--ddp_timeout", 60, "--num_generations", 4]
+RANKS = ["--per_device_train_batch_size", 4, "--gradient_accumulation_steps", 2]
+SINGLE = ["--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 1]
+ENGINES = ("ddp.yaml", "fsdp2.yaml", "zero3.yaml")
+COMPARED = ("completions/mean_length", "reward", "tools/call_frequency", "tools/failure_frequency", "loss",
+            "grad_norm")
+METRIC = r"^step (\d+)/\d+ \|(?:.*\|)? {name} (-?[\d.e+-]+|nan)"
+
+
+def metric(log: str, name: str) -> dict[int, float]:
+    return {int(step): float(value) for step, value in re.findall(METRIC.format(name=re.escape(name)), log, re.M)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{engine or "single": (result, output directory)}: rank r reads rank{r}.parquet (2 prompts a step), one
+    process reads the steps' 4 prompts in the ranks' order."""
+    data = tmp_path_factory.mktemp("zoom_scenario")
+    prompts = datasets.load_dataset("parquet", data_files=str(REPO / "data" / "vlm_zoom" / "prompts" /
+                                                             "test-*.parquet"), split="train").select(range(8))
+    ranks = [prompts.select([0, 1, 4, 5]), prompts.select([2, 3, 6, 7])]
+    for rank, rows in enumerate(ranks):
+        rows.to_parquet(data / f"rank{rank}.parquet")
+    (data / "single").mkdir()
+    prompts.to_parquet(data / "single" / "all.parquet")  # steps: rank 0's two, rank 1's two
+    single_dir = tmp_path_factory.mktemp("zoom_single")
+    results = {"single": (run_recipe(*COMMON, *SINGLE, "--data_files", data / "single" / "all.parquet",
+                                     "--output_dir", single_dir, recipe=GRPO_RECIPE), single_dir)}
+    for config in ENGINES:
+        output_dir = tmp_path_factory.mktemp(f"zoom_{config[:-5]}")
+        results[config] = (run_engine(config, *COMMON, *RANKS, "--data_files", data / "rank*.parquet",
+                                      "--output_dir", output_dir, recipe=GRPO_RECIPE), output_dir)
+    return results
+
+
+@pytest.mark.parametrize("config", ENGINES, ids=[config[:-5] for config in ENGINES])
+def test_two_ranks_sample_multi_turn_trajectories_and_step_as_one_process(runs, config):
+    single, single_dir = runs["single"]
+    ranks, output_dir = runs[config]
+    assert single.returncode == 0, single.log[-3000:]
+    assert ranks.returncode == 0, ranks.log[-3000:]
+    assert_engine(ranks.log, config, wrapped="VLMForTraining")
+    for name in COMPARED:
+        got, expected = metric(ranks.log, name), metric(single.log, name)
+        assert sorted(got) == list(range(1, STEPS + 1)), (name, ranks.log[-2000:])
+        for step in got:
+            assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-6), (name, step)
+    calls = metric(ranks.log, "tools/call_frequency")
+    assert 0 < min(calls.values()) and max(calls.values()) < 2  # calls, and answers without one
+    assert max(metric(ranks.log, "grad_norm").values()) > 0
+    assert_adam_weights_close(LlavaForConditionalGeneration.from_pretrained(output_dir).state_dict(),
+                              LlavaForConditionalGeneration.from_pretrained(single_dir).state_dict(),
+                              learning_rate=1e-3, steps=STEPS)
