@@ -45,8 +45,10 @@ def reference_loss(logps, old, ref, advantages, loss_type, beta, epsilon_low, ep
     the same over the whole step), Dr. GRPO (the token sum over completions x the maximum length), LUSPO (each
     completion's token sum, averaged), CISPO (MiniMax-M1, eq. 4: the log-probability weighted by the ratio clipped
     above at epsilon_high, over all tokens), SAPO (a sigmoid gate 4/tau sigmoid(tau (r - 1)), tau 1 where the
-    advantage is positive, else 1.05, normalised as GRPO); GSPO's ratio (`level` sequence: exp of a completion's mean
-    log-ratio); the KL (k3) weighted by the ratio where `corrected` (TRL 1.16's use_bias_correction_kl)."""
+    advantage is positive, else 1.05, normalised as GRPO), VESPO (the log-probability weighted by e^lambda w^k
+    e^(-lambda w) of the completion's ratio w, normalised as DAPO); GSPO's ratio (`level` sequence: exp of a
+    completion's mean log-ratio); the KL (k3) weighted by the ratio where `corrected` (TRL 1.16's
+    use_bias_correction_kl)."""
     per_completion, tokens = [], 0
     for i, length in enumerate(LENGTHS):
         sequence_ratio = math.exp(sum(logps[i][t] - old[i][t] for t in range(length)) / length)
@@ -58,6 +60,10 @@ def reference_loss(logps, old, ref, advantages, loss_type, beta, epsilon_low, ep
             elif loss_type == "sapo":
                 tau = 1.0 if advantages[i] > 0 else 1.05
                 term = -4 / tau / (1 + math.exp(-tau * (ratio - 1))) * advantages[i]
+            elif loss_type == "vespo":  # a gamma weight of the completion's whole ratio (its log-ratios' sum)
+                log_w = sum(logps[i][u] - old[i][u] for u in range(length))
+                k, lam = (2.0, 3.0) if advantages[i] >= 0 else (3.0, 2.0)
+                term = -math.exp(lam + k * log_w - lam * math.exp(log_w)) * advantages[i] * logps[i][t]
             else:
                 clipped = min(max(ratio, 1 - epsilon_low), 1 + epsilon_high)
                 term = -min(ratio * advantages[i], clipped * advantages[i])
@@ -71,13 +77,13 @@ def reference_loss(logps, old, ref, advantages, loss_type, beta, epsilon_low, ep
         return sum(map(sum, per_completion)) / len(LENGTHS)
     if loss_type == "dr_grpo":
         return sum(map(sum, per_completion)) / (len(LENGTHS) * MAX_LENGTH)
-    return sum(map(sum, per_completion)) / tokens  # dapo, bnpo, cispo
+    return sum(map(sum, per_completion)) / tokens  # dapo, bnpo, cispo, vespo
 
 
 @pytest.mark.parametrize("beta, corrected", [(0.0, True), (0.04, True), (0.04, False)])
 @pytest.mark.parametrize("loss_type, level", [("grpo", "token"), ("bnpo", "token"), ("dr_grpo", "token"),
                                               ("dapo", "token"), ("cispo", "token"), ("sapo", "token"),
-                                              ("luspo", "sequence"), ("grpo", "sequence")])
+                                              ("luspo", "sequence"), ("grpo", "sequence"), ("vespo", "token")])
 def test_each_loss_type_equals_the_papers_formula_whatever_the_micro_batches(loss_type, level, beta, corrected):
     generator = torch.Generator().manual_seed(2 if level == "sequence" else 0)  # ratios clipped on both sides
     width = max(LENGTHS)
@@ -104,7 +110,7 @@ def test_each_loss_type_equals_the_papers_formula_whatever_the_micro_batches(los
     terms = token_losses(logps, old, ref, advantages, mask, args)
     if loss_type == "cispo":
         assert terms["high"].any() and not terms["low"].any()  # CISPO's clip: above only
-    elif loss_type != "sapo":  # SAPO gates instead of clipping
+    elif loss_type not in ("sapo", "vespo"):  # SAPO gates, VESPO weighs, instead of clipping
         assert terms["low"].any() and terms["high"].any()  # the clipping is active on both sides
     if loss_type in ("bnpo", "dapo"):  # TRL's bnpo, a token mean per micro-batch (or rank), averaged: not the step's
         means = [float(token_losses(*(t[:2] for t in (logps, old, ref, advantages)), mask[:2], args)["loss"].sum()
@@ -378,7 +384,8 @@ def test_every_family_samples_alike_by_generate_and_by_the_synced_loop(tiny_vlms
 @pytest.mark.parametrize("loss_type, beta, level", [("grpo", 0.0, "token"), ("dapo", 0.04, "token"),
                                                     ("dr_grpo", 0.0, "token"), ("bnpo", 0.04, "token"),
                                                     ("cispo", 0.04, "token"), ("sapo", 0.0, "token"),
-                                                    ("luspo", 0.0, "sequence"), ("grpo", 0.04, "sequence")])
+                                                    ("luspo", 0.0, "sequence"), ("grpo", 0.04, "sequence"),
+                                                    ("vespo", 0.04, "token")])
 def test_one_micro_batch_equals_trl_grpo_trainer(loss_type, beta, level, tmp_path):
     """TRL 1.16's `GRPOTrainer._compute_loss` on the same model, image prompt, fixed completions of different lengths,
     advantages, old log-probabilities (clipping active) and reference log-probabilities gives our loss, at a
@@ -417,7 +424,7 @@ def test_one_micro_batch_equals_trl_grpo_trainer(loss_type, beta, level, tmp_pat
         terms = token_losses(logps, placed[0], placed[1], advantages, mask, args)
         normaliser = LossNormaliser(args)
         ours = float((terms["loss"] * normaliser.weights(mask)).sum() / normaliser.count([mask]))
-    assert terms["region"].any() or loss_type == "sapo"  # the clip is active (SAPO gates, it does not clip)
+    assert terms["region"].any() or loss_type in ("sapo", "vespo")  # the clip is active (where there is one)
 
     config = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], num_generations=4,
                             per_device_train_batch_size=4, loss_type=loss_type, beta=beta, epsilon=0.2,

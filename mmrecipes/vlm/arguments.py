@@ -300,7 +300,7 @@ class DPOArgs(CheckedArgs):
 
 
 # TRL 1.16's names for the losses this recipe computes
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
 
 
@@ -340,12 +340,18 @@ class GRPOArgs(SamplingArgs):
     # (completions x max_completion_length); dapo and bnpo, token sum / tokens; luspo, each completion's token sum,
     # averaged. cispo: the log-probability weighted by the ratio clipped above at epsilon_high (no gradient through
     # it), sapo: a sigmoid gate of the ratio instead of the clip (sapo_temperature_pos/neg), normalised as dapo and
-    # grpo. Each over the optimizer step on every rank (TRL's bnpo: per rank).
+    # grpo. vespo: the log-probability weighted by a gamma function of the completion's ratio w, e^lambda w^k
+    # e^(-lambda w) (no gradient through it; k, lambda by the advantage's sign), normalised as dapo. Each over the
+    # optimizer step on every rank (TRL's bnpo: per rank).
     loss_type: str = checked("dapo", choices=GRPO_LOSS_TYPES)
     # token: a ratio per token; sequence: one per completion, its tokens' mean log-ratio (GSPO)
     importance_sampling_level: str = checked("token", choices=("token", "sequence"))
     sapo_temperature_pos: float = checked(1.0, "positive")  # SAPO's gate where the advantage is positive
     sapo_temperature_neg: float = checked(1.05, "positive")  # and where it is not
+    vespo_k_pos: float = checked(2.0, "non_negative")  # VESPO's power where the advantage is not negative
+    vespo_lambda_pos: float = checked(3.0, "non_negative")  # and its decay
+    vespo_k_neg: float = checked(3.0, "non_negative")  # where it is negative
+    vespo_lambda_neg: float = checked(2.0, "non_negative")
     beta: float = checked(0.0, "non_negative")  # weight of the KL to the reference (k3 estimator)
     use_bias_correction_kl: bool = True  # the KL weighted by the importance ratio, as TRL 1.16 does by default
     epsilon: float = checked(0.2, "positive")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]

@@ -10,6 +10,7 @@ advantages, the clipped per-token loss and its step-wide normaliser, and the log
   max_completion_length; dapo and bnpo: the token sum over tokens; TRL's bnpo divides per rank and micro-batch).
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +156,9 @@ def token_losses(logps, old_logps, ref_logps, advantages, mask, args: GRPOArgs) 
                                   advantages.new_tensor(args.sapo_temperature_neg))
         loss = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages
         low = high = no_flags
+    elif args.loss_type == "vespo":
+        loss = -vespo_weights(logps - old_logps, advantages, mask, args) * advantages * logps
+        low = high = no_flags
     else:
         clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)
         loss = -torch.min(ratio * advantages, clipped * advantages)
@@ -166,6 +170,19 @@ def token_losses(logps, old_logps, ref_logps, advantages, mask, args: GRPOArgs) 
         terms["kl"] = (torch.exp(delta) - delta - 1) * (ratio if args.use_bias_correction_kl else 1) * mask
         loss = loss + args.beta * terms["kl"]
     return terms | {"loss": loss * mask, "low": low, "high": high, "region": low | high}
+
+
+def vespo_weights(log_ratio, advantages, mask, args: GRPOArgs) -> torch.Tensor:
+    """VESPO's weight of each completion (TRL 1.16's `get_gamma_weights`), no gradient through it: phi(w) = e^lambda
+    w^k e^(-lambda w) (1 at w = 1) of w, the completion's ratio (the sum of its tokens' log-ratios, each clamped to
+    [-20, 20], the sum to [log 1e-8, 20]), with k and lambda by the sign of its advantage."""
+    with torch.no_grad():
+        log_w = (log_ratio.clamp(-20, 20) * mask).sum(-1, keepdim=True).clamp(math.log(1e-8), 20)
+        positive = advantages >= 0
+        k = torch.where(positive, advantages.new_tensor(args.vespo_k_pos), advantages.new_tensor(args.vespo_k_neg))
+        decay = torch.where(positive, advantages.new_tensor(args.vespo_lambda_pos),
+                            advantages.new_tensor(args.vespo_lambda_neg)).clamp(min=1e-4)
+        return torch.exp(decay + k * log_w - decay * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 class LossSums(dict):
