@@ -7,7 +7,8 @@ without it, and how often it calls the tool, on the held-out prompts (data/vlm_z
 
 Each prompt is answered nearly greedily (temperature 0.01, the recipe's samplers): with the tool, over as many turns
 as it calls (the environment redraws the prompt's scene); without, in one turn from a prompt that offers no tool. An
-answer is right where it is the shape (the recipe's accuracy reward on the last turn).
+answer is right where it is the shape (the recipe's accuracy reward on the last turn). Appends a JSON line to
+bench/results/.
 """
 
 import argparse
@@ -33,9 +34,11 @@ from mmrecipes.vlm.model.step import VLMForTraining
 from mmrecipes.vlm.rows.chat_data import prompt_row
 from mmrecipes.vlm.rows.collate import ChatCollator
 
+RESULTS = Path(__file__).resolve().parent / "results" / "zoom_task.jsonl"
+
 
 def answers(model, processor, rows, tools) -> tuple[list, list]:
-    """(each prompt's answer text, how many tool calls it made), with `tools` offered (None: without)."""
+    """(each prompt's answer text, its tool calls and how many of them ran), with `tools` offered (None: without)."""
     stops = stop_token_ids(model, processor)
     args = GRPOArgs(environment_factory="mmrecipes.vlm.algorithms.zoom:ZoomEnv", temperature=0.01,
                     max_completion_length=160)
@@ -51,13 +54,13 @@ def answers(model, processor, rows, tools) -> tuple[list, list]:
                                      sampler.suppressed, [0])
         if tools is None:
             texts.append(processor.tokenizer.decode([t for t in ids if t not in stops], skip_special_tokens=True))
-            calls.append(0)
             continue
         trajectory = Trajectory(prompt, 0, prompt_seed(0, prompt), environment=tools.environment(prompt))
         trajectory.add_turn(ids, cut, tools.format, tools.tokenizer)
         sampler.tool_turns(step, True, [trajectory], prompt)
         texts.append(trajectory.messages[-1]["content"])
-        calls.append(sum(len(message.get("tool_calls", [])) for message in trajectory.messages))
+        counts = tools.take_counts()
+        calls.append((counts["tool_calls"], counts["tool_calls"] - counts["tool_failures"]))
     return texts, calls
 
 
@@ -66,6 +69,7 @@ def main():
     parser.add_argument("--model", default="embedded:tiny_zoom_vlm")
     parser.add_argument("--prompts", type=int, default=100)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--results", default=str(RESULTS), help="the JSON-lines file to append to")
     args = parser.parse_args()
     path = resolve_name(args.model)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
@@ -82,11 +86,14 @@ def main():
         texts, calls = answers(model, processor, rows, offered)
         right = accuracy(None, texts, solution=solutions)
         record |= {f"accuracy_{name}": sum(right) / len(right)}
-        if offered:
-            record |= {"calls_per_prompt": sum(calls) / len(calls),
-                       "prompts_calling": sum(map(bool, calls)) / len(calls)}
-    record["seconds"] = round(time.perf_counter() - started, 1)
+        if offered:  # calls written, and those that parse and name the tool
+            record |= {"calls_per_prompt": sum(made for made, _ in calls) / len(calls),
+                       "readable_calls_per_prompt": sum(readable for _, readable in calls) / len(calls)}
+    record |= {"seconds": round(time.perf_counter() - started, 1), "torch": torch.__version__}
     print(json.dumps(record))
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.results, "a") as results:
+        results.write(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":

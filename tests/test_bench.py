@@ -40,6 +40,7 @@ BENCHES = [
     ("vlm_loss_memory.py", ["--quick", "--loss", "jsd"]),
     ("benchmark_cost.py", ["--quick"]),
     ("linear_attention_packing.py", ["--quick"]),
+    ("zoom_task.py", ["--quick"]),
 ]
 HALVES = 2
 
