@@ -9,8 +9,10 @@ with no row at all, `no_rows_error` is the error every rank raises, saying why.
 
 import logging
 from collections import Counter
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +31,10 @@ class Skip(Exception):
         return Skip, (self.reason, self.detail)
 
 
-def data_counts(rows: list[dict], names: tuple[str, ...]) -> torch.Tensor:
+def data_counts(rows: list[dict], names: tuple[str, ...]) -> "torch.Tensor":
     """The rows' `SKIPPED` counts by `names` (a row without them counts nothing): a batch's `data_counts`."""
+    import torch  # here: `Skip` is raised by the benchmark tasks, which the flags import before torch loads
+
     return torch.tensor([sum(row.get(SKIPPED, {}).get(name, 0) for row in rows) for name in names])
 
 

@@ -39,16 +39,20 @@ TOOLS = "tools_for_tests:multiply,tools_for_tests:crop"
 CALL = '<tool_call>\n{"name": "crop", "arguments": {"left": 3, "top": 4}}\n</tool_call>'
 
 
-def qwen3_vl():
-    model, processor = tiny_vlm.FAMILIES["qwen3_vl"]()
+def qwen3_vl(family="qwen3_vl"):
+    """A tiny family with a template that writes tool calls: Qwen3-VL's own; Qwen2.5-VL's official one writes none,
+    so it gets Qwen3-VL's (the same vision tokens), as `--chat_template_path` would give it."""
+    model, processor = tiny_vlm.FAMILIES[family]()
+    if family != "qwen3_vl":
+        processor.chat_template = tiny_vlm.FAMILIES["qwen3_vl"]()[1].chat_template
     return model, processor, stop_token_ids(model, processor)
 
 
-def setup(max_completion_length=200, **flags):
-    """(the tiny Qwen3-VL as the recipe wraps it, its processor, the sampler with --tools, an image prompt rendered
-    with the tools' schemas)."""
+def setup(max_completion_length=200, family="qwen3_vl", **flags):
+    """(the tiny model as the recipe wraps it, its processor, the sampler with --tools, an image prompt rendered with
+    the tools' schemas)."""
     torch.manual_seed(0)
-    model, processor, stops = qwen3_vl()
+    model, processor, stops = qwen3_vl(family)
     args = GRPOArgs(tools=TOOLS, num_generations=2, max_completion_length=max_completion_length, **flags)
     tools = Tools.of(args, processor, stops)
     preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=4096,
@@ -116,8 +120,9 @@ def test_a_tool_that_fails_fails_its_call_never_the_run():
     assert box.run("multiply", {"a": 3, "b": 4}) == [{"type": "text", "text": "12"}] and box.calls == 10
 
 
-def test_a_multi_turn_completion_is_the_models_tokens_then_the_tools_token_in_token_out():
-    step, processor, sampler, prompt = setup()
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_a_multi_turn_completion_is_the_models_tokens_then_the_tools_token_in_token_out(family):
+    step, processor, sampler, prompt = setup(family=family)
     trajectory = calling_turn(processor, sampler, prompt)
     again = calling_turn(processor, sampler, prompt)
     sampler.tool_turns(step, True, [trajectory], prompt)  # generate, where the model is whole on the rank
