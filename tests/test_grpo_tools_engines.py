@@ -17,7 +17,7 @@ from launch import REPO, assert_adam_weights_close, assert_engine, run_engine, r
 pytestmark = pytest.mark.launch
 
 GRPO_RECIPE = REPO / "recipes" / "vlm_grpo.py"
-STEPS = 2
+STEPS = 1  # multi-turn sampling is most of a step: one shows the step, the weights after it
 COMMON = ["--model_name_or_path", "embedded:tiny_zoom_vlm", "--environment_factory",
           "mmrecipes.vlm.algorithms.zoom:ZoomEnv", "--max_length", 512, "--max_completion_length", 160,
           "--max_steps", STEPS, "--logging_steps", 1, "--eval_steps", 100, "--learning_rate", 1e-3,
