@@ -55,7 +55,8 @@ def answers(model, processor, rows, tools) -> tuple[list, list]:
         if tools is None:
             texts.append(processor.tokenizer.decode([t for t in ids if t not in stops], skip_special_tokens=True))
             continue
-        trajectory = Trajectory(prompt, 0, prompt_seed(0, prompt), environment=tools.environment(prompt))
+        environment, own = tools.environment(prompt)
+        trajectory = Trajectory(own, 0, prompt_seed(0, prompt), environment=environment)
         trajectory.add_turn(ids, cut, tools.format, tools.tokenizer)
         sampler.tool_turns(step, True, [trajectory], prompt)
         texts.append(trajectory.messages[-1]["content"])

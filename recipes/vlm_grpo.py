@@ -89,6 +89,9 @@ def main(argv=None):
     labeller = AnswerLabeller(processor, vlm.stops)  # the prompts go through its template
     # --tools, --environment_factory: completions call them and go on after the results
     tools = Tools.of(grpo_args, processor, vlm.stops)
+    if tools and tools.reward_name:  # the environment scores each completion too (TRL: weight 1)
+        reward_funcs[tools.reward_name] = tools.reward
+        grpo_args.weights.append(1.0)
     # the assistant header the samples start after
     template_line = check_generation_prompt(labeller, model_args.template_source())
 
@@ -143,7 +146,7 @@ def main(argv=None):
                                          prompt_collator, shuffle_seed=args.seed,
                                          batch_size=layout.prompts_per_step, ranks=layout,
                                          preprocessor=PromptPreprocessor,
-                                         preprocessor_kwargs={"tools": tools and tools.schemas()})
+                                         preprocessor_kwargs=Tools.prompt_settings(tools))
     held_out = []  # questions answered by greedy decoding at each evaluation
     if data_args.eval_dataset_name:
         held_out = generation_prompts(data_args, processor, rows=data_args.eval_generation_rows,
@@ -187,7 +190,7 @@ def main(argv=None):
             rollouts = sampler.rollouts(model, prompts, layout, seed=args.seed + step,
                                         mask_truncated=grpo_args.mask_truncated_completions)
             rollouts.scores = scorer.score(rollouts.completions, processor.tokenizer, vlm.stops,
-                                           rollouts.conversations)
+                                           rollouts.conversations, rollouts.environments)
             rewards = scorer.total(rollouts.scores)
             advantages, zero_std = layout.advantages(rewards, grpo_args.scale_rewards,
                                                      accelerator.device)

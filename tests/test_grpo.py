@@ -249,7 +249,7 @@ def sft_model_and_prompt(rgb=(220, 40, 40)):
 
 def loaded_prompt(processor, stops, row, max_length=64) -> dict:
     preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=max_length)
-    (input_ids, media_inputs, prompt, columns), _ = preprocess.example(row)
+    (input_ids, media_inputs, prompt, columns, _), _ = preprocess.example(row)
     return {"input_ids": torch.as_tensor(input_ids), "media_inputs": media_inputs, "prompt": json.loads(prompt),
             "columns": json.loads(columns)}
 

@@ -58,7 +58,7 @@ def setup(max_completion_length=200, family="qwen3_vl", **flags):
     preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=4096,
                                     tools=tools.schemas())
     row = chat_row("What colour is the shape on the left?", "red", Image.new("RGB", (32, 32), (220, 40, 40)))
-    (input_ids, media, prompt, columns), _ = preprocess.example(row)
+    (input_ids, media, prompt, columns, _), _ = preprocess.example(row)
     prompt = {"input_ids": torch.as_tensor(input_ids), "media_inputs": media, "prompt": json.loads(prompt),
               "columns": json.loads(columns)}
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
@@ -185,14 +185,14 @@ def test_an_environment_per_completion_keeps_its_state_over_turns():
                       placeholder_token_ids(model, processor), tools)
     preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=4096,
                                     tools=tools.schemas())
-    (input_ids, media, prompt, columns), _ = preprocess.example(chat_row("Count to four.", "4"))
+    (input_ids, media, prompt, columns, _), _ = preprocess.example(chat_row("Count to four.", "4"))
     prompt = {"input_ids": torch.as_tensor(input_ids), "media_inputs": media, "prompt": json.loads(prompt),
               "columns": json.loads(columns)}
     increments = '<tool_call>\n{"name": "increment", "arguments": {"step": 2}}\n</tool_call>'
     trajectories = []
     for index, call in enumerate([increments + increments, increments]):
         trajectory = calling_turn(processor, sampler, prompt, index, call)
-        trajectory.environment = tools.environment(prompt)
+        trajectory.environment, _ = tools.environment(prompt)
         trajectories.append(trajectory)
     sampler.tool_turns(VLMForTraining(model).eval(), True, trajectories, prompt)
     results = [[message["content"][0]["text"] for message in trajectory.messages if message["role"] == "tool"]
@@ -222,3 +222,41 @@ def test_the_recipe_renders_and_runs_tools_and_refuses_a_template_without_them(t
         recipe.main(["--tools", TOOLS, "--chat_template_path", str(REPO / "data_prep" / "chat_templates" /
                                                                      "llava.jinja"),
                      "--report_to", "none", "--output_dir", str(tmp_path / "llava")])
+
+
+def test_what_reset_returns_joins_the_prompt_and_get_reward_scores_the_completion():
+    """TRL's environment API: a string reset returns is appended to the row's last user turn, the prompt rendered
+    anew with its image (kept as PNG by the preprocessor) and the tools' schemas; get_reward, the environment's
+    reward for the completion (one that raises fails that completion only). Each completion samples from its own
+    prompt: `generate` and the synced loop alike."""
+    torch.manual_seed(0)
+    model, processor, stops = qwen3_vl()
+    args = GRPOArgs(environment_factory="tools_for_tests:ObservedCounterEnv", reward_funcs="",
+                    max_completion_length=16, num_generations=2, temperature=2.0)
+    tools = Tools.of(args, processor, stops)
+    assert tools.reward_name == "ObservedCounterEnv" and Tools.prompt_settings(tools)["keep_images"]
+    preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=4096,
+                                    **Tools.prompt_settings(tools))
+    red = Image.new("RGB", (32, 32), (220, 40, 40))
+    (input_ids, media, prompt, columns, images), _ = preprocess.example(chat_row("Count.", "4", red))
+    prompt = {"input_ids": torch.as_tensor(input_ids), "media_inputs": media, "prompt": json.loads(prompt),
+              "columns": json.loads(columns), "images": images}
+    environment, own = tools.environment(prompt)
+    text = processor.apply_chat_template([*prompt["prompt"][:-1], {"role": "user", "content": [
+        *prompt["prompt"][-1]["content"], {"type": "text", "text": "The counter starts at zero."}]}],
+        tools=tools.schemas(), add_generation_prompt=True)
+    expected = processor(text=text, images=[red])
+    assert own["input_ids"].tolist() == list(expected["input_ids"][0]) and own["input_ids"].tolist() != input_ids
+    torch.testing.assert_close(own["media_inputs"]["pixel_values"], prompt["media_inputs"]["pixel_values"])
+    environment.counter = 3
+    failing = tools.factory()
+    failing.counter = 101
+    assert tools.reward(None, None, environments=[environment, None, failing]) == [3.0, None, None]
+    layout = SimpleNamespace(pieces=lambda: [(0, [0, 1])])
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    sampler = Sampler(SimpleNamespace(device=torch.device("cpu")), collator, args, stops,
+                      placeholder_token_ids(model, processor), tools)
+    step = VLMForTraining(model).eval()
+    by_generate, by_loop = (sampler.first_turns(step, whole, [prompt], layout, 0) for whole in (True, False))
+    assert [t.ids for t in by_generate] == [t.ids for t in by_loop] and by_generate[0].ids != by_generate[1].ids
+    assert all(t.prompt["input_ids"].tolist() == own["input_ids"].tolist() for t in by_generate)

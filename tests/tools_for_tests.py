@@ -73,3 +73,17 @@ class CounterEnv:
         """
         self.counter += step
         return self.counter
+
+
+class ObservedCounterEnv(CounterEnv):
+    """A counter that greets the model (TRL: what reset returns is appended to the last user turn) and scores the
+    completion by how far it counted (`get_reward`)."""
+
+    def reset(self, **kwargs) -> str | None:
+        super().reset(**kwargs)
+        return "The counter starts at zero."
+
+    def get_reward(self) -> float:
+        if self.counter > 100:
+            raise RuntimeError("counted too far")
+        return float(self.counter)

@@ -383,10 +383,13 @@ class GRPOArgs(SamplingArgs):
                              "more")
         self.funcs = [name.strip() for name in self.reward_funcs.split(",") if name.strip()]
         try:
-            weights = [float(w) for w in (self.reward_weights or ",".join(["1.0"] * len(self.funcs))).split(",")]
+            weights = [float(w) for w in (self.reward_weights or ",".join(["1.0"] * len(self.funcs))).split(",")
+                       if w.strip()]
         except ValueError:
-            weights = []
-        if not self.funcs or len(weights) != len(self.funcs) or not all(map(math.isfinite, weights)):
+            weights = None
+        # none: only where an environment may score the completions itself (its get_reward, checked when loaded)
+        if (not self.funcs and not self.environment_factory) or weights is None or len(weights) != len(self.funcs) \
+                or not all(map(math.isfinite, weights)):
             raise ValueError(f"--reward_weights {self.reward_weights!r}: give one finite weight per --reward_funcs "
                              f"({len(self.funcs)})")
         self.weights = weights

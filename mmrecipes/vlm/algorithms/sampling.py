@@ -155,6 +155,9 @@ class Sampler:
         pieces = [(piece, True) for piece in layout.pieces()] if whole else batches_in_step(layout.pieces(), (0, [0]),
                                                                                           device)
         trajectories = []
+        if self.tools is not None and self.tools.factory is not None:  # a prompt of its own for each completion
+            trajectories = self.first_turns(model, whole, prompts, layout, seed)
+            pieces = []
         for (index, indices), real in pieces:
             prompt = prompts[index]
             sample = generate_group if whole else partial(sample_group, live=real)
@@ -164,8 +167,7 @@ class Sampler:
                 continue
             if self.tools is not None:
                 for completion, (ids, cut) in zip(indices, group):
-                    trajectory = Trajectory(prompt, completion, prompt_seed(seed, prompt),
-                                            environment=self.tools.environment(prompt))
+                    trajectory = Trajectory(prompt, completion, prompt_seed(seed, prompt))
                     trajectory.add_turn(ids, cut, self.tools.format, self.tools.tokenizer)
                     trajectories.append(trajectory)
                 continue
@@ -178,6 +180,7 @@ class Sampler:
             self.tool_turns(model, whole, trajectories, prompts[0])
             rollouts.completions = [(trajectory.prompt, trajectory.ids) for trajectory in trajectories]
             rollouts.conversations = [trajectory.messages for trajectory in trajectories]
+            rollouts.environments = [trajectory.environment for trajectory in trajectories]
             rollouts.lengths = [sum(trajectory.own) for trajectory in trajectories]
             rollouts.truncated = [trajectory.truncated for trajectory in trajectories]
             rows = [trajectory.row(not (trajectory.truncated and mask_truncated)) for trajectory in trajectories]
@@ -187,6 +190,27 @@ class Sampler:
         rollouts.seconds = time.perf_counter() - started
         return rollouts
 
+
+    def first_turns(self, model, whole: bool, prompts, layout, seed: int) -> list:
+        """With environments: each completion's own environment, reset with its row, and its first turn sampled
+        from its own prompt (the row's, with what reset returned), from its group's seed and its index; a sharded
+        model samples as many times on every rank (a filler where a rank has fewer completions)."""
+        device, units = self.accelerator.device, []
+        for index, indices in layout.pieces():
+            prompt = prompts[index]
+            for completion in indices:
+                environment, own = self.tools.environment(prompt)
+                units.append((Trajectory(own, completion, prompt_seed(seed, prompt), environment=environment)))
+        count = len(units) if whole else int(max_over_ranks(torch.tensor(float(len(units)), device=device)))
+        for slot in range(count):
+            trajectory = units[slot] if slot < len(units) else None
+            sample = generate_group if whole else partial(sample_group, live=trajectory is not None)
+            group = sample(model, trajectory.prompt if trajectory else prompts[0], self.collator, self.args,
+                           self.stop_ids, trajectory.seed if trajectory else 0, device, self.suppressed,
+                           [trajectory.index] if trajectory else [0])
+            if trajectory:
+                trajectory.add_turn(*group[0], self.tools.format, self.tools.tokenizer)
+        return units
 
     def tool_turns(self, model, whole: bool, trajectories: list, filler: dict):
         """Each trajectory's tool calls run and their results appended, then its next turn sampled (its own generator
@@ -229,6 +253,7 @@ class Rollouts:
 
     completions: list = field(default_factory=list)
     conversations: list | None = None  # multi-turn: each completion as reward functions get it (messages)
+    environments: list | None = None  # and its environment (`--environment_factory`), or None
     micro_batches: list = field(default_factory=list)
     scores: torch.Tensor | None = None
     lengths: list = field(default_factory=list)

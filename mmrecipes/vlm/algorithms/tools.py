@@ -15,6 +15,7 @@ call: counted per kind, its error the result the model reads (TRL's `{"error": .
 
 import importlib
 import inspect
+import io
 import json
 import re
 from collections import Counter
@@ -22,10 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import gather_object
+from PIL import Image
 from transformers.utils import get_json_schema
 
 from ...images import NORMALIZED_BY
-from ..rows.chat_data import TOKEN_ALIGNED, unbatched
+from ..rows.chat_data import TOKEN_ALIGNED, prompt_row, unbatched
 from ..rows.labels import IGNORE_INDEX
 from .rewards import RewardTimeout, time_limit
 
@@ -225,9 +227,11 @@ class Tools:
     """What multi-turn rollouts take (`of`: None without --tools and --environment_factory): the template's format,
     the tools and their runner, the environment class, --max_tool_calling_iterations, the tokenizer."""
 
-    def __init__(self, tool_format: ToolFormat, box: ToolBox, factory, max_iterations: int | None, tokenizer):
+    def __init__(self, tool_format: ToolFormat, box: ToolBox, factory, max_iterations: int | None, tokenizer,
+                 reward_name: str | None = None):
         self.format, self.box, self.factory = tool_format, box, factory
         self.max_iterations, self.tokenizer = max_iterations, tokenizer
+        self.reward_name = reward_name  # the environment's class, where it scores rollouts (`get_reward`)
         self.environment_failures, self.said = Counter(), set()
 
     @classmethod
@@ -246,7 +250,18 @@ class Tools:
         tool_format = ToolFormat.of(processor, stop_ids, every)
         tools_box = ToolBox(tools, args.tool_timeout)
         tools_box.schemas = [schema(tool, "--tools") for tool in every]
-        return cls(tool_format, tools_box, factory, args.max_tool_calling_iterations, processor.tokenizer)
+        owns = callable(getattr(probe, "get_reward", None))
+        if not args.funcs and not owns:
+            raise ValueError("--reward_funcs is empty and the environment has no get_reward: nothing scores the "
+                             "completions")
+        return cls(tool_format, tools_box, factory, args.max_tool_calling_iterations, processor.tokenizer,
+                   type(probe).__name__ if owns else None)
+
+    @staticmethod
+    def prompt_settings(tools: "Tools | None") -> dict:
+        """`PromptPreprocessor`'s: the tools' schemas in every prompt, and the images kept where environments may
+        render a prompt anew."""
+        return {"tools": tools.schemas(), "keep_images": tools.factory is not None} if tools else {}
 
     def schemas(self) -> list[dict]:
         """The JSON schemas every prompt renders."""
@@ -257,24 +272,47 @@ class Tools:
         names = ", ".join(tool["function"]["name"] for tool in self.schemas())
         return f"{self.format.describe()}; the tools: {names}; tool turns: {limit}"
 
-    def environment(self, prompt: dict):
-        """A fresh environment for one completion, reset with its row (None where none is given, or where its reset
-        failed: counted, the completion then has the standalone tools only)."""
-        if self.factory is None:
-            return None
+    def environment(self, prompt: dict) -> tuple[object, dict]:
+        """(a fresh environment for one completion, reset with its row; the prompt it goes on from: the row's, with
+        what reset returned appended to its last user turn, TRL's way). Where reset fails, (None, the row's prompt):
+        counted, and the completion has the standalone tools only."""
         try:
             environment = self.factory()
             observation = environment.reset(prompt=prompt["prompt"], **prompt["columns"])
+            return environment, prompt if observation is None else self.observed(prompt, observation)
         except (Exception, SystemExit) as error:  # noqa: BLE001 (user code: the rollout goes on without it)
             kind = f"reset/{type(error).__name__}"
             self.environment_failures[kind] += 1
             self.box.first_errors.setdefault(kind, f"the environment's reset: {type(error).__name__}: {error}")
-            return None
-        if observation is not None:
-            raise ValueError("--environment_factory: reset() returned an observation; appending it to the prompt is "
-                             "not supported here yet (prompts are tokenised before sampling): give it in the "
-                             "dataset's prompt and return None")
-        return environment
+            return None, prompt
+
+    def observed(self, prompt: dict, observation) -> dict:
+        """The prompt with `observation` (text or content blocks) appended to its last turn, rendered anew with the
+        row's images and the observation's (a conversational prompt only, as TRL requires)."""
+        if not isinstance(prompt["prompt"], list):
+            raise TypeError("reset() returned an observation for a string prompt: give conversational prompts")
+        added = blocks(observation)
+        last = prompt["prompt"][-1]
+        content = [{"type": "text", "text": last["content"]}] if isinstance(last["content"], str) else last["content"]
+        content = content + [{"type": block["type"], **({"text": block["text"]} if "text" in block else {})}
+                             for block in added]
+        messages = [*prompt["prompt"][:-1], {**last, "content": content}]
+        images = [Image.open(io.BytesIO(data)) for data in prompt["images"]]
+        images += [block["image"] for block in added if block["type"] == "image"]
+        rendered = prompt_row(self.format.processor, messages, images, self.schemas())
+        return prompt | {"input_ids": rendered["input_ids"], "media_inputs": rendered["media_inputs"],
+                         "prompt": messages}
+
+    def reward(self, prompts, completions, completion_ids=None, environments=(), **columns) -> list:
+        """The environments' `get_reward()`, one per completion (None where it has none or it raised: that
+        completion's reward fails, counted)."""
+        rewards = []
+        for environment in environments:
+            try:
+                rewards.append(environment.get_reward() if environment is not None else None)
+            except Exception:  # noqa: BLE001 (user code: one completion's reward fails, counted)
+                rewards.append(None)
+        return rewards
 
     def take_counts(self, accelerator=None, say=print) -> dict:
         """Calls and failed calls on this rank since the last call, for the log; each kind of failure said once, by

@@ -4,6 +4,7 @@ checkpoint's generation prompt, carrying what reward functions get (the prompt a
 columns; `PromptPreprocessor`); for distillation with the dataset's answer after them (`DistillPreprocessor`); bad
 rows skipped and counted as in SFT."""
 
+import io
 import json
 
 import torch
@@ -61,11 +62,12 @@ class PromptPreprocessor(ChatPreprocessor):
     --max_completion_length."""
 
     COLUMNS = PROMPT_COLUMNS
-    OUTPUTS = ("input_ids", "media_inputs", "reward_prompt", "reward_columns")
+    OUTPUTS = ("input_ids", "media_inputs", "reward_prompt", "reward_columns", "images")
 
-    def __init__(self, args, labeller, max_length: int, tools=None):
+    def __init__(self, args, labeller, max_length: int, tools=None, keep_images: bool = False):
         super().__init__(args, labeller, max_length)
         self.tools = tools  # the JSON schemas of the tools the model may call, rendered in every prompt
+        self.keep_images = keep_images  # (as PNG) where an environment's observation re-renders the prompt
 
     def example(self, row):
         try:
@@ -80,13 +82,21 @@ class PromptPreprocessor(ChatPreprocessor):
             raise Skip("bad_row", f"{type(error).__name__}: {error}") from error
         if len(prompt["input_ids"]) > self.max_length:
             raise Skip("too_long", f"{len(prompt['input_ids'])} prompt tokens, over {self.max_length}")
-        return (prompt["input_ids"], prompt["media_inputs"], json.dumps(reward_prompt), json.dumps(columns)), note
+        kept = [png_bytes(image) for image in images] if self.keep_images else []
+        return (prompt["input_ids"], prompt["media_inputs"], json.dumps(reward_prompt), json.dumps(columns),
+                kept), note
 
     @staticmethod
     def check_columns(name, available):
         if available is not None and not {"prompt", "messages", "conversations"} & set(available):
             raise ValueError(f"{name} has none of the columns prompt, messages or conversations (it has "
                              f"{', '.join(sorted(available))})")
+
+
+def png_bytes(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 class PromptCollator:
@@ -99,8 +109,8 @@ class PromptCollator:
 
     def __call__(self, rows):
         prompts = [{"input_ids": torch.as_tensor(row["input_ids"]), "media_inputs": row["media_inputs"],
-                    "prompt": json.loads(row["reward_prompt"]), "columns": json.loads(row["reward_columns"])}
-                   for row in rows]
+                    "prompt": json.loads(row["reward_prompt"]), "columns": json.loads(row["reward_columns"]),
+                    "images": row.get("images") or []} for row in rows]
         return {"prompts": prompts, "num_samples": len(rows) * self.counted,
                 "data_counts": data_counts(rows, CHAT_COUNTED) * self.counted,
                 "chat": self.chat_collator([row for prompt in prompts for row in chat_rows(prompt, [[]], [False])])}
