@@ -26,7 +26,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from mmrecipes.paths import resolve_name
 from mmrecipes.vlm.algorithms.rewards import accuracy
 from mmrecipes.vlm.algorithms.sampling import Sampler, generate_group, prompt_seed
-from mmrecipes.vlm.algorithms.tools import Tools, Trajectory
+from mmrecipes.vlm.algorithms.tools import Tools
+from mmrecipes.vlm.algorithms.trajectory import Trajectory
 from mmrecipes.vlm.arguments import GRPOArgs
 from mmrecipes.vlm.model.families import dummy_image_inputs, placeholder_token_ids
 from mmrecipes.vlm.model.loading import stop_token_ids

@@ -22,7 +22,8 @@ from gloo import run_on_ranks
 from helpers import chat_row
 from launch import REPO
 from mmrecipes.vlm.algorithms.sampling import Sampler, prompt_seed
-from mmrecipes.vlm.algorithms.tools import ToolBox, ToolFormat, Tools, Trajectory
+from mmrecipes.vlm.algorithms.tools import ToolBox, ToolFormat, Tools
+from mmrecipes.vlm.algorithms.trajectory import Trajectory
 from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs
 from mmrecipes.vlm.model.families import dummy_image_inputs, placeholder_token_ids
 from mmrecipes.vlm.model.loading import stop_token_ids
@@ -249,7 +250,7 @@ def test_what_reset_returns_joins_the_prompt_and_get_reward_scores_the_completio
     assert own["input_ids"].tolist() == list(expected["input_ids"][0]) and own["input_ids"].tolist() != input_ids
     torch.testing.assert_close(own["media_inputs"]["pixel_values"], prompt["media_inputs"]["pixel_values"])
     environment.counter = 3
-    failing = tools.factory()
+    failing = tools.factories[None]()
     failing.counter = 101
     assert tools.reward(None, None, environments=[environment, None, failing]) == [3.0, None, None]
     layout = SimpleNamespace(pieces=lambda: [(0, [0, 1])])
@@ -260,3 +261,36 @@ def test_what_reset_returns_joins_the_prompt_and_get_reward_scores_the_completio
     by_generate, by_loop = (sampler.first_turns(step, whole, [prompt], layout, 0) for whole in (True, False))
     assert [t.ids for t in by_generate] == [t.ids for t in by_loop] and by_generate[0].ids != by_generate[1].ids
     assert all(t.prompt["input_ids"].tolist() == own["input_ids"].tolist() for t in by_generate)
+
+
+def test_rows_pick_their_environment_among_several():
+    """--environment_factory name=module:Class,...: TRL's dict of environments; a row's `environment` column picks its
+    class, its prompt renders that class's tools, reset gets the row without the column; the environments' reward is
+    get_reward where the class has one, 0 where it has none; a row naming no given class is a counted bad row."""
+    from mmrecipes.skips import Skip
+    from mmrecipes.sources import OTHER_COLUMNS
+
+    model, processor, stops = qwen3_vl()
+    args = GRPOArgs(environment_factory="counter=tools_for_tests:CounterEnv,observed=tools_for_tests:"
+                                        "ObservedCounterEnv", tools="tools_for_tests:multiply")
+    tools = Tools.of(args, processor, stops)
+    assert tools.reward_name == "environment" and set(Tools.prompt_settings(tools)["tools"]) == {"counter", "observed"}
+    preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=4096,
+                                    **Tools.prompt_settings(tools))
+    prompts, environments = [], []
+    for name in ("counter", "observed"):
+        row = {"prompt": [{"role": "user", "content": "Count."}], "solution": "4",
+               OTHER_COLUMNS: json.dumps({"environment": name})}
+        (input_ids, media, prompt, columns, images), _ = preprocess.example(row)
+        prompt = {"input_ids": torch.as_tensor(input_ids), "media_inputs": media, "prompt": json.loads(prompt),
+                  "columns": json.loads(columns), "images": images}
+        assert "multiply" in processor.tokenizer.decode(input_ids)  # the standalone tool beside the class's
+        environment, own = tools.environment(prompt)
+        prompts.append((prompt, own))
+        environments.append(environment)
+    assert [type(environment).__name__ for environment in environments] == ["CounterEnv", "ObservedCounterEnv"]
+    assert prompts[0][1] is prompts[0][0] and "starts at zero" in processor.tokenizer.decode(prompts[1][1]["input_ids"])
+    environments[1].counter = 2
+    assert tools.reward(None, None, environments=environments) == [0.0, 2.0]
+    with pytest.raises(Skip, match="environment 'chess': not one of --environment_factory's"):
+        preprocess.example({"prompt": "Play.", OTHER_COLUMNS: json.dumps({"environment": "chess"})})

@@ -26,7 +26,7 @@ from ..arguments import SamplingArgs
 from ..model.evaluation import with_token_appended
 from ..model.outputs import Logits
 from ..rows.collate import chat_rows
-from .tools import Trajectory
+from .trajectory import Trajectory
 
 TURN_STRIDE = 1 << 20  # a turn's generator: its completion's index + turn x this (the first turn's is the index)
 
@@ -155,7 +155,7 @@ class Sampler:
         pieces = [(piece, True) for piece in layout.pieces()] if whole else batches_in_step(layout.pieces(), (0, [0]),
                                                                                           device)
         trajectories = []
-        if self.tools is not None and self.tools.factory is not None:  # a prompt of its own for each completion
+        if self.tools is not None and self.tools.factories:  # a prompt of its own for each completion
             trajectories = self.first_turns(model, whole, prompts, layout, seed)
             pieces = []
         for (index, indices), real in pieces:

@@ -19,16 +19,13 @@ import io
 import json
 import re
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import gather_object
 from PIL import Image
 from transformers.utils import get_json_schema
 
-from ...images import NORMALIZED_BY
 from ..rows.chat_data import TOKEN_ALIGNED, prompt_row, unbatched
-from ..rows.labels import IGNORE_INDEX
 from .rewards import RewardTimeout, time_limit
 
 SENTINEL = {"name": "tool_name_sentinel", "arguments": {"argument_sentinel": "value_sentinel"}}
@@ -56,6 +53,22 @@ def schema(tool, flag: str) -> dict:
         return get_json_schema(tool)
     except Exception as error:  # noqa: BLE001 (transformers' own errors name what is missing)
         raise ValueError(f"{flag}: {getattr(tool, '__name__', tool)} cannot be described to the model ({error})")
+
+
+def environment_factories(spec: str) -> dict:
+    """`--environment_factory`: module:Class ({None: the class}), or name=module:Class,... (TRL's dict: a row's
+    `environment` column picks its class)."""
+    if not spec:
+        return {}
+    if "=" not in spec:
+        return {None: imported(spec, "--environment_factory")}
+    factories = {}
+    for entry in spec.split(","):
+        name, _, path = entry.strip().partition("=")
+        if not name or not path:
+            raise ValueError(f"--environment_factory {entry!r}: give module:Class, or name=module:Class,...")
+        factories[name] = imported(path, "--environment_factory")
+    return factories
 
 
 def environment_tools(environment) -> list:
@@ -225,13 +238,14 @@ def blocks(result) -> list:
 
 class Tools:
     """What multi-turn rollouts take (`of`: None without --tools and --environment_factory): the template's format,
-    the tools and their runner, the environment class, --max_tool_calling_iterations, the tokenizer."""
+    the tools and their runner, the environment classes ({name: class}, None the name of a single one; a row's
+    `environment` column names its class where there are several), --max_tool_calling_iterations, the tokenizer."""
 
-    def __init__(self, tool_format: ToolFormat, box: ToolBox, factory, max_iterations: int | None, tokenizer,
-                 reward_name: str | None = None):
-        self.format, self.box, self.factory = tool_format, box, factory
+    def __init__(self, tool_format: ToolFormat, box: ToolBox, factories: dict, schemas: dict,
+                 max_iterations: int | None, tokenizer, reward_name: str | None = None):
+        self.format, self.box, self.factories, self._schemas = tool_format, box, factories, schemas
         self.max_iterations, self.tokenizer = max_iterations, tokenizer
-        self.reward_name = reward_name  # the environment's class, where it scores rollouts (`get_reward`)
+        self.reward_name = reward_name  # where environments score completions (`get_reward`): the reward's name
         self.environment_failures, self.said = Counter(), set()
 
     @classmethod
@@ -239,54 +253,62 @@ class Tools:
         if not args.tools and not args.environment_factory:
             return None
         tools = load_tools(args.tools)
-        factory = imported(args.environment_factory, "--environment_factory") if args.environment_factory else None
-        probe = factory() if factory else None  # its methods' schemas, as TRL reads them
-        if probe is not None and not callable(getattr(probe, "reset", None)):
-            raise ValueError(f"--environment_factory {args.environment_factory}: its instances have no reset method")
-        every = tools + (environment_tools(probe) if probe is not None else [])
-        if not every:
+        factories = environment_factories(args.environment_factory)
+        probes = {name: factory() for name, factory in factories.items()}  # their methods, as TRL reads them
+        if missing := [name for name, probe in probes.items() if not callable(getattr(probe, "reset", None))]:
+            raise ValueError(f"--environment_factory: instances of {', '.join(map(str, missing))} have no reset method")
+        offered = {name: tools + environment_tools(probe) for name, probe in probes.items()} or {None: tools}
+        every = list({id(tool): tool for tool in sum(offered.values(), [])}.values())
+        if not every or not all(offered.values()):
             raise ValueError("--tools / --environment_factory: no tool to call (an environment's tools are its public "
                              "methods besides reset and get_reward)")
         tool_format = ToolFormat.of(processor, stop_ids, every)
-        tools_box = ToolBox(tools, args.tool_timeout)
-        tools_box.schemas = [schema(tool, "--tools") for tool in every]
-        owns = callable(getattr(probe, "get_reward", None))
-        if not args.funcs and not owns:
-            raise ValueError("--reward_funcs is empty and the environment has no get_reward: nothing scores the "
+        schemas = {name: [schema(tool, "--tools") for tool in offered_tools] for name, offered_tools in offered.items()}
+        owners = [type(probe).__name__ for probe in probes.values() if callable(getattr(probe, "get_reward", None))]
+        if not args.funcs and not owners:
+            raise ValueError("--reward_funcs is empty and no environment has get_reward: nothing scores the "
                              "completions")
-        return cls(tool_format, tools_box, factory, args.max_tool_calling_iterations, processor.tokenizer,
-                   type(probe).__name__ if owns else None)
+        reward_name = (owners[0] if len(probes) == 1 else "environment") if owners else None
+        return cls(tool_format, ToolBox(tools, args.tool_timeout), factories, schemas,
+                   args.max_tool_calling_iterations, processor.tokenizer, reward_name)
 
     @staticmethod
     def prompt_settings(tools: "Tools | None") -> dict:
-        """`PromptPreprocessor`'s: the tools' schemas in every prompt, and the images kept where environments may
-        render a prompt anew."""
-        return {"tools": tools.schemas(), "keep_images": tools.factory is not None} if tools else {}
+        """`PromptPreprocessor`'s: the tools' schemas every prompt renders ({environment: schemas} where rows name
+        theirs), and the images kept where environments may render a prompt anew."""
+        if tools is None:
+            return {}
+        several = len(tools.factories) > 1
+        return {"tools": tools._schemas if several else tools.schemas(), "keep_images": bool(tools.factories)}
 
-    def schemas(self) -> list[dict]:
-        """The JSON schemas every prompt renders."""
-        return self.box.schemas
+    def schemas(self, environment: str | None = None) -> list[dict]:
+        """The JSON schemas a prompt renders: the standalone tools', and its environment's methods'."""
+        return self._schemas[environment]
 
     def describe(self) -> str:
         limit = self.max_iterations if self.max_iterations is not None else "no limit but --max_completion_length"
-        names = ", ".join(tool["function"]["name"] for tool in self.schemas())
+        names = ", ".join(sorted({tool["function"]["name"] for schemas in self._schemas.values() for tool in schemas}))
         return f"{self.format.describe()}; the tools: {names}; tool turns: {limit}"
 
     def environment(self, prompt: dict) -> tuple[object, dict]:
         """(a fresh environment for one completion, reset with its row; the prompt it goes on from: the row's, with
         what reset returned appended to its last user turn, TRL's way). Where reset fails, (None, the row's prompt):
         counted, and the completion has the standalone tools only."""
+        columns = dict(prompt["columns"])
+        name = columns.pop("environment", None) if len(self.factories) > 1 else None  # TRL keeps it from reset
         try:
-            environment = self.factory()
-            observation = environment.reset(prompt=prompt["prompt"], **prompt["columns"])
-            return environment, prompt if observation is None else self.observed(prompt, observation)
+            environment = self.factories[name]()
+            observation = environment.reset(prompt=prompt["prompt"], **columns)
+            if observation is not None:
+                prompt = self.observed(prompt, observation, name)
+            return environment, prompt
         except (Exception, SystemExit) as error:  # noqa: BLE001 (user code: the rollout goes on without it)
             kind = f"reset/{type(error).__name__}"
             self.environment_failures[kind] += 1
             self.box.first_errors.setdefault(kind, f"the environment's reset: {type(error).__name__}: {error}")
             return None, prompt
 
-    def observed(self, prompt: dict, observation) -> dict:
+    def observed(self, prompt: dict, observation, environment: str | None = None) -> dict:
         """The prompt with `observation` (text or content blocks) appended to its last turn, rendered anew with the
         row's images and the observation's (a conversational prompt only, as TRL requires)."""
         if not isinstance(prompt["prompt"], list):
@@ -299,17 +321,18 @@ class Tools:
         messages = [*prompt["prompt"][:-1], {**last, "content": content}]
         images = [Image.open(io.BytesIO(data)) for data in prompt["images"]]
         images += [block["image"] for block in added if block["type"] == "image"]
-        rendered = prompt_row(self.format.processor, messages, images, self.schemas())
+        rendered = prompt_row(self.format.processor, messages, images, self.schemas(environment))
         return prompt | {"input_ids": rendered["input_ids"], "media_inputs": rendered["media_inputs"],
                          "prompt": messages}
 
     def reward(self, prompts, completions, completion_ids=None, environments=(), **columns) -> list:
-        """The environments' `get_reward()`, one per completion (None where it has none or it raised: that
-        completion's reward fails, counted)."""
+        """The environments' `get_reward()`, one per completion: 0 where its class has none (among several, one that
+        owns no reward), None where reset or get_reward raised (that completion's reward fails, counted)."""
         rewards = []
         for environment in environments:
             try:
-                rewards.append(environment.get_reward() if environment is not None else None)
+                owns = environment is not None and callable(getattr(environment, "get_reward", None))
+                rewards.append(environment.get_reward() if owns else None if environment is None else 0.0)
             except Exception:  # noqa: BLE001 (user code: one completion's reward fails, counted)
                 rewards.append(None)
         return rewards
@@ -331,70 +354,3 @@ class Tools:
                 f"{self.box.first_errors.get(kind, 'on another rank')}")
         self.box.calls, self.box.failures, self.environment_failures = 0, Counter(), Counter()
         return counts
-
-
-@dataclass
-class Trajectory:
-    """One completion over its turns: its tokens after the prompt (the model's and the tools'), which are the
-    model's (`own`), the tools' images' inputs in order, and the completion as reward functions get it (`messages`)."""
-
-    prompt: dict
-    index: int  # its completion's index in its group (its generator's)
-    seed: int  # its group's
-    ids: list = field(default_factory=list)
-    own: list = field(default_factory=list)
-    media: list = field(default_factory=list)
-    messages: list = field(default_factory=list)
-    truncated: bool = False
-    environment: object = None
-    pending: list = field(default_factory=list)  # the calls of its last turn
-
-    def add_turn(self, tokens: list, truncated: bool, tool_format: ToolFormat, tokenizer):
-        self.ids += tokens
-        self.own += [True] * len(tokens)
-        self.truncated = truncated
-        text = tokenizer.decode([token for token in tokens if token not in tool_format.stop_ids])
-        content, calls = tool_format.parse(text)
-        self.pending = [] if truncated else calls
-        message = {"role": "assistant", "content": content if calls else text.strip()}
-        self.messages.append(message | ({"tool_calls": [{"type": "function", "function": {
-            "name": name, "arguments": arguments}} for name, arguments in calls if name]} if calls else {}))
-
-    def add_results(self, results: list, tokens: torch.Tensor, media: dict):
-        self.ids += tokens.tolist()
-        self.own += [False] * len(tokens)
-        self.media.append((len(self.prompt["input_ids"]) + len(self.ids) - len(tokens), media))
-        self.messages += [{"role": "tool", "name": name, "content": content} for name, content in results]
-        self.pending = []
-
-    def state(self) -> dict:
-        """Where the model goes on from: the prompt with every turn so far, as a prompt."""
-        tokens = torch.cat([self.prompt["input_ids"], torch.tensor(self.ids, dtype=self.prompt["input_ids"].dtype)])
-        return {"input_ids": tokens, "media_inputs": self.media_inputs(len(tokens))}
-
-    def media_inputs(self, length: int) -> dict:
-        """The prompt's image inputs, then each tool turn's (per-token ones placed at their tokens)."""
-        pieces = [(0, self.prompt["media_inputs"]), *self.media]
-        merged = {}
-        for key in {key for _, media in pieces for key in media}:
-            values = [media[key] for _, media in pieces if key in media]
-            if key in TOKEN_ALIGNED:
-                row = torch.zeros(length, dtype=values[0].dtype)
-                for start, media in pieces:
-                    if key in media:
-                        row[start:start + len(media[key])] = media[key]
-                merged[key] = row
-            elif key in NORMALIZED_BY.values():  # constants, the same for every image
-                merged[key] = values[0]
-            else:
-                merged[key] = torch.cat(values)
-        return merged
-
-    def row(self, labelled: bool) -> dict:
-        """The collator row to train on: the model's tokens its targets (none where not `labelled`)."""
-        state = self.state()
-        own = torch.tensor(self.own, dtype=torch.bool) & labelled
-        completion = torch.tensor(self.ids, dtype=state["input_ids"].dtype)
-        labels = torch.cat([torch.full_like(self.prompt["input_ids"], IGNORE_INDEX),
-                            torch.where(own, completion, torch.full_like(completion, IGNORE_INDEX))])
-        return {"input_ids": state["input_ids"], "labels": labels, "media_inputs": state["media_inputs"]}

@@ -66,8 +66,19 @@ class PromptPreprocessor(ChatPreprocessor):
 
     def __init__(self, args, labeller, max_length: int, tools=None, keep_images: bool = False):
         super().__init__(args, labeller, max_length)
-        self.tools = tools  # the JSON schemas of the tools the model may call, rendered in every prompt
+        # the JSON schemas of the tools the model may call, rendered in every prompt ({environment: schemas}: by the
+        # row's `environment` column, TRL's multi-environment rows)
+        self.tools = tools
         self.keep_images = keep_images  # (as PNG) where an environment's observation re-renders the prompt
+
+    def row_tools(self, columns: dict) -> list | None:
+        """The schemas a row's prompt renders (`columns`: its other columns, `prompt_chat`'s)."""
+        if not isinstance(self.tools, dict):
+            return self.tools
+        if columns.get("environment") not in self.tools:
+            raise Skip("bad_row", f"environment {columns.get('environment')!r}: not one of --environment_factory's "
+                                  f"({', '.join(map(str, self.tools))})")
+        return self.tools[columns["environment"]]
 
     def example(self, row):
         try:
@@ -75,7 +86,7 @@ class PromptPreprocessor(ChatPreprocessor):
             if has_video(row, messages):
                 raise Skip("video", "GRPO samples image and text prompts")
             images, note = row_images(self.args, media_folder(row, self.args.image_folder), messages, raw_images)
-            prompt = prompt_row(self.labeller.processor, messages, images, self.tools)
+            prompt = prompt_row(self.labeller.processor, messages, images, self.row_tools(columns))
         except Skip:
             raise
         except Exception as error:  # a template that refuses the prompt, say: counted, never a crash
