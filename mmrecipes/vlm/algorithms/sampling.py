@@ -149,15 +149,16 @@ class Sampler:
         """Each group of the pieces from `prompt_seed(seed, prompt)` (`seed`: the run's + the step), by `generate_group`
         on a `whole` model, else by `sample_group` (as many times on every rank: a filler where a rank has fewer
         pieces), in micro-batches of `layout.micro_batch` whose targets are the completions (none for a truncated one
-        where `mask_truncated`: GRPO's --mask_truncated_completions)."""
+        where `mask_truncated`: GRPO's --mask_truncated_completions). With tools, each completion goes on over its
+        turns (`tool_turns`; with environments each starts from a prompt of its own: `first_turns`)."""
         started, rollouts, rows = time.perf_counter(), Rollouts(), []
         device, args = self.accelerator.device, self.args
-        pieces = [(piece, True) for piece in layout.pieces()] if whole else batches_in_step(layout.pieces(), (0, [0]),
-                                                                                          device)
-        trajectories = []
+        trajectories, pieces = [], []
         if self.tools is not None and self.tools.factories:  # a prompt of its own for each completion
             trajectories = self.first_turns(model, whole, prompts, layout, seed)
-            pieces = []
+        else:
+            pieces = ([(piece, True) for piece in layout.pieces()] if whole
+                      else batches_in_step(layout.pieces(), (0, [0]), device))
         for (index, indices), real in pieces:
             prompt = prompts[index]
             sample = generate_group if whole else partial(sample_group, live=real)
@@ -190,7 +191,6 @@ class Sampler:
         rollouts.seconds = time.perf_counter() - started
         return rollouts
 
-
     def first_turns(self, model, whole: bool, prompts, layout, seed: int) -> list:
         """With environments: each completion's own environment, reset with its row, and its first turn sampled
         from its own prompt (the row's, with what reset returned), from its group's seed and its index; a sharded
@@ -200,7 +200,7 @@ class Sampler:
             prompt = prompts[index]
             for completion in indices:
                 environment, own = self.tools.environment(prompt)
-                units.append((Trajectory(own, completion, prompt_seed(seed, prompt), environment=environment)))
+                units.append(Trajectory(own, completion, prompt_seed(seed, prompt), environment=environment))
         count = len(units) if whole else int(max_over_ranks(torch.tensor(float(len(units)), device=device)))
         for slot in range(count):
             trajectory = units[slot] if slot < len(units) else None
