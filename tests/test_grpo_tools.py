@@ -17,10 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from gloo import run_on_ranks
 from helpers import chat_row
 from launch import REPO
+from mmrecipes.paths import EMBEDDED
 from mmrecipes.vlm.algorithms.sampling import Sampler, prompt_seed
 from mmrecipes.vlm.algorithms.tools import ToolBox, ToolFormat, Tools
 from mmrecipes.vlm.algorithms.trajectory import Trajectory
@@ -38,11 +40,19 @@ import tiny_vlm  # noqa: E402
 
 TOOLS = "tools_for_tests:multiply,tools_for_tests:crop"
 CALL = '<tool_call>\n{"name": "crop", "arguments": {"left": 3, "top": 4}}\n</tool_call>'
+# the crop call as each template writes it, and the end of turn after it
+CALLS = {"qwen3_vl": (CALL, "<|im_end|>"), "qwen2_5_vl": (CALL, "<|im_end|>"),
+         "embedded": (CALL.replace("\n", ""), "<|end|>")}
 
 
 def qwen3_vl(family="qwen3_vl"):
     """A tiny family with a template that writes tool calls: Qwen3-VL's own; Qwen2.5-VL's official one writes none,
-    so it gets Qwen3-VL's (the same vision tokens), as `--chat_template_path` would give it."""
+    so it gets Qwen3-VL's (the same vision tokens), as `--chat_template_path` would give it; the embedded tiny SFT'd
+    Llava, its own (`embedded`)."""
+    if family == "embedded":
+        model = AutoModelForImageTextToText.from_pretrained(EMBEDDED / "tiny_sft_vlm")
+        processor = AutoProcessor.from_pretrained(EMBEDDED / "tiny_sft_vlm")
+        return model, processor, stop_token_ids(model, processor)
     model, processor = tiny_vlm.FAMILIES[family]()
     if family != "qwen3_vl":
         processor.chat_template = tiny_vlm.FAMILIES["qwen3_vl"]()[1].chat_template
@@ -68,11 +78,12 @@ def setup(max_completion_length=200, family="qwen3_vl", **flags):
     return VLMForTraining(model).eval(), processor, sampler, prompt
 
 
-def calling_turn(processor, sampler, prompt, index=0, call=CALL):
-    """A trajectory whose first turn is the model calling crop (the tiny model would not on its own)."""
+def calling_turn(processor, sampler, prompt, index=0, call=CALL, end="<|im_end|>"):
+    """A trajectory whose first turn is the model calling crop (the tiny model would not on its own), ended by `end`,
+    the stop the template writes."""
     trajectory = Trajectory(prompt, index, prompt_seed(0, prompt))
-    end_of_turn = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")  # the stop the template writes
-    tokens = processor.tokenizer(call, add_special_tokens=False)["input_ids"] + [end_of_turn]
+    tokens = processor.tokenizer(call, add_special_tokens=False)["input_ids"] + [
+        processor.tokenizer.convert_tokens_to_ids(end)]
     trajectory.add_turn(tokens, False, sampler.tools.format, sampler.tools.tokenizer)
     return trajectory
 
@@ -121,15 +132,16 @@ def test_a_tool_that_fails_fails_its_call_never_the_run():
     assert box.run("multiply", {"a": 3, "b": 4}) == [{"type": "text", "text": "12"}] and box.calls == 10
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl", "embedded"])
 def test_a_multi_turn_completion_is_the_models_tokens_then_the_tools_token_in_token_out(family):
     step, processor, sampler, prompt = setup(family=family)
-    trajectory = calling_turn(processor, sampler, prompt)
-    again = calling_turn(processor, sampler, prompt)
+    call, end = CALLS[family]
+    trajectory = calling_turn(processor, sampler, prompt, 0, call, end)
+    again = calling_turn(processor, sampler, prompt, 0, call, end)
     sampler.tool_turns(step, True, [trajectory], prompt)  # generate, where the model is whole on the rank
     sampler.tool_turns(step, False, [again], prompt)  # the synced loop, as under FSDP2 and ZeRO-3
     assert (trajectory.ids, trajectory.own) == (again.ids, again.own)
-    first = len(processor.tokenizer(CALL, add_special_tokens=False)["input_ids"]) + 1
+    first = len(processor.tokenizer(call, add_special_tokens=False)["input_ids"]) + 1
     assert trajectory.own[:first] == [True] * first and trajectory.own[-1] and not all(trajectory.own)
     assert [message["role"] for message in trajectory.messages] == ["assistant", "tool", "assistant"]
     assert trajectory.messages[0]["tool_calls"][0]["function"] == {"name": "crop", "arguments": {"left": 3, "top": 4}}
@@ -140,11 +152,11 @@ def test_a_multi_turn_completion_is_the_models_tokens_then_the_tools_token_in_to
                     {"role": "tool", "name": "crop", "content": [{"type": "image"}, {"type": "text",
                                                                                      "text": "region at 3,4"}]}]
     text = processor.apply_chat_template(conversation, tools=sampler.tools.schemas(), add_generation_prompt=True)
-    whole = processor(text=text, images=[[Image.new("RGB", (32, 32), (220, 40, 40)), region]])
+    whole = processor(text=text, images=[[Image.new("RGB", (32, 32), (220, 40, 40)), region]], return_tensors="pt")
     state = trajectory.state()
     tool_end = len(prompt["input_ids"]) + len(trajectory.own) - trajectory.own[::-1].index(False)
-    assert state["input_ids"][:tool_end].tolist() == list(whole["input_ids"][0])
-    torch.testing.assert_close(state["media_inputs"]["pixel_values"], torch.as_tensor(whole["pixel_values"]))
+    assert state["input_ids"][:tool_end].tolist() == whole["input_ids"][0].tolist()
+    torch.testing.assert_close(state["media_inputs"]["pixel_values"], whole["pixel_values"])
     # the tools' tokens are no target; the forward takes the trajectory (image tokens and features agree)
     row = trajectory.row(True)
     targets = row["labels"][len(prompt["input_ids"]):] != IGNORE_INDEX
