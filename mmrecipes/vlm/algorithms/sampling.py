@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from ...distributed import batches_in_step, max_over_ranks
+from ...distributed import all_ranks_true, batches_in_step, max_over_ranks
 from ...images import to_device
 from ..arguments import SamplingArgs
 from ..model.evaluation import with_token_appended
@@ -157,8 +157,7 @@ class Sampler:
         if self.tools is not None and self.tools.factories:  # a prompt of its own for each completion
             trajectories = self.first_turns(model, whole, prompts, layout, seed)
         else:
-            pieces = ([(piece, True) for piece in layout.pieces()] if whole
-                      else batches_in_step(layout.pieces(), (0, [0]), device))
+            pieces = in_step(layout.pieces(), whole, (0, [0]), device)
         for (index, indices), real in pieces:
             prompt = prompts[index]
             sample = generate_group if whole else partial(sample_group, live=real)
@@ -201,14 +200,12 @@ class Sampler:
             for completion in indices:
                 environment, own = self.tools.environment(prompt)
                 units.append(Trajectory(own, completion, prompt_seed(seed, prompt), environment=environment))
-        count = len(units) if whole else int(max_over_ranks(torch.tensor(float(len(units)), device=device)))
-        for slot in range(count):
-            trajectory = units[slot] if slot < len(units) else None
-            sample = generate_group if whole else partial(sample_group, live=trajectory is not None)
-            group = sample(model, trajectory.prompt if trajectory else prompts[0], self.collator, self.args,
-                           self.stop_ids, trajectory.seed if trajectory else 0, device, self.suppressed,
-                           [trajectory.index] if trajectory else [0])
-            if trajectory:
+        for trajectory, real in in_step(units, whole, None, device):
+            sample = generate_group if whole else partial(sample_group, live=real)
+            group = sample(model, trajectory.prompt if real else prompts[0], self.collator, self.args,
+                           self.stop_ids, trajectory.seed if real else 0, device, self.suppressed,
+                           [trajectory.index] if real else [0])
+            if real:
                 trajectory.add_turn(*group[0], self.tools.format, self.tools.tokenizer)
         return units
 
@@ -230,19 +227,23 @@ class Sampler:
                     continue
                 trajectory.add_results(results, tokens, media)
                 going.append(trajectory)
-            count = len(going) if whole else int(max_over_ranks(torch.tensor(float(len(going)), device=device)))
-            if not count:
+            ended = not going if whole else all_ranks_true(not going, device)  # on every rank: none goes on
+            if ended:
                 break
-            for slot in range(count):
-                trajectory = going[slot] if slot < len(going) else None
-                state = trajectory.state() if trajectory else filler
-                indices = [trajectory.index + turn * TURN_STRIDE] if trajectory else [0]
-                budget = args.max_completion_length - len(trajectory.ids) if trajectory else None
-                sample = generate_group if whole else partial(sample_group, live=trajectory is not None)
-                group = sample(model, state, self.collator, args, self.stop_ids, trajectory.seed if trajectory else 0,
-                               device, self.suppressed, indices, budget=budget)
-                if trajectory:
+            for trajectory, real in in_step(going, whole, None, device):
+                sample = generate_group if whole else partial(sample_group, live=real)
+                group = sample(model, trajectory.state() if real else filler, self.collator, args, self.stop_ids,
+                               trajectory.seed if real else 0, device, self.suppressed,
+                               [trajectory.index + turn * TURN_STRIDE] if real else [0],
+                               budget=args.max_completion_length - len(trajectory.ids) if real else None)
+                if real:
                     trajectory.add_turn(*group[0], tools.format, tools.tokenizer)
+
+
+def in_step(items, whole: bool, filler, device):
+    """(item, real) for this rank's `items`: all of them where the model is whole on the rank; else, as
+    `batches_in_step`, then (`filler`, False) until every rank has run out (each forward is a collective)."""
+    return [(item, True) for item in items] if whole else batches_in_step(items, filler, device)
 
 
 @dataclass
