@@ -89,9 +89,7 @@ def main(argv=None):
     labeller = AnswerLabeller(processor, vlm.stops)  # the prompts go through its template
     # --tools, --environment_factory: completions call them and go on after the results
     tools = Tools.of(grpo_args, processor, vlm.stops)
-    if tools and tools.reward_name:  # the environment scores each completion too (TRL: weight 1)
-        reward_funcs[tools.reward_name] = tools.reward
-        grpo_args.weights.append(1.0)
+    reward_funcs, weights = Tools.reward_sources(tools, reward_funcs, grpo_args.weights)
     # the assistant header the samples start after
     template_line = check_generation_prompt(labeller, model_args.template_source())
 
@@ -136,8 +134,6 @@ def main(argv=None):
     chat_collator = ChatCollator(processor.tokenizer.pad_token_id, vlm.dummy_inputs)
     sampler = Sampler(accelerator, chat_collator, grpo_args, vlm.stops, vlm.placeholders, tools)
     accelerator.print(sampler.describe())
-    if tools:
-        accelerator.print(tools.describe())
 
     # The loader reads a team's prompts for a step as one batch, leaving room for the completions
     prompt_length = data_args.max_length - grpo_args.max_completion_length
@@ -151,7 +147,7 @@ def main(argv=None):
     if data_args.eval_dataset_name:
         held_out = generation_prompts(data_args, processor, rows=data_args.eval_generation_rows,
                                       ranks=ranks)
-    scorer = RewardScorer(reward_funcs, grpo_args.weights, grpo_args.reward_timeout)
+    scorer = RewardScorer(reward_funcs, weights, grpo_args.reward_timeout)
     normaliser = grpo.LossNormaliser(grpo_args)
 
     # shared: benchmarks
@@ -189,8 +185,7 @@ def main(argv=None):
             prompts = window[0]["prompts"]
             rollouts = sampler.rollouts(model, prompts, layout, seed=args.seed + step,
                                         mask_truncated=grpo_args.mask_truncated_completions)
-            rollouts.scores = scorer.score(rollouts.completions, processor.tokenizer, vlm.stops,
-                                           rollouts.conversations, rollouts.environments)
+            rollouts.scores = scorer.score(rollouts, processor.tokenizer, vlm.stops)
             rewards = scorer.total(rollouts.scores)
             advantages, zero_std = layout.advantages(rewards, grpo_args.scale_rewards,
                                                      accelerator.device)

@@ -271,7 +271,7 @@ def _rollouts(rank, world, micro_batch, accumulation, whole):
     sampler = Sampler(SimpleNamespace(device=torch.device("cpu")), collator, args, stops,
                       placeholder_token_ids(model, processor))
     rollouts = sampler.sample(step, whole, prompts, layout, 0)
-    rollouts.scores = scorer.score(rollouts.completions, processor.tokenizer, stops)
+    rollouts.scores = scorer.score(rollouts, processor.tokenizer, stops)
     advantages, zero_std = layout.advantages(scorer.total(rollouts.scores), "group", torch.device("cpu"))
     return ([[ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
              for batch in rollouts.micro_batches], advantages, zero_std,

@@ -101,7 +101,7 @@ def test_the_template_decides_how_calls_are_read_and_where_tool_images_go():
     template = processor.chat_template
     at = template.index("<tool_response>")
     processor.chat_template = template[:at] + template[at:].replace(image_in_tool, "", 1)
-    dropping = ToolFormat.of(processor, stops, [tools.box.tools["crop"]])
+    dropping = ToolFormat.of(processor, stops, tools.schemas())
     assert not dropping.images_in_tool_turns and "a user turn after it" in dropping.describe()
     ids, media = dropping.suffix(results)
     text = processor.tokenizer.decode(ids)

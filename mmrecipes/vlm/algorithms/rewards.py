@@ -162,6 +162,7 @@ class RewardScorer:
         # TRL's docs name the token ids `completions_ids` in their first example, where its trainer passes
         # `completion_ids`: a function that asks for the documented name gets them under it too
         self.ids_as_documented = {name for name, func in funcs.items() if "completions_ids" in _parameters(func)}
+        self.given_environments = {name for name, func in funcs.items() if "environments" in _parameters(func)}
         self.failures, self.errors, self.said, self.first_errors = Counter(), [], set(), {}
 
     def __call__(self, prompts, completions, completion_ids, columns: dict, environments=None) -> torch.Tensor:
@@ -169,7 +170,7 @@ class RewardScorer:
         for column, (name, func) in enumerate(self.funcs.items()):
             ids = {"completion_ids": completion_ids} | (
                 {"completions_ids": completion_ids} if name in self.ids_as_documented else {}) | (
-                {"environments": environments} if environments and "environments" in _parameters(func) else {})
+                {"environments": environments} if environments and name in self.given_environments else {})
             try:
                 with time_limit(self.timeout, f"reward function {name}"):
                     values = func(prompts=prompts, completions=completions, **ids, **columns)
@@ -187,16 +188,16 @@ class RewardScorer:
                     self._failed(name, kind, why)
         return scores
 
-    def score(self, completions, tokenizer, stop_ids, conversations=None, environments=None) -> torch.Tensor:
-        """`completions` ((prompt, token ids) each: `sampling.Rollouts`) decoded (without their stop tokens) and
-        scored as TRL hands them to reward functions (`reward_inputs`); multi-turn ones as their `conversations`
-        (the assistant's and the tools' messages, TRL's way), with their `environments` to a function that asks
-        for them (an environment's `get_reward`: `tools.Tools.reward`)."""
-        prompts, ids = zip(*completions)
+    def score(self, rollouts, tokenizer, stop_ids) -> torch.Tensor:
+        """The completions of `rollouts` (`sampling.Rollouts`: (prompt, token ids) each) decoded (without their stop
+        tokens) and scored as TRL hands them to reward functions (`reward_inputs`); multi-turn ones as their
+        conversations (the assistant's and the tools' messages, TRL's way), with their environments to a function
+        that asks for them (an environment's `get_reward`: `tools.Tools.reward`)."""
+        prompts, ids = zip(*rollouts.completions)
         texts = [tokenizer.decode([token for token in row if token not in stop_ids], skip_special_tokens=True)
                  for row in ids]
         reward_prompts, values, columns = reward_inputs(prompts, texts)
-        return self(reward_prompts, conversations or values, list(ids), columns, environments)
+        return self(reward_prompts, rollouts.conversations or values, list(ids), columns, rollouts.environments)
 
     def _failed(self, name: str, kind: str, why: str, completions: int = 1):
         """Count a failure; the first of each `kind` per function is said (`take_failures`)."""

@@ -135,7 +135,8 @@ class Sampler:
         self.tools = tools  # `tools.Tools`: completions go on after their tool calls' results
 
     def describe(self) -> str:
-        return generation_line(self.accelerator, self.args.ds3_gather_for_generation)
+        line = generation_line(self.accelerator, self.args.ds3_gather_for_generation)
+        return f"{line}\n{self.tools.describe()}" if self.tools is not None else line
 
     def rollouts(self, model, prompts, layout, seed: int, gather: bool | None = None,
                  mask_truncated: bool = False) -> "Rollouts":

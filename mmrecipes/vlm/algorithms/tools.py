@@ -40,15 +40,13 @@ def imported(path: str, flag: str):
 
 
 def load_tools(spec: str) -> list:
-    """The functions of `--tools` (comma-separated module:function), each with the JSON schema transformers renders
-    from its type hints and docstring (checked now: a tool without them stops the run before step 1)."""
-    tools = [imported(path.strip(), "--tools") for path in spec.split(",") if path.strip()]
-    for tool in tools:
-        schema(tool, "--tools")
-    return tools
+    """The functions of `--tools` (comma-separated module:function); `Tools.of` describes each (`schema`)."""
+    return [imported(path.strip(), "--tools") for path in spec.split(",") if path.strip()]
 
 
 def schema(tool, flag: str) -> dict:
+    """The JSON schema transformers renders from a tool's type hints and docstring; one it cannot stops the run
+    before step 1."""
     try:
         return get_json_schema(tool)
     except Exception as error:  # noqa: BLE001 (transformers' own errors name what is missing)
@@ -87,7 +85,7 @@ class ToolFormat:
         self.images_in_tool_turns = images_in_tool_turns
 
     @classmethod
-    def of(cls, processor, stop_ids, tools: list) -> "ToolFormat":
+    def of(cls, processor, stop_ids, schemas: list) -> "ToolFormat":
         def render(messages, **kwargs):
             return processor.apply_chat_template(messages, **kwargs)
 
@@ -102,7 +100,6 @@ class ToolFormat:
         if call not in called:
             raise ValueError(f"--tools: {where} writes tool calls other than as JSON {{\"name\": ..., \"arguments\": "
                              "...}}; only that format is read here yet")
-        schemas = [schema(tool, "--tools") for tool in tools]
         if schemas[0]["function"]["name"] not in render([user], tools=schemas):
             raise ValueError(f"--tools: {where} does not write the tools' schemas: the model would not know them")
         # the call's marks: between the generation prompt and the JSON, and between the JSON and what an empty
@@ -258,12 +255,12 @@ class Tools:
         if missing := [name for name, probe in probes.items() if not callable(getattr(probe, "reset", None))]:
             raise ValueError(f"--environment_factory: instances of {', '.join(map(str, missing))} have no reset method")
         offered = {name: tools + environment_tools(probe) for name, probe in probes.items()} or {None: tools}
-        every = list({id(tool): tool for tool in sum(offered.values(), [])}.values())
-        if not every or not all(offered.values()):
+        if not all(offered.values()):
             raise ValueError("--tools / --environment_factory: no tool to call (an environment's tools are its public "
                              "methods besides reset and get_reward)")
-        tool_format = ToolFormat.of(processor, stop_ids, every)
         schemas = {name: [schema(tool, "--tools") for tool in offered_tools] for name, offered_tools in offered.items()}
+        every = {tool["function"]["name"]: tool for offered_schemas in schemas.values() for tool in offered_schemas}
+        tool_format = ToolFormat.of(processor, stop_ids, list(every.values()))
         owners = [type(probe).__name__ for probe in probes.values() if callable(getattr(probe, "get_reward", None))]
         if not args.funcs and not owners:
             raise ValueError("--reward_funcs is empty and no environment has get_reward: nothing scores the "
@@ -271,6 +268,14 @@ class Tools:
         reward_name = (owners[0] if len(probes) == 1 else "environment") if owners else None
         return cls(tool_format, ToolBox(tools, args.tool_timeout), factories, schemas,
                    args.max_tool_calling_iterations, processor.tokenizer, reward_name)
+
+    @staticmethod
+    def reward_sources(tools: "Tools | None", funcs: dict, weights: list) -> tuple[dict, list]:
+        """The reward functions and their weights, with the environments' `reward` where they score completions
+        (their class's name, weight 1: TRL's way)."""
+        if tools is None or tools.reward_name is None:
+            return funcs, weights
+        return funcs | {tools.reward_name: tools.reward}, [*weights, 1.0]
 
     @staticmethod
     def prompt_settings(tools: "Tools | None") -> dict:
