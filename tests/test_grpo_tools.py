@@ -306,3 +306,31 @@ def test_rows_pick_their_environment_among_several():
     assert tools.reward(None, None, environments=environments) == [0.0, 2.0]
     with pytest.raises(Skip, match="environment 'chess': not one of --environment_factory's"):
         preprocess.example({"prompt": "Play.", OTHER_COLUMNS: json.dumps({"environment": "chess"})})
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_max_tool_calling_iterations_and_tool_timeout_as_flags(limit, monkeypatch):
+    """`--max_tool_calling_iterations N`: at most N rounds of tool results, however often the model calls (here a
+    model turn that always calls crop: the tiny model would not); `--tool_timeout`: a call's limit, as TRL's docs
+    have no such flag."""
+    from launch import load_recipe
+    from mmrecipes.config import parse_args
+    from mmrecipes.vlm.algorithms import sampling
+
+    parsed = parse_args(load_recipe(REPO / "recipes" / "vlm_grpo.py").ARGUMENTS, [
+        "--tools", TOOLS, "--max_tool_calling_iterations", str(limit), "--tool_timeout", "7.5",
+        "--max_completion_length", "400", "--max_length", "4096"])
+    grpo_args = next(args for args in parsed if isinstance(args, GRPOArgs))
+    step, processor, sampler, prompt = setup(max_completion_length=400)
+    model, processor, stops = qwen3_vl()
+    tools = Tools.of(grpo_args, processor, stops)
+    assert (tools.max_iterations, tools.box.timeout) == (limit, 7.5)
+    sampler.tools, sampler.args = tools, grpo_args
+    calling = processor.tokenizer(CALL, add_special_tokens=False)["input_ids"] + [
+        processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    monkeypatch.setattr(sampling, "generate_group", lambda *args, **kwargs: [(list(calling), False)])
+    trajectory = calling_turn(processor, sampler, prompt)
+    sampler.tool_turns(step, True, [trajectory], prompt)
+    assert [message["role"] for message in trajectory.messages] == ["assistant", "tool"] * limit + ["assistant"]
+    assert tools.take_counts() == {"tool_calls": limit, "tool_failures": 0}
+    assert trajectory.messages[-1]["tool_calls"]  # its last call is never run
