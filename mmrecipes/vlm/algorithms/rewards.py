@@ -92,6 +92,16 @@ def format_reward(pattern: str):
     return format
 
 
+def imported(path: str, flag: str):
+    """What `path` (module:name) names: a reward function, a tool, an environment class (`flag`: the flag that gave
+    it, for the error)."""
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"{flag} {path}: cannot import it ({error}); give module:name") from error
+
+
 def load_reward_funcs(names: list[str], format_pattern: str, timeout: float | None = None) -> dict:
     """{name: function} for `--reward_funcs`: the built-ins by name, others by `module:function` import path, each
     import within `timeout` seconds (--reward_timeout)."""
@@ -102,12 +112,9 @@ def load_reward_funcs(names: list[str], format_pattern: str, timeout: float | No
         elif name == "format":
             funcs[name] = format_reward(format_pattern)
         elif ":" in name:
-            module, _, attribute = name.partition(":")
             try:
-                with time_limit(timeout, f"importing {module} (--reward_funcs {name})"):
-                    funcs[name] = getattr(importlib.import_module(module), attribute)
-            except (ImportError, AttributeError) as error:
-                raise ValueError(f"--reward_funcs {name}: cannot import it ({error})") from error
+                with time_limit(timeout, f"importing {name.partition(':')[0]} (--reward_funcs {name})"):
+                    funcs[name] = imported(name, "--reward_funcs")
             except RewardTimeout as error:
                 raise ValueError(f"{error}: its module blocks while it is imported (a network call or a lock at "
                                  "module level?); move that work into the function") from None

@@ -13,7 +13,6 @@ something that is neither text (a string or a number) nor content blocks, or an 
 call: counted per kind, its error the result the model reads (TRL's `{"error": ...}`), never a crashed or hung run.
 """
 
-import importlib
 import inspect
 import io
 import json
@@ -26,17 +25,9 @@ from PIL import Image
 from transformers.utils import get_json_schema
 
 from ..rows.chat_data import TOKEN_ALIGNED, prompt_row, unbatched
-from .rewards import RewardTimeout, time_limit
+from .rewards import RewardTimeout, imported, time_limit
 
 SENTINEL = {"name": "tool_name_sentinel", "arguments": {"argument_sentinel": "value_sentinel"}}
-
-
-def imported(path: str, flag: str):
-    module, _, name = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"{flag} {path}: cannot import it ({error}); give module:name") from error
 
 
 def load_tools(spec: str) -> list:
