@@ -12,7 +12,6 @@ Deterministic (fixed seed).
 """
 
 import argparse
-import io
 import json
 import random
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import datasets
 from transformers.utils import get_json_schema
 
+from make_shapes import encode
 from mmrecipes.vlm.algorithms.zoom import CANVAS, QUESTION, SHAPES, ZoomEnv, draw, quadrant_of, zoomed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,9 +37,7 @@ def scene(rng) -> dict:
 
 
 def png(image) -> dict:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return {"bytes": buffer.getvalue(), "path": None}
+    return {"bytes": encode(image), "path": None}
 
 
 def text(words: str) -> list:
