@@ -24,10 +24,10 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from mmrecipes.paths import resolve_name
+from mmrecipes.vlm.algorithms.grpo import GroupLayout
 from mmrecipes.vlm.algorithms.rewards import accuracy
 from mmrecipes.vlm.algorithms.sampling import Sampler, generate_group, prompt_seed
 from mmrecipes.vlm.algorithms.tools import Tools
-from mmrecipes.vlm.algorithms.trajectory import Trajectory
 from mmrecipes.vlm.arguments import GRPOArgs
 from mmrecipes.vlm.model.families import dummy_image_inputs, placeholder_token_ids
 from mmrecipes.vlm.model.loading import stop_token_ids
@@ -51,14 +51,13 @@ def answers(model, processor, rows, tools) -> tuple[list, list]:
         image = Image.open(io.BytesIO(row["image"]["bytes"])).convert("RGB")
         prompt = prompt_row(processor, row["prompt"], [image], tools.schemas() if tools else None)
         prompt |= {"prompt": row["prompt"], "columns": {"scene": row["scene"], "solution": row["solution"]}}
-        (ids, cut), = generate_group(step, prompt, collator, args, stops, prompt_seed(0, prompt), "cpu",
-                                     sampler.suppressed, [0])
         if tools is None:
+            (ids, _), = generate_group(step, prompt, collator, args, stops, prompt_seed(0, prompt), "cpu",
+                                       sampler.suppressed, [0])
             texts.append(processor.tokenizer.decode([t for t in ids if t not in stops], skip_special_tokens=True))
             continue
-        environment, own = tools.environment(prompt)
-        trajectory = Trajectory(own, 0, prompt_seed(0, prompt), environment=environment)
-        trajectory.add_turn(ids, cut, tools.format, tools.tokenizer)
+        # the recipe's sampler: the environment, the first turn, then the tool turns
+        trajectory, = sampler.first_turns(step, True, [prompt], GroupLayout(1, 1, 1, 0, 1), 0)
         sampler.tool_turns(step, True, [trajectory], prompt)
         texts.append(trajectory.messages[-1]["content"])
         counts = tools.take_counts()
