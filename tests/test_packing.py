@@ -3,6 +3,7 @@ samples run one by one on every family that packs, the ways of getting it wrong 
 whole rows and resume exactly, and launched under every engine packing gives the losses of the same
 token-budget batches padded. (The 2-rank gradient of packed windows: test_dummy_modality.py.)"""
 
+import inspect
 import re
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from accelerate.utils import set_seed
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 
 from launch import VLM_RECIPE, assert_engine, assert_same_curves, run_engine
 from mmrecipes.distributed import Ranks
@@ -22,11 +24,14 @@ from mmrecipes.vlm.model.outputs import Logits, LossSum
 from mmrecipes.vlm.model.parts import check_packing, load_vlm
 from mmrecipes.vlm.model.step import VLMForTraining
 from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row
-from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.collate import ChatCollator, probe_rows
 from mmrecipes.vlm.rows.labels import AnswerLabeller
 
 PACKING_FAMILIES = [None, "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3",
                     "llava_onevision", "mistral3", "qwen3_vl_moe", "gemma4", "qwen3_5", "qwen3_5_moe"]  # None: Llava
+# transformers' torch paths, under its kernel routing and any segment-aware dispatch
+TORCH_RULE, TORCH_CONV = (inspect.unwrap(function) for function in (qwen3_5.torch_chunk_gated_delta_rule,
+                                                                     qwen3_5.causal_conv1d_fn))
 
 
 def load(tiny_vlms, family):
@@ -188,12 +193,9 @@ def test_the_segment_aware_mixers_equal_each_sample_alone_in_values_and_gradient
     """The chunked gated delta rule and the causal convolution on one packed row of six samples (1 token, over two
     chunks, exactly one chunk, ...) against transformers' own torch path run on each sample alone: outputs and the
     inputs' gradients to float32's rounding; the same row through transformers' path whole mixes the samples."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
-
     from mmrecipes.vlm.model.segments import segment_causal_conv1d, segment_chunk_gated_delta_rule, segment_ids
 
-    rule = getattr(qwen3_5.torch_chunk_gated_delta_rule, "__wrapped__", qwen3_5.torch_chunk_gated_delta_rule)
-    conv = getattr(qwen3_5.causal_conv1d_fn, "__wrapped__", qwen3_5.causal_conv1d_fn)
+    rule, conv = TORCH_RULE, TORCH_CONV
     lengths = torch.tensor([1, 70, 5, 32, 3, 17])
     length, generator = int(lengths.sum()), torch.Generator().manual_seed(0)
     inputs = [torch.randn(1, length, *shape, generator=generator, requires_grad=True)
@@ -220,3 +222,84 @@ def test_the_segment_aware_mixers_equal_each_sample_alone_in_values_and_gradient
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     leaky = rule(*inputs, g=gates[0], beta=gates[1], chunk_size=32, use_qk_l2norm_in_kernel=True)[0]
     assert not torch.allclose(leaky, alone[0], atol=1e-2)
+
+
+def varlen_rule(query, key, value, g, beta, cu_seqlens=None, **kwargs):
+    """flash-linear-attention's contract for `chunk_gated_delta_rule(..., cu_seqlens=)`, on CPU: one row, each span
+    of `cu_seqlens` a sequence of its own (run here through transformers' torch path, span by span)."""
+    if cu_seqlens is None:  # each row one sequence
+        return TORCH_RULE(query, key, value, g=g, beta=beta, **kwargs)
+    assert query.shape[0] == 1 and cu_seqlens[-1] == query.shape[1]
+    KERNEL_CALLS.append(cu_seqlens.tolist())
+    spans = [slice(start, end) for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
+    return torch.cat([TORCH_RULE(*(x[:, span] for x in (query, key, value)), g=g[:, span], beta=beta[:, span],
+                           **kwargs)[0] for span in spans], dim=1), None
+
+
+def seq_idx_conv(x, weight, bias=None, seq_idx=None, activation=None, **kwargs):
+    """causal-conv1d's contract for `causal_conv1d_fn(..., seq_idx=)`, on CPU: int32 `[rows, length]` segments, a
+    tap only within a token's segment (transformers' torch path, run by run)."""
+    if seq_idx is None:
+        return TORCH_CONV(x, weight, bias, activation=activation)
+    assert seq_idx.dtype == torch.int32 and seq_idx.shape == (x.shape[0], x.shape[-1])
+    KERNEL_CALLS.append("conv")
+    rows = []
+    for row, segments in zip(x, seq_idx):
+        _, counts = torch.unique_consecutive(segments, return_counts=True)
+        rows.append(torch.cat([TORCH_CONV(run[None], weight, bias, activation=activation)[0]
+                               for run in row.split(counts.tolist(), dim=-1)], dim=-1))
+    return torch.stack(rows)
+
+
+KERNEL_CALLS = []
+
+
+def transformers_routing(function):
+    """transformers' kernel routing of a mixer function, under the segment-aware dispatch where a test wrapped it."""
+    while getattr(function, "segment_aware", False):
+        function = function.__wrapped__
+    return function
+
+
+@pytest.mark.parametrize("kernels", ["keep apart", "leak", "raise"])
+def test_packed_qwen3_5_through_the_kernels_equals_its_samples_or_keeps_the_torch_path(tiny_vlms, kernels,
+                                                                                      monkeypatch, caplog):
+    """Where flash-linear-attention and causal-conv1d are installed (CUDA: here, CPU stands in for it), a packed
+    batch gives them the segments their way (`cu_seqlens` over the rows laid end to end, int32 `seq_idx`): with
+    kernels that honour them, packed logits equal the samples alone through the kernels. A kernel that leaks across
+    a boundary (transformers' torch path ignoring them) or fails to run (transformers' own routing without the
+    package: it raises) is found by a probe once per device and not used: the torch path keeps the samples apart,
+    and the log says why."""
+    from mmrecipes.vlm.model import segments
+
+    if kernels != "raise":  # what transformers routes the layer's call to where the package is installed
+        monkeypatch.setattr(qwen3_5, "torch_chunk_gated_delta_rule",
+                            varlen_rule if kernels == "keep apart" else
+                            lambda *args, cu_seqlens=None, **kwargs: TORCH_RULE(*args, **kwargs) if cu_seqlens is None
+                            else (KERNEL_CALLS.append(cu_seqlens.tolist()), TORCH_RULE(*args, **kwargs))[1])
+        monkeypatch.setattr(qwen3_5, "causal_conv1d_fn", seq_idx_conv)
+    else:
+        for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+            monkeypatch.setattr(qwen3_5, name, transformers_routing(getattr(qwen3_5, name)))
+    monkeypatch.setattr(segments, "kernel_installed", lambda package: True)
+    monkeypatch.setattr(segments, "KERNEL_DEVICES", ("cpu",))
+    monkeypatch.setattr(segments, "_VERDICTS", {})
+    KERNEL_CALLS.clear()
+    model, processor = load(tiny_vlms, "qwen3_5")
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    with caplog.at_level("WARNING", logger="mmrecipes.vlm.model.segments"):
+        check_packing(model, labeller, dummy_image_inputs(model, processor))  # packed logits = alone, or raises
+    rule_calls = [call for call in KERNEL_CALLS if call != "conv"]
+    conv_calls = len(KERNEL_CALLS) - len(rule_calls)
+    layers = sum(layer == "linear_attention" for layer in model.config.text_config.layer_types)
+    # the probe's call of each kernel, then one a layer of the packed forward where the probe found it keeps apart
+    assert (len(rule_calls), conv_calls) == {"keep apart": (1 + layers, 1 + layers), "leak": (1, 1 + layers),
+                                             "raise": (0, 0)}[kernels]
+    if kernels == "keep apart":
+        lengths = [len(row["input_ids"]) for row in probe_rows(labeller)]
+        assert rule_calls[-1] == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        assert not caplog.records
+    else:
+        why = "differs by" if kernels == "leak" else "raised ValueError"
+        assert [record.getMessage() for record in caplog.records if why in record.getMessage()], caplog.text
+        assert "the torch path keeps the samples apart instead" in caplog.text

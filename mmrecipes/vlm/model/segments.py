@@ -13,14 +13,25 @@ next. Here the same chunk algorithm keeps its terms within a sample:
 - the state a chunk hands on holds the updates of its last segment only.
 The convolution adds a tap `x[t - k]` only where that token is of `t`'s segment. Each equals the samples run alone
 (tests/test_packing.py), at about the cost of the unmasked path.
+
+Where flash-linear-attention and causal-conv1d are installed (transformers routes the layers' calls to them) and the
+tensors are on a GPU, the kernels get the segments their way (`cu_seqlens`, `seq_idx`), once a probe on that device
+finds that they then equal the torch path; otherwise the torch path runs, and the log says why.
 """
 
+import dataclasses
 import functools
+import importlib.util
+import inspect
+import logging
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
+
+logger = logging.getLogger(__name__)
 
 
 def segment_ids(sample_lengths: torch.Tensor, shape) -> torch.Tensor:
@@ -115,34 +126,114 @@ def _rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_
                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel), None
 
 
-# transformers' names of the torch paths a linear-attention layer mixes its tokens with, and their segment-aware
-# versions
-MIXERS = {"torch_chunk_gated_delta_rule": _rule, "causal_conv1d_fn": _conv}
+def _rule_kernel(kernel, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, *, segments, **kwargs):
+    """flash-linear-attention's chunked rule keeps the sequences of one row apart given their `cu_seqlens`: the rows
+    laid end to end (each row's padding is a segment of its own, so no sample spans two rows)."""
+    if initial_state is not None or output_final_state:
+        raise ValueError("a packed batch runs without a cache: its segments carry no state out")
+    rows, length = segments.shape
+    _, counts = torch.unique_consecutive(segments.flatten(), return_counts=True)
+    cu_seqlens = F.pad(counts.cumsum(0), (1, 0))
+    query, key, value, g, beta = (x.reshape(1, rows * length, *x.shape[2:]) for x in (query, key, value, g, beta))
+    out, _ = kernel(query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+    return out.reshape(rows, length, *out.shape[2:]), None
+
+
+def _conv_kernel(kernel, hidden_states, weight, bias=None, activation=None, *, segments, **kwargs):
+    """causal-conv1d keeps a tap within its token's segment given `seq_idx` (int32, channel-last input: the layer's
+    transposed projection is)."""
+    return kernel(hidden_states, weight, bias, activation=activation, seq_idx=segments.to(torch.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixer:
+    torch_path: Callable  # segment-aware, pure torch: any device
+    kernel_path: Callable  # the kernel transformers routes the layer's call to, given the segments its way
+    package: str  # the kernel's package (transformers' `use_kernel_func_from_hub_with_fallback`)
+
+
+# transformers' names of the functions a linear-attention layer mixes its tokens with
+MIXERS = {"torch_chunk_gated_delta_rule": Mixer(_rule, _rule_kernel, "fla"),
+          "causal_conv1d_fn": Mixer(_conv, _conv_kernel, "causal_conv1d")}
 
 
 def make_segment_aware(layer_classes) -> list[str]:
     """Wrap, once, each mixer function (`MIXERS`) that the modules of `layer_classes` (a model's stateful mixers:
-    `families.stateful_mixers`) call: a call given `seq_idx`, each token's segment, runs the segment-aware version,
-    any other the original as it was. A layer that passes no `seq_idx` on (or mixes with other functions) still mixes
-    samples, which `parts.check_packing` finds and refuses. Returns the classes whose module calls none of them."""
+    `families.stateful_mixers`) call: a call given `seq_idx`, each token's segment, keeps the segments apart (the
+    kernel where installed and the tensors are on a GPU, else the torch path), any other runs as it was. A layer that
+    passes no `seq_idx` on (or mixes with other functions) still mixes samples, which `parts.check_packing` finds
+    and refuses. Returns the classes whose module calls none of them."""
     untouched = []
     for cls in layer_classes:
         module = sys.modules[cls.__module__]
         names = [name for name in MIXERS if callable(getattr(module, name, None))]
         for name in names:
             if not getattr(getattr(module, name), "segment_aware", False):
-                setattr(module, name, _dispatching(getattr(module, name), MIXERS[name]))
+                setattr(module, name, _dispatching(name, getattr(module, name), MIXERS[name]))
         if not names:
             untouched.append(cls.__name__)
     return untouched
 
 
-def _dispatching(original, segmented):
-    @functools.wraps(original)
-    def mixer(*args, seq_idx=None, **kwargs):
-        if seq_idx is None:
-            return original(*args, **kwargs)
-        return segmented(*args, segments=seq_idx, **kwargs)
+def kernel_installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
 
-    mixer.segment_aware = True
-    return mixer
+
+def _dispatching(name: str, original, mixer: Mixer):
+    torch_function = inspect.unwrap(original)  # transformers' torch path under its kernel routing
+
+    @functools.wraps(original)
+    def dispatch(*args, seq_idx=None, **kwargs):
+        installed = kernel_installed(mixer.package)
+        on_kernel = installed and args[0].device.type in KERNEL_DEVICES
+        if seq_idx is None:  # a kernel takes no CPU tensors (check_packing's probe runs on CPU)
+            return (torch_function if installed and not on_kernel else original)(*args, **kwargs)
+        if on_kernel and _kernel_keeps_segments_apart(name, original, mixer, args[0].device):
+            return mixer.kernel_path(original, *args, segments=seq_idx, **kwargs)
+        return mixer.torch_path(*args, segments=seq_idx, **kwargs)
+
+    dispatch.segment_aware = True
+    return dispatch
+
+
+KERNEL_DEVICES = ("cuda",)
+_VERDICTS: dict[tuple[str, str], bool] = {}
+
+
+@torch.no_grad()
+def _kernel_keeps_segments_apart(name: str, original, mixer: Mixer, device: torch.device) -> bool:
+    """Whether the kernel, given the segments its way, equals the torch path on a small float32 probe on `device`
+    (three samples of 1, 70 and 57 tokens and a whole row: a leak across a boundary is of the outputs' own size),
+    decided once per device; where not, the torch path keeps them apart and the log says why."""
+    key = (name, str(device))
+    if key not in _VERDICTS:
+        generator = torch.Generator().manual_seed(0)
+        segments = segment_ids(torch.tensor([1, 70, 57, 128]), (2, 128)).to(device)
+        if name == "causal_conv1d_fn":
+            inputs = (torch.randn(2, 128, 8, generator=generator).transpose(1, 2),  # channel-last, as the layer's
+                      torch.randn(8, 4, generator=generator), torch.randn(8, generator=generator))
+            kwargs = {"activation": "silu"}
+        else:
+            inputs = tuple(torch.randn(2, 128, 2, 16, generator=generator) for _ in range(3)) + (
+                -0.05 * torch.rand(2, 128, 2, generator=generator), torch.rand(2, 128, 2, generator=generator))
+            kwargs = {"use_qk_l2norm_in_kernel": True}
+        inputs = tuple(x.to(device) for x in inputs)
+        expected = _first(mixer.torch_path(*inputs, segments=segments, **kwargs))
+        try:
+            got, why = _first(mixer.kernel_path(original, *inputs, segments=segments, **kwargs)), None
+            error = ((got.float() - expected).abs().max() / expected.abs().max()).item()
+            if not error <= 1e-2:
+                why = f"it differs by {error:.3g} (relative) from the samples kept apart"
+        except Exception as exception:  # an install that fails to run is a reason to keep the torch path too
+            why = f"it raised {type(exception).__name__}: {exception}"
+        if why:
+            logger.warning(f"--packing: {name}'s kernel ({mixer.package}) is not used for packed batches: {why}; "
+                           "the torch path keeps the samples apart instead (exact, slower)")
+        _VERDICTS[key] = why is None
+    return _VERDICTS[key]
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
