@@ -183,10 +183,10 @@ def kernel_installed(package: str) -> bool:
 
 def _dispatching(name: str, original, mixer: Mixer):
     torch_function = inspect.unwrap(original)  # transformers' torch path under its kernel routing
+    installed = kernel_installed(mixer.package)
 
     @functools.wraps(original)
     def dispatch(*args, seq_idx=None, **kwargs):
-        installed = kernel_installed(mixer.package)
         on_kernel = installed and args[0].device.type in KERNEL_DEVICES
         if seq_idx is None:  # a kernel takes no CPU tensors (check_packing's probe runs on CPU)
             return (torch_function if installed and not on_kernel else original)(*args, **kwargs)
