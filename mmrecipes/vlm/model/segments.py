@@ -147,16 +147,31 @@ def _conv_kernel(kernel, hidden_states, weight, bias=None, activation=None, *, s
     return kernel(hidden_states, weight, bias, activation=activation, seq_idx=segments.to(torch.int32))
 
 
+def _rule_probe(generator: torch.Generator, device) -> tuple[tuple, dict]:
+    """Queries, keys, values (2 heads of 16), slow decays and write strengths of two 128-token rows."""
+    inputs = [torch.randn(2, 128, 2, 16, generator=generator) for _ in range(3)]
+    inputs += [-0.05 * torch.rand(2, 128, 2, generator=generator), torch.rand(2, 128, 2, generator=generator)]
+    return tuple(x.to(device) for x in inputs), {"use_qk_l2norm_in_kernel": True}
+
+
+def _conv_probe(generator: torch.Generator, device) -> tuple[tuple, dict]:
+    """8 channels of two 128-token rows, channel-last as the layer's transposed projection, and a 4-tap filter."""
+    signal = torch.randn(2, 128, 8, generator=generator).to(device).transpose(1, 2)
+    weight, bias = torch.randn(8, 4, generator=generator).to(device), torch.randn(8, generator=generator).to(device)
+    return (signal, weight, bias), {"activation": "silu"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Mixer:
     torch_path: Callable  # segment-aware, pure torch: any device
     kernel_path: Callable  # the kernel transformers routes the layer's call to, given the segments its way
     package: str  # the kernel's package (transformers' `use_kernel_func_from_hub_with_fallback`)
+    probe: Callable  # (generator, device) -> the arguments of a call that shows a leak across a boundary
 
 
 # transformers' names of the functions a linear-attention layer mixes its tokens with
-MIXERS = {"torch_chunk_gated_delta_rule": Mixer(_rule, _rule_kernel, "fla"),
-          "causal_conv1d_fn": Mixer(_conv, _conv_kernel, "causal_conv1d")}
+MIXERS = {"torch_chunk_gated_delta_rule": Mixer(_rule, _rule_kernel, "fla", _rule_probe),
+          "causal_conv1d_fn": Mixer(_conv, _conv_kernel, "causal_conv1d", _conv_probe)}
 
 
 def make_segment_aware(layer_classes) -> list[str]:
@@ -209,17 +224,8 @@ def _kernel_keeps_segments_apart(name: str, original, mixer: Mixer, device: torc
     decided once per device; where not, the torch path keeps them apart and the log says why."""
     key = (name, str(device))
     if key not in _VERDICTS:
-        generator = torch.Generator().manual_seed(0)
         segments = segment_ids(torch.tensor([1, 70, 57, 128]), (2, 128)).to(device)
-        if name == "causal_conv1d_fn":
-            inputs = (torch.randn(2, 128, 8, generator=generator).transpose(1, 2),  # channel-last, as the layer's
-                      torch.randn(8, 4, generator=generator), torch.randn(8, generator=generator))
-            kwargs = {"activation": "silu"}
-        else:
-            inputs = tuple(torch.randn(2, 128, 2, 16, generator=generator) for _ in range(3)) + (
-                -0.05 * torch.rand(2, 128, 2, generator=generator), torch.rand(2, 128, 2, generator=generator))
-            kwargs = {"use_qk_l2norm_in_kernel": True}
-        inputs = tuple(x.to(device) for x in inputs)
+        inputs, kwargs = mixer.probe(torch.Generator().manual_seed(0), device)
         expected = _first(mixer.torch_path(*inputs, segments=segments, **kwargs))
         try:
             got, why = _first(mixer.kernel_path(original, *inputs, segments=segments, **kwargs)), None
