@@ -9,11 +9,11 @@ uses, fails at its end.
 import os
 import shutil
 import sys
+from types import SimpleNamespace
 
 # Nothing is fetched in the tests (CI reaches only package registries): a name that is no local folder fails at once
 # instead of after the hub client's retries (23 s for one in test_compose.py). Before transformers is imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from types import SimpleNamespace
 
 import pytest
 
