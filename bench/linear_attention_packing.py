@@ -110,7 +110,7 @@ def main():
                "packed_over_padded": round(speed["segmented"] / speed["padded"], 2),
                "segmented_over_leaky": round(speed["segmented"] / speed["leaky"], 2),
                "max_diff_alone": float(f"{difference_from_alone(model, lengths, width, device):.3g}"),
-               "kernels": {name: used for (name, _), used in segments._VERDICTS.items()}}
+               "kernels": segments.kernel_verdicts()}
         rows.append(row)
         print(f"{count} samples in {tokens} tokens (padded: {waste:.2f} tokens a token): tokens/s segmented "
               f"{speed['segmented']:.0f}, leaky {speed['leaky']:.0f}, padded {speed['padded']:.0f}; packed/padded "

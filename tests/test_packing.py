@@ -303,3 +303,32 @@ def test_packed_qwen3_5_through_the_kernels_equals_its_samples_or_keeps_the_torc
         why = "differs by" if kernels == "leak" else "raised ValueError"
         assert [record.getMessage() for record in caplog.records if why in record.getMessage()], caplog.text
         assert "the torch path keeps the samples apart instead" in caplog.text
+
+
+def test_a_bfloat16_call_is_probed_in_bfloat16_so_a_kernel_without_float32_runs(monkeypatch):
+    """fla's chunked rule takes no float32 queries (it asserts so): the probe takes the dtypes of the layer's call
+    (bfloat16 queries, keys, values and write strengths, float32 decays, as Qwen3.5's layer gives them), so a
+    bfloat16 run uses the kernel, within bfloat16's rounding of the samples kept apart in float32."""
+    from mmrecipes.vlm.model import segments
+
+    def fla_like(query, key, value, g, beta, cu_seqlens=None, **kwargs):
+        assert query.dtype != torch.float32, "ChunkGatedDeltaRuleFunction does not support float32"
+        return varlen_rule(query, key, value, g, beta, cu_seqlens=cu_seqlens, **kwargs)
+
+    monkeypatch.setattr(segments, "kernel_installed", lambda package: True)
+    monkeypatch.setattr(segments, "KERNEL_DEVICES", ("cpu",))
+    monkeypatch.setattr(segments, "_VERDICTS", {})
+    KERNEL_CALLS.clear()
+    rule = segments.MIXERS["torch_chunk_gated_delta_rule"]
+    dispatch = segments._dispatching("torch_chunk_gated_delta_rule", fla_like, rule)
+    generator = torch.Generator().manual_seed(1)
+    query, key, value = (torch.randn(2, 96, 2, 8, generator=generator).bfloat16() for _ in range(3))
+    g, beta = -0.1 * torch.rand(2, 96, 2, generator=generator), torch.rand(2, 96, 2, generator=generator).bfloat16()
+    segments_of = segments.segment_ids(torch.tensor([40, 56, 5, 91]), (2, 96))
+    out, _ = dispatch(query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=True, cu_seqlens=None, seq_idx=segments_of)
+    assert [call[:3] for call in KERNEL_CALLS] == [[0, 1, 71], [0, 40, 96]]  # the probe's call, then this one
+    expected = rule.torch_path(*(x.float() for x in (query, key, value, g, beta)), segments=segments_of,
+                               use_qk_l2norm_in_kernel=True)[0]
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - expected).abs().max() <= 2e-2 * expected.abs().max()
