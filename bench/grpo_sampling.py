@@ -31,13 +31,13 @@ from mmrecipes.vlm.rows.prompts import PromptCollator, PromptPreprocessor
 RESULTS = Path(__file__).resolve().parent / "results" / "grpo_sampling.jsonl"
 
 
+@torch.no_grad()  # not torch.set_grad_enabled(False): tests/run_benches.py runs the next script in this process
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--results", default=str(RESULTS), help="the JSON-lines file to append to")
     options = parser.parse_args()
-    torch.set_grad_enabled(False)
     model, processor = load_vlm(VLMModelArgs(model_name_or_path="embedded:tiny_sft_vlm"))
     stops = stop_token_ids(model, processor)
     preprocess = PromptPreprocessor(PromptDataArgs(), AnswerLabeller(processor, stops), max_length=512)

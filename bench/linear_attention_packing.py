@@ -89,7 +89,6 @@ def main():
     parser.add_argument("--results", type=Path, default=RESULTS, help="the JSON lines file to append to")
     args = parser.parse_args()
     tokens, counts, repeats = (256, (4, 16), 1) if args.quick else (args.tokens, (4, 16, 64), args.repeats)
-    torch.set_grad_enabled(True)  # whatever a script run before in this process switched off (tests/run_benches.py)
     from mmrecipes.vlm.model import segments
 
     device = torch.device(args.device)
