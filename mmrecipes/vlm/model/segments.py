@@ -204,7 +204,7 @@ def kernel_installed(package: str) -> bool:
 
 def _dispatching(name: str, original, mixer: Mixer):
     torch_function = inspect.unwrap(original)  # transformers' torch path under its kernel routing
-    installed = kernel_installed(mixer.package)
+    signature, installed = inspect.signature(torch_function), kernel_installed(mixer.package)
 
     @functools.wraps(original)
     def dispatch(*args, seq_idx=None, **kwargs):
@@ -212,7 +212,7 @@ def _dispatching(name: str, original, mixer: Mixer):
         if seq_idx is None:  # a kernel takes no CPU tensors (check_packing's probe runs on CPU)
             return (torch_function if installed and not on_kernel else original)(*args, **kwargs)
         if on_kernel:
-            named = inspect.signature(torch_function).bind_partial(*args, **kwargs).arguments
+            named = signature.bind_partial(*args, **kwargs).arguments
             dtypes = {key: value.dtype for key, value in named.items() if isinstance(value, torch.Tensor)}
             if _kernel_keeps_segments_apart(name, original, mixer, args[0].device, dtypes):
                 return mixer.kernel_path(original, *args, segments=seq_idx, **kwargs)
