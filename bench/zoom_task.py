@@ -12,7 +12,6 @@ bench/results/.
 """
 
 import argparse
-import io
 import json
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from mmrecipes.images import readable_source
 from mmrecipes.paths import resolve_name
 from mmrecipes.vlm.algorithms.grpo import GroupLayout
 from mmrecipes.vlm.algorithms.rewards import accuracy
@@ -48,7 +48,7 @@ def answers(model, processor, rows, tools) -> tuple[list, list]:
                       placeholder_token_ids(model, processor), tools)
     step, texts, calls = VLMForTraining(model).eval(), [], []
     for row in rows:
-        image = Image.open(io.BytesIO(row["image"]["bytes"])).convert("RGB")
+        image = Image.open(readable_source(row["image"])).convert("RGB")
         prompt = prompt_row(processor, row["prompt"], [image], tools.schemas() if tools else None)
         prompt |= {"prompt": row["prompt"], "columns": {"scene": row["scene"], "solution": row["solution"]}}
         if tools is None:

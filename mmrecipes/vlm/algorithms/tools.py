@@ -14,7 +14,6 @@ call: counted per kind, its error the result the model reads (TRL's `{"error": .
 """
 
 import inspect
-import io
 import json
 import re
 from collections import Counter
@@ -24,6 +23,7 @@ from accelerate.utils import gather_object
 from PIL import Image
 from transformers.utils import get_json_schema
 
+from ...images import readable_source
 from ..rows.chat_data import TOKEN_ALIGNED, prompt_row, unbatched
 from .rewards import RewardTimeout, imported, time_limit
 
@@ -315,7 +315,7 @@ class Tools:
         content = content + [{"type": block["type"], **({"text": block["text"]} if "text" in block else {})}
                              for block in added]
         messages = [*prompt["prompt"][:-1], {**last, "content": content}]
-        images = [Image.open(io.BytesIO(data)) for data in prompt["images"]]
+        images = [Image.open(readable_source(data)) for data in prompt["images"]]
         images += [block["image"] for block in added if block["type"] == "image"]
         rendered = prompt_row(self.format.processor, messages, images, self.schemas(environment))
         return prompt | {"input_ids": rendered["input_ids"], "media_inputs": rendered["media_inputs"],
