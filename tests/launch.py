@@ -288,6 +288,13 @@ def grad_norms(log: str) -> dict[int, float]:
     return {int(step): float(norm) for step, norm in pairs}
 
 
+def metric(log: str, name: str, nan: bool = False) -> dict[int, float]:
+    """{step: value} of a log line's `name` (`nan`: its nan values too; else a step logging nan is left out)."""
+    value = r"(-?[\d.e+-]+|nan)" if nan else r"(-?[\d.e+-]+)"
+    pattern = rf"^step (\d+)/\d+ \|(?:.*\|)? {re.escape(name)} {value}"
+    return {int(step): float(number) for step, number in re.findall(pattern, log, re.M)}
+
+
 def engine_line(log: str) -> str:
     return re.search(r"^\[engine\] .*$", log, re.M).group(0)
 

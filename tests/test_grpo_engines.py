@@ -15,14 +15,13 @@ completions sit (`GroupLayout`) and the features vary across engines (tests/READ
 - ZeRO-3: as FSDP2, --loss_type grpo and --mask_truncated_completions, resumed.
 """
 
-import re
 
 import pytest
 from PIL import Image
 from transformers import LlavaForConditionalGeneration
 
 from helpers import chat_row, write_chat_parquet
-from launch import REPO, assert_adam_weights_close, assert_engine, assert_resume_repeats, run_engine, run_recipe
+from launch import REPO, assert_adam_weights_close, assert_engine, assert_resume_repeats, metric, run_engine, run_recipe
 
 pytestmark = pytest.mark.launch
 
@@ -54,13 +53,6 @@ SINGLE_DATA = {  # what one process reads to hold each step's prompts in the ran
     "ddp.yaml": "single/interleaved.parquet", "zero2.yaml": "rank*.parquet"}
 FAILED = "rewards/rewards_for_tests:length_or_nan/failed"
 SAMPLED = ("completions/mean_length", "reward", "frac_reward_zero_std")  # nan on a step that samples nothing
-METRIC = r"^step (\d+)/\d+ \|(?:.*\|)? {name} (-?[\d.e+-]+)"
-
-
-def metric(log: str, name: str) -> dict[int, float]:
-    return {int(step): float(value) for step, value in re.findall(METRIC.format(name=re.escape(name)), log, re.M)}
-
-
 def image(colour):
     return Image.new("RGB", (32, 32), colour)
 

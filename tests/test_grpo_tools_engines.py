@@ -6,13 +6,12 @@ FSDP2 run). Turns are sampled at temperature 1, so calls that do not parse (coun
 result) and answers without a call mix with well-formed calls: trajectories of different turn counts on the ranks,
 sampled in step (the synced loop under FSDP2 and ZeRO-3: a filler where a rank has fewer going on)."""
 
-import re
 
 import datasets
 import pytest
 from transformers import LlavaForConditionalGeneration
 
-from launch import REPO, assert_adam_weights_close, assert_engine, run_engine, run_recipe
+from launch import REPO, assert_adam_weights_close, assert_engine, metric, run_engine, run_recipe
 
 pytestmark = pytest.mark.launch
 
@@ -28,13 +27,6 @@ SINGLE = ["--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 
 ENGINES = ("ddp.yaml", "fsdp2.yaml", "zero3.yaml")
 COMPARED = ("completions/mean_length", "reward", "tools/call_frequency", "tools/failure_frequency", "loss",
             "grad_norm")
-METRIC = r"^step (\d+)/\d+ \|(?:.*\|)? {name} (-?[\d.e+-]+|nan)"
-
-
-def metric(log: str, name: str) -> dict[int, float]:
-    return {int(step): float(value) for step, value in re.findall(METRIC.format(name=re.escape(name)), log, re.M)}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{engine or "single": (result, output directory)}: rank r reads rank{r}.parquet (2 prompts a step), one
@@ -65,13 +57,13 @@ def test_two_ranks_sample_multi_turn_trajectories_and_step_as_one_process(runs, 
     assert ranks.returncode == 0, ranks.log[-3000:]
     assert_engine(ranks.log, config, wrapped="VLMForTraining")
     for name in COMPARED:
-        got, expected = metric(ranks.log, name), metric(single.log, name)
+        got, expected = metric(ranks.log, name, nan=True), metric(single.log, name, nan=True)
         assert sorted(got) == list(range(1, STEPS + 1)), (name, ranks.log[-2000:])
         for step in got:
             assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-6), (name, step)
-    calls = metric(ranks.log, "tools/call_frequency")
+    calls = metric(ranks.log, "tools/call_frequency", nan=True)
     assert 0 < min(calls.values()) and max(calls.values()) < 2  # calls, and answers without one
-    assert max(metric(ranks.log, "grad_norm").values()) > 0
+    assert max(metric(ranks.log, "grad_norm", nan=True).values()) > 0
     assert_adam_weights_close(LlavaForConditionalGeneration.from_pretrained(output_dir).state_dict(),
                               LlavaForConditionalGeneration.from_pretrained(single_dir).state_dict(),
                               learning_rate=1e-3, steps=STEPS)
