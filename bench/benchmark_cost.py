@@ -1,5 +1,5 @@
 """What the benchmarks in the loop cost: seconds per 100 documents of the embedded benchmark tasks, answered by the
-recipes' path (whole-sequence forwards in step over the ranks, `benchmark_answers`) and by `generate` (a KV cache:
+recipes' path (whole-sequence forwards in step over the ranks, `BenchmarkAnswers`) and by `generate` (a KV cache:
 `python -m mmrecipes.benchmarks`), the same answers both ways.
 
     python bench/benchmark_cost.py             # the tiny SFT'd Llava, every embedded task, answers of up to 32 tokens
@@ -18,12 +18,12 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from mmrecipes.benchmarks.__main__ import generate_answer
+from mmrecipes.benchmarks.__main__ import GeneratedAnswers
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.benchmarks.harness import Benchmarks
 from mmrecipes.benchmarks.tasks import TASKS
 from mmrecipes.paths import EMBEDDED
-from mmrecipes.vlm.model.evaluation import benchmark_answers
+from mmrecipes.vlm.model.evaluation import BenchmarkAnswers
 from mmrecipes.vlm.model.families import dummy_image_inputs, placeholder_token_ids
 from mmrecipes.vlm.model.loading import stop_token_ids
 from mmrecipes.vlm.model.step import VLMForTraining
@@ -54,8 +54,8 @@ def main():
     vlm = SimpleNamespace(processor=processor, dummy_inputs=dummy_image_inputs(model, processor),
                           stops=stop_token_ids(model, processor), placeholders=placeholder_token_ids(model, processor))
     with torch.no_grad():
-        in_step, loop_scores = timed(benchmarks, benchmark_answers(VLMForTraining(model), vlm, "cpu"))
-        cached, generate_scores = timed(benchmarks, generate_answer(model, processor, "cpu"))
+        in_step, loop_scores = timed(benchmarks, BenchmarkAnswers(VLMForTraining(model), vlm, "cpu"))
+        cached, generate_scores = timed(benchmarks, GeneratedAnswers(model, processor, "cpu"))
     print(f"{documents} documents of {len(benchmarks.tasks)} tasks, answers of up to {args.max_new_tokens} tokens, "
           f"the tiny SFT'd Llava, 1 process, {torch.get_num_threads()} threads")
     print(f"recipes' path (in step, no cache): {100 * in_step / documents:.2f} s per 100 documents")

@@ -28,7 +28,7 @@ from lmms_eval.api.task import ConfigurableTask
 from lmms_eval.tasks import TaskManager
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from mmrecipes.benchmarks.__main__ import generate_answer
+from mmrecipes.benchmarks.__main__ import GeneratedAnswers
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.benchmarks.harness import Benchmarks
 from mmrecipes.paths import resolve_name
@@ -37,7 +37,7 @@ from mmrecipes.paths import resolve_name
 def ours(args, device) -> tuple[dict, dict]:
     """(our scores, {(task, document): answer})."""
     model = AutoModelForImageTextToText.from_pretrained(args.model).to(device).eval()
-    answer = generate_answer(model, AutoProcessor.from_pretrained(args.model), device)
+    answer = GeneratedAnswers(model, AutoProcessor.from_pretrained(args.model), device)
     scores, answers = {}, {}
     for task in args.tasks.split(","):
         benchmarks = Benchmarks(BenchmarkArgs(benchmarks=task, benchmark_limit=args.limit,

@@ -1,9 +1,10 @@
 """Write what lmms-eval itself gives on the embedded benchmark documents: each task's prompts, per-document scores
-and aggregated numbers for fixed answers (tests/fixtures/lmms_eval_parity.json, which tests/test_benchmarks.py
-compares mmrecipes.benchmarks against).
+and aggregated numbers for fixed answers, as written and within whitespace (tests/fixtures/lmms_eval_parity.json,
+which tests/test_benchmarks.py compares mmrecipes.benchmarks against).
 
     pip install --no-deps --target /tmp/lmms lmms-eval==0.7.3 loguru pytz tenacity evaluate sacrebleu portalocker \
-        tabulate colorama lxml aiohttp multidict attrs yarl propcache aiohappyeyeballs aiosignal frozenlist
+        tabulate colorama lxml aiohttp multidict attrs yarl propcache aiohappyeyeballs aiosignal frozenlist openpyxl \
+        et_xmlfile
     PYTHONPATH=/tmp/lmms python data_prep/lmms_eval_parity.py
 
 lmms-eval runs end to end (`simple_evaluate`, its task YAML, filters, `process_results` and aggregations) with a
@@ -133,12 +134,25 @@ def per_document(task: str, sample: dict) -> dict:
     return {"gpt_eval_score": [item["index"], float(letter == item["answer"])], "parsed": letter}
 
 
+# whitespace around an answer, as models write it (a trailing space or line break): lmms-eval strips every answer
+# before a task scores it
+PADDINGS = ["{} ", " {}", "{}\n", "\n{} "]
+
+
 class FixedAnswers(lmms):
-    """Answers each document with its form of `FORMS` (its doc_id's turn)."""
+    """Answers each document with its form of `FORMS` (its doc_id's turn), `padded`: within its `PADDINGS`."""
+
+    def __init__(self, padded: bool = False):
+        super().__init__()
+        self.padded = padded
 
     def generate_until(self, requests):
-        return [fixed_answer(request.task_name, documents(request.task_name)[int(request.doc_id)], int(request.doc_id))
-                for request in requests]
+        answers = []
+        for request in requests:
+            doc_id = int(request.doc_id)
+            answer = fixed_answer(request.task_name, documents(request.task_name)[doc_id], doc_id)
+            answers.append(PADDINGS[doc_id % len(PADDINGS)].format(answer) if self.padded else answer)
+        return answers
 
     def loglikelihood(self, requests):
         raise NotImplementedError
@@ -157,22 +171,20 @@ def local_download(self, dataset_kwargs=None):
     self.dataset = self.dataset_no_image = datasets.DatasetDict({self.config.test_split: docs})
 
 
-def main():
-    ConfigurableTask.download = local_download
-    # its reentrant-lock patch reads filelock 3's private module; filelock 4 here has none, and one process needs none
-    evaluator._enable_reentrant_filelocks = lambda: None
+def evaluated(model: FixedAnswers) -> dict:
+    """{task: each document's prompt, answer and scores, and the task's numbers} as lmms-eval gives them."""
     with tempfile.TemporaryDirectory() as scratch:  # its aggregations write files (OCRBench's) where they run
         os.chdir(scratch)
-        results = evaluator.simple_evaluate(model=FixedAnswers(), tasks=TASKS, task_manager=TaskManager(),
-                                            log_samples=True, bootstrap_iters=0)
+        results = evaluator.simple_evaluate(model=model, tasks=TASKS, task_manager=TaskManager(), log_samples=True,
+                                            bootstrap_iters=0)
         os.chdir(ROOT)
-    fixture = {"lmms_eval": "0.7.3", "tasks": {}}
+    tasks = {}
     for task in TASKS:
         samples = sorted(results["samples"][task], key=lambda sample: int(sample["doc_id"]))
         # "<metric>,<filter>": each metric after the task's filter ("none", or AI2D's "flexible-extract")
         numbers = {name.split(",")[0]: value for name, value in results["results"][task].items()
                    if "," in name and "_stderr" not in name and isinstance(value, (int, float))}
-        fixture["tasks"][task] = {
+        tasks[task] = {
             "documents": [{"doc_id": int(sample["doc_id"]), "prompt": sample["arguments"][0],
                            "answer": sample["resps"][0][0], "filtered": sample["filtered_resps"][0],
                            "scores": per_document(task, sample) if task in ("mmmu_val", "mmbench_en_dev_static")
@@ -180,6 +192,15 @@ def main():
                           for sample in samples],
             "numbers": numbers,
         }
+    return tasks
+
+
+def main():
+    ConfigurableTask.download = local_download
+    # its reentrant-lock patch reads filelock 3's private module; filelock 4 here has none, and one process needs none
+    evaluator._enable_reentrant_filelocks = lambda: None
+    # the same answers as written, and within whitespace (the whole pipeline: lmms-eval strips before it scores)
+    fixture = {"lmms_eval": "0.7.3", "tasks": evaluated(FixedAnswers()), "padded": evaluated(FixedAnswers(True))}
     for document, turn in zip(fixture["tasks"]["mmmu_val"]["documents"], mmmu_turns()):
         document["turn"] = turn
     OUTPUT.parent.mkdir(exist_ok=True)

@@ -343,8 +343,10 @@ class Checkpointer:
                                    "starting from step 0")
         if checkpoint is None:
             return 0, None
+        peak_rates = list(self.scheduler.base_lrs)  # this run's (--learning_rate, a part's own), before the saved
         self.accelerator.load_state(checkpoint)
         self.scheduler.load_state_dict(json.loads((checkpoint / SCHEDULER).read_text()))
+        self._keep_peak_rates(peak_rates)
         start_step = step_of(checkpoint)
         marker = json.loads((checkpoint / MARKER).read_text())
         self._say_schedule(checkpoint, start_step, marker.get("schedule"))
@@ -361,6 +363,19 @@ class Checkpointer:
                                f"epoch {data_state['epoch']}")
         return start_step, data_state["epoch"]
 
+
+    def _keep_peak_rates(self, peak_rates: list[float]):
+        """This run's peak learning rates, not the saved run's: the scheduler's and the optimizer's state bring back
+        the rates they were saved with, so a resume with another --learning_rate trained at the old one while its
+        flags said the new one. The current rates follow this run's schedule from the saved step on."""
+        scheduler = self.scheduler
+        if list(scheduler.base_lrs) == peak_rates:
+            return
+        scheduler.base_lrs = peak_rates
+        rates = [peak * schedule(scheduler.last_epoch) for peak, schedule in zip(peak_rates, scheduler.lr_lambdas)]
+        for group, peak, rate in zip(scheduler.optimizer.param_groups, peak_rates, rates):
+            group["initial_lr"], group["lr"] = peak, rate
+        scheduler._last_lr = rates
 
     def _say_schedule(self, checkpoint: Path, step: int, saved):
         """Where this run's learning-rate schedule is not the checkpoint's run's, say so: its steps after `step`

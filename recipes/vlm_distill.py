@@ -63,7 +63,7 @@ from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_d
 from mmrecipes.vlm.algorithms.distill import StepTargets, evaluate_divergence
 from mmrecipes.vlm.algorithms.sampling import Sampler
 from mmrecipes.vlm.algorithms.teacher import Teacher
-from mmrecipes.vlm.model.evaluation import benchmark_answers, evaluate_answers, evaluate_generation
+from mmrecipes.vlm.model.evaluation import BenchmarkAnswers, evaluate_answers, evaluate_generation
 from mmrecipes.vlm.model.loading import check_trainable
 from mmrecipes.vlm.model.outputs import GeneralizedJSD
 from mmrecipes.vlm.model.parts import vlm_parts
@@ -230,7 +230,7 @@ def main(argv=None):
         # shared: benchmark
         if benchmarks.due(done, args.max_steps):
             with report.evaluating(done) as scores:
-                scores |= benchmarks.run(benchmark_answers(model, vlm, accelerator.device))
+                scores |= benchmarks.run(BenchmarkAnswers(model, vlm, accelerator.device))
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 

@@ -70,7 +70,7 @@ from mmrecipes.vlm.algorithms.preference import (
     evaluate_preferences,
 )
 from mmrecipes.vlm.algorithms.reference import Reference
-from mmrecipes.vlm.model.evaluation import benchmark_answers, evaluate_answers
+from mmrecipes.vlm.model.evaluation import BenchmarkAnswers, evaluate_answers
 from mmrecipes.vlm.model.outputs import SequenceLogps
 from mmrecipes.vlm.model.parts import vlm_parts
 from mmrecipes.vlm.model.step import VLMForTraining, save_vlm
@@ -234,7 +234,7 @@ def main(argv=None):
         # shared: benchmark
         if benchmarks.due(done, args.max_steps):
             with report.evaluating(done) as scores:
-                scores |= benchmarks.run(benchmark_answers(model, vlm, accelerator.device))
+                scores |= benchmarks.run(BenchmarkAnswers(model, vlm, accelerator.device))
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 

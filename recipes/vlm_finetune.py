@@ -63,7 +63,7 @@ from mmrecipes.training import (
     lr_scheduler,
     per_device_batch_size,
 )
-from mmrecipes.vlm.model.evaluation import benchmark_answers, evaluate_answers, evaluate_generation
+from mmrecipes.vlm.model.evaluation import BenchmarkAnswers, evaluate_answers, evaluate_generation
 from mmrecipes.vlm.model.families import video_path
 from mmrecipes.vlm.model.moe import LoadBalance
 from mmrecipes.vlm.model.outputs import LossSum
@@ -227,7 +227,7 @@ def main(argv=None):
         # shared: benchmark
         if benchmarks.due(done, args.max_steps):
             with report.evaluating(done) as scores:
-                scores |= benchmarks.run(benchmark_answers(model, vlm, accelerator.device))
+                scores |= benchmarks.run(BenchmarkAnswers(model, vlm, accelerator.device))
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 

@@ -64,7 +64,7 @@ from mmrecipes.vlm.algorithms.reference import Reference
 from mmrecipes.vlm.algorithms.rewards import RewardScorer, load_reward_funcs
 from mmrecipes.vlm.algorithms.sampling import Sampler
 from mmrecipes.vlm.algorithms.tools import Tools
-from mmrecipes.vlm.model.evaluation import benchmark_answers, evaluate_generation
+from mmrecipes.vlm.model.evaluation import BenchmarkAnswers, evaluate_generation
 from mmrecipes.vlm.model.outputs import TokenLogps
 from mmrecipes.vlm.model.parts import vlm_parts
 from mmrecipes.vlm.model.step import VLMForTraining, save_vlm
@@ -237,7 +237,7 @@ def main(argv=None):
         # shared: benchmark
         if benchmarks.due(done, args.max_steps):
             with report.evaluating(done) as scores:
-                scores |= benchmarks.run(benchmark_answers(model, vlm, accelerator.device))
+                scores |= benchmarks.run(BenchmarkAnswers(model, vlm, accelerator.device))
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 

@@ -1,6 +1,7 @@
 """Helpers several test modules share: rows and parquet files of chat data, a saved tiny vision tower, the tiny
 Llava with its module groups, LoRA's adapted layers, the families of the conformance suite, generation settings, and a
-small CLIP run's checkpointer (conftest's `saved` and `run`) with what the hostile-checkpoint tests plant in them."""
+small CLIP run's checkpointer (conftest's `saved` and `run`) with what the hostile-checkpoint tests plant in them, and
+benchmark documents of another form than their task's."""
 
 import json
 import os
@@ -142,3 +143,31 @@ def refit_manifest(checkpoint: Path):
     marker["files"] = {str(path.relative_to(checkpoint)): file_digest(path)
                        for path in sorted(checkpoint.rglob("*")) if path.is_file() and path.name != MARKER}
     (checkpoint / MARKER).write_text(json.dumps(marker))
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
+
+
+def documents(task: str) -> list[dict]:
+    docs = datasets.load_dataset("parquet", data_files=str(BENCHMARKS / task / "*.parquet"), split="train")
+    for column, feature in docs.features.items():
+        if isinstance(feature, datasets.Image):
+            docs = docs.cast_column(column, datasets.Image(decode=False))
+    return docs.to_list()
+
+
+def write_task(folder, task: str, rows: list[dict]):
+    (folder / task).mkdir(parents=True, exist_ok=True)
+    datasets.Dataset.from_list(rows).to_parquet(folder / task / "test.parquet")
+
+
+def hostile_benchmarks(folder):
+    """MMMU documents that all lack their image, AI2D answers written as letters, an MMBench index that is no
+    number: each raised only after every document was answered (`ZeroDivisionError`, `int('B')`, `int('q0')`), in a
+    run's last benchmark, before the model was saved."""
+    write_task(folder, "mmmu_val", [doc | {"image_1": None} for doc in documents("mmmu_val")])
+    write_task(folder, "ai2d", [doc | {"answer": "ABCD"[int(doc["answer"])]} for doc in documents("ai2d")])
+    mmbench = documents("mmbench_en_dev_static")
+    write_task(folder, "mmbench_en_dev_static", [doc | {"index": "q0" if i == 0 else str(doc["index"])}
+                                                 for i, doc in enumerate(mmbench)])
+    return "mmmu_val,ai2d,mmbench_en_dev_static"

@@ -13,6 +13,7 @@ from accelerate.state import AcceleratorState
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
+from helpers import hostile_benchmarks
 from launch import REPO, assert_engine, assert_same_curves, run_engine, run_recipe
 from mmrecipes.images import to_device
 from mmrecipes.skips import SKIPPED
@@ -365,13 +366,22 @@ def test_mixed_ranks_give_one_processs_losses(engine_runs, truth, config, featur
 @pytest.mark.launch
 def test_precomputed_reference_log_probs_give_the_live_frozen_copys_losses(scenario, truth, tmp_path):
     """--precompute_ref_log_probs: a first pass over the pairs, kept per pair, then no reference model; every step
-    equals the run with the live frozen copy. A benchmark scores the model at the end (docs/benchmarks.md)."""
+    equals the run with the live frozen copy. A benchmark scores the model at the end (docs/benchmarks.md); three
+    more whose documents are of another form (test_hostile_six.py) are counted and named, and the model is saved:
+    their scorers raised at the last step, before the save, and the run's model was lost."""
+    hostile = hostile_benchmarks(tmp_path / "benchmarks")
+    (tmp_path / "benchmarks" / "chartqa").symlink_to(REPO / "data" / "benchmarks" / "chartqa")
     result = run_recipe(*SCENARIO, "--precompute_ref_log_probs", "true", "--per_device_train_batch_size", 4,
                         "--gradient_accumulation_steps", 1, "--data_files", scenario / "single" / "all.parquet",
-                        "--output_dir", tmp_path, "--benchmarks", "chartqa", "--benchmark_data_dir",
-                        "embedded:benchmarks", "--benchmark_limit", 2, recipe=DPO_RECIPE)
+                        "--output_dir", tmp_path / "out", "--benchmarks", f"chartqa,{hostile}",
+                        "--benchmark_data_dir", tmp_path / "benchmarks", "--benchmark_limit", 2, recipe=DPO_RECIPE)
     assert result.returncode == 0, result.log[-3000:]
     assert f"eval step {STEPS} | bench/chartqa/relaxed_overall " in result.log  # a benchmark at the end
+    assert "benchmark mmmu_val: no document was scored (missing_image_1 2): no numbers" in result.log
+    assert "benchmark ai2d: 2 documents could not be scored (unscorable)" in result.log
+    assert "bench/mmbench_en_dev_static/unscorable 1" in result.log
+    saved = AutoModelForImageTextToText.from_pretrained(tmp_path / "out")
+    assert type(saved).__name__ == "LlavaForConditionalGeneration"
     assert "reference: log-probabilities of 2 pairs on this rank precomputed in a first pass" in result.log
     assert_same_curves(result.log, truth["full"][0].log, range(1, STEPS + 1), grad_norm=True, rel=1e-6)
 

@@ -21,8 +21,9 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from ..config import CheckedArgs, parse_args
 from ..paths import resolve_name
+from ..saved_models import model_config, pretrained
 from .arguments import BenchmarkArgs
-from .harness import Benchmarks
+from .harness import Benchmarks, too_long
 
 
 @dataclass
@@ -38,18 +39,32 @@ class ModelArgs(CheckedArgs):
         self.model = resolve_name(self.model)
 
 
-def generate_answer(model, processor, device):
-    """`answer(request, max_new_tokens)` by `generate`, greedy: the new tokens' text, special tokens left out."""
+class GeneratedAnswers:
+    """`answer(request, max_new_tokens)` by `generate`, greedy: the new tokens' text, special tokens left out;
+    `refusal`: a prompt longer than the model's positions."""
+
+    def __init__(self, model, processor, device):
+        self.model, self.processor, self.device = model, processor, device
+        self.rendered = (None, None)
+
+    def inputs(self, request):
+        if self.rendered[0] is not request:
+            text = self.processor.apply_chat_template(request.messages, add_generation_prompt=True)
+            inputs = self.processor(text=[text], images=[request.images] if request.images else None,
+                                    return_tensors="pt")
+            self.rendered = request, inputs
+        return self.rendered[1]
+
+    def refusal(self, request) -> str | None:
+        return too_long(self.inputs(request)["input_ids"].shape[1], self.model.config)
+
     @torch.no_grad()
-    def answer(request, max_new_tokens):
+    def __call__(self, request, max_new_tokens):
         if request.filler:  # no collective to stay in step with: nothing to do
             return None
-        text = processor.apply_chat_template(request.messages, add_generation_prompt=True)
-        inputs = processor(text=[text], images=[request.images], return_tensors="pt").to(device)
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        return processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0]
-
-    return answer
+        inputs = self.inputs(request).to(self.device)
+        output = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        return self.processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0]
 
 
 def main(argv=None):
@@ -62,11 +77,12 @@ def main(argv=None):
     benchmarks = Benchmarks(bench_args, rank, world)
     if not benchmarks:
         raise SystemExit("--benchmarks: name at least one task")
-    model = AutoModelForImageTextToText.from_pretrained(model_args.model).to(device).eval()
+    model_config(model_args.model, "--model")  # a checkpoint-N, a folder without a model: named before loading
+    model = pretrained(AutoModelForImageTextToText, model_args.model, "--model").to(device).eval()
     processor = AutoProcessor.from_pretrained(model_args.model)
     if rank == 0:
         print(benchmarks.describe())
-    scores = benchmarks.run(generate_answer(model, processor, device))
+    scores = benchmarks.run(GeneratedAnswers(model, processor, device))
     if rank == 0:
         for line in benchmarks.card_lines():
             print(line)

@@ -27,4 +27,6 @@ class BenchmarkArgs(CheckedArgs):
         names = [name.strip() for name in self.benchmarks.split(",") if name.strip()]
         if unknown := [name for name in names if name not in TASKS]:
             raise ValueError(f"--benchmarks: no built-in task {', '.join(unknown)}; the tasks: {', '.join(TASKS)}")
+        if repeated := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"--benchmarks: {', '.join(repeated)} named twice; each task is answered once")
         return names

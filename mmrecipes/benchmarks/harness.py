@@ -6,27 +6,32 @@ filler and drops it), so a sharded model's collectives stay in step; the scores 
 rank computes the same numbers from them, in document order. Answers come from a callable the caller gives
 (`answer(request, max_new_tokens)`: the recipes' greedy decoding in step over the ranks, or `generate` for a saved
 model), so this package holds no model code; a rank past its documents gives it a filler request (`Request.filler`).
+An answerer may refuse a request before it forwards anything (`answer.refusal(request)`: a prompt longer than the
+model reads); the filler is answered in its place.
 
 A document that cannot be scored is counted by reason and named in the log, never scored 0: a missing value, an
-image that does not decode. An answer the task's parser cannot read scores 0, as in lmms-eval, and is counted
-(`unread`). A task that would read no document, an unknown task or a dataset without a column the task reads stops
-the run before its first step.
+image that does not decode, a scorer that raises on it (`unscorable`: a value of another form than the task's). An
+answer the task's parser cannot read scores 0, as in lmms-eval, and is counted (`unread`). Nothing a document holds
+ends the run: a benchmark at the last step never costs the trained model. A task that would read no document, a
+column of the wrong type, an unknown or repeated task or a dataset without a column the task reads stops the run
+before its first step.
 """
 
-import io
 from collections import Counter
 from dataclasses import dataclass, replace
-from functools import cached_property
 from pathlib import Path
 
 import datasets
 import torch.distributed as dist
 from PIL import Image
 
+from ..images import decode_image
 from ..paths import resolve_name
 from ..skips import Skip
 from .arguments import BenchmarkArgs
 from .tasks import LMMS_EVAL, TASKS, Task
+
+MAX_ERRORS_SAID = 3  # a task's scorer errors named in the log, per rank
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,14 @@ class Request:
     messages: list
     images: list
     filler: bool = False
+
+
+def too_long(prompt_tokens: int, config) -> str | None:
+    """"too_long" where a prompt alone runs past the positions the language model reads (a model `config`'s): refused
+    before the model sees it (a 1 MB question was decoded for hours), else None. Its answer may run past them, as in
+    lmms-eval (most models stop long before `max_new_tokens`)."""
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return "too_long" if positions and prompt_tokens > positions else None
 
 
 class Benchmark:
@@ -54,12 +67,17 @@ class Benchmark:
         try:
             docs = (datasets.load_dataset("parquet", data_files=str(folder / "*.parquet"), split="train") if folder
                     else datasets.load_dataset(task.dataset, task.subset, split=task.split))
-        except (ValueError, FileNotFoundError) as error:  # no file, or files without a row
-            raise ValueError(f"--benchmarks {task.name}: no document to score ({error}): the benchmark would never "
-                             "run") from error
+        except (ValueError, FileNotFoundError, datasets.exceptions.DatasetGenerationError) as error:
+            # no file, files without a row, a file without a column
+            raise ValueError(f"--benchmarks {task.name}: no document to score ({type(error).__name__}: {error}): the "
+                             "benchmark would never run") from error
         if missing := [column for column in task.reads if column not in docs.column_names]:
             raise ValueError(f"--benchmarks {task.name}: its documents have no {', '.join(missing)} column (lmms-eval "
                              f"reads {task.hub})")
+        for column in task.lists:  # a string read as a list would be its characters: silent, wrong scores
+            if not isinstance(docs.features[column], (datasets.List, datasets.LargeList)):
+                raise ValueError(f"--benchmarks {task.name}: its {column} column holds {docs.features[column]}, not "
+                                 f"a list (lmms-eval reads a list of {column} from {task.hub})")
         for column in task.image_columns:  # decoded per document: a bad one counts
             if isinstance(docs.features[column], datasets.Image):
                 docs = docs.cast_column(column, datasets.Image(decode=False))
@@ -82,53 +100,61 @@ class Benchmark:
         if missing := [column for column in visuals if doc.get(column) is None]:
             raise Skip(f"missing_{missing[0]}")
         images = []
-        for column in visuals:
-            try:
-                image = doc[column]
-                image = Image.open(io.BytesIO(image["bytes"]) if image.get("bytes") else image["path"])
-                images.append(image.convert("RGB"))
-            except Exception:  # noqa: BLE001 (any decoder's error: the document is counted, not scored)
-                raise Skip("undecodable_image") from None
+        for column in visuals:  # the project's one decoder: a FIFO or device is refused, never opened
+            image, problem = decode_image(doc[column], Image.MAX_IMAGE_PIXELS)
+            if image is None:
+                raise Skip(f"{problem}_image")
+            images.append(image)
         return doc, Request(index, [{"role": "user", "content": self.task.turn(doc)}], images)
 
-    @cached_property
-    def filler(self) -> Request | None:
-        """The first document that can be answered, as a filler (the same on every rank; None if none can): found
-        once, not at every run."""
+    def answerable(self, index: int, refusal) -> tuple[dict, Request]:
+        """(the document's row, what to answer), or `Skip`: as `request`, and not refused by the answerer."""
+        doc, request = self.request(index)
+        if refusal is not None and (reason := refusal(request)):
+            raise Skip(reason)
+        return doc, request
+
+    def filler(self, refusal) -> Request | None:
+        """The first document that can be answered, as a filler (the same on every rank; None if none can)."""
         for index in range(len(self.docs)):
             try:
-                return replace(self.request(index)[1], filler=True)
+                return replace(self.answerable(index, refusal)[1], filler=True)
             except Skip:
                 continue
         return None
 
-    def run(self, answer) -> tuple[list, Counter]:
-        """This rank's (document index, `Scored`) and its counts of documents not scored, by reason."""
-        scored, skipped, filler = [], Counter(), self.filler
+    def run(self, answer) -> tuple[list, Counter, list]:
+        """This rank's (document index, `Scored`), its counts of documents not scored, by reason, and the first
+        errors of a scorer that raised (document index, why)."""
+        refusal = getattr(answer, "refusal", None)
+        scored, skipped, errors, filler = [], Counter(), [], self.filler(refusal)
         mine = list(range(self.rank, len(self.docs), self.world))
         for slot in range(self.slots()):
             doc = request = None
             if slot < len(mine):
                 try:
-                    doc, request = self.request(mine[slot])
+                    doc, request = self.answerable(mine[slot], refusal)
                 except Skip as skip:
                     skipped[skip.reason] += 1
             if filler is None:  # no document of the task can be answered, on any rank: nothing to stay in step with
                 continue
             text = answer(request or filler, self.max_new_tokens)
-            for stop in self.task.until:
-                text = text.split(stop)[0]
-            if request is not None:
-                scored.append((request.index, self.task.score(doc, text)))
-        return scored, skipped
+            if request is None:
+                continue
+            try:
+                scored.append((request.index, self.task.read(doc, text)))
+            except Exception as error:  # noqa: BLE001 (a value of another form than the task's: counted and named)
+                skipped["unscorable"] += 1
+                errors.append((request.index, f"{type(error).__name__}: {error}"))
+        return scored, skipped, errors[:MAX_ERRORS_SAID]
 
 
 class Benchmarks:
     """The tasks of `--benchmarks`, loaded before the first step (`data_rank`, `data_world`: the ranks that share the
     documents, `Ranks.reads(evaluation=True)`: under sequence parallelism every process answers its own)."""
 
-    def __init__(self, args: BenchmarkArgs, data_rank: int = 0, data_world: int = 1):
-        self.args = args
+    def __init__(self, args: BenchmarkArgs, data_rank: int = 0, data_world: int = 1, say=print):
+        self.args, self.say = args, say
         self.tasks = [Benchmark.load(TASKS[name], args, data_rank, data_world) for name in args.names()]
         self.results = {}  # {task: (its numbers, scored documents, unread, skipped)} of the last run
 
@@ -157,18 +183,34 @@ class Benchmarks:
             if dist.is_initialized() and dist.get_world_size() > 1:
                 parts = [None] * dist.get_world_size()
                 dist.all_gather_object(parts, local)  # once per task: every rank gets every score
-            scored = sorted((item for part, _ in parts for item in part), key=lambda item: item[0])
-            skipped = sum((counts for _, counts in parts), Counter())
-            numbers = bench.task.numbers([result.metrics for _, result in scored])
+            scored = sorted((item for part, _, _ in parts for item in part), key=lambda item: item[0])
+            skipped = sum((counts for _, counts, _ in parts), Counter())
+            name = bench.task.name
+            errors = sorted(error for _, _, part in parts for error in part)[:MAX_ERRORS_SAID]
+            if errors:
+                self._say(f"benchmark {name}: {skipped['unscorable']} documents could not be scored (unscorable), "
+                          "left out of its numbers: " + "; ".join(f"document {index}: {why}" for index, why in errors))
+            try:
+                numbers = bench.task.numbers([result.metrics for _, result in scored])
+            except Exception as error:  # noqa: BLE001 (scores of another form than the task's: said, no numbers)
+                numbers = {}
+                self._say(f"benchmark {name}: its numbers could not be aggregated ({type(error).__name__}: {error})")
+            if not scored:
+                self._say(f"benchmark {name}: no document was scored (" + ", ".join(
+                    f"{reason} {count}" for reason, count in sorted(skipped.items())) + "): no numbers")
             unread = sum(not result.read for _, result in scored)
             self.results[bench.task.name] = (numbers, len(scored), unread, skipped)
-            name = bench.task.name
             main = {bench.task.main: numbers[bench.task.main]} if bench.task.main in numbers else {}
             scores |= {f"bench/{name}/{metric.replace(' ', '_')}": value
                        for metric, value in (main | numbers).items()}
             scores |= {f"bench/{name}/documents": len(scored), f"bench/{name}/unread": unread,
                        **{f"bench/{name}/{reason}": count for reason, count in sorted(skipped.items())}}
         return scores
+
+    def _say(self, line: str):
+        """Once, on the first rank: every rank holds the same gathered scores."""
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            self.say(line)
 
     def metrics(self) -> list[str]:
         """The main metric's log name of each task (the curves)."""

@@ -2,10 +2,10 @@
 
     from lmms_eval.evaluator import simple_evaluate
     from mmrecipes.benchmarks.lmms_eval_model import LiveModel
-    from mmrecipes.vlm.model.evaluation import benchmark_answers
+    from mmrecipes.vlm.model.evaluation import BenchmarkAnswers
 
     # in a recipe, on every rank: the prepared model answers in step over the ranks
-    simple_evaluate(model=LiveModel(benchmark_answers(model, vlm, accelerator.device), accelerator=accelerator),
+    simple_evaluate(model=LiveModel(BenchmarkAnswers(model, vlm, accelerator.device), accelerator=accelerator),
                     tasks=["mmstar"], limit=100, distributed_executor_backend="torchrun")
     # a saved model from lmms-eval's command line (registered by the entry point group lmms_eval.models)
     lmms-eval --model mmrecipes --model_args pretrained=outputs/vlm_finetune --tasks mmstar
@@ -40,7 +40,7 @@ def images_of(visuals) -> list:
 
 class LiveModel(lmms):
     """lmms-eval's requests answered by `answer(request, max_new_tokens)` (`mmrecipes.benchmarks.harness.Request`):
-    the recipes' `benchmark_answers` on the prepared model, or, from lmms-eval's command line, `generate` on the
+    the recipes' `BenchmarkAnswers` on the prepared model, or, from lmms-eval's command line, `generate` on the
     saved model `pretrained`."""
 
     def __init__(self, answer=None, pretrained: str = "", device: str = "", accelerator=None, **unused):
@@ -49,11 +49,11 @@ class LiveModel(lmms):
         if answer is None:
             from transformers import AutoModelForImageTextToText, AutoProcessor
 
-            from .__main__ import generate_answer
+            from .__main__ import GeneratedAnswers
 
             device = self.device
             model = AutoModelForImageTextToText.from_pretrained(pretrained).to(device).eval()
-            answer = generate_answer(model, AutoProcessor.from_pretrained(pretrained), device)
+            answer = GeneratedAnswers(model, AutoProcessor.from_pretrained(pretrained), device)
         self.answer, self.accelerator = answer, accelerator  # lmms-eval waits on its accelerator between requests
         if dist.is_initialized():
             self._rank, self._world_size = dist.get_rank(), dist.get_world_size()

@@ -63,6 +63,15 @@ class Task:
     visuals: Callable[[dict], list[str]] = lambda doc: ["image"]
     content: Callable[[dict], list] | None = None
 
+    lists: tuple[str, ...] = ()  # columns that hold a list (of answers, of options): a string there is refused
+
+    def read(self, doc, answer: str) -> Scored:
+        """The answer scored as lmms-eval's pipeline scores it: cut at the first of `until`, then stripped (its
+        `process_results` strips every answer before a task reads it)."""
+        for stop in self.until:
+            answer = answer.split(stop)[0]
+        return self.score(doc, answer.strip())
+
     @property
     def reads(self) -> tuple[str, ...]:
         """Every column the dataset must have: its images, then the columns."""
@@ -80,7 +89,9 @@ class Task:
         return f"{self.dataset}{f' ({self.subset})' if self.subset else ''}, {self.split}"
 
     def numbers(self, scored: list[dict]) -> dict:
-        """The task's metrics from its documents' scores (in document order)."""
+        """The task's metrics from its documents' scores (in document order); none without a document."""
+        if not scored:
+            return {}
         if self.aggregate is not None:
             return self.aggregate(scored)
         values = defaultdict(list)
@@ -281,16 +292,17 @@ TASKS = {task.name: task for task in [
          question_then("\nAnswer the question with a single word."), chartqa_score, main="relaxed_overall",
          max_new_tokens=16),
     Task("docvqa_val", "lmms-lab-encoder/DocVQA", "DocVQA", "validation", "0.0", ("question", "answers"),
-         question_then(SINGLE_WORD_OR_PHRASE), anls_score, main="anls", max_new_tokens=32),
+         question_then(SINGLE_WORD_OR_PHRASE), anls_score, main="anls", max_new_tokens=32, lists=("answers",)),
     Task("infovqa_val", "lmms-lab-encoder/DocVQA", "InfographicVQA", "validation", "0.0", ("question", "answers"),
-         question_then(SINGLE_WORD_OR_PHRASE), anls_score, main="anls", max_new_tokens=32),
+         question_then(SINGLE_WORD_OR_PHRASE), anls_score, main="anls", max_new_tokens=32, lists=("answers",)),
     Task("ai2d", "lmms-lab-encoder/ai2d", None, "test", "0.0", ("question", "options", "answer"), ai2d_prompt,
-         ai2d_score, main="exact_match", max_new_tokens=16),
+         ai2d_score, main="exact_match", max_new_tokens=16, lists=("options",)),
     Task("scienceqa_img", "lmms-lab-encoder/ScienceQA", "ScienceQA-IMG", "test", "0.0",
          ("question", "choices", "answer"), scienceqa_prompt, scienceqa_score, main="exact_match",
-         max_new_tokens=16),
+         max_new_tokens=16, lists=("choices",)),
     Task("textvqa_val", "lmms-lab-encoder/textvqa", None, "validation", "0.0", ("question", "answers"),
-         lambda doc: doc["question"].capitalize() + SINGLE_WORD_OR_PHRASE, textvqa_score, main="exact_match"),
+         lambda doc: doc["question"].capitalize() + SINGLE_WORD_OR_PHRASE, textvqa_score, main="exact_match",
+         until=("ASSISTANT:",), lists=("answers",)),
     Task("ocrbench", "echo840/OCRBench", None, "test", "0.0", ("question", "answer", "dataset", "question_type"),
          lambda doc: doc["question"].strip(), ocrbench_score, main="ocrbench_accuracy", max_new_tokens=128,
          aggregate=per_thousand),

@@ -26,8 +26,8 @@ from transformers.utils import CONFIG_NAME
 
 from ...checkpointing import MARKER, checkpoint_weights
 from ...paths import PLAIN_CHAT_TEMPLATE
+from ...saved_models import model_config
 from ..arguments import read_chat_template
-from .loading import model_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 IMAGE_TOKEN = "<image>"

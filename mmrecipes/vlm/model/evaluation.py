@@ -1,8 +1,9 @@
 """Evaluation every rank agrees on: answer exact match, teacher-forced and by greedy generation from the processor's
-own prompt, and benchmark answers (`benchmark_answers`), each rank forwarding as often as every other."""
+own prompt, and benchmark answers (`BenchmarkAnswers`), each rank forwarding as often as every other."""
 
 import torch
 
+from ...benchmarks.harness import too_long
 from ...distributed import batches_in_step, max_over_ranks, sum_over_ranks
 from ...images import to_device
 from ..rows.chat_data import TOKEN_ALIGNED, prompt_row
@@ -87,24 +88,35 @@ def greedy_tokens(model, inputs: dict, new_tokens: int, placeholders=(), stops=N
     return generated
 
 
-def benchmark_answers(model, vlm, device):
+class BenchmarkAnswers:
     """`answer(request, max_new_tokens)` for `mmrecipes.benchmarks.Benchmarks.run` by the prepared model: the
     request through the processor's own chat template (`chat_data.prompt_row`), greedy decoding in step over the
     ranks until every rank's answer has stopped (`greedy_tokens`; a filler counts as stopped), the text up to the
-    first stop token, special tokens left out (what lmms-eval's Hugging Face models decode)."""
-    collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)
-    stops = set(vlm.stops)
+    first stop token, special tokens left out (what lmms-eval's Hugging Face models decode). `refusal`: a request
+    whose prompt alone runs past the language model's positions is refused before any forward."""
+
+    def __init__(self, model, vlm, device):
+        self.model, self.vlm, self.device = model, vlm, device
+        self.collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)
+        self.rendered = (None, None)  # the last request and its row: refusal renders what answering reads next
+
+    def row(self, request) -> dict:
+        if self.rendered[0] is not request:
+            self.rendered = request, prompt_row(self.vlm.processor, request.messages, request.images)
+        return self.rendered[1]
+
+    def refusal(self, request) -> str | None:
+        return too_long(len(self.row(request)["input_ids"]), self.vlm.model.config)
 
     @torch.no_grad()
-    def answer(request, max_new_tokens: int) -> str:
-        inputs = to_device(collator([prompt_row(vlm.processor, request.messages, request.images)]), device)
-        model.eval()
-        generated = greedy_tokens(model, inputs, max_new_tokens, vlm.placeholders, stops, not request.filler)
-        model.train()
+    def __call__(self, request, max_new_tokens: int) -> str:
+        inputs = to_device(self.collator([self.row(request)]), self.device)
+        self.model.eval()
+        stops = set(self.vlm.stops)
+        generated = greedy_tokens(self.model, inputs, max_new_tokens, self.vlm.placeholders, stops, not request.filler)
+        self.model.train()
         ended = next((index for index, token in enumerate(generated) if token in stops), len(generated))
-        return vlm.processor.tokenizer.decode(generated[:ended], skip_special_tokens=True)
-
-    return answer
+        return self.vlm.processor.tokenizer.decode(generated[:ended], skip_special_tokens=True)
 
 
 def with_token_appended(inputs: dict, token: torch.Tensor) -> dict:
