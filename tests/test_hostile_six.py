@@ -15,6 +15,7 @@ from helpers import documents, hostile_benchmarks, write_task
 from launch import REPO, load_recipe
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.benchmarks.harness import Benchmarks
+from mmrecipes.vlm.arguments import VLMModelArgs
 
 
 def test_documents_of_another_form_are_counted_and_named_never_raised(tmp_path):
@@ -128,3 +129,27 @@ def test_a_resume_with_another_learning_rate_trains_at_it_and_says_so(tmp_path, 
         return float(re.search(rf"step {step}/4 \|.* lr ([\d.e+-]+)", log)[1])
 
     assert rate(resumed, 3) == pytest.approx(2 * rate(straight, 3), rel=1e-2)
+
+
+def test_an_assistant_turn_of_tool_calls_alone_trains_its_calls():
+    """TRL's tool-calling rows write such a turn with `tool_calls` and no `content`: a bad_row ("content is NoneType,
+    not list"), so a mix trained without every calling row (P(call) about 1e-6 after SFT). The call is a target."""
+    from mmrecipes.vlm.arguments import ChatDataArgs
+    from mmrecipes.vlm.model.loading import stop_token_ids
+    from mmrecipes.vlm.model.parts import load_vlm
+    from mmrecipes.vlm.rows.chat_data import ChatPreprocessor
+    from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller
+
+    model, processor = load_vlm(VLMModelArgs(model_name_or_path="embedded:tiny_zoom_vlm"))
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    call = {"type": "function", "function": {"name": "zoom", "arguments": {"quadrant": "top_left"}}}
+    tools = [{"type": "function", "function": {"name": "zoom", "description": "Zoom into a quadrant.", "parameters": {
+        "type": "object", "properties": {"quadrant": {"type": "string"}}, "required": ["quadrant"]}}}]
+    for turn in ({"role": "assistant", "tool_calls": [call]}, {"role": "assistant", "content": None,
+                                                                "tool_calls": [call]}):
+        row = {"messages": [{"role": "user", "content": "Which shape is in the top left?"}, turn,
+                            {"role": "tool", "name": "zoom", "content": "a red circle"},
+                            {"role": "assistant", "content": "a red circle"}], "tools": tools}
+        (input_ids, labels, _), _ = ChatPreprocessor(ChatDataArgs(), labeller, 512).example(row)
+        targets = processor.tokenizer.decode(input_ids[labels != IGNORE_INDEX])
+        assert '"name": "zoom"' in targets and "top_left" in targets and "a red circle" in targets, targets

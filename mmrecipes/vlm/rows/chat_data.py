@@ -87,7 +87,9 @@ def to_message(turn) -> dict:
                      "LLaMA-Factory)")
     if _field(turn, "role") not in ROLES:
         raise BadRow(f"unknown role {turn['role']!r}: {', '.join(ROLES)}")
-    message = {"role": turn["role"], "content": _content_parts(_field(turn, "content", list))}
+    calls_only = turn["role"] == "assistant" and turn.get("tool_calls") and turn.get("content") is None
+    # an assistant turn of calls alone has no content in TRL's datasets (and OpenAI's): an empty one, its calls kept
+    message = {"role": turn["role"], "content": [] if calls_only else _content_parts(_field(turn, "content", list))}
     if turn.get("tool_calls"):  # an assistant's calls (TRL's layout; arguments as an object or JSON text)
         message["tool_calls"] = [_tool_call(call) for call in turn["tool_calls"]]
     if turn.get("name") is not None:  # a tool's turn: the tool it answers for
