@@ -42,6 +42,8 @@ def decode_image(raw_image, max_pixels: int, max_aspect_ratio: float = float("in
             return None, "undecodable"
         image = raw_image if isinstance(raw_image, Image.Image) else Image.open(raw_image)
         width, height = image.size  # header only: nothing decoded yet
+        if not width or not height:  # nothing to see (a crop of an empty box): processors divide by its size
+            return None, "undecodable"
         if width * height > max_pixels or max(width, height) > max_aspect_ratio * max(1, min(width, height)):
             return None, "too_large"
         image.load()

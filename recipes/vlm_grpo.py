@@ -88,7 +88,7 @@ def main(argv=None):
     model, processor = vlm.model, vlm.processor
     labeller = AnswerLabeller(processor, vlm.stops)  # the prompts go through its template
     # --tools, --environment_factory: completions call them and go on after the results
-    tools = Tools.of(grpo_args, processor, vlm.stops)
+    tools = Tools.of(grpo_args, processor, vlm.stops, data_args.max_length)
     reward_funcs, weights = Tools.reward_sources(tools, reward_funcs, grpo_args.weights)
     # the assistant header the samples start after
     template_line = check_generation_prompt(labeller, model_args.template_source())

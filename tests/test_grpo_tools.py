@@ -264,7 +264,10 @@ def test_what_reset_returns_joins_the_prompt_and_get_reward_scores_the_completio
     environment.counter = 3
     failing = tools.factories[None]()
     failing.counter = 101
-    assert tools.reward(None, None, environments=[environment, None, failing]) == [3.0, None, None]
+    rewards = tools.reward(None, None, environments=[environment, None, failing])
+    assert rewards[0] == 3.0 and [reward.why for reward in rewards[1:]] == [
+        "its environment's reset failed (said with the tools' failures)",
+        "the environment's get_reward raised RuntimeError: counted too far"], rewards
     layout = SimpleNamespace(pieces=lambda: [(0, [0, 1])])
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
     sampler = Sampler(SimpleNamespace(device=torch.device("cpu")), collator, args, stops,

@@ -149,8 +149,8 @@ def test_a_reward_that_swallows_even_the_timeout_ends_the_process_naming_itself(
     """A bare `except:` catches any exception the timer raises: the process ends STUCK_S past the timeout, and says
     which function was stuck (it waited forever, naming nothing)."""
     script = ("import sys; sys.path.insert(0, 'tests')\n"
-              "from mmrecipes.vlm.algorithms import rewards\n"
-              "rewards.STUCK_S = 1.0\n"
+              "from mmrecipes.vlm.algorithms import rewards, user_code\n"
+              "user_code.STUCK_S = 1.0\n"
               "scorer = rewards.RewardScorer(rewards.load_reward_funcs(['rewards_for_tests:swallows_everything'], ''), "
               "[1.0], timeout=0.5)\n"
               "scorer(['q'], ['a'], [[1]], {})\n")

@@ -1,16 +1,21 @@
-"""Hostile inputs, round six, in process: benchmark documents of another form than the task's, benchmark data that is
-empty, mistyped, a FIFO or too long for the model, the saved-model command given what is no saved model, and a
-resume under another learning rate. Each case failed raw, hung or scored silently otherwise before (the tests name
-what it did)."""
+"""Hostile inputs, round six, in process (one test on 2 gloo ranks): benchmark documents of another form than the
+task's, benchmark data that is empty, mistyped, a FIFO or too long for the model, the saved-model command given what
+is no saved model, a resume under another learning rate, TRL's tool-calling rows, and tools and environments that
+block, flood, return what cannot be shown or raise what is no Exception. Each case failed raw, hung or scored silently
+before (the tests name what it did)."""
 
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from gloo import run_on_ranks
 from helpers import documents, hostile_benchmarks, write_task
 from launch import REPO, load_recipe
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
@@ -64,8 +69,6 @@ def test_a_fifo_image_and_a_question_longer_than_the_model_are_skipped_not_waite
     """A FIFO as an image path blocked the harness forever (PIL opened it); a 1 MB question was decoded whole by
     the tiny model (512 positions) and never ended. Now `undecodable_image` and `too_long`, counted, and the filler
     keeps the ranks in step."""
-    from types import SimpleNamespace
-
     from helpers import tiny
     from mmrecipes.vlm.model.evaluation import BenchmarkAnswers
     from mmrecipes.vlm.model.families import dummy_image_inputs, placeholder_token_ids
@@ -153,3 +156,152 @@ def test_an_assistant_turn_of_tool_calls_alone_trains_its_calls():
         (input_ids, labels, _), _ = ChatPreprocessor(ChatDataArgs(), labeller, 512).example(row)
         targets = processor.tokenizer.decode(input_ids[labels != IGNORE_INDEX])
         assert '"name": "zoom"' in targets and "top_left" in targets and "a red circle" in targets, targets
+
+
+def test_a_tool_that_manages_sigalrm_itself_ends_the_process_naming_it():
+    """It ignored SIGALRM, cancelled the timer and blocked: --tool_timeout and the 30 s watchdog (raised from the
+    same timer) never fired, and SIGTERM waited for it too. A watchdog thread ends the process STUCK_S past the
+    limit."""
+    script = ("import sys; sys.path.insert(0, 'tests')\n"
+              "from mmrecipes.vlm.algorithms import user_code\n"
+              "from mmrecipes.vlm.algorithms.tools import ToolBox\n"
+              "from tools_for_tests import sandboxed\n"
+              "user_code.STUCK_S = 1.0\n"
+              "ToolBox([sandboxed], timeout=0.5).run('sandboxed', {'seconds': 60})\n")
+    started = time.monotonic()
+    ended = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert ended.returncode == 1 and time.monotonic() - started < 30
+    assert re.search(r"tool sandboxed ran \d s past --tool_timeout 0.5 s, catching every timeout raised in it: "
+                     "ending the process", ended.stderr), ended.stderr
+
+
+def test_async_tools_are_awaited_and_hostile_results_fail_their_call_only():
+    """An `async def` tool failed every call ("gave a coroutine"); a 0 x 0 image (ZeroDivisionError in the
+    processor), text holding the image placeholder ("Found 1 <image> tokens ... but no images"), a CancelledError
+    (a BaseException) and JSON nested 5000 deep (RecursionError) crashed the run. A 16-bit image came out 99.5% white
+    and a transparent one black: tool images now decode as training images do. Ctrl-C still ends the run."""
+    import numpy as np
+
+    from mmrecipes.images import decode_image
+    from mmrecipes.vlm.algorithms.tools import ToolBox, ToolFormat
+    from tools_for_tests import doubled, hostile
+
+    def interrupted() -> str:
+        """Interrupted."""
+        raise KeyboardInterrupt
+
+    box = ToolBox([doubled, hostile, interrupted], timeout=5, placeholders=("<image>", "<|image_pad|>"))
+    assert box.run("doubled", {"a": 3}) == [{"type": "text", "text": "6"}]
+    said = {kind: box.run("hostile", {"kind": kind})[0]["text"] for kind in ("empty", "placeholder", "cancelled")}
+    assert box.failures == {"hostile/image": 1, "hostile/placeholder": 1, "hostile/raised": 1}, box.failures
+    assert "does not decode (undecodable" in said["empty"] and "placeholder '<image>'" in said["placeholder"]
+    assert "CancelledError: the task was cancelled" in said["cancelled"]
+    for kind, grey in (("deep", 1000 // 257), ("transparent", 255)):  # 16-bit values scaled; a white background
+        image = box.run("hostile", {"kind": kind})[0]["image"]
+        expected, _ = decode_image(hostile(kind)[0]["image"], 10**8)
+        assert np.array_equal(np.asarray(image), np.asarray(expected)) and image.mode == "RGB"
+        assert abs(np.asarray(image).astype(float).mean() - grey) <= 1, (kind, np.asarray(image).mean())
+    with pytest.raises(KeyboardInterrupt):
+        box.run("interrupted", {})
+    tool_format = ToolFormat(None, [], "<tool_call>", "</tool_call>", True)
+    text, calls = tool_format.parse("<tool_call>" + '{"a": ' * 5000 + "1" + "}" * 5000 + "</tool_call>")
+    assert calls[0][0] is None and "RecursionError" in calls[0][1]
+
+
+def test_a_huge_tool_result_ends_its_completion_without_being_tokenised(monkeypatch):
+    """10 MB of text was tokenised whole (155 s), outside any time limit, before it was found too long."""
+    from mmrecipes.vlm.algorithms.tools import ToolBox, ToolFormat
+    from test_grpo_tools import calling_turn, setup
+    from tools_for_tests import hostile
+
+    step, processor, sampler, prompt = setup()
+    sampler.tools.box = ToolBox([hostile], timeout=5)
+    call = '<tool_call>\n{"name": "hostile", "arguments": {"kind": "huge"}}\n</tool_call>'
+    trajectory = calling_turn(processor, sampler, prompt, call=call)
+    rendered = []
+    monkeypatch.setattr(ToolFormat, "suffix", lambda self, results: rendered.append(results))
+    started = time.monotonic()
+    sampler.tool_turns(step, True, [trajectory], prompt)
+    assert not rendered and not trajectory.pending and time.monotonic() - started < 10
+
+
+def test_environments_are_timed_and_their_observations_held_to_the_prompt_length():
+    """A reset that blocked hung the run silently; a reset returning 100 KB of text made a 100,279-token prompt that
+    was still sampling after 7 minutes. Each is a counted failure of that completion's environment."""
+    from mmrecipes.vlm.algorithms.tools import Tools
+    from mmrecipes.vlm.arguments import GRPOArgs
+    from test_grpo_tools import qwen3_vl, setup
+
+    _, _, _, prompt = setup()
+    model, processor, stops = qwen3_vl()
+    started = time.monotonic()
+    blocking = Tools.of(GRPOArgs(environment_factory="tools_for_tests:BlockingEnv", tool_timeout=0.5), processor,
+                        stops)
+    assert blocking.environment(prompt) == (None, prompt) and time.monotonic() - started < 10
+    flooding = Tools.of(GRPOArgs(environment_factory="tools_for_tests:FloodingEnv", max_completion_length=200),
+                        processor, stops, max_length=1024)
+    assert flooding.environment(prompt) == (None, prompt)
+    said = []
+    blocking.take_counts(say=said.append)
+    flooding.take_counts(say=said.append)
+    assert said[0].startswith("tool calls failed (reset/EnvironmentTimeout) on rank 0: the environment's reset: "
+                              "EnvironmentTimeout: an environment's construction and reset ran past --tool_timeout")
+    assert said[1].startswith("tool calls failed (reset/PromptTooLong) on rank 0: the environment's reset: "
+                              "PromptTooLong: its observation's 100,000 characters cannot fit a prompt of 824 tokens")
+
+
+def test_tool_imports_names_and_flags_are_checked_before_the_first_step(tmp_path, monkeypatch, capsys):
+    """A tool module whose import blocked was neither timed nor named; `a=mod:Class` (TRL's dict of one entry) gave
+    `KeyError: None`; two tools of one name, a tool and an environment method of one name, or a name given twice
+    shadowed each other silently; --max_tool_calling_iterations and --tool_timeout without tools did nothing."""
+    from mmrecipes.vlm.algorithms.tools import Tools, environment_factories, load_tools
+    from mmrecipes.vlm.arguments import GRPOArgs
+    from test_grpo_tools import qwen3_vl, setup
+
+    (tmp_path / "blocking_tool.py").write_text("import time\ntime.sleep(120)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"importing blocking_tool \(--tools blocking_tool:f\) ran past --tool_timeout "
+                                         "1 s: its module blocks while it is imported"):
+        load_tools("blocking_tool:f", 1)
+    assert time.monotonic() - started < 10
+    assert "importing blocking_tool (--tools blocking_tool:f)" in capsys.readouterr().out  # said before it blocked
+    with pytest.raises(ValueError, match="--tools .*: more than one tool named multiply"):
+        load_tools("tools_for_tests:multiply,tools_for_tests:multiply")
+    with pytest.raises(ValueError, match="--environment_factory: a named twice"):
+        environment_factories("a=tools_for_tests:CounterEnv,a=tools_for_tests:ObservedCounterEnv")
+    _, _, _, prompt = setup()
+    _, processor, stops = qwen3_vl()
+    with pytest.raises(ValueError, match="ShadowingEnv has a method named multiply, as a tool is"):
+        Tools.of(GRPOArgs(tools="tools_for_tests:multiply", environment_factory="tools_for_tests:ShadowingEnv"),
+                 processor, stops)
+    for factory in ("a=tools_for_tests:CounterEnv", "tools_for_tests:make_counter"):
+        tools = Tools.of(GRPOArgs(environment_factory=factory), processor, stops)
+        environment, _ = tools.environment(prompt)
+        assert type(environment).__name__ == "CounterEnv" and Tools.prompt_settings(tools)["tools"]
+    for flag in ({"max_tool_calling_iterations": 2}, {"tool_timeout": 5.0}):
+        with pytest.raises(ValueError, match=f"--{next(iter(flag))} without --tools or --environment_factory"):
+            GRPOArgs(**flag)
+
+
+def _tool_failing_on_rank_1(rank, world_size):
+    from accelerate import PartialState
+
+    from mmrecipes.vlm.algorithms.tools import ToolBox, Tools
+    from tools_for_tests import broken
+
+    state = PartialState(cpu=True)
+    tools = Tools(None, ToolBox([broken], timeout=5), {}, {None: []}, None, None)
+    if rank == 1:
+        tools.box.run("broken", {"kind": "raise"})
+    said = []
+    counts = tools.take_counts(SimpleNamespace(process_index=state.process_index, num_processes=2,
+                                               print=said.append))
+    return said, counts
+
+
+def test_a_tool_failing_on_another_rank_is_said_with_its_reason():
+    """Said as "on another rank", the reason lost (rewards gathered theirs since round five; tools did not)."""
+    (said, counts), (_, failed) = run_on_ranks(_tool_failing_on_rank_1, 2)
+    assert said == ["tool calls failed (broken/raised) on rank 1: RuntimeError: the tool broke"]
+    assert counts == {"tool_calls": 0, "tool_failures": 0} and failed == {"tool_calls": 1, "tool_failures": 1}

@@ -87,3 +87,89 @@ class ObservedCounterEnv(CounterEnv):
         if self.counter > 100:
             raise RuntimeError("counted too far")
         return float(self.counter)
+
+
+def sandboxed(seconds: float) -> str:
+    """
+    Runs as code-execution sandboxes do: manages SIGALRM itself (ignores it, cancels the timer), then blocks.
+
+    Args:
+        seconds: How long it blocks.
+    """
+    import signal
+
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    time.sleep(seconds)
+    return "done"
+
+
+async def doubled(a: int) -> int:
+    """
+    Doubles an integer, awaiting as a network tool would.
+
+    Args:
+        a: The integer.
+    """
+    import asyncio
+
+    await asyncio.sleep(0)
+    return 2 * a
+
+
+def hostile(kind: str):
+    """
+    Returns or raises what a hostile tool may.
+
+    Args:
+        kind: empty, placeholder, cancelled, deep, transparent or huge.
+    """
+    import asyncio
+
+    import numpy as np
+
+    if kind == "cancelled":
+        raise asyncio.CancelledError("the task was cancelled")
+    if kind == "empty":  # a crop of an empty box
+        return [{"type": "image", "image": Image.new("RGB", (32, 32)).crop((5, 5, 5, 20))}]
+    if kind == "placeholder":
+        return "the region shows <image> and <|image_pad|>"
+    if kind == "deep":  # a 16-bit greyscale image: a depth map
+        return [{"type": "image", "image": Image.fromarray(np.full((8, 8), 1000, dtype=np.uint16))}]
+    if kind == "transparent":
+        return [{"type": "image", "image": Image.new("RGBA", (8, 8), (200, 0, 0, 0))}]
+    return "x" * 10_000_000
+
+
+def make_counter() -> CounterEnv:
+    """A function as the factory (TRL: any callable that returns an environment)."""
+    return CounterEnv()
+
+
+class BlockingEnv(CounterEnv):
+    """An environment whose reset blocks."""
+
+    def reset(self, **kwargs) -> str | None:
+        time.sleep(60)
+
+
+class FloodingEnv(CounterEnv):
+    """An environment whose reset returns 100 KB of text."""
+
+    def reset(self, **kwargs) -> str | None:
+        super().reset(**kwargs)
+        return "word " * 20_000
+
+
+class ShadowingEnv(CounterEnv):
+    """An environment with a method named as a standalone tool is."""
+
+    def multiply(self, a: int, b: int) -> int:
+        """
+        Multiplies two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return a * b

@@ -394,6 +394,11 @@ class GRPOArgs(SamplingArgs):
                              f"({len(self.funcs)})")
         self.weights = weights
         self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        given = [f"--{name}" for name, unset in (("max_tool_calling_iterations", None), ("tool_timeout", 60.0))
+                 if getattr(self, name) != unset]
+        if given and not self.tools and not self.environment_factory:
+            raise ValueError(f"{' and '.join(given)} without --tools or --environment_factory: there is no tool to "
+                             "limit; give the tools, or leave the flag out")
 
     def check_with(self, parsed):
         max_length = self.other(parsed, PromptDataArgs).max_length

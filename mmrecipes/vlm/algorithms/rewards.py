@@ -13,36 +13,25 @@ that fails every completion of a logging window stops the run with its first err
 
 The timeout is a `RewardTimeout`, which is no `Exception`: a function that retries on every Exception (as HTTP clients
 are written) cannot swallow it; one that swallows even that is timed out again every second, and `STUCK_S` seconds
-later the process ends, naming it. A reward module whose import blocks is timed out the same way, naming the module.
-What no function in the process can be stopped from is ending the process itself (`os._exit`, a crash): run such code
-in a process of its own inside the reward (docs/grpo.md).
+later the process ends, naming it. A reward module whose import blocks is timed out the same way, naming the module
+(`user_code`, which tools share). What no function in the process can be stopped from is ending the process itself
+(`os._exit`, a crash): run such code in a process of its own inside the reward (docs/grpo.md).
 """
 
-import asyncio
-import contextlib
-import importlib
 import inspect
 import math
-import os
 import re
-import signal
-import threading
-import time
 from collections import Counter
 
 import torch
 from accelerate.utils import gather_object
 
+from .user_code import RewardTimeout, Unscored, awaited, imported, time_limit
+
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # Larger rewards are refused: squared in a group's std (and the log's float32 sums) they would overflow, leaving every
 # advantage 0 or NaN (1e308 did)
 MAX_REWARD = 1e9
-STUCK_S = 30.0  # how long past its timeout a function that swallows every timeout may run before the process ends
-
-
-class RewardTimeout(BaseException):
-    """A reward function, or its module's import, ran past --reward_timeout. A BaseException, as KeyboardInterrupt is:
-    `except Exception` in a user's retry loop lets it through."""
 
 
 def completion_text(completion) -> str:
@@ -92,16 +81,6 @@ def format_reward(pattern: str):
     return format
 
 
-def imported(path: str, flag: str):
-    """What `path` (module:name) names: a reward function, a tool, an environment class (`flag`: the flag that gave
-    it, for the error)."""
-    module, _, name = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"{flag} {path}: cannot import it ({error}); give module:name") from error
-
-
 def load_reward_funcs(names: list[str], format_pattern: str, timeout: float | None = None) -> dict:
     """{name: function} for `--reward_funcs`: the built-ins by name, others by `module:function` import path, each
     import within `timeout` seconds (--reward_timeout)."""
@@ -112,12 +91,7 @@ def load_reward_funcs(names: list[str], format_pattern: str, timeout: float | No
         elif name == "format":
             funcs[name] = format_reward(format_pattern)
         elif ":" in name:
-            try:
-                with time_limit(timeout, f"importing {name.partition(':')[0]} (--reward_funcs {name})"):
-                    funcs[name] = imported(name, "--reward_funcs")
-            except RewardTimeout as error:
-                raise ValueError(f"{error}: its module blocks while it is imported (a network call or a lock at "
-                                 "module level?); move that work into the function") from None
+            funcs[name] = imported(name, "--reward_funcs", timeout)
         else:
             raise ValueError(f"--reward_funcs {name}: accuracy, format, or a function's import path module:function")
     return funcs
@@ -145,6 +119,8 @@ def _reward(value) -> tuple[float, str | None, str | None]:
     """(the reward, None, None) of a value a function gave, or (NaN, the kind of failure, why it is not a reward)."""
     if value is None:
         return math.nan, "None", "gave None (TRL's way to leave a completion unscored)"
+    if isinstance(value, Unscored):
+        return math.nan, "unscored", value.why
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -179,9 +155,8 @@ class RewardScorer:
                 {"completions_ids": completion_ids} if name in self.ids_as_documented else {}) | (
                 {"environments": environments} if environments and name in self.given_environments else {})
             try:
-                with time_limit(self.timeout, f"reward function {name}"):
-                    values = func(prompts=prompts, completions=completions, **ids, **columns)
-                    values = list(asyncio.run(values) if inspect.iscoroutine(values) else values)
+                with time_limit(self.timeout, f"reward function {name}", "--reward_timeout", RewardTimeout):
+                    values = list(awaited(func(prompts=prompts, completions=completions, **ids, **columns)))
                 if len(values) != len(completions):
                     raise ValueError(f"gave {len(values)} rewards for {len(completions)} completions")
             except (Exception, SystemExit, RewardTimeout) as error:  # a user's function must not end the run
@@ -243,30 +218,3 @@ class RewardScorer:
                     f"step {step}: reward function {name} failed on all {int(sums[f'failed_{name}'])} completions "
                     f"of the last logging window, so nothing was learned; its first error: "
                     f"{self.first_errors.get(name, 'on another rank')}")
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float | None, what: str, flag: str = "--reward_timeout"):
-    """Raise `RewardTimeout` in the block after `seconds` (`flag`'s), and every second after while it lasts (the
-    main thread only: a signal timer); `STUCK_S` seconds past the limit, end the process, naming `what` on stderr.
-    Tools' calls are timed the same way (`tools.ToolBox`)."""
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    deadline = time.monotonic() + seconds
-
-    def expire(signum, frame):
-        late = time.monotonic() - deadline
-        if late > STUCK_S:  # it swallowed every timeout so far: nothing in the process can stop it
-            os.write(2, f"{what} ran {late:.0f} s past {flag} {seconds:g} s, catching every timeout raised "
-                        "in it: ending the process\n".encode())
-            os._exit(1)
-        raise RewardTimeout(f"{what} ran past {flag} {seconds:g} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)

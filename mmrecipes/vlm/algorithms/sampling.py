@@ -25,7 +25,9 @@ from ...images import to_device
 from ..arguments import SamplingArgs
 from ..model.evaluation import with_token_appended
 from ..model.outputs import Logits
+from ..rows.chat_data import MAX_CHARS_PER_TOKEN
 from ..rows.collate import chat_rows
+from .tools import characters
 from .trajectory import Trajectory
 
 TURN_STRIDE = 1 << 20  # a turn's generator: its completion's index + turn x this (the first turn's is the index)
@@ -222,6 +224,10 @@ class Sampler:
             for trajectory in [trajectory for trajectory in trajectories if trajectory.pending]:
                 results = [(name or "call", tools.box.run(name, arguments, trajectory.environment))
                            for name, arguments in trajectory.pending]
+                room = args.max_completion_length - len(trajectory.ids)
+                if characters(results) > MAX_CHARS_PER_TOKEN * room:  # cannot fit: never tokenised (10 MB: 155 s)
+                    trajectory.pending = []
+                    continue
                 tokens, media = tools.format.suffix(results)
                 if len(trajectory.ids) + len(tokens) >= args.max_completion_length:
                     trajectory.pending = []  # no room for the results and an answer: it ends as it is (TRL's way)

@@ -8,9 +8,15 @@ tool, --max_tool_calling_iterations, or --max_completion_length (tool tokens cou
 processor, their inputs after the prompt's; where the template drops images in a tool turn, they go in a user turn
 after it (said at start-up). Tool-result tokens are no target: the loss, the KL and the entropy read the model's only.
 
-Tools are user code: a call that raises (`sys.exit` included), runs past --tool_timeout, names no known tool, gives
-something that is neither text (a string or a number) nor content blocks, or an image that does not load fails that
-call: counted per kind, its error the result the model reads (TRL's `{"error": ...}`), never a crashed or hung run.
+Tools are user code (`user_code`: imported by path, timed, the same guards as rewards): a call that raises (`sys.exit`
+and other BaseExceptions such as `asyncio.CancelledError` included; a real Ctrl-C still ends the run), runs past
+--tool_timeout, names no known tool, gives something that is neither text (a string or a number) nor content blocks,
+text holding the model's image placeholder, or an image that does not decode (as training images decode:
+`images.decode_image`; an empty one included) fails that call: counted per kind, its error the result the model reads
+(TRL's `{"error": ...}`), never a crashed or hung run. `async def` tools are awaited within the same time limit. An
+environment's construction and reset run within --tool_timeout too; one that fails, or whose observation would not
+fit the prompt's length, leaves its completion with the standalone tools (counted). Each kind of failure is said once
+with its reason and the ranks it happened on.
 """
 
 import inspect
@@ -23,16 +29,22 @@ from accelerate.utils import gather_object
 from PIL import Image
 from transformers.utils import get_json_schema
 
-from ...images import readable_source
-from ..rows.chat_data import TOKEN_ALIGNED, prompt_row, unbatched
-from .rewards import RewardTimeout, imported, time_limit
+from ...images import decode_image, readable_source
+from ..rows.chat_data import MAX_CHARS_PER_TOKEN, TOKEN_ALIGNED, prompt_row, unbatched
+from .user_code import EnvironmentTimeout, ToolTimeout, Unscored, awaited, imported, time_limit
 
 SENTINEL = {"name": "tool_name_sentinel", "arguments": {"argument_sentinel": "value_sentinel"}}
 
 
-def load_tools(spec: str) -> list:
-    """The functions of `--tools` (comma-separated module:function); `Tools.of` describes each (`schema`)."""
-    return [imported(path.strip(), "--tools") for path in spec.split(",") if path.strip()]
+def load_tools(spec: str, seconds: float | None = None) -> list:
+    """The functions of `--tools` (comma-separated module:function, each module's import within `seconds`); `Tools.of`
+    describes each (`schema`). Two of one name would shadow each other: refused."""
+    tools = [imported(path.strip(), "--tools", seconds) for path in spec.split(",") if path.strip()]
+    names = [getattr(tool, "__name__", repr(tool)) for tool in tools]
+    if repeated := sorted({name for name in names if names.count(name) > 1}):
+        raise ValueError(f"--tools {spec}: more than one tool named {', '.join(repeated)}; the model calls tools by "
+                         "name, so one would never run")
+    return tools
 
 
 def schema(tool, flag: str) -> dict:
@@ -44,19 +56,21 @@ def schema(tool, flag: str) -> dict:
         raise ValueError(f"{flag}: {getattr(tool, '__name__', tool)} cannot be described to the model ({error})")
 
 
-def environment_factories(spec: str) -> dict:
+def environment_factories(spec: str, seconds: float | None = None) -> dict:
     """`--environment_factory`: module:Class ({None: the class}), or name=module:Class,... (TRL's dict: a row's
-    `environment` column picks its class)."""
+    `environment` column picks its class); a class, or any callable that returns an environment."""
     if not spec:
         return {}
     if "=" not in spec:
-        return {None: imported(spec, "--environment_factory")}
+        return {None: imported(spec, "--environment_factory", seconds)}
     factories = {}
     for entry in spec.split(","):
         name, _, path = entry.strip().partition("=")
         if not name or not path:
             raise ValueError(f"--environment_factory {entry!r}: give module:Class, or name=module:Class,...")
-        factories[name] = imported(path, "--environment_factory")
+        if name in factories:
+            raise ValueError(f"--environment_factory: {name} named twice; each name picks one class")
+        factories[name] = imported(path, "--environment_factory", seconds)
     return factories
 
 
@@ -127,8 +141,8 @@ class ToolFormat:
             try:
                 call = json.loads(inside)
                 calls.append((str(call["name"]), call.get("arguments") or {}))
-            except (ValueError, KeyError, TypeError) as error:
-                calls.append((None, f"an unreadable tool call ({type(error).__name__}: {error})"))
+            except (ValueError, KeyError, TypeError, RecursionError) as error:  # RecursionError: JSON nested 1000 deep
+                calls.append((None, f"an unreadable tool call ({type(error).__name__}: {str(error)[:200]})"))
         return text.split(self.opening)[0].strip(), calls
 
     def suffix(self, results: list) -> tuple[torch.Tensor, dict]:
@@ -166,8 +180,9 @@ class ToolBox:
     """Runs calls of the tools (`--tools`, and a completion's environment's methods), each within `timeout` seconds,
     and counts the failures by kind (`failures`: {"<tool>/<kind>": calls}) and the calls."""
 
-    def __init__(self, tools: list, timeout: float):
+    def __init__(self, tools: list, timeout: float, placeholders: tuple = ()):
         self.tools, self.timeout = {tool.__name__: tool for tool in tools}, timeout
+        self.placeholders = placeholders  # the processor's media placeholders: text holding one fails its call
         self.calls, self.failures, self.first_errors = 0, Counter(), {}
 
     def run(self, name, arguments, environment=None) -> list:
@@ -181,21 +196,27 @@ class ToolBox:
         if not isinstance(arguments, dict):
             return self._failed("arguments", name, f"arguments {arguments!r:.60} are not an object")
         try:
-            with time_limit(self.timeout, f"tool {name}", "--tool_timeout"):
-                return blocks(tools[name](**arguments))
-        except RewardTimeout as error:
+            with time_limit(self.timeout, f"tool {name}", "--tool_timeout", ToolTimeout):
+                return blocks(awaited(tools[name](**arguments)), self.placeholders)
+        except ToolTimeout as error:
             return self._failed("timeout", name, str(error))
         except SystemExit as error:
             return self._failed("exit", name, f"it called sys.exit({error.code!r}), which would end the run")
         except BadResult as error:
             return self._failed(error.kind, name, str(error))
-        except Exception as error:  # noqa: BLE001 (any error of user code fails the call, not the run)
-            return self._failed("raised", name, f"{type(error).__name__}: {error}")
+        except KeyboardInterrupt:  # Ctrl-C ends the run, as it does anywhere else
+            raise
+        except BaseException as error:  # noqa: BLE001 (user code's errors, asyncio.CancelledError too: the call)
+            return self._failed("raised", name, f"{type(error).__name__}: {str(error)[:500]}")
 
     def _failed(self, kind: str, name: str, why: str) -> list:
         self.failures[f"{name}/{kind}"] += 1
         self.first_errors.setdefault(f"{name}/{kind}", why)
         return [{"type": "text", "text": str({"error": why})}]
+
+
+class PromptTooLong(Exception):
+    """An environment's observation would make its prompt longer than a prompt may be."""
 
 
 class BadResult(Exception):
@@ -204,24 +225,35 @@ class BadResult(Exception):
         self.kind = kind
 
 
-def blocks(result) -> list:
+def blocks(result, placeholders: tuple = ()) -> list:
     """A tool's result as content blocks: text (a string or a number, as TRL writes it) or blocks of text and images
-    (each image loaded now: one that does not load fails the call)."""
+    (each image decoded now, as a training image: one that does not decode fails the call). Text holding one of the
+    processor's media `placeholders` fails it too: the processor would count an image that is not there."""
     if isinstance(result, (str, int, float, bool)):
-        return [{"type": "text", "text": str(result)}]
+        result = [{"type": "text", "text": str(result)}]
     if not isinstance(result, list) or not all(isinstance(block, dict) and block.get("type") in ("text", "image")
                                                for block in result):
         raise BadResult("result", f"gave a {type(result).__name__}, neither text nor content blocks: {result!r:.60}")
     loaded = []
     for block in result:
         if block["type"] == "text":
-            loaded.append({"type": "text", "text": str(block.get("text", ""))})
+            text = str(block.get("text", ""))
+            if found := [placeholder for placeholder in placeholders if placeholder in text]:
+                raise BadResult("placeholder", f"gave text holding the model's placeholder {found[0]!r}, which "
+                                               "stands for an image the result does not hold")
+            loaded.append({"type": "text", "text": text})
             continue
-        try:
-            loaded.append({"type": "image", "image": block["image"].convert("RGB")})
-        except Exception as error:  # noqa: BLE001 (anything that is no loadable image)
-            raise BadResult("image", f"gave an image that does not load ({type(error).__name__}: {error})") from None
+        image, problem = decode_image(block.get("image"), Image.MAX_IMAGE_PIXELS)
+        if image is None:
+            raise BadResult("image", f"gave an image that does not decode ({problem}: {block.get('image')!r:.60})")
+        loaded.append({"type": "image", "image": image})
     return loaded
+
+
+def characters(results: list) -> int:
+    """The characters of text in tool results `[(name, content blocks)]`: a bound on their tokens, read before any
+    is tokenised (`MAX_CHARS_PER_TOKEN`)."""
+    return sum(len(block.get("text", "")) for _, content in results for block in content)
 
 
 class Tools:
@@ -230,21 +262,40 @@ class Tools:
     `environment` column names its class where there are several), --max_tool_calling_iterations, the tokenizer."""
 
     def __init__(self, tool_format: ToolFormat, box: ToolBox, factories: dict, schemas: dict,
-                 max_iterations: int | None, tokenizer, reward_name: str | None = None):
+                 max_iterations: int | None, tokenizer, reward_name: str | None = None,
+                 max_prompt_length: int | None = None):
         self.format, self.box, self.factories, self._schemas = tool_format, box, factories, schemas
         self.max_iterations, self.tokenizer = max_iterations, tokenizer
         self.reward_name = reward_name  # where environments score completions (`get_reward`): the reward's name
+        self.max_prompt_length = max_prompt_length  # a prompt with its environment's observation: at most this
         self.environment_failures, self.said = Counter(), set()
 
     @classmethod
-    def of(cls, args, processor, stop_ids) -> "Tools | None":
+    def of(cls, args, processor, stop_ids, max_length: int | None = None) -> "Tools | None":
+        """The run's tools (`args`: GRPOArgs), None without; `max_length`: --max_length, of which a prompt may take
+        what --max_completion_length leaves."""
         if not args.tools and not args.environment_factory:
             return None
-        tools = load_tools(args.tools)
-        factories = environment_factories(args.environment_factory)
-        probes = {name: factory() for name, factory in factories.items()}  # their methods, as TRL reads them
+        tools = load_tools(args.tools, args.tool_timeout)
+        factories = environment_factories(args.environment_factory, args.tool_timeout)
+        probes = {}  # an instance of each, its methods read as TRL reads them
+        for name, factory in factories.items():
+            label = f"--environment_factory {args.environment_factory}"
+            try:
+                with time_limit(args.tool_timeout, f"{label}: building an environment", "--tool_timeout",
+                                EnvironmentTimeout):
+                    probes[name] = factory()
+            except (Exception, EnvironmentTimeout) as error:  # noqa: BLE001 (user code: named before step 1)
+                raise ValueError(f"{label}: building an environment failed ({type(error).__name__}: {error}); give "
+                                 "a class, or a callable that returns an environment") from None
         if missing := [name for name, probe in probes.items() if not callable(getattr(probe, "reset", None))]:
             raise ValueError(f"--environment_factory: instances of {', '.join(map(str, missing))} have no reset method")
+        names = {tool.__name__ for tool in tools}
+        for name, probe in probes.items():
+            if shadowed := sorted(names & {tool.__name__ for tool in environment_tools(probe)}):
+                raise ValueError(f"--tools and --environment_factory: {type(probe).__name__} has a method named "
+                                 f"{', '.join(shadowed)}, as a tool is: the model calls tools by name, so one would "
+                                 "never run")
         offered = {name: tools + environment_tools(probe) for name, probe in probes.items()} or {None: tools}
         if not all(offered.values()):
             raise ValueError("--tools / --environment_factory: no tool to call (an environment's tools are its public "
@@ -257,8 +308,11 @@ class Tools:
             raise ValueError("--reward_funcs is empty and no environment has get_reward: nothing scores the "
                              "completions")
         reward_name = (owners[0] if len(probes) == 1 else "environment") if owners else None
-        return cls(tool_format, ToolBox(tools, args.tool_timeout), factories, schemas,
-                   args.max_tool_calling_iterations, processor.tokenizer, reward_name)
+        placeholders = tuple(token for token in (getattr(processor, "image_token", None),
+                                                 getattr(processor, "video_token", None)) if token)
+        prompt_length = max_length - args.max_completion_length if max_length else None
+        return cls(tool_format, ToolBox(tools, args.tool_timeout, placeholders), factories, schemas,
+                   args.max_tool_calling_iterations, processor.tokenizer, reward_name, prompt_length)
 
     @staticmethod
     def reward_sources(tools: "Tools | None", funcs: dict, weights: list) -> tuple[dict, list]:
@@ -279,7 +333,7 @@ class Tools:
 
     def schemas(self, environment: str | None = None) -> list[dict]:
         """The JSON schemas a prompt renders: the standalone tools', and its environment's methods'."""
-        return self._schemas[environment]
+        return next(iter(self._schemas.values())) if len(self._schemas) == 1 else self._schemas[environment]
 
     def describe(self) -> str:
         limit = self.max_iterations if self.max_iterations is not None else "no limit but --max_completion_length"
@@ -291,25 +345,37 @@ class Tools:
         what reset returned appended to its last user turn, TRL's way). Where reset fails, (None, the row's prompt):
         counted, and the completion has the standalone tools only."""
         columns = dict(prompt["columns"])
-        name = columns.pop("environment", None) if len(self.factories) > 1 else None  # TRL keeps it from reset
+        # TRL keeps the column from reset; a dict of one entry picks that one
+        name = columns.pop("environment", None) if len(self.factories) > 1 else next(iter(self.factories))
         try:
-            environment = self.factories[name]()
-            observation = environment.reset(prompt=prompt["prompt"], **columns)
-            if observation is not None:
-                prompt = self.observed(prompt, observation, name)
-            return environment, prompt
-        except (Exception, SystemExit) as error:  # noqa: BLE001 (user code: the rollout goes on without it)
-            kind = f"reset/{type(error).__name__}"
-            self.environment_failures[kind] += 1
-            self.box.first_errors.setdefault(kind, f"the environment's reset: {type(error).__name__}: {error}")
-            return None, prompt
+            with time_limit(self.box.timeout, "an environment's construction and reset", "--tool_timeout",
+                            EnvironmentTimeout):
+                environment = self.factories[name]()
+                observation = environment.reset(prompt=prompt["prompt"], **columns)
+                if observation is not None:
+                    observed = self.observed(prompt, observation, name)
+            return environment, observed if observation is not None else prompt
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # noqa: BLE001 (user code: the rollout goes on without it)
+            why = f"{type(error).__name__}: {str(error)[:500]}"
+            return self.failed(f"reset/{type(error).__name__}", f"the environment's reset: {why}"), prompt
+
+    def failed(self, kind: str, why: str) -> None:
+        """Count an environment's failure of `kind`; its first `why` is said (`take_counts`)."""
+        self.environment_failures[kind] += 1
+        self.box.first_errors.setdefault(kind, why)
 
     def observed(self, prompt: dict, observation, environment: str | None = None) -> dict:
         """The prompt with `observation` (text or content blocks) appended to its last turn, rendered anew with the
         row's images and the observation's (a conversational prompt only, as TRL requires)."""
         if not isinstance(prompt["prompt"], list):
             raise TypeError("reset() returned an observation for a string prompt: give conversational prompts")
-        added = blocks(observation)
+        added = blocks(observation, self.box.placeholders)
+        length = self.max_prompt_length
+        if length and characters([(None, added)]) > MAX_CHARS_PER_TOKEN * length:  # before tokenising it
+            raise PromptTooLong(f"its observation's {characters([(None, added)]):,} characters cannot fit a prompt "
+                                f"of {length} tokens (--max_length less --max_completion_length)")
         last = prompt["prompt"][-1]
         content = [{"type": "text", "text": last["content"]}] if isinstance(last["content"], str) else last["content"]
         content = content + [{"type": block["type"], **({"text": block["text"]} if "text" in block else {})}
@@ -318,19 +384,26 @@ class Tools:
         images = [Image.open(readable_source(data)) for data in prompt["images"]]
         images += [block["image"] for block in added if block["type"] == "image"]
         rendered = prompt_row(self.format.processor, messages, images, self.schemas(environment))
+        if length and len(rendered["input_ids"]) > length:
+            raise PromptTooLong(f"the prompt with its observation is {len(rendered['input_ids'])} tokens, over "
+                                f"{length} (--max_length less --max_completion_length)")
         return prompt | {"input_ids": rendered["input_ids"], "media_inputs": rendered["media_inputs"],
                          "prompt": messages}
 
     def reward(self, prompts, completions, completion_ids=None, environments=(), **columns) -> list:
         """The environments' `get_reward()`, one per completion: 0 where its class has none (among several, one that
-        owns no reward), None where reset or get_reward raised (that completion's reward fails, counted)."""
+        owns no reward); where reset or get_reward failed, `Unscored` with the reason (that completion's reward
+        fails, counted and said with the user's error)."""
         rewards = []
         for environment in environments:
+            if environment is None:
+                rewards.append(Unscored("its environment's reset failed (said with the tools' failures)"))
+                continue
             try:
-                owns = environment is not None and callable(getattr(environment, "get_reward", None))
-                rewards.append(environment.get_reward() if owns else None if environment is None else 0.0)
-            except Exception:  # noqa: BLE001 (user code: one completion's reward fails, counted)
-                rewards.append(None)
+                owns = callable(getattr(environment, "get_reward", None))
+                rewards.append(awaited(environment.get_reward()) if owns else 0.0)
+            except Exception as error:  # noqa: BLE001 (user code: one completion's reward fails, counted)
+                rewards.append(Unscored(f"the environment's get_reward raised {type(error).__name__}: {error}"))
         return rewards
 
     def take_counts(self, accelerator=None, say=print) -> dict:
@@ -338,15 +411,17 @@ class Tools:
         name, with the ranks it happened on (gathered: every rank calls this at the same step)."""
         failures = self.box.failures + self.environment_failures
         counts = {"tool_calls": self.box.calls, "tool_failures": sum(failures.values())}
-        kinds = [(kind, getattr(accelerator, "process_index", 0)) for kind in failures if kind not in self.said]
+        rank = getattr(accelerator, "process_index", 0)
+        kinds = [(kind, rank, self.box.first_errors.get(kind, "")) for kind in failures if kind not in self.said]
         if getattr(accelerator, "num_processes", 1) > 1:
-            kinds, say = gather_object(kinds), accelerator.print
-        ranks = {}
-        for kind, rank in kinds:
-            ranks.setdefault(kind, []).append(rank)
+            kinds, say = gather_object(kinds), accelerator.print  # each rank's reasons too
+        ranks, reasons = {}, {}
+        for kind, where, why in kinds:
+            ranks.setdefault(kind, []).append(where)
+            reasons.setdefault(kind, why)  # the lowest rank's
         for kind, where in ranks.items():
             self.said.add(kind)
             say(f"tool calls failed ({kind}) on rank{'s' * (len(where) > 1)} {', '.join(map(str, where))}: "
-                f"{self.box.first_errors.get(kind, 'on another rank')}")
+                f"{reasons[kind]}")
         self.box.calls, self.box.failures, self.environment_failures = 0, Counter(), Counter()
         return counts
