@@ -4,13 +4,17 @@ trajectories (their model tokens' mean length, the calls and failed calls, the r
 weights, 2 micro-batches a step on each rank (groups of 4 in micro-batches of 4, as tests/test_grpo_engines.py's
 FSDP2 run). Turns are sampled at temperature 1, so calls that do not parse (counted as failed, the error the tool's
 result) and answers without a call mix with well-formed calls: trajectories of different turn counts on the ranks,
-sampled in step (the synced loop under FSDP2 and ZeRO-3: a filler where a rank has fewer going on)."""
+sampled in step (the synced loop under FSDP2 and ZeRO-3: a filler where a rank has fewer going on). Failures on one
+rank only: the tool fails on rank 1's rows (their `fail_zoom`), and the benchmark at the end (AI2D) has documents of
+another form on rank 1 only; each is said once with that rank, and every rank goes on in step."""
 
+import re
 
 import datasets
 import pytest
 from transformers import LlavaForConditionalGeneration
 
+from helpers import documents, write_task
 from launch import REPO, assert_adam_weights_close, assert_engine, metric, run_engine, run_recipe
 
 pytestmark = pytest.mark.launch
@@ -18,7 +22,7 @@ pytestmark = pytest.mark.launch
 GRPO_RECIPE = REPO / "recipes" / "vlm_grpo.py"
 STEPS = 1  # multi-turn sampling is most of a step: one shows the step, the weights after it
 COMMON = ["--model_name_or_path", "embedded:tiny_zoom_vlm", "--environment_factory",
-          "mmrecipes.vlm.algorithms.zoom:ZoomEnv", "--max_length", 512, "--max_completion_length", 160,
+          "tools_for_tests:ZoomFailingWhereAsked", "--max_length", 512, "--max_completion_length", 160,
           "--max_steps", STEPS, "--logging_steps", 1, "--eval_steps", 100, "--learning_rate", 1e-3,
           "--warmup_steps", 0, "--dataset_name", "parquet", "--dataset_weights", "", "--shuffle_buffer_size", 1,
           "--eval_dataset_name", "", "--ddp_timeout", 60, "--num_generations", 4]
@@ -34,18 +38,24 @@ def runs(tmp_path_factory):
     data = tmp_path_factory.mktemp("zoom_scenario")
     prompts = datasets.load_dataset("parquet", data_files=str(REPO / "data" / "vlm_zoom" / "prompts" /
                                                              "test-*.parquet"), split="train").select(range(8))
+    prompts = prompts.add_column("fail_zoom", [index in (2, 3, 6, 7) for index in range(8)])  # rank 1's rows
+    # AI2D's documents 1 and 3 (rank 1's of the first 4, strided) with letters for answers: unscorable there only
+    write_task(data / "benchmarks", "ai2d", [doc | {"answer": "ABCD"[int(doc["answer"])]} if index % 2 else doc
+                                             for index, doc in enumerate(documents("ai2d")[:4])])
+    benchmark = ["--benchmarks", "ai2d", "--benchmark_data_dir", data / "benchmarks"]
     ranks = [prompts.select([0, 1, 4, 5]), prompts.select([2, 3, 6, 7])]
     for rank, rows in enumerate(ranks):
         rows.to_parquet(data / f"rank{rank}.parquet")
     (data / "single").mkdir()
     prompts.to_parquet(data / "single" / "all.parquet")  # steps: rank 0's two, rank 1's two
     single_dir = tmp_path_factory.mktemp("zoom_single")
-    results = {"single": (run_recipe(*COMMON, *SINGLE, "--data_files", data / "single" / "all.parquet",
+    results = {"single": (run_recipe(*COMMON, *SINGLE, *benchmark, "--data_files", data / "single" / "all.parquet",
                                      "--output_dir", single_dir, recipe=GRPO_RECIPE), single_dir)}
     for config in ENGINES:
         output_dir = tmp_path_factory.mktemp(f"zoom_{config[:-5]}")
-        results[config] = (run_engine(config, *COMMON, *RANKS, "--data_files", data / "rank*.parquet",
-                                      "--output_dir", output_dir, recipe=GRPO_RECIPE), output_dir)
+        results[config] = (run_engine(config, *COMMON, *RANKS, *benchmark, "--data_files", data / "rank*.parquet",
+                                      "--output_dir", output_dir, recipe=GRPO_RECIPE,
+                                      env={"PYTHONPATH": str(REPO / "tests")}), output_dir)
     return results
 
 
@@ -63,6 +73,14 @@ def test_two_ranks_sample_multi_turn_trajectories_and_step_as_one_process(runs, 
             assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-6), (name, step)
     calls = metric(ranks.log, "tools/call_frequency", nan=True)
     assert 0 < min(calls.values()) and max(calls.values()) < 2  # calls, and answers without one
+    # failures on rank 1 only: said once, naming that rank and the user's error; the benchmark scored the rest
+    assert ranks.log.count("tool calls failed (zoom/raised) on rank 1: RuntimeError: the zoom failed on this "
+                           "row") == 1, ranks.log[-3000:]
+    assert "benchmark ai2d: 2 documents could not be scored (unscorable), left out of its numbers: document 1: " \
+           "ValueError" in ranks.log
+    benchmark_lines = [re.search(rf"^eval step {STEPS} \|.*$", log, re.M)[0] for log in (ranks.log, single.log)]
+    assert benchmark_lines[0] == benchmark_lines[1] and "bench/ai2d/documents 2 " in benchmark_lines[0]
+    assert benchmark_lines[0].endswith("bench/ai2d/unscorable 2"), benchmark_lines
     assert max(metric(ranks.log, "grad_norm", nan=True).values()) > 0
     assert_adam_weights_close(LlavaForConditionalGeneration.from_pretrained(output_dir).state_dict(),
                               LlavaForConditionalGeneration.from_pretrained(single_dir).state_dict(),

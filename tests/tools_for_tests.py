@@ -173,3 +173,28 @@ class ShadowingEnv(CounterEnv):
             b: The second integer.
         """
         return a * b
+
+
+class ZoomFailingWhereAsked:
+    """The zoom task's environment, whose tool fails on rows with `fail_zoom` set (a failure on the ranks that hold
+    such rows only); the same schema as ZoomEnv's."""
+
+    def __init__(self):
+        from mmrecipes.vlm.algorithms.zoom import ZoomEnv
+
+        self.inner = ZoomEnv()
+
+    def reset(self, fail_zoom=False, **row) -> None:
+        self.fail = fail_zoom
+        return self.inner.reset(**row)
+
+    def zoom(self, quadrant: str) -> list:
+        """
+        Zooms in.
+
+        Args:
+            quadrant: top-left, top-right, bottom-left or bottom-right
+        """
+        if self.fail:
+            raise RuntimeError("the zoom failed on this row")
+        return self.inner.zoom(quadrant)

@@ -178,34 +178,45 @@ class Benchmarks:
         """Every task answered and scored: {`bench/<task>/<metric>`: value} for the log, counts included."""
         scores = {}
         for bench in self.tasks:
-            local = bench.run(answer)
-            parts = [local]
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                parts = [None] * dist.get_world_size()
-                dist.all_gather_object(parts, local)  # once per task: every rank gets every score
-            scored = sorted((item for part, _, _ in parts for item in part), key=lambda item: item[0])
-            skipped = sum((counts for _, counts, _ in parts), Counter())
             name = bench.task.name
-            errors = sorted(error for _, _, part in parts for error in part)[:MAX_ERRORS_SAID]
-            if errors:
-                self._say(f"benchmark {name}: {skipped['unscorable']} documents could not be scored (unscorable), "
-                          "left out of its numbers: " + "; ".join(f"document {index}: {why}" for index, why in errors))
-            try:
-                numbers = bench.task.numbers([result.metrics for _, result in scored])
-            except Exception as error:  # noqa: BLE001 (scores of another form than the task's: said, no numbers)
-                numbers = {}
-                self._say(f"benchmark {name}: its numbers could not be aggregated ({type(error).__name__}: {error})")
-            if not scored:
-                self._say(f"benchmark {name}: no document was scored (" + ", ".join(
-                    f"{reason} {count}" for reason, count in sorted(skipped.items())) + "): no numbers")
+            scored, skipped = self._gathered(bench, bench.run(answer))
+            numbers = self._numbers(bench, scored, skipped)
             unread = sum(not result.read for _, result in scored)
-            self.results[bench.task.name] = (numbers, len(scored), unread, skipped)
+            self.results[name] = (numbers, len(scored), unread, skipped)
             main = {bench.task.main: numbers[bench.task.main]} if bench.task.main in numbers else {}
             scores |= {f"bench/{name}/{metric.replace(' ', '_')}": value
                        for metric, value in (main | numbers).items()}
             scores |= {f"bench/{name}/documents": len(scored), f"bench/{name}/unread": unread,
                        **{f"bench/{name}/{reason}": count for reason, count in sorted(skipped.items())}}
         return scores
+
+    def _gathered(self, bench: Benchmark, local: tuple) -> tuple[list, Counter]:
+        """Every rank's (document, `Scored`) in document order and the counts of documents not scored (a collective
+        once per task: every rank gets every score); a scorer's errors said with their documents."""
+        parts = [local]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, local)
+        scored = sorted((item for part, _, _ in parts for item in part), key=lambda item: item[0])
+        skipped = sum((counts for _, counts, _ in parts), Counter())
+        if errors := sorted(error for _, _, part in parts for error in part)[:MAX_ERRORS_SAID]:
+            self._say(f"benchmark {bench.task.name}: {skipped['unscorable']} documents could not be scored "
+                      "(unscorable), left out of its numbers: " + "; ".join(f"document {index}: {why}"
+                                                                             for index, why in errors))
+        return scored, skipped
+
+    def _numbers(self, bench: Benchmark, scored: list, skipped: Counter) -> dict:
+        """The task's numbers, or none (said) where no document was scored or they cannot be aggregated."""
+        if not scored:
+            self._say(f"benchmark {bench.task.name}: no document was scored (" + ", ".join(
+                f"{reason} {count}" for reason, count in sorted(skipped.items())) + "): no numbers")
+            return {}
+        try:
+            return bench.task.numbers([result.metrics for _, result in scored])
+        except Exception as error:  # noqa: BLE001 (scores of another form than the task's: said, no numbers)
+            self._say(f"benchmark {bench.task.name}: its numbers could not be aggregated ({type(error).__name__}: "
+                      f"{error})")
+            return {}
 
     def _say(self, line: str):
         """Once, on the first rank: every rank holds the same gathered scores."""

@@ -74,6 +74,39 @@ def environment_factories(spec: str, seconds: float | None = None) -> dict:
     return factories
 
 
+def environment_probes(factories: dict, spec: str, seconds: float) -> dict:
+    """An instance of each environment class (its methods read as TRL reads them), each built within `seconds`; one
+    that cannot be built, or has no reset, stops the run before step 1."""
+    probes = {}
+    for name, factory in factories.items():
+        try:
+            with time_limit(seconds, f"--environment_factory {spec}: building an environment", "--tool_timeout",
+                            EnvironmentTimeout):
+                probes[name] = factory()
+        except (Exception, EnvironmentTimeout) as error:  # noqa: BLE001 (user code: named before step 1)
+            raise ValueError(f"--environment_factory {spec}: building an environment failed ({type(error).__name__}: "
+                             f"{error}); give a class, or a callable that returns an environment") from None
+    if missing := [name for name, probe in probes.items() if not callable(getattr(probe, "reset", None))]:
+        raise ValueError(f"--environment_factory: instances of {', '.join(map(str, missing))} have no reset method")
+    return probes
+
+
+def offered_tools(tools: list, probes: dict) -> dict:
+    """{environment name: the tools a prompt offers} (the standalone tools, and its environment's methods); a method
+    named as a standalone tool is refused (the model calls by name: one would never run), and so is offering none."""
+    names = {tool.__name__ for tool in tools}
+    for probe in probes.values():
+        if shadowed := sorted(names & {tool.__name__ for tool in environment_tools(probe)}):
+            raise ValueError(f"--tools and --environment_factory: {type(probe).__name__} has a method named "
+                             f"{', '.join(shadowed)}, as a tool is: the model calls tools by name, so one would never "
+                             "run")
+    offered = {name: tools + environment_tools(probe) for name, probe in probes.items()} or {None: tools}
+    if not all(offered.values()):
+        raise ValueError("--tools / --environment_factory: no tool to call (an environment's tools are its public "
+                         "methods besides reset and get_reward)")
+    return offered
+
+
 def environment_tools(environment) -> list:
     """An environment's tools: its public methods but reset and get_reward (TRL's rule)."""
     return [getattr(environment, name) for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
@@ -278,29 +311,9 @@ class Tools:
             return None
         tools = load_tools(args.tools, args.tool_timeout)
         factories = environment_factories(args.environment_factory, args.tool_timeout)
-        probes = {}  # an instance of each, its methods read as TRL reads them
-        for name, factory in factories.items():
-            label = f"--environment_factory {args.environment_factory}"
-            try:
-                with time_limit(args.tool_timeout, f"{label}: building an environment", "--tool_timeout",
-                                EnvironmentTimeout):
-                    probes[name] = factory()
-            except (Exception, EnvironmentTimeout) as error:  # noqa: BLE001 (user code: named before step 1)
-                raise ValueError(f"{label}: building an environment failed ({type(error).__name__}: {error}); give "
-                                 "a class, or a callable that returns an environment") from None
-        if missing := [name for name, probe in probes.items() if not callable(getattr(probe, "reset", None))]:
-            raise ValueError(f"--environment_factory: instances of {', '.join(map(str, missing))} have no reset method")
-        names = {tool.__name__ for tool in tools}
-        for name, probe in probes.items():
-            if shadowed := sorted(names & {tool.__name__ for tool in environment_tools(probe)}):
-                raise ValueError(f"--tools and --environment_factory: {type(probe).__name__} has a method named "
-                                 f"{', '.join(shadowed)}, as a tool is: the model calls tools by name, so one would "
-                                 "never run")
-        offered = {name: tools + environment_tools(probe) for name, probe in probes.items()} or {None: tools}
-        if not all(offered.values()):
-            raise ValueError("--tools / --environment_factory: no tool to call (an environment's tools are its public "
-                             "methods besides reset and get_reward)")
-        schemas = {name: [schema(tool, "--tools") for tool in offered_tools] for name, offered_tools in offered.items()}
+        probes = environment_probes(factories, args.environment_factory, args.tool_timeout)
+        offered = offered_tools(tools, probes)
+        schemas = {name: [schema(tool, "--tools") for tool in offered[name]] for name in offered}
         every = {tool["function"]["name"]: tool for offered_schemas in schemas.values() for tool in offered_schemas}
         tool_format = ToolFormat.of(processor, stop_ids, list(every.values()))
         owners = [type(probe).__name__ for probe in probes.values() if callable(getattr(probe, "get_reward", None))]
