@@ -87,3 +87,24 @@ def test_a_recipes_own_loss_trains_under_ddp_and_split_under_zero3_as_one_proces
         assert result.returncode == 0, result.log[-3000:]
         assert_same_curves(result.log, truth.log, [1, 2], rel=1e-5, grad_norm=True)
     assert "sequence parallel: each sequence split over 2 ranks" in result.log
+
+
+def test_an_output_that_does_not_declare_its_split_is_refused_where_a_sequence_splits():
+    """Every output split by default and summed the ranks' values elementwise: a per-token output without a `reduce`
+    of its own summed different positions, silently. Now an output says how it splits, or is refused there (and
+    runs as before on whole sequences)."""
+    from mmrecipes.vlm.model.outputs import StepOutput
+
+    class PerTokenLoss(StepOutput):  # as a forker writes it: no `splits`, no `reduce`
+        def compute(self, forward):
+            return forward.logits(forward.positions).float().logsumexp(-1)
+
+    model, processor = load_vlm(VLMModelArgs())
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    batch = collator([collator_row(labeller, colour_conversation("red"), [square("red")])])
+    assert VLMForTraining(model)(batch, PerTokenLoss()).shape == batch["labels"][:, 1:].shape  # whole: as before
+    split = VLMForTraining(model, sequence_parallel=object())  # refused before the split is asked for
+    with pytest.raises(TypeError, match="PerTokenLoss does not declare how it splits over a sequence-parallel group: "
+                                        "set `splits = False`.* or `splits = True` with its `reduce`"):
+        split(batch, PerTokenLoss())

@@ -88,6 +88,7 @@ class Routing(StepOutput):
     expert, rows), the parts of the load-balancing loss (`routing`); a forward of its own, without gradients. Split,
     each rank routes its shard and the parts are summed over the group."""
 
+    splits = True
     trains = False
     routing = True
 

@@ -3,11 +3,16 @@ not), `output` one of the objects below.
 
 Each output computes itself from the language model's last hidden states and its output layer (`Forward`), says
 whether a sequence-parallel rank may compute it from its shard of the sequence (`splits`; then `reduce` makes the
-whole sequence's value on every rank of the group: a sum by default), and whether a backward follows (`trains`: the
-dummy image's zero term rides on it). The output is an argument of the wrapped module's forward, so whatever it
-computes runs inside the engine's hooks (DDP's, FSDP2's unsharding, ZeRO-3's gathers). A recipe defines its own loss
-in its own file (a label-smoothed CE, a token-weighted SFT loss): subclass `StepOutput` (or `LossSum`) and write
-`compute`.
+whole sequence's value on every rank of the group), and whether a backward follows (`trains`: the dummy image's zero
+term rides on it). The output is an argument of the wrapped module's forward, so whatever it computes runs inside the
+engine's hooks (DDP's, FSDP2's unsharding, ZeRO-3's gathers).
+
+A recipe defines its own output in its own file: subclass `StepOutput`, write `compute`, and declare `splits`: False
+(it reads whole sequences), or True with the `reduce` its value needs (the default sums the ranks' values, right for
+a sum over tokens; a per-token value must be placed at its positions first, as `TokenLogps.reduce` does). An output
+that declares nothing is refused where a sequence is split, never summed over positions that differ. To change the
+training loss, subclass `LossSum` and override `cross_entropy` (a label-smoothed CE, a token-weighted one): its
+`compute` adds a mixture of experts' load-balancing term, which overriding `compute` would drop.
 """
 
 from dataclasses import dataclass
@@ -68,7 +73,7 @@ class Forward:
 class StepOutput:
     """An output of the step (see the module's docstring). `routing`: the forward records the MoE routers' logits."""
 
-    splits: ClassVar[bool] = True
+    splits: ClassVar[bool | None] = None  # undeclared: refused where the sequence is split (see the module)
     trains: ClassVar[bool] = True
     runs_model: ClassVar[bool] = True  # False: computed from the output layer alone (`OutputLayer`)
     routing: bool = False
@@ -78,14 +83,26 @@ class StepOutput:
 
     def reduce(self, value: torch.Tensor, shard) -> torch.Tensor:
         """The whole sequence's value on every rank of a sequence-parallel group from each rank's (`shard.sum`: an
-        all-reduce whose backward gives each shard the group's gradients)."""
+        all-reduce whose backward gives each shard the group's gradients): a sum of the ranks' values."""
         return shard.sum(value)
+
+    @classmethod
+    def check_split(cls):
+        """Refuse to split an output that does not say how (`splits` None)."""
+        if cls.splits is None:
+            raise TypeError(f"{cls.__name__} does not declare how it splits over a sequence-parallel group: set "
+                            "`splits = False` (computed from whole sequences) or `splits = True` with its `reduce` "
+                            "(the default sums the ranks' values: right for a sum over tokens; a per-token value "
+                            "needs `shard.place`, as TokenLogps.reduce does)")
 
 
 class LossSum(StepOutput):
     """The summed token cross-entropy over the targets (training back-propagates it times `Ranks.loss_scale`: the exact
     token mean over the optimizer step). With a mixture of experts' `balance` (`moe.LoadBalance`, on), its
-    load-balancing term rides on it: after each forward, `term` is what to back-propagate beside the scaled sum."""
+    load-balancing term rides on it: after each forward, `term` is what to back-propagate beside the scaled sum. A
+    recipe's own CE overrides `cross_entropy` (this `compute` adds the term)."""
+
+    splits = True
 
     def __init__(self, balance=None):
         self.balance = balance if balance is not None and balance.on else None
@@ -104,6 +121,8 @@ class LossSum(StepOutput):
 class SequenceLogps(StepOutput):
     """Each row's answer log-probability, `[rows]`: the sum over its target tokens (DPO's; unpacked batches)."""
 
+    splits = True
+
     def compute(self, forward: Forward) -> torch.Tensor:
         return -head_cross_entropy_per_row(forward.positions, forward.head, forward.targets, softcap=forward.softcap,
                                            shifted=True)
@@ -112,6 +131,8 @@ class SequenceLogps(StepOutput):
 class TokenLogps(StepOutput):
     """Each target token's log-probability at `temperature` (GRPO's: the sampling temperature, as TRL scores them),
     `[rows, tokens - 1]`, 0 elsewhere."""
+
+    splits = True
 
     def __init__(self, temperature: float = 1.0):
         self.temperature = temperature
@@ -130,6 +151,8 @@ class GeneralizedJSD(StepOutput):
     target tokens (`losses.head_generalized_jsd_sum`): `batch["teacher_hidden"]`, the teacher's hidden states of the
     same tokens (`Hidden`, whole sequences); `teacher_head`, its output layer (`OutputLayer` through the teacher's
     prepared module: `teacher.Teacher.head_logits`)."""
+
+    splits = True
 
     def __init__(self, teacher_head, *, beta: float, temperature: float):
         self.teacher_head, self.beta, self.temperature = teacher_head, beta, temperature

@@ -56,7 +56,10 @@ class VLMForTraining(torch.nn.Module):
         head = self.model.get_output_embeddings()
         if not output.runs_model:
             return output.compute(Forward(None, head, self.softcap, batch))
-        split = self.sequence_parallel is not None and self.training and output.splits
+        split = self.sequence_parallel is not None and self.training
+        if split:
+            output.check_split()
+        split = split and output.splits
         with self.sequence_parallel.splitting(split) if self.sequence_parallel else contextlib.nullcontext():
             hidden, dummies, router_logits = self._hidden_states(**batch, output_router_logits=output.routing)
         shard = self.sequence_parallel.shard if split else None
