@@ -46,14 +46,6 @@ ATTENTION = "ulysses"  # the language model's attn_implementation while it train
 SPLIT_APART = {"position_ids", "attention_mask", "visual_pos_masks"}  # per-token inputs the split handles itself
 
 
-def evaluation_ranks(accelerator, data_rank: int, data_world: int, size: int) -> dict:
-    """`data_rank` and `data_world` for the evaluation loaders: evaluation runs whole sequences, so under sequence
-    parallelism (`size` > 1) every rank reads rows of its own there."""
-    if size > 1:
-        return dict(data_rank=accelerator.process_index, data_world=accelerator.num_processes)
-    return dict(data_rank=data_rank, data_world=data_world)
-
-
 def refusal(model, size: int) -> str | None:
     """Why `model`'s language model cannot be split over `size` ranks exactly, or None. Its attention heads and its
     linear attention's must split over the group; layers that need their mask (sliding windows, image tokens attending
