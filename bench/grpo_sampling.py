@@ -18,7 +18,8 @@ import datasets
 import torch
 
 from mmrecipes.paths import VLM_SHAPES
-from mmrecipes.vlm.algorithms.sampling import generate_group, prompt_seed, sample_group
+from mmrecipes.vlm.algorithms.sampling import generate_group, sample_group
+from mmrecipes.vlm.algorithms.trajectory import prompt_seed
 from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs, VLMModelArgs
 from mmrecipes.vlm.model.families import dummy_image_inputs, placeholder_token_ids
 from mmrecipes.vlm.model.loading import stop_token_ids

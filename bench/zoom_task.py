@@ -26,8 +26,9 @@ from mmrecipes.images import readable_source
 from mmrecipes.paths import resolve_name
 from mmrecipes.vlm.algorithms.grpo import GroupLayout
 from mmrecipes.vlm.algorithms.rewards import accuracy
-from mmrecipes.vlm.algorithms.sampling import Sampler, generate_group, prompt_seed
+from mmrecipes.vlm.algorithms.sampling import Sampler, generate_group
 from mmrecipes.vlm.algorithms.tools import Tools
+from mmrecipes.vlm.algorithms.trajectory import prompt_seed
 from mmrecipes.vlm.arguments import GRPOArgs
 from mmrecipes.vlm.model.families import dummy_image_inputs, placeholder_token_ids
 from mmrecipes.vlm.model.loading import stop_token_ids
@@ -57,8 +58,10 @@ def answers(model, processor, rows, tools) -> tuple[list, list]:
             texts.append(processor.tokenizer.decode([t for t in ids if t not in stops], skip_special_tokens=True))
             continue
         # the recipe's sampler: the environment, the first turn, then the tool turns
-        trajectory, = sampler.first_turns(step, True, [prompt], GroupLayout(1, 1, 1, 0, 1), 0)
-        sampler.tool_turns(step, True, [trajectory], prompt)
+        draw = sampler.drawing(step, True, prompt)
+        trajectory, = sampler.tools.environment_turns(draw, [prompt], GroupLayout(1, 1, 1, 0, 1), 0)
+        sampler.tools.read(trajectory, trajectory.ids)
+        sampler.tools.tool_turns(draw, [trajectory])
         texts.append(trajectory.messages[-1]["content"])
         counts = tools.take_counts()
         calls.append((counts["tool_calls"], counts["tool_calls"] - counts["tool_failures"]))

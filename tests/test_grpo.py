@@ -21,7 +21,8 @@ from mmrecipes.images import to_device
 from mmrecipes.paths import EMBEDDED
 from mmrecipes.vlm.algorithms.grpo import GroupLayout, LossNormaliser, group_advantages, token_losses
 from mmrecipes.vlm.algorithms.rewards import RewardScorer, accuracy, format_reward, load_reward_funcs
-from mmrecipes.vlm.algorithms.sampling import Sampler, generate_group, prompt_seed, sample_group
+from mmrecipes.vlm.algorithms.sampling import Sampler, generate_group, sample_group
+from mmrecipes.vlm.algorithms.trajectory import prompt_seed
 from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs
 from mmrecipes.vlm.model.evaluation import greedy_tokens
 from mmrecipes.vlm.model.families import dummy_image_inputs, placeholder_token_ids

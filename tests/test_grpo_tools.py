@@ -23,9 +23,9 @@ from gloo import run_on_ranks
 from helpers import chat_row
 from launch import REPO
 from mmrecipes.paths import EMBEDDED
-from mmrecipes.vlm.algorithms.sampling import Sampler, prompt_seed
+from mmrecipes.vlm.algorithms.sampling import Sampler
 from mmrecipes.vlm.algorithms.tools import ToolBox, ToolFormat, Tools
-from mmrecipes.vlm.algorithms.trajectory import Trajectory
+from mmrecipes.vlm.algorithms.trajectory import Trajectory, prompt_seed
 from mmrecipes.vlm.arguments import GRPOArgs, PromptDataArgs
 from mmrecipes.vlm.model.families import dummy_image_inputs, placeholder_token_ids
 from mmrecipes.vlm.model.loading import stop_token_ids
@@ -84,7 +84,8 @@ def calling_turn(processor, sampler, prompt, index=0, call=CALL, end="<|im_end|>
     trajectory = Trajectory(prompt, index, prompt_seed(0, prompt))
     tokens = processor.tokenizer(call, add_special_tokens=False)["input_ids"] + [
         processor.tokenizer.convert_tokens_to_ids(end)]
-    trajectory.add_turn(tokens, False, sampler.tools.format, sampler.tools.tokenizer)
+    trajectory.add_turn(tokens, False)
+    sampler.tools.read(trajectory, tokens)
     return trajectory
 
 
@@ -138,8 +139,8 @@ def test_a_multi_turn_completion_is_the_models_tokens_then_the_tools_token_in_to
     call, end = CALLS[family]
     trajectory = calling_turn(processor, sampler, prompt, 0, call, end)
     again = calling_turn(processor, sampler, prompt, 0, call, end)
-    sampler.tool_turns(step, True, [trajectory], prompt)  # generate, where the model is whole on the rank
-    sampler.tool_turns(step, False, [again], prompt)  # the synced loop, as under FSDP2 and ZeRO-3
+    sampler.tools.tool_turns(sampler.drawing(step, True, prompt), [trajectory])  # generate: the model whole
+    sampler.tools.tool_turns(sampler.drawing(step, False, prompt), [again])  # the synced loop (FSDP2, ZeRO-3)
     assert (trajectory.ids, trajectory.own) == (again.ids, again.own)
     first = len(processor.tokenizer(call, add_special_tokens=False)["input_ids"]) + 1
     assert trajectory.own[:first] == [True] * first and trajectory.own[-1] and not all(trajectory.own)
@@ -174,7 +175,7 @@ def _turns_on_ranks(rank, world):
     calling = [calling_turn(processor, sampler, prompt, index) for index in (0, 1)]
     answering = [calling_turn(processor, sampler, prompt, index, call="red") for index in (2, 3)]
     mine = calling + answering if world == 1 else [calling, answering][rank]
-    sampler.tool_turns(step, False, mine, prompt)
+    sampler.tools.tool_turns(sampler.drawing(step, False, prompt), mine)
     return [trajectory.ids for trajectory in mine], len(forwards)
 
 
@@ -207,7 +208,7 @@ def test_an_environment_per_completion_keeps_its_state_over_turns():
         trajectory = calling_turn(processor, sampler, prompt, index, call)
         trajectory.environment, _ = tools.environment(prompt)
         trajectories.append(trajectory)
-    sampler.tool_turns(VLMForTraining(model).eval(), True, trajectories, prompt)
+    sampler.tools.tool_turns(sampler.drawing(VLMForTraining(model).eval(), True, prompt), trajectories)
     results = [[message["content"][0]["text"] for message in trajectory.messages if message["role"] == "tool"]
                for trajectory in trajectories]
     assert results == [["2", "4"], ["2"]]
@@ -273,7 +274,8 @@ def test_what_reset_returns_joins_the_prompt_and_get_reward_scores_the_completio
     sampler = Sampler(SimpleNamespace(device=torch.device("cpu")), collator, args, stops,
                       placeholder_token_ids(model, processor), tools)
     step = VLMForTraining(model).eval()
-    by_generate, by_loop = (sampler.first_turns(step, whole, [prompt], layout, 0) for whole in (True, False))
+    by_generate, by_loop = (sampler.tools.environment_turns(sampler.drawing(step, whole, prompt), [prompt], layout, 0)
+                            for whole in (True, False))
     assert [t.ids for t in by_generate] == [t.ids for t in by_loop] and by_generate[0].ids != by_generate[1].ids
     assert all(t.prompt["input_ids"].tolist() == own["input_ids"].tolist() for t in by_generate)
 
@@ -333,7 +335,7 @@ def test_max_tool_calling_iterations_and_tool_timeout_as_flags(limit, monkeypatc
         processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
     monkeypatch.setattr(sampling, "generate_group", lambda *args, **kwargs: [(list(calling), False)])
     trajectory = calling_turn(processor, sampler, prompt)
-    sampler.tool_turns(step, True, [trajectory], prompt)
+    sampler.tools.tool_turns(sampler.drawing(step, True, prompt), [trajectory])
     assert [message["role"] for message in trajectory.messages] == ["assistant", "tool"] * limit + ["assistant"]
     assert tools.take_counts() == {"tool_calls": limit, "tool_failures": 0}
     assert trajectory.messages[-1]["tool_calls"]  # its last call is never run

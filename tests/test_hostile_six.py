@@ -221,7 +221,7 @@ def test_a_huge_tool_result_ends_its_completion_without_being_tokenised(monkeypa
     rendered = []
     monkeypatch.setattr(ToolFormat, "suffix", lambda self, results: rendered.append(results))
     started = time.monotonic()
-    sampler.tool_turns(step, True, [trajectory], prompt)
+    sampler.tools.tool_turns(sampler.drawing(step, True, prompt), [trajectory])
     assert not rendered and not trajectory.pending and time.monotonic() - started < 10
 
 

@@ -155,3 +155,25 @@ def test_the_check_sees_a_cycle_a_lazy_import_hides():
     sources["mmrecipes.arguments"] = (text + "\n\ndef _check():\n    from .training import lr_scheduler\n",
                                       is_package)
     assert ["mmrecipes.arguments", "mmrecipes.training", "mmrecipes.arguments"] in cycles(import_graph(sources))
+
+
+def reached(graph: dict[str, set[str]], module: str) -> set[str]:
+    """Every module `module` imports, directly or through others."""
+    seen, todo = set(), [module]
+    while todo:
+        for imported in graph[todo.pop()] - seen:
+            seen.add(imported)
+            todo.append(imported)
+    return seen
+
+
+def test_the_sampling_floor_imports_neither_rewards_nor_tools():
+    """Sampling (GRPO's and distillation's) reads trajectories only: the multi-turn loop is an object of tools.py the
+    sampler is given, and user code's guards live in user_code.py. Before, sampling imported trajectory, which
+    imported tools, which imported rewards: distillation's sampler loaded both."""
+    graph = import_graph(library_sources())
+    user_modules = {"mmrecipes.vlm.algorithms.rewards", "mmrecipes.vlm.algorithms.tools"}
+    for module in ("mmrecipes.vlm.algorithms.sampling", "mmrecipes.vlm.algorithms.trajectory"):
+        assert not reached(graph, module) & user_modules, module
+    graph["mmrecipes.vlm.algorithms.trajectory"].add("mmrecipes.vlm.algorithms.tools")  # what it did: seen
+    assert "mmrecipes.vlm.algorithms.tools" in reached(graph, "mmrecipes.vlm.algorithms.sampling")

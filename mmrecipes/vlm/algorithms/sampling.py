@@ -10,7 +10,6 @@ micro-batches to train on; GRPO scores them (`rewards.RewardScorer.score`).
 """
 
 import time
-import zlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,23 +24,8 @@ from ...images import to_device
 from ..arguments import SamplingArgs
 from ..model.evaluation import with_token_appended
 from ..model.outputs import Logits
-from ..rows.chat_data import MAX_CHARS_PER_TOKEN
 from ..rows.collate import chat_rows
-from .tools import characters
-from .trajectory import Trajectory
-
-TURN_STRIDE = 1 << 20  # a turn's generator: its completion's index + turn x this (the first turn's is the index)
-
-
-def prompt_seed(seed: int, prompt: dict) -> int:
-    """A seed from `seed` (the run's seed + the step), the prompt's tokens and its pixels: the same prompt samples
-    alike on any rank."""
-    digest = zlib.crc32(prompt["input_ids"].numpy().tobytes(), seed & 0xFFFFFFFF)
-    for key in sorted(prompt["media_inputs"]):
-        value = prompt["media_inputs"][key]
-        if isinstance(value, torch.Tensor):
-            digest = zlib.crc32(value.contiguous().numpy().tobytes(), digest)
-    return digest
+from .trajectory import first_turns
 
 
 @torch.no_grad()
@@ -129,12 +113,13 @@ def _sampled(logits: torch.Tensor, generator, temperature: float, top_p: float) 
 
 class Sampler:
     """What every step's sampling takes: the accelerator (the engine decides how: `model_for_sampling`), the
-    collator, the sampling flags (`SamplingArgs`), the stop ids and the ids never sampled (`placeholder_token_ids`)."""
+    collator, the sampling flags (`SamplingArgs`), the stop ids, the ids never sampled (`placeholder_token_ids`) and,
+    for multi-turn rollouts, `tools` (`tools.Tools`: completions go on after their tool calls' results)."""
 
     def __init__(self, accelerator, collator, args: SamplingArgs, stop_ids, suppressed, tools=None):
         self.accelerator, self.collator, self.args = accelerator, collator, args
         self.stop_ids, self.suppressed = list(stop_ids), list(suppressed)
-        self.tools = tools  # `tools.Tools`: completions go on after their tool calls' results
+        self.tools = tools
 
     def describe(self) -> str:
         line = generation_line(self.accelerator, self.args.ds3_gather_for_generation)
@@ -149,102 +134,52 @@ class Sampler:
             return self.sample(sampling, whole, prompts, layout, seed, mask_truncated)
 
     def sample(self, model, whole: bool, prompts, layout, seed: int, mask_truncated: bool = False) -> "Rollouts":
-        """Each group of the pieces from `prompt_seed(seed, prompt)` (`seed`: the run's + the step), by `generate_group`
-        on a `whole` model, else by `sample_group` (as many times on every rank: a filler where a rank has fewer
-        pieces), in micro-batches of `layout.micro_batch` whose targets are the completions (none for a truncated one
-        where `mask_truncated`: GRPO's --mask_truncated_completions). With tools, each completion goes on over its
-        turns (`tool_turns`; with environments each starts from a prompt of its own: `first_turns`)."""
-        started, rollouts, rows = time.perf_counter(), Rollouts(), []
-        device, args = self.accelerator.device, self.args
-        trajectories, pieces = [], []
-        if self.tools is not None and self.tools.factories:  # a prompt of its own for each completion
-            trajectories = self.first_turns(model, whole, prompts, layout, seed)
-        else:
-            pieces = in_step(layout.pieces(), whole, (0, [0]), device)
-        for (index, indices), real in pieces:
-            prompt = prompts[index]
-            sample = generate_group if whole else partial(sample_group, live=real)
-            group = sample(model, prompt, self.collator, args, self.stop_ids, prompt_seed(seed, prompt), device,
-                           self.suppressed, indices)
-            if not real:
-                continue
-            if self.tools is not None:
-                for completion, (ids, cut) in zip(indices, group):
-                    trajectory = Trajectory(prompt, completion, prompt_seed(seed, prompt))
-                    trajectory.add_turn(ids, cut, self.tools.format, self.tools.tokenizer)
-                    trajectories.append(trajectory)
-                continue
-            completions = [ids for ids, _ in group]
-            rollouts.completions += [(prompt, ids) for ids in completions]
-            rollouts.lengths += [len(ids) for ids in completions]
-            rollouts.truncated += [cut for _, cut in group]
-            rows += chat_rows(prompt, completions, [not (cut and mask_truncated) for _, cut in group])
-        if self.tools is not None:
-            self.tool_turns(model, whole, trajectories, prompts[0])
-            rollouts.completions = [(trajectory.prompt, trajectory.ids) for trajectory in trajectories]
-            rollouts.conversations = [trajectory.messages for trajectory in trajectories]
-            rollouts.environments = [trajectory.environment for trajectory in trajectories]
-            rollouts.lengths = [sum(trajectory.own) for trajectory in trajectories]
-            rollouts.truncated = [trajectory.truncated for trajectory in trajectories]
-            rows = [trajectory.row(not (trajectory.truncated and mask_truncated)) for trajectory in trajectories]
-            rollouts.tool_counts = self.tools.take_counts(self.accelerator)
-        rollouts.micro_batches = [self.collator(rows[start:start + layout.micro_batch])
-                                  for start in range(0, len(rows), layout.micro_batch)]
-        rollouts.seconds = time.perf_counter() - started
-        return rollouts
+        """Each completion a `Trajectory`: its group's first turn from `prompt_seed(seed, prompt)` (`seed`: the run's
+        + the step), and with tools its further turns (`tools.Tools.rollout`); in micro-batches of
+        `layout.micro_batch` whose targets are the model's tokens (none for a truncated completion where
+        `mask_truncated`: GRPO's --mask_truncated_completions)."""
+        started = time.perf_counter()
+        draw = self.drawing(model, whole, prompts[0])
+        if self.tools is None:
+            trajectories, multi_turn = first_turns(draw, prompts, layout, seed), {}
+        else:  # multi-turn: environments, tool turns, the calls' counts
+            trajectories, multi_turn = self.tools.rollout(draw, prompts, layout, seed, self.accelerator)
+        rows = [trajectory.row(not (trajectory.truncated and mask_truncated)) for trajectory in trajectories]
+        return Rollouts(completions=[(trajectory.prompt, trajectory.ids) for trajectory in trajectories],
+                        micro_batches=[self.collator(rows[start:start + layout.micro_batch])
+                                       for start in range(0, len(rows), layout.micro_batch)],
+                        lengths=[sum(trajectory.own) for trajectory in trajectories],
+                        truncated=[trajectory.truncated for trajectory in trajectories],
+                        seconds=time.perf_counter() - started, **multi_turn)
 
-    def first_turns(self, model, whole: bool, prompts, layout, seed: int) -> list:
-        """With environments: each completion's own environment, reset with its row, and its first turn sampled
-        from its own prompt (the row's, with what reset returned), from its group's seed and its index; a sharded
-        model samples as many times on every rank (a filler where a rank has fewer completions)."""
-        device, units = self.accelerator.device, []
-        for index, indices in layout.pieces():
-            prompt = prompts[index]
-            for completion in indices:
-                environment, own = self.tools.environment(prompt)
-                units.append(Trajectory(own, completion, prompt_seed(seed, prompt), environment=environment))
-        for trajectory, real in in_step(units, whole, None, device):
-            sample = generate_group if whole else partial(sample_group, live=real)
-            group = sample(model, trajectory.prompt if real else prompts[0], self.collator, self.args,
-                           self.stop_ids, trajectory.seed if real else 0, device, self.suppressed,
-                           [trajectory.index] if real else [0])
+    def drawing(self, model, whole: bool, filler: dict) -> "Drawing":
+        """The sampling call bound to `model` (`whole` on this rank or not) and a `filler` prompt."""
+        return Drawing(self, model, whole, filler)
+
+
+class Drawing:
+    """`draw(requests)`: a group of [(completion ids, truncated)] for each of this rank's requests ((prompt, seed,
+    completion indices, budget or None)), by `generate_group` on a `whole` model, else by `sample_group` as many
+    times on every rank (the `filler` prompt where a rank has fewer); `on_every_rank(flag)`: whether `flag` holds on
+    every rank (each rank's own where the model is whole: no rank waits for another)."""
+
+    def __init__(self, sampler: Sampler, model, whole: bool, filler: dict):
+        self.sampler, self.model, self.whole, self.filler = sampler, model, whole, filler
+        self.device = sampler.accelerator.device
+
+    def __call__(self, requests: list) -> list:
+        sampler, groups = self.sampler, []
+        for (prompt, seed, indices, budget), real in in_step(requests, self.whole, (self.filler, 0, [0], None),
+                                                             self.device):
+            sample = generate_group if self.whole else partial(sample_group, live=real)
+            group = sample(self.model, prompt, sampler.collator, sampler.args, sampler.stop_ids, seed, self.device,
+                           sampler.suppressed, indices, budget=budget)
             if real:
-                trajectory.add_turn(*group[0], self.tools.format, self.tools.tokenizer)
-        return units
+                groups.append(group)
+        return groups
 
-    def tool_turns(self, model, whole: bool, trajectories: list, filler: dict):
-        """Each trajectory's tool calls run and their results appended, then its next turn sampled (its own generator
-        for each turn), until none calls a tool or --max_tool_calling_iterations; a sharded model samples as many
-        turns, as many times, on every rank (`filler` where a rank has fewer)."""
-        tools, args, device = self.tools, self.args, self.accelerator.device
-        turn = 0
-        while tools.max_iterations is None or turn < tools.max_iterations:
-            turn += 1
-            going = []
-            for trajectory in [trajectory for trajectory in trajectories if trajectory.pending]:
-                results = [(name or "call", tools.box.run(name, arguments, trajectory.environment))
-                           for name, arguments in trajectory.pending]
-                room = args.max_completion_length - len(trajectory.ids)
-                if characters(results) > MAX_CHARS_PER_TOKEN * room:  # cannot fit: never tokenised (10 MB: 155 s)
-                    trajectory.pending = []
-                    continue
-                tokens, media = tools.format.suffix(results)
-                if len(trajectory.ids) + len(tokens) >= args.max_completion_length:
-                    trajectory.pending = []  # no room for the results and an answer: it ends as it is (TRL's way)
-                    continue
-                trajectory.add_results(results, tokens, media)
-                going.append(trajectory)
-            ended = not going if whole else all_ranks_true(not going, device)  # on every rank: none goes on
-            if ended:
-                break
-            for trajectory, real in in_step(going, whole, None, device):
-                sample = generate_group if whole else partial(sample_group, live=real)
-                group = sample(model, trajectory.state() if real else filler, self.collator, args, self.stop_ids,
-                               trajectory.seed if real else 0, device, self.suppressed,
-                               [trajectory.index + turn * TURN_STRIDE] if real else [0],
-                               budget=args.max_completion_length - len(trajectory.ids) if real else None)
-                if real:
-                    trajectory.add_turn(*group[0], tools.format, tools.tokenizer)
+    def on_every_rank(self, flag: bool) -> bool:
+        return flag if self.whole else all_ranks_true(flag, self.device)
 
 
 def in_step(items, whole: bool, filler, device):
@@ -255,9 +190,10 @@ def in_step(items, whole: bool, filler, device):
 
 @dataclass
 class Rollouts:
-    """A batch of completions on this rank: each with its prompt (`completions`: (prompt, token ids)), the
-    micro-batches to train on (`ChatCollator` batches), each completion's length and truncation, the seconds sampling
-    took, and (GRPO's) its rewards per function (NaN where one failed)."""
+    """A batch of completions on this rank, built once from its trajectories (`Sampler.sample`): each with its prompt
+    (`completions`: (prompt, token ids)), the micro-batches to train on (`ChatCollator` batches), each completion's
+    length (the model's tokens) and truncation, the seconds sampling took, and (GRPO's) its rewards per function (NaN
+    where one failed)."""
 
     completions: list = field(default_factory=list)
     conversations: list | None = None  # multi-turn: each completion as reward functions get it (messages)

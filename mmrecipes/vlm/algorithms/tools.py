@@ -31,7 +31,10 @@ from transformers.utils import get_json_schema
 
 from ...images import decode_image, readable_source
 from ..rows.chat_data import MAX_CHARS_PER_TOKEN, TOKEN_ALIGNED, prompt_row, unbatched
+from .trajectory import Trajectory, first_turns, prompt_seed
 from .user_code import EnvironmentTimeout, ToolTimeout, Unscored, awaited, imported, time_limit
+
+TURN_STRIDE = 1 << 20  # a turn's generator: its completion's index + turn x this (the first turn's is the index)
 
 SENTINEL = {"name": "tool_name_sentinel", "arguments": {"argument_sentinel": "value_sentinel"}}
 
@@ -296,9 +299,10 @@ class Tools:
 
     def __init__(self, tool_format: ToolFormat, box: ToolBox, factories: dict, schemas: dict,
                  max_iterations: int | None, tokenizer, reward_name: str | None = None,
-                 max_prompt_length: int | None = None):
+                 max_prompt_length: int | None = None, max_completion_length: int | None = None):
         self.format, self.box, self.factories, self._schemas = tool_format, box, factories, schemas
         self.max_iterations, self.tokenizer = max_iterations, tokenizer
+        self.max_completion_length = max_completion_length
         self.reward_name = reward_name  # where environments score completions (`get_reward`): the reward's name
         self.max_prompt_length = max_prompt_length  # a prompt with its environment's observation: at most this
         self.environment_failures, self.said = Counter(), set()
@@ -325,7 +329,8 @@ class Tools:
                                                  getattr(processor, "video_token", None)) if token)
         prompt_length = max_length - args.max_completion_length if max_length else None
         return cls(tool_format, ToolBox(tools, args.tool_timeout, placeholders), factories, schemas,
-                   args.max_tool_calling_iterations, processor.tokenizer, reward_name, prompt_length)
+                   args.max_tool_calling_iterations, processor.tokenizer, reward_name, prompt_length,
+                   args.max_completion_length)
 
     @staticmethod
     def reward_sources(tools: "Tools | None", funcs: dict, weights: list) -> tuple[dict, list]:
@@ -352,6 +357,77 @@ class Tools:
         limit = self.max_iterations if self.max_iterations is not None else "no limit but --max_completion_length"
         names = ", ".join(sorted({tool["function"]["name"] for schemas in self._schemas.values() for tool in schemas}))
         return f"{self.format.describe()}; the tools: {names}; tool turns: {limit}"
+
+    def rollout(self, draw, prompts, layout, seed: int, accelerator=None) -> tuple[list, dict]:
+        """(a `Trajectory` per completion of this rank's pieces, what `sampling.Rollouts` holds of multi-turn
+        completions): each first turn from its prompt (with environments, its own: `environment_turns`), then the
+        tools' turns (`tool_turns`); `draw`: the sampler's bound call (`Sampler.drawing`). The calls' counts are
+        taken (a collective: every rank rolls out at the same step)."""
+        if self.factories:
+            trajectories = self.environment_turns(draw, prompts, layout, seed)
+        else:
+            trajectories = first_turns(draw, prompts, layout, seed)
+        for trajectory in trajectories:
+            self.read(trajectory, trajectory.ids)
+        self.tool_turns(draw, trajectories)
+        return trajectories, {"conversations": [trajectory.messages for trajectory in trajectories],
+                              "environments": [trajectory.environment for trajectory in trajectories],
+                              "tool_counts": self.take_counts(accelerator)}
+
+    def environment_turns(self, draw, prompts, layout, seed: int) -> list:
+        """With environments: each completion's own environment, reset with its row, and its first turn sampled
+        from its own prompt (the row's, with what reset returned), from its group's seed and its index."""
+        trajectories = []
+        for index, indices in layout.pieces():
+            prompt = prompts[index]
+            for completion in indices:
+                environment, own = self.environment(prompt)
+                trajectories.append(Trajectory(own, completion, prompt_seed(seed, prompt), environment=environment))
+        groups = draw([(trajectory.prompt, trajectory.seed, [trajectory.index], None) for trajectory in trajectories])
+        for trajectory, group in zip(trajectories, groups):
+            trajectory.add_turn(*group[0])
+        return trajectories
+
+    def tool_turns(self, draw, trajectories: list):
+        """Each trajectory's tool calls run and their results appended, then its next turn sampled (its own generator
+        for each turn), until none calls a tool on any rank, or --max_tool_calling_iterations. Results that cannot fit
+        the completion's room end it as it is (TRL's way), found too long before tokenising where their text alone is
+        (`MAX_CHARS_PER_TOKEN`)."""
+        budget, turn = self.max_completion_length, 0  # a completion's tokens, the tools' included
+        while self.max_iterations is None or turn < self.max_iterations:
+            turn += 1
+            going = []
+            for trajectory in [trajectory for trajectory in trajectories if trajectory.pending]:
+                results = [(name or "call", self.box.run(name, arguments, trajectory.environment))
+                           for name, arguments in trajectory.pending]
+                room = budget - len(trajectory.ids)
+                if characters(results) > MAX_CHARS_PER_TOKEN * room:  # cannot fit: never tokenised (10 MB: 155 s)
+                    trajectory.pending = []
+                    continue
+                ids, media = self.format.suffix(results)
+                if len(ids) >= room:  # no room for the results and an answer: it ends as it is
+                    trajectory.pending = []
+                    continue
+                trajectory.add_results(results, ids, media)
+                going.append(trajectory)
+            if draw.on_every_rank(not going):  # no completion goes on, on any rank
+                break
+            groups = draw([(trajectory.state(), trajectory.seed, [trajectory.index + turn * TURN_STRIDE],
+                            budget - len(trajectory.ids)) for trajectory in going])
+            for trajectory, group in zip(going, groups):
+                tokens, truncated = group[0]
+                trajectory.add_turn(tokens, truncated)
+                self.read(trajectory, tokens)
+
+    def read(self, trajectory: Trajectory, tokens: list):
+        """A turn the model wrote, read as the template writes calls: the assistant's message (with its calls) and
+        the calls to run next (none where it was truncated)."""
+        text = self.tokenizer.decode([token for token in tokens if token not in self.format.stop_ids])
+        content, calls = self.format.parse(text)
+        trajectory.pending = [] if trajectory.truncated else calls
+        message = {"role": "assistant", "content": content if calls else text.strip()}
+        trajectory.messages.append(message | ({"tool_calls": [{"type": "function", "function": {
+            "name": name, "arguments": arguments}} for name, arguments in calls if name]} if calls else {}))
 
     def environment(self, prompt: dict) -> tuple[object, dict]:
         """(a fresh environment for one completion, reset with its row; the prompt it goes on from: the row's, with

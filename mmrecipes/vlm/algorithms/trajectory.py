@@ -1,7 +1,10 @@
-"""A multi-turn completion (`Trajectory`): the model's tokens and the tools' results as token ids after its prompt,
-which tokens are the model's (the only targets), the tools' images' inputs, and the completion as reward functions
-get it (TRL's messages). Built by the sampler (`sampling.Sampler.tool_turns`) with `tools.Tools`."""
+"""A completion (`Trajectory`): the model's tokens after its prompt over one turn or several, the tools' results
+between turns as token ids, which tokens are the model's (the only targets), the tools' images' inputs, and a
+multi-turn completion as reward functions get it (TRL's messages). `first_turns` samples every completion's first
+turn from its prompt (`sampling.Sampler` samples; `tools.Tools` goes on over the tools' turns); `prompt_seed` is what
+a prompt's completions draw from."""
 
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -9,13 +12,38 @@ import torch
 from ...images import NORMALIZED_BY
 from ..rows.chat_data import TOKEN_ALIGNED
 from ..rows.labels import IGNORE_INDEX
-from .tools import ToolFormat
+
+
+def prompt_seed(seed: int, prompt: dict) -> int:
+    """A seed from `seed` (the run's seed + the step), the prompt's tokens and its pixels: the same prompt samples
+    alike on any rank."""
+    digest = zlib.crc32(prompt["input_ids"].numpy().tobytes(), seed & 0xFFFFFFFF)
+    for key in sorted(prompt["media_inputs"]):
+        value = prompt["media_inputs"][key]
+        if isinstance(value, torch.Tensor):
+            digest = zlib.crc32(value.contiguous().numpy().tobytes(), digest)
+    return digest
+
+
+def first_turns(draw, prompts, layout, seed: int) -> list:
+    """A `Trajectory` per completion of this rank's pieces (`layout.pieces()`: a prompt's index and its completions'),
+    its first turn sampled from its prompt's group (`draw`: the sampler's call, `Sampler.drawing`)."""
+    pieces = [(prompts[index], indices) for index, indices in layout.pieces()]
+    requests = [(prompt, prompt_seed(seed, prompt), indices, None) for prompt, indices in pieces]
+    trajectories = []
+    for (prompt, indices), group in zip(pieces, draw(requests)):
+        for completion, (ids, cut) in zip(indices, group):
+            trajectory = Trajectory(prompt, completion, prompt_seed(seed, prompt))
+            trajectory.add_turn(ids, cut)
+            trajectories.append(trajectory)
+    return trajectories
 
 
 @dataclass
 class Trajectory:
     """One completion over its turns: its tokens after the prompt (the model's and the tools'), which are the
-    model's (`own`), the tools' images' inputs in order, and the completion as reward functions get it (`messages`)."""
+    model's (`own`), the tools' images' inputs in order, and, multi-turn, the completion as reward functions get it
+    (`messages`: `tools.Tools.read` writes them) and the calls of its last turn (`pending`)."""
 
     prompt: dict
     index: int  # its completion's index in its group (its generator's)
@@ -28,16 +56,11 @@ class Trajectory:
     environment: object = None
     pending: list = field(default_factory=list)  # the calls of its last turn
 
-    def add_turn(self, tokens: list, truncated: bool, tool_format: ToolFormat, tokenizer):
+    def add_turn(self, tokens: list, truncated: bool):
+        """The model's tokens of a turn (the first, or one after tool results), truncated or not."""
         self.ids += tokens
         self.own += [True] * len(tokens)
         self.truncated = truncated
-        text = tokenizer.decode([token for token in tokens if token not in tool_format.stop_ids])
-        content, calls = tool_format.parse(text)
-        self.pending = [] if truncated else calls
-        message = {"role": "assistant", "content": content if calls else text.strip()}
-        self.messages.append(message | ({"tool_calls": [{"type": "function", "function": {
-            "name": name, "arguments": arguments}} for name, arguments in calls if name]} if calls else {}))
 
     def add_results(self, results: list, tokens: torch.Tensor, media: dict):
         self.ids += tokens.tolist()
