@@ -39,49 +39,93 @@ class ChatCollator:
         self.packing, self.pack_length = packing, pack_length
 
     def __call__(self, rows):
+        """The micro-batch of `rows`, in named steps: the packs (one a row without packing), the text, the segments
+        of packed sequences, the media, the dummies for what the batch lacks, and the host's counts."""
         lengths = [len(row["input_ids"]) for row in rows]
         packs = _next_fit(lengths, self.pack_length) if self.packing else [[i] for i in range(len(rows))]
-        length = max(sum(lengths[i] for i in pack) for pack in packs)
+        joined = Joined(packs, max(sum(lengths[i] for i in pack) for pack in packs))
+        batch = self.text(rows, joined)
+        if self.packing:
+            batch |= segments(rows, packs, lengths, joined.length)
+        batch |= media(rows, joined)
+        batch |= self.dummies(batch)
+        return batch | counts(rows, lengths, batch["labels"])
 
-        def join(tensors, value):
-            return _pad([torch.cat([tensors[i] for i in pack]) for pack in packs], length, value)
-
+    def text(self, rows, joined: "Joined") -> dict:
+        """The token ids, the attention mask and the labels, padded (packed: each row's first label ignored)."""
         labels = [row["labels"] for row in rows]
         if self.packing:
             labels = [torch.cat([row_labels.new_full((1,), IGNORE_INDEX), row_labels[1:]]) for row_labels in labels]
-        batch = {"input_ids": join([row["input_ids"] for row in rows], self.pad_token_id),
-                 "attention_mask": join([torch.ones_like(row["input_ids"]) for row in rows], 0),
-                 "labels": join(labels, IGNORE_INDEX)}
-        videos = any("pixel_values_videos" in row["media_inputs"] for row in rows)
-        if self.packing:
-            segments = []
-            for pack in packs:
-                used = sum(lengths[i] for i in pack)
-                segments += [(lengths[i], *_media_counts(rows[i])[:1 + videos]) for i in pack]
-                segments += [(length - used, *[0] * (1 + videos))] if used < length else []
-            batch["sample_lengths"], *counts = torch.tensor(segments).T.clone()
-            batch["media_per_sample"] = torch.stack(counts)
-        for key in TOKEN_ALIGNED[2:]:  # a text-only row may lack them (zeros: no image token)
-            if any(key in row["media_inputs"] for row in rows):
-                batch[key] = join([row["media_inputs"].get(key, torch.zeros_like(row["input_ids"])) for row in rows], 0)
-        with_media = [row["media_inputs"] for row in rows if {*MEDIA_KEYS} & set(row["media_inputs"])]
-        media_keys = {key for inputs in with_media for key in inputs} - {*TOKEN_ALIGNED, *NORMALIZED_BY.values()}
-        batch |= {key: _cat_padded([inputs[key] for inputs in with_media if key in inputs]) for key in media_keys}
-        clips = [inputs["pixel_values_videos"] for inputs in with_media if "pixel_values_videos" in inputs]
-        if clips and clips[0].dim() == 5 and len({clip.shape[1] for clip in clips}) > 1:  # frames zero-padded
-            batch["video_frames"] = [frames for row in clips for frames in [row.shape[1]] * len(row)]
-        # uint8 images and clips: the constants that finish them on the device (the same for every row)
-        batch |= {key: inputs[key] for inputs in with_media for key in NORMALIZED_BY.values() if key in inputs}
-        batch["dummy_image"] = "pixel_values" not in batch
-        if batch["dummy_image"]:
-            batch |= {key: value for key, value in self.dummy_inputs.items() if key != "pixel_values_videos"}
-        if "pixel_values_videos" in self.dummy_inputs and "pixel_values_videos" not in batch:  # a video path of its own
-            batch |= {"pixel_values_videos": self.dummy_inputs["pixel_values_videos"], "dummy_video": True}
-        batch["num_samples"], batch["num_tokens"] = len(rows), sum(lengths)  # tokens: padding left out
-        batch["target_tokens"] = count_target_tokens(batch["labels"])  # read here, on the host, not in the loop
-        batch["data_counts"] = data_counts(rows, CHAT_COUNTED)
-        return batch
+        return {"input_ids": joined([row["input_ids"] for row in rows], self.pad_token_id),
+                "attention_mask": joined([torch.ones_like(row["input_ids"]) for row in rows], 0),
+                "labels": joined(labels, IGNORE_INDEX)}
 
+    def dummies(self, batch: dict) -> dict:
+        """The dummy image where the batch holds none (`dummy_image`), and the dummy clip where the model has a video
+        path of its own and the batch holds no clip (`dummy_video`)."""
+        dummies = {"dummy_image": "pixel_values" not in batch}
+        if dummies["dummy_image"]:
+            dummies |= {key: value for key, value in self.dummy_inputs.items() if key != "pixel_values_videos"}
+        if "pixel_values_videos" in self.dummy_inputs and "pixel_values_videos" not in batch:
+            dummies |= {"pixel_values_videos": self.dummy_inputs["pixel_values_videos"], "dummy_video": True}
+        return dummies
+
+
+class Joined:
+    """Rows' per-token tensors joined by pack and padded to the batch's `length` (`joined(tensors, pad value)`)."""
+
+    def __init__(self, packs: list, length: int):
+        self.packs, self.length = packs, length
+
+    def __call__(self, tensors: list, value) -> torch.Tensor:
+        return _pad([torch.cat([tensors[i] for i in pack]) for pack in self.packs], self.length, value)
+
+
+def segments(rows, packs, lengths, length: int) -> dict:
+    """Every segment of the packed sequences in order (`sample_lengths`; a sequence's padding a segment of its own)
+    and its media (`media_per_sample`: images, and videos where the batch has any)."""
+    videos = any("pixel_values_videos" in row["media_inputs"] for row in rows)
+    found = []
+    for pack in packs:
+        used = sum(lengths[i] for i in pack)
+        found += [(lengths[i], *_media_counts(rows[i])[:1 + videos]) for i in pack]
+        found += [(length - used, *[0] * (1 + videos))] if used < length else []
+    sample_lengths, *per_sample = torch.tensor(found).T.clone()
+    return {"sample_lengths": sample_lengths, "media_per_sample": torch.stack(per_sample)}
+
+
+def media(rows, joined: Joined) -> dict:
+    """The rows' per-token media inputs joined as the text is (a text-only row's zeros: no image token), their image
+    and video inputs concatenated in row order (`media_tensors`)."""
+    batch = {}
+    for key in TOKEN_ALIGNED[2:]:
+        if any(key in row["media_inputs"] for row in rows):
+            batch[key] = joined([row["media_inputs"].get(key, torch.zeros_like(row["input_ids"])) for row in rows], 0)
+    return batch | media_tensors([row["media_inputs"] for row in rows if {*MEDIA_KEYS} & set(row["media_inputs"])])
+
+
+def media_tensors(with_media: list) -> dict:
+    """Images' and clips' inputs of the rows that hold any, concatenated in row order; the frames of clips of
+    different lengths (`video_frames`); the constants that finish uint8 images and clips on the device (the same
+    for every row)."""
+    keys = {key for inputs in with_media for key in inputs} - {*TOKEN_ALIGNED, *NORMALIZED_BY.values()}
+    batch = {key: _cat_padded([inputs[key] for inputs in with_media if key in inputs]) for key in keys}
+    clips = [inputs["pixel_values_videos"] for inputs in with_media if "pixel_values_videos" in inputs]
+    batch |= clip_frames(clips)
+    return batch | {key: inputs[key] for inputs in with_media for key in NORMALIZED_BY.values() if key in inputs}
+
+
+def clip_frames(clips: list) -> dict:
+    """`video_frames`, each clip's frames, where clips of different lengths were zero-padded to the longest."""
+    if clips and clips[0].dim() == 5 and len({clip.shape[1] for clip in clips}) > 1:
+        return {"video_frames": [frames for row in clips for frames in [row.shape[1]] * len(row)]}
+    return {}
+
+
+def counts(rows, lengths, labels: torch.Tensor) -> dict:
+    """What the loop reads on the host: rows, tokens (padding left out), target tokens, the data counts."""
+    return {"num_samples": len(rows), "num_tokens": sum(lengths), "target_tokens": count_target_tokens(labels),
+            "data_counts": data_counts(rows, CHAT_COUNTED)}
 
 
 def _next_fit(lengths, capacity):
