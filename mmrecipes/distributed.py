@@ -9,7 +9,7 @@ run on GPUs run for real on CPU. On GPUs and in a single process it is plain `Ac
 
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
 
@@ -131,6 +131,13 @@ class Ranks:
     def share(self, total: int) -> int:
         """This rank's share of `total` held-out rows (the last ranks' may run short)."""
         return -(-total // self.reads(evaluation=True)["data_world"])
+
+    def teams(self, size: int) -> "Ranks":
+        """These ranks in teams of `size` consecutive data ranks that read the same rows, as one batch (GRPO's prompt
+        reader: a team's completions are whole groups): a team's index is its data rank, and only its first member
+        counts what it reads."""
+        return replace(self, data_rank=self.data_rank // size, data_world=self.data_world // size,
+                       replicas=self.replicas * size, counts_reads=self.counts_reads and self.data_rank % size == 0)
 
     def loss_scale(self, local: torch.Tensor, accumulation: int) -> torch.Tensor:
         """`token_loss_scale` of a window whose loss sums over `local` items on this rank (target tokens, pairs,

@@ -31,9 +31,10 @@ class GroupLayout:
     """Where a step's completions sit. A step holds W data ranks x k micro-batches x b completions (TRL's generation
     batch), whole groups of G. Ranks form teams of S, the fewest consecutive ranks whose completions are whole
     groups (S = 1 where b x k is a multiple of G): a team reads its share of the prompts, `prompts_per_step` = S x b
-    x k / G of them a step, as one batch, and its member m samples and trains the team's completions m x b x k to
-    (m + 1) x b x k in group order, b to a micro-batch. So a group's completions may sit on several micro-batches
-    and ranks; `advantages` shares every rank's rewards for the groups' statistics."""
+    x k / G of them a step, as one batch (`Ranks.teams(team_size)` reads them), and its member m samples and trains
+    the team's completions m x b x k to (m + 1) x b x k in group order, b to a micro-batch. So a group's completions
+    may sit on several micro-batches and ranks; `advantages` shares every rank's rewards for the groups' statistics.
+    The group arithmetic only: which rows a rank reads is `distributed.Ranks`'."""
 
     group_size: int
     micro_batch: int
@@ -63,10 +64,6 @@ class GroupLayout:
         return self.data_world // self.team_size
 
     @property
-    def team(self) -> int:
-        return self.data_rank // self.team_size
-
-    @property
     def member(self) -> int:
         return self.data_rank % self.team_size
 
@@ -80,16 +77,7 @@ class GroupLayout:
         return cls(group_size=group_size, micro_batch=micro_batch, accumulation=accumulation,
                    data_rank=ranks.data_rank, data_world=ranks.data_world, replicas=ranks.split_size)
 
-    @property
-    def split_size(self) -> int:
-        return self.replicas
-
-    def reads(self, evaluation: bool = False) -> dict:
-        """The prompts' reader (`Ranks.reads`): a team reads its share as one batch; held-out questions as `Ranks`."""
-        assert not evaluation, "held-out questions are read by Ranks"
-        return {"data_rank": self.team, "data_world": self.teams}
-
-    def describe(self) -> dict:
+    def recorded(self) -> dict:
         """What a checkpoint records of it (a resume with other groups reads other prompts a step)."""
         return {"num_generations": self.group_size, "prompt_teams": self.teams,
                 "loader_batch_size": self.prompts_per_step}

@@ -409,8 +409,8 @@ def _as_tensor(value):
 
 def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size, ranks, shuffle_seed=None,
                           eval_split=False, preprocessor=ChatPreprocessor, preprocessor_kwargs=None):
-    """A DataLoader over this rank's rows (`ranks.reads`: `distributed.Ranks`, or GRPO's `GroupLayout`): the training
-    mixture, or (eval_split) the held-out set, read by `preprocessor` (conversations; `PreferencePreprocessor`:
+    """A DataLoader over this rank's rows (`ranks.reads`: `distributed.Ranks`; GRPO's prompts: `Ranks.teams`): the
+    training mixture, or (eval_split) the held-out set, read by `preprocessor` (conversations; `PreferencePreprocessor`:
     preference pairs; `PromptPreprocessor`: prompts), built with `preprocessor_kwargs` besides.
     --max_tokens_per_batch is what one rank holds: a micro-batch split over `ranks.split_size` ranks holds that many
     times as many tokens. A held-out set that gives no rank a row stops the run now (`loader.check_held_out`: every
