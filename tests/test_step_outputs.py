@@ -108,3 +108,28 @@ def test_an_output_that_does_not_declare_its_split_is_refused_where_a_sequence_s
     with pytest.raises(TypeError, match="PerTokenLoss does not declare how it splits over a sequence-parallel group: "
                                         "set `splits = False`.* or `splits = True` with its `reduce`"):
         split(batch, PerTokenLoss())
+
+
+def test_the_step_encodes_the_media_and_builds_the_language_models_inputs_apart():
+    """`_hidden_states` as two steps, each testable alone: an image row's features reach the language model as its
+    encoder outputs; a text-only row's dummy image is encoded (the tower runs on every rank) and never reaches it;
+    packed rows give per-sample positions and no mask."""
+    from mmrecipes.images import to_device
+
+    model, processor = load_vlm(VLMModelArgs())
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    image_row = collator_row(labeller, colour_conversation("red"), [square("red")])
+    text_row = collator_row(labeller, [{"role": "user", "content": [{"type": "text", "text": "One, two?"}]},
+                                       {"role": "assistant", "content": [{"type": "text", "text": "three"}]}], [])
+    step = VLMForTraining(model)
+    for rows, packing in (([image_row], False), ([text_row], False), ([image_row, text_row], True)):
+        batch = to_device(ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor),
+                                       packing)(rows), "cpu")
+        media = {key: value for key, value in batch.items() if key not in (
+            "input_ids", "attention_mask", "labels", "dummy_image", "sample_lengths", "media_per_sample")}
+        encoded, dummies = step.encode_media(media, batch["dummy_image"])
+        assert (set(encoded), len(dummies)) == (({"image"}, 0) if not batch["dummy_image"] else (set(), 1))
+        inputs = step.lm_inputs(batch["input_ids"], batch["attention_mask"], media, encoded, batch["dummy_image"],
+                                batch.get("sample_lengths"), batch.get("media_per_sample"))
+        assert ("mm_encoder_outputs" in inputs) == (not batch["dummy_image"]) and "pixel_values" not in inputs
+        assert (inputs["attention_mask"] is None) == packing == ("position_ids" in inputs)

@@ -77,53 +77,74 @@ class VLMForTraining(torch.nn.Module):
     def _hidden_states(self, input_ids, attention_mask, labels, dummy_image: bool, dummy_video=False,
                        sample_lengths=None, media_per_sample=None, video_frames=None, output_router_logits=False,
                        **media_inputs):
-        """(the base model's last hidden states, the dummies' features, its router logits if asked): one vision call
-        (images, clips, or the dummy), then the language model on the merged sequence."""
+        """(the base model's last hidden states, the dummies' features, its router logits if asked): the media
+        encoded in one vision call (`encode_media`), then the language model on the merged sequence (`lm_inputs`)."""
+        encoded, dummies = self.encode_media(media_inputs, dummy_image, dummy_video, video_frames)
+        inputs = self.lm_inputs(input_ids, attention_mask, media_inputs, encoded, dummy_image, sample_lengths,
+                                media_per_sample)
+        if output_router_logits:
+            inputs["output_router_logits"] = True
+        # No KV cache: training needs none, and transformers reads packed positions only without one.
+        outputs = self.model.base_model(use_cache=False, **inputs)
+        return outputs[0], dummies, outputs.router_logits if output_router_logits else None
+
+    def encode_media(self, media_inputs: dict, dummy_image: bool, dummy_video=False, video_frames=None):
+        """({"image": features, "video": features} of what the batch holds, [the dummies' features]): one vision call
+        for the images, the clips where the family takes them as images, or the dummy image (split, each rank of a
+        sequence-parallel group encodes a share: `VisionShare`); a video path of the model's own after it."""
         vision_inputs = {name: value for name, value in media_inputs.items() if name in self.vision_input_names}
         videos = {name: value for name, value in media_inputs.items() if name in self.video_as_image}
         # Videos go through the tower in the same call as the images (or the dummy), after them: one call a step.
         joined = {self.video_as_image[name]: torch.cat([vision_inputs[self.video_as_image[name]], value])
                   for name, value in videos.items()}
-        if self.sequence_parallel:  # split, each rank of the group encodes a share of the images and frames
-            features, spare = self.sequence_parallel.image_features(self.model.get_image_features,
-                                                                    vision_inputs | joined)
-        else:
-            features, spare = self.model.get_image_features(**(vision_inputs | joined), return_dict=True), None
+        features, spare = self.image_features(vision_inputs | joined)
         encoded = {}
         if videos:
             grid = next(value for name, value in videos.items() if self.video_as_image[name] != "pixel_values")
             features, encoded["video"] = split_items(features, len(features.pooler_output) - len(grid))
         if "pixel_values_videos" in media_inputs and not self.video_as_image:  # a video path of its own
-            encoded["video"] = self.model.get_video_features(pixel_values_videos=media_inputs["pixel_values_videos"],
-                                                             return_dict=True)
-            if video_frames is not None:  # clips zero-padded to the longest: each keeps its own frames' rows
-                encoded["video"].pooler_output = _own_frames(encoded["video"].pooler_output, video_frames,
-                                                             self.clip_layout)
-        # What the LM takes besides the features: Qwen's image_grid_thw and mm_token_type_ids (mRoPE
-        # positions), Gemma 3's token_type_ids, Idefics3's pixel_attention_mask, LLaVA-OneVision's image_sizes.
-        # A text-only batch passes only its per-token inputs: the LM sees no image and no image token.
-        pixels = {"pixel_values", "pixel_values_videos"}
-        keep = self.forward_input_names - pixels - (self.vision_input_names if dummy_image else set())
-        other_inputs = {name: value for name, value in media_inputs.items() if name in keep}
+            encoded["video"] = self.own_video_features(media_inputs["pixel_values_videos"], video_frames)
         dummies = ([features] if dummy_image else []) + ([spare] if spare is not None else [])
         if dummy_video:
             dummies.append(encoded.pop("video"))
         if not dummy_image:
             encoded["image"] = features
+        return encoded, dummies
+
+    def image_features(self, vision_inputs: dict) -> tuple:
+        """(the vision tower's features, a spare dummy's or None): split, each rank of the sequence-parallel group
+        encodes a share of the images and frames (`VisionShare`)."""
+        if self.sequence_parallel:
+            return self.sequence_parallel.image_features(self.model.get_image_features, vision_inputs)
+        return self.model.get_image_features(**vision_inputs, return_dict=True), None
+
+    def own_video_features(self, clips: torch.Tensor, video_frames=None):
+        """The clips through the model's own video path; clips zero-padded to the longest (`video_frames`: each
+        one's frames) keep their own frames' rows."""
+        features = self.model.get_video_features(pixel_values_videos=clips, return_dict=True)
+        if video_frames is not None:
+            features.pooler_output = _own_frames(features.pooler_output, video_frames, self.clip_layout)
+        return features
+
+    def lm_inputs(self, input_ids, attention_mask, media_inputs: dict, encoded: dict, dummy_image: bool,
+                  sample_lengths=None, media_per_sample=None) -> dict:
+        """What the language model takes: the ids and mask, the encoded media (`mm_encoder_outputs`), the family's
+        other inputs (Qwen's image_grid_thw and mm_token_type_ids for mRoPE positions, Gemma 3's token_type_ids,
+        Idefics3's pixel_attention_mask, LLaVA-OneVision's image_sizes; a text-only batch passes its per-token ones
+        only: the LM sees no image and no image token), and, packed, each sample's positions and segments (no
+        mask: mmrecipes.vlm.rows.packing)."""
+        pixels = {"pixel_values", "pixel_values_videos"}
+        keep = self.forward_input_names - pixels - (self.vision_input_names if dummy_image else set())
+        inputs = {name: value for name, value in media_inputs.items() if name in keep}
         if encoded:
-            other_inputs["mm_encoder_outputs"] = encoded
-        if sample_lengths is not None:  # packed: no mask, positions restart per sample (mmrecipes.vlm.rows.packing)
-            other_inputs["position_ids"] = packed_position_ids(self.model, input_ids, sample_lengths, media_per_sample,
-                                                               media_inputs)
+            inputs["mm_encoder_outputs"] = encoded
+        if sample_lengths is not None:
+            inputs["position_ids"] = packed_position_ids(self.model, input_ids, sample_lengths, media_per_sample,
+                                                         media_inputs)
             if self.segmented:
-                other_inputs["seq_idx"] = segment_ids(sample_lengths, input_ids.shape)
+                inputs["seq_idx"] = segment_ids(sample_lengths, input_ids.shape)
             attention_mask = None
-        # No KV cache: training needs none, and transformers reads packed positions only without one.
-        if output_router_logits:
-            other_inputs["output_router_logits"] = True
-        outputs = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                        **other_inputs)
-        return outputs[0], dummies, outputs.router_logits if output_router_logits else None
+        return inputs | {"input_ids": input_ids, "attention_mask": attention_mask}
 
     # accelerate's FSDP2 path asks the root module for both: it shards them in one group when they are
     # tied (Gemma 3, Qwen2.5-VL-3B), and torch refuses a tied weight in two groups.
