@@ -4,6 +4,7 @@ The loop hands the report its batches once per step (`add_batches`: samples, tok
 data counts, as each collator counts them) and its own sums (`add_step`: the loss parts, kept on the device, left
 out on a skipped step). At a logging step, `close` sums the window over all ranks in one collective and `log` writes
 the recipe's own metrics followed by the throughput every recipe reports (`throughput`) and the counters so far.
+The run's evaluations are components (`Evaluation`) the report runs when due (`evaluate`: one loop line for all).
 """
 
 import time
@@ -80,6 +81,31 @@ class WindowSums:
         return dict(zip(names, sum_over_ranks(local).tolist()))
 
 
+class Evaluation:
+    """An evaluation of the run that `Report.evaluate` runs when due: its `parts` in order (each `part(filler) ->
+    {name: value}`, called on every rank, so collectives run inside; `filler`: what a rank with nothing left to
+    evaluate forwards), their scores on one eval line. Due every `every` steps (None: the run's --eval_steps; 0: at
+    the last step only) and at the run's last step, or, `at_start`, before the first step of a run that starts at 0
+    only. Without parts it is never due (held-out data not given, no benchmark named)."""
+
+    def __init__(self, parts: list, every: int | None = None, at_start: bool = False):
+        self.parts, self.every, self.at_start = list(parts), every, at_start
+
+    def due(self, step: int, before_step: bool, eval_steps: int, max_steps: int) -> bool:
+        if not self.parts or before_step != self.at_start:
+            return False
+        if self.at_start:
+            return step == 0
+        every = eval_steps if self.every is None else self.every
+        return step == max_steps or (every > 0 and step % every == 0)
+
+    def __call__(self, filler) -> dict:
+        scores = {}
+        for part in self.parts:
+            scores |= part(filler)
+        return scores
+
+
 class Report:
     """One run's reporting: when a report or an evaluation is due, the window's sums, and the lines they make.
 
@@ -88,13 +114,15 @@ class Report:
     (MFU; None: not reported); `guard`: the run's `StepGuard` (its skipped steps are reported);
     `total`: the sums a resumed run starts from (`Checkpointer.resumed_totals`); `ranks` (`distributed.Ranks`): where
     another rank counts the batches this one reads too (a sequence-parallel peer), this one counts none; `formats`:
-    how the log line writes the recipe's own metrics (`FORMATS`' format specs).
+    how the log line writes the recipe's own metrics (`FORMATS`' format specs); `evaluations`: the run's `Evaluation`s
+    in the order their lines come.
     """
 
     def __init__(self, accelerator, args, batches, counted: tuple[str, ...], *, guard, ranks, flops=None, total=None,
-                 formats: dict | None = None):
+                 formats: dict | None = None, evaluations=()):
         self.accelerator, self.batches, self.counted, self.guard, self.flops, self.ranks = (
             accelerator, batches, counted, guard, flops, ranks)
+        self.evaluations = list(evaluations)
         self.formats = FORMATS | (formats or {})
         self.logging_steps, self.eval_steps, self.max_steps = args.logging_steps, args.eval_steps, args.max_steps
         self.peak = peak_flops(args.peak_tflops)
@@ -108,8 +136,14 @@ class Report:
     def due(self, step: int) -> bool:
         return step % self.logging_steps == 0 or step == self.max_steps
 
-    def evaluation_due(self, step: int) -> bool:
-        return step % self.eval_steps == 0 or step == self.max_steps
+    def evaluate(self, step: int, filler, before_step: bool = False):
+        """Each of the run's evaluations due at `step` (before its training where `before_step`), in order, each on an
+        eval line of its own and left out of samples/s (`evaluating`); `filler`: what a rank with nothing left to
+        evaluate forwards (any batch of the step)."""
+        for evaluation in self.evaluations:
+            if evaluation.due(step, before_step, self.eval_steps, self.max_steps):
+                with self.evaluating(step) as scores:
+                    scores |= evaluation(filler)
 
     def add_batches(self, window: list, trained: list | None = None):
         """Count a step's batches: those read (`window`: rows, `num_samples`, and the data counts) and those trained

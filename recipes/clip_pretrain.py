@@ -70,7 +70,7 @@ from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches, check_held_out
 from mmrecipes.model_card import write_model_card
-from mmrecipes.reporting import Report, ratio
+from mmrecipes.reporting import Evaluation, Report, ratio
 from mmrecipes.sources import evaluation_source
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import (
@@ -132,13 +132,14 @@ def main(argv=None):
                          pad_to_max_length=pad_to_max_length)
     train_loader = build_dataloader(data_args, data_args.train_split, data_args.data_files,
                                     batch_size=batch_size, shuffle_seed=args.seed, **loader_kwargs)
-    eval_loader, no_eval = None, evaluation_off_reason(data_args)
+    held_out, no_eval = [], evaluation_off_reason(data_args)  # retrieval R@1, zero-shot top-1/5
     split = data_args.eval_split
     evaluated = [f"retrieval off: {no_eval}" if no_eval else f"retrieval on the {split} split"]
     if not no_eval:
         eval_loader = build_dataloader(data_args, split, data_args.eval_data_files,
                                        batch_size=args.per_device_eval_batch_size, **loader_kwargs)
         check_held_out(eval_loader, accelerator.device, split)  # no usable pair: stop now
+        held_out.append(partial(evaluate_retrieval, model, eval_loader, device=accelerator.device))
     # Zero-shot classification next to retrieval (open_clip's ImageNet top-1): the embedded shape
     # and colour classes beside the embedded data; any image folder, hub id or labelled builder.
     zeroshot_args.zeroshot_dataset, zeroshot_line = evaluation_source(
@@ -146,11 +147,11 @@ def main(argv=None):
         zeroshot_args.EMBEDDED_SET)
     evaluated.append(zeroshot_line)
     accelerator.print("evaluation: " + "; ".join(evaluated))
-    zeroshot = None
     if zeroshot_args.zeroshot_dataset:
         zeroshot = ZeroShotSet(zeroshot_args, tokenizer, image_processor, **ranks.reads(),
                                caption_length=captions,
                                pad_to_max_length=pad_to_max_length)
+        held_out.append(lambda _: evaluate_zeroshot(model, zeroshot, accelerator.device))
 
     # A checkpoint also holds the config and image processor: compose takes it as a VLM's tower.
     layout = data_layout(data_args, args, ranks, batch_size=batch_size)
@@ -171,7 +172,8 @@ def main(argv=None):
     accelerator.init_trackers(f"{model_args.loss}_pretrain", config)
     # The data counters: bad rows by kind, and the rows of each source where there are several
     report = Report(accelerator, args, batches, data_args.counted(), guard=guard, flops=batch_flops,
-                    total=checkpoints.resumed_totals, ranks=ranks)
+                    total=checkpoints.resumed_totals, ranks=ranks,
+                    evaluations=[Evaluation(held_out)])
     # Both take (image_embeds, text_embeds, *the model's other outputs: scale, SigLIP's bias)
     loss_fn = (siglip_loss if model_args.loss == "siglip"
                else partial(clip_loss, tile_size=args.loss_tile_size))
@@ -212,13 +214,8 @@ def main(argv=None):
             sums = report.close()
             report.log(done, {"loss": ratio(sums["loss"], sums["applied_steps"]),
                               "lr": scheduler.get_last_lr()[0]}, sums)
-        if (eval_loader, zeroshot) != (None, None) and report.evaluation_due(done):
-            with report.evaluating(done) as scores:
-                if eval_loader is not None:
-                    scores |= evaluate_retrieval(model, eval_loader, filler_batch,
-                                                 accelerator.device)
-                if zeroshot is not None:
-                    scores |= evaluate_zeroshot(model, zeroshot, accelerator.device)
+        # shared: evaluations
+        report.evaluate(done, filler_batch)  # those due, each on its line
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 

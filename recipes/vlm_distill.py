@@ -17,6 +17,7 @@ answer (docs/distill.md). With no arguments: the tiny SFT'd Llava learns from a 
 """
 
 from dataclasses import asdict, dataclass
+from functools import partial
 
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.config import parse_args
@@ -57,7 +58,7 @@ from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
-from mmrecipes.reporting import Report, ratio
+from mmrecipes.reporting import Evaluation, Report, ratio
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
 from mmrecipes.vlm.algorithms.distill import StepTargets, evaluate_divergence
@@ -153,6 +154,7 @@ def main(argv=None):
     # documents
     benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True))
     accelerator.print(benchmarks.describe())
+    benchmarking = benchmarks.evaluation(BenchmarkAnswers(model, vlm, accelerator.device))
 
     data = data_layout(data_args, args, ranks, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model), data,
@@ -169,12 +171,10 @@ def main(argv=None):
 
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(distill_args)
     accelerator.init_trackers("vlm_distill", config | asdict(args) | asdict(bench_args))
-    report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals, ranks=ranks, formats=targets.FORMATS)
 
-    def evaluate(scores: dict, filler: dict, teacher_too: bool = False):  # held-out scores
+    def evaluate(filler: dict, teacher_too: bool = False) -> dict:  # held-out scores
         answers = (batch["answers"] for batch in eval_loader)
-        scores |= evaluate_answers(model, answers, filler["answers"], accelerator.device)
+        scores = evaluate_answers(model, answers, filler["answers"], accelerator.device)
         scores |= evaluate_generation(model, held_out, filler["answers"], chat_collator,
                                       processor.tokenizer, vlm.stops, accelerator.device,
                                       vlm.placeholders)
@@ -182,6 +182,14 @@ def main(argv=None):
                                       divergence)
         if teacher_too:  # its generated accuracy on the same questions
             scores |= teacher.generated_accuracy(data_args, rows, ranks)
+        return scores
+
+    held_out_parts = [evaluate] if eval_loader is not None else []
+    at_start = [partial(evaluate, teacher_too=True)] if eval_loader is not None else []
+    evaluations = [Evaluation(at_start, at_start=True), Evaluation(held_out_parts), benchmarking]
+    report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
+                    total=checkpoints.resumed_totals, ranks=ranks, formats=targets.FORMATS,
+                    evaluations=evaluations)
 
     # shared: loop head
     for step in progress:
@@ -191,9 +199,7 @@ def main(argv=None):
         report.add_batches(window)
         filler_batch = window[-1]  # any batch: what a rank with no eval rows left forwards
 
-        if eval_loader is not None and step == 0:  # where the student starts, and the teacher
-            with report.evaluating(0) as scores:
-                evaluate(scores, filler_batch, teacher_too=True)
+        report.evaluate(step, filler_batch, before_step=True)  # step 0: the student, the teacher
         micro_batches = targets(model, window, step)
         report.add_batches([], trained=micro_batches)
         # One collective per optimizer step: the window's target tokens N on all ranks
@@ -224,13 +230,8 @@ def main(argv=None):
             report.log(done, {"loss": ratio(sums["divergence"], sums["target_tokens"]),
                               "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
                               **targets.metrics(sums, ranks.data_world)}, sums)
-        if eval_loader is not None and report.evaluation_due(done):
-            with report.evaluating(done) as held_out_scores:
-                evaluate(held_out_scores, filler_batch)
-        # shared: benchmark
-        if benchmarks.due(done, args.max_steps):
-            with report.evaluating(done) as scores:
-                scores |= benchmarks.run(BenchmarkAnswers(model, vlm, accelerator.device))
+        # shared: evaluations
+        report.evaluate(done, filler_batch)  # those due, each on its line
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 

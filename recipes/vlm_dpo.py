@@ -18,6 +18,7 @@ exact mean over the window's pairs on every rank (docs/dpo.md).
 """
 
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.config import parse_args
@@ -57,7 +58,7 @@ from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
-from mmrecipes.reporting import Report, ratio
+from mmrecipes.reporting import Evaluation, Report, ratio
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
 from mmrecipes.vlm.algorithms.preference import (
@@ -135,23 +136,28 @@ def main(argv=None):
     loader_kwargs = dict(labeller=labeller, ranks=ranks, preprocessor=PreferencePreprocessor)
     train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size,
                                          shuffle_seed=args.seed, **loader_kwargs)
-    eval_loader = question_loader = None
+    held_out = []  # held-out pairs' rewards, and questions' answers
     if data_args.eval_dataset_name:
         eval_loader = build_chat_dataloader(data_args, collator=collator, eval_split=True,
                                             batch_size=args.per_device_eval_batch_size,
                                             **loader_kwargs)
+        held_out.append(partial(evaluate_preferences, model, reference, eval_loader,
+                                args=dpo_args, device=accelerator.device))
     if data_args.eval_questions:  # held-out questions' answers, as vlm_finetune.py scores them
         questions = replace(data_args, eval_dataset_name=data_args.eval_questions,
                             eval_data_files=data_args.eval_questions_data_files)
         question_loader = build_chat_dataloader(questions, collator=chat_collator, eval_split=True,
                                                 batch_size=args.per_device_eval_batch_size,
                                                 labeller=labeller, ranks=ranks)
+        held_out.append(partial(evaluate_answers, model, question_loader,
+                                device=accelerator.device))
 
     # shared: benchmarks
     # Standard benchmarks scored as lmms-eval scores them, each rank answering its stride of the
     # documents
     benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True))
     accelerator.print(benchmarks.describe())
+    benchmarking = benchmarks.evaluation(BenchmarkAnswers(model, vlm, accelerator.device))
 
     if dpo_args.precompute_ref_log_probs:  # an epoch of this rank's pairs, then no reference model
         first_pass = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size,
@@ -176,7 +182,8 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(dpo_args)
     accelerator.init_trackers("vlm_dpo", config | asdict(args) | asdict(bench_args))
     report = Report(accelerator, args, batches, PREFERENCE_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals, ranks=ranks, formats=DPO_FORMATS)
+                    total=checkpoints.resumed_totals, ranks=ranks, formats=DPO_FORMATS,
+                    evaluations=[Evaluation(held_out), benchmarking])
     # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
@@ -223,18 +230,8 @@ def main(argv=None):
                 "rewards/margins": mean["chosen"] - mean["rejected"],
                 "logps/chosen": mean["logps_chosen"], "logps/rejected": mean["logps_rejected"],
                 "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]}, sums)
-        if (eval_loader, question_loader) != (None, None) and report.evaluation_due(done):
-            with report.evaluating(done) as scores:
-                if eval_loader is not None:
-                    scores |= evaluate_preferences(model, reference, eval_loader, filler_batch,
-                                                   dpo_args, accelerator.device)
-                if question_loader is not None:
-                    scores |= evaluate_answers(model, question_loader, filler_batch,
-                                               accelerator.device)
-        # shared: benchmark
-        if benchmarks.due(done, args.max_steps):
-            with report.evaluating(done) as scores:
-                scores |= benchmarks.run(BenchmarkAnswers(model, vlm, accelerator.device))
+        # shared: evaluations
+        report.evaluate(done, filler_batch)  # those due, each on its line
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 

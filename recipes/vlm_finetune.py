@@ -16,6 +16,7 @@ exact token mean over the accumulation window on all ranks (docs/vlm.md). Data: 
 """
 
 from dataclasses import asdict, dataclass
+from functools import partial
 
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.config import checked, parse_args
@@ -54,7 +55,7 @@ from mmrecipes.distributed import DivergenceGuard, Ranks, engine_line, reconcile
 from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
-from mmrecipes.reporting import Report, ratio
+from mmrecipes.reporting import Evaluation, Report, ratio
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import (
     accelerator_from_args,
@@ -143,7 +144,7 @@ def main(argv=None):
     loader_kwargs = dict(labeller=labeller, ranks=ranks)
     train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size,
                                          shuffle_seed=args.seed, **loader_kwargs)
-    eval_loader = None
+    held_out = []  # teacher-forced and generated held-out answers
     if data_args.eval_dataset_name:
         eval_collator = ChatCollator(pad, vlm.dummy_inputs)
         eval_loader = build_chat_dataloader(data_args, collator=eval_collator, eval_split=True,
@@ -151,12 +152,17 @@ def main(argv=None):
                                             **loader_kwargs)
         prompts = generation_prompts(data_args, processor, rows=args.eval_generation_rows,
                                      ranks=ranks)
+        held_out = [partial(evaluate_answers, model, eval_loader, device=accelerator.device),
+                    partial(evaluate_generation, model, prompts, collator=eval_collator,
+                            tokenizer=processor.tokenizer, stop_token_ids=vlm.stops,
+                            device=accelerator.device, placeholders=vlm.placeholders)]
 
     # shared: benchmarks
     # Standard benchmarks scored as lmms-eval scores them, each rank answering its stride of the
     # documents
     benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True))
     accelerator.print(benchmarks.describe())
+    benchmarking = benchmarks.evaluation(BenchmarkAnswers(model, vlm, accelerator.device))
 
     # shared: vlm checkpoints
     layout = data_layout(data_args, args, ranks, batch_size=batch_size)
@@ -177,12 +183,8 @@ def main(argv=None):
               | asdict(bench_args))
     accelerator.init_trackers("vlm_finetune", config)
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals, ranks=ranks, formats=balance.FORMATS)
-
-    def evaluate(scores: dict, filler: dict):  # teacher-forced and generated held-out answers
-        scores |= evaluate_answers(model, eval_loader, filler, accelerator.device)
-        scores |= evaluate_generation(model, prompts, filler, eval_collator, processor.tokenizer,
-                                      vlm.stops, accelerator.device, vlm.placeholders)
+                    total=checkpoints.resumed_totals, ranks=ranks, formats=balance.FORMATS,
+                    evaluations=[Evaluation(held_out), benchmarking])
 
     # shared: loop head
     for step in progress:
@@ -221,13 +223,8 @@ def main(argv=None):
                               **balance.metrics(sums),
                               "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]},
                        sums)
-        if eval_loader is not None and report.evaluation_due(done):
-            with report.evaluating(done) as scores:
-                evaluate(scores, filler_batch)
-        # shared: benchmark
-        if benchmarks.due(done, args.max_steps):
-            with report.evaluating(done) as scores:
-                scores |= benchmarks.run(BenchmarkAnswers(model, vlm, accelerator.device))
+        # shared: evaluations
+        report.evaluate(done, filler_batch)  # those due, each on its line
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 

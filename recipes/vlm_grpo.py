@@ -17,6 +17,7 @@ model that never answers right gets no reward to learn from.
 """
 
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.config import parse_args
@@ -56,7 +57,7 @@ from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
-from mmrecipes.reporting import Report, ratio
+from mmrecipes.reporting import Evaluation, Report, ratio
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
 from mmrecipes.vlm.algorithms import grpo
@@ -137,16 +138,20 @@ def main(argv=None):
 
     # The loader reads a team's prompts for a step as one batch, leaving room for the completions
     prompt_length = data_args.max_length - grpo_args.max_completion_length
-    prompt_collator = PromptCollator(chat_collator, counted=layout.member == 0)
+    team = ranks.teams(layout.team_size)  # they read its prompts; its first member counts them
+    prompt_collator = PromptCollator(chat_collator, counted=team.counts_reads)
     train_loader = build_chat_dataloader(replace(data_args, max_length=prompt_length), labeller,
                                          prompt_collator, shuffle_seed=args.seed,
-                                         batch_size=layout.prompts_per_step, ranks=layout,
+                                         batch_size=layout.prompts_per_step, ranks=team,
                                          preprocessor=PromptPreprocessor,
                                          preprocessor_kwargs=Tools.prompt_settings(tools))
     held_out = []  # questions answered by greedy decoding at each evaluation
-    if data_args.eval_dataset_name:
-        held_out = generation_prompts(data_args, processor, rows=data_args.eval_generation_rows,
-                                      ranks=ranks)
+    questions = data_args.eval_dataset_name and generation_prompts(
+        data_args, processor, rows=data_args.eval_generation_rows, ranks=ranks)
+    if questions:
+        held_out = [partial(evaluate_generation, model, questions, collator=chat_collator,
+                            tokenizer=processor.tokenizer, stop_token_ids=vlm.stops,
+                            device=accelerator.device, placeholders=vlm.placeholders)]
     scorer = RewardScorer(reward_funcs, weights, grpo_args.reward_timeout)
     normaliser = grpo.LossNormaliser(grpo_args)
 
@@ -155,10 +160,11 @@ def main(argv=None):
     # documents
     benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True))
     accelerator.print(benchmarks.describe())
+    benchmarking = benchmarks.evaluation(BenchmarkAnswers(model, vlm, accelerator.device))
 
     data = data_layout(data_args, args, ranks, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
-                               data | layout.describe(), ranks)
+                               data | layout.recorded(), ranks)
     # shared: run state
     # Once per optimizer step the ranks agree whether to apply it (finite loss and gradients) and
     # whether a preemption signal arrived (then: checkpoint and exit).
@@ -172,14 +178,15 @@ def main(argv=None):
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(grpo_args)
     accelerator.init_trackers("vlm_grpo", config | asdict(args) | asdict(bench_args))
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
-                    total=checkpoints.resumed_totals, ranks=ranks, formats=grpo.FORMATS)
+                    total=checkpoints.resumed_totals, ranks=ranks, formats=grpo.FORMATS,
+                    evaluations=[Evaluation(held_out), benchmarking])
     rollouts = None
     for step in progress:
         window = []  # a batch of the team's prompts, read once every --num_iterations steps
         if rollouts is None or rollouts.trained == grpo_args.num_iterations:
             window = [next(batches)]  # its completions fill this rank's micro-batches
             if step == start_step:  # a team without prompts says why, on every rank
-                batches.check_rows(window, accelerator, layout.teams)
+                batches.check_rows(window, accelerator, team.data_world)
             # This rank's completions, sampled and scored; their advantages from every rank's
             # rewards (none where a reward function failed); what the loss needs before any update
             prompts = window[0]["prompts"]
@@ -229,15 +236,8 @@ def main(argv=None):
                 "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
                 "generation_share": sampling}, sums)
             scorer.check_window(sums, done)  # a function that failed every completion: stop
-        if held_out and report.evaluation_due(done):
-            with report.evaluating(done) as evaluation:
-                evaluation |= evaluate_generation(model, held_out, filler_batch, chat_collator,
-                                                  processor.tokenizer, vlm.stops,
-                                                  accelerator.device, vlm.placeholders)
-        # shared: benchmark
-        if benchmarks.due(done, args.max_steps):
-            with report.evaluating(done) as scores:
-                scores |= benchmarks.run(BenchmarkAnswers(model, vlm, accelerator.device))
+        # shared: evaluations
+        report.evaluate(done, filler_batch)  # those due, each on its line
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 

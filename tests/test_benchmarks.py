@@ -305,10 +305,51 @@ def test_our_answers_are_lmms_evals_own_models_answers(tmp_path):
 
 
 def test_benchmark_steps_and_the_end_of_the_run_are_when_the_tasks_run():
-    """--benchmark_steps K: every K optimizer steps and at the last; 0: at the last only; no task: never."""
+    """--benchmark_steps K: every K optimizer steps and at the last; 0: at the last only; no task: never (as a run's
+    evaluation, `reporting.Evaluation`, whatever --eval_steps; never before a step)."""
+    def due(benchmarks):
+        evaluation = benchmarks.evaluation(lambda request, tokens: "A")
+        assert not evaluation.due(0, True, 2, 10)
+        return [step for step in range(1, 11) if evaluation.due(step, False, 2, 10)]
+
     every_three = Benchmarks(BenchmarkArgs(benchmarks="ai2d", benchmark_data_dir="embedded:benchmarks",
                                            benchmark_steps=3))
-    assert [step for step in range(1, 11) if every_three.due(step, 10)] == [3, 6, 9, 10]
+    assert due(every_three) == [3, 6, 9, 10]
     at_the_end = Benchmarks(BenchmarkArgs(benchmarks="ai2d", benchmark_data_dir="embedded:benchmarks"))
-    assert [step for step in range(1, 11) if at_the_end.due(step, 10)] == [10]
-    assert not any(Benchmarks(BenchmarkArgs()).due(step, 10) for step in range(1, 11))
+    assert due(at_the_end) == [10]
+    assert due(Benchmarks(BenchmarkArgs())) == []
+
+
+def test_a_runs_evaluations_run_in_order_when_due_each_on_its_line():
+    """`Report.evaluate`: the held-out evaluation every --eval_steps and at the last step, one at the start only
+    before step 0's training (distillation's teacher), none without parts; each due one on an eval line of its own,
+    in the order given."""
+    from mmrecipes.reporting import Evaluation, Report
+
+    lines, calls = [], []
+    report = Report.__new__(Report)  # the evaluation path only: no accelerator, no window
+    report.eval_steps, report.max_steps = 4, 10
+    report.evaluating = lambda step: _Scores(step, lines)
+    report.evaluations = [Evaluation([lambda filler: calls.append(("start", filler)) or {"teacher": 1.0}],
+                                     at_start=True),
+                          Evaluation([lambda filler: calls.append(("held_out", filler)) or {"answers": 0.5},
+                                      lambda filler: {"generated": 0.25}]),
+                          Evaluation([]), Evaluation([lambda filler: {"bench": 2.0}], every=0)]
+    for step in range(10):
+        report.evaluate(step, "filler", before_step=True)
+        report.evaluate(step + 1, "filler")
+    assert lines == [(0, {"teacher": 1.0}), (4, {"answers": 0.5, "generated": 0.25}),
+                     (8, {"answers": 0.5, "generated": 0.25}), (10, {"answers": 0.5, "generated": 0.25}),
+                     (10, {"bench": 2.0})]
+    assert calls[0] == ("start", "filler") and len(calls) == 4
+
+
+class _Scores:
+    def __init__(self, step, lines):
+        self.step, self.lines, self.scores = step, lines, {}
+
+    def __enter__(self):
+        return self.scores
+
+    def __exit__(self, *exc):
+        self.lines.append((self.step, self.scores))

@@ -27,6 +27,7 @@ from PIL import Image
 
 from ..images import decode_image
 from ..paths import resolve_name
+from ..reporting import Evaluation
 from ..skips import Skip
 from .arguments import BenchmarkArgs
 from .tasks import LMMS_EVAL, TASKS, Task
@@ -161,9 +162,10 @@ class Benchmarks:
     def __bool__(self) -> bool:
         return bool(self.tasks)
 
-    def due(self, step: int, max_steps: int) -> bool:
-        steps = self.args.benchmark_steps
-        return bool(self.tasks) and (step == max_steps or (steps > 0 and step % steps == 0))
+    def evaluation(self, answer) -> Evaluation:
+        """The tasks as an evaluation of the run (`reporting.Evaluation`): every --benchmark_steps and at the run's
+        last step, answered by `answer` (`Request` -> text: the recipes' `BenchmarkAnswers`)."""
+        return Evaluation([lambda filler: self.run(answer)] if self.tasks else [], every=self.args.benchmark_steps)
 
     def describe(self) -> str:
         if not self.tasks:
