@@ -51,7 +51,7 @@ def main():
                                benchmark_limit=3 if args.quick else 0, benchmark_max_new_tokens=args.max_new_tokens)
     benchmarks = Benchmarks(bench_args)
     documents = sum(len(bench.docs) for bench in benchmarks.tasks)
-    vlm = SimpleNamespace(processor=processor, dummy_inputs=dummy_image_inputs(model, processor),
+    vlm = SimpleNamespace(model=model, processor=processor, dummy_inputs=dummy_image_inputs(model, processor),
                           stops=stop_token_ids(model, processor), placeholders=placeholder_token_ids(model, processor))
     with torch.no_grad():
         in_step, loop_scores = timed(benchmarks, BenchmarkAnswers(VLMForTraining(model), vlm, "cpu"))
