@@ -136,7 +136,7 @@ def main(argv=None):
     loader_kwargs = dict(labeller=labeller, ranks=ranks, preprocessor=PreferencePreprocessor)
     train_loader = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size,
                                          shuffle_seed=args.seed, **loader_kwargs)
-    held_out = []  # held-out pairs' rewards, and questions' answers
+    held_out, eval_loader = [], None  # held-out pairs' rewards, and questions' answers
     if data_args.eval_dataset_name:
         eval_loader = build_chat_dataloader(data_args, collator=collator, eval_split=True,
                                             batch_size=args.per_device_eval_batch_size,
