@@ -162,12 +162,13 @@ def test_a_tool_that_manages_sigalrm_itself_ends_the_process_naming_it():
     """It ignored SIGALRM, cancelled the timer and blocked: --tool_timeout and the 30 s watchdog (raised from the
     same timer) never fired, and SIGTERM waited for it too. A watchdog thread ends the process STUCK_S past the
     limit."""
+    # the guard `ToolBox.run` puts around every call, in a process that imports no torch (seconds, not tens)
     script = ("import sys; sys.path.insert(0, 'tests')\n"
               "from mmrecipes.vlm.algorithms import user_code\n"
-              "from mmrecipes.vlm.algorithms.tools import ToolBox\n"
               "from tools_for_tests import sandboxed\n"
               "user_code.STUCK_S = 1.0\n"
-              "ToolBox([sandboxed], timeout=0.5).run('sandboxed', {'seconds': 60})\n")
+              "with user_code.time_limit(0.5, 'tool sandboxed', '--tool_timeout', user_code.ToolTimeout):\n"
+              "    sandboxed(60)\n")
     started = time.monotonic()
     ended = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert ended.returncode == 1 and time.monotonic() - started < 30
