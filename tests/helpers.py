@@ -171,3 +171,19 @@ def hostile_benchmarks(folder):
     write_task(folder, "mmbench_en_dev_static", [doc | {"index": "q0" if i == 0 else str(doc["index"])}
                                                  for i, doc in enumerate(mmbench)])
     return "mmmu_val,ai2d,mmbench_en_dev_static"
+
+
+def ended_by_the_watchdog(lines: list[str]) -> str:
+    """The stderr of a Python process that runs `lines` (tests/ on its path, the watchdog's STUCK_S 1 s) and must be
+    ended by the user-code watchdog: exit code 1, within 30 s."""
+    import subprocess
+    import sys
+    import time
+
+    script = "\n".join(["import sys; sys.path.insert(0, 'tests')", "from mmrecipes.vlm.algorithms import user_code",
+                        "user_code.STUCK_S = 1.0", *lines]) + "\n"
+    started = time.monotonic()
+    ended = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
+                           capture_output=True, text=True, timeout=60)
+    assert ended.returncode == 1 and time.monotonic() - started < 30, ended.stderr
+    return ended.stderr

@@ -7,8 +7,6 @@ before (the tests name what it did)."""
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
@@ -16,7 +14,7 @@ import pytest
 import torch
 
 from gloo import run_on_ranks
-from helpers import documents, hostile_benchmarks, write_task
+from helpers import documents, ended_by_the_watchdog, hostile_benchmarks, write_task
 from launch import REPO, load_recipe
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.benchmarks.harness import Benchmarks
@@ -163,17 +161,12 @@ def test_a_tool_that_manages_sigalrm_itself_ends_the_process_naming_it():
     same timer) never fired, and SIGTERM waited for it too. A watchdog thread ends the process STUCK_S past the
     limit."""
     # the guard `ToolBox.run` puts around every call, in a process that imports no torch (seconds, not tens)
-    script = ("import sys; sys.path.insert(0, 'tests')\n"
-              "from mmrecipes.vlm.algorithms import user_code\n"
-              "from tools_for_tests import sandboxed\n"
-              "user_code.STUCK_S = 1.0\n"
-              "with user_code.time_limit(0.5, 'tool sandboxed', '--tool_timeout', user_code.ToolTimeout):\n"
-              "    sandboxed(60)\n")
-    started = time.monotonic()
-    ended = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert ended.returncode == 1 and time.monotonic() - started < 30
+    stderr = ended_by_the_watchdog([
+        "from tools_for_tests import sandboxed",
+        "with user_code.time_limit(0.5, 'tool sandboxed', '--tool_timeout', user_code.ToolTimeout):",
+        "    sandboxed(60)"])
     assert re.search(r"tool sandboxed ran \d s past --tool_timeout 0.5 s, catching every timeout raised in it: "
-                     "ending the process", ended.stderr), ended.stderr
+                     "ending the process", stderr), stderr
 
 
 def test_async_tools_are_awaited_and_hostile_results_fail_their_call_only():
