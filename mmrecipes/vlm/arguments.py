@@ -3,7 +3,7 @@ torch (`--help`)."""
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import ClassVar
 
@@ -394,8 +394,9 @@ class GRPOArgs(SamplingArgs):
                              f"({len(self.funcs)})")
         self.weights = weights
         self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-        given = [f"--{name}" for name, unset in (("max_tool_calling_iterations", None), ("tool_timeout", 60.0))
-                 if getattr(self, name) != unset]
+        defaults = {field.name: field.default for field in fields(self)}
+        given = [f"--{name}" for name in ("max_tool_calling_iterations", "tool_timeout")
+                 if getattr(self, name) != defaults[name]]
         if given and not self.tools and not self.environment_factory:
             raise ValueError(f"{' and '.join(given)} without --tools or --environment_factory: there is no tool to "
                              "limit; give the tools, or leave the flag out")

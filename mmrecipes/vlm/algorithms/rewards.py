@@ -91,7 +91,7 @@ def load_reward_funcs(names: list[str], format_pattern: str, timeout: float | No
         elif name == "format":
             funcs[name] = format_reward(format_pattern)
         elif ":" in name:
-            funcs[name] = imported(name, "--reward_funcs", timeout)
+            funcs[name] = imported(name, "--reward_funcs", timeout, "--reward_timeout")
         else:
             raise ValueError(f"--reward_funcs {name}: accuracy, format, or a function's import path module:function")
     return funcs

@@ -380,9 +380,10 @@ class Tools:
         trajectories = []
         for index, indices in layout.pieces():
             prompt = prompts[index]
+            group_seed = prompt_seed(seed, prompt)
             for completion in indices:
                 environment, own = self.environment(prompt)
-                trajectories.append(Trajectory(own, completion, prompt_seed(seed, prompt), environment=environment))
+                trajectories.append(Trajectory(own, completion, group_seed, environment=environment))
         groups = draw([(trajectory.prompt, trajectory.seed, [trajectory.index], None) for trajectory in trajectories])
         for trajectory, group in zip(trajectories, groups):
             trajectory.add_turn(*group[0])
@@ -447,13 +448,11 @@ class Tools:
         except KeyboardInterrupt:
             raise
         except BaseException as error:  # noqa: BLE001 (user code: the rollout goes on without it)
-            why = f"{type(error).__name__}: {str(error)[:500]}"
-            return self.failed(f"reset/{type(error).__name__}", f"the environment's reset: {why}"), prompt
-
-    def failed(self, kind: str, why: str) -> None:
-        """Count an environment's failure of `kind`; its first `why` is said (`take_counts`)."""
-        self.environment_failures[kind] += 1
-        self.box.first_errors.setdefault(kind, why)
+            kind = f"reset/{type(error).__name__}"
+            self.environment_failures[kind] += 1
+            self.box.first_errors.setdefault(kind, f"the environment's reset: {type(error).__name__}: "
+                                                   f"{str(error)[:500]}")
+            return None, prompt
 
     def observed(self, prompt: dict, observation, environment: str | None = None) -> dict:
         """The prompt with `observation` (text or content blocks) appended to its last turn, rendered anew with the
@@ -461,10 +460,10 @@ class Tools:
         if not isinstance(prompt["prompt"], list):
             raise TypeError("reset() returned an observation for a string prompt: give conversational prompts")
         added = blocks(observation, self.box.placeholders)
-        length = self.max_prompt_length
-        if length and characters([(None, added)]) > MAX_CHARS_PER_TOKEN * length:  # before tokenising it
-            raise PromptTooLong(f"its observation's {characters([(None, added)]):,} characters cannot fit a prompt "
-                                f"of {length} tokens (--max_length less --max_completion_length)")
+        length, text = self.max_prompt_length, characters([(None, added)])
+        if length and text > MAX_CHARS_PER_TOKEN * length:  # found before tokenising it
+            raise PromptTooLong(f"its observation's {text:,} characters cannot fit a prompt of {length} tokens "
+                                "(--max_length less --max_completion_length)")
         last = prompt["prompt"][-1]
         content = [{"type": "text", "text": last["content"]}] if isinstance(last["content"], str) else last["content"]
         content = content + [{"type": block["type"], **({"text": block["text"]} if "text" in block else {})}

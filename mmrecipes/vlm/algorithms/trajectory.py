@@ -31,9 +31,9 @@ def first_turns(draw, prompts, layout, seed: int) -> list:
     pieces = [(prompts[index], indices) for index, indices in layout.pieces()]
     requests = [(prompt, prompt_seed(seed, prompt), indices, None) for prompt, indices in pieces]
     trajectories = []
-    for (prompt, indices), group in zip(pieces, draw(requests)):
+    for (prompt, group_seed, indices, _), group in zip(requests, draw(requests)):
         for completion, (ids, cut) in zip(indices, group):
-            trajectory = Trajectory(prompt, completion, prompt_seed(seed, prompt))
+            trajectory = Trajectory(prompt, completion, group_seed)
             trajectory.add_turn(ids, cut)
             trajectories.append(trajectory)
     return trajectories

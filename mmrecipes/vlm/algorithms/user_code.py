@@ -2,8 +2,8 @@
 a time limit, so that nothing it raises, catches or blocks on ends or hangs the run unnamed. Rewards and tools share
 these guards.
 
-- `imported(path, flag, seconds)`: what module:name names; the import said before it starts (a module that blocks
-  while it is imported leaves no empty log) and timed out naming the module and the flag.
+- `imported(path, flag, seconds, limit_flag)`: what module:name names; the import said before it starts (a module
+  that blocks while it is imported leaves no empty log) and timed out naming the module and the flag.
 - `time_limit(seconds, what, flag, timeout)`: the block raises `timeout` (a `UserCodeTimeout`, named for what timed
   out) after `seconds`, and every second after while it lasts (SIGALRM, the main thread only). It is no `Exception`:
   an `except Exception` in a user's retry loop lets it through. `STUCK_S` seconds past the limit a watchdog thread
@@ -63,25 +63,21 @@ def say_once_per_node(line: str):
         print(line, flush=True)
 
 
-def imported(path: str, flag: str, seconds: float | None = None):
+def imported(path: str, flag: str, seconds: float | None = None, limit_flag: str = "--tool_timeout"):
     """What `path` (module:name) names: a reward function, a tool, an environment class (`flag`: the flag that gave
-    it, for the error). Its module's import is said first and timed out after `seconds`, naming it."""
+    it, for the error). Its module's import is said first and timed out after `seconds` (`limit_flag`'s), naming
+    it."""
     module, _, name = path.partition(":")
     try:
         if module and module not in sys.modules:
             say_once_per_node(f"importing {module} ({flag} {path})")
-        with time_limit(seconds, f"importing {module} ({flag} {path})", _flag_of(flag), ImportTimeout):
+        with time_limit(seconds, f"importing {module} ({flag} {path})", limit_flag, ImportTimeout):
             return getattr(importlib.import_module(module), name)
     except ImportTimeout as error:
         raise ValueError(f"{error}: its module blocks while it is imported (a network call or a lock at module "
                          "level?); move that work into the function") from None
     except (ImportError, AttributeError, ValueError) as error:
         raise ValueError(f"{flag} {path}: cannot import it ({error}); give module:name") from error
-
-
-def _flag_of(flag: str) -> str:
-    """The flag whose seconds time an import by `flag`."""
-    return "--reward_timeout" if flag == "--reward_funcs" else "--tool_timeout"
 
 
 def awaited(value):
