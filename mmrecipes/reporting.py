@@ -139,7 +139,17 @@ class Report:
     def evaluate(self, step: int, filler, before_step: bool = False):
         """Each of the run's evaluations due at `step` (before its training where `before_step`), in order, each on an
         eval line of its own and left out of samples/s (`evaluating`); `filler`: what a rank with nothing left to
-        evaluate forwards (any batch of the step)."""
+        evaluate forwards (any batch of the step). Those of the last step wait for `evaluate_last`."""
+        if step == self.max_steps and not before_step:
+            return
+        self._run_due(step, filler, before_step)
+
+    def evaluate_last(self, filler):
+        """The evaluations due at the last step, called once the model is saved: whatever they do (a scorer that
+        raises is counted; the model's own errors, out of memory in generation, end the run), the model is kept."""
+        self._run_due(self.max_steps, filler, before_step=False)
+
+    def _run_due(self, step: int, filler, before_step: bool):
         for evaluation in self.evaluations:
             if evaluation.due(step, before_step, self.eval_steps, self.max_steps):
                 with self.evaluating(step) as scores:

@@ -220,6 +220,10 @@ def main(argv=None):
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
     save_contrastive(accelerator, model, tokenizer, image_processor, args.output_dir)
+    # shared: last evaluations
+    # after the save: whatever they do, the trained model is kept
+    report.evaluate_last(filler_batch)
+
     if accelerator.is_main_process:
         write_model_card(
             args.output_dir, report.history, pipeline_tag="zero-shot-image-classification",

@@ -229,6 +229,10 @@ def main(argv=None):
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
     save_vlm(accelerator, model, processor, args.output_dir, vlm.peft_config)
+    # shared: last evaluations
+    # after the save: whatever they do, the trained model is kept
+    report.evaluate_last(filler_batch)
+
     seen = f"{report.total['samples']:,.0f} conversations, {report.total['tokens']:,.0f} tokens"
     curves = ["answer_accuracy", "generated_accuracy", *benchmarks.metrics()]
     if accelerator.is_main_process:

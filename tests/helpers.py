@@ -187,3 +187,23 @@ def ended_by_the_watchdog(lines: list[str]) -> str:
                            capture_output=True, text=True, timeout=60)
     assert ended.returncode == 1 and time.monotonic() - started < 30, ended.stderr
     return ended.stderr
+
+
+def ranks_of_a_script(lines: list[str], world_size: int = 2, timeout: float = 120) -> list:
+    """The ended processes (`subprocess.CompletedProcess`, text) of `lines` run as `world_size` ranks of one node,
+    started as torchrun starts them (one parent; RANK, LOCAL_RANK, WORLD_SIZE and the rendezvous address set)."""
+    import subprocess
+    import sys
+
+    from gloo import free_port
+
+    script = "\n".join(["import sys; sys.path.insert(0, 'tests')", *lines]) + "\n"
+    port = free_port()
+    launched = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
+                "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, **launched, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+             for rank in range(world_size)]
+    outputs = [rank.communicate(timeout=timeout) for rank in ranks]
+    return [subprocess.CompletedProcess(rank.args, rank.returncode, *output) for rank, output in zip(ranks, outputs)]

@@ -1,8 +1,8 @@
-"""Hostile inputs, round six, in process (one test on 2 gloo ranks): benchmark documents of another form than the
-task's, benchmark data that is empty, mistyped, a FIFO or too long for the model, the saved-model command given what
-is no saved model, a resume under another learning rate, TRL's tool-calling rows, and tools and environments that
-block, flood, return what cannot be shown or raise what is no Exception. Each case failed raw, hung or scored silently
-before (the tests name what it did)."""
+"""Hostile inputs, round six, in process (one test on 2 gloo ranks, one on 2 processes of a script): benchmark
+documents of another form than the task's, benchmark data that is empty, mistyped, a FIFO or too long for the model,
+the saved-model command given what is no saved model, a resume under another learning rate, TRL's tool-calling rows,
+tools and environments that block, flood, return what cannot be shown or raise what is no Exception, and a rank that
+ends inside a reward. Each case failed raw, hung or scored silently before (the tests name what it did)."""
 
 import os
 import re
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gloo import run_on_ranks
-from helpers import documents, ended_by_the_watchdog, hostile_benchmarks, write_task
+from helpers import documents, ended_by_the_watchdog, hostile_benchmarks, ranks_of_a_script, write_task
 from launch import REPO, load_recipe
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.benchmarks.harness import Benchmarks
@@ -299,3 +299,21 @@ def test_a_tool_failing_on_another_rank_is_said_with_its_reason():
     (said, counts), (_, failed) = run_on_ranks(_tool_failing_on_rank_1, 2)
     assert said == ["tool calls failed (broken/raised) on rank 1: RuntimeError: the tool broke"]
     assert counts == {"tool_calls": 0, "tool_failures": 0} and failed == {"tool_calls": 1, "tool_failures": 1}
+
+
+def test_a_rank_ended_inside_a_reward_is_named_by_the_rank_that_loses_it():
+    """`os._exit` in a reward on rank 1 ended rank 0 with gloo's "Connection reset by peer" alone, the reward
+    unnamed."""
+    rank_0, rank_1 = ranks_of_a_script([
+        "import os, torch, torch.distributed as dist",
+        "from mmrecipes.vlm.algorithms.rewards import RewardScorer",
+        "dist.init_process_group('gloo')",
+        "def ends_on_rank_1(prompts, completions, **columns):",
+        "    if dist.get_rank() == 1:",
+        "        os._exit(0)",
+        "    return [1.0] * len(completions)",
+        "scores = RewardScorer({'ends_on_rank_1': ends_on_rank_1}, [1.0])(['2 + 2?'], ['4'], [[19]], {})",
+        "dist.all_reduce(scores)  # the recipe's next collective"])
+    assert rank_1.returncode == 0 and rank_0.returncode == 1, rank_0.stderr
+    assert ("rank 1 ended without a word while it ran user code: reward function ends_on_rank_1 (os._exit or a "
+            "crash in native code ends a process before any guard can speak") in rank_0.stderr, rank_0.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 
 RECIPES = Path(__file__).parents[1] / "recipes"
 MARK = "# shared: "
-IN_EVERY_RECIPE = {"accelerator", "run state", "optimizer step", "the end"}
+IN_EVERY_RECIPE = {"accelerator", "run state", "optimizer step", "last evaluations", "the end"}
 # vlm_grpo.py reads one batch of prompts a step (its completions fill the micro-batches): no `loop head`
 READING_MICRO_BATCHES = {"clip_pretrain.py", "vlm_dpo.py", "vlm_finetune.py"}
 LONGEST_UNMARKED_REPEAT = 2  # lines
@@ -89,6 +89,9 @@ def test_shared_blocks_are_identical_and_nothing_else_repeats():
         assert IN_EVERY_RECIPE | ({"loop head"} if recipe in READING_MICRO_BATCHES else set()) <= set(
             shared_blocks(text)), recipe
     assert unmarked_repeats(texts) == []
+    for recipe, text in texts.items():  # the model is saved before the last evaluations: theirs never costs it
+        saved = max(text.find("    save_vlm("), text.find("    save_contrastive("))
+        assert 0 < saved < text.index("    # shared: last evaluations"), recipe
 
 
 def test_a_shared_block_edited_in_one_recipe_alone_fails():

@@ -11,19 +11,24 @@ these guards.
   code-execution sandboxes do) cannot keep the run waiting.
 - `awaited(value)`: a coroutine's result (`async def` rewards and tools, as TRL 1.16 awaits them), else the value.
 
-What no function in the process can be stopped from is ending the process itself (`os._exit`, a crash): run such
-code in a process of its own (docs/grpo.md).
+What no function in the process can be stopped from is ending the process itself (`os._exit`, a crash in native
+code): run such code in a process of its own (docs/grpo.md). Such an end is named, not prevented: while user code runs,
+`time_limit` marks it in a file of the rank's own (`Running`), and a rank whose run then fails (its collective with the
+gone rank broke) says which rank of its node ended there, and in what.
 """
 
 import asyncio
+import atexit
 import contextlib
 import importlib
 import inspect
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 STUCK_S = 30.0  # how long past its time limit user code that defeats the timeout may run before the process ends
 
@@ -85,10 +90,85 @@ def awaited(value):
     return asyncio.run(value) if inspect.iscoroutine(value) else value
 
 
+class Running:
+    """What user code each rank of a node runs now: one file per rank (`pid what`, empty between calls) in a folder
+    the node's ranks share, named for their launcher's process. A rank that ends inside user code leaves its line;
+    a rank whose run then fails reads it (`lost_ranks`, said by the exception hook `mark` installs)."""
+
+    def __init__(self):
+        self.folder = Path(tempfile.gettempdir()) / f"mmrecipes-user-code-{os.getppid()}"
+        self.rank = os.environ.get("RANK", "0")
+        self.file = self.folder / self.rank
+        self.folder.mkdir(exist_ok=True)
+        atexit.register(self.file.unlink, missing_ok=True)  # a rank that ends inside user code leaves it
+        self.previous_hook, sys.excepthook = sys.excepthook, self.name_lost_ranks
+
+    def mark(self, what: str):
+        self.file.write_text(f"{os.getpid()} {what}" if what else "")
+
+    def lost_ranks(self, wait_s: float = 2.0) -> list[str]:
+        """Each other rank of the node that ended while its marked user code ran; one still alive is waited for
+        `wait_s` (its end may reach this rank before the process is gone)."""
+        lines, deadline = [], time.monotonic() + wait_s
+        for file in sorted(self.folder.glob("*"), key=lambda file: int(file.name)):
+            pid, _, what = (file.read_text() if file != self.file else "").partition(" ")
+            while what and _alive(int(pid)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if what and not _alive(int(pid)):
+                lines.append(f"rank {file.name} ended without a word while it ran user code: {what} (os._exit or a "
+                             "crash in native code ends a process before any guard can speak; run such code in a "
+                             "process of its own, docs/grpo.md)")
+        return lines
+
+    def name_lost_ranks(self, kind, error, traceback):
+        for line in self.lost_ranks():
+            sys.stderr.write(line + "\n")
+        self.previous_hook(kind, error, traceback)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a process ended but not yet reaped by its launcher counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+_running = None  # this rank's `Running`, made at the first user code of a launched rank
+
+
+@contextlib.contextmanager
+def _marked(what: str):
+    global _running
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        yield
+        return
+    _running = _running or Running()
+    _running.mark(what)
+    try:
+        yield
+    finally:
+        _running.mark("")
+
+
 @contextlib.contextmanager
 def time_limit(seconds: float | None, what: str, flag: str, timeout: type = UserCodeTimeout):
     """Raise `timeout` in the block after `seconds` (`flag`'s), and every second after while it lasts (the main
-    thread only: a signal timer); `STUCK_S` seconds past the limit, end the process, naming `what` on stderr."""
+    thread only: a signal timer); `STUCK_S` seconds past the limit, end the process, naming `what` on stderr. `what`
+    is marked as running on this rank meanwhile (`Running`)."""
+    with _marked(what):
+        with _timed(seconds, what, flag, timeout):
+            yield
+
+
+@contextlib.contextmanager
+def _timed(seconds: float | None, what: str, flag: str, timeout: type):
     if not seconds or threading.current_thread() is not threading.main_thread():
         yield
         return
