@@ -1,10 +1,11 @@
-"""The recipes' arguments: one small dataclass per component, each with its value rules (`CheckedArgs`).
+"""The recipes' arguments: one small dataclass per component, each with its value rules
+(`CheckedArgs`).
 
-Flags and YAML keys are these fields (`mmrecipes.config.parse_args`); their comments are the `--help` text. This
-module imports neither torch nor transformers' models, so a recipe parses its flags, `--help` included, before it
-loads them (under a second, where every import took 4-5 s here and 38-58 s on a cold disk). The components keep
-their code in their own modules (`mmrecipes.training`, `mmrecipes.vlm.rows.chat_data`, ...), which import their
-arguments from here.
+Flags and YAML keys are these fields (`mmrecipes.config.parse_args`); their comments are the
+`--help` text. This module imports neither torch nor transformers' models, so a recipe parses its
+flags, `--help` included, before it loads them (under a second, where every import took 4-5 s here
+and 38-58 s on a cold disk). The components keep their code in their own modules
+(`mmrecipes.training`, `mmrecipes.vlm.rows.chat_data`, ...), which import their arguments from here.
 """
 
 import math
@@ -37,12 +38,14 @@ class TrainingArgs(CheckedArgs):
     lr_scheduler_kwargs: str | None = None
     # 0 or None: no clipping (the norm is still logged and checked)
     max_grad_norm: float | None = checked(1.0, "non_negative_or_none")
-    mixed_precision: str = "auto"  # auto: bf16 on GPUs that support it, else fp32; or no / bf16 / fp16
+    # auto: bf16 on GPUs that support it, else fp32; or no / bf16 / fp16
+    mixed_precision: str = "auto"
     seed: int = 42
     per_device_eval_batch_size: int = checked(128, "count")
     eval_steps: int = checked(100, "count")
     logging_steps: int = checked(20, "count")
-    save_steps: int = checked(0, "count_or_zero")  # 0: save only the final model (and a checkpoint on preemption)
+    # 0: save only the final model (and a checkpoint on preemption)
+    save_steps: int = checked(0, "count_or_zero")
     # keep only the newest K complete checkpoints (K >= 1)
     save_total_limit: int | None = checked(None, "count_or_none")
     # "latest" (the newest complete checkpoint that validates; none yet: start fresh) or a checkpoint directory
@@ -57,7 +60,8 @@ class TrainingArgs(CheckedArgs):
     report_to: str = "auto"  # tensorboard when installed; or wandb, none
     # per-device peak for the MFU estimate; default: known GPUs
     peak_tflops: float | None = checked(None, "positive_or_none")
-    ddp_timeout: int = checked(1800, "count")  # seconds a collective may wait before the run fails instead of hanging
+    # seconds a collective may wait before the run fails instead of hanging
+    ddp_timeout: int = checked(1800, "count")
     # torch.compile (inductor) each transformer block in place (compile_blocks); the first steps
     # are slow while it compiles
     torch_compile: bool = False
@@ -74,24 +78,28 @@ class TrainingArgs(CheckedArgs):
 
         from .training import lr_scheduler
 
-        if self.mixed_precision == "fp16" and not torch.cuda.is_available():  # accelerate computes fp32 there
+        # accelerate computes fp32 there
+        if self.mixed_precision == "fp16" and not torch.cuda.is_available():
             raise ValueError("--mixed_precision fp16 needs a GPU: on a CPU the run would compute in fp32 while its "
                              "engine line said fp16. Use --mixed_precision no (or bf16)")
         if not self.max_grad_norm:
-            self.max_grad_norm = math.inf  # clip_grad_norm_ then only measures (and DeepSpeed clips nothing)
-        lr_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), self)  # refused now, not at step 1
+            # clip_grad_norm_ then only measures (and DeepSpeed clips nothing)
+            self.max_grad_norm = math.inf
+        # refused now, not at step 1
+        lr_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), self)
 
 
 @dataclass
 class SourceArgs(CheckedArgs):
-    """The data flags both pipelines share: where the rows come from and how they are mixed, the image limits, the
-    shuffle and the DataLoader workers. Each pipeline's data arguments subclass it (defaults, own flags)."""
+    """The data flags both pipelines share: where the rows come from and how they are mixed, the
+    image limits, the shuffle and the DataLoader workers. Each pipeline's data arguments subclass it
+    (defaults, own flags)."""
 
-    # hub id, local dataset dir, a builder ('parquet', 'imagefolder', 'json'), or embedded:<folder> for the embedded
-    # data; comma-separated: several sources, mixed
+    # hub id, local dataset dir, a builder ('parquet', 'imagefolder', 'json'), or embedded:<folder>
+    # for the embedded data; comma-separated: several sources, mixed
     dataset_name: str = "embedded:shapes"
-    # Sampling probabilities of comma-separated sources (datasets.interleave_datasets); None: equal. Each source's
-    # rows trained are counted in the log (rows_<source>) by the contrastive recipe
+    # Sampling probabilities of comma-separated sources (datasets.interleave_datasets); None: equal.
+    # Each source's rows trained are counted in the log (rows_<source>) by the contrastive recipe
     dataset_weights: str | None = None
     dataset_config_name: str | None = None
     # Training files for a builder: globs, brace ranges ({00000..00099}), comma-separated, local or
@@ -100,14 +108,16 @@ class SourceArgs(CheckedArgs):
     eval_data_files: str | None = None
     train_split: str = "train"
     eval_split: str | None = "test"  # None (or an empty eval set) turns evaluation off
-    max_image_pixels: int = checked(50_000_000, "count")  # larger images are skipped before they are decoded
-    # longer side / shorter side; more elongated images are skipped before they are decoded (the resize
-    # to the processor's short side would make them huge)
+    # larger images are skipped before they are decoded
+    max_image_pixels: int = checked(50_000_000, "count")
+    # longer side / shorter side; more elongated images are skipped before they are decoded (the
+    # resize to the processor's short side would make them huge)
     max_image_aspect_ratio: float = checked(50.0, "positive")
     shuffle_buffer_size: int = checked(1000, "count")  # rows per shuffled block (ResumableShuffle)
-    # None: chosen per rank (loader.default_num_workers; docs/performance.md): with CUDA one per spare core, at most
-    # one per shard; on a CPU none for image-caption rows, one for chat rows. One worker keeps the sample order of
-    # none; more split the shards between them (a checkpoint holds each one's position)
+    # None: chosen per rank (loader.default_num_workers; docs/performance.md): with CUDA one per
+    # spare core, at most one per shard; on a CPU none for image-caption rows, one for chat rows.
+    # One worker keeps the sample order of none; more split the shards between them (a checkpoint
+    # holds each one's position)
     dataloader_num_workers: int | None = checked(None, "count_or_zero_or_none")
 
     def __post_init__(self):

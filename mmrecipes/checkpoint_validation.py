@@ -1,12 +1,12 @@
-"""What a checkpoint directory may hold, and proof that it holds what was saved: checked before a resume (or
---init_from_checkpoint) loads anything (docs/long_runs.md).
+"""What a checkpoint directory may hold, and proof that it holds what was saved: checked before a
+resume (or --init_from_checkpoint) loads anything (docs/long_runs.md).
 
 - `link_problems`: no symbolic link inside the folder;
 - `check_manifest`: every file the save wrote is there with its size and SHA-256, and nothing else;
-- `check_plain_data`: every file an engine would unpickle builds nothing but tensors and plain data (torch's
-  weights-only loader with our allowlist for torch zips and DCP's items at their offsets, a restricted unpickler to
-  the last byte for everything else), whatever its name or protocol: a checkpoint someone else prepared, with a
-  fitting manifest, runs no code.
+- `check_plain_data`: every file an engine would unpickle builds nothing but tensors and plain data
+  (torch's weights-only loader with our allowlist for torch zips and DCP's items at their offsets, a
+  restricted unpickler to the last byte for everything else), whatever its name or protocol: a
+  checkpoint someone else prepared, with a fitting manifest, runs no code.
 """
 
 import hashlib
@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 ZIP_MAGIC = b"PK\x03\x04"
 PLAIN_SUFFIXES = (".json", ".safetensors")
-NEVER_LOADED = {"zero_to_fp32.py", "zero_to_torch.py", "latest"}  # DeepSpeed writes them beside its files
+# DeepSpeed writes them beside its files
+NEVER_LOADED = {"zero_to_fp32.py", "zero_to_torch.py", "latest"}
 # What the pickles of a checkpoint may build beyond torch's weights-only allowlist: accelerate's RNG
 # states (numpy arrays) and torch.distributed.checkpoint's metadata (plain dataclasses, the file
 # names of its shards, the checkpoint's path, layouts by name).
@@ -53,8 +54,9 @@ class _PlainDataUnpickler(pickle.Unpickler):
 
 
 def deepspeed_plain_data() -> list:
-    """The plain-data classes in DeepSpeed's checkpoint files (an enum, a named tuple, the loss scale's
-    attributes), when a DeepSpeed engine runs (it imported deepspeed; others need not pay the import)."""
+    """The plain-data classes in DeepSpeed's checkpoint files (an enum, a named tuple, the loss
+    scale's attributes), when a DeepSpeed engine runs (it imported deepspeed; others need not pay
+    the import)."""
     if "deepspeed" not in sys.modules:
         return []
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
@@ -68,14 +70,16 @@ class UnsafeCheckpoint(ValueError):
 
 
 def check_plain_data(checkpoint: Path):
-    """Raise UnsafeCheckpoint if loading `checkpoint` could build anything but tensors and plain data."""
+    """Raise UnsafeCheckpoint if loading `checkpoint` could build anything but tensors and plain
+    data."""
     for path in sorted(checkpoint.rglob("*")):
         if path.is_file() and (problem := plain_data_problem(checkpoint, str(path.relative_to(checkpoint)))):
             raise UnsafeCheckpoint(problem)
 
 
 def plain_data_problem(checkpoint: Path, name: str) -> str | None:
-    """Why loading the checkpoint's file `name` could build more than tensors and plain data, or None."""
+    """Why loading the checkpoint's file `name` could build more than tensors and plain data, or
+    None."""
     path = checkpoint / name
     if path.suffix in PLAIN_SUFFIXES or path.suffix == ".distcp" or name in NEVER_LOADED:
         return None  # .distcp: checked item by item through its folder's .metadata
@@ -96,8 +100,8 @@ def plain_data_problem(checkpoint: Path, name: str) -> str | None:
 
 
 def _check_loadable(file, allowed: list):
-    """What torch.load would read from `file`: a zip through the weights-only loader (its tensors mapped, not
-    read), else pickles to the last byte."""
+    """What torch.load would read from `file`: a zip through the weights-only loader (its tensors
+    mapped, not read), else pickles to the last byte."""
     if file.read(len(ZIP_MAGIC)) == ZIP_MAGIC:
         with torch.serialization.safe_globals(allowed):
             if isinstance(file, io.BytesIO):
@@ -150,9 +154,10 @@ def file_digest(path: Path) -> list:
 
 
 def link_problems(checkpoint: Path) -> list[str]:
-    """The symbolic links inside a checkpoint folder, each a problem: a save writes none, and a link can lead a
-    load to files the manifest and the pickle check never saw (a shard folder linked to a prepared `.metadata`).
-    The folder itself may be a link (a checkpoint moved to other storage and linked back)."""
+    """The symbolic links inside a checkpoint folder, each a problem: a save writes none, and a link
+    can lead a load to files the manifest and the pickle check never saw (a shard folder linked to a
+    prepared `.metadata`). The folder itself may be a link (a checkpoint moved to other storage and
+    linked back)."""
     problems = []
     for folder, names, files in os.walk(checkpoint):  # links to folders are listed, not followed
         for name in sorted(names + files):
@@ -169,7 +174,8 @@ def checkpoint_files(checkpoint: Path, marker: str) -> list[str]:
 
 
 def check_manifest(checkpoint: Path, manifest: dict, files: list[str]) -> list[str]:
-    """Problems with `files` (a share of the checkpoint's) against the saved manifest {file: [size, sha256]}."""
+    """Problems with `files` (a share of the checkpoint's) against the saved manifest {file: [size,
+    sha256]}."""
     problems = []
     for name in files:
         if name not in manifest:

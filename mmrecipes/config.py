@@ -1,4 +1,5 @@
-"""Arguments from dataclasses, optionally from a YAML file: `recipe.py [config.yaml] [--key value ...]`.
+"""Arguments from dataclasses, optionally from a YAML file: `recipe.py [config.yaml] [--key value
+...]`.
 
 YAML values become the defaults and command-line flags override them. A YAML file is checked
 before anything runs: an unknown key, or a value YAML typed differently from the field
@@ -26,9 +27,9 @@ from transformers import HfArgumentParser
 
 
 def parse_args(dataclass_types, argv=None):
-    """One instance per dataclass in `dataclass_types`, from `argv` (default: sys.argv[1:]), each checked alone
-    (`CheckedArgs`) and then with the others (`CheckedArgs.check_with`). `--help` shows each flag's comment in its
-    dataclass and its default."""
+    """One instance per dataclass in `dataclass_types`, from `argv` (default: sys.argv[1:]), each
+    checked alone (`CheckedArgs`) and then with the others (`CheckedArgs.check_with`). `--help`
+    shows each flag's comment in its dataclass and its default."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _Parser(dataclass_types)
     comments = {name: text for cls in dataclass_types for name, text in field_comments(cls).items()}
@@ -56,11 +57,13 @@ def parse_args(dataclass_types, argv=None):
 
 
 class _Parser(HfArgumentParser):
-    """HfArgumentParser, with each field's value rule (`checked`) kept out of argparse's keyword arguments."""
+    """HfArgumentParser, with each field's value rule (`checked`) kept out of argparse's keyword
+    arguments."""
 
     @staticmethod
     def _parse_dataclass_field(parser, field: dataclasses.Field):
-        if RULE in field.metadata:  # choices too: checked with the rules (YAML values never meet argparse's)
+        # choices too: checked with the rules (YAML values never meet argparse's)
+        if RULE in field.metadata:
             field = copy.copy(field)
             field.metadata = types.MappingProxyType({k: v for k, v in field.metadata.items()
                                                      if k not in (RULE, CHOICES)})
@@ -68,8 +71,8 @@ class _Parser(HfArgumentParser):
 
 
 def _nullable_fields(dataclass_types) -> set[str]:
-    """The fields that may be None: `None`, `none` and an empty value set them to None, on the command line and in
-    YAML alike (what turns an evaluation, a limit or a source off)."""
+    """The fields that may be None: `None`, `none` and an empty value set them to None, on the
+    command line and in YAML alike (what turns an evaluation, a limit or a source off)."""
     return {field.name for cls in dataclass_types for field in dataclasses.fields(cls)
             if type(None) in _union_members(typing.get_type_hints(cls)[field.name])}
 
@@ -85,8 +88,9 @@ def _none_or(convert):
 
 
 def field_comments(cls) -> dict[str, str]:
-    """{field: its comment} from the dataclass's source (and its bases'): the comment lines right above the
-    field, then the one after it on its line. The recipes document their flags this way."""
+    """{field: its comment} from the dataclass's source (and its bases'): the comment lines right
+    above the field, then the one after it on its line. The recipes document their flags this
+    way."""
     comments = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
@@ -186,13 +190,15 @@ RULES = {
 
 
 RULE = "rule"  # the metadata key of a field's value rule
-CHOICES = "choices"  # the rule of a field whose value is one of its metadata's choices (argparse's `choices` too)
+# the rule of a field whose value is one of its metadata's choices (argparse's `choices` too)
+CHOICES = "choices"
 
 
 def checked(default, rule: str | None = None, *, choices: tuple | None = None):
-    """A dataclass field whose value must follow `rule` (a name in `RULES`) or be one of `choices` (--help lists
-    them), beside the field it checks: a renamed field keeps its rule, and a subclass that only changes the default
-    keeps it too (`CheckedArgs.rules`). Every flag is checked this way, from the command line and from YAML alike."""
+    """A dataclass field whose value must follow `rule` (a name in `RULES`) or be one of `choices`
+    (--help lists them), beside the field it checks: a renamed field keeps its rule, and a subclass
+    that only changes the default keeps it too (`CheckedArgs.rules`). Every flag is checked this
+    way, from the command line and from YAML alike."""
     if choices is not None:
         return dataclasses.field(default=default, metadata={RULE: CHOICES, CHOICES: list(choices)})
     if rule not in RULES:
@@ -201,17 +207,17 @@ def checked(default, rule: str | None = None, *, choices: tuple | None = None):
 
 
 class CheckedArgs:
-    """Mixin for argument dataclasses: each field made with `checked` is tested against its rule when the
-    dataclass is built (HfArgumentParser builds it from flags and YAML), so a bad value stops the run
-    before anything else happens."""
+    """Mixin for argument dataclasses: each field made with `checked` is tested against its rule
+    when the dataclass is built (HfArgumentParser builds it from flags and YAML), so a bad value
+    stops the run before anything else happens."""
 
     # {flag: fields it makes unused}: a field changed from its default beside that flag is refused, not ignored
     UNUSED_WITH: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     @classmethod
     def rules(cls) -> dict[str, tuple[str, list | None]]:
-        """{field: (its rule, its choices)}: a field redefined in a subclass without a rule (a new default) keeps its
-        base's."""
+        """{field: (its rule, its choices)}: a field redefined in a subclass without a rule (a new
+        default) keeps its base's."""
         rules = {}
         for klass in reversed(cls.__mro__):
             for field in getattr(klass, "__dataclass_fields__", {}).values():
@@ -239,8 +245,8 @@ class CheckedArgs:
             raise ValueError("; ".join(problems))
 
     def check_with(self, parsed: dict[type, "CheckedArgs"]):
-        """Flags of this dataclass checked against another's (`parsed`: the recipe's other arguments by class), once
-        every flag is parsed: none by default."""
+        """Flags of this dataclass checked against another's (`parsed`: the recipe's other arguments
+        by class), once every flag is parsed: none by default."""
 
     @staticmethod
     def other(parsed: dict[type, "CheckedArgs"], kind: type):

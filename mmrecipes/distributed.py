@@ -1,4 +1,5 @@
-"""Data-parallel helpers: a real multi-process CPU accelerator, the engine line, data ranks (`Ranks`).
+"""Data-parallel helpers: a real multi-process CPU accelerator, the engine line, data ranks
+(`Ranks`).
 
 `make_accelerator` exists because accelerate 1.15 silently runs the wrong thing on a CPU-only
 machine when you only swap `--config_file` (one process, two unconnected processes, or DDP
@@ -35,7 +36,8 @@ def make_accelerator(*, timeout_s: int = 1800, **accelerator_kwargs) -> Accelera
     if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # 'cpu', not 'cpu:0': FSDP compares the compute device with its device_id.
         os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
-        PartialState(cpu=True, **timeout.to_kwargs())  # gloo group with the launcher's rank/world size
+        # gloo group with the launcher's rank/world size
+        PartialState(cpu=True, **timeout.to_kwargs())
         if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
             # AcceleratorState enables FSDP only for GPU-like distributed types.
             PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
@@ -77,8 +79,9 @@ def fsdp_block_classes(model) -> list[str]:
 
 
 def data_parallel_rank_and_world(accelerator: Accelerator, sequence_parallel_size: int = 1) -> tuple[int, int]:
-    """The rank and world size that data must be split over (see `mesh_data_rank_and_world`). Sequence-parallel
-    groups of `sequence_parallel_size` consecutive ranks read the same rows: their data rank is the group's index."""
+    """The rank and world size that data must be split over (see `mesh_data_rank_and_world`).
+    Sequence-parallel groups of `sequence_parallel_size` consecutive ranks read the same rows: their
+    data rank is the group's index."""
     mesh = accelerator.torch_device_mesh
     if mesh is None:
         return accelerator.process_index // sequence_parallel_size, accelerator.num_processes // sequence_parallel_size
@@ -90,13 +93,15 @@ def data_parallel_rank_and_world(accelerator: Accelerator, sequence_parallel_siz
 
 @dataclass(frozen=True)
 class Ranks:
-    """Which rows each rank reads and how its sums count: torchtitan's ParallelDims for these recipes (`of`, after
-    `Accelerator()`; built by hand, one process's share of a data world). `split`: the split of each training sequence
-    over a group of `split_size` consecutive ranks (`vlm.sequence_parallel.SequenceParallel`), or None. A group's ranks
-    read the same rows (their data rank is the group's index; on an HSDP mesh, `mesh_data_rank_and_world`), and only
-    the first of the `replicas` ranks that read the same rows counts them (`counts_reads`, a checkpoint's data
-    position too); evaluation reads whole sequences, so there every rank reads rows of its own (`reads(evaluation=
-    True)`). `sum_over_data`: a sum over the data-parallel ranks, the rows each group read counted once."""
+    """Which rows each rank reads and how its sums count: torchtitan's ParallelDims for these
+    recipes (`of`, after `Accelerator()`; built by hand, one process's share of a data world).
+    `split`: the split of each training sequence over a group of `split_size` consecutive ranks
+    (`vlm.sequence_parallel.SequenceParallel`), or None. A group's ranks read the same rows (their
+    data rank is the group's index; on an HSDP mesh, `mesh_data_rank_and_world`), and only the first
+    of the `replicas` ranks that read the same rows counts them (`counts_reads`, a checkpoint's data
+    position too); evaluation reads whole sequences, so there every rank reads rows of its own
+    (`reads(evaluation= True)`). `sum_over_data`: a sum over the data-parallel ranks, the rows each
+    group read counted once."""
 
     data_rank: int = 0
     data_world: int = 1
@@ -133,19 +138,20 @@ class Ranks:
         return -(-total // self.reads(evaluation=True)["data_world"])
 
     def teams(self, size: int) -> "Ranks":
-        """These ranks in teams of `size` consecutive data ranks that read the same rows, as one batch (GRPO's prompt
-        reader: a team's completions are whole groups): a team's index is its data rank, and only its first member
-        counts what it reads."""
+        """These ranks in teams of `size` consecutive data ranks that read the same rows, as one
+        batch (GRPO's prompt reader: a team's completions are whole groups): a team's index is its
+        data rank, and only its first member counts what it reads."""
         return replace(self, data_rank=self.data_rank // size, data_world=self.data_world // size,
                        replicas=self.replicas * size, counts_reads=self.counts_reads and self.data_rank % size == 0)
 
     def loss_scale(self, local: torch.Tensor, accumulation: int) -> torch.Tensor:
-        """`token_loss_scale` of a window whose loss sums over `local` items on this rank (target tokens, pairs,
-        completions): one all-reduce, each group's items once."""
+        """`token_loss_scale` of a window whose loss sums over `local` items on this rank (target
+        tokens, pairs, completions): one all-reduce, each group's items once."""
         return token_loss_scale(self.sum_over_data(local.to(self.device)), accumulation, self.data_world)
 
     def sum_over_data(self, values: torch.Tensor) -> torch.Tensor:
-        """`values` summed over every rank, the rows each group read counted once (its ranks hold the same)."""
+        """`values` summed over every rank, the rows each group read counted once (its ranks hold
+        the same)."""
         return sum_over_ranks(values) / self.replicas
 
     def describe(self) -> str:
@@ -255,8 +261,9 @@ class DivergenceGuard:
 
     @classmethod
     def if_requested(cls, flag: bool, accelerator, prepared_model, *, compiled: bool, timeout_s: int):
-        """The guard on the prepared model's modules (after `prepare`: its hooks run before the engine's), said in
-        the log, where it is asked for; else None. Compiled blocks skip Python's module calls: refused."""
+        """The guard on the prepared model's modules (after `prepare`: its hooks run before the
+        engine's), said in the log, where it is asked for; else None. Compiled blocks skip Python's
+        module calls: refused."""
         if not cls.requested(flag):
             return None
         if compiled:

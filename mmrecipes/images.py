@@ -1,4 +1,5 @@
-"""Images from whatever a row holds: decoded with limits, converted to RGB, and preprocessed in stacks.
+"""Images from whatever a row holds: decoded with limits, converted to RGB, and preprocessed in
+stacks.
 
 `decode_image` takes a PIL image, encoded bytes (img2dataset's parquet has a plain binary column),
 a `datasets.Image(decode=False)` dict or a path, and never raises: it returns the image, or why
@@ -35,14 +36,16 @@ HOST_KEYS = ("num_samples", "num_tokens", "target_tokens", "data_counts", "pair_
 
 
 def decode_image(raw_image, max_pixels: int, max_aspect_ratio: float = float("inf")):
-    """(RGB image or None, problem or None); problem is "converted", "undecodable" or "too_large"."""
+    """(RGB image or None, problem or None); problem is "converted", "undecodable" or
+    "too_large"."""
     try:
         raw_image = readable_source(raw_image)  # an Image passes through
         if raw_image is None:
             return None, "undecodable"
         image = raw_image if isinstance(raw_image, Image.Image) else Image.open(raw_image)
         width, height = image.size  # header only: nothing decoded yet
-        if not width or not height:  # nothing to see (a crop of an empty box): processors divide by its size
+        # nothing to see (a crop of an empty box): processors divide by its size
+        if not width or not height:
             return None, "undecodable"
         if width * height > max_pixels or max(width, height) > max_aspect_ratio * max(1, min(width, height)):
             return None, "too_large"
@@ -65,9 +68,9 @@ def decode_image(raw_image, max_pixels: int, max_aspect_ratio: float = float("in
 
 
 def readable_source(raw):
-    """What a decoder opens, from encoded bytes, a `{"bytes", "path"}` dict or a path; None for a path that is
-    not a regular file (a directory, FIFO or device: opening a FIFO blocks); anything else (an open file, a PIL
-    image) as it is. A missing path raises."""
+    """What a decoder opens, from encoded bytes, a `{"bytes", "path"}` dict or a path; None for a
+    path that is not a regular file (a directory, FIFO or device: opening a FIFO blocks); anything
+    else (an open file, a PIL image) as it is. A missing path raises."""
     if isinstance(raw, dict):
         raw = raw.get("bytes") or raw.get("path")
     if isinstance(raw, (bytes, bytearray, memoryview)):
@@ -78,8 +81,8 @@ def readable_source(raw):
 
 
 def _eight_bit_grey(image: Image.Image) -> Image.Image:
-    """An "I;16*", "I" or "F" image as 8-bit grey, its range scaled: 16-bit (and "I" beyond 255) by 1/257,
-    floats in 0..1 by 255."""
+    """An "I;16*", "I" or "F" image as 8-bit grey, its range scaled: 16-bit (and "I" beyond 255) by
+    1/257, floats in 0..1 by 255."""
     values = numpy.asarray(image).astype(numpy.float64)
     if image.mode.startswith("I;16") or (image.mode == "I" and values.max(initial=0) > 255):
         values = values / 257
@@ -113,22 +116,24 @@ def processed_pixels(image_processor, images: list[Image.Image], normalize: bool
 
 
 def takes_patch_grids(image_processor) -> bool:
-    """Whether the processor hands out each image as a variable number of patches with its grid (SigLIP 2 NaFlex:
-    `spatial_shapes`, and `pixel_attention_mask` over the padding), not as a fixed-size pixel array."""
+    """Whether the processor hands out each image as a variable number of patches with its grid
+    (SigLIP 2 NaFlex: `spatial_shapes`, and `pixel_attention_mask` over the padding), not as a
+    fixed-size pixel array."""
     return "spatial_shapes" in getattr(image_processor, "model_input_names", ())
 
 
 def patch_rows(image_processor, images: list[Image.Image]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A NaFlex processor's output per image: its real patches `[h * w, patch values]`, without the padding to
-    `max_num_patches` (`padded_patches` pads a batch to its longest image), and its grid `(h, w)`."""
+    """A NaFlex processor's output per image: its real patches `[h * w, patch values]`, without the
+    padding to `max_num_patches` (`padded_patches` pads a batch to its longest image), and its grid
+    `(h, w)`."""
     out = image_processor(images=images, return_tensors="pt")
     grids = list(out["spatial_shapes"])
     return [pixels[:int(grid.prod())] for pixels, grid in zip(out["pixel_values"], grids)], grids
 
 
 def padded_patches(patches: list[torch.Tensor], grids: list[torch.Tensor]) -> dict:
-    """NaFlex rows as the model takes a batch: `pixel_values` zero-padded to the longest, `pixel_attention_mask`
-    (1 on real patches, as the processor's) and `spatial_shapes`."""
+    """NaFlex rows as the model takes a batch: `pixel_values` zero-padded to the longest,
+    `pixel_attention_mask` (1 on real patches, as the processor's) and `spatial_shapes`."""
     longest = max(len(rows) for rows in patches)
     pixel_values = patches[0].new_zeros(len(patches), longest, patches[0].shape[-1])
     mask = torch.zeros(len(patches), longest, dtype=torch.int32)
@@ -139,7 +144,8 @@ def padded_patches(patches: list[torch.Tensor], grids: list[torch.Tensor]) -> di
 
 
 def image_inputs(image_processor, images: list[Image.Image]) -> dict:
-    """A batch of RGB images as the model's image inputs: `pixel_values`, or NaFlex's padded patches and grids."""
+    """A batch of RGB images as the model's image inputs: `pixel_values`, or NaFlex's padded patches
+    and grids."""
     if takes_patch_grids(image_processor):
         return padded_patches(*patch_rows(image_processor, images))
     return {"pixel_values": processed_pixels(image_processor, images)}
@@ -147,11 +153,12 @@ def image_inputs(image_processor, images: list[Image.Image]) -> dict:
 
 def random_resized_crops(image_processor, images: list[Image.Image], seeds: list[int], scale=(0.9, 1.0),
                          normalize: bool = True) -> torch.Tensor:
-    """open_clip's training transform (its `--aug-cfg` defaults) in the processor's terms: each image a random crop
-    of `scale` of its area at an aspect ratio of 3/4 to 4/3 (torchvision's RandomResizedCrop sampling), resized
-    with the processor's resample to the size its eval transform gives (its crop size, or its size), then
-    rescaled and normalised as its pipeline does (`normalize=False`: uint8, as `processed_pixels`). Each crop
-    is drawn from its row's own seed, so a resumed stream crops every row as the straight run did."""
+    """open_clip's training transform (its `--aug-cfg` defaults) in the processor's terms: each
+    image a random crop of `scale` of its area at an aspect ratio of 3/4 to 4/3 (torchvision's
+    RandomResizedCrop sampling), resized with the processor's resample to the size its eval
+    transform gives (its crop size, or its size), then rescaled and normalised as its pipeline does
+    (`normalize=False`: uint8, as `processed_pixels`). Each crop is drawn from its row's own seed,
+    so a resumed stream crops every row as the straight run did."""
     if not _standard_pipeline_applies(image_processor):
         raise ValueError(f"--train_augment crops with the standard resize and crop pipeline, which "
                          f"{type(image_processor).__name__} does not run: drop --train_augment")
@@ -170,7 +177,8 @@ def random_resized_crops(image_processor, images: list[Image.Image], seeds: list
 
 
 def _crop_box(height: int, width: int, scale, rng: random.Random) -> tuple[int, int, int, int]:
-    """(top, left, height, width) as torchvision's RandomResizedCrop.get_params draws it, from `rng`."""
+    """(top, left, height, width) as torchvision's RandomResizedCrop.get_params draws it, from
+    `rng`."""
     area, log_ratio = height * width, (math.log(3 / 4), math.log(4 / 3))
     for _ in range(10):
         target_area = area * rng.uniform(*scale)
@@ -178,7 +186,8 @@ def _crop_box(height: int, width: int, scale, rng: random.Random) -> tuple[int, 
         crop_width, crop_height = round(math.sqrt(target_area * ratio)), round(math.sqrt(target_area / ratio))
         if 0 < crop_width <= width and 0 < crop_height <= height:
             return rng.randint(0, height - crop_height), rng.randint(0, width - crop_width), crop_height, crop_width
-    if width / height < 3 / 4:  # torchvision's fallback: a centred crop at the nearest ratio allowed
+    # torchvision's fallback: a centred crop at the nearest ratio allowed
+    if width / height < 3 / 4:
         crop_width, crop_height = width, min(height, round(width * 4 / 3))
     elif width / height > 4 / 3:
         crop_width, crop_height = min(width, round(height * 4 / 3)), height
@@ -207,14 +216,16 @@ def _rescaled_and_normalized(processor, stack):
 
 
 def device_normalization(image_processor) -> torch.Tensor | None:
-    """[2, channels] for finishing the standard pipeline's uint8 pixels on the device (`fused_normalization`); None
-    when its pixels are finished in the workers (not the standard pipeline, or no rescale-normalise)."""
+    """[2, channels] for finishing the standard pipeline's uint8 pixels on the device
+    (`fused_normalization`); None when its pixels are finished in the workers (not the standard
+    pipeline, or no rescale-normalise)."""
     return fused_normalization(image_processor) if _standard_pipeline_applies(image_processor) else None
 
 
 def fused_normalization(processor) -> torch.Tensor | None:
-    """[2, channels]: the mean and std in the fused form of an image or video processor's own `rescale_and_normalize`
-    (mean / rescale, std / rescale: the same floats to the bit); None unless it both rescales and normalises."""
+    """[2, channels]: the mean and std in the fused form of an image or video processor's own
+    `rescale_and_normalize` (mean / rescale, std / rescale: the same floats to the bit); None unless
+    it both rescales and normalises."""
     if not (processor.do_rescale and processor.do_normalize):
         return None
     scale = 1.0 / processor.rescale_factor
@@ -222,10 +233,11 @@ def fused_normalization(processor) -> torch.Tensor | None:
 
 
 def uint8_normalization(image_processor) -> torch.Tensor | None:
-    """The `fused_normalization` with which a processor's images may cross the loader as uint8 (`UINT8_PIXELS`) and
-    be finished on the device: only where that gives its own float32 to the bit on two probe images of different
-    sizes, in one call (every resize, crop, patching and padding happens before its rescale-normalise). None: its
-    floats cross the loader (a processor that pads after normalising, or returns no uint8)."""
+    """The `fused_normalization` with which a processor's images may cross the loader as uint8
+    (`UINT8_PIXELS`) and be finished on the device: only where that gives its own float32 to the bit
+    on two probe images of different sizes, in one call (every resize, crop, patching and padding
+    happens before its rescale-normalise). None: its floats cross the loader (a processor that pads
+    after normalising, or returns no uint8)."""
     normalization = fused_normalization(image_processor)
     if normalization is None:
         return None
@@ -240,9 +252,9 @@ def uint8_normalization(image_processor) -> torch.Tensor | None:
 
 
 def finish_pixels(pixels: torch.Tensor, normalization: torch.Tensor) -> torch.Tensor:
-    """uint8 pixels -> the processor's float32 values, on the pixels' device: images and clips, with the
-    channel axis third from last ([..., channels, height, width]) or the first factor of each flattened patch
-    (Qwen-VL: [patches, channels x temporal x height x width])."""
+    """uint8 pixels -> the processor's float32 values, on the pixels' device: images and clips, with
+    the channel axis third from last ([..., channels, height, width]) or the first factor of each
+    flattened patch (Qwen-VL: [patches, channels x temporal x height x width])."""
     mean, std = normalization.to(pixels.device)
     values = pixels.to(torch.float32)
     channels_third_from_last = values.view(len(values), len(mean), -1, 1) if values.dim() == 2 else values
@@ -251,9 +263,10 @@ def finish_pixels(pixels: torch.Tensor, normalization: torch.Tensor) -> torch.Te
 
 
 def to_device(batch: dict, device) -> dict:
-    """A collated batch's model inputs on `device`, for training, evaluation and the feature cache alike: every
-    entry but the collator's host-side ones (`HOST_KEYS`; a Python value such as `dummy_image` stays as it is),
-    with uint8 images and clips rescaled and normalised there by the constants their batch carries (`NORMALIZED_BY`)."""
+    """A collated batch's model inputs on `device`, for training, evaluation and the feature cache
+    alike: every entry but the collator's host-side ones (`HOST_KEYS`; a Python value such as
+    `dummy_image` stays as it is), with uint8 images and clips rescaled and normalised there by the
+    constants their batch carries (`NORMALIZED_BY`)."""
     inputs = {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
               for key, value in batch.items() if key not in HOST_KEYS}
     for pixels, normalization in NORMALIZED_BY.items():

@@ -1,9 +1,11 @@
-"""A rank's stream as batches: resumable block shuffling, token budgets, the DataLoader and the loop's batches.
+"""A rank's stream as batches: resumable block shuffling, token budgets, the DataLoader and the
+loop's batches.
 
-`ResumableShuffle` shuffles a rank's rows in blocks and knows where it stands after every row, so
-a checkpoint resumes the stream exactly; `stream_loader` is the torchdata `StatefulDataLoader`
-over it, whose state holds every DataLoader worker's position; `rank_loader` builds both for either pipeline
-(image-caption pairs, conversations); `TrainBatches` is what the training loop takes batches from, over epochs.
+`ResumableShuffle` shuffles a rank's rows in blocks and knows where it stands after every row, so a
+checkpoint resumes the stream exactly; `stream_loader` is the torchdata `StatefulDataLoader` over
+it, whose state holds every DataLoader worker's position; `rank_loader` builds both for either
+pipeline (image-caption pairs, conversations); `TrainBatches` is what the training loop takes
+batches from, over epochs.
 """
 
 import itertools
@@ -36,9 +38,9 @@ class ResumableShuffle(torch.utils.data.IterableDataset):
     time, with a `ROW_SEED` column: each row's own seed, from its place in the stream (random
     augmentation drawn from it repeats on a resume). Every row is read once per epoch, as with a
     shuffle buffer of the same size; a row moves at most `block_size` places within its shard. The
-    shards are read in an order seeded by (seed, epoch): `datasets` permutes a stream's shards by its
-    own epoch, which is set from both, so each epoch reads them in another order (and a rank with
-    `split_dataset_by_node` other shards).
+    shards are read in an order seeded by (seed, epoch): `datasets` permutes a stream's shards by
+    its own epoch, which is set from both, so each epoch reads them in another order (and a rank
+    with `split_dataset_by_node` other shards).
 
     With DataLoader workers (torchdata's `StatefulDataLoader`: `stream_loader`), each worker reads
     its own shards and reports its own position; the loader's `state_dict` holds them all and which
@@ -65,7 +67,8 @@ class ResumableShuffle(torch.utils.data.IterableDataset):
     def set_epoch(self, epoch: int):
         """In the main process, before iterating: the workers' copies share both epochs' memory."""
         self.shared_epoch.fill_(epoch)
-        self.source.set_epoch(1 + hash((self.seed, epoch)) % (2**31 - 1))  # 0 would keep the file order
+        # 0 would keep the file order
+        self.source.set_epoch(1 + hash((self.seed, epoch)) % (2**31 - 1))
 
     def state_dict(self) -> dict | None:
         """Where the stream stands after the last row handed out (None: before the first)."""
@@ -77,7 +80,8 @@ class ResumableShuffle(torch.utils.data.IterableDataset):
 
     @staticmethod
     def check_position(position: dict, *, block_size: int, batch_size: int, max_epoch: int):
-        """Raise ValueError unless `position` is one `__iter__` can have handed out with these sizes."""
+        """Raise ValueError unless `position` is one `__iter__` can have handed out with these
+        sizes."""
         limits = {"epoch": (0, max_epoch), "block": (0, None), "rows_done": (0, block_size - 1),
                   "kept": (1, batch_size)}
         for key, (low, high) in limits.items():
@@ -90,12 +94,14 @@ class ResumableShuffle(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         start = {"block": 0, "source_state": self.initial_state, "rows_done": 0, "kept": 0}
-        if self.start is not None and self.start["epoch"] == self.epoch:  # later epochs start from the beginning
+        # later epochs start from the beginning
+        if self.start is not None and self.start["epoch"] == self.epoch:
             start = self.start
         self.source.load_state_dict(start["source_state"])
         rows = iter(self.source)
         block, rows_done, kept_done = start["block"], start["rows_done"], start["kept"]
-        source_state = start["source_state"]  # state_dict() reads the previous pass until a row is read
+        # state_dict() reads the previous pass until a row is read
+        source_state = start["source_state"]
         worker = getattr(torch.utils.data.get_worker_info(), "id", 0)
         while True:
             raw = list(itertools.islice(rows, self.block_size))
@@ -132,15 +138,17 @@ def default_num_workers(num_shards: int, cpu_workers: int = 0) -> int:
 
 def rank_loader(stream, preprocess, collator, args, *, batch_size: int, shuffle_seed: int | None,
                 remove_columns: list[str], budget: int | None = None, length=None, cpu_workers: int = 0):
-    """The DataLoader over a data rank's rows `stream`, which both pipelines build the same way: for training
-    (`shuffle_seed` set) shuffled in blocks and preprocessed (`ResumableShuffle`: a checkpoint resumes it exactly),
-    then cut into micro-batches of `batch_size` rows or, with `budget`, of whole rows up to that many tokens or
-    patches (`TokenBudgetBatches`, `length(row)`); for evaluation preprocessed in stream order (`remove_columns`:
-    the raw columns) in fixed batches. `args`: the data arguments (`SourceArgs`). The workers' fork server imports
-    the preprocessing's and the collator's modules once."""
+    """The DataLoader over a data rank's rows `stream`, which both pipelines build the same way: for
+    training (`shuffle_seed` set) shuffled in blocks and preprocessed (`ResumableShuffle`: a
+    checkpoint resumes it exactly), then cut into micro-batches of `batch_size` rows or, with
+    `budget`, of whole rows up to that many tokens or patches (`TokenBudgetBatches`, `length(row)`);
+    for evaluation preprocessed in stream order (`remove_columns`: the raw columns) in fixed
+    batches. `args`: the data arguments (`SourceArgs`). The workers' fork server imports the
+    preprocessing's and the collator's modules once."""
     if shuffle_seed is None:
         stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=remove_columns)
-        stream.preprocess = preprocess  # its skip counts, as ResumableShuffle's, for `no_rows_error`
+        # its skip counts, as ResumableShuffle's, for `no_rows_error`
+        stream.preprocess = preprocess
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)
@@ -186,8 +194,9 @@ GROUP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def start_worker_server(preload=()):
-    """Start the fork server (once per process) ignoring GROUP_SIGNALS, which it inherits; it imports the modules
-    `preload` names once: the data pipeline's (what the workers run), and in the tests what their ranks import.
+    """Start the fork server (once per process) ignoring GROUP_SIGNALS, which it inherits; it
+    imports the modules `preload` names once: the data pipeline's (what the workers run), and in the
+    tests what their ranks import.
 
     The training process handles a preemption signal (StepGuard: checkpoint at the next step
     boundary, then exit), but the server shares its process group and would die of it, and then
@@ -227,9 +236,9 @@ def _exit_with(pid: int):
 
 
 class TrainBatches:
-    """`next(batches)`: this rank's next training batch, over epochs (`batches_forever`; None: the rank has no rows),
-    timed: `epoch` is the epoch of the batch last taken, and `take_wait()` the seconds spent waiting for batches
-    since it was last called (the report's data_wait)."""
+    """`next(batches)`: this rank's next training batch, over epochs (`batches_forever`; None: the
+    rank has no rows), timed: `epoch` is the epoch of the batch last taken, and `take_wait()` the
+    seconds spent waiting for batches since it was last called (the report's data_wait)."""
 
     def __init__(self, dataloader, resumed_epoch: int | None = None):
         self.dataloader, self._batches = dataloader, batches_forever(dataloader, resumed_epoch)
@@ -249,18 +258,21 @@ class TrainBatches:
         return waited
 
     def check_rows(self, window: list, accelerator, data_world: int):
-        """At the first step: every rank raises together if a data rank got no batch (every epoch reads the same
-        rows, so once is enough); the rank without rows says why (`no_rows_error`)."""
+        """At the first step: every rank raises together if a data rank got no batch (every epoch
+        reads the same rows, so once is enough); the rank without rows says why
+        (`no_rows_error`)."""
         if not all_ranks_true(None not in window, accelerator.device):
             raise no_rows_error(self.dataloader, data_world, None in window)
 
 
 def check_held_out(dataloader, device, source: str):
-    """Before the first step: every rank raises together when no rank's held-out loader gives a row (every row
-    skipped, an empty file), each saying what its share skipped, by reason (`no_rows_error`). Otherwise the evaluation
-    would silently never run, and the model card would still name `source`."""
+    """Before the first step: every rank raises together when no rank's held-out loader gives a row
+    (every row skipped, an empty file), each saying what its share skipped, by reason
+    (`no_rows_error`). Otherwise the evaluation would silently never run, and the model card would
+    still name `source`."""
     device = torch.device(device)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # an iterator draws a seed
+    # an iterator draws a seed
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         empty = next(iter(dataloader), None) is None
     if all_ranks_true(empty, device):
         raise no_rows_error(dataloader, 0, True, held_out=source)
@@ -292,8 +304,9 @@ def row_tokens(row) -> int:
 
 
 class TokenBudgetBatches(torch.utils.data.IterableDataset):
-    """This rank's rows (a `ResumableShuffle`) grouped into micro-batches of at most `max_tokens` tokens, a row's
-    tokens as `length` counts them (a module-level function: DataLoader workers receive it pickled).
+    """This rank's rows (a `ResumableShuffle`) grouped into micro-batches of at most `max_tokens`
+    tokens, a row's tokens as `length` counts them (a module-level function: DataLoader workers
+    receive it pickled).
 
     Rows keep their stream order and the next row that does not fit starts the next micro-batch,
     so the grouping depends only on the rows: a resume after a micro-batch's last row (its saved
@@ -316,7 +329,8 @@ class TokenBudgetBatches(torch.utils.data.IterableDataset):
         self.rows.set_epoch(epoch)
 
     def state_dict(self) -> dict | None:
-        """After the last row of the last micro-batch handed out (the rows have read one further)."""
+        """After the last row of the last micro-batch handed out (the rows have read one
+        further)."""
         return self.position
 
     def load_state_dict(self, position: dict | None):
@@ -333,7 +347,8 @@ class TokenBudgetBatches(torch.utils.data.IterableDataset):
                 batch, tokens = [], 0
             batch.append(row)
             tokens += length
-            batch_end = self.rows.state_dict()  # after this row: the stream position the batch ends at
+            # after this row: the stream position the batch ends at
+            batch_end = self.rows.state_dict()
         if batch:
             self.position = batch_end
             yield batch

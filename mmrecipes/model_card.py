@@ -1,10 +1,11 @@
 """What a recipe leaves beside its weights: a Hugging Face model card and the training curves.
 
-`History` collects what the recipe logs (the same dicts it passes to `accelerator.log`); at the final
-save, `write_model_card` writes `output_dir/README.md`, a model card that `huggingface_hub.ModelCard`
-parses (library, pipeline tag, base model, datasets, tags; then the command, the engine, what the run
-saw, the final metrics and how to load it), and `output_dir/training_curves.png`, the loss and the
-evaluation metric against steps, which the card shows. Main process only: no collectives.
+`History` collects what the recipe logs (the same dicts it passes to `accelerator.log`); at the
+final save, `write_model_card` writes `output_dir/README.md`, a model card that
+`huggingface_hub.ModelCard` parses (library, pipeline tag, base model, datasets, tags; then the
+command, the engine, what the run saw, the final metrics and how to load it), and
+`output_dir/training_curves.png`, the loss and the evaluation metric against steps, which the card
+shows. Main process only: no collectives.
 """
 
 import shlex
@@ -19,7 +20,8 @@ CURVES_SIZE = (1200, 450)  # pixels: 8 x 3 inches at 150 dpi
 
 
 class History:
-    """Every logged value by name: {name: [(step, value), ...]}; which names came from evaluations."""
+    """Every logged value by name: {name: [(step, value), ...]}; which names came from
+    evaluations."""
 
     def __init__(self):
         self.values, self.evaluated = {}, []
@@ -36,7 +38,8 @@ class History:
 
 
 def plot_curves(history: History, path, eval_metrics: list[str]):
-    """Training loss (left) and the evaluation metrics (right) against steps, a PNG of CURVES_SIZE pixels."""
+    """Training loss (left) and the evaluation metrics (right) against steps, a PNG of CURVES_SIZE
+    pixels."""
     from matplotlib.figure import Figure  # no pyplot: no display needed
 
     figure = Figure(figsize=(CURVES_SIZE[0] / 150, CURVES_SIZE[1] / 150), dpi=150)
@@ -72,12 +75,13 @@ def write_model_card(output_dir, history: History, *, pipeline_tag: str, eval_me
                      base_model: str | None, datasets: list[str], evaluated: str, tags: list[str], engine: str,
                      seen: str, resumed_at: int, benchmarks: list[str] = ()):
     """`output_dir/README.md` (a model card) and `output_dir/training_curves.png`. `engine`: the
-    `[engine]` line; `seen`: what the run trained on, before a resume at `resumed_at` too (0: not resumed);
-    `evaluated`: what the evaluation metrics measured (the recipe's evaluation line); `benchmarks`: a line per
-    benchmark task (`mmrecipes.benchmarks.Benchmarks.card_lines`)."""
+    `[engine]` line; `seen`: what the run trained on, before a resume at `resumed_at` too (0: not
+    resumed); `evaluated`: what the evaluation metrics measured (the recipe's evaluation line);
+    `benchmarks`: a line per benchmark task (`mmrecipes.benchmarks.Benchmarks.card_lines`)."""
     output_dir = Path(output_dir)
     plot_curves(history, output_dir / CURVES, eval_metrics)
-    # hub ids only: not local paths, embedded names, or builders such as parquet (their files are the data)
+    # hub ids only: not local paths, embedded names, or builders such as parquet (their files are
+    # the data)
     hub_datasets = [name for name in datasets if name and not Path(name).exists() and ":" not in name
                     and name not in _PACKAGED_DATASETS_MODULES]
     data = ModelCardData(library_name="transformers", pipeline_tag=pipeline_tag, base_model=base_model,

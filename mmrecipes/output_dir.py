@@ -2,13 +2,13 @@
 
 Two runs writing one `output_dir` destroy each other's work (the second removes the first one's
 checkpoint in progress as a save that did not finish). The run's main process creates
-`<output_dir>/.mmrecipes.lock` with `O_EXCL` (atomic on local and network filesystems), under an flock on the
-directory (so that checking a stale lock and taking it over is one step between processes), holding
-its host, pid, process start time and Slurm job id, and keeps the file's time fresh from a
-background thread. Another run is refused, naming the owner. A lock is stale, and taken over with
-a line in the log, when its process is gone: on the same host the pid no longer runs the process
-that wrote it; from another host (a requeued job on other nodes) it belongs to the same Slurm
-job, or it has not been refreshed for `STALE_AFTER_S`. The lock goes when the process exits
+`<output_dir>/.mmrecipes.lock` with `O_EXCL` (atomic on local and network filesystems), under an
+flock on the directory (so that checking a stale lock and taking it over is one step between
+processes), holding its host, pid, process start time and Slurm job id, and keeps the file's time
+fresh from a background thread. Another run is refused, naming the owner. A lock is stale, and taken
+over with a line in the log, when its process is gone: on the same host the pid no longer runs the
+process that wrote it; from another host (a requeued job on other nodes) it belongs to the same
+Slurm job, or it has not been refreshed for `STALE_AFTER_S`. The lock goes when the process exits
 (`release_held`: what a process that calls a recipe's `main` more than once calls between runs).
 Creating it also proves the directory writable, before the first step rather than at the first save.
 """
@@ -30,7 +30,8 @@ _HELD: list["OutputDirLock"] = []  # locks this process holds, released at exit
 
 
 def release_held():
-    """Release every lock this process holds (at exit, or after an in-process run of a recipe's main)."""
+    """Release every lock this process holds (at exit, or after an in-process run of a recipe's
+    main)."""
     while _HELD:
         _HELD[-1].release()
 
@@ -43,8 +44,9 @@ class OutputDirBusy(RuntimeError):
 
 
 def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (tells a reused pid apart); None if it is gone or
-    a zombie (killed, not yet reaped: where PID 1 does not reap, as in many containers, that can last)."""
+    """The process's start time in clock ticks since boot (tells a reused pid apart); None if it is
+    gone or a zombie (killed, not yet reaped: where PID 1 does not reap, as in many containers, that
+    can last)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
@@ -67,8 +69,9 @@ def _runs(pid, start_time) -> bool:
 
 @contextlib.contextmanager
 def _exclusive(directory: Path):
-    """Held by one process at a time (an flock on the directory, dropped by the kernel if the process dies): the
-    check of a lock and its takeover happen as one step, so two runs never both hold it."""
+    """Held by one process at a time (an flock on the directory, dropped by the kernel if the
+    process dies): the check of a lock and its takeover happen as one step, so two runs never both
+    hold it."""
     descriptor = os.open(directory, os.O_RDONLY)
     try:
         with contextlib.suppress(OSError):  # a filesystem without flock: O_EXCL alone, as before
@@ -86,13 +89,15 @@ class OutputDirLock:
         self.held, self._stop = False, threading.Event()
 
     def acquire(self) -> str | None:
-        """Take the lock; a line for the log when a stale lock was taken over. Raises OutputDirBusy."""
+        """Take the lock; a line for the log when a stale lock was taken over. Raises
+        OutputDirBusy."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise OutputDirBusy(f"--output_dir {self.path.parent} cannot be created ({error}): choose a writable "
                                 "directory") from None
-        with _exclusive(self.path.parent):  # two runs that find the same stale lock take it over one after the other
+        # two runs that find the same stale lock take it over one after the other
+        with _exclusive(self.path.parent):
             return self._acquire()
 
     def _acquire(self) -> str | None:

@@ -1,10 +1,12 @@
-"""What a recipe reports: one call writes the tracker, the model card's history and the console line.
+"""What a recipe reports: one call writes the tracker, the model card's history and the console
+line.
 
-The loop hands the report its batches once per step (`add_batches`: samples, tokens, text-only batches, FLOPs and the
-data counts, as each collator counts them) and its own sums (`add_step`: the loss parts, kept on the device, left
-out on a skipped step). At a logging step, `close` sums the window over all ranks in one collective and `log` writes
-the recipe's own metrics followed by the throughput every recipe reports (`throughput`) and the counters so far.
-The run's evaluations are components (`Evaluation`) the report runs when due (`evaluate`: one loop line for all).
+The loop hands the report its batches once per step (`add_batches`: samples, tokens, text-only
+batches, FLOPs and the data counts, as each collator counts them) and its own sums (`add_step`: the
+loss parts, kept on the device, left out on a skipped step). At a logging step, `close` sums the
+window over all ranks in one collective and `log` writes the recipe's own metrics followed by the
+throughput every recipe reports (`throughput`) and the counters so far. The run's evaluations are
+components (`Evaluation`) the report runs when due (`evaluate`: one loop line for all).
 """
 
 import time
@@ -28,13 +30,14 @@ LABELS = {"samples_per_s": "samples/s", "tokens_per_s": "tokens/s", "mfu": "MFU"
 class WindowSums:
     """The sums of one logging window on this rank, by name.
 
-    - `add_applied(applied, name=value, ...)`: sums over the optimizer steps the guard applied, kept on the
-      device (`applied` is its verdict there: no host read per step);
-    - `add(name=value, ..., data_counts=...)`: plain numbers from the CPU batches, and the data counts;
+    - `add_applied(applied, name=value, ...)`: sums over the optimizer steps the guard applied, kept
+      on the device (`applied` is its verdict there: no host read per step);
+    - `add(name=value, ..., data_counts=...)`: plain numbers from the CPU batches, and the data
+      counts;
     - `pause(seconds)`: time the window does not count (evaluation);
-    - `close()`: every sum over all ranks in one collective, with the window's `seconds` and the data
-      counts by name, and the next window started. `total` keeps the sums of all closed windows, from
-      `total` on (a resumed run's: `Checkpointer.resumed_totals`);
+    - `close()`: every sum over all ranks in one collective, with the window's `seconds` and the
+      data counts by name, and the next window started. `total` keeps the sums of all closed
+      windows, from `total` on (a resumed run's: `Checkpointer.resumed_totals`);
     - `totals_so_far()`: `total` with the open window's sums (a collective), for a checkpoint.
     """
 
@@ -61,8 +64,8 @@ class WindowSums:
         self.started += seconds
 
     def close(self) -> dict[str, float]:
-        """The window's sums over all ranks, 0 for a name an earlier window had and this one has not (a GRPO step
-        that trains on earlier completions samples nothing)."""
+        """The window's sums over all ranks, 0 for a name an earlier window had and this one has not
+        (a GRPO step that trains on earlier completions samples nothing)."""
         seconds = time.perf_counter() - self.started
         sums = self._summed()
         self.total.update(sums)
@@ -82,11 +85,12 @@ class WindowSums:
 
 
 class Evaluation:
-    """An evaluation of the run that `Report.evaluate` runs when due: its `parts` in order (each `part(filler) ->
-    {name: value}`, called on every rank, so collectives run inside; `filler`: what a rank with nothing left to
-    evaluate forwards), their scores on one eval line. Due every `every` steps (None: the run's --eval_steps; 0: at
-    the last step only) and at the run's last step, or, `at_start`, before the first step of a run that starts at 0
-    only. Without parts it is never due (held-out data not given, no benchmark named)."""
+    """An evaluation of the run that `Report.evaluate` runs when due: its `parts` in order (each
+    `part(filler) -> {name: value}`, called on every rank, so collectives run inside; `filler`: what
+    a rank with nothing left to evaluate forwards), their scores on one eval line. Due every `every`
+    steps (None: the run's --eval_steps; 0: at the last step only) and at the run's last step, or,
+    `at_start`, before the first step of a run that starts at 0 only. Without parts it is never due
+    (held-out data not given, no benchmark named)."""
 
     def __init__(self, parts: list, every: int | None = None, at_start: bool = False):
         self.parts, self.every, self.at_start = list(parts), every, at_start
@@ -107,15 +111,17 @@ class Evaluation:
 
 
 class Report:
-    """One run's reporting: when a report or an evaluation is due, the window's sums, and the lines they make.
+    """One run's reporting: when a report or an evaluation is due, the window's sums, and the lines
+    they make.
 
-    `batches`: the loop's `loader.TrainBatches` (its wait for data is the report's `data_wait`, its epoch goes to
-    the tracker); `counted`: the names of the collator's `data_counts`; `flops(batch)`: a batch's training FLOPs
-    (MFU; None: not reported); `guard`: the run's `StepGuard` (its skipped steps are reported);
-    `total`: the sums a resumed run starts from (`Checkpointer.resumed_totals`); `ranks` (`distributed.Ranks`): where
-    another rank counts the batches this one reads too (a sequence-parallel peer), this one counts none; `formats`:
-    how the log line writes the recipe's own metrics (`FORMATS`' format specs); `evaluations`: the run's `Evaluation`s
-    in the order their lines come.
+    `batches`: the loop's `loader.TrainBatches` (its wait for data is the report's `data_wait`, its
+    epoch goes to the tracker); `counted`: the names of the collator's `data_counts`;
+    `flops(batch)`: a batch's training FLOPs (MFU; None: not reported); `guard`: the run's
+    `StepGuard` (its skipped steps are reported); `total`: the sums a resumed run starts from
+    (`Checkpointer.resumed_totals`); `ranks` (`distributed.Ranks`): where another rank counts the
+    batches this one reads too (a sequence-parallel peer), this one counts none; `formats`: how the
+    log line writes the recipe's own metrics (`FORMATS`' format specs); `evaluations`: the run's
+    `Evaluation`s in the order their lines come.
     """
 
     def __init__(self, accelerator, args, batches, counted: tuple[str, ...], *, guard, ranks, flops=None, total=None,
@@ -127,7 +133,8 @@ class Report:
         self.logging_steps, self.eval_steps, self.max_steps = args.logging_steps, args.eval_steps, args.max_steps
         self.peak = peak_flops(args.peak_tflops)
         self.window, self.history = WindowSums(accelerator.device, counted, total), History()
-        self.write = tqdm.write if accelerator.is_main_process else lambda line: None  # keeps the bar intact
+        # keeps the bar intact
+        self.write = tqdm.write if accelerator.is_main_process else lambda line: None
 
     @property
     def total(self) -> Counter:
@@ -137,16 +144,18 @@ class Report:
         return step % self.logging_steps == 0 or step == self.max_steps
 
     def evaluate(self, step: int, filler, before_step: bool = False):
-        """Each of the run's evaluations due at `step` (before its training where `before_step`), in order, each on an
-        eval line of its own and left out of samples/s (`evaluating`); `filler`: what a rank with nothing left to
-        evaluate forwards (any batch of the step). Those of the last step wait for `evaluate_last`."""
+        """Each of the run's evaluations due at `step` (before its training where `before_step`), in
+        order, each on an eval line of its own and left out of samples/s (`evaluating`); `filler`:
+        what a rank with nothing left to evaluate forwards (any batch of the step). Those of the
+        last step wait for `evaluate_last`."""
         if step == self.max_steps and not before_step:
             return
         self._run_due(step, filler, before_step)
 
     def evaluate_last(self, filler):
-        """The evaluations due at the last step, called once the model is saved: whatever they do (a scorer that
-        raises is counted; the model's own errors, out of memory in generation, end the run), the model is kept."""
+        """The evaluations due at the last step, called once the model is saved: whatever they do (a
+        scorer that raises is counted; the model's own errors, out of memory in generation, end the
+        run), the model is kept."""
         self._run_due(self.max_steps, filler, before_step=False)
 
     def _run_due(self, step: int, filler, before_step: bool):
@@ -156,11 +165,13 @@ class Report:
                     scores |= evaluation(filler)
 
     def add_batches(self, window: list, trained: list | None = None):
-        """Count a step's batches: those read (`window`: rows, `num_samples`, and the data counts) and those trained
-        (`trained`, by default the ones read: tokens and text-only batches where the collator counts them, FLOPs).
-        GRPO reads prompts and trains their completions, each batch of them for --num_iterations steps; distillation
-        trains samples of its prompts or their answers: a batch of `prompts` read is never counted as trained."""
-        share = 1 if self.ranks.counts_reads else 0  # a peer's zeros: every rank sums the same names
+        """Count a step's batches: those read (`window`: rows, `num_samples`, and the data counts)
+        and those trained (`trained`, by default the ones read: tokens and text-only batches where
+        the collator counts them, FLOPs). GRPO reads prompts and trains their completions, each
+        batch of them for --num_iterations steps; distillation trains samples of its prompts or
+        their answers: a batch of `prompts` read is never counted as trained."""
+        # a peer's zeros: every rank sums the same names
+        share = 1 if self.ranks.counts_reads else 0
         for batch in window:
             self.window.add(data_counts=batch["data_counts"] * share, samples=batch["num_samples"] * share)
         for batch in [batch for batch in window if "prompts" not in batch] if trained is None else trained:
@@ -171,11 +182,13 @@ class Report:
             self.window.add(**{name: value * share for name, value in counts.items()})
 
     def add_step(self, **sums):
-        """The step's own sums (loss parts), on the device, counted only if the guard applied the step."""
+        """The step's own sums (loss parts), on the device, counted only if the guard applied the
+        step."""
         self.window.add_applied(self.guard.applied, **sums)
 
     def close(self) -> dict[str, float]:
-        """The window's sums over all ranks (one collective), with its `seconds`; the next window starts."""
+        """The window's sums over all ranks (one collective), with its `seconds`; the next window
+        starts."""
         self.window.add(data_wait=self.batches.take_wait())
         return self.window.close()
 
@@ -184,8 +197,9 @@ class Report:
         return self.window.totals_so_far()
 
     def throughput(self, sums: dict) -> dict:
-        """samples/s, tokens/s (where counted), MFU (None without a known peak), the share of time spent waiting
-        for data, text-only batches (where counted), skipped steps and the data counters so far."""
+        """samples/s, tokens/s (where counted), MFU (None without a known peak), the share of time
+        spent waiting for data, text-only batches (where counted), skipped steps and the data
+        counters so far."""
         ranks, seconds = self.accelerator.num_processes, sums["seconds"]
         metrics = {"samples_per_s": sums["samples"] / seconds}
         if "tokens" in sums:
@@ -198,8 +212,8 @@ class Report:
         return metrics | {name: int(self.total[name]) for name in self.counted}
 
     def log(self, step: int, metrics: dict, sums: dict):
-        """The recipe's `metrics`, then `throughput(sums)`: to the trackers (with the epoch), the history and the
-        console."""
+        """The recipe's `metrics`, then `throughput(sums)`: to the trackers (with the epoch), the
+        history and the console."""
         metrics = metrics | self.throughput(sums)
         self.accelerator.log(metrics | {"epoch": self.batches.epoch}, step=step)
         self.history.add(step, metrics)
@@ -207,8 +221,8 @@ class Report:
 
     @contextmanager
     def evaluating(self, step: int):
-        """`with report.evaluating(step) as scores:` the block's time is left out of samples/s, and what it puts
-        into `scores` is logged after it."""
+        """`with report.evaluating(step) as scores:` the block's time is left out of samples/s, and
+        what it puts into `scores` is logged after it."""
         start, scores = time.perf_counter(), {}
         yield scores
         self.window.pause(time.perf_counter() - start)

@@ -1,7 +1,8 @@
-"""A saved model's folder, checked before anything loads: `model_config` (its config alone: an empty name, a missing
-folder, a training checkpoint-N, a folder without config.json, each refused naming the flag and the fix) and
-`pretrained` (its weights: a pickle that holds more than tensors is refused with the fix). The VLM recipes, their
-teachers and `python -m mmrecipes.benchmarks` load through them."""
+"""A saved model's folder, checked before anything loads: `model_config` (its config alone: an empty
+name, a missing folder, a training checkpoint-N, a folder without config.json, each refused naming
+the flag and the fix) and `pretrained` (its weights: a pickle that holds more than tensors is
+refused with the fix). The VLM recipes, their teachers and `python -m mmrecipes.benchmarks` load
+through them."""
 
 import pickle
 from pathlib import Path
@@ -13,10 +14,10 @@ from .checkpointing import MARKER
 
 
 def model_config(name_or_path: str, flag: str = "--model_name_or_path", *, training_checkpoint: bool = False):
-    """The config of a saved model (a folder here, or a hub id), read alone; a ValueError naming `flag` and the fix
-    where it is none: empty, a missing folder, a file, a training checkpoint (checkpoint-N, or a link to one: read
-    where `training_checkpoint`, a clip_pretrain.py checkpoint as a tower), a folder without config.json, a name
-    neither here nor fetchable."""
+    """The config of a saved model (a folder here, or a hub id), read alone; a ValueError naming
+    `flag` and the fix where it is none: empty, a missing folder, a file, a training checkpoint
+    (checkpoint-N, or a link to one: read where `training_checkpoint`, a clip_pretrain.py checkpoint
+    as a tower), a folder without config.json, a name neither here nor fetchable."""
     name_or_path = str(name_or_path)
     path = Path(name_or_path)
     if not name_or_path.strip():
@@ -34,14 +35,16 @@ def model_config(name_or_path: str, flag: str = "--model_name_or_path", *, train
         raise ValueError(f"{flag} {name_or_path}: no such folder")
     try:
         return AutoConfig.from_pretrained(name_or_path)
-    except (OSError, ValueError) as error:  # not a folder here, and not on the hub (or no network); no model_type
+    # not a folder here, and not on the hub (or no network); no model_type
+    except (OSError, ValueError) as error:
         raise ValueError(f"{flag} {name_or_path}: neither a model folder here nor a model transformers can fetch "
                          f"({str(error).splitlines()[0]})") from error
 
 
 def pretrained(auto_class, name_or_path: str, flag: str):
-    """`auto_class.from_pretrained(name_or_path)`; weights in a pickle that holds more than tensors are refused by
-    torch's weights-only loading (nothing in it runs), and the error names the file and the fix."""
+    """`auto_class.from_pretrained(name_or_path)`; weights in a pickle that holds more than tensors
+    are refused by torch's weights-only loading (nothing in it runs), and the error names the file
+    and the fix."""
     try:
         return auto_class.from_pretrained(name_or_path)
     except pickle.UnpicklingError as error:

@@ -1,10 +1,11 @@
 """Why rows are skipped, counted: the reasons by kind, an example row of each and what to change.
 
-A row that cannot be used raises `Skip` where it is read; the preprocessor drops it and `DropCounter` counts it by
-reason, keeps one example of each and the fix (`FIXES`), and warns once when more than half of the first rows are
-dropped. The counts travel in the stream beside the rows kept (`SKIPPED`: the drops since the row before, on the next
-kept row), so they survive DataLoader workers; `data_counts` sums them into a batch's counts. When a data rank ends up
-with no row at all, `no_rows_error` is the error every rank raises, saying why.
+A row that cannot be used raises `Skip` where it is read; the preprocessor drops it and
+`DropCounter` counts it by reason, keeps one example of each and the fix (`FIXES`), and warns once
+when more than half of the first rows are dropped. The counts travel in the stream beside the rows
+kept (`SKIPPED`: the drops since the row before, on the next kept row), so they survive DataLoader
+workers; `data_counts` sums them into a batch's counts. When a data rank ends up with no row at all,
+`no_rows_error` is the error every rank raises, saying why.
 """
 
 import logging
@@ -16,12 +17,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SKIPPED = "skipped"  # the column of a kept row: {reason: rows} dropped (or noted) since the row before it
+# the column of a kept row: {reason: rows} dropped (or noted) since the row before it
+SKIPPED = "skipped"
 
 
 class Skip(Exception):
-    """Why a row is skipped: a counted reason (`reason`, such as "outside_folder") and what was found (`detail`: the
-    path tried, the column missing). The one exception a row's reading raises; its preprocessor counts it."""
+    """Why a row is skipped: a counted reason (`reason`, such as "outside_folder") and what was
+    found (`detail`: the path tried, the column missing). The one exception a row's reading raises;
+    its preprocessor counts it."""
 
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
@@ -32,8 +35,10 @@ class Skip(Exception):
 
 
 def data_counts(rows: list[dict], names: tuple[str, ...]) -> "torch.Tensor":
-    """The rows' `SKIPPED` counts by `names` (a row without them counts nothing): a batch's `data_counts`."""
-    import torch  # here: `Skip` is raised by the benchmark tasks, which the flags import before torch loads
+    """The rows' `SKIPPED` counts by `names` (a row without them counts nothing): a batch's
+    `data_counts`."""
+    # here: `Skip` is raised by the benchmark tasks, which the flags import before torch loads
+    import torch
 
     return torch.tensor([sum(row.get(SKIPPED, {}).get(name, 0) for row in rows) for name in names])
 
@@ -68,8 +73,8 @@ FIXES = {
 
 
 class DropCounter:
-    """Counts of dropped rows, attached to the next kept row: they ride along inside the stream,
-    so they survive DataLoader workers and reach the log. It also keeps the whole tally, and the first
+    """Counts of dropped rows, attached to the next kept row: they ride along inside the stream, so
+    they survive DataLoader workers and reach the log. It also keeps the whole tally, and the first
     example of each reason, for `report`: once `warn_after` rows are seen, more than half of them
     skipped is said in a warning with the report (and a rank left with no rows raises it)."""
 
@@ -85,8 +90,8 @@ class DropCounter:
         self._warn_once()
 
     def keep(self, note: str | None = None) -> dict:
-        """The counts a kept row carries (`SKIPPED`): the drops since the last kept row, and `note`, what was done to
-        this one (e.g. "converted")."""
+        """The counts a kept row carries (`SKIPPED`): the drops since the last kept row, and `note`,
+        what was done to this one (e.g. "converted")."""
         self.kept += 1
         self._warn_once()
         counts = self.pending + Counter({note: 1} if note else {})
@@ -111,10 +116,11 @@ class DropCounter:
 
 
 def no_rows_error(dataloader, data_world: int, this_rank_empty: bool, held_out: str | None = None) -> RuntimeError:
-    """The error every rank raises, together, when a data rank has no training rows at its first step, or (`held_out`:
-    the evaluation's source) when no rank has a held-out row (one message for every recipe). The rank without rows
-    says why: its skip report (`DropCounter.report`) from this process's preprocessing or, where DataLoader workers
-    did that, from its share of the stream read again here."""
+    """The error every rank raises, together, when a data rank has no training rows at its first
+    step, or (`held_out`: the evaluation's source) when no rank has a held-out row (one message for
+    every recipe). The rank without rows says why: its skip report (`DropCounter.report`) from this
+    process's preprocessing or, where DataLoader workers did that, from its share of the stream read
+    again here."""
     message = (f"No data rank has a usable held-out row of {held_out}, so the evaluation would never run" if held_out
                else f"A data rank has no training rows ({data_world} data ranks)")
     if not this_rank_empty:

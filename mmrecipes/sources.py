@@ -1,19 +1,19 @@
-"""Where rows come from: file specs, one stream per source split by data rank, and readers that never crash.
+"""Where rows come from: file specs, one stream per source split by data rank, and readers that
+never crash.
 
-`load_stream` gives a data rank its share of a source as a `datasets.IterableDataset`, one shard
-per file, whose `state_dict` resumes it exactly. Parquet, JSON, CSV and webdataset files are read here,
+`load_stream` gives a data rank its share of a source as a `datasets.IterableDataset`, one shard per
+file, whose `state_dict` resumes it exactly. Parquet, JSON, CSV and webdataset files are read here,
 a file at a time, because one bad file must cost its rows, not the run: `datasets`' own readers
-raise on an empty parquet file, on non-UTF-8 bytes anywhere in a JSON file or a `.txt` member,
-and on a first tar sample that lacks a member, and they end a truncated tar without a word. Here
-every row keeps the requested columns (None where absent), and a row that could not be read
-becomes a row whose `PROBLEM` column names the kind, which the preprocessors count and skip:
+raise on an empty parquet file, on non-UTF-8 bytes anywhere in a JSON file or a `.txt` member, and
+on a first tar sample that lacks a member, and they end a truncated tar without a word. Here every
+row keeps the requested columns (None where absent), and a row that could not be read becomes a row
+whose `PROBLEM` column names the kind, which the preprocessors count and skip:
 - `bad_shard`: an empty, unreadable or truncated file (the rows before the damage are kept);
 - `bad_text`: text that is not UTF-8 (a caption, a conversation);
 - `bad_row`: a JSON line that does not parse, a CSV line whose fields do not match its header.
-Each of these rows also names its file in `DATA_FILE` (relative image and video paths resolve against
-its folder).
-Other formats (imagefolder, arrow, hub datasets with a loading script) stream through
-`datasets` with images left undecoded (the preprocessors decode and count).
+Each of these rows also names its file in `DATA_FILE` (relative image and video paths resolve
+against its folder). Other formats (imagefolder, arrow, hub datasets with a loading script) stream
+through `datasets` with images left undecoded (the preprocessors decode and count).
 """
 
 import csv
@@ -36,7 +36,8 @@ from .paths import is_embedded, resolve_name
 logger = logging.getLogger(__name__)
 
 PROBLEM = "__problem__"  # a column: None, or why the row could not be read
-DATA_FILE = "__data_file__"  # a column: the file a row was read from (None for `datasets`' own readers)
+# a column: the file a row was read from (None for `datasets`' own readers)
+DATA_FILE = "__data_file__"
 SOURCE = "__source__"  # a column of a mixed stream: the index of the source the row came from
 # A column a reader may be asked for: the row's columns it was not asked for, as JSON (those that are not JSON, such
 # as image bytes, left out): what GRPO's reward functions get as keywords, as TRL passes every column
@@ -48,8 +49,8 @@ _BAD_TEXT = re.compile("[\udc80-\udcff]")  # what undecodable bytes become under
 def expand_data_files(spec: str | list[str] | None) -> list[str] | None:
     """`--data_files` as `load_dataset` takes it: comma-separated entries (or a list), each with its
     brace ranges expanded as open_clip/webdataset users write them (`/data/{00000..41455}.tar`, zero
-    padding kept; `{a,b}` alternatives too). Globs and fsspec URLs (chains too) pass through to `datasets`;
-    open_clip's `A::B` is refused."""
+    padding kept; `{a,b}` alternatives too). Globs and fsspec URLs (chains too) pass through to
+    `datasets`; open_clip's `A::B` is refused."""
     if not spec:
         return None
     if not isinstance(spec, str):
@@ -64,7 +65,8 @@ def expand_data_files(spec: str | list[str] | None) -> list[str] | None:
             current += char
     entries = [entry.strip() for entry in entries + [current] if entry.strip()]
     for entry in entries:
-        if "::" in entry and "://" not in entry.split("::")[0]:  # fsspec's chains start with a protocol
+        # fsspec's chains start with a protocol
+        if "::" in entry and "://" not in entry.split("::")[0]:
             raise ValueError(f"data files {entry!r}: '::' joins sources in open_clip (A::B), but fsspec reads it as a "
                              "URL chain and would read A only; separate the files with commas (one source, read in "
                              "turn), or mix sources by weight: each source's files in a directory of its own, "
@@ -91,8 +93,9 @@ def _expand_braces(pattern: str) -> list[str]:
 
 
 def data_fingerprint(sources: list[tuple]) -> list[str]:
-    """What identifies each (name, config, split, data_files) source across runs: for local data the names
-    and sizes of its files (so a moved copy matches and another dataset does not), else the spec itself."""
+    """What identifies each (name, config, split, data_files) source across runs: for local data the
+    names and sizes of its files (so a moved copy matches and another dataset does not), else the
+    spec itself."""
     prints = []
     for name, config, split, data_files in sources:
         name = resolve_name(name)
@@ -112,7 +115,8 @@ def split_by_data_rank(stream, name: str, data_rank: int, data_world: int):
     """This data rank's share of a stream. Whole shards when their number is a multiple of the data
     world; otherwise `split_dataset_by_node` has every rank read every shard and keep 1/W of its
     rows, which multiplies the read traffic by W: said once in the log, with what to do."""
-    said = (name, stream.num_shards, data_world)  # once: the evaluation and prompt streams read a source again
+    # once: the evaluation and prompt streams read a source again
+    said = (name, stream.num_shards, data_world)
     if data_world > 1 and stream.num_shards % data_world and data_rank == 0 and said not in _WARNED_SHARDS:
         _WARNED_SHARDS.add(said)
         logger.warning(f"{name}: {stream.num_shards} shards over {data_world} data ranks, not a multiple: every rank "
@@ -124,12 +128,13 @@ def split_by_data_rank(stream, name: str, data_rank: int, data_world: int):
 def _parquet_rows(file: str):
     with fsspec.open(file, "rb") as stream:
         for batch in pq.ParquetFile(stream).iter_batches():
-            yield from batch.to_pylist()  # an image column: {"bytes", "path"} or plain bytes (img2dataset)
+            # an image column: {"bytes", "path"} or plain bytes (img2dataset)
+            yield from batch.to_pylist()
 
 
 def _json_rows(file: str):
-    """A JSON array (LLaVA's files: read whole) or JSON lines (read a line at a time); undecodable bytes become
-    `bad_text` rows, lines that do not parse `bad_row` rows."""
+    """A JSON array (LLaVA's files: read whole) or JSON lines (read a line at a time); undecodable
+    bytes become `bad_text` rows, lines that do not parse `bad_row` rows."""
     with fsspec.open(file, "rb", compression="infer") as stream:
         if stream.read(4096).lstrip().startswith(b"["):
             stream.seek(0)
@@ -144,13 +149,15 @@ def _json_rows(file: str):
 def _json_line(line: bytes):
     try:
         return json.loads(line.decode("utf-8", errors="surrogateescape"))
-    except (ValueError, RecursionError):  # nested deeper than Python's stack: this line, not the rest of the file
+    # nested deeper than Python's stack: this line, not the rest of the file
+    except (ValueError, RecursionError):
         return {PROBLEM: "bad_row"}
 
 
 def _csv_rows(file: str):
-    """A CSV file with a header row (values as text); a line with more or fewer fields than the header is a `bad_row`
-    row (pandas, `datasets`' reader, stops the run there naming neither the file nor the line)."""
+    """A CSV file with a header row (values as text); a line with more or fewer fields than the
+    header is a `bad_row` row (pandas, `datasets`' reader, stops the run there naming neither the
+    file nor the line)."""
     with fsspec.open(file, "rt", compression="infer", encoding="utf-8", errors="surrogateescape", newline="") as text:
         lines = csv.reader(text)
         header = next(lines, None)
@@ -160,8 +167,9 @@ def _csv_rows(file: str):
 
 
 def _tar_rows(file: str):
-    """webdataset / img2dataset tars: members `<key>.<field>` grouped by key in order. `.txt` members
-    become strings (non-UTF-8 ones make the sample a `bad_text` row), `.json` ones objects, others bytes."""
+    """webdataset / img2dataset tars: members `<key>.<field>` grouped by key in order. `.txt`
+    members become strings (non-UTF-8 ones make the sample a `bad_text` row), `.json` ones objects,
+    others bytes."""
     sample = {}
     with fsspec.open(file, "rb") as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
         yield from _tar_samples(tar, sample)
@@ -174,7 +182,8 @@ def _tar_rows(file: str):
 
 
 def _tar_samples(tar, sample: dict):
-    """The samples of `tar` but its last, left in `sample` (the caller yields it once the archive proves whole)."""
+    """The samples of `tar` but its last, left in `sample` (the caller yields it once the archive
+    proves whole)."""
     for member in tar:
         if not member.isfile() or "." not in Path(member.name).name:
             continue
@@ -184,7 +193,8 @@ def _tar_samples(tar, sample: dict):
             yield dict(sample)
             sample.clear()
         sample["__key__"] = key
-        data = tar.extractfile(member).read()  # a member cut short raises ReadError: the shard is truncated
+        # a member cut short raises ReadError: the shard is truncated
+        data = tar.extractfile(member).read()
         if field.endswith(("txt", "json")):
             try:
                 data = data.decode("utf-8")
@@ -208,8 +218,8 @@ def _has_bad_text(value) -> bool:
 
 
 def read_files(files: list[str], reader: str, columns: list[str]):
-    """Rows of `files` (the generator behind `load_stream`): `columns` and `PROBLEM`; an empty file, or
-    a file's failure after the rows read before it, one `bad_shard` row."""
+    """Rows of `files` (the generator behind `load_stream`): `columns` and `PROBLEM`; an empty file,
+    or a file's failure after the rows read before it, one `bad_shard` row."""
     for file in files:
         rows, damaged = 0, False
         try:
@@ -218,7 +228,8 @@ def read_files(files: list[str], reader: str, columns: list[str]):
                 problem = row.get(PROBLEM) or ("bad_text" if _has_bad_text(row) else None)
                 yield (dict.fromkeys(columns) if problem else _selected(row, columns)) | {PROBLEM: problem,
                                                                                           DATA_FILE: file}
-        except Exception as error:  # whatever a damaged file raises (pyarrow, tarfile, json, fsspec)
+        # whatever a damaged file raises (pyarrow, tarfile, json, fsspec)
+        except Exception as error:
             logger.warning("skipping the rest of %s after %d rows: %s: %s", file, rows, type(error).__name__, error)
             damaged = True
         if damaged or not rows:
@@ -227,7 +238,8 @@ def read_files(files: list[str], reader: str, columns: list[str]):
 
 def resolve_source(name: str, config: str | None, split: str, data_files) -> tuple[str, list[str] | None]:
     """(builder, files of `split`) as `datasets` resolves them (a builder name with files, a local
-    dataset directory or a hub id); files None for a source without data files (a loading script)."""
+    dataset directory or a hub id); files None for a source without data files (a loading
+    script)."""
     files = expand_data_files(data_files)
     builder = datasets.load_dataset_builder(name, config, data_files={split: files} if files else None)
     resolved = (builder.config.data_files or {}).get(split)
@@ -236,8 +248,9 @@ def resolve_source(name: str, config: str | None, split: str, data_files) -> tup
 
 def load_stream(name: str, config: str | None, split: str, data_files, columns: list[str], *, data_rank: int,
                 data_world: int) -> tuple[datasets.IterableDataset, list[str] | None]:
-    """(stream, the columns the source has, None if it has no readable row): this data rank's share of a
-    source's split. Every row holds exactly `columns` (images undecoded), `PROBLEM` and `DATA_FILE`."""
+    """(stream, the columns the source has, None if it has no readable row): this data rank's share
+    of a source's split. Every row holds exactly `columns` (images undecoded), `PROBLEM` and
+    `DATA_FILE`."""
     name = resolve_name(name)
     builder, files = resolve_source(name, config, split, data_files)
     if builder in READERS and files:
@@ -255,15 +268,16 @@ def load_stream(name: str, config: str | None, split: str, data_files, columns: 
     return split_by_data_rank(stream, name, data_rank, data_world), available
 
 
-AUTO = "auto"  # an evaluation flag's default: the embedded held-out set beside the embedded training data only
+# an evaluation flag's default: the embedded held-out set beside the embedded training data only
+AUTO = "auto"
 
 
 def evaluation_source(flag: str, name: str | None, data_files, training: str, embedded_set: str) -> tuple:
-    """(the source an evaluation reads, or None: off; the line that says which). `name` is --`flag`'s value: a name
-    asks for that source (an embedded one too), None turns it off, and `AUTO` means `embedded_set` when the
-    training data (`training`, --dataset_name) is the embedded data, else the `data_files` given for it (read by
-    the training source's builder), else nothing: a run on the user's own data never reports the embedded set
-    as if it measured theirs."""
+    """(the source an evaluation reads, or None: off; the line that says which). `name` is
+    --`flag`'s value: a name asks for that source (an embedded one too), None turns it off, and
+    `AUTO` means `embedded_set` when the training data (`training`, --dataset_name) is the embedded
+    data, else the `data_files` given for it (read by the training source's builder), else nothing:
+    a run on the user's own data never reports the embedded set as if it measured theirs."""
     if not name:
         return None, f"--{flag} is off"
     if name != AUTO:
@@ -289,9 +303,10 @@ def split_sources(dataset_name: str, config: str | None, split: str, data_files)
 
 
 def source_weights(weights: str | None, sources: int, explicit: bool = False) -> list[float]:
-    """The sampling probability of each of `sources` from --dataset_weights (None: equal). Weights must be finite, 0
-    or more, not all 0, one per source; given `explicit`ly for a single source they would do nothing, and are
-    refused rather than ignored (a default weighting is ignored there)."""
+    """The sampling probability of each of `sources` from --dataset_weights (None: equal). Weights
+    must be finite, 0 or more, not all 0, one per source; given `explicit`ly for a single source
+    they would do nothing, and are refused rather than ignored (a default weighting is ignored
+    there)."""
     try:
         values = [float(weight) for weight in weights.split(",")] if weights else [1.0] * sources
     except ValueError:
@@ -307,12 +322,13 @@ def source_weights(weights: str | None, sources: int, explicit: bool = False) ->
 
 def mixed_stream(sources: list[tuple], weights: str | None, columns: list[str], *, data_rank: int, data_world: int,
                  seed: int, check_columns=None, tag_sources=False) -> datasets.IterableDataset:
-    """This data rank's rows of `sources` ((name, config, split, data_files) each) mixed at `weights`
-    (comma-separated sampling probabilities, None: equal) by `datasets.interleave_datasets`: every rank sees the
-    same mixture in expectation, an epoch ends once every source has been read once, and the stream's
-    `state_dict` resumes it exactly. `tag_sources`: with several sources each row names its own in `SOURCE`
-    (for per-source counts; a checkpoint's stream position depends on it). `check_columns(name, available)`
-    may refuse a source before the first step."""
+    """This data rank's rows of `sources` ((name, config, split, data_files) each) mixed at
+    `weights` (comma-separated sampling probabilities, None: equal) by
+    `datasets.interleave_datasets`: every rank sees the same mixture in expectation, an epoch ends
+    once every source has been read once, and the stream's `state_dict` resumes it exactly.
+    `tag_sources`: with several sources each row names its own in `SOURCE` (for per-source counts; a
+    checkpoint's stream position depends on it). `check_columns(name, available)` may refuse a
+    source before the first step."""
     probabilities = source_weights(weights, len(sources))
     streams = []
     for index, (name, config, split, data_files) in enumerate(sources):
@@ -343,7 +359,8 @@ def _only(row: dict, columns: list[str]) -> dict:
 
 
 def _selected(row: dict, columns) -> dict:
-    """`columns` of `row` (None where absent), `OTHER_COLUMNS` as the rest of it in JSON where asked for."""
+    """`columns` of `row` (None where absent), `OTHER_COLUMNS` as the rest of it in JSON where asked
+    for."""
     selected = {column: row.get(column) for column in columns}
     if OTHER_COLUMNS in columns:
         selected[OTHER_COLUMNS] = json.dumps({key: value for key, value in row.items()

@@ -1,11 +1,12 @@
-"""What the ranks agree on at every optimizer-step boundary, in one small all-reduce: skip a non-finite step, stop
-on preemption (docs/long_runs.md).
+"""What the ranks agree on at every optimizer-step boundary, in one small all-reduce: skip a
+non-finite step, stop on preemption (docs/long_runs.md).
 
-A preemption signal reaching some ranks only sets a flag; through the reduction every rank saves a checkpoint at the
-same step and exits with `PREEMPTED_EXIT_CODE`. A non-finite loss on any rank or gradient norm skips the step on every
-rank (after `max_skipped_steps` in a row the run stops, naming the last checkpoint); under DeepSpeed, which steps
-inside `backward`, the engine's own overflow check decides and the guard follows it. With a fused optimizer the
-verdict goes to it on the device (`found_inf`, as AMP's GradScaler) and the host reads it a step later: no sync.
+A preemption signal reaching some ranks only sets a flag; through the reduction every rank saves a
+checkpoint at the same step and exits with `PREEMPTED_EXIT_CODE`. A non-finite loss on any rank or
+gradient norm skips the step on every rank (after `max_skipped_steps` in a row the run stops, naming
+the last checkpoint); under DeepSpeed, which steps inside `backward`, the engine's own overflow
+check decides and the guard follows it. With a fused optimizer the verdict goes to it on the device
+(`found_inf`, as AMP's GradScaler) and the host reads it a step later: no sync.
 """
 
 import math
@@ -16,7 +17,8 @@ import torch
 
 from .distributed import sum_over_ranks
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on a signal after saving; run the same command again
+# EX_TEMPFAIL: stopped on a signal after saving; run the same command again
+PREEMPTED_EXIT_CODE = 75
 
 
 class StepGuard:
@@ -29,29 +31,33 @@ class StepGuard:
         self.skipped_in_a_row, self._skipped_steps = 0, 0
         # This step's verdict on the device (True: applied), for sums that must leave skipped steps out.
         self.applied = torch.ones((), dtype=torch.bool, device=accelerator.device)
-        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
+        # accelerate's wrapper holds the torch optimizer
+        inner = getattr(optimizer, "optimizer", optimizer)
         # Not under DeepSpeed (it steps inside backward) or a GradScaler (it sets found_inf itself).
         device_skip = (isinstance(inner, torch.optim.Optimizer) and inner.defaults.get("fused")
                        and accelerator.scaler is None and not hasattr(model, "was_step_applied"))
         self.fused_optimizer = inner if device_skip else None
-        self.pending = None  # (host copy of the reduced flags, its copy event, step): read one step late
+        # (host copy of the reduced flags, its copy event, step): read one step late
+        self.pending = None
         for name in filter(None, (name.strip() for name in signals.split(","))):
             signal.signal(getattr(signal, name), self._on_signal)
 
     def _on_signal(self, signum, frame):
-        self.signal = self.signal or signal.Signals(signum).name  # acted on at the next step boundary
+        # acted on at the next step boundary
+        self.signal = self.signal or signal.Signals(signum).name
 
     def skipped_so_far(self) -> int:
-        """Optimizer steps skipped so far, the previous step's pending verdict read first (which can end the run)."""
+        """Optimizer steps skipped so far, the previous step's pending verdict read first (which can
+        end the run)."""
         self._read_pending()
         return self._skipped_steps
 
     def should_call_optimizer(self, losses: torch.Tensor, grad_norm, step: int) -> bool:
-        """Whether to call the optimizer and scheduler for this step (the same answer on every rank): False
-        for a non-finite step, which is skipped. With a fused optimizer always True: the guard hands it the
-        verdict (`found_inf`) and it skips a non-finite step on the device by itself; `self.applied` holds
-        the verdict on the device either way. `losses`: this rank's micro-batch losses of the step;
-        `grad_norm`: from `accelerator.clip_grad_norm_`."""
+        """Whether to call the optimizer and scheduler for this step (the same answer on every
+        rank): False for a non-finite step, which is skipped. With a fused optimizer always True:
+        the guard hands it the verdict (`found_inf`) and it skips a non-finite step on the device by
+        itself; `self.applied` holds the verdict on the device either way. `losses`: this rank's
+        micro-batch losses of the step; `grad_norm`: from `accelerator.clip_grad_norm_`."""
         device = losses.device
         if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the norm as a replicated DTensor
             grad_norm = grad_norm.full_tensor()
@@ -109,7 +115,8 @@ class StepGuard:
         return False
 
     def exit_preempted(self, checkpoint):
-        """After the checkpoint of a preempted run: leave with `PREEMPTED_EXIT_CODE` (every rank)."""
+        """After the checkpoint of a preempted run: leave with `PREEMPTED_EXIT_CODE` (every
+        rank)."""
         self.accelerator.print(f"preemption signal: saved {checkpoint}; exiting with {PREEMPTED_EXIT_CODE}. "
                                "Run the same command with --resume_from_checkpoint latest to continue.")
         self.accelerator.end_training()

@@ -1,6 +1,7 @@
-"""What every recipe's loop needs around it, from its `arguments.TrainingArgs` (`args`): batch size from a global
-batch, the accelerator, AdamW, the schedule, mixed precision and tracker choice. The loop itself stays in the recipe.
-This module imports no `arguments`: `TrainingArgs` checks its schedule here when parsed."""
+"""What every recipe's loop needs around it, from its `arguments.TrainingArgs` (`args`): batch size
+from a global batch, the accelerator, AdamW, the schedule, mixed precision and tracker choice. The
+loop itself stays in the recipe. This module imports no `arguments`: `TrainingArgs` checks its
+schedule here when parsed."""
 
 import json
 import math
@@ -23,7 +24,8 @@ def per_device_batch_size(args, data_world: int) -> int:
 
 
 def accelerator_from_args(args):
-    """The recipe's Accelerator (`mmrecipes.distributed.make_accelerator`: real on multi-process CPU too)."""
+    """The recipe's Accelerator (`mmrecipes.distributed.make_accelerator`: real on multi-process CPU
+    too)."""
     return make_accelerator(
         timeout_s=args.ddp_timeout,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -34,17 +36,19 @@ def accelerator_from_args(args):
 
 
 def adamw(param_groups, args) -> torch.optim.AdamW:
-    """AdamW at `args.learning_rate` (groups may set their own lr and weight decay) with the args' betas and
-    eps, fused where asked."""
+    """AdamW at `args.learning_rate` (groups may set their own lr and weight decay) with the args'
+    betas and eps, fused where asked."""
     fused = torch.cuda.is_available() if args.fused_adamw is None else args.fused_adamw
     return torch.optim.AdamW(param_groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                             eps=args.adam_epsilon, fused=fused or None)  # None: torch picks foreach
+                             # None: torch picks foreach
+                             eps=args.adam_epsilon, fused=fused or None)
 
 
 def lr_scheduler(optimizer, args):
-    """transformers' `get_scheduler(lr_scheduler_type)` over `max_steps` with `warmup_steps`, given the
-    `lr_scheduler_kwargs`; a type or arguments it cannot build from these, or a plateau schedule (it needs a metric
-    at every step, which the loop does not pass), raises a ValueError that says what to give."""
+    """transformers' `get_scheduler(lr_scheduler_type)` over `max_steps` with `warmup_steps`, given
+    the `lr_scheduler_kwargs`; a type or arguments it cannot build from these, or a plateau schedule
+    (it needs a metric at every step, which the loop does not pass), raises a ValueError that says
+    what to give."""
     flag = f"--lr_scheduler_type {args.lr_scheduler_type}"
     if args.lr_scheduler_type == "reduce_lr_on_plateau":
         raise ValueError(f"{flag}: it steps on an evaluation metric, which the loop does not pass; choose a "
@@ -103,9 +107,10 @@ def compile_blocks(model) -> str:
 
 def optimizer_groups(trainable: dict[str, list[torch.nn.Parameter]], *, learning_rate: float, weight_decay: float,
                      own_rates: dict[str, tuple[float, float]] | None = None) -> list[dict]:
-    """AdamW parameter groups of each part's trainable parameters (`trainable`: {part: parameters}): weight decay
-    on matrices only, not on norms, biases or scales. A part named in `own_rates` trains at its own (learning rate,
-    weight decay) (a VLM's vision tower), in groups after the others: the logged lr is the first group's."""
+    """AdamW parameter groups of each part's trainable parameters (`trainable`: {part: parameters}):
+    weight decay on matrices only, not on norms, biases or scales. A part named in `own_rates`
+    trains at its own (learning rate, weight decay) (a VLM's vision tower), in groups after the
+    others: the logged lr is the first group's."""
     own_rates, groups = own_rates or {}, []
     for part, params in sorted(trainable.items(), key=lambda item: item[0] in own_rates):
         params = [p for p in params if p.requires_grad]

@@ -5,10 +5,10 @@
         --benchmark_data_dir embedded:benchmarks --benchmark_max_new_tokens 8
     torchrun --nproc_per_node 8 -m mmrecipes.benchmarks --model Qwen/Qwen2.5-VL-3B-Instruct --benchmarks docvqa_val
 
-The model and its processor load with the Auto classes (its own chat template renders each prompt: one user turn of
-the images, then the task's prompt) and answer greedily with `generate`. Launched on several processes, each holds
-the whole model and answers its stride of the documents; the scores are gathered once. Prints one line per task and
-writes them as JSON (`--output`).
+The model and its processor load with the Auto classes (its own chat template renders each prompt:
+one user turn of the images, then the task's prompt) and answer greedily with `generate`. Launched
+on several processes, each holds the whole model and answers its stride of the documents; the scores
+are gathered once. Prints one line per task and writes them as JSON (`--output`).
 """
 
 import json
@@ -40,8 +40,8 @@ class ModelArgs(CheckedArgs):
 
 
 class GeneratedAnswers:
-    """`answer(request, max_new_tokens)` by `generate`, greedy: the new tokens' text, special tokens left out;
-    `refusal`: a prompt longer than the model's positions."""
+    """`answer(request, max_new_tokens)` by `generate`, greedy: the new tokens' text, special tokens
+    left out; `refusal`: a prompt longer than the model's positions."""
 
     def __init__(self, model, processor, device):
         self.model, self.processor, self.device = model, processor, device
@@ -77,7 +77,8 @@ def main(argv=None):
     benchmarks = Benchmarks(bench_args, rank, world)
     if not benchmarks:
         raise SystemExit("--benchmarks: name at least one task")
-    model_config(model_args.model, "--model")  # a checkpoint-N, a folder without a model: named before loading
+    # a checkpoint-N, a folder without a model: named before loading
+    model_config(model_args.model, "--model")
     model = pretrained(AutoModelForImageTextToText, model_args.model, "--model").to(device).eval()
     processor = AutoProcessor.from_pretrained(model_args.model)
     if rank == 0:

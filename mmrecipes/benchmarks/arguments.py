@@ -8,15 +8,18 @@ from .tasks import TASKS
 
 @dataclass
 class BenchmarkArgs(CheckedArgs):
-    # comma-separated built-in tasks, scored as lmms-eval 0.7.3 scores them (mmrecipes.benchmarks.tasks.TASKS)
+    # comma-separated built-in tasks, scored as lmms-eval 0.7.3 scores them
+    # (mmrecipes.benchmarks.tasks.TASKS)
     benchmarks: str = ""
-    benchmark_limit: int = checked(0, "count_or_zero")  # the first N documents of each task (lmms-eval's --limit)
+    # the first N documents of each task (lmms-eval's --limit)
+    benchmark_limit: int = checked(0, "count_or_zero")
     # every K optimizer steps besides the end of the run; 0: at the end only
     benchmark_steps: int = checked(0, "count_or_zero")
-    # local copies of the tasks' data: DIR/<task>/*.parquet with the hub dataset's columns (embedded:benchmarks: the
-    # embedded fixture tasks); "": the hub datasets lmms-eval reads
+    # local copies of the tasks' data: DIR/<task>/*.parquet with the hub dataset's columns
+    # (embedded:benchmarks: the embedded fixture tasks); "": the hub datasets lmms-eval reads
     benchmark_data_dir: str = ""
-    # at most this many answer tokens (0: each task's own generation_kwargs): a cap changes scores, and says so
+    # at most this many answer tokens (0: each task's own generation_kwargs): a cap changes scores,
+    # and says so
     benchmark_max_new_tokens: int = checked(0, "count_or_zero")
 
     def __post_init__(self):

@@ -1,20 +1,22 @@
-"""Benchmark tasks scored as lmms-eval scores them, their documents sharded over the ranks (`Benchmarks`).
+"""Benchmark tasks scored as lmms-eval scores them, their documents sharded over the ranks
+(`Benchmarks`).
 
-Each task's documents (the first `--benchmark_limit`, as lmms-eval's `--limit`) are strided over the ranks, as
-lmms-eval strides them; every rank answers as many times as the rank with the most (a rank past its own answers a
-filler and drops it), so a sharded model's collectives stay in step; the scores are gathered once per task and every
-rank computes the same numbers from them, in document order. Answers come from a callable the caller gives
-(`answer(request, max_new_tokens)`: the recipes' greedy decoding in step over the ranks, or `generate` for a saved
-model), so this package holds no model code; a rank past its documents gives it a filler request (`Request.filler`).
-An answerer may refuse a request before it forwards anything (`answer.refusal(request)`: a prompt longer than the
-model reads); the filler is answered in its place.
+Each task's documents (the first `--benchmark_limit`, as lmms-eval's `--limit`) are strided over the
+ranks, as lmms-eval strides them; every rank answers as many times as the rank with the most (a rank
+past its own answers a filler and drops it), so a sharded model's collectives stay in step; the
+scores are gathered once per task and every rank computes the same numbers from them, in document
+order. Answers come from a callable the caller gives (`answer(request, max_new_tokens)`: the
+recipes' greedy decoding in step over the ranks, or `generate` for a saved model), so this package
+holds no model code; a rank past its documents gives it a filler request (`Request.filler`). An
+answerer may refuse a request before it forwards anything (`answer.refusal(request)`: a prompt
+longer than the model reads); the filler is answered in its place.
 
-A document that cannot be scored is counted by reason and named in the log, never scored 0: a missing value, an
-image that does not decode, a scorer that raises on it (`unscorable`: a value of another form than the task's). An
-answer the task's parser cannot read scores 0, as in lmms-eval, and is counted (`unread`). Nothing a document holds
-ends the run: a benchmark at the last step never costs the trained model. A task that would read no document, a
-column of the wrong type, an unknown or repeated task or a dataset without a column the task reads stops the run
-before its first step.
+A document that cannot be scored is counted by reason and named in the log, never scored 0: a
+missing value, an image that does not decode, a scorer that raises on it (`unscorable`: a value of
+another form than the task's). An answer the task's parser cannot read scores 0, as in lmms-eval,
+and is counted (`unread`). Nothing a document holds ends the run: a benchmark at the last step never
+costs the trained model. A task that would read no document, a column of the wrong type, an unknown
+or repeated task or a dataset without a column the task reads stops the run before its first step.
 """
 
 from collections import Counter
@@ -37,9 +39,9 @@ MAX_ERRORS_SAID = 3  # a task's scorer errors named in the log, per rank
 
 @dataclass(frozen=True)
 class Request:
-    """One document to answer: one user turn of its images, then its prompt. A `filler` is answered only to stay in
-    step with ranks that have a document left (its answer is dropped: an answerer without collectives may skip
-    it)."""
+    """One document to answer: one user turn of its images, then its prompt. A `filler` is answered
+    only to stay in step with ranks that have a document left (its answer is dropped: an answerer
+    without collectives may skip it)."""
 
     index: int
     messages: list
@@ -48,9 +50,10 @@ class Request:
 
 
 def too_long(prompt_tokens: int, config) -> str | None:
-    """"too_long" where a prompt alone runs past the positions the language model reads (a model `config`'s): refused
-    before the model sees it (a 1 MB question was decoded for hours), else None. Its answer may run past them, as in
-    lmms-eval (most models stop long before `max_new_tokens`)."""
+    """"too_long" where a prompt alone runs past the positions the language model reads (a model
+    `config`'s): refused before the model sees it (a 1 MB question was decoded for hours), else
+    None. Its answer may run past them, as in lmms-eval (most models stop long before
+    `max_new_tokens`)."""
     positions = getattr(config.get_text_config(), "max_position_embeddings", None)
     return "too_long" if positions and prompt_tokens > positions else None
 
@@ -75,7 +78,8 @@ class Benchmark:
         if missing := [column for column in task.reads if column not in docs.column_names]:
             raise ValueError(f"--benchmarks {task.name}: its documents have no {', '.join(missing)} column (lmms-eval "
                              f"reads {task.hub})")
-        for column in task.lists:  # a string read as a list would be its characters: silent, wrong scores
+        # a string read as a list would be its characters: silent, wrong scores
+        for column in task.lists:
             if not isinstance(docs.features[column], (datasets.List, datasets.LargeList)):
                 raise ValueError(f"--benchmarks {task.name}: its {column} column holds {docs.features[column]}, not "
                                  f"a list (lmms-eval reads a list of {column} from {task.hub})")
@@ -101,7 +105,8 @@ class Benchmark:
         if missing := [column for column in visuals if doc.get(column) is None]:
             raise Skip(f"missing_{missing[0]}")
         images = []
-        for column in visuals:  # the project's one decoder: a FIFO or device is refused, never opened
+        # the project's one decoder: a FIFO or device is refused, never opened
+        for column in visuals:
             image, problem = decode_image(doc[column], Image.MAX_IMAGE_PIXELS)
             if image is None:
                 raise Skip(f"{problem}_image")
@@ -109,14 +114,16 @@ class Benchmark:
         return doc, Request(index, [{"role": "user", "content": self.task.turn(doc)}], images)
 
     def answerable(self, index: int, refusal) -> tuple[dict, Request]:
-        """(the document's row, what to answer), or `Skip`: as `request`, and not refused by the answerer."""
+        """(the document's row, what to answer), or `Skip`: as `request`, and not refused by the
+        answerer."""
         doc, request = self.request(index)
         if refusal is not None and (reason := refusal(request)):
             raise Skip(reason)
         return doc, request
 
     def filler(self, refusal) -> Request | None:
-        """The first document that can be answered, as a filler (the same on every rank; None if none can)."""
+        """The first document that can be answered, as a filler (the same on every rank; None if
+        none can)."""
         for index in range(len(self.docs)):
             try:
                 return replace(self.answerable(index, refusal)[1], filler=True)
@@ -125,8 +132,8 @@ class Benchmark:
         return None
 
     def run(self, answer) -> tuple[list, Counter, list]:
-        """This rank's (document index, `Scored`), its counts of documents not scored, by reason, and the first
-        errors of a scorer that raised (document index, why)."""
+        """This rank's (document index, `Scored`), its counts of documents not scored, by reason,
+        and the first errors of a scorer that raised (document index, why)."""
         refusal = getattr(answer, "refusal", None)
         scored, skipped, errors, filler = [], Counter(), [], self.filler(refusal)
         mine = list(range(self.rank, len(self.docs), self.world))
@@ -137,7 +144,8 @@ class Benchmark:
                     doc, request = self.answerable(mine[slot], refusal)
                 except Skip as skip:
                     skipped[skip.reason] += 1
-            if filler is None:  # no document of the task can be answered, on any rank: nothing to stay in step with
+            # no document of the task can be answered, on any rank: nothing to stay in step with
+            if filler is None:
                 continue
             text = answer(request or filler, self.max_new_tokens)
             if request is None:
@@ -151,20 +159,23 @@ class Benchmark:
 
 
 class Benchmarks:
-    """The tasks of `--benchmarks`, loaded before the first step (`data_rank`, `data_world`: the ranks that share the
-    documents, `Ranks.reads(evaluation=True)`: under sequence parallelism every process answers its own)."""
+    """The tasks of `--benchmarks`, loaded before the first step (`data_rank`, `data_world`: the
+    ranks that share the documents, `Ranks.reads(evaluation=True)`: under sequence parallelism every
+    process answers its own)."""
 
     def __init__(self, args: BenchmarkArgs, data_rank: int = 0, data_world: int = 1, say=print):
         self.args, self.say = args, say
         self.tasks = [Benchmark.load(TASKS[name], args, data_rank, data_world) for name in args.names()]
-        self.results = {}  # {task: (its numbers, scored documents, unread, skipped)} of the last run
+        # {task: (its numbers, scored documents, unread, skipped)} of the last run
+        self.results = {}
 
     def __bool__(self) -> bool:
         return bool(self.tasks)
 
     def evaluation(self, answer) -> Evaluation:
-        """The tasks as an evaluation of the run (`reporting.Evaluation`): every --benchmark_steps and at the run's
-        last step, answered by `answer` (`Request` -> text: the recipes' `BenchmarkAnswers`)."""
+        """The tasks as an evaluation of the run (`reporting.Evaluation`): every --benchmark_steps
+        and at the run's last step, answered by `answer` (`Request` -> text: the recipes'
+        `BenchmarkAnswers`)."""
         return Evaluation([lambda filler: self.run(answer)] if self.tasks else [], every=self.args.benchmark_steps)
 
     def describe(self) -> str:
@@ -177,7 +188,8 @@ class Benchmarks:
         return f"benchmarks, as lmms-eval {LMMS_EVAL} scores them, greedy: {tasks}{capped}"
 
     def run(self, answer) -> dict:
-        """Every task answered and scored: {`bench/<task>/<metric>`: value} for the log, counts included."""
+        """Every task answered and scored: {`bench/<task>/<metric>`: value} for the log, counts
+        included."""
         scores = {}
         for bench in self.tasks:
             name = bench.task.name
@@ -193,8 +205,9 @@ class Benchmarks:
         return scores
 
     def _gathered(self, bench: Benchmark, local: tuple) -> tuple[list, Counter]:
-        """Every rank's (document, `Scored`) in document order and the counts of documents not scored (a collective
-        once per task: every rank gets every score); a scorer's errors said with their documents."""
+        """Every rank's (document, `Scored`) in document order and the counts of documents not
+        scored (a collective once per task: every rank gets every score); a scorer's errors said
+        with their documents."""
         parts = [local]
         if dist.is_initialized() and dist.get_world_size() > 1:
             parts = [None] * dist.get_world_size()
@@ -208,7 +221,8 @@ class Benchmarks:
         return scored, skipped
 
     def _numbers(self, bench: Benchmark, scored: list, skipped: Counter) -> dict:
-        """The task's numbers, or none (said) where no document was scored or they cannot be aggregated."""
+        """The task's numbers, or none (said) where no document was scored or they cannot be
+        aggregated."""
         if not scored:
             self._say(f"benchmark {bench.task.name}: no document was scored (" + ", ".join(
                 f"{reason} {count}" for reason, count in sorted(skipped.items())) + "): no numbers")

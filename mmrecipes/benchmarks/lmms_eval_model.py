@@ -1,19 +1,23 @@
-"""lmms-eval's model interface around a live model, for its whole task suite (`pip install "mmrecipes[benchmarks]"`).
+"""lmms-eval's model interface around a live model, for its whole task suite (`pip install
+"mmrecipes[benchmarks]"`).
 
     from lmms_eval.evaluator import simple_evaluate
     from mmrecipes.benchmarks.lmms_eval_model import LiveModel
     from mmrecipes.vlm.model.evaluation import BenchmarkAnswers
 
     # in a recipe, on every rank: the prepared model answers in step over the ranks
-    simple_evaluate(model=LiveModel(BenchmarkAnswers(model, vlm, accelerator.device), accelerator=accelerator),
+    simple_evaluate(model=LiveModel(BenchmarkAnswers(model, vlm, accelerator.device),
+    accelerator=accelerator),
                     tasks=["mmstar"], limit=100, distributed_executor_backend="torchrun")
-    # a saved model from lmms-eval's command line (registered by the entry point group lmms_eval.models)
-    lmms-eval --model mmrecipes --model_args pretrained=outputs/vlm_finetune --tasks mmstar
+    # a saved model from lmms-eval's command line (registered by the entry point group
+    lmms_eval.models) lmms-eval --model mmrecipes --model_args pretrained=outputs/vlm_finetune
+    --tasks mmstar
 
-lmms-eval strides each task's documents over the ranks and pads every rank's requests to the most any rank has, so
-each rank calls the answerer equally often, as `Benchmarks` does. Each request becomes one user turn of its images,
-then its text (the model's own chat template renders it); the answer is cut at the first of the request's `until`
-strings. Only `generate_until` tasks: log-likelihood and multi-round requests are refused with the reason.
+lmms-eval strides each task's documents over the ranks and pads every rank's requests to the most
+any rank has, so each rank calls the answerer equally often, as `Benchmarks` does. Each request
+becomes one user turn of its images, then its text (the model's own chat template renders it); the
+answer is cut at the first of the request's `until` strings. Only `generate_until` tasks:
+log-likelihood and multi-round requests are refused with the reason.
 """
 
 import torch.distributed as dist
@@ -39,13 +43,14 @@ def images_of(visuals) -> list:
 
 
 class LiveModel(lmms):
-    """lmms-eval's requests answered by `answer(request, max_new_tokens)` (`mmrecipes.benchmarks.harness.Request`):
-    the recipes' `BenchmarkAnswers` on the prepared model, or, from lmms-eval's command line, `generate` on the
-    saved model `pretrained`."""
+    """lmms-eval's requests answered by `answer(request, max_new_tokens)`
+    (`mmrecipes.benchmarks.harness.Request`): the recipes' `BenchmarkAnswers` on the prepared model,
+    or, from lmms-eval's command line, `generate` on the saved model `pretrained`."""
 
     def __init__(self, answer=None, pretrained: str = "", device: str = "", accelerator=None, **unused):
         super().__init__()
-        self.device = device or (accelerator.device if accelerator is not None else "cpu")  # its collectives' tensors
+        # its collectives' tensors
+        self.device = device or (accelerator.device if accelerator is not None else "cpu")
         if answer is None:
             from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -54,7 +59,8 @@ class LiveModel(lmms):
             device = self.device
             model = AutoModelForImageTextToText.from_pretrained(pretrained).to(device).eval()
             answer = GeneratedAnswers(model, AutoProcessor.from_pretrained(pretrained), device)
-        self.answer, self.accelerator = answer, accelerator  # lmms-eval waits on its accelerator between requests
+        # lmms-eval waits on its accelerator between requests
+        self.answer, self.accelerator = answer, accelerator
         if dist.is_initialized():
             self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 

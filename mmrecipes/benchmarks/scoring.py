@@ -1,17 +1,20 @@
-"""The answer parsers and scorers of lmms-eval 0.7.3's rule-scored tasks, reproduced in behaviour (their quirks
-included: a harness that scores otherwise reports other numbers for the same answers).
+"""The answer parsers and scorers of lmms-eval 0.7.3's rule-scored tasks, reproduced in behaviour
+(their quirks included: a harness that scores otherwise reports other numbers for the same answers).
 
-- `choice_letter`: its multiple-choice extraction (`_task_utils.mcq_extract.extract_mcq_answer`): every place a
-  choice letter stands in a recognised form, the most telling form first, the last place within a form;
+- `choice_letter`: its multiple-choice extraction (`_task_utils.mcq_extract.extract_mcq_answer`):
+  every place a choice letter stands in a recognised form, the most telling form first, the last
+  place within a form;
 - `leading_letter`: AI2D's filter (a letter and a period at the start, else the answer as it is);
-- `exact_match`: its `exact_match` metric (the `evaluate` library's, case and punctuation optionally ignored);
-- `relaxed_correctness`: ChartQA's (a number within 5% of the target, else the same text ignoring case);
-- `anls`: DocVQA's and InfoVQA's average normalised Levenshtein similarity (0 under 0.5), with its length from the
-  answers before normalising;
-- `mmmu_choice`, `mmmu_open_predictions`, `mmmu_open_correct`: MMMU's parsers (the MMMU authors' `eval_utils`, as
-  lmms-eval runs them);
-- `mmbench_prefetch`: MMBench's rule extraction before its judge (VLMEvalKit's `can_infer`, as lmms-eval's static
-  evaluation runs it).
+- `exact_match`: its `exact_match` metric (the `evaluate` library's, case and punctuation optionally
+  ignored);
+- `relaxed_correctness`: ChartQA's (a number within 5% of the target, else the same text ignoring
+  case);
+- `anls`: DocVQA's and InfoVQA's average normalised Levenshtein similarity (0 under 0.5), with its
+  length from the answers before normalising;
+- `mmmu_choice`, `mmmu_open_predictions`, `mmmu_open_correct`: MMMU's parsers (the MMMU authors'
+  `eval_utils`, as lmms-eval runs them);
+- `mmbench_prefetch`: MMBench's rule extraction before its judge (VLMEvalKit's `can_infer`, as
+  lmms-eval's static evaluation runs it).
 """
 
 import re
@@ -61,7 +64,8 @@ def choice_letter(response: str, choices=CHOICES) -> str:
 
 
 def leading_letter(response: str) -> str:
-    """AI2D's filter: the letter of a response that starts with one and a period ("B. a cat"), else the response."""
+    """AI2D's filter: the letter of a response that starts with one and a period ("B. a cat"), else
+    the response."""
     stripped = response.lstrip()
     if len(stripped) > 1 and stripped[0] in string.ascii_uppercase and stripped[1] == ".":
         return stripped[0]
@@ -78,8 +82,8 @@ def exact_match(prediction: str, reference: str, ignore_case=False, ignore_punct
 
 
 def relaxed_correctness(prediction: str, target: str, max_relative_change: float = 0.05) -> bool:
-    """ChartQA's relaxed accuracy: a number within `max_relative_change` of a non-zero numeric target (a trailing %
-    divides by 100), else the same text ignoring case."""
+    """ChartQA's relaxed accuracy: a number within `max_relative_change` of a non-zero numeric
+    target (a trailing % divides by 100), else the same text ignoring case."""
     def number(text: str):
         try:
             return float(text.rstrip("%")) / 100.0 if text.endswith("%") else float(text)
@@ -105,8 +109,9 @@ def levenshtein(one: str, other: str) -> int:
 
 
 def anls(answers: list[str], prediction: str, threshold: float = 0.5) -> float:
-    """1 - the smallest normalised edit distance to an answer (lower-cased, spaces collapsed), 0 below `threshold`;
-    normalised by the longer of the answer and the prediction as given (lmms-eval's, Qwen-VL's)."""
+    """1 - the smallest normalised edit distance to an answer (lower-cased, spaces collapsed), 0
+    below `threshold`; normalised by the longer of the answer and the prediction as given
+    (lmms-eval's, Qwen-VL's)."""
     def normal(text):
         return " ".join(text.strip().lower().split())
 
@@ -119,9 +124,9 @@ def anls(answers: list[str], prediction: str, threshold: float = 0.5) -> float:
 
 
 def mmmu_choice(response: str, options: list) -> str | None:
-    """The letter of MMMU's multiple-choice parse: "(B)", then "B ", then "B." (the last place where several), then,
-    in an answer of more than five words, an option's text (the last one named); None where none is found (lmms-eval
-    then guesses)."""
+    """The letter of MMMU's multiple-choice parse: "(B)", then "B ", then "B." (the last place where
+    several), then, in an answer of more than five words, an option's text (the last one named);
+    None where none is found (lmms-eval then guesses)."""
     letters = [chr(ord("A") + index) for index in range(len(options))]
     for mark in ",.!?;:'":  # one mark after the other, as the original strips them
         response = response.strip(mark)
@@ -145,13 +150,14 @@ def mmmu_choice(response: str, options: list) -> str | None:
 
 
 NUMBER_FORMS = (r"-?\b\d{1,3}(?:,\d{3})+\b", r"-?\d+(?:\.\d+)?[eE][+-]?\d+",
-                r"-?(?:\d+\.\d+|\.\d+|\d+\b)(?![eE][+-]?\d+)(?![,\d])")  # with commas, scientific, simple
+                # with commas, scientific, simple
+                r"-?(?:\d+\.\d+|\.\d+|\d+\b)(?![eE][+-]?\d+)(?![,\d])")
 KEY_INDICATORS = ("could be ", "so ", "is ", "thus ", "therefore ", "final ", "answer ", "result ")
 
 
 def mmmu_normal(text: str) -> list:
-    """A number rounded to 2 places, else the lower-cased text (a single character padded by a space on either side,
-    so that it matches no longer word)."""
+    """A number rounded to 2 places, else the lower-cased text (a single character padded by a space
+    on either side, so that it matches no longer word)."""
     text = text.strip()
     try:
         return [round(float(text.replace(",", "")), 2)]
@@ -161,8 +167,9 @@ def mmmu_normal(text: str) -> list:
 
 
 def mmmu_open_predictions(response: str) -> list:
-    """MMMU's open-answer parse: of each line, the shortest tail after a key phrase ("so ", "is ", "answer ", "=" on the
-    last line), and the numbers in them, normalised (`mmmu_normal`); the whole answer where no line has one."""
+    """MMMU's open-answer parse: of each line, the shortest tail after a key phrase ("so ", "is ",
+    "answer ", "=" on the last line), and the numbers in them, normalised (`mmmu_normal`); the whole
+    answer where no line has one."""
     response = response.strip().strip(".").lower()
     lines = re.split(r"\.\s(?=[A-Z])|\n", response)  # (lower-cased: only the line breaks split)
     keys = []
@@ -193,9 +200,9 @@ LETTER_FORMS = (("", "."), ("", ","), ("", ":"), ("", ")"), ("", ")."), ("(", ")
 
 
 def mmbench_prefetch(response: str, options: dict) -> str:
-    """MMBench's letter without a judge: one of A-E alone as a word (not where an "A" may be an article, in more than
-    three words), else one letter in a single form ("B.", "(B)", ":B", ...), else the one option whose text the
-    answer contains; "" where none."""
+    """MMBench's letter without a judge: one of A-E alone as a word (not where an "A" may be an
+    article, in more than three words), else one letter in a single form ("B.", "(B)", ":B", ...),
+    else the one option whose text the answer contains; "" where none."""
     words = [word.strip() for word in response.split()]
 
     def alone(before="", after=""):

@@ -1,10 +1,12 @@
-"""The built-in benchmark tasks: each as lmms-eval 0.7.3 defines it (its task YAML and utils), in one small table.
+"""The built-in benchmark tasks: each as lmms-eval 0.7.3 defines it (its task YAML and utils), in
+one small table.
 
-A task names the hub dataset lmms-eval reads (or local files of the same columns), the columns it needs, its prompt
-(lmms-eval's `doc_to_text` with the default pre- and post-prompt), its images, how many tokens a greedy answer may
-take (its `generation_kwargs`, else the 1024 of lmms-eval's Hugging Face models), how one answer is scored (its
-`process_results`, or its metric after its filters) and how the scores of the documents make the task's numbers (its
-aggregation). Scores equal lmms-eval's own functions on the same documents and answers (tests/test_benchmarks.py).
+A task names the hub dataset lmms-eval reads (or local files of the same columns), the columns it
+needs, its prompt (lmms-eval's `doc_to_text` with the default pre- and post-prompt), its images, how
+many tokens a greedy answer may take (its `generation_kwargs`, else the 1024 of lmms-eval's Hugging
+Face models), how one answer is scored (its `process_results`, or its metric after its filters) and
+how the scores of the documents make the task's numbers (its aggregation). Scores equal lmms-eval's
+own functions on the same documents and answers (tests/test_benchmarks.py).
 """
 
 import ast
@@ -36,8 +38,8 @@ LMMS_EVAL = "0.7.3"  # the version whose tasks these reproduce
 
 @dataclass(frozen=True)
 class Scored:
-    """One answer's scores ({metric: value}; MMStar's: {metric: (l2 category, value)}) and whether the parser read
-    an answer in it (an unread answer scores 0, as in lmms-eval, and is counted)."""
+    """One answer's scores ({metric: value}; MMStar's: {metric: (l2 category, value)}) and whether
+    the parser read an answer in it (an unread answer scores 0, as in lmms-eval, and is counted)."""
 
     metrics: dict
     read: bool = True
@@ -55,7 +57,8 @@ class Task:
     score: Callable[[dict, str], Scored]
     main: str  # the metric the log line shows first
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    aggregate: Callable[[list[dict]], dict] | None = None  # by default, each metric's mean over the documents
+    # by default, each metric's mean over the documents
+    aggregate: Callable[[list[dict]], dict] | None = None
     until: tuple[str, ...] = ()  # the answer is cut at the first of these
     image_columns: tuple[str, ...] = ("image",)  # the image columns the dataset must have
     # the image columns a document shows, in order; its user turn (images and text) by default its images, then its
@@ -63,11 +66,12 @@ class Task:
     visuals: Callable[[dict], list[str]] = lambda doc: ["image"]
     content: Callable[[dict], list] | None = None
 
-    lists: tuple[str, ...] = ()  # columns that hold a list (of answers, of options): a string there is refused
+    # columns that hold a list (of answers, of options): a string there is refused
+    lists: tuple[str, ...] = ()
 
     def read(self, doc, answer: str) -> Scored:
-        """The answer scored as lmms-eval's pipeline scores it: cut at the first of `until`, then stripped (its
-        `process_results` strips every answer before a task reads it)."""
+        """The answer scored as lmms-eval's pipeline scores it: cut at the first of `until`, then
+        stripped (its `process_results` strips every answer before a task reads it)."""
         for stop in self.until:
             answer = answer.split(stop)[0]
         return self.score(doc, answer.strip())
@@ -78,7 +82,8 @@ class Task:
         return (*self.image_columns, *self.columns)
 
     def turn(self, doc) -> list:
-        """The document's user turn: {"type": "image"} blocks (its `visuals` in order) and text blocks."""
+        """The document's user turn: {"type": "image"} blocks (its `visuals` in order) and text
+        blocks."""
         if self.content is not None:
             return self.content(doc)
         return [{"type": "image"}] * len(self.visuals(doc)) + [{"type": "text", "text": self.prompt(doc)}]
@@ -89,7 +94,8 @@ class Task:
         return f"{self.dataset}{f' ({self.subset})' if self.subset else ''}, {self.split}"
 
     def numbers(self, scored: list[dict]) -> dict:
-        """The task's metrics from its documents' scores (in document order); none without a document."""
+        """The task's metrics from its documents' scores (in document order); none without a
+        document."""
         if not scored:
             return {}
         if self.aggregate is not None:
@@ -154,7 +160,8 @@ def scienceqa_prompt(doc) -> str:
 
 
 def scienceqa_score(doc, prediction: str) -> Scored:
-    """LLaVA's parse: the letter itself (any case), or a capital letter and a period at the start."""
+    """LLaVA's parse: the letter itself (any case), or a capital letter and a period at the
+    start."""
     target, answer = chr(ord("a") + doc["answer"]), prediction.strip()
     letters = {chr(ord("a") + index) for index in range(len(doc["choices"]))}
     if answer.lower() == target:
@@ -165,13 +172,14 @@ def scienceqa_score(doc, prediction: str) -> Scored:
 
 
 def fold_fullwidth(text: str) -> str:
-    """Fullwidth ASCII (and the ideographic space) as ASCII, nothing else normalised (OCRBench's)."""
+    """Fullwidth ASCII (and the ideographic space) as ASCII, nothing else normalised
+    (OCRBench's)."""
     return "".join(chr(ord(c) - 0xFEE0) if 0xFF01 <= ord(c) <= 0xFF5E else " " if c == "\u3000" else c for c in text)
 
 
 def ocrbench_score(doc, prediction: str) -> Scored:
-    """1 where an answer is inside the prediction: spaces and line breaks dropped for handwritten formulas
-    (HME100k), else case and fullwidth characters folded."""
+    """1 where an answer is inside the prediction: spaces and line breaks dropped for handwritten
+    formulas (HME100k), else case and fullwidth characters folded."""
     answers = doc["answer"] if isinstance(doc["answer"], list) else [doc["answer"]]
     if doc["dataset"] == "HME100k":
         def normal(text):
@@ -184,8 +192,8 @@ def ocrbench_score(doc, prediction: str) -> Scored:
 
 
 def per_thousand(scored: list[dict]) -> dict:
-    """OCRBench's aggregation: the documents answered right over 1000, the size of the whole benchmark (with a
-    --benchmark_limit too, as lmms-eval divides)."""
+    """OCRBench's aggregation: the documents answered right over 1000, the size of the whole
+    benchmark (with a --benchmark_limit too, as lmms-eval divides)."""
     return {"ocrbench_accuracy": sum(metrics["ocrbench_accuracy"][1] for metrics in scored) / 1000}
 
 
@@ -212,14 +220,16 @@ def mmmu_prompt(doc) -> str:
 
 
 def mmmu_visuals(doc) -> list[str]:
-    """The images the question and options name (`<image 2>`), each once, in the order of their names."""
+    """The images the question and options name (`<image 2>`), each once, in the order of their
+    names."""
     prompt = f"{doc['question']} {doc['options'] if doc['question_type'] == 'multiple-choice' else ''}"
     return sorted({f"image_{number}" for number in re.findall(r"<image (\d+)>", prompt)})
 
 
 def mmmu_content(doc) -> list:
-    """lmms-eval's interleaved turn: the text before each `<image n>`, then the next image (in `mmmu_visuals`' order,
-    whatever the number), then the text after the last; text beyond the images' count before the last is dropped."""
+    """lmms-eval's interleaved turn: the text before each `<image n>`, then the next image (in
+    `mmmu_visuals`' order, whatever the number), then the text after the last; text beyond the
+    images' count before the last is dropped."""
     pieces = re.sub(r"<image [1-7]>", "<image>", mmmu_prompt(doc)).split("<image>")
     content = []
     for index in range(len(mmmu_visuals(doc))):
@@ -230,8 +240,9 @@ def mmmu_content(doc) -> list:
 
 
 def mmmu_score(doc, prediction: str) -> Scored:
-    """A choice's letter (a guess seeded by the document where none is read: lmms-eval guesses from the process's
-    random state, which depends on the ranks; the guess is counted as unread) or an open answer's match."""
+    """A choice's letter (a guess seeded by the document where none is read: lmms-eval guesses from
+    the process's random state, which depends on the ranks; the guess is counted as unread) or an
+    open answer's match."""
     if doc["question_type"] != "multiple-choice":
         return Scored({"mmmu_acc": float(mmmu_open_correct(doc["answer"], mmmu_open_predictions(prediction)))})
     options = mmmu_options(doc)
@@ -261,8 +272,9 @@ def mmbench_prompt(doc) -> str:
 
 
 def mmbench_score(doc, prediction: str) -> Scored:
-    """The letter of the rules before MMBench's judge, else of the multiple-choice extraction over the options given;
-    scored per copy, a question right only where every circular copy of it is (`circular_accuracy`)."""
+    """The letter of the rules before MMBench's judge, else of the multiple-choice extraction over
+    the options given; scored per copy, a question right only where every circular copy of it is
+    (`circular_accuracy`)."""
     # (a column the dataset lacks reads as the text "nan", an option, as in lmms-eval)
     options = {letter: doc.get(letter, "nan") for letter in "ABCD"}
     options = {letter: text for letter, text in options.items() if given(text) or text == "nan"}
@@ -272,8 +284,8 @@ def mmbench_score(doc, prediction: str) -> Scored:
 
 
 def circular_accuracy(scored: list[dict]) -> dict:
-    """MMBench's circular evaluation: the percentage of questions (index under 10^6) whose copies among the documents
-    are all right."""
+    """MMBench's circular evaluation: the percentage of questions (index under 10^6) whose copies
+    among the documents are all right."""
     copies = [metrics["gpt_eval_score"] for metrics in scored]
     questions = {index for index, _ in copies if index < CIRCULAR}
     right = [all(score for index, score in copies if index % CIRCULAR == question) for question in questions]

@@ -1,8 +1,8 @@
 """The VQA answer normalisation (the VQA challenge's, as EvalAI and MMF apply it; lmms-eval 0.7.3's
-`EvalAIAnswerProcessor`) and the VQA accuracy, quirks included: a period is dropped where no digit follows it, at most
-32 times (the flags given as its count); punctuation next to a space, or any punctuation in a text with a comma
-between digits, is deleted, elsewhere replaced by a space; number words up to ten become digits; articles go; the
-contractions below get their apostrophes."""
+`EvalAIAnswerProcessor`) and the VQA accuracy, quirks included: a period is dropped where no digit
+follows it, at most 32 times (the flags given as its count); punctuation next to a space, or any
+punctuation in a text with a comma between digits, is deleted, elsewhere replaced by a space; number
+words up to ten become digits; articles go; the contractions below get their apostrophes."""
 
 import re
 

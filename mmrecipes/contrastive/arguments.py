@@ -1,4 +1,5 @@
-"""The contrastive recipe's arguments (model, data, zero-shot), each with its value rules; no torch (`--help`)."""
+"""The contrastive recipe's arguments (model, data, zero-shot), each with its value rules; no torch
+(`--help`)."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,24 +22,28 @@ class ModelArgs(CheckedArgs):
     # clip: CLIPModel with clip_loss (softmax over the batch); siglip: SiglipModel or Siglip2Model with siglip_loss
     # (sigmoid per pair)
     loss: str = checked("clip", choices=("clip", "siglip"))
-    model_name_or_path: str | None = None  # a saved CLIP/SigLIP/SigLIP 2 directory or hub id; None builds a tiny one
+    # a saved CLIP/SigLIP/SigLIP 2 directory or hub id; None builds a tiny one
+    model_name_or_path: str | None = None
     # SigLIP 2 NaFlex: each image resized to at most this many patches, its aspect ratio kept. With --loss siglip
     # and no model_name_or_path it builds a tiny Siglip2Model; with a SigLIP 2 checkpoint it replaces its
     # processor's limit (the position embeddings are resized to each image's grid either way).
     max_num_patches: int | None = checked(None, "patches")
     # The rest shape the tiny model only (model_name_or_path=None).
-    tokenizer_name: str | None = None  # default: the embedded tiny one (SigLIP 2: of its own class, Siglip2Tokenizer)
+    # default: the embedded tiny one (SigLIP 2: of its own class, Siglip2Tokenizer)
+    tokenizer_name: str | None = None
     image_size: int = checked(32, "count")
     patch_size: int = checked(8, "count")
     hidden_size: int = checked(64, "count")
     num_layers: int = checked(2, "count")
     projection_dim: int = checked(64, "count")  # CLIP only: SigLIP has no projection
-    logit_scale_init_value: float | None = None  # default ln(1/0.07) (CLIP) or ln(10) (SigLIP paper)
+    # default ln(1/0.07) (CLIP) or ln(10) (SigLIP paper)
+    logit_scale_init_value: float | None = None
     logit_bias_init_value: float = -10.0  # SigLIP only (paper)
     # sdpa: PyTorch's fused attention (flash/memory-efficient kernels on CUDA); eager: the reference
     # math; flash_attention_2 needs the flash-attn package. Checked when the model is built.
     attn_implementation: str = "sdpa"
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
+    # recompute activations in backward: less memory, ~1/3 more compute
+    gradient_checkpointing: bool = False
     # FLIP's patch dropout: training keeps a random 1 - p of each image's patches (mmrecipes.patch_dropout)
     patch_dropout: float = checked(0.0, "fraction")
     # A checkpoint-N directory (any engine's, any number of processes) whose model weights start this run, which
@@ -48,11 +53,13 @@ class ModelArgs(CheckedArgs):
 
 @dataclass
 class DataArgs(SourceArgs):
-    """Image-caption data: the shared data flags (`SourceArgs`) and the contrastive pipeline's own."""
+    """Image-caption data: the shared data flags (`SourceArgs`) and the contrastive pipeline's
+    own."""
 
     image_column: str = "image"
     caption_column: str = "text"
-    max_caption_length: int | None = checked(None, "count_or_none")  # tokens; default the tokenizer's model_max_length
+    # tokens; default the tokenizer's model_max_length
+    max_caption_length: int | None = checked(None, "count_or_none")
     # open_clip's training crop (its --aug-cfg defaults): a random 90-100% of each image's area at an aspect
     # ratio of 3/4 to 4/3, resized to the processor's size, instead of its eval resize and centre crop.
     # Evaluation is not augmented; each row's crop follows from its place in the stream (exact resume).
@@ -63,7 +70,8 @@ class DataArgs(SourceArgs):
     max_patches_per_batch: int | None = checked(None, "count_or_none")
 
     def counted(self) -> tuple[str, ...]:
-        """What a batch's `data_counts` holds: `COUNTED`, then the rows of each source where there are several."""
+        """What a batch's `data_counts` holds: `COUNTED`, then the rows of each source where there
+        are several."""
         sources = self.training_sources()
         if len(sources) == 1:
             return COUNTED
@@ -80,15 +88,17 @@ DEFAULT_TEMPLATES = ("a photo of a {}.|a photo of the {}.|a rendering of a {}.|a
 class ZeroShotArgs(CheckedArgs):
     EMBEDDED_SET: ClassVar[str] = "embedded:shapes_zeroshot"
     # A hub id, a builder with --zeroshot_data_files, or a local directory (an image folder with one
-    # sub-folder per class is read as imagefolder); auto: the embedded shapes beside the embedded training data
-    # only; None turns zero-shot evaluation off.
+    # sub-folder per class is read as imagefolder); auto: the embedded shapes beside the embedded
+    # training data only; None turns zero-shot evaluation off.
     zeroshot_dataset: str | None = "auto"
     zeroshot_data_files: str | None = None
     zeroshot_split: str | None = None  # default: test, or the only split there is
     zeroshot_image_column: str = "image"
     zeroshot_label_column: str = "label"
-    zeroshot_class_names: str | None = None  # comma-separated; default: the label column's ClassLabel names
-    zeroshot_templates: str = DEFAULT_TEMPLATES  # "|"-separated, each with one {} for the class name
+    # comma-separated; default: the label column's ClassLabel names
+    zeroshot_class_names: str | None = None
+    # "|"-separated, each with one {} for the class name
+    zeroshot_templates: str = DEFAULT_TEMPLATES
     per_device_zeroshot_batch_size: int = checked(64, "count")
 
     def __post_init__(self):

@@ -53,7 +53,8 @@ def caption_length(args: DataArgs, tokenizer, pad_to_max_length: bool = False) -
 
 
 class ImageTextPreprocessor:
-    """Batched `datasets.map` function: rows in, model-ready rows out, bad rows dropped and counted."""
+    """Batched `datasets.map` function: rows in, model-ready rows out, bad rows dropped and
+    counted."""
 
     def __init__(self, args: DataArgs, tokenizer, image_processor, max_length: int, augment: bool = False):
         self.args, self.tokenizer, self.image_processor = args, tokenizer, image_processor
@@ -61,13 +62,16 @@ class ImageTextPreprocessor:
         self.drops = DropCounter()
         # uint8 pixels when the device can finish them (ImageTextCollator, images.to_device)
         self.normalize_here = device_normalization(image_processor) is None
-        self.patch_grids = takes_patch_grids(image_processor)  # SigLIP 2 NaFlex: each row's patches and grid
+        # SigLIP 2 NaFlex: each row's patches and grid
+        self.patch_grids = takes_patch_grids(image_processor)
 
     def __call__(self, batch):
         images, captions, counts, sources, seeds = [], [], [], [], []
         raw_images, raw_captions = batch[self.args.image_column], batch[self.args.caption_column]
-        problems = batch.get(PROBLEM) or [None] * len(raw_images)  # rows from load_stream say what failed reading
-        tags = batch.get(SOURCE) or [0] * len(raw_images)  # several sources: which one (mixed_stream)
+        # rows from load_stream say what failed reading
+        problems = batch.get(PROBLEM) or [None] * len(raw_images)
+        # several sources: which one (mixed_stream)
+        tags = batch.get(SOURCE) or [0] * len(raw_images)
         row_seeds = batch.get(ROW_SEED) or [None] * len(raw_images)  # from ResumableShuffle
         files = batch.get(DATA_FILE) or [None] * len(raw_images)
         for raw_image, caption, problem, source, seed, file in zip(raw_images, raw_captions, problems, tags, row_seeds,
@@ -102,11 +106,12 @@ class ImageTextPreprocessor:
 
 
 class ImageTextCollator:
-    """Rows -> {pixel_values, input_ids, attention_mask, num_samples, data_counts}; pads captions to the batch
-    max, or to `pad_to_length`. uint8 pixels come with the constants (`images.NORMALIZED_BY`) that
-    `images.to_device` finishes them with (`device_normalization`). NaFlex rows are padded to the batch's
-    longest image (`padded_patches`: with `pixel_attention_mask` and `spatial_shapes`). With several `sources`,
-    `data_counts` ends with the rows from each (`DataArgs.counted`)."""
+    """Rows -> {pixel_values, input_ids, attention_mask, num_samples, data_counts}; pads captions to
+    the batch max, or to `pad_to_length`. uint8 pixels come with the constants
+    (`images.NORMALIZED_BY`) that `images.to_device` finishes them with (`device_normalization`).
+    NaFlex rows are padded to the batch's longest image (`padded_patches`: with
+    `pixel_attention_mask` and `spatial_shapes`). With several `sources`, `data_counts` ends with
+    the rows from each (`DataArgs.counted`)."""
 
     def __init__(self, tokenizer, image_processor, pad_to_length: int | None = None, sources: int = 1):
         if tokenizer.pad_token_id is None:
@@ -147,11 +152,11 @@ class ImageTextCollator:
 
 def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_processor, *, batch_size, ranks,
                      shuffle_seed=None, pad_to_max_length=False):
-    """A DataLoader over this data rank's rows of `split` (`ranks.reads()`: `distributed.Ranks`): the training
-    sources mixed at `dataset_weights`
-    (`mmrecipes.sources.mixed_stream`), or, for any other split, the first source's. Pass it to
-    `accelerator.prepare`? No: it is already split by data rank, and accelerate would shard a datasets stream
-    a second time. `pad_to_max_length`: pad every caption to `caption_length` (SigLIP), not to the batch max."""
+    """A DataLoader over this data rank's rows of `split` (`ranks.reads()`: `distributed.Ranks`):
+    the training sources mixed at `dataset_weights` (`mmrecipes.sources.mixed_stream`), or, for any
+    other split, the first source's. Pass it to `accelerator.prepare`? No: it is already split by
+    data rank, and accelerate would shard a datasets stream a second time. `pad_to_max_length`: pad
+    every caption to `caption_length` (SigLIP), not to the batch max."""
     columns = [args.image_column, args.caption_column]
 
     def check_columns(name, available):
@@ -164,8 +169,10 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, image_process
     stream = mixed_stream(sources, args.dataset_weights, columns, **ranks.reads(),
                           seed=shuffle_seed or 0, check_columns=check_columns, tag_sources=True)
     max_length = caption_length(args, tokenizer, pad_to_max_length)
-    augment = args.train_augment and split == args.train_split and shuffle_seed is not None  # ROW_SEED's source
-    budget = args.max_patches_per_batch if shuffle_seed is not None else None  # evaluation keeps fixed batches
+    # ROW_SEED's source
+    augment = args.train_augment and split == args.train_split and shuffle_seed is not None
+    # evaluation keeps fixed batches
+    budget = args.max_patches_per_batch if shuffle_seed is not None else None
     check_image_batching(args, image_processor)
     preprocess = ImageTextPreprocessor(args, tokenizer, image_processor, max_length, augment)
     collator = ImageTextCollator(tokenizer, image_processor, max_length if pad_to_max_length else None, len(sources))

@@ -1,5 +1,5 @@
-"""Retrieval R@1 on the eval split that every rank agrees on: each rank embeds its share, the embeddings are
-gathered, and every rank forwards equally often (`distributed.batches_in_step`)."""
+"""Retrieval R@1 on the eval split that every rank agrees on: each rank embeds its share, the
+embeddings are gathered, and every rank forwards equally often (`distributed.batches_in_step`)."""
 
 import torch
 import torch.distributed as dist

@@ -4,10 +4,11 @@ from ..throughput import transformer_train_flops
 
 
 class ContrastiveFlops:
-    """Training FLOPs of a contrastive batch (`flops(batch)`): each caption at `text_len` tokens and each image at its
-    real token count: the fixed grid (plus CLIP's class token) or, for SigLIP 2 NaFlex, the grid the processor gave
-    it (the batch's `spatial_shapes`; the padding to the batch's longest image is not useful work). Build it before
-    `prepare` (ZeRO-3 partitioned parameters report numel 0)."""
+    """Training FLOPs of a contrastive batch (`flops(batch)`): each caption at `text_len` tokens and
+    each image at its real token count: the fixed grid (plus CLIP's class token) or, for SigLIP 2
+    NaFlex, the grid the processor gave it (the batch's `spatial_shapes`; the padding to the batch's
+    longest image is not useful work). Build it before `prepare` (ZeRO-3 partitioned parameters
+    report numel 0)."""
 
     def __init__(self, model, text_len: int):
         vision, text = model.config.vision_config, model.config.text_config

@@ -8,8 +8,9 @@ b-negative objective, not the k*b-negative one (docs/losses.md). Here:
 3. re-forward each micro-batch with the same RNG state (same dropout masks) and back-propagate
    the cached feature gradients through it, inside `accelerator.accumulate`, so gradients are
    synchronised only after the last one.
-The logit scale's (and SigLIP's bias') gradient is applied once in total (split over the k re-forwards), not k
-times (open_clip's `--accum-freq` applies it k times). Costs one extra forward per micro-batch.
+The logit scale's (and SigLIP's bias') gradient is applied once in total (split over the k
+re-forwards), not k times (open_clip's `--accum-freq` applies it k times). Costs one extra forward
+per micro-batch.
 """
 
 import torch
@@ -49,8 +50,9 @@ def grad_cache_backward(accelerator, model, micro_batches, loss_fn) -> torch.Ten
             image_embeds, text_embeds, *scalars = model(**to_device(batch, device))
             feature_terms = (image_embeds * images.grad[rows]).sum() + (text_embeds * texts.grad[rows]).sum()
             scalar_terms = sum((scalar * cached.grad).sum() for scalar, cached in zip(scalars, cached_scalars))
-            # accelerate and DeepSpeed divide each backward by the window length k: the feature terms
-            # are multiplied back by k, the scalar terms are not, so their k passes add up to one gradient.
+            # accelerate and DeepSpeed divide each backward by the window length k: the feature
+            # terms are multiplied back by k, the scalar terms are not, so their k passes add up to
+            # one gradient.
             accelerator.backward(steps * feature_terms + scalar_terms)
     return loss.detach()
 

@@ -52,9 +52,9 @@ def clip_loss(image_features, text_features, logit_scale, *, tile_size=None, gro
     """Symmetric InfoNCE over the features of all ranks (see the module docstring).
 
     Args:
-        image_features, text_features: this rank's L2-normalised `[b_r, D]` rows; row i of each is a pair.
-        logit_scale: the multiplier (already exponentiated), shape `[]` or `[1]`.
-        tile_size: if set, compute the loss in `tile_size` x `tile_size` blocks with an online
+        image_features, text_features: this rank's L2-normalised `[b_r, D]` rows; row i of each is a
+        pair. logit_scale: the multiplier (already exponentiated), shape `[]` or `[1]`. tile_size:
+        if set, compute the loss in `tile_size` x `tile_size` blocks with an online
             log-sum-exp and a recomputing backward: no `[b_r, N]` logits matrix is ever held.
         group: the process group to gather over (default: the world group, if initialised).
     """
@@ -70,7 +70,8 @@ def clip_loss(image_features, text_features, logit_scale, *, tile_size=None, gro
 
 def local_clip_loss(image_features, text_features, logit_scale, *, gather, offset, world, tile_size=None):
     """This rank's share of InfoNCE: `gather` maps this rank's rows to every rank's (N rows, this
-    rank's at `offset`); the result is scaled by W/(2N) so that the mean over ranks is the global loss.
+    rank's at `offset`); the result is scaled by W/(2N) so that the mean over ranks is the global
+    loss.
 
     Each direction gathers its keys just before using them, so in the backward each gathered
     gradient ([N, D]) is reduce-scattered before the other direction's is computed.
@@ -112,7 +113,8 @@ class _TiledLogSumExp(torch.autograd.Function):
         grad_scale = torch.zeros((), device=queries.device, dtype=torch.float64)
         for rows, cols in _tiles(queries.shape[0], keys.shape[0], ctx.tile_size):
             dots = queries[rows] @ keys[cols].T
-            # d lse_i / d logit_ij = softmax_ij, recomputed from the saved row lse (in place: one extra tile).
+            # d lse_i / d logit_ij = softmax_ij, recomputed from the saved row lse (in place: one
+            # extra tile).
             weights = (dots * scale).sub_(lse[rows, None]).exp_().mul_(grad_lse[rows, None])
             grad_queries[rows].addmm_(weights, keys[cols])
             grad_keys[cols].addmm_(weights.T, queries[rows])

@@ -57,9 +57,10 @@ class CLIPForContrastiveTraining(CLIPModel):
 
 class SigmoidContrastive:
     """What SigLIP and SigLIP 2 add to their HF model (same weights and keys): a forward returning
-    (image_embeds, text_embeds, logit_scale.exp(), logit_bias), what `siglip_loss` takes. Both scalars are
-    [1]-shaped parameters already. The image inputs are the processor's: `pixel_values`, and for SigLIP 2
-    NaFlex each image's patches with `pixel_attention_mask` and `spatial_shapes` (its patch grid).
+    (image_embeds, text_embeds, logit_scale.exp(), logit_bias), what `siglip_loss` takes. Both
+    scalars are [1]-shaped parameters already. The image inputs are the processor's: `pixel_values`,
+    and for SigLIP 2 NaFlex each image's patches with `pixel_attention_mask` and `spatial_shapes`
+    (its patch grid).
 
     SigLIP pools the text tower's *last position*, padding or not (docs/clip.md, SigLIP): the padded
     length is part of the model, so captions are padded to the tokenizer's `model_max_length`
@@ -87,10 +88,11 @@ class Siglip2ForContrastiveTraining(SigmoidContrastive, Siglip2Model):
 
 
 def text_attention_mask(model, attention_mask, causal: bool):
-    """The text tower's attention mask as SDPA takes it, `[batch, 1, query or 1, key]` booleans, made
-    on the device. From a 2D padding mask, transformers' `create_causal_mask` / `create_bidirectional_mask`
-    first read `mask.all()` on the host (to drop the mask when nothing is padded): a device sync
-    in every step on a GPU. A 4D mask is used as given. Other attention implementations keep the 2D one.
+    """The text tower's attention mask as SDPA takes it, `[batch, 1, query or 1, key]` booleans,
+    made on the device. From a 2D padding mask, transformers' `create_causal_mask` /
+    `create_bidirectional_mask` first read `mask.all()` on the host (to drop the mask when nothing
+    is padded): a device sync in every step on a GPU. A 4D mask is used as given. Other attention
+    implementations keep the 2D one.
     """
     if model.config.text_config._attn_implementation != "sdpa":
         return attention_mask
@@ -149,9 +151,11 @@ def _tower(args: ModelArgs) -> dict:
 
 
 def _tiny_siglip(args: ModelArgs):
-    """A tiny SiglipModel, or with `max_num_patches` a Siglip2Model (NaFlex): the same towers, its position
-    embeddings an `image_size / patch_size` grid resized to each image's own grid of at most that many patches."""
-    # The zero-shot pipeline pads SigLIP captions to 64 tokens: train at that length (docs/clip.md, SigLIP).
+    """A tiny SiglipModel, or with `max_num_patches` a Siglip2Model (NaFlex): the same towers, its
+    position embeddings an `image_size / patch_size` grid resized to each image's own grid of at
+    most that many patches."""
+    # The zero-shot pipeline pads SigLIP captions to 64 tokens: train at that length (docs/clip.md,
+    # SigLIP).
     default = TINY_SIGLIP2_TOKENIZER if args.max_num_patches else TINY_TOKENIZER
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or default, model_max_length=64)
     text_config = dict(_tower(args), vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
@@ -180,7 +184,8 @@ def _tiny_clip(args: ModelArgs):
     config = CLIPConfig(
         text_config=dict(
             tower, vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
-            # CLIP pools the text tower at the first eos_token_id: without it every caption pools one token.
+            # CLIP pools the text tower at the first eos_token_id: without it every caption pools
+            # one token.
             eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         ),
@@ -240,7 +245,8 @@ def save_contrastive(accelerator, model, tokenizer, image_processor, output_dir)
         unwrapped = accelerator.unwrap_model(model)
         state_dict["logit_scale"] = state_dict["logit_scale"].reshape(unwrapped.saved_logit_scale_shape)
         unwrapped.save_pretrained(output_dir, state_dict=state_dict, save_function=accelerator.save)
-        unwrapped.config.architectures = [unwrapped.hf_architecture]  # a plain checkpoint: loads without mmrecipes
+        # a plain checkpoint: loads without mmrecipes
+        unwrapped.config.architectures = [unwrapped.hf_architecture]
         unwrapped.config.save_pretrained(output_dir)
         tokenizer.save_pretrained(output_dir)
         image_processor.save_pretrained(output_dir)

@@ -1,10 +1,11 @@
-"""FLIP's patch dropout (open_clip's `patch_dropout` / `--force-patch-dropout`): in training, each image's vision
-tower sees a random share of its patch tokens, which makes a step cheaper by about that share.
+"""FLIP's patch dropout (open_clip's `patch_dropout` / `--force-patch-dropout`): in training, each
+image's vision tower sees a random share of its patch tokens, which makes a step cheaper by about
+that share.
 
-A forward hook on the tower's embeddings (their output already holds the position embeddings) keeps a random
-`1 - p` of each image's patch tokens, at least one, and the class token where the tower has one (CLIP pools it;
-SigLIP has none and pools all tokens with its attention head). Evaluation (`model.eval()`) sees every patch, and the
-saved model carries no hook.
+A forward hook on the tower's embeddings (their output already holds the position embeddings) keeps
+a random `1 - p` of each image's patch tokens, at least one, and the class token where the tower has
+one (CLIP pools it; SigLIP has none and pools all tokens with its attention head). Evaluation
+(`model.eval()`) sees every patch, and the saved model carries no hook.
 """
 
 import inspect
@@ -29,7 +30,8 @@ class PatchDropout:
 
 
 def add_patch_dropout(model, p: float) -> str:
-    """Hook patch dropout `p` (0 < p < 1) onto a CLIP or SigLIP model's vision embeddings; returns the log line."""
+    """Hook patch dropout `p` (0 < p < 1) onto a CLIP or SigLIP model's vision embeddings; returns
+    the log line."""
     embeddings = model.vision_model.embeddings
     if "spatial_shapes" in inspect.signature(embeddings.forward).parameters:
         raise ValueError("--patch_dropout keeps a share of a fixed grid's tokens; SigLIP 2 NaFlex pads each image's "

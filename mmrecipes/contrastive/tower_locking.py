@@ -1,11 +1,12 @@
-"""Locked towers (LiT): a pretrained image or text tower kept frozen while the other trains, as open_clip's
-`--lock-image` / `--lock-text` do, optionally with its last layers unlocked.
+"""Locked towers (LiT): a pretrained image or text tower kept frozen while the other trains, as
+open_clip's `--lock-image` / `--lock-text` do, optionally with its last layers unlocked.
 
-A locked tower is its transformer (`vision_model` / `text_model`) and its projection (`visual_projection` /
-`text_projection`; SigLIP has none, its pooling head sits in the transformer). Unlocking N layers trains the
-last N encoder layers and everything the tower runs after them (the final norm, SigLIP's pooling head, the
-projection). Frozen parameters get `requires_grad=False` before `accelerator.prepare`, so the optimizer holds no
-state for them, DDP reduces no gradient for them, and FSDP2 and ZeRO-3 shard them without gradients.
+A locked tower is its transformer (`vision_model` / `text_model`) and its projection
+(`visual_projection` / `text_projection`; SigLIP has none, its pooling head sits in the
+transformer). Unlocking N layers trains the last N encoder layers and everything the tower runs
+after them (the final norm, SigLIP's pooling head, the projection). Frozen parameters get
+`requires_grad=False` before `accelerator.prepare`, so the optimizer holds no state for them, DDP
+reduces no gradient for them, and FSDP2 and ZeRO-3 shard them without gradients.
 """
 
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ TOWERS = {"image": ("vision_model", "visual_projection"), "text": ("text_model",
 
 @dataclass
 class LockArgs(CheckedArgs):
-    lock_image: bool = False  # freeze the image tower (LiT: a pretrained image tower, a text tower that learns)
+    # freeze the image tower (LiT: a pretrained image tower, a text tower that learns)
+    lock_image: bool = False
     # with --lock_image: its last N layers and what follows them still train
     lock_image_unlocked_layers: int = checked(0, "count_or_zero")
     lock_text: bool = False  # freeze the text tower
@@ -43,7 +45,8 @@ def lock_towers(model, args: LockArgs) -> list[str]:
         if unlocked > len(layers):
             raise ValueError(f"--lock_{name}_unlocked_layers {unlocked}: the {name} tower has {len(layers)} layers")
         children = list(dict(body.named_children()))
-        # What runs after the layers: the final norm, a pooling head, the projection (a model attribute)
+        # What runs after the layers: the final norm, a pooling head, the projection (a model
+        # attribute)
         after = {child: getattr(body, child) for child in children[children.index("encoder") + 1:]}
         tower = [body]
         if hasattr(model, projection_name):

@@ -21,7 +21,8 @@ from .arguments import ZeroShotArgs
 
 
 class ZeroShotSet:
-    """This data rank's share of the zero-shot images (preprocessed), the class names and prompts."""
+    """This data rank's share of the zero-shot images (preprocessed), the class names and
+    prompts."""
 
     def __init__(self, args: ZeroShotArgs, tokenizer, image_processor, *, caption_length: int, pad_to_max_length: bool,
                  data_rank: int, data_world: int):

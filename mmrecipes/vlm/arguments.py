@@ -1,5 +1,5 @@
-"""The VLM recipes' arguments (model, LoRA, chat and preference data, videos, DPO), each with its value rules; no
-torch (`--help`)."""
+"""The VLM recipes' arguments (model, LoRA, chat and preference data, videos, DPO), each with its
+value rules; no torch (`--help`)."""
 
 import json
 import math
@@ -18,8 +18,9 @@ CHAT_TEMPLATE_FILE = ("a chat template file is the Jinja text of one template, w
 
 
 def read_chat_template(path: str, flag: str = "--chat_template_path") -> str:
-    """The text of a chat template file, or a ValueError naming `flag` and what the file is instead: missing, a
-    folder, not UTF-8 text, empty, JSON (a tokenizer_config.json), or text with no Jinja in it."""
+    """The text of a chat template file, or a ValueError naming `flag` and what the file is instead:
+    missing, a folder, not UTF-8 text, empty, JSON (a tokenizer_config.json), or text with no Jinja
+    in it."""
     file = Path(path)
     if file.is_dir():
         inside = file / "chat_template.jinja"
@@ -81,7 +82,8 @@ class VLMModelArgs(CheckedArgs):
     # base one), joined by a fresh two-layer projector
     vision_model_name_or_path: str | None = None
     language_model_name_or_path: str | None = None
-    vision_feature_layer: int = -2  # the tower's layer the projector reads (LLaVA's penultimate); later ones frozen
+    # the tower's layer the projector reads (LLaVA's penultimate); later ones frozen
+    vision_feature_layer: int = -2
     # plain: LLaVA's stage-1 format (the images, then the caption as the only target); None: the language model's own
     # (another template goes to --chat_template_path)
     chat_template: str | None = checked(None, choices=("plain",))
@@ -99,14 +101,16 @@ class VLMModelArgs(CheckedArgs):
             raise ValueError("--model_name_or_path loads a built VLM; --vision_model_name_or_path and "
                              "--language_model_name_or_path compose one: give one or the other")
         if self.chat_template_path:
-            read_chat_template(self.chat_template_path)  # a file that can be one, before any model loads
+            # a file that can be one, before any model loads
+            read_chat_template(self.chat_template_path)
         if (self.chat_template is not None or self.vision_feature_layer != -2) and not all(parts):
             raise ValueError("--chat_template and --vision_feature_layer shape a composed VLM: give "
                              "--vision_model_name_or_path and --language_model_name_or_path (a built model's template "
                              "goes to --chat_template_path)")
 
     def check_with(self, parsed):
-        """Under --sequence_parallel_size, what cannot run split is refused now, each with its reason."""
+        """Under --sequence_parallel_size, what cannot run split is refused now, each with its
+        reason."""
         if self.sequence_parallel_size == 1:
             return
         data, training = (next((args for cls, args in parsed.items() if issubclass(cls, kind)), None)
@@ -120,13 +124,15 @@ class VLMModelArgs(CheckedArgs):
                              "drop --torch_compile")
 
     def training_template(self) -> str | None:
-        """The chat template the labels are made in when it is not the model's own (--chat_template plain: LLaVA's
-        stage-1 format, while the composed model keeps its language model's template for stage 2), else None."""
+        """The chat template the labels are made in when it is not the model's own (--chat_template
+        plain: LLaVA's stage-1 format, while the composed model keeps its language model's template
+        for stage 2), else None."""
         return PLAIN_CHAT_TEMPLATE.read_text() if self.chat_template == "plain" else None
 
     def template_source(self) -> str:
         """Where the chat template comes from, for messages about it."""
-        if self.chat_template:  # the labels are made in it even where the model keeps --chat_template_path's
+        # the labels are made in it even where the model keeps --chat_template_path's
+        if self.chat_template:
             return f"the {self.chat_template} chat template"
         if self.chat_template_path:
             return self.chat_template_path
@@ -135,15 +141,16 @@ class VLMModelArgs(CheckedArgs):
 
 @dataclass
 class TunedModelArgs(VLMModelArgs):
-    """The model flags of the recipes that sample (GRPO, distillation), whose default model must answer sometimes: the
-    tiny Llava after 60 SFT steps (data_prep/tiny_sft_vlm.py)."""
+    """The model flags of the recipes that sample (GRPO, distillation), whose default model must
+    answer sometimes: the tiny Llava after 60 SFT steps (data_prep/tiny_sft_vlm.py)."""
 
     model_name_or_path: str | None = "embedded:tiny_sft_vlm"
 
 
 @dataclass
 class VLMTrainingArgs(TrainingArgs):
-    """The training flags of every VLM recipe: the shared ones (`TrainingArgs`), and the vision tower's own rates."""
+    """The training flags of every VLM recipe: the shared ones (`TrainingArgs`), and the vision
+    tower's own rates."""
 
     weight_decay: float = 0.0
     # the vision tower's, used when --train_modules all
@@ -161,7 +168,8 @@ class LoraArgs(CheckedArgs):
     # None: every linear layer of the language model (and of the vision tower with --train_modules all);
     # all-linear (PEFT's meaning: the tower and the projector too); or comma-separated module names
     lora_target_modules: str | None = None
-    lora_modules_to_save: str | None = None  # comma-separated modules trained in full, beside the projector
+    # comma-separated modules trained in full, beside the projector
+    lora_modules_to_save: str | None = None
 
 
 @dataclass
@@ -177,8 +185,10 @@ class MoEArgs(CheckedArgs):
 class VideoArgs(CheckedArgs):
     # frames sampled per second of clip (transformers' video processors: fps)
     video_fps: float = checked(2.0, "positive")
-    video_max_frames: int = checked(8, "count")  # at most this many frames per clip (their num_frames)
-    video_max_seconds: float = checked(600.0, "positive")  # longer clips are skipped and counted (video_too_long)
+    # at most this many frames per clip (their num_frames)
+    video_max_frames: int = checked(8, "count")
+    # longer clips are skipped and counted (video_too_long)
+    video_max_seconds: float = checked(600.0, "positive")
     # Clips whose frames have more pixels (4K UHD by default) are skipped and counted (too_large), from the header
     # before any frame is decoded: one frame of 200M pixels cost 4.5 s and 614 MB before it was resized
     video_max_pixels: int = checked(3840 * 2160, "count")
@@ -186,9 +196,11 @@ class VideoArgs(CheckedArgs):
 
 @dataclass
 class ChatDataArgs(SourceArgs, VideoArgs):
-    """Conversations: the shared data flags (`SourceArgs`), the clips' (`VideoArgs`) and the chat pipeline's own."""
+    """Conversations: the shared data flags (`SourceArgs`), the clips' (`VideoArgs`) and the chat
+    pipeline's own."""
 
-    EMBEDDED_EVAL: ClassVar[str] = "embedded:vlm_shapes/image_chat"  # what auto evaluates beside embedded data
+    # what auto evaluates beside embedded data
+    EMBEDDED_EVAL: ClassVar[str] = "embedded:vlm_shapes/image_chat"
     dataset_name: str = "embedded:vlm_shapes/image_chat,embedded:vlm_shapes/text_chat"
     dataset_weights: str | None = "0.75,0.25"
     # Held-out conversations (answer accuracy). auto: the embedded questions beside the embedded training data;
@@ -206,7 +218,8 @@ class ChatDataArgs(SourceArgs, VideoArgs):
     # count; ranks then carry different row counts (loader.TokenBudgetBatches). Rows over it count as too_long.
     # Under --sequence_parallel_size N it is what one rank holds: a micro-batch takes N times as many tokens.
     max_tokens_per_batch: int | None = checked(None, "count_or_none")
-    packing: bool = False  # rows packed into sequences of up to max_length tokens, each sample attending only to itself
+    # rows packed into sequences of up to max_length tokens, each sample attending only to itself
+    packing: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -246,7 +259,8 @@ LOSS_TYPES = ("sigmoid", "ipo", "robust", "sft")  # the TRL 1.16 loss types this
 
 @dataclass
 class DPOArgs(CheckedArgs):
-    beta: float = checked(0.1, "positive")  # how far the policy may move from the reference (TRL's name and default)
+    # how far the policy may move from the reference (TRL's name and default)
+    beta: float = checked(0.1, "positive")
     # TRL 1.16's loss types, comma-separated, summed with --loss_weights: sigmoid (the DPO paper), ipo (IPO on
     # length-averaged log-probabilities), robust (Robust DPO, with --label_smoothing), sft (the chosen answer's mean
     # token NLL: RPO). sigmoid,sft lets the tiny default learn its answers from scratch; TRL's default is sigmoid.
@@ -306,11 +320,13 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 @dataclass
 class PromptDataArgs(ChatDataArgs):
-    """Prompts to sample completions for: TRL's `prompt` (string or conversation) with `images` and the columns the
-    reward functions read (`solution`), or chat rows whose last assistant turn is the solution."""
+    """Prompts to sample completions for: TRL's `prompt` (string or conversation) with `images` and
+    the columns the reward functions read (`solution`), or chat rows whose last assistant turn is
+    the solution."""
 
     dataset_name: str = "embedded:vlm_shapes/image_chat,embedded:vlm_shapes/text_chat"
-    eval_generation_rows: int = checked(256, "non_negative")  # held-out questions answered by greedy decoding
+    # held-out questions answered by greedy decoding
+    eval_generation_rows: int = checked(256, "non_negative")
 
     def __post_init__(self):
         super().__post_init__()
@@ -321,11 +337,13 @@ class PromptDataArgs(ChatDataArgs):
 
 @dataclass
 class SamplingArgs(CheckedArgs):
-    """How completions are sampled, GRPO's and distillation's (TRL 1.16's names; defaults TRL's unless said)."""
+    """How completions are sampled, GRPO's and distillation's (TRL 1.16's names; defaults TRL's
+    unless said)."""
 
     temperature: float = checked(1.0, "positive")
     top_p: float = checked(1.0, "probability")
-    max_completion_length: int = checked(8, "count")  # a completion stops here, truncated (TRL: 512)
+    # a completion stops here, truncated (TRL: 512)
+    max_completion_length: int = checked(8, "count")
     # ZeRO-3: gather the whole model on every rank while sampling (fast; a whole model's memory per rank). TRL's
     # default is True; here the layer-at-a-time gathers of training are kept unless asked
     ds3_gather_for_generation: bool = False
@@ -346,15 +364,19 @@ class GRPOArgs(SamplingArgs):
     loss_type: str = checked("dapo", choices=GRPO_LOSS_TYPES)
     # token: a ratio per token; sequence: one per completion, its tokens' mean log-ratio (GSPO)
     importance_sampling_level: str = checked("token", choices=("token", "sequence"))
-    sapo_temperature_pos: float = checked(1.0, "positive")  # SAPO's gate where the advantage is positive
+    # SAPO's gate where the advantage is positive
+    sapo_temperature_pos: float = checked(1.0, "positive")
     sapo_temperature_neg: float = checked(1.05, "positive")  # and where it is not
-    vespo_k_pos: float = checked(2.0, "non_negative")  # VESPO's power where the advantage is not negative
+    # VESPO's power where the advantage is not negative
+    vespo_k_pos: float = checked(2.0, "non_negative")
     vespo_lambda_pos: float = checked(3.0, "non_negative")  # and its decay
     vespo_k_neg: float = checked(3.0, "non_negative")  # where it is negative
     vespo_lambda_neg: float = checked(2.0, "non_negative")
     beta: float = checked(0.0, "non_negative")  # weight of the KL to the reference (k3 estimator)
-    use_bias_correction_kl: bool = True  # the KL weighted by the importance ratio, as TRL 1.16 does by default
-    epsilon: float = checked(0.2, "positive")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    # the KL weighted by the importance ratio, as TRL 1.16 does by default
+    use_bias_correction_kl: bool = True
+    # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon: float = checked(0.2, "positive")
     epsilon_high: float | None = checked(None, "non_negative_or_none")  # None: epsilon (DAPO: 0.28)
     # optimizer steps on each batch of completions, against the log-probabilities they were sampled with
     num_iterations: int = checked(1, "count")
@@ -373,8 +395,10 @@ class GRPOArgs(SamplingArgs):
     # (module:Class: one instance per completion, reset(**row) before it, its public methods tools)
     tools: str = ""
     environment_factory: str = ""
-    max_tool_calling_iterations: int | None = checked(None, "count_or_none")  # None: until the completion budget
-    tool_timeout: float = checked(60.0, "positive")  # seconds a tool call may take; then it fails, counted
+    # None: until the completion budget
+    max_tool_calling_iterations: int | None = checked(None, "count_or_none")
+    # seconds a tool call may take; then it fails, counted
+    tool_timeout: float = checked(60.0, "positive")
 
     def __post_init__(self):
         super().__post_init__()
@@ -407,27 +431,33 @@ class GRPOArgs(SamplingArgs):
             raise ValueError(f"--max_completion_length {self.max_completion_length} leaves no room for a prompt within "
                              f"--max_length {max_length}: raise --max_length")
         save_steps = self.other(parsed, TrainingArgs).save_steps
-        if save_steps % self.num_iterations:  # a checkpoint keeps no completions: its resume would sample new ones
+        # a checkpoint keeps no completions: its resume would sample new ones
+        if save_steps % self.num_iterations:
             raise ValueError(f"--save_steps {save_steps}: a multiple of --num_iterations {self.num_iterations}, so "
                              "that every checkpoint falls between two batches of completions")
 
 
 @dataclass
 class DistillArgs(SamplingArgs):
-    """On-policy distillation (GKD, Agarwal et al. 2024), TRL's names: beta, temperature and max_completion_length as
-    in its DistillationConfig, lmbda and seq_kd as in its GKD trainer."""
+    """On-policy distillation (GKD, Agarwal et al. 2024), TRL's names: beta, temperature and
+    max_completion_length as in its DistillationConfig, lmbda and seq_kd as in its GKD trainer."""
 
     # The frozen teacher: an image-text-to-text checkpoint of the student's vocabulary and processor
-    # (embedded:tiny_teacher_vlm: a wider tiny Llava fine-tuned on the embedded conversations, data_prep/)
+    # (embedded:tiny_teacher_vlm: a wider tiny Llava fine-tuned on the embedded conversations,
+    # data_prep/)
     teacher_model_name_or_path: str = "embedded:tiny_teacher_vlm"
-    # the generalised JSD: 0 the forward KL(teacher || student), 1 the reverse KL (TRL's default), between them the JSD
+    # the generalised JSD: 0 the forward KL(teacher || student), 1 the reverse KL (TRL's default),
+    # between them the JSD
     beta: float = checked(1.0, "share")
-    # the share of steps trained on the student's own samples (on-policy); the others on the dataset's answers
+    # the share of steps trained on the student's own samples (on-policy); the others on the
+    # dataset's answers
     lmbda: float = checked(0.5, "share")
-    seq_kd: bool = False  # the off-policy steps on the teacher's samples instead of the dataset's answers
-    temperature: float = checked(1.0, "positive")  # of the sampling and of both distributions in the divergence
-    # ZeRO-3: gather the whole student on every rank while it samples (as GRPO's flag; the teacher samples layer by
-    # layer)
+    # the off-policy steps on the teacher's samples instead of the dataset's answers
+    seq_kd: bool = False
+    # of the sampling and of both distributions in the divergence
+    temperature: float = checked(1.0, "positive")
+    # ZeRO-3: gather the whole student on every rank while it samples (as GRPO's flag; the teacher
+    # samples layer by layer)
     ds3_gather_for_generation: bool = False
 
     def __post_init__(self):

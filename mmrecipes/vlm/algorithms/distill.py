@@ -1,7 +1,8 @@
-"""On-policy distillation's steps: each trains on the student's own samples of the window's prompts with probability
---lmbda (`on_policy`, the same draw on every rank), else on the dataset's answers or (--seq_kd) the teacher's samples
-(`StepTargets`); the held-out divergence (`evaluate_divergence`). The teacher: `teacher`; the rows (a prompt with the
-dataset's answer after it): `prompts.DistillPreprocessor`.
+"""On-policy distillation's steps: each trains on the student's own samples of the window's prompts
+with probability --lmbda (`on_policy`, the same draw on every rank), else on the dataset's answers
+or (--seq_kd) the teacher's samples (`StepTargets`); the held-out divergence
+(`evaluate_divergence`). The teacher: `teacher`; the rows (a prompt with the dataset's answer after
+it): `prompts.DistillPreprocessor`.
 """
 
 import random
@@ -18,15 +19,16 @@ from .teacher import Teacher
 
 
 def on_policy(seed: int, step: int, lmbda: float) -> bool:
-    """Whether `step` trains on the student's own samples: a draw of probability `lmbda` from the run's seed and the
-    step, the same on every rank (their sampling loops stay in step) and on a resume."""
+    """Whether `step` trains on the student's own samples: a draw of probability `lmbda` from the
+    run's seed and the step, the same on every rank (their sampling loops stay in step) and on a
+    resume."""
     return random.Random(seed * 1_000_003 + step).random() < lmbda
 
 
 @dataclass(frozen=True)
 class OnePerPrompt:
-    """The samplers' layout (`sampling.Sampler`, as GRPO's `GroupLayout`) for distillation: one sample of each of a
-    micro-batch's `prompts`, all in one micro-batch."""
+    """The samplers' layout (`sampling.Sampler`, as GRPO's `GroupLayout`) for distillation: one
+    sample of each of a micro-batch's `prompts`, all in one micro-batch."""
 
     prompts: int
 
@@ -39,19 +41,22 @@ class OnePerPrompt:
 
 
 class StepTargets:
-    """What a step of distillation trains on, the same choice on every rank (`__call__`): the student's samples of the
-    window's prompts with probability --lmbda (`on_policy`), else the teacher's (--seq_kd) or the dataset's answers;
-    each prompt sampled from a seed of its own (`sampling.Sampler`: W ranks sample what one process does). `sums`:
-    what the log counts of the last step; `metrics`: the log's values of a window's sums."""
+    """What a step of distillation trains on, the same choice on every rank (`__call__`): the
+    student's samples of the window's prompts with probability --lmbda (`on_policy`), else the
+    teacher's (--seq_kd) or the dataset's answers; each prompt sampled from a seed of its own
+    (`sampling.Sampler`: W ranks sample what one process does). `sums`: what the log counts of the
+    last step; `metrics`: the log's values of a window's sums."""
 
-    FORMATS = dict.fromkeys(("on_policy", "sample_length", "generation_share"), ".3f")  # the log line's, of `metrics`
+    # the log line's, of `metrics`
+    FORMATS = dict.fromkeys(("on_policy", "sample_length", "generation_share"), ".3f")
 
     def __init__(self, sampler, teacher: Teacher, args: DistillArgs, seed: int):
         self.sampler, self.teacher, self.args, self.seed = sampler, teacher, args, seed
         self.sampled, self.samples, self.micro_batches = False, [], []
 
     def __call__(self, model, window: list[dict], step: int) -> list[dict]:
-        """The window's micro-batches to train on (`ChatCollator` batches), in the window's order."""
+        """The window's micro-batches to train on (`ChatCollator` batches), in the window's
+        order."""
         self.sampled = on_policy(self.seed, step, self.args.lmbda)
         source = model if self.sampled else self.teacher.model
         self.samples = [self.sampler.rollouts(source, batch["prompts"], OnePerPrompt(len(batch["prompts"])),
@@ -62,8 +67,8 @@ class StepTargets:
         return self.micro_batches
 
     def sums(self) -> dict:
-        """The last step's counts (`Report.add_step`): rows trained, the student's samples, all samples and their
-        tokens, the seconds sampling took."""
+        """The last step's counts (`Report.add_step`): rows trained, the student's samples, all
+        samples and their tokens, the seconds sampling took."""
         lengths = [length for rollouts in self.samples for length in rollouts.lengths]
         return {"rows": sum(batch["num_samples"] for batch in self.micro_batches),
                 "student_samples": len(lengths) * self.sampled, "sampled_rows": len(lengths),
@@ -71,7 +76,8 @@ class StepTargets:
 
     @staticmethod
     def metrics(sums: dict, data_world: int) -> dict:
-        """The share of rows trained on-policy, the samples' mean length, the share of the time spent sampling."""
+        """The share of rows trained on-policy, the samples' mean length, the share of the time
+        spent sampling."""
         return {"on_policy": ratio(sums["student_samples"], sums["rows"]),
                 "sample_length": ratio(sums["sample_length"], sums["sampled_rows"]),
                 "generation_share": ratio(sums["generation_seconds"], sums["seconds"] * data_world)}
@@ -80,9 +86,10 @@ class StepTargets:
 @torch.no_grad()
 def evaluate_divergence(model, teacher: Teacher, eval_loader, filler_batch, device,
                         divergence: GeneralizedJSD) -> dict:
-    """The held-out divergence: the token mean of the generalised JSD to the teacher on the held-out answers, over
-    every rank's share (`DistillCollator` batches), each rank forwarding as often as every other (`batches_in_step`;
-    `filler_batch`: one a rank with nothing left forwards and discards)."""
+    """The held-out divergence: the token mean of the generalised JSD to the teacher on the held-out
+    answers, over every rank's share (`DistillCollator` batches), each rank forwarding as often as
+    every other (`batches_in_step`; `filler_batch`: one a rank with nothing left forwards and
+    discards)."""
     model.eval()
     totals = torch.zeros(2, device=device)  # the divergence summed over target tokens, the tokens
     for batch, real in batches_in_step(eval_loader, filler_batch, device):

@@ -1,13 +1,16 @@
-"""GRPO and its variants (TRL 1.16's loss types grpo, bnpo, dr_grpo, dapo): where a step's completions sit, their
-advantages, the clipped per-token loss and its step-wide normaliser, and the log's metrics.
+"""GRPO and its variants (TRL 1.16's loss types grpo, bnpo, dr_grpo, dapo): where a step's
+completions sit, their advantages, the clipped per-token loss and its step-wide normaliser, and the
+log's metrics.
 
-- `GroupLayout`: a step's completions are whole groups; a group's may sit on several micro-batches and ranks, which
-  share their rewards (one all-reduce) for the statistics.
-- `group_advantages`: each reward minus its group's mean, divided by the group's (or the step's) unbiased std + 1e-4,
-  or not; a completion a reward function failed on gets 0 and is left out of the statistics.
-- `token_losses`, `LossNormaliser`: the clipped surrogate with the k3 KL, per token, normalised over the optimizer
-  step on every rank (grpo: each completion's token mean, averaged; dr_grpo: the token sum over completions x
-  max_completion_length; dapo and bnpo: the token sum over tokens; TRL's bnpo divides per rank and micro-batch).
+- `GroupLayout`: a step's completions are whole groups; a group's may sit on several micro-batches
+  and ranks, which share their rewards (one all-reduce) for the statistics.
+- `group_advantages`: each reward minus its group's mean, divided by the group's (or the step's)
+  unbiased std + 1e-4, or not; a completion a reward function failed on gets 0 and is left out of
+  the statistics.
+- `token_losses`, `LossNormaliser`: the clipped surrogate with the k3 KL, per token, normalised over
+  the optimizer step on every rank (grpo: each completion's token mean, averaged; dr_grpo: the token
+  sum over completions x max_completion_length; dapo and bnpo: the token sum over tokens; TRL's bnpo
+  divides per rank and micro-batch).
 """
 
 import math
@@ -28,13 +31,15 @@ FORMATS = {"generation_share": ".3f"}  # how the log line writes it (TRL's metri
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """Where a step's completions sit. A step holds W data ranks x k micro-batches x b completions (TRL's generation
-    batch), whole groups of G. Ranks form teams of S, the fewest consecutive ranks whose completions are whole
-    groups (S = 1 where b x k is a multiple of G): a team reads its share of the prompts, `prompts_per_step` = S x b
-    x k / G of them a step, as one batch (`Ranks.teams(team_size)` reads them), and its member m samples and trains
-    the team's completions m x b x k to (m + 1) x b x k in group order, b to a micro-batch. So a group's completions
-    may sit on several micro-batches and ranks; `advantages` shares every rank's rewards for the groups' statistics.
-    The group arithmetic only: which rows a rank reads is `distributed.Ranks`'."""
+    """Where a step's completions sit. A step holds W data ranks x k micro-batches x b completions
+    (TRL's generation batch), whole groups of G. Ranks form teams of S, the fewest consecutive ranks
+    whose completions are whole groups (S = 1 where b x k is a multiple of G): a team reads its
+    share of the prompts, `prompts_per_step` = S x b x k / G of them a step, as one batch
+    (`Ranks.teams(team_size)` reads them), and its member m samples and trains the team's
+    completions m x b x k to (m + 1) x b x k in group order, b to a micro-batch. So a group's
+    completions may sit on several micro-batches and ranks; `advantages` shares every rank's rewards
+    for the groups' statistics. The group arithmetic only: which rows a rank reads is
+    `distributed.Ranks`'."""
 
     group_size: int
     micro_batch: int
@@ -73,26 +78,29 @@ class GroupLayout:
 
     @classmethod
     def of(cls, group_size: int, micro_batch: int, accumulation: int, ranks) -> "GroupLayout":
-        """The layout of `ranks` (`distributed.Ranks`): a sequence-parallel group's ranks hold the same completions."""
+        """The layout of `ranks` (`distributed.Ranks`): a sequence-parallel group's ranks hold the
+        same completions."""
         return cls(group_size=group_size, micro_batch=micro_batch, accumulation=accumulation,
                    data_rank=ranks.data_rank, data_world=ranks.data_world, replicas=ranks.split_size)
 
     def recorded(self) -> dict:
-        """What a checkpoint records of it (a resume with other groups reads other prompts a step)."""
+        """What a checkpoint records of it (a resume with other groups reads other prompts a
+        step)."""
         return {"num_generations": self.group_size, "prompt_teams": self.teams,
                 "loader_batch_size": self.prompts_per_step}
 
     def pieces(self) -> list[tuple[int, list[int]]]:
-        """[(a prompt's index in the team's batch, the indices in its group)] of this rank's completions, in order."""
+        """[(a prompt's index in the team's batch, the indices in its group)] of this rank's
+        completions, in order."""
         pieces = {}
         for slot in range(self.member * self.per_rank, (self.member + 1) * self.per_rank):
             pieces.setdefault(slot // self.group_size, []).append(slot % self.group_size)
         return list(pieces.items())
 
     def advantages(self, rewards: torch.Tensor, scale: str, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """`group_advantages` of this rank's completions (`rewards`, NaN where a function failed), from the step's
-        rewards on every rank (one all-reduce of W x b x k values: each rank adds its own at its place, each of
-        `replicas` ranks alike)."""
+        """`group_advantages` of this rank's completions (`rewards`, NaN where a function failed),
+        from the step's rewards on every rank (one all-reduce of W x b x k values: each rank adds
+        its own at its place, each of `replicas` ranks alike)."""
         mine = slice(self.data_rank * self.per_rank, (self.data_rank + 1) * self.per_rank)
         every = torch.zeros(self.data_world * self.per_rank, dtype=torch.float64)
         every[mine] = rewards
@@ -102,10 +110,11 @@ class GroupLayout:
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, zero-std flags) of a step's `rewards` (`[groups x group_size]` in group order, NaN where a reward
-    function failed): each reward minus its group's mean, divided by the group's unbiased std (`scale` group) or by
-    all of `rewards`' (batch), + 1e-4, or not divided (none); 0 for a failed completion, which the statistics leave
-    out. The flags mark completions whose group's std is 0 (TRL's frac_reward_zero_std)."""
+    """(advantages, zero-std flags) of a step's `rewards` (`[groups x group_size]` in group order,
+    NaN where a reward function failed): each reward minus its group's mean, divided by the group's
+    unbiased std (`scale` group) or by all of `rewards`' (batch), + 1e-4, or not divided (none); 0
+    for a failed completion, which the statistics leave out. The flags mark completions whose
+    group's std is 0 (TRL's frac_reward_zero_std)."""
     grouped = rewards.view(-1, group_size)
     valid = ~grouped.isnan()
     count = valid.sum(1, keepdim=True)
@@ -117,18 +126,20 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str) -> tupl
     if scale == "group":
         advantages = advantages / (std + 1e-4)
     elif scale == "batch":
-        advantages = advantages / (grouped[valid].std().nan_to_num(0) + 1e-4)  # unbiased; 0 for one reward
+        # unbiased; 0 for one reward
+        advantages = advantages / (grouped[valid].std().nan_to_num(0) + 1e-4)
     zero_std = torch.isclose(std, torch.zeros_like(std)).expand_as(grouped)
     return (advantages * valid).flatten(), zero_std.flatten()
 
 
 def token_losses(logps, old_logps, ref_logps, advantages, mask, args: GRPOArgs) -> dict:
-    """Per-token terms of the policy loss, TRL 1.16's `_compute_loss`: r = exp(logp - old logp) per token, or per
-    completion, its tokens' mean log-ratio (--importance_sampling_level sequence: GSPO); the clipped surrogate
-    -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) (PPO's, with DAPO's asymmetric clip), CISPO's -sg(min(r,
-    epsilon_high)) A logp, or SAPO's -sigmoid(tau (r - 1)) 4 / tau A; plus beta KL, the k3 estimator exp(ref - logp) -
-    (ref - logp) - 1, times r with --use_bias_correction_kl (TRL 1.16's default: the KL of the sampling policy's
-    tokens); and the clip flags TRL logs (CISPO's clip counts as high). Every tensor `[rows, tokens]`, zero where
+    """Per-token terms of the policy loss, TRL 1.16's `_compute_loss`: r = exp(logp - old logp) per
+    token, or per completion, its tokens' mean log-ratio (--importance_sampling_level sequence:
+    GSPO); the clipped surrogate -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) (PPO's, with
+    DAPO's asymmetric clip), CISPO's -sg(min(r, epsilon_high)) A logp, or SAPO's -sigmoid(tau (r -
+    1)) 4 / tau A; plus beta KL, the k3 estimator exp(ref - logp) - (ref - logp) - 1, times r with
+    --use_bias_correction_kl (TRL 1.16's default: the KL of the sampling policy's tokens); and the
+    clip flags TRL logs (CISPO's clip counts as high). Every tensor `[rows, tokens]`, zero where
     `mask` is False."""
     log_ratio = logps - old_logps
     if args.importance_sampling_level == "sequence":
@@ -161,9 +172,10 @@ def token_losses(logps, old_logps, ref_logps, advantages, mask, args: GRPOArgs) 
 
 
 def vespo_weights(log_ratio, advantages, mask, args: GRPOArgs) -> torch.Tensor:
-    """VESPO's weight of each completion (TRL 1.16's `get_gamma_weights`), no gradient through it: phi(w) = e^lambda
-    w^k e^(-lambda w) (1 at w = 1) of w, the completion's ratio (the sum of its tokens' log-ratios, each clamped to
-    [-20, 20], the sum to [log 1e-8, 20]), with k and lambda by the sign of its advantage."""
+    """VESPO's weight of each completion (TRL 1.16's `get_gamma_weights`), no gradient through it:
+    phi(w) = e^lambda w^k e^(-lambda w) (1 at w = 1) of w, the completion's ratio (the sum of its
+    tokens' log-ratios, each clamped to [-20, 20], the sum to [log 1e-8, 20]), with k and lambda by
+    the sign of its advantage."""
     with torch.no_grad():
         log_w = (log_ratio.clamp(-20, 20) * mask).sum(-1, keepdim=True).clamp(math.log(1e-8), 20)
         positive = advantages >= 0
@@ -174,8 +186,8 @@ def vespo_weights(log_ratio, advantages, mask, args: GRPOArgs) -> torch.Tensor:
 
 
 class LossSums(dict):
-    """A step's sums for the log line, added micro-batch after micro-batch (detached): the weighted loss, the KL, the
-    trained tokens and the clip flags TRL counts (`CLIP_COUNTS`)."""
+    """A step's sums for the log line, added micro-batch after micro-batch (detached): the weighted
+    loss, the KL, the trained tokens and the clip flags TRL counts (`CLIP_COUNTS`)."""
 
     def __init__(self):
         super().__init__(dict.fromkeys(["loss", "kl", "tokens_trained", *[f"clip_{name}" for name in CLIP_COUNTS]], 0))
@@ -187,8 +199,9 @@ class LossSums(dict):
 
 
 class LossNormaliser:
-    """The weight of each token and the step's normaliser N for `loss_type`: the step's gradient is that of
-    sum(weight x token loss) / N over every rank's window; `count` is this rank's share of N."""
+    """The weight of each token and the step's normaliser N for `loss_type`: the step's gradient is
+    that of sum(weight x token loss) / N over every rank's window; `count` is this rank's share of
+    N."""
 
     def __init__(self, args: GRPOArgs):
         self.loss_type, self.max_completion_length = args.loss_type, args.max_completion_length
@@ -201,7 +214,8 @@ class LossNormaliser:
 
     def count(self, masks: list[torch.Tensor]) -> float:
         completions = sum(len(mask) for mask in masks)
-        if self.loss_type in ("grpo", "sapo", "luspo"):  # completions' token means or sums, averaged
+        # completions' token means or sums, averaged
+        if self.loss_type in ("grpo", "sapo", "luspo"):
             return float(completions)
         if self.loss_type == "dr_grpo":
             return float(completions * self.max_completion_length)
@@ -210,9 +224,10 @@ class LossNormaliser:
 
 @dataclass
 class MicroBatch:
-    """A micro-batch of completions with what its loss needs: the inputs on the device, the completion tokens
-    trained (`mask`), each completion's advantage, and the log-probabilities it was sampled with (None: the policy's
-    own, detached, when each batch trains one optimizer step) and the reference's (None without --beta)."""
+    """A micro-batch of completions with what its loss needs: the inputs on the device, the
+    completion tokens trained (`mask`), each completion's advantage, and the log-probabilities it
+    was sampled with (None: the policy's own, detached, when each batch trains one optimizer step)
+    and the reference's (None without --beta)."""
 
     inputs: dict
     mask: torch.Tensor
@@ -225,9 +240,10 @@ class MicroBatch:
 
 
 def micro_batches(rollouts, advantages: torch.Tensor, model, reference, args: GRPOArgs, device) -> list[MicroBatch]:
-    """The rollouts' micro-batches ready to train, before any update: the log-probabilities of the distribution they
-    were sampled from (the logits over --temperature, as TRL scores them), the policy's where --num_iterations reuses
-    them for several optimizer steps, and the reference's (no graph)."""
+    """The rollouts' micro-batches ready to train, before any update: the log-probabilities of the
+    distribution they were sampled from (the logits over --temperature, as TRL scores them), the
+    policy's where --num_iterations reuses them for several optimizer steps, and the reference's (no
+    graph)."""
     inputs = [to_device(batch, device) for batch in rollouts.micro_batches]
     masks = [batch["labels"][:, 1:] != IGNORE_INDEX for batch in inputs]
     advantages = advantages.to(device, torch.float32).split([len(mask) for mask in masks])

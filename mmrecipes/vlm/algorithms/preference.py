@@ -1,9 +1,10 @@
 """Preference pairs for DPO of image-text-to-text models, and the DPO loss with TRL 1.16's names.
 
-Rows: TRL's `prompt` / `chosen` / `rejected` (strings or conversations, with `images`), or LLaVA's `conversations` with
-`chosen` and `rejected` answers. Each side becomes a chat row labelled by the checkpoint's own chat template, exactly
-as in SFT; a pair with a bad side is skipped and counted by that side's reason. A micro-batch holds the chosen rows,
-then the rejected ones: the policy and the reference each run one forward over both, as TRL's concatenated forward.
+Rows: TRL's `prompt` / `chosen` / `rejected` (strings or conversations, with `images`), or LLaVA's
+`conversations` with `chosen` and `rejected` answers. Each side becomes a chat row labelled by the
+checkpoint's own chat template, exactly as in SFT; a pair with a bad side is skipped and counted by
+that side's reason. A micro-batch holds the chosen rows, then the rejected ones: the policy and the
+reference each run one forward over both, as TRL's concatenated forward.
 """
 
 import hashlib
@@ -27,7 +28,8 @@ PREFERENCE_COUNTED = (*CHAT_COUNTED, "no_preference")
 
 
 def preference_chats(row) -> tuple[dict, dict]:
-    """(chosen row, rejected row) in the chat or LLaVA format `ChatPreprocessor` reads; BadRow if neither fits."""
+    """(chosen row, rejected row) in the chat or LLaVA format `ChatPreprocessor` reads; BadRow if
+    neither fits."""
     if row.get("conversations") is not None:
         return tuple({"conversations": list(row["conversations"]) + [_llava_answer(row.get(side))],
                       "image": row.get("image"), DATA_FILE: row.get(DATA_FILE)} for side in ("chosen", "rejected"))
@@ -57,8 +59,9 @@ def _llava_answer(answer) -> dict:
 
 
 def last_answer_only(side: tuple) -> tuple:
-    """(input_ids, labels, media_inputs) of a side with only its last answer labelled: a multi-turn prompt's
-    earlier assistant turns are context, not the completion (TRL scores only the completion)."""
+    """(input_ids, labels, media_inputs) of a side with only its last answer labelled: a multi-turn
+    prompt's earlier assistant turns are context, not the completion (TRL scores only the
+    completion)."""
     input_ids, labels, media_inputs = side
     targets = (labels != IGNORE_INDEX).nonzero()[:, 0]
     breaks = (targets[1:] - targets[:-1] > 1).nonzero()[:, 0]
@@ -67,8 +70,8 @@ def last_answer_only(side: tuple) -> tuple:
 
 
 class PreferencePreprocessor(ChatPreprocessor):
-    """Batched map function: preference rows in, {chosen, rejected} rows out (each a collator row), bad pairs
-    dropped and counted by the first bad side's reason."""
+    """Batched map function: preference rows in, {chosen, rejected} rows out (each a collator row),
+    bad pairs dropped and counted by the first bad side's reason."""
 
     COLUMNS = PREFERENCE_COLUMNS
 
@@ -90,8 +93,8 @@ class PreferencePreprocessor(ChatPreprocessor):
         return out
 
     def check_preference(self, chosen, rejected):
-        """Skip (no_preference) a pair whose answers are the same tokens, or one of which says nothing (TRL trains on
-        such pairs; they teach no preference)."""
+        """Skip (no_preference) a pair whose answers are the same tokens, or one of which says
+        nothing (TRL trains on such pairs; they teach no preference)."""
         answers = [input_ids[labels != IGNORE_INDEX] for input_ids, labels, _ in (chosen, rejected)]
         if torch.equal(*answers):
             raise Skip("no_preference", "the chosen and rejected answers are the same")
@@ -113,9 +116,9 @@ DPO_FORMATS = {"rewards/accuracies": ".3f", "logps/chosen": ".4f", "logps/reject
 
 
 class PreferenceCollator:
-    """Pairs -> one `ChatCollator` batch: the chosen rows, then the rejected rows (`num_samples` counts pairs, the
-    data counts the pairs' `PREFERENCE_COUNTED`); with `keys`, each pair's `pair_key` too (precomputed reference
-    log-probabilities are looked up by it)."""
+    """Pairs -> one `ChatCollator` batch: the chosen rows, then the rejected rows (`num_samples`
+    counts pairs, the data counts the pairs' `PREFERENCE_COUNTED`); with `keys`, each pair's
+    `pair_key` too (precomputed reference log-probabilities are looked up by it)."""
 
     def __init__(self, collator, keys: bool = False):
         self.collator, self.keys = collator, keys
@@ -135,11 +138,12 @@ def answer_tokens(inputs: dict) -> torch.Tensor:
 
 
 def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, tokens: torch.Tensor, args: DPOArgs):
-    """(per-pair losses, chosen rewards, rejected rewards) of `[2 * pairs]` summed log-probabilities and answer
-    `tokens`, chosen rows first: TRL 1.16's `DPOTrainer._compute_loss` for its loss types `sigmoid`, `ipo` (on
-    log-ratios averaged over each answer's tokens), `robust` and `sft` (each chosen answer's mean token NLL; TRL
-    averages over a micro-batch's tokens, which cannot be normalised exactly across ranks), summed with their
-    weights. Rewards are beta times the summed log-ratios, whatever the loss (as TRL logs them)."""
+    """(per-pair losses, chosen rewards, rejected rewards) of `[2 * pairs]` summed log-probabilities
+    and answer `tokens`, chosen rows first: TRL 1.16's `DPOTrainer._compute_loss` for its loss types
+    `sigmoid`, `ipo` (on log-ratios averaged over each answer's tokens), `robust` and `sft` (each
+    chosen answer's mean token NLL; TRL averages over a micro-batch's tokens, which cannot be
+    normalised exactly across ranks), summed with their weights. Rewards are beta times the summed
+    log-ratios, whatever the loss (as TRL logs them)."""
     chosen, rejected = (policy_logps - reference_logps).chunk(2)
     chosen_tokens, rejected_tokens = tokens.chunk(2)
     margin, smoothing = args.beta * (chosen - rejected), args.label_smoothing
@@ -158,7 +162,8 @@ def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, tokens: 
 
 
 def pair_key(chosen: dict, rejected: dict) -> str:
-    """A pair's identity across epochs and resumes: a digest of both sides' tokens and the images' inputs."""
+    """A pair's identity across epochs and resumes: a digest of both sides' tokens and the images'
+    inputs."""
     digest = hashlib.sha1()
     for tensor in (chosen["input_ids"], rejected["input_ids"], *chosen["media_inputs"].values()):
         digest.update(torch.as_tensor(tensor).flatten().contiguous().view(torch.uint8).numpy().tobytes())
@@ -167,9 +172,9 @@ def pair_key(chosen: dict, rejected: dict) -> str:
 
 @torch.no_grad()
 def evaluate_preferences(model, reference: Reference, eval_loader, filler_batch, args: DPOArgs, device) -> dict:
-    """{eval_rewards/accuracies, eval_rewards/margins, eval_pairs} over every rank's held-out pairs: the share whose
-    chosen reward beats the rejected one, and the mean margin. Every rank forwards equally often (a rank that has run
-    out forwards `filler_batch`: `batches_in_step`)."""
+    """{eval_rewards/accuracies, eval_rewards/margins, eval_pairs} over every rank's held-out pairs:
+    the share whose chosen reward beats the rejected one, and the mean margin. Every rank forwards
+    equally often (a rank that has run out forwards `filler_batch`: `batches_in_step`)."""
     model.eval()
     totals = torch.zeros(3, device=device)  # correct pairs, summed margins, pairs
     for batch, real in batches_in_step(eval_loader, filler_batch, device):

@@ -1,6 +1,6 @@
-"""The reference model of DPO and GRPO's KL: a frozen copy of the starting weights sharded like the policy, or the
-policy with its LoRA adapters disabled; its log-probabilities never build a graph, and DPO's can be computed once in a
-first pass (`Reference.precompute`)."""
+"""The reference model of DPO and GRPO's KL: a frozen copy of the starting weights sharded like the
+policy, or the policy with its LoRA adapters disabled; its log-probabilities never build a graph,
+and DPO's can be computed once in a first pass (`Reference.precompute`)."""
 
 import contextlib
 import itertools
@@ -15,18 +15,21 @@ from ..model.outputs import SequenceLogps, TokenLogps
 
 
 def parameter_values_held(model) -> tuple[int, int]:
-    """(the parameter values this rank holds, all of the model's): ZeRO-3's partitions and FSDP2's shards."""
+    """(the parameter values this rank holds, all of the model's): ZeRO-3's partitions and FSDP2's
+    shards."""
     held = total = 0
     for param in model.parameters():
-        total += getattr(param, "ds_numel", param.numel())  # ZeRO-3: the full size; numel() is 0 once partitioned
+        # ZeRO-3: the full size; numel() is 0 once partitioned
+        total += getattr(param, "ds_numel", param.numel())
         held += (param.ds_tensor if hasattr(param, "ds_tensor") else getattr(param, "_local_tensor", param)).numel()
     return held, total
 
 
 def frozen_reference(accelerator, reference):
-    """`reference` (a frozen `VLMForTraining`, copied before `prepare`) as the engine keeps the policy: sharded by
-    FSDP2, and partitioned by ZeRO-3 (a DeepSpeed engine without an optimizer, as TRL prepares its reference), never
-    gathered whole on a rank; on its device under DDP and ZeRO-1/2 (every rank holds the policy whole there too)."""
+    """`reference` (a frozen `VLMForTraining`, copied before `prepare`) as the engine keeps the
+    policy: sharded by FSDP2, and partitioned by ZeRO-3 (a DeepSpeed engine without an optimizer, as
+    TRL prepares its reference), never gathered whole on a rank; on its device under DDP and
+    ZeRO-1/2 (every rank holds the policy whole there too)."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         import deepspeed
 
@@ -37,24 +40,26 @@ def frozen_reference(accelerator, reference):
         engine, *_ = deepspeed.initialize(model=reference, config=config)
         engine.eval()  # returns None
         return engine
-    if accelerator.distributed_type == DistributedType.FSDP:  # not registered with the accelerator: not checkpointed
+    # not registered with the accelerator: not checkpointed
+    if accelerator.distributed_type == DistributedType.FSDP:
         return fsdp2_prepare_model(accelerator, reference).eval()
     return reference.to(accelerator.device)
 
 
 class Reference:
-    """The reference's log-probabilities of a batch's rows (`reference(batch, inputs)`, no graph): from `model`, a
-    frozen copy, or the prepared policy with its LoRA adapters disabled when `peft_model` is given (peft's own
-    switch); or, after `precompute`, from a table kept per pair (`pair_key`), with the frozen copy let go."""
+    """The reference's log-probabilities of a batch's rows (`reference(batch, inputs)`, no graph):
+    from `model`, a frozen copy, or the prepared policy with its LoRA adapters disabled when
+    `peft_model` is given (peft's own switch); or, after `precompute`, from a table kept per pair
+    (`pair_key`), with the frozen copy let go."""
 
     def __init__(self, model, peft_model=None):
         self.model, self.peft_model, self.table = model, peft_model, None
 
     @classmethod
     def build(cls, accelerator, model, parts) -> "Reference":
-        """After `prepare`: the prepared policy `model` with its adapters disabled (LoRA), or the frozen copy of the
-        starting weights `parts` holds (`vlm_parts(..., frozen_copy=True)`), kept as the engine keeps the policy;
-        `parts` lets it go. MFU counts the policy's step only."""
+        """After `prepare`: the prepared policy `model` with its adapters disabled (LoRA), or the
+        frozen copy of the starting weights `parts` holds (`vlm_parts(..., frozen_copy=True)`), kept
+        as the engine keeps the policy; `parts` lets it go. MFU counts the policy's step only."""
         if parts.peft_model is not None:
             return cls(model, parts.peft_model)
         if parts.frozen_copy is None:
@@ -77,7 +82,8 @@ class Reference:
 
     @torch.no_grad()
     def token_logps(self, inputs: dict, temperature: float = 1.0) -> torch.Tensor:
-        """Each target token's log-probability at `temperature`, `[rows, tokens - 1]` (0 elsewhere): GRPO's KL."""
+        """Each target token's log-probability at `temperature`, `[rows, tokens - 1]` (0 elsewhere):
+        GRPO's KL."""
         with self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext():
             return self.model(inputs, TokenLogps(temperature))
 
@@ -89,12 +95,14 @@ class Reference:
                 f"{total:,} parameter values on this rank")
 
     def precompute(self, loaders, device) -> str:
-        """Fill the table with every pair of `loaders` (one epoch of this rank's training rows, the held-out pairs),
-        every rank forwarding equally often (`batches_in_step`), and let the frozen copy go. Returns the log line."""
+        """Fill the table with every pair of `loaders` (one epoch of this rank's training rows, the
+        held-out pairs), every rank forwarding equally often (`batches_in_step`), and let the frozen
+        copy go. Returns the log line."""
         table = {}
         if self.peft_model is not None:
             self.model.eval()
-        # A DataLoader's iterator draws its seed from the global RNG: the training's draws stay as they were.
+        # A DataLoader's iterator draws its seed from the global RNG: the training's draws stay as
+        # they were.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for loader in loaders:
                 batches = iter(loader)

@@ -1,21 +1,25 @@
-"""Verifiable rewards for GRPO, TRL's way: `func(prompts, completions, completion_ids, **columns) -> list[float]`.
+"""Verifiable rewards for GRPO, TRL's way: `func(prompts, completions, completion_ids, **columns) ->
+list[float]`.
 
-As TRL 1.16 calls them: a conversational prompt's completions are `[{"role": "assistant", "content": text}]`, a
-string prompt's are strings; every other column of the rows comes as a keyword (`solution`, `answer`, ...). Built in:
-`accuracy` (the completion against the row's `solution`) and `format` (a regex over the whole completion,
-`--format_pattern`). A user's function comes by import path, `mypkg.rewards:my_reward`.
+As TRL 1.16 calls them: a conversational prompt's completions are `[{"role": "assistant", "content":
+text}]`, a string prompt's are strings; every other column of the rows comes as a keyword
+(`solution`, `answer`, ...). Built in: `accuracy` (the completion against the row's `solution`) and
+`format` (a regex over the whole completion, `--format_pattern`). A user's function comes by import
+path, `mypkg.rewards:my_reward`.
 
-A function that raises (`sys.exit` included), runs past --reward_timeout, or gives something that is not a finite
-number of at most `MAX_REWARD` (None, NaN, a string, 1e308) fails that completion: `RewardScorer` counts it per
-function and says each kind of failure once, with the ranks it happened on, in the main log; the recipe gives the
-completion no advantage and leaves it out of its group's statistics (TRL sums the other functions instead). A function
-that fails every completion of a logging window stops the run with its first error (`check_window`).
+A function that raises (`sys.exit` included), runs past --reward_timeout, or gives something that is
+not a finite number of at most `MAX_REWARD` (None, NaN, a string, 1e308) fails that completion:
+`RewardScorer` counts it per function and says each kind of failure once, with the ranks it happened
+on, in the main log; the recipe gives the completion no advantage and leaves it out of its group's
+statistics (TRL sums the other functions instead). A function that fails every completion of a
+logging window stops the run with its first error (`check_window`).
 
-The timeout is a `RewardTimeout`, which is no `Exception`: a function that retries on every Exception (as HTTP clients
-are written) cannot swallow it; one that swallows even that is timed out again every second, and `STUCK_S` seconds
-later the process ends, naming it. A reward module whose import blocks is timed out the same way, naming the module
-(`user_code`, which tools share). What no function in the process can be stopped from is ending the process itself
-(`os._exit`, a crash): run such code in a process of its own inside the reward (docs/grpo.md).
+The timeout is a `RewardTimeout`, which is no `Exception`: a function that retries on every
+Exception (as HTTP clients are written) cannot swallow it; one that swallows even that is timed out
+again every second, and `STUCK_S` seconds later the process ends, naming it. A reward module whose
+import blocks is timed out the same way, naming the module (`user_code`, which tools share). What no
+function in the process can be stopped from is ending the process itself (`os._exit`, a crash): run
+such code in a process of its own inside the reward (docs/grpo.md).
 """
 
 import inspect
@@ -35,7 +39,8 @@ MAX_REWARD = 1e9
 
 
 def completion_text(completion) -> str:
-    """A completion as text: a string, or a conversational completion's (`[{"role": "assistant", ...}]`)."""
+    """A completion as text: a string, or a conversational completion's (`[{"role": "assistant",
+    ...}]`)."""
     if isinstance(completion, str):
         return completion
     content = completion[-1]["content"]
@@ -43,7 +48,8 @@ def completion_text(completion) -> str:
 
 
 def normalised(text: str) -> str:
-    """Lower case, the `<answer>` tag's text if there is one, no surrounding punctuation, spaces collapsed."""
+    """Lower case, the `<answer>` tag's text if there is one, no surrounding punctuation, spaces
+    collapsed."""
     tagged = ANSWER_TAG.search(text)
     text = tagged.group(1) if tagged else text
     return " ".join(text.lower().strip().strip(".!?,;:").split())
@@ -57,7 +63,8 @@ def _number(text: str) -> float | None:
 
 
 def accuracy(prompts, completions, completion_ids=None, *, solution=None, **columns) -> list[float]:
-    """1.0 where the completion matches the solution after `normalised` (numbers as numbers: "3.0" is "3"), else 0."""
+    """1.0 where the completion matches the solution after `normalised` (numbers as numbers: "3.0"
+    is "3"), else 0."""
     if solution is None:
         raise ValueError("no row has a solution column (chat rows: an assistant answer) to compare with")
     rewards = []
@@ -82,8 +89,8 @@ def format_reward(pattern: str):
 
 
 def load_reward_funcs(names: list[str], format_pattern: str, timeout: float | None = None) -> dict:
-    """{name: function} for `--reward_funcs`: the built-ins by name, others by `module:function` import path, each
-    import within `timeout` seconds (--reward_timeout)."""
+    """{name: function} for `--reward_funcs`: the built-ins by name, others by `module:function`
+    import path, each import within `timeout` seconds (--reward_timeout)."""
     funcs = {}
     for name in names:
         if name == "accuracy":
@@ -98,9 +105,9 @@ def load_reward_funcs(names: list[str], format_pattern: str, timeout: float | No
 
 
 def reward_inputs(prompts: list[dict], texts: list[str]) -> tuple[list, list, dict]:
-    """(prompts, completions, columns) as TRL hands them to reward functions: a conversational prompt's completion as
-    `[{"role": "assistant", "content": text}]`, a string prompt's as its text; each column one value per completion
-    (None where a prompt lacks it)."""
+    """(prompts, completions, columns) as TRL hands them to reward functions: a conversational
+    prompt's completion as `[{"role": "assistant", "content": text}]`, a string prompt's as its
+    text; each column one value per completion (None where a prompt lacks it)."""
     completions = [[{"role": "assistant", "content": text}] if isinstance(prompt["prompt"], list) else text
                    for prompt, text in zip(prompts, texts)]
     names = sorted({name for prompt in prompts for name in prompt["columns"]})
@@ -116,7 +123,8 @@ def _parameters(func) -> set[str]:
 
 
 def _reward(value) -> tuple[float, str | None, str | None]:
-    """(the reward, None, None) of a value a function gave, or (NaN, the kind of failure, why it is not a reward)."""
+    """(the reward, None, None) of a value a function gave, or (NaN, the kind of failure, why it is
+    not a reward)."""
     if value is None:
         return math.nan, "None", "gave None (TRL's way to leave a completion unscored)"
     if isinstance(value, Unscored):
@@ -134,10 +142,11 @@ def _reward(value) -> tuple[float, str | None, str | None]:
 
 
 class RewardScorer:
-    """`scorer(prompts, completions, completion_ids, columns)` -> [completions, functions] rewards, NaN where a
-    function failed (`_reward`; or it raised, or ran past `timeout` seconds); `failures` counts them per function since
-    the last `take_failures`, which says each function's first failure of each kind once; `first_errors` keeps each
-    function's first failure in the run for `check_window`."""
+    """`scorer(prompts, completions, completion_ids, columns)` -> [completions, functions] rewards,
+    NaN where a function failed (`_reward`; or it raised, or ran past `timeout` seconds); `failures`
+    counts them per function since the last `take_failures`, which says each function's first
+    failure of each kind once; `first_errors` keeps each function's first failure in the run for
+    `check_window`."""
 
     def __init__(self, funcs: dict, weights: list[float], timeout: float | None = None):
         self.funcs, self.weights = funcs, torch.tensor(weights, dtype=torch.float64)
@@ -159,7 +168,8 @@ class RewardScorer:
                     values = list(awaited(func(prompts=prompts, completions=completions, **ids, **columns)))
                 if len(values) != len(completions):
                     raise ValueError(f"gave {len(values)} rewards for {len(completions)} completions")
-            except (Exception, SystemExit, RewardTimeout) as error:  # a user's function must not end the run
+            # a user's function must not end the run
+            except (Exception, SystemExit, RewardTimeout) as error:
                 why = (f"it called sys.exit({error.code!r}), which would end the run" if isinstance(error, SystemExit)
                        else f"{type(error).__name__}: {error}")
                 self._failed(name, type(error).__name__, why, len(completions))
@@ -171,10 +181,11 @@ class RewardScorer:
         return scores
 
     def score(self, rollouts, tokenizer, stop_ids) -> torch.Tensor:
-        """The completions of `rollouts` (`sampling.Rollouts`: (prompt, token ids) each) decoded (without their stop
-        tokens) and scored as TRL hands them to reward functions (`reward_inputs`); multi-turn ones as their
-        conversations (the assistant's and the tools' messages, TRL's way), with their environments to a function
-        that asks for them (an environment's `get_reward`: `tools.Tools.reward`)."""
+        """The completions of `rollouts` (`sampling.Rollouts`: (prompt, token ids) each) decoded
+        (without their stop tokens) and scored as TRL hands them to reward functions
+        (`reward_inputs`); multi-turn ones as their conversations (the assistant's and the tools'
+        messages, TRL's way), with their environments to a function that asks for them (an
+        environment's `get_reward`: `tools.Tools.reward`)."""
         prompts, ids = zip(*rollouts.completions)
         texts = [tokenizer.decode([token for token in row if token not in stop_ids], skip_special_tokens=True)
                  for row in ids]
@@ -194,9 +205,10 @@ class RewardScorer:
         return (scores * self.weights).sum(dim=1)
 
     def take_failures(self, accelerator=None, say=print) -> Counter:
-        """Failed completions per function on this rank since the last call, then reset. Each failure not yet said,
-        on any rank, is said once with the ranks it happened on: by `accelerator.print` in the main log, gathered
-        from every rank (a collective: every rank calls this at the same step), or by `say` in one process."""
+        """Failed completions per function on this rank since the last call, then reset. Each
+        failure not yet said, on any rank, is said once with the ranks it happened on: by
+        `accelerator.print` in the main log, gathered from every rank (a collective: every rank
+        calls this at the same step), or by `say` in one process."""
         rank = 0 if accelerator is None else accelerator.process_index
         errors = [(name, why, rank) for name, why in self.errors]
         if accelerator is not None:
@@ -210,8 +222,9 @@ class RewardScorer:
         return taken
 
     def check_window(self, sums: dict, step: int):
-        """Stop the run (every rank alike: `sums` are a logging window's, over all ranks) where a function failed on
-        every completion of the window: it would keep every advantage at 0, and the run would learn nothing."""
+        """Stop the run (every rank alike: `sums` are a logging window's, over all ranks) where a
+        function failed on every completion of the window: it would keep every advantage at 0, and
+        the run would learn nothing."""
         for name in self.funcs:
             if sums[f"failed_{name}"] and not sums[f"scored_{name}"]:
                 raise RuntimeError(

@@ -1,12 +1,14 @@
-"""Sampling a step's completions for GRPO and distillation, alike on any number of ranks (docs/grpo.md, "Rollouts").
+"""Sampling a step's completions for GRPO and distillation, alike on any number of ranks
+(docs/grpo.md, "Rollouts").
 
-Each completion draws from its own generator (`prompt_seed`: the run's seed, the step, the prompt's tokens and pixels,
-its index), so one process and W ranks sample the same completions however the data is split. Where the model is whole
-on a rank (`model_for_sampling`: DDP, ZeRO-1/2, one process, ZeRO-3 with `ds3_gather_for_generation`), `generate_group`
-uses transformers' `generate` with its KV cache; where every forward gathers parameters (FSDP2, ZeRO-3 without the
-gather), `sample_group` forwards whole sequences a token at a time until every rank's completions have stopped. Both
-draw the same tokens (`RowSampler`). `Sampler.rollouts`: a step's completions on this rank, as token ids and as
-micro-batches to train on; GRPO scores them (`rewards.RewardScorer.score`).
+Each completion draws from its own generator (`prompt_seed`: the run's seed, the step, the prompt's
+tokens and pixels, its index), so one process and W ranks sample the same completions however the
+data is split. Where the model is whole on a rank (`model_for_sampling`: DDP, ZeRO-1/2, one process,
+ZeRO-3 with `ds3_gather_for_generation`), `generate_group` uses transformers' `generate` with its KV
+cache; where every forward gathers parameters (FSDP2, ZeRO-3 without the gather), `sample_group`
+forwards whole sequences a token at a time until every rank's completions have stopped. Both draw
+the same tokens (`RowSampler`). `Sampler.rollouts`: a step's completions on this rank, as token ids
+and as micro-batches to train on; GRPO scores them (`rewards.RewardScorer.score`).
 """
 
 import time
@@ -31,12 +33,13 @@ from .trajectory import first_turns
 @torch.no_grad()
 def sample_group(model, prompt: dict, collator, args: SamplingArgs, stop_ids, seed: int, device, suppressed=(),
                  indices=None, live=True, budget=None):
-    """[(completion token ids, truncated)] of the completions `indices` (default: all --num_generations) of
-    `prompt`'s group, each from its own generator (`seed` + its index), sampled at --temperature within --top_p
-    (never a `suppressed` token: `placeholder_token_ids`), each up to its first stop token (included) or
-    --max_completion_length tokens (truncated), with forwards until every rank's completions have stopped (`live`
-    False: a filler whose completions count as stopped, forwarded only while another rank samples; `budget`: fewer
-    tokens than --max_completion_length, the rest of a multi-turn completion's)."""
+    """[(completion token ids, truncated)] of the completions `indices` (default: all
+    --num_generations) of `prompt`'s group, each from its own generator (`seed` + its index),
+    sampled at --temperature within --top_p (never a `suppressed` token: `placeholder_token_ids`),
+    each up to its first stop token (included) or --max_completion_length tokens (truncated), with
+    forwards until every rank's completions have stopped (`live` False: a filler whose completions
+    count as stopped, forwarded only while another rank samples; `budget`: fewer tokens than
+    --max_completion_length, the rest of a multi-turn completion's)."""
     indices = range(args.num_generations) if indices is None else indices
     inputs = to_device(collator(chat_rows(prompt, [[]] * len(indices), [False] * len(indices))), device)
     sampler = RowSampler(indices, seed, args, suppressed)
@@ -58,10 +61,11 @@ def sample_group(model, prompt: dict, collator, args: SamplingArgs, stop_ids, se
 @torch.no_grad()
 def generate_group(model, prompt: dict, collator, args: SamplingArgs, stop_ids, seed: int, device, suppressed=(),
                    indices=None, budget=None):
-    """What `sample_group` samples, by `generate` with a KV cache, on a `VLMForTraining` whole on this rank (no
-    collective in its forward: `model_for_sampling`): the prompt as the processor gave it (a text-only prompt
-    without the dummy image, which only keeps sharded ranks in step), each completion's token drawn from its own
-    generator (`RowSampler`, which leaves greedy search only that token)."""
+    """What `sample_group` samples, by `generate` with a KV cache, on a `VLMForTraining` whole on
+    this rank (no collective in its forward: `model_for_sampling`): the prompt as the processor gave
+    it (a text-only prompt without the dummy image, which only keeps sharded ranks in step), each
+    completion's token drawn from its own generator (`RowSampler`, which leaves greedy search only
+    that token)."""
     indices = range(args.num_generations) if indices is None else indices
     batch = to_device(collator(chat_rows(prompt, [[]] * len(indices), [False] * len(indices))), device)
     dummies = (model.vision_input_names if batch["dummy_image"] else set()) | (
@@ -81,9 +85,10 @@ def generate_group(model, prompt: dict, collator, args: SamplingArgs, stop_ids, 
 
 
 class RowSampler(LogitsProcessor):
-    """Each row's next token (`draw`), the row of completion `indices[i]` from its own generator (`seed` + that
-    index), at --temperature within --top_p, never a `suppressed` token. Both samplers draw with it; as `generate`'s
-    last logits processor it leaves only the drawn token a finite score, for greedy search to take."""
+    """Each row's next token (`draw`), the row of completion `indices[i]` from its own generator
+    (`seed` + that index), at --temperature within --top_p, never a `suppressed` token. Both
+    samplers draw with it; as `generate`'s last logits processor it leaves only the drawn token a
+    finite score, for greedy search to take."""
 
     def __init__(self, indices, seed: int, args: SamplingArgs, suppressed=()):
         self.generators = [torch.Generator().manual_seed(seed + index) for index in indices]
@@ -112,9 +117,10 @@ def _sampled(logits: torch.Tensor, generator, temperature: float, top_p: float) 
 
 
 class Sampler:
-    """What every step's sampling takes: the accelerator (the engine decides how: `model_for_sampling`), the
-    collator, the sampling flags (`SamplingArgs`), the stop ids, the ids never sampled (`placeholder_token_ids`) and,
-    for multi-turn rollouts, `tools` (`tools.Tools`: completions go on after their tool calls' results)."""
+    """What every step's sampling takes: the accelerator (the engine decides how:
+    `model_for_sampling`), the collator, the sampling flags (`SamplingArgs`), the stop ids, the ids
+    never sampled (`placeholder_token_ids`) and, for multi-turn rollouts, `tools` (`tools.Tools`:
+    completions go on after their tool calls' results)."""
 
     def __init__(self, accelerator, collator, args: SamplingArgs, stop_ids, suppressed, tools=None):
         self.accelerator, self.collator, self.args = accelerator, collator, args
@@ -127,17 +133,18 @@ class Sampler:
 
     def rollouts(self, model, prompts, layout, seed: int, gather: bool | None = None,
                  mask_truncated: bool = False) -> "Rollouts":
-        """This rank's completions of the team's `prompts` (`GroupLayout.pieces`), sampled as the engine allows
-        (`model_for_sampling`; `gather` None: --ds3_gather_for_generation), `sample`'s."""
+        """This rank's completions of the team's `prompts` (`GroupLayout.pieces`), sampled as the
+        engine allows (`model_for_sampling`; `gather` None: --ds3_gather_for_generation),
+        `sample`'s."""
         gather = self.args.ds3_gather_for_generation if gather is None else gather
         with model_for_sampling(self.accelerator, model, gather) as (sampling, whole):
             return self.sample(sampling, whole, prompts, layout, seed, mask_truncated)
 
     def sample(self, model, whole: bool, prompts, layout, seed: int, mask_truncated: bool = False) -> "Rollouts":
-        """Each completion a `Trajectory`: its group's first turn from `prompt_seed(seed, prompt)` (`seed`: the run's
-        + the step), and with tools its further turns (`tools.Tools.rollout`); in micro-batches of
-        `layout.micro_batch` whose targets are the model's tokens (none for a truncated completion where
-        `mask_truncated`: GRPO's --mask_truncated_completions)."""
+        """Each completion a `Trajectory`: its group's first turn from `prompt_seed(seed, prompt)`
+        (`seed`: the run's + the step), and with tools its further turns (`tools.Tools.rollout`); in
+        micro-batches of `layout.micro_batch` whose targets are the model's tokens (none for a
+        truncated completion where `mask_truncated`: GRPO's --mask_truncated_completions)."""
         started = time.perf_counter()
         draw = self.drawing(model, whole, prompts[0])
         if self.tools is None:
@@ -153,15 +160,17 @@ class Sampler:
                         seconds=time.perf_counter() - started, **multi_turn)
 
     def drawing(self, model, whole: bool, filler: dict) -> "Drawing":
-        """The sampling call bound to `model` (`whole` on this rank or not) and a `filler` prompt."""
+        """The sampling call bound to `model` (`whole` on this rank or not) and a `filler`
+        prompt."""
         return Drawing(self, model, whole, filler)
 
 
 class Drawing:
-    """`draw(requests)`: a group of [(completion ids, truncated)] for each of this rank's requests ((prompt, seed,
-    completion indices, budget or None)), by `generate_group` on a `whole` model, else by `sample_group` as many
-    times on every rank (the `filler` prompt where a rank has fewer); `on_every_rank(flag)`: whether `flag` holds on
-    every rank (each rank's own where the model is whole: no rank waits for another)."""
+    """`draw(requests)`: a group of [(completion ids, truncated)] for each of this rank's requests
+    ((prompt, seed, completion indices, budget or None)), by `generate_group` on a `whole` model,
+    else by `sample_group` as many times on every rank (the `filler` prompt where a rank has fewer);
+    `on_every_rank(flag)`: whether `flag` holds on every rank (each rank's own where the model is
+    whole: no rank waits for another)."""
 
     def __init__(self, sampler: Sampler, model, whole: bool, filler: dict):
         self.sampler, self.model, self.whole, self.filler = sampler, model, whole, filler
@@ -183,20 +192,22 @@ class Drawing:
 
 
 def in_step(items, whole: bool, filler, device):
-    """(item, real) for this rank's `items`: all of them where the model is whole on the rank; else, as
-    `batches_in_step`, then (`filler`, False) until every rank has run out (each forward is a collective)."""
+    """(item, real) for this rank's `items`: all of them where the model is whole on the rank; else,
+    as `batches_in_step`, then (`filler`, False) until every rank has run out (each forward is a
+    collective)."""
     return [(item, True) for item in items] if whole else batches_in_step(items, filler, device)
 
 
 @dataclass
 class Rollouts:
-    """A batch of completions on this rank, built once from its trajectories (`Sampler.sample`): each with its prompt
-    (`completions`: (prompt, token ids)), the micro-batches to train on (`ChatCollator` batches), each completion's
-    length (the model's tokens) and truncation, the seconds sampling took, and (GRPO's) its rewards per function (NaN
-    where one failed)."""
+    """A batch of completions on this rank, built once from its trajectories (`Sampler.sample`):
+    each with its prompt (`completions`: (prompt, token ids)), the micro-batches to train on
+    (`ChatCollator` batches), each completion's length (the model's tokens) and truncation, the
+    seconds sampling took, and (GRPO's) its rewards per function (NaN where one failed)."""
 
     completions: list = field(default_factory=list)
-    conversations: list | None = None  # multi-turn: each completion as reward functions get it (messages)
+    # multi-turn: each completion as reward functions get it (messages)
+    conversations: list | None = None
     environments: list | None = None  # and its environment (`--environment_factory`), or None
     micro_batches: list = field(default_factory=list)
     scores: torch.Tensor | None = None
@@ -204,11 +215,13 @@ class Rollouts:
     truncated: list = field(default_factory=list)
     seconds: float = 0.0
     trained: int = 0  # optimizer steps trained on them so far (--num_iterations)
-    tool_counts: dict = field(default_factory=dict)  # multi-turn: tool calls and failed calls (`Tools.take_counts`)
+    # multi-turn: tool calls and failed calls (`Tools.take_counts`)
+    tool_counts: dict = field(default_factory=dict)
 
     def sums(self, rewards, zero_std, failures, names, counted: bool = True) -> dict:
-        """This rank's sums for the log (summed over ranks and steps by `Report`): the rewards, the completions and
-        the seconds they took; zeros where not `counted` (a sequence-parallel peer sampled the same)."""
+        """This rank's sums for the log (summed over ranks and steps by `Report`): the rewards, the
+        completions and the seconds they took; zeros where not `counted` (a sequence-parallel peer
+        sampled the same)."""
         scores, valid = self.scores, ~rewards.isnan()
         sums = {"completions": len(rewards), "scored": valid.sum(), "reward": rewards[valid].sum(),
                 "reward_square": (rewards[valid] ** 2).sum(), "zero_std": zero_std.sum(), "length": sum(self.lengths),
@@ -240,15 +253,17 @@ def generation_line(accelerator: Accelerator, gather: bool) -> str:
 
 @contextmanager
 def model_for_sampling(accelerator: Accelerator, model, gather: bool):
-    """(the module to sample with, whether it is whole on this rank). Whole: no collective in its forward, so each
-    rank may `generate` on its own (DDP, ZeRO-1/2, one process; and ZeRO-3 with `gather`, TRL's
-    `ds3_gather_for_generation`: every parameter gathered on every rank once, the engine's fetch and release hooks off
-    for the while, at a whole model's memory per rank; they come back as TRL 1.16 puts them back). Not whole (FSDP,
-    ZeRO-3 without `gather`): the prepared model, whose every forward gathers parameters on every rank."""
+    """(the module to sample with, whether it is whole on this rank). Whole: no collective in its
+    forward, so each rank may `generate` on its own (DDP, ZeRO-1/2, one process; and ZeRO-3 with
+    `gather`, TRL's `ds3_gather_for_generation`: every parameter gathered on every rank once, the
+    engine's fetch and release hooks off for the while, at a whole model's memory per rank; they
+    come back as TRL 1.16 puts them back). Not whole (FSDP, ZeRO-3 without `gather`): the prepared
+    model, whose every forward gathers parameters on every rank."""
     if accelerator.distributed_type == DistributedType.FSDP:
         yield model, False
     elif not _zero3(accelerator):
-        with accelerator.autocast():  # the prepared forward's mixed precision, which unwrapping leaves behind
+        # the prepared forward's mixed precision, which unwrapping leaves behind
+        with accelerator.autocast():
             yield accelerator.unwrap_model(model), True
     else:
         with _gathered(accelerator, model) if gather else nullcontext((model, False)) as sampling:
@@ -261,7 +276,8 @@ def _gathered(accelerator: Accelerator, model):
 
     offload = getattr(model.optimizer, "parameter_offload", model.optimizer)
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        external = getattr(offload.module, "ds_external_parameters", dict)()  # (name, parameter) pairs
+        # (name, parameter) pairs
+        external = getattr(offload.module, "ds_external_parameters", dict)()
         for parameter in [*offload.module.parameters(), *(parameter for _, parameter in external)]:
             parameter.ds_active_sub_modules.clear()
         for hook in [*offload.forward_hooks, *offload.backward_hooks]:
@@ -270,7 +286,8 @@ def _gathered(accelerator: Accelerator, model):
         try:
             yield accelerator.unwrap_model(model), True
         finally:
-            coordinator = offload.param_coordinator  # its trace of the training forward's order is stale now
+            # its trace of the training forward's order is stale now
+            coordinator = offload.param_coordinator
             if not coordinator.is_invalid_trace():
                 coordinator._invalidate_trace()
             offload._register_deepspeed_module(offload.module)

@@ -1,13 +1,15 @@
 """Distillation's teacher: a frozen image-text-to-text model, kept as the engine keeps the student
-(`reference.frozen_reference`), whose last hidden states the student's divergence reads through the teacher's own
-output layer, slice by slice (`outputs.GeneralizedJSD`), so neither model's logits of a whole batch exist.
+(`reference.frozen_reference`), whose last hidden states the student's divergence reads through the
+teacher's own output layer, slice by slice (`outputs.GeneralizedJSD`), so neither model's logits of
+a whole batch exist.
 
-Logit distillation compares the two next-token distributions entry by entry: the teacher must share the student's
-vocabulary (the same tokens at the same ids, the same output size) and its chat template must write a conversation
-as the same text tokens (`mismatch`, before the first step). Where its processor is configured otherwise (another
-image token count, other pixels: `reads_own_rows`), the teacher reads rows of its own, its prompt as its processor
-writes it followed by the student row's text after the prompt, and its states are aligned with the student's on
-that text (every target is in it).
+Logit distillation compares the two next-token distributions entry by entry: the teacher must share
+the student's vocabulary (the same tokens at the same ids, the same output size) and its chat
+template must write a conversation as the same text tokens (`mismatch`, before the first step).
+Where its processor is configured otherwise (another image token count, other pixels:
+`reads_own_rows`), the teacher reads rows of its own, its prompt as its processor writes it followed
+by the student row's text after the prompt, and its states are aligned with the student's on that
+text (every target is in it).
 """
 
 import torch
@@ -36,9 +38,9 @@ def _probe(processor) -> dict:
 
 
 def mismatch(student, student_processor, teacher, teacher_processor) -> str | None:
-    """Why the teacher cannot give the student its next-token distributions entry by entry, or None: another output
-    size or vocabulary, or a chat template writing a conversation as other text tokens (image tokens left out: those
-    may differ, `reads_own_rows`)."""
+    """Why the teacher cannot give the student its next-token distributions entry by entry, or None:
+    another output size or vocabulary, or a chat template writing a conversation as other text
+    tokens (image tokens left out: those may differ, `reads_own_rows`)."""
     sizes = [model.get_output_embeddings().weight.shape[0] for model in (student, teacher)]
     if sizes[0] != sizes[1]:
         return f"the student's output layer has {sizes[0]} entries, the teacher's {sizes[1]}"
@@ -61,23 +63,25 @@ def mismatch(student, student_processor, teacher, teacher_processor) -> str | No
 
 
 def reads_own_rows(student_processor, teacher_processor) -> bool:
-    """Whether the teacher reads rows of its own (`Teacher.hidden`): its processor is configured otherwise than the
-    student's (its image or video processor, or how it writes image tokens), so an image could reach it as other
-    pixels or other image tokens than its own processor makes. Decided from the configurations, never from a probe
-    image: two processors that agree at one size may differ at the data's (a student with a lower max_pixels)."""
+    """Whether the teacher reads rows of its own (`Teacher.hidden`): its processor is configured
+    otherwise than the student's (its image or video processor, or how it writes image tokens), so
+    an image could reach it as other pixels or other image tokens than its own processor makes.
+    Decided from the configurations, never from a probe image: two processors that agree at one size
+    may differ at the data's (a student with a lower max_pixels)."""
     return _configuration(student_processor) != _configuration(teacher_processor)
 
 
 def _configuration(processor) -> dict:
-    """What a processor does to a conversation's images, as saved (its chat template is `mismatch`'s to compare)."""
+    """What a processor does to a conversation's images, as saved (its chat template is `mismatch`'s
+    to compare)."""
     return {key: value for key, value in processor.to_dict().items() if key != "chat_template"}
 
 
 class Teacher:
-    """The frozen teacher (`load` before `Accelerator()`, `prepare` after the student's `prepare`): its hidden states
-    at the student's positions (`hidden`, no graph), its output layer (`head_logits`, the divergence's second head),
-    its held-out accuracy (`generated_accuracy`). `own_processor`: what renders its own prompts, None where it reads
-    the student's rows."""
+    """The frozen teacher (`load` before `Accelerator()`, `prepare` after the student's `prepare`):
+    its hidden states at the student's positions (`hidden`, no graph), its output layer
+    (`head_logits`, the divergence's second head), its held-out accuracy (`generated_accuracy`).
+    `own_processor`: what renders its own prompts, None where it reads the student's rows."""
 
     def __init__(self, model: VLMForTraining, processor, own_rows: bool, stops, placeholders, dummy_inputs):
         self.model, self.processor, self.stops, self.placeholders = model, processor, stops, placeholders
@@ -87,8 +91,9 @@ class Teacher:
     @classmethod
     def load(cls, path: str, student, student_processor, attn_implementation: str = "sdpa",
              seq_kd: bool = False) -> "Teacher":
-        """`path`'s model and processor, checked against the student's (`mismatch`); build it before `Accelerator()`
-        (under ZeRO-3 a model built afterwards is partitioned and re-initialised)."""
+        """`path`'s model and processor, checked against the student's (`mismatch`); build it before
+        `Accelerator()` (under ZeRO-3 a model built afterwards is partitioned and
+        re-initialised)."""
         model, processor = load_pretrained(path, "--teacher_model_name_or_path")
         model.set_attn_implementation(attn_implementation)
         if why := mismatch(student, student_processor, model, processor):
@@ -104,14 +109,16 @@ class Teacher:
                    dummy_image_inputs(model, processor))
 
     def prepare(self, accelerator):
-        """Kept as the engine keeps the student: sharded by FSDP2, partitioned by ZeRO-3, whole under DDP."""
+        """Kept as the engine keeps the student: sharded by FSDP2, partitioned by ZeRO-3, whole
+        under DDP."""
         self.model = frozen_reference(accelerator, self.model)
 
     @torch.no_grad()
     def hidden(self, inputs: dict, prompts=None) -> torch.Tensor:
-        """Its last hidden states at the positions of the student's batch `inputs`: of the same rows, or (reading its
-        own) of each of `prompts`' own prompt (`DistillCollator`: the batch's, in row order) followed by the student
-        row's text after its prompt, shifted to the student's positions (the prompts' positions hold no target)."""
+        """Its last hidden states at the positions of the student's batch `inputs`: of the same
+        rows, or (reading its own) of each of `prompts`' own prompt (`DistillCollator`: the batch's,
+        in row order) followed by the student row's text after its prompt, shifted to the student's
+        positions (the prompts' positions hold no target)."""
         if self.own_processor is None:
             return self.model(inputs, Hidden())
         rows, shifts, device = [], [], inputs["input_ids"].device
@@ -129,14 +136,14 @@ class Teacher:
 
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """A slice of the teacher's hidden states through its output layer: one call of its prepared module, so the
-        engine gathers the layer as in any forward."""
+        """A slice of the teacher's hidden states through its output layer: one call of its prepared
+        module, so the engine gathers the layer as in any forward."""
         return self.model({}, OutputLayer(hidden))
 
     def generated_accuracy(self, data_args, rows: int, ranks) -> dict:
-        """Its held-out generated accuracy (`evaluation.evaluate_generation`) on this rank's share of `rows` held-out
-        questions (`ranks`: `distributed.Ranks`), as its own processor writes them; teacher_* names; it stays in eval
-        mode."""
+        """Its held-out generated accuracy (`evaluation.evaluate_generation`) on this rank's share
+        of `rows` held-out questions (`ranks`: `distributed.Ranks`), as its own processor writes
+        them; teacher_* names; it stays in eval mode."""
         prompts = generation_prompts(data_args, self.processor, rows=rows, ranks=ranks)
         filler = self.collator([prompt_row(self.processor, HELLO, [])])
         scores = evaluate_generation(self.model, prompts, filler, self.collator, self.processor.tokenizer,
@@ -146,7 +153,8 @@ class Teacher:
 
     def describe(self) -> str:
         held, total = parameter_values_held(self.model)
-        family = type(getattr(self.model, "module", self.model).model).__name__  # inside ZeRO-3's engine, FSDP2's
+        # inside ZeRO-3's engine, FSDP2's
+        family = type(getattr(self.model, "module", self.model).model).__name__
         rows = (", reading rows of its own (its processor writes images otherwise), aligned on the text after each "
                 "prompt") if self.own_processor else ""
         return f"teacher: {family} holding {held:,} of its {total:,} parameter values on this rank, frozen{rows}"

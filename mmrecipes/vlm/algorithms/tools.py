@@ -1,22 +1,26 @@
-"""Tools and environments for multi-turn GRPO, TRL 1.16's API: `--tools module:function,...`, `--environment_factory
-module:Class`, `--max_tool_calling_iterations`, `--tool_timeout` (docs/grpo.md, "Tools").
+"""Tools and environments for multi-turn GRPO, TRL 1.16's API: `--tools module:function,...`,
+`--environment_factory module:Class`, `--max_tool_calling_iterations`, `--tool_timeout`
+(docs/grpo.md, "Tools").
 
-A completion that calls tools (in the template's own tool-call format, found by rendering one: `ToolFormat`) has
-each call run (`ToolBox.run`), the results rendered as the template renders tool turns and appended after the model's
-tokens as token ids (`ToolFormat.suffix`: never re-tokenised), and the model goes on from there, until it calls no
-tool, --max_tool_calling_iterations, or --max_completion_length (tool tokens count). A tool's images go through the
-processor, their inputs after the prompt's; where the template drops images in a tool turn, they go in a user turn
-after it (said at start-up). Tool-result tokens are no target: the loss, the KL and the entropy read the model's only.
+A completion that calls tools (in the template's own tool-call format, found by rendering one:
+`ToolFormat`) has each call run (`ToolBox.run`), the results rendered as the template renders tool
+turns and appended after the model's tokens as token ids (`ToolFormat.suffix`: never re-tokenised),
+and the model goes on from there, until it calls no tool, --max_tool_calling_iterations, or
+--max_completion_length (tool tokens count). A tool's images go through the processor, their inputs
+after the prompt's; where the template drops images in a tool turn, they go in a user turn after it
+(said at start-up). Tool-result tokens are no target: the loss, the KL and the entropy read the
+model's only.
 
-Tools are user code (`user_code`: imported by path, timed, the same guards as rewards): a call that raises (`sys.exit`
-and other BaseExceptions such as `asyncio.CancelledError` included; a real Ctrl-C still ends the run), runs past
---tool_timeout, names no known tool, gives something that is neither text (a string or a number) nor content blocks,
-text holding the model's image placeholder, or an image that does not decode (as training images decode:
-`images.decode_image`; an empty one included) fails that call: counted per kind, its error the result the model reads
-(TRL's `{"error": ...}`), never a crashed or hung run. `async def` tools are awaited within the same time limit. An
-environment's construction and reset run within --tool_timeout too; one that fails, or whose observation would not
-fit the prompt's length, leaves its completion with the standalone tools (counted). Each kind of failure is said once
-with its reason and the ranks it happened on.
+Tools are user code (`user_code`: imported by path, timed, the same guards as rewards): a call that
+raises (`sys.exit` and other BaseExceptions such as `asyncio.CancelledError` included; a real Ctrl-C
+still ends the run), runs past --tool_timeout, names no known tool, gives something that is neither
+text (a string or a number) nor content blocks, text holding the model's image placeholder, or an
+image that does not decode (as training images decode: `images.decode_image`; an empty one included)
+fails that call: counted per kind, its error the result the model reads (TRL's `{"error": ...}`),
+never a crashed or hung run. `async def` tools are awaited within the same time limit. An
+environment's construction and reset run within --tool_timeout too; one that fails, or whose
+observation would not fit the prompt's length, leaves its completion with the standalone tools
+(counted). Each kind of failure is said once with its reason and the ranks it happened on.
 """
 
 import inspect
@@ -34,14 +38,16 @@ from ..rows.chat_data import MAX_CHARS_PER_TOKEN, TOKEN_ALIGNED, prompt_row, unb
 from .trajectory import Trajectory, first_turns, prompt_seed
 from .user_code import EnvironmentTimeout, ToolTimeout, Unscored, awaited, imported, time_limit
 
-TURN_STRIDE = 1 << 20  # a turn's generator: its completion's index + turn x this (the first turn's is the index)
+# a turn's generator: its completion's index + turn x this (the first turn's is the index)
+TURN_STRIDE = 1 << 20
 
 SENTINEL = {"name": "tool_name_sentinel", "arguments": {"argument_sentinel": "value_sentinel"}}
 
 
 def load_tools(spec: str, seconds: float | None = None) -> list:
-    """The functions of `--tools` (comma-separated module:function, each module's import within `seconds`); `Tools.of`
-    describes each (`schema`). Two of one name would shadow each other: refused."""
+    """The functions of `--tools` (comma-separated module:function, each module's import within
+    `seconds`); `Tools.of` describes each (`schema`). Two of one name would shadow each other:
+    refused."""
     tools = [imported(path.strip(), "--tools", seconds) for path in spec.split(",") if path.strip()]
     names = [getattr(tool, "__name__", repr(tool)) for tool in tools]
     if repeated := sorted({name for name in names if names.count(name) > 1}):
@@ -51,8 +57,8 @@ def load_tools(spec: str, seconds: float | None = None) -> list:
 
 
 def schema(tool, flag: str) -> dict:
-    """The JSON schema transformers renders from a tool's type hints and docstring; one it cannot stops the run
-    before step 1."""
+    """The JSON schema transformers renders from a tool's type hints and docstring; one it cannot
+    stops the run before step 1."""
     try:
         return get_json_schema(tool)
     except Exception as error:  # noqa: BLE001 (transformers' own errors name what is missing)
@@ -60,8 +66,9 @@ def schema(tool, flag: str) -> dict:
 
 
 def environment_factories(spec: str, seconds: float | None = None) -> dict:
-    """`--environment_factory`: module:Class ({None: the class}), or name=module:Class,... (TRL's dict: a row's
-    `environment` column picks its class); a class, or any callable that returns an environment."""
+    """`--environment_factory`: module:Class ({None: the class}), or name=module:Class,... (TRL's
+    dict: a row's `environment` column picks its class); a class, or any callable that returns an
+    environment."""
     if not spec:
         return {}
     if "=" not in spec:
@@ -78,8 +85,8 @@ def environment_factories(spec: str, seconds: float | None = None) -> dict:
 
 
 def environment_probes(factories: dict, spec: str, seconds: float) -> dict:
-    """An instance of each environment class (its methods read as TRL reads them), each built within `seconds`; one
-    that cannot be built, or has no reset, stops the run before step 1."""
+    """An instance of each environment class (its methods read as TRL reads them), each built within
+    `seconds`; one that cannot be built, or has no reset, stops the run before step 1."""
     probes = {}
     for name, factory in factories.items():
         try:
@@ -95,8 +102,9 @@ def environment_probes(factories: dict, spec: str, seconds: float) -> dict:
 
 
 def offered_tools(tools: list, probes: dict) -> dict:
-    """{environment name: the tools a prompt offers} (the standalone tools, and its environment's methods); a method
-    named as a standalone tool is refused (the model calls by name: one would never run), and so is offering none."""
+    """{environment name: the tools a prompt offers} (the standalone tools, and its environment's
+    methods); a method named as a standalone tool is refused (the model calls by name: one would
+    never run), and so is offering none."""
     names = {tool.__name__ for tool in tools}
     for probe in probes.values():
         if shadowed := sorted(names & {tool.__name__ for tool in environment_tools(probe)}):
@@ -117,8 +125,9 @@ def environment_tools(environment) -> list:
 
 
 class ToolFormat:
-    """How the chat template writes a tool call (the text around its JSON), tool schemas and tool turns, found by
-    rendering them; `of` refuses a template that writes none of them, or a call other than as JSON."""
+    """How the chat template writes a tool call (the text around its JSON), tool schemas and tool
+    turns, found by rendering them; `of` refuses a template that writes none of them, or a call
+    other than as JSON."""
 
     def __init__(self, processor, stop_ids, opening: str, closing: str, images_in_tool_turns: bool):
         self.processor, self.stop_ids = processor, set(stop_ids)
@@ -170,21 +179,24 @@ class ToolFormat:
         return f"tools: calls read between {self.opening!r} and {self.closing!r}; a tool's images go {where}"
 
     def parse(self, text: str) -> tuple[str, list]:
-        """(the answer's text before its first call, [(name, arguments) or (None, why it is unreadable)])."""
+        """(the answer's text before its first call, [(name, arguments) or (None, why it is
+        unreadable)])."""
         pattern = re.escape(self.opening) + r"(.*?)" + re.escape(self.closing)
         calls = []
         for inside in re.findall(pattern, text, flags=re.DOTALL):
             try:
                 call = json.loads(inside)
                 calls.append((str(call["name"]), call.get("arguments") or {}))
-            except (ValueError, KeyError, TypeError, RecursionError) as error:  # RecursionError: JSON nested 1000 deep
+            # RecursionError: JSON nested 1000 deep
+            except (ValueError, KeyError, TypeError, RecursionError) as error:
                 calls.append((None, f"an unreadable tool call ({type(error).__name__}: {str(error)[:200]})"))
         return text.split(self.opening)[0].strip(), calls
 
     def suffix(self, results: list) -> tuple[torch.Tensor, dict]:
-        """The token ids (and the images' inputs) of tool results `[(name, content blocks)]` as the template writes
-        them after an assistant turn, up to the next generation prompt: the difference between a conversation
-        rendered with them and without, cut after the model's stop token, as TRL 1.16 cuts it."""
+        """The token ids (and the images' inputs) of tool results `[(name, content blocks)]` as the
+        template writes them after an assistant turn, up to the next generation prompt: the
+        difference between a conversation rendered with them and without, cut after the model's stop
+        token, as TRL 1.16 cuts it."""
         user = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
         before = [user, calling(results[0][0], {})]
         turns, images = [], []
@@ -213,12 +225,14 @@ def calling(name: str, arguments: dict) -> dict:
 
 
 class ToolBox:
-    """Runs calls of the tools (`--tools`, and a completion's environment's methods), each within `timeout` seconds,
-    and counts the failures by kind (`failures`: {"<tool>/<kind>": calls}) and the calls."""
+    """Runs calls of the tools (`--tools`, and a completion's environment's methods), each within
+    `timeout` seconds, and counts the failures by kind (`failures`: {"<tool>/<kind>": calls}) and
+    the calls."""
 
     def __init__(self, tools: list, timeout: float, placeholders: tuple = ()):
         self.tools, self.timeout = {tool.__name__: tool for tool in tools}, timeout
-        self.placeholders = placeholders  # the processor's media placeholders: text holding one fails its call
+        # the processor's media placeholders: text holding one fails its call
+        self.placeholders = placeholders
         self.calls, self.failures, self.first_errors = 0, Counter(), {}
 
     def run(self, name, arguments, environment=None) -> list:
@@ -262,9 +276,10 @@ class BadResult(Exception):
 
 
 def blocks(result, placeholders: tuple = ()) -> list:
-    """A tool's result as content blocks: text (a string or a number, as TRL writes it) or blocks of text and images
-    (each image decoded now, as a training image: one that does not decode fails the call). Text holding one of the
-    processor's media `placeholders` fails it too: the processor would count an image that is not there."""
+    """A tool's result as content blocks: text (a string or a number, as TRL writes it) or blocks of
+    text and images (each image decoded now, as a training image: one that does not decode fails the
+    call). Text holding one of the processor's media `placeholders` fails it too: the processor
+    would count an image that is not there."""
     if isinstance(result, (str, int, float, bool)):
         result = [{"type": "text", "text": str(result)}]
     if not isinstance(result, list) or not all(isinstance(block, dict) and block.get("type") in ("text", "image")
@@ -287,15 +302,16 @@ def blocks(result, placeholders: tuple = ()) -> list:
 
 
 def characters(results: list) -> int:
-    """The characters of text in tool results `[(name, content blocks)]`: a bound on their tokens, read before any
-    is tokenised (`MAX_CHARS_PER_TOKEN`)."""
+    """The characters of text in tool results `[(name, content blocks)]`: a bound on their tokens,
+    read before any is tokenised (`MAX_CHARS_PER_TOKEN`)."""
     return sum(len(block.get("text", "")) for _, content in results for block in content)
 
 
 class Tools:
-    """What multi-turn rollouts take (`of`: None without --tools and --environment_factory): the template's format,
-    the tools and their runner, the environment classes ({name: class}, None the name of a single one; a row's
-    `environment` column names its class where there are several), --max_tool_calling_iterations, the tokenizer."""
+    """What multi-turn rollouts take (`of`: None without --tools and --environment_factory): the
+    template's format, the tools and their runner, the environment classes ({name: class}, None the
+    name of a single one; a row's `environment` column names its class where there are several),
+    --max_tool_calling_iterations, the tokenizer."""
 
     def __init__(self, tool_format: ToolFormat, box: ToolBox, factories: dict, schemas: dict,
                  max_iterations: int | None, tokenizer, reward_name: str | None = None,
@@ -303,14 +319,16 @@ class Tools:
         self.format, self.box, self.factories, self._schemas = tool_format, box, factories, schemas
         self.max_iterations, self.tokenizer = max_iterations, tokenizer
         self.max_completion_length = max_completion_length
-        self.reward_name = reward_name  # where environments score completions (`get_reward`): the reward's name
-        self.max_prompt_length = max_prompt_length  # a prompt with its environment's observation: at most this
+        # where environments score completions (`get_reward`): the reward's name
+        self.reward_name = reward_name
+        # a prompt with its environment's observation: at most this
+        self.max_prompt_length = max_prompt_length
         self.environment_failures, self.said = Counter(), set()
 
     @classmethod
     def of(cls, args, processor, stop_ids, max_length: int | None = None) -> "Tools | None":
-        """The run's tools (`args`: GRPOArgs), None without; `max_length`: --max_length, of which a prompt may take
-        what --max_completion_length leaves."""
+        """The run's tools (`args`: GRPOArgs), None without; `max_length`: --max_length, of which a
+        prompt may take what --max_completion_length leaves."""
         if not args.tools and not args.environment_factory:
             return None
         tools = load_tools(args.tools, args.tool_timeout)
@@ -334,23 +352,24 @@ class Tools:
 
     @staticmethod
     def reward_sources(tools: "Tools | None", funcs: dict, weights: list) -> tuple[dict, list]:
-        """The reward functions and their weights, with the environments' `reward` where they score completions
-        (their class's name, weight 1: TRL's way)."""
+        """The reward functions and their weights, with the environments' `reward` where they score
+        completions (their class's name, weight 1: TRL's way)."""
         if tools is None or tools.reward_name is None:
             return funcs, weights
         return funcs | {tools.reward_name: tools.reward}, [*weights, 1.0]
 
     @staticmethod
     def prompt_settings(tools: "Tools | None") -> dict:
-        """`PromptPreprocessor`'s: the tools' schemas every prompt renders ({environment: schemas} where rows name
-        theirs), and the images kept where environments may render a prompt anew."""
+        """`PromptPreprocessor`'s: the tools' schemas every prompt renders ({environment: schemas}
+        where rows name theirs), and the images kept where environments may render a prompt anew."""
         if tools is None:
             return {}
         several = len(tools.factories) > 1
         return {"tools": tools._schemas if several else tools.schemas(), "keep_images": bool(tools.factories)}
 
     def schemas(self, environment: str | None = None) -> list[dict]:
-        """The JSON schemas a prompt renders: the standalone tools', and its environment's methods'."""
+        """The JSON schemas a prompt renders: the standalone tools', and its environment's
+        methods'."""
         return next(iter(self._schemas.values())) if len(self._schemas) == 1 else self._schemas[environment]
 
     def describe(self) -> str:
@@ -359,10 +378,11 @@ class Tools:
         return f"{self.format.describe()}; the tools: {names}; tool turns: {limit}"
 
     def rollout(self, draw, prompts, layout, seed: int, accelerator=None) -> tuple[list, dict]:
-        """(a `Trajectory` per completion of this rank's pieces, what `sampling.Rollouts` holds of multi-turn
-        completions): each first turn from its prompt (with environments, its own: `environment_turns`), then the
-        tools' turns (`tool_turns`); `draw`: the sampler's bound call (`Sampler.drawing`). The calls' counts are
-        taken (a collective: every rank rolls out at the same step)."""
+        """(a `Trajectory` per completion of this rank's pieces, what `sampling.Rollouts` holds of
+        multi-turn completions): each first turn from its prompt (with environments, its own:
+        `environment_turns`), then the tools' turns (`tool_turns`); `draw`: the sampler's bound call
+        (`Sampler.drawing`). The calls' counts are taken (a collective: every rank rolls out at the
+        same step)."""
         if self.factories:
             trajectories = self.environment_turns(draw, prompts, layout, seed)
         else:
@@ -375,8 +395,9 @@ class Tools:
                               "tool_counts": self.take_counts(accelerator)}
 
     def environment_turns(self, draw, prompts, layout, seed: int) -> list:
-        """With environments: each completion's own environment, reset with its row, and its first turn sampled
-        from its own prompt (the row's, with what reset returned), from its group's seed and its index."""
+        """With environments: each completion's own environment, reset with its row, and its first
+        turn sampled from its own prompt (the row's, with what reset returned), from its group's
+        seed and its index."""
         trajectories = []
         for index, indices in layout.pieces():
             prompt = prompts[index]
@@ -390,9 +411,10 @@ class Tools:
         return trajectories
 
     def tool_turns(self, draw, trajectories: list):
-        """Each trajectory's tool calls run and their results appended, then its next turn sampled (its own generator
-        for each turn), until none calls a tool on any rank, or --max_tool_calling_iterations. Results that cannot fit
-        the completion's room end it as it is (TRL's way), found too long before tokenising where their text alone is
+        """Each trajectory's tool calls run and their results appended, then its next turn sampled
+        (its own generator for each turn), until none calls a tool on any rank, or
+        --max_tool_calling_iterations. Results that cannot fit the completion's room end it as it is
+        (TRL's way), found too long before tokenising where their text alone is
         (`MAX_CHARS_PER_TOKEN`)."""
         budget, turn = self.max_completion_length, 0  # a completion's tokens, the tools' included
         while self.max_iterations is None or turn < self.max_iterations:
@@ -402,7 +424,8 @@ class Tools:
                 results = [(name or "call", self.box.run(name, arguments, trajectory.environment))
                            for name, arguments in trajectory.pending]
                 room = budget - len(trajectory.ids)
-                if characters(results) > MAX_CHARS_PER_TOKEN * room:  # cannot fit: never tokenised (10 MB: 155 s)
+                # cannot fit: never tokenised (10 MB: 155 s)
+                if characters(results) > MAX_CHARS_PER_TOKEN * room:
                     trajectory.pending = []
                     continue
                 ids, media = self.format.suffix(results)
@@ -421,8 +444,8 @@ class Tools:
                 self.read(trajectory, tokens)
 
     def read(self, trajectory: Trajectory, tokens: list):
-        """A turn the model wrote, read as the template writes calls: the assistant's message (with its calls) and
-        the calls to run next (none where it was truncated)."""
+        """A turn the model wrote, read as the template writes calls: the assistant's message (with
+        its calls) and the calls to run next (none where it was truncated)."""
         text = self.tokenizer.decode([token for token in tokens if token not in self.format.stop_ids])
         content, calls = self.format.parse(text)
         trajectory.pending = [] if trajectory.truncated else calls
@@ -431,9 +454,10 @@ class Tools:
             "name": name, "arguments": arguments}} for name, arguments in calls if name]} if calls else {}))
 
     def environment(self, prompt: dict) -> tuple[object, dict]:
-        """(a fresh environment for one completion, reset with its row; the prompt it goes on from: the row's, with
-        what reset returned appended to its last user turn, TRL's way). Where reset fails, (None, the row's prompt):
-        counted, and the completion has the standalone tools only."""
+        """(a fresh environment for one completion, reset with its row; the prompt it goes on from:
+        the row's, with what reset returned appended to its last user turn, TRL's way). Where reset
+        fails, (None, the row's prompt): counted, and the completion has the standalone tools
+        only."""
         columns = dict(prompt["columns"])
         # TRL keeps the column from reset; a dict of one entry picks that one
         name = columns.pop("environment", None) if len(self.factories) > 1 else next(iter(self.factories))
@@ -455,8 +479,9 @@ class Tools:
             return None, prompt
 
     def observed(self, prompt: dict, observation, environment: str | None = None) -> dict:
-        """The prompt with `observation` (text or content blocks) appended to its last turn, rendered anew with the
-        row's images and the observation's (a conversational prompt only, as TRL requires)."""
+        """The prompt with `observation` (text or content blocks) appended to its last turn,
+        rendered anew with the row's images and the observation's (a conversational prompt only, as
+        TRL requires)."""
         if not isinstance(prompt["prompt"], list):
             raise TypeError("reset() returned an observation for a string prompt: give conversational prompts")
         added = blocks(observation, self.box.placeholders)
@@ -479,9 +504,9 @@ class Tools:
                          "prompt": messages}
 
     def reward(self, prompts, completions, completion_ids=None, environments=(), **columns) -> list:
-        """The environments' `get_reward()`, one per completion: 0 where its class has none (among several, one that
-        owns no reward); where reset or get_reward failed, `Unscored` with the reason (that completion's reward
-        fails, counted and said with the user's error)."""
+        """The environments' `get_reward()`, one per completion: 0 where its class has none (among
+        several, one that owns no reward); where reset or get_reward failed, `Unscored` with the
+        reason (that completion's reward fails, counted and said with the user's error)."""
         rewards = []
         for environment in environments:
             if environment is None:
@@ -495,8 +520,9 @@ class Tools:
         return rewards
 
     def take_counts(self, accelerator=None, say=print) -> dict:
-        """Calls and failed calls on this rank since the last call, for the log; each kind of failure said once, by
-        name, with the ranks it happened on (gathered: every rank calls this at the same step)."""
+        """Calls and failed calls on this rank since the last call, for the log; each kind of
+        failure said once, by name, with the ranks it happened on (gathered: every rank calls this
+        at the same step)."""
         failures = self.box.failures + self.environment_failures
         counts = {"tool_calls": self.box.calls, "tool_failures": sum(failures.values())}
         rank = getattr(accelerator, "process_index", 0)

@@ -1,8 +1,9 @@
-"""A completion (`Trajectory`): the model's tokens after its prompt over one turn or several, the tools' results
-between turns as token ids, which tokens are the model's (the only targets), the tools' images' inputs, and a
-multi-turn completion as reward functions get it (TRL's messages). `first_turns` samples every completion's first
-turn from its prompt (`sampling.Sampler` samples; `tools.Tools` goes on over the tools' turns); `prompt_seed` is what
-a prompt's completions draw from."""
+"""A completion (`Trajectory`): the model's tokens after its prompt over one turn or several, the
+tools' results between turns as token ids, which tokens are the model's (the only targets), the
+tools' images' inputs, and a multi-turn completion as reward functions get it (TRL's messages).
+`first_turns` samples every completion's first turn from its prompt (`sampling.Sampler` samples;
+`tools.Tools` goes on over the tools' turns); `prompt_seed` is what a prompt's completions draw
+from."""
 
 import zlib
 from dataclasses import dataclass, field
@@ -15,8 +16,8 @@ from ..rows.labels import IGNORE_INDEX
 
 
 def prompt_seed(seed: int, prompt: dict) -> int:
-    """A seed from `seed` (the run's seed + the step), the prompt's tokens and its pixels: the same prompt samples
-    alike on any rank."""
+    """A seed from `seed` (the run's seed + the step), the prompt's tokens and its pixels: the same
+    prompt samples alike on any rank."""
     digest = zlib.crc32(prompt["input_ids"].numpy().tobytes(), seed & 0xFFFFFFFF)
     for key in sorted(prompt["media_inputs"]):
         value = prompt["media_inputs"][key]
@@ -26,8 +27,9 @@ def prompt_seed(seed: int, prompt: dict) -> int:
 
 
 def first_turns(draw, prompts, layout, seed: int) -> list:
-    """A `Trajectory` per completion of this rank's pieces (`layout.pieces()`: a prompt's index and its completions'),
-    its first turn sampled from its prompt's group (`draw`: the sampler's call, `Sampler.drawing`)."""
+    """A `Trajectory` per completion of this rank's pieces (`layout.pieces()`: a prompt's index and
+    its completions'), its first turn sampled from its prompt's group (`draw`: the sampler's call,
+    `Sampler.drawing`)."""
     pieces = [(prompts[index], indices) for index, indices in layout.pieces()]
     requests = [(prompt, prompt_seed(seed, prompt), indices, None) for prompt, indices in pieces]
     trajectories = []
@@ -41,9 +43,10 @@ def first_turns(draw, prompts, layout, seed: int) -> list:
 
 @dataclass
 class Trajectory:
-    """One completion over its turns: its tokens after the prompt (the model's and the tools'), which are the
-    model's (`own`), the tools' images' inputs in order, and, multi-turn, the completion as reward functions get it
-    (`messages`: `tools.Tools.read` writes them) and the calls of its last turn (`pending`)."""
+    """One completion over its turns: its tokens after the prompt (the model's and the tools'),
+    which are the model's (`own`), the tools' images' inputs in order, and, multi-turn, the
+    completion as reward functions get it (`messages`: `tools.Tools.read` writes them) and the calls
+    of its last turn (`pending`)."""
 
     prompt: dict
     index: int  # its completion's index in its group (its generator's)
@@ -75,7 +78,8 @@ class Trajectory:
         return {"input_ids": tokens, "media_inputs": self.media_inputs(len(tokens))}
 
     def media_inputs(self, length: int) -> dict:
-        """The prompt's image inputs, then each tool turn's (per-token ones placed at their tokens)."""
+        """The prompt's image inputs, then each tool turn's (per-token ones placed at their
+        tokens)."""
         pieces = [(0, self.prompt["media_inputs"]), *self.media]
         merged = {}
         for key in {key for _, media in pieces for key in media}:
@@ -93,7 +97,8 @@ class Trajectory:
         return merged
 
     def row(self, labelled: bool) -> dict:
-        """The collator row to train on: the model's tokens its targets (none where not `labelled`)."""
+        """The collator row to train on: the model's tokens its targets (none where not
+        `labelled`)."""
         state = self.state()
         own = torch.tensor(self.own, dtype=torch.bool) & labelled
         completion = torch.tensor(self.ids, dtype=state["input_ids"].dtype)

@@ -1,20 +1,24 @@
-"""User code in a run (GRPO's `--reward_funcs`, `--tools`, `--environment_factory`): imported by path and run within
-a time limit, so that nothing it raises, catches or blocks on ends or hangs the run unnamed. Rewards and tools share
-these guards.
+"""User code in a run (GRPO's `--reward_funcs`, `--tools`, `--environment_factory`): imported by
+path and run within a time limit, so that nothing it raises, catches or blocks on ends or hangs the
+run unnamed. Rewards and tools share these guards.
 
-- `imported(path, flag, seconds, limit_flag)`: what module:name names; the import said before it starts (a module
-  that blocks while it is imported leaves no empty log) and timed out naming the module and the flag.
-- `time_limit(seconds, what, flag, timeout)`: the block raises `timeout` (a `UserCodeTimeout`, named for what timed
-  out) after `seconds`, and every second after while it lasts (SIGALRM, the main thread only). It is no `Exception`:
-  an `except Exception` in a user's retry loop lets it through. `STUCK_S` seconds past the limit a watchdog thread
-  ends the process, naming `what`: code that swallows every timeout, ignores SIGALRM or cancels the timer (as
-  code-execution sandboxes do) cannot keep the run waiting.
-- `awaited(value)`: a coroutine's result (`async def` rewards and tools, as TRL 1.16 awaits them), else the value.
+- `imported(path, flag, seconds, limit_flag)`: what module:name names; the import said before it
+  starts (a module that blocks while it is imported leaves no empty log) and timed out naming the
+  module and the flag.
+- `time_limit(seconds, what, flag, timeout)`: the block raises `timeout` (a `UserCodeTimeout`, named
+  for what timed out) after `seconds`, and every second after while it lasts (SIGALRM, the main
+  thread only). It is no `Exception`: an `except Exception` in a user's retry loop lets it through.
+  `STUCK_S` seconds past the limit a watchdog thread ends the process, naming `what`: code that
+  swallows every timeout, ignores SIGALRM or cancels the timer (as code-execution sandboxes do)
+  cannot keep the run waiting.
+- `awaited(value)`: a coroutine's result (`async def` rewards and tools, as TRL 1.16 awaits them),
+  else the value.
 
-What no function in the process can be stopped from is ending the process itself (`os._exit`, a crash in native
-code): run such code in a process of its own (docs/grpo.md). Such an end is named, not prevented: while user code runs,
-`time_limit` marks it in a file of the rank's own (`Running`), and a rank whose run then fails (its collective with the
-gone rank broke) says which rank of its node ended there, and in what.
+What no function in the process can be stopped from is ending the process itself (`os._exit`, a
+crash in native code): run such code in a process of its own (docs/grpo.md). Such an end is named,
+not prevented: while user code runs, `time_limit` marks it in a file of the rank's own (`Running`),
+and a rank whose run then fails (its collective with the gone rank broke) says which rank of its
+node ended there, and in what.
 """
 
 import asyncio
@@ -30,12 +34,13 @@ import threading
 import time
 from pathlib import Path
 
-STUCK_S = 30.0  # how long past its time limit user code that defeats the timeout may run before the process ends
+# how long past its time limit user code that defeats the timeout may run before the process ends
+STUCK_S = 30.0
 
 
 class UserCodeTimeout(BaseException):
-    """User code ran past its time limit. A BaseException, as KeyboardInterrupt is: `except Exception` in a user's
-    retry loop lets it through."""
+    """User code ran past its time limit. A BaseException, as KeyboardInterrupt is: `except
+    Exception` in a user's retry loop lets it through."""
 
 
 class RewardTimeout(UserCodeTimeout):
@@ -55,23 +60,25 @@ class ImportTimeout(UserCodeTimeout):
 
 
 class Unscored:
-    """What a reward source gives for a completion it could not score, with the reason (an environment's get_reward
-    that raised): that completion's reward fails, counted, and the reason is said."""
+    """What a reward source gives for a completion it could not score, with the reason (an
+    environment's get_reward that raised): that completion's reward fails, counted, and the reason
+    is said."""
 
     def __init__(self, why: str):
         self.why = why
 
 
 def say_once_per_node(line: str):
-    """Printed by the node's first process (before the accelerator exists: its launcher's LOCAL_RANK)."""
+    """Printed by the node's first process (before the accelerator exists: its launcher's
+    LOCAL_RANK)."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(line, flush=True)
 
 
 def imported(path: str, flag: str, seconds: float | None = None, limit_flag: str = "--tool_timeout"):
-    """What `path` (module:name) names: a reward function, a tool, an environment class (`flag`: the flag that gave
-    it, for the error). Its module's import is said first and timed out after `seconds` (`limit_flag`'s), naming
-    it."""
+    """What `path` (module:name) names: a reward function, a tool, an environment class (`flag`: the
+    flag that gave it, for the error). Its module's import is said first and timed out after
+    `seconds` (`limit_flag`'s), naming it."""
     module, _, name = path.partition(":")
     try:
         if module and module not in sys.modules:
@@ -91,24 +98,26 @@ def awaited(value):
 
 
 class Running:
-    """What user code each rank of a node runs now: one file per rank (`pid what`, empty between calls) in a folder
-    the node's ranks share, named for their launcher's process. A rank that ends inside user code leaves its line;
-    a rank whose run then fails reads it (`lost_ranks`, said by the exception hook `mark` installs)."""
+    """What user code each rank of a node runs now: one file per rank (`pid what`, empty between
+    calls) in a folder the node's ranks share, named for their launcher's process. A rank that ends
+    inside user code leaves its line; a rank whose run then fails reads it (`lost_ranks`, said by
+    the exception hook `mark` installs)."""
 
     def __init__(self):
         self.folder = Path(tempfile.gettempdir()) / f"mmrecipes-user-code-{os.getppid()}"
         self.rank = os.environ.get("RANK", "0")
         self.file = self.folder / self.rank
         self.folder.mkdir(exist_ok=True)
-        atexit.register(self.file.unlink, missing_ok=True)  # a rank that ends inside user code leaves it
+        # a rank that ends inside user code leaves it
+        atexit.register(self.file.unlink, missing_ok=True)
         self.previous_hook, sys.excepthook = sys.excepthook, self.name_lost_ranks
 
     def mark(self, what: str):
         self.file.write_text(f"{os.getpid()} {what}" if what else "")
 
     def lost_ranks(self, wait_s: float = 2.0) -> list[str]:
-        """Each other rank of the node that ended while its marked user code ran; one still alive is waited for
-        `wait_s` (its end may reach this rank before the process is gone)."""
+        """Each other rank of the node that ended while its marked user code ran; one still alive is
+        waited for `wait_s` (its end may reach this rank before the process is gone)."""
         lines, deadline = [], time.monotonic() + wait_s
         for file in sorted(self.folder.glob("*"), key=lambda file: int(file.name)):
             pid, _, what = (file.read_text() if file != self.file else "").partition(" ")
@@ -159,9 +168,9 @@ def _marked(what: str):
 
 @contextlib.contextmanager
 def time_limit(seconds: float | None, what: str, flag: str, timeout: type = UserCodeTimeout):
-    """Raise `timeout` in the block after `seconds` (`flag`'s), and every second after while it lasts (the main
-    thread only: a signal timer); `STUCK_S` seconds past the limit, end the process, naming `what` on stderr. `what`
-    is marked as running on this rank meanwhile (`Running`)."""
+    """Raise `timeout` in the block after `seconds` (`flag`'s), and every second after while it
+    lasts (the main thread only: a signal timer); `STUCK_S` seconds past the limit, end the process,
+    naming `what` on stderr. `what` is marked as running on this rank meanwhile (`Running`)."""
     with _marked(what):
         with _timed(seconds, what, flag, timeout):
             yield

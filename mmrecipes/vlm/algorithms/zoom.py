@@ -1,12 +1,15 @@
-"""The embedded agentic task: a small shape in a large picture, and a tool that zooms into a quadrant of it.
+"""The embedded agentic task: a small shape in a large picture, and a tool that zooms into a
+quadrant of it.
 
-At the model's input size (the tiny Llava's 32 pixels) the 128-pixel picture shows the shape as a blob of about 3
-pixels: where it is, not what it is. `ZoomEnv.zoom(quadrant)` returns that quadrant at twice the scale, where the
-shape is about 6 pixels across. Rows (data_prep/make_zoom.py) carry the scene as JSON (`scene`), which the
-environment redraws at `reset`; the question asks which shape it is.
+At the model's input size (the tiny Llava's 32 pixels) the 128-pixel picture shows the shape as a
+blob of about 3 pixels: where it is, not what it is. `ZoomEnv.zoom(quadrant)` returns that quadrant
+at twice the scale, where the shape is about 6 pixels across. Rows (data_prep/make_zoom.py) carry
+the scene as JSON (`scene`), which the environment redraws at `reset`; the question asks which shape
+it is.
 
     accelerate launch recipes/vlm_grpo.py --model_name_or_path embedded:tiny_zoom_vlm \
-        --dataset_name embedded:vlm_zoom/prompts --environment_factory mmrecipes.vlm.algorithms.zoom:ZoomEnv
+        --dataset_name embedded:vlm_zoom/prompts --environment_factory
+        mmrecipes.vlm.algorithms.zoom:ZoomEnv
 """
 
 import json
@@ -20,8 +23,8 @@ QUESTION = "Which shape is in the picture: circle, square or triangle?"
 
 
 def draw(scene: dict) -> Image.Image:
-    """The picture of a scene: {"background": rgb, "colour": rgb, "shape": one of SHAPES, "x", "y": its centre,
-    "half": its half-width}."""
+    """The picture of a scene: {"background": rgb, "colour": rgb, "shape": one of SHAPES, "x", "y":
+    its centre, "half": its half-width}."""
     image = Image.new("RGB", (CANVAS, CANVAS), tuple(scene["background"]))
     x, y, half, colour = scene["x"], scene["y"], scene["half"], tuple(scene["colour"])
     pen = ImageDraw.Draw(image)

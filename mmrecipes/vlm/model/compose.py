@@ -1,12 +1,13 @@
-"""A LLaVA built from parts: a vision tower (CLIP or SigLIP, or a `clip_pretrain.py` checkpoint), any causal
-language model and a fresh projector: a standard `LlavaForConditionalGeneration` with its `LlavaProcessor`, so every
-later stage is a `vlm_finetune.py` / `vlm_dpo.py` run and every output loads with the Auto classes.
+"""A LLaVA built from parts: a vision tower (CLIP or SigLIP, or a `clip_pretrain.py` checkpoint),
+any causal language model and a fresh projector: a standard `LlavaForConditionalGeneration` with its
+`LlavaProcessor`, so every later stage is a `vlm_finetune.py` / `vlm_dpo.py` run and every output
+loads with the Auto classes.
 
-Decided from the checkpoints' configs and modules, never a name table (docs/vlm.md, "Build your own VLM"): the image
-token count (a class token dropped, or every patch kept), the feature layer, the added `<image>` and pad tokens (new
-rows at the mean of the old), the chat template (the LM's own behind a prelude that flattens each message's content),
-the tower's own image processor; the parts are taken as loaded, never copied. Both parts are checked first, each
-refusal with its own reason.
+Decided from the checkpoints' configs and modules, never a name table (docs/vlm.md, "Build your own
+VLM"): the image token count (a class token dropped, or every patch kept), the feature layer, the
+added `<image>` and pad tokens (new rows at the mean of the old), the chat template (the LM's own
+behind a prelude that flattens each message's content), the tower's own image processor; the parts
+are taken as loaded, never copied. Both parts are checked first, each refusal with its own reason.
 """
 
 from pathlib import Path
@@ -51,12 +52,13 @@ FLATTEN_CONTENT = (
 
 def compose_llava(vision_name_or_path: str, language_name_or_path: str, *, vision_feature_layer: int = -2,
                   chat_template: str | None = None, chat_template_path: str | None = None):
-    """(LlavaForConditionalGeneration, LlavaProcessor) of the vision half of `vision_name_or_path` (a CLIPModel,
-    SiglipModel or vision-only checkpoint: the tower and its image processor) and the causal LM at
-    `language_name_or_path` (with its tokenizer), joined by LLaVA's two-layer GELU projector, freshly initialised.
-    `chat_template`: "plain" (stage 1 trains in LLaVA's format) or None; `chat_template_path`: a .jinja file that
-    replaces the language model's template (a base LM's instruct sibling's, TRL's training patch of Qwen3's); the
-    processor gets `chat_template_for`'s."""
+    """(LlavaForConditionalGeneration, LlavaProcessor) of the vision half of `vision_name_or_path`
+    (a CLIPModel, SiglipModel or vision-only checkpoint: the tower and its image processor) and the
+    causal LM at `language_name_or_path` (with its tokenizer), joined by LLaVA's two-layer GELU
+    projector, freshly initialised. `chat_template`: "plain" (stage 1 trains in LLaVA's format) or
+    None; `chat_template_path`: a .jinja file that replaces the language model's template (a base
+    LM's instruct sibling's, TRL's training patch of Qwen3's); the processor gets
+    `chat_template_for`'s."""
     vision_config = _vision_config(vision_name_or_path, vision_feature_layer)
     _check_language_model(language_name_or_path)  # both parts checked before any weight is read
     tower = _tower(vision_name_or_path)
@@ -66,7 +68,8 @@ def compose_llava(vision_name_or_path: str, language_name_or_path: str, *, visio
         tokenizer.chat_template = read_chat_template(chat_template_path)
     template = chat_template_for(tokenizer, chat_template, chat_template_path or language_name_or_path)
     _add_tokens(language_model, tokenizer)
-    class_token = hasattr(tower.embeddings, "class_embedding")  # CLIP's CLS position; SigLIP has none
+    # CLIP's CLS position; SigLIP has none
+    class_token = hasattr(tower.embeddings, "class_embedding")
     strategy = "default" if class_token else "full"
     grid = (vision_config.image_size // vision_config.patch_size) ** 2
     text_config = language_model.config
@@ -81,7 +84,8 @@ def compose_llava(vision_name_or_path: str, language_name_or_path: str, *, visio
     with torch.device("meta"):
         model = LlavaForConditionalGeneration(config)
     model.model.vision_tower, model.model.language_model = tower, language_model.get_decoder()
-    model.lm_head = language_model.get_output_embeddings()  # a tied head is the embedding matrix itself
+    # a tied head is the embedding matrix itself
+    model.lm_head = language_model.get_output_embeddings()
     projector = model.model.multi_modal_projector.to_empty(device=language_model.device)
     projector.apply(model._init_weights)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -94,8 +98,9 @@ def compose_llava(vision_name_or_path: str, language_name_or_path: str, *, visio
 
 
 def _tower(name_or_path: str):
-    """The vision half of a saved model, or of a `checkpoint-N` of a clip_pretrain.py run: its weights read from any
-    engine's files (`checkpoint_weights`, validated first), its config beside them."""
+    """The vision half of a saved model, or of a `checkpoint-N` of a clip_pretrain.py run: its
+    weights read from any engine's files (`checkpoint_weights`, validated first), its config beside
+    them."""
     if not (Path(name_or_path) / MARKER).is_file():
         model = AutoModel.from_pretrained(name_or_path)
         return getattr(model, "vision_model", model)  # the vision half of a two-tower model
@@ -107,7 +112,8 @@ def _tower(name_or_path: str):
 
 
 def _vision_config(name_or_path: str, feature_layer: int):
-    """The tower's config, once it proves to be one that Llava can take, and `feature_layer` one of its layers."""
+    """The tower's config, once it proves to be one that Llava can take, and `feature_layer` one of
+    its layers."""
     flag = "vision_model_name_or_path"
     if (Path(name_or_path) / MARKER).is_file() and not (Path(name_or_path) / CONFIG_NAME).is_file():
         raise ValueError(f"{name_or_path} is a checkpoint saved before checkpoints held their model's config: compose "
@@ -133,7 +139,8 @@ def _vision_config(name_or_path: str, feature_layer: int):
 
 
 def _check_language_model(name_or_path: str):
-    """Refuse, before its weights are read, what is not a decoder-only causal LM with a tokenizer."""
+    """Refuse, before its weights are read, what is not a decoder-only causal LM with a
+    tokenizer."""
     flag = "language_model_name_or_path"
     config = model_config(name_or_path, f"--{flag}")
     causal = [name for name in config.architectures or [] if name.endswith("ForCausalLM")]
@@ -146,9 +153,10 @@ def _check_language_model(name_or_path: str):
 
 
 def _add_tokens(language_model, tokenizer):
-    """`<image>` (and a pad token where there is none) added to the tokenizer; their embedding rows, input and
-    output, start at the mean of the rows of the tokens it had (a tied output layer is the same matrix and stays
-    so). A vocabulary padded past its tokenizer (Qwen's) is never shrunk: the new tokens take padding rows."""
+    """`<image>` (and a pad token where there is none) added to the tokenizer; their embedding rows,
+    input and output, start at the mean of the rows of the tokens it had (a tied output layer is the
+    same matrix and stays so). A vocabulary padded past its tokenizer (Qwen's) is never shrunk: the
+    new tokens take padding rows."""
     first_new = min(len(tokenizer), language_model.get_input_embeddings().num_embeddings)
     tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
     if tokenizer.pad_token is None:
@@ -163,16 +171,17 @@ def _add_tokens(language_model, tokenizer):
 
 
 def replaced_template(current, new: str) -> str:
-    """`new` (--chat_template_path) as a built model's chat template: a composed model's keeps the prelude that hands
-    its language model's template each message's content as one string (`FLATTEN_CONTENT`), as at composing."""
+    """`new` (--chat_template_path) as a built model's chat template: a composed model's keeps the
+    prelude that hands its language model's template each message's content as one string
+    (`FLATTEN_CONTENT`), as at composing."""
     composed = isinstance(current, str) and current.startswith(FLATTEN_CONTENT)
     return FLATTEN_CONTENT + new if composed and not new.startswith(FLATTEN_CONTENT) else new
 
 
 def chat_template_for(tokenizer, chat_template: str | None, name: str) -> str:
-    """The composed model's own chat template, the one it is saved with: the LM's behind `FLATTEN_CONTENT`. A base LM
-    without one gets LLaVA's `plain` format where stage 1 trains in it (`chat_template` "plain"), and is refused
-    otherwise, with the fix."""
+    """The composed model's own chat template, the one it is saved with: the LM's behind
+    `FLATTEN_CONTENT`. A base LM without one gets LLaVA's `plain` format where stage 1 trains in it
+    (`chat_template` "plain"), and is refused otherwise, with the fix."""
     if isinstance(tokenizer.chat_template, str):
         return FLATTEN_CONTENT + tokenizer.chat_template
     if chat_template == "plain":

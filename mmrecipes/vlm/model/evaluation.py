@@ -1,5 +1,6 @@
-"""Evaluation every rank agrees on: answer exact match, teacher-forced and by greedy generation from the processor's
-own prompt, and benchmark answers (`BenchmarkAnswers`), each rank forwarding as often as every other."""
+"""Evaluation every rank agrees on: answer exact match, teacher-forced and by greedy generation from
+the processor's own prompt, and benchmark answers (`BenchmarkAnswers`), each rank forwarding as
+often as every other."""
 
 import torch
 
@@ -42,18 +43,21 @@ def evaluate_answers(model, eval_loader, filler_batch, device) -> dict:
 def evaluate_generation(model, prompts, filler, collator, tokenizer, stop_token_ids, device,
                         placeholders=()) -> dict:
     """Greedy generation, exact match: the share of `prompts` ((prompt row, answer) pairs from
-    `chat_data.generation_prompts`: the processor's own generation prompt) whose generated text, up to the first
-    stop token and without special tokens, is the answer. It reads no label, so it catches labels that
-    teach anything else (a missing first token, shifted spans), which the teacher-forced accuracy cannot.
+    `chat_data.generation_prompts`: the processor's own generation prompt) whose generated text, up
+    to the first stop token and without special tokens, is the answer. It reads no label, so it
+    catches labels that teach anything else (a missing first token, shifted spans), which the
+    teacher-forced accuracy cannot.
 
-    Decoded one row at a time with whole-sequence forwards of the prepared model and no cache, for the same
-    number of tokens on every rank (the longest answer anywhere, plus its stop token), so the collectives of
-    FSDP2 and ZeRO-3 stay in step; a rank with no prompt left decodes `filler` (a batch) and discards it. Never
-    emits one of the `placeholders` (`families.placeholder_token_ids`).
+    Decoded one row at a time with whole-sequence forwards of the prepared model and no cache, for
+    the same number of tokens on every rank (the longest answer anywhere, plus its stop token), so
+    the collectives of FSDP2 and ZeRO-3 stay in step; a rank with no prompt left decodes `filler` (a
+    batch) and discards it. Never emits one of the `placeholders`
+    (`families.placeholder_token_ids`).
     """
     model.eval()
     longest = max((len(tokenizer(answer, add_special_tokens=False)["input_ids"]) for _, answer in prompts), default=0)
-    new_tokens = int(max_over_ranks(torch.tensor(float(longest), device=device)).item()) + 2  # a space, the stop
+    # a space, the stop
+    new_tokens = int(max_over_ranks(torch.tensor(float(longest), device=device)).item()) + 2
     totals = torch.zeros(2, device=device)  # exact answers, prompts
     stops = set(stop_token_ids)
     batches = ((collator([row]), answer) for row, answer in prompts)
@@ -71,11 +75,12 @@ def evaluate_generation(model, prompts, filler, collator, tokenizer, stop_token_
 
 
 def greedy_tokens(model, inputs: dict, new_tokens: int, placeholders=(), stops=None, running=True) -> list[int]:
-    """The `new_tokens` tokens greedy decoding appends to a one-row batch (`VLMForTraining` inputs), stop tokens
-    included: what `generate(do_sample=False)` gives, by whole-sequence forwards without a cache, never one of the
-    `placeholders` (`families.placeholder_token_ids`: appended, one would not match the images). Given `stops`, it
-    ends early, in step over the ranks: once every rank's row has given a stop token (one all-reduce a token; a rank
-    decoding a filler passes `running` False)."""
+    """The `new_tokens` tokens greedy decoding appends to a one-row batch (`VLMForTraining` inputs),
+    stop tokens included: what `generate(do_sample=False)` gives, by whole-sequence forwards without
+    a cache, never one of the `placeholders` (`families.placeholder_token_ids`: appended, one would
+    not match the images). Given `stops`, it ends early, in step over the ranks: once every rank's
+    row has given a stop token (one all-reduce a token; a rank decoding a filler passes `running`
+    False)."""
     generated, never = [], torch.tensor(list(placeholders), dtype=torch.long, device=inputs["input_ids"].device)
     for _ in range(new_tokens):
         if stops is not None and not max_over_ranks(torch.tensor(float(running), device=never.device)).item():
@@ -89,16 +94,18 @@ def greedy_tokens(model, inputs: dict, new_tokens: int, placeholders=(), stops=N
 
 
 class BenchmarkAnswers:
-    """`answer(request, max_new_tokens)` for `mmrecipes.benchmarks.Benchmarks.run` by the prepared model: the
-    request through the processor's own chat template (`chat_data.prompt_row`), greedy decoding in step over the
-    ranks until every rank's answer has stopped (`greedy_tokens`; a filler counts as stopped), the text up to the
-    first stop token, special tokens left out (what lmms-eval's Hugging Face models decode). `refusal`: a request
-    whose prompt alone runs past the language model's positions is refused before any forward."""
+    """`answer(request, max_new_tokens)` for `mmrecipes.benchmarks.Benchmarks.run` by the prepared
+    model: the request through the processor's own chat template (`chat_data.prompt_row`), greedy
+    decoding in step over the ranks until every rank's answer has stopped (`greedy_tokens`; a filler
+    counts as stopped), the text up to the first stop token, special tokens left out (what
+    lmms-eval's Hugging Face models decode). `refusal`: a request whose prompt alone runs past the
+    language model's positions is refused before any forward."""
 
     def __init__(self, model, vlm, device):
         self.model, self.vlm, self.device = model, vlm, device
         self.collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)
-        self.rendered = (None, None)  # the last request and its row: refusal renders what answering reads next
+        # the last request and its row: refusal renders what answering reads next
+        self.rendered = (None, None)
 
     def row(self, request) -> dict:
         if self.rendered[0] is not request:
@@ -120,7 +127,8 @@ class BenchmarkAnswers:
 
 
 def with_token_appended(inputs: dict, token: torch.Tensor) -> dict:
-    """The model inputs with `token` appended to every row: a text token (no image, not a target)."""
+    """The model inputs with `token` appended to every row: a text token (no image, not a
+    target)."""
     extended = dict(inputs)
     column = token[:, None]
     extended["input_ids"] = torch.cat([inputs["input_ids"], column], dim=1)

@@ -1,9 +1,10 @@
 """What differs between image-text-to-text families, read from the model itself, not from its name.
 
-Every `AutoModelForImageTextToText` family the recipe trains (Llava, LLaVA-OneVision, Qwen2/2.5/3-VL,
-Idefics3/SmolVLM, Gemma 3, ...) exposes the same two hooks: `get_image_features(pixel_values, **extra)`
-returns the projected image features, and `forward(..., mm_encoder_outputs=...)` takes them back.
-From those, the configs and the module tree this module derives:
+Every `AutoModelForImageTextToText` family the recipe trains (Llava, LLaVA-OneVision,
+Qwen2/2.5/3-VL, Idefics3/SmolVLM, Gemma 3, ...) exposes the same two hooks:
+`get_image_features(pixel_values, **extra)` returns the projected image features, and `forward(...,
+mm_encoder_outputs=...)` takes them back. From those, the configs and the module tree this module
+derives:
 
 - `check_trainable`: families the recipe cannot train, rejected before any weight is loaded;
 - `dummy_image_inputs`: the smallest image the vision step accepts, its extra inputs chosen from
@@ -11,8 +12,10 @@ From those, the configs and the module tree this module derives:
 - `lm_features`: the tensors of that call the language model consumes (the projected features,
   and Qwen3-VL's deepstack features);
 - `PROJECTORS`: the projector's modules where the widths cannot tell (`module_groups` reads it);
-- `placeholder_token_ids`: the image and video placeholders the forward counts, which decoding never emits;
-- `stateful_mixers`: the language model's token mixers that are not attention (Qwen3.5's Gated DeltaNet).
+- `placeholder_token_ids`: the image and video placeholders the forward counts, which decoding never
+  emits;
+- `stateful_mixers`: the language model's token mixers that are not attention (Qwen3.5's Gated
+  DeltaNet).
 """
 
 import inspect
@@ -47,8 +50,8 @@ PROJECTORS = {
 
 
 def lm_features(output) -> list[torch.Tensor]:
-    """Every tensor of a `get_image_features` output that the language model consumes, flattened out of
-    nested lists (per-image features, Qwen3-VL's per-layer deepstack features)."""
+    """Every tensor of a `get_image_features` output that the language model consumes, flattened out
+    of nested lists (per-image features, Qwen3-VL's per-layer deepstack features)."""
     tensors = []
 
     def collect(value):
@@ -65,8 +68,9 @@ def lm_features(output) -> list[torch.Tensor]:
 
 
 def dummy_image_inputs(model, processor=None) -> dict:
-    """The smallest image input the model's vision step accepts, as `get_image_features` kwargs, and, given the
-    processor, a one-frame clip for a model whose clips take a path of their own (`dummy_video_inputs`).
+    """The smallest image input the model's vision step accepts, as `get_image_features` kwargs,
+    and, given the processor, a one-frame clip for a model whose clips take a path of their own
+    (`dummy_video_inputs`).
 
     Chosen from `get_image_features`' signature and the vision config, not from the model's name:
     a patch grid (`image_grid_thw`: Qwen-VL style) gets one merged token of spatial_merge_size^2
@@ -105,10 +109,11 @@ def _dummy_image(model, processor) -> dict:
 
 
 def video_as_image_names(model) -> dict[str, str]:
-    """{video input: image input}, paired by position in `get_video_features`' and `get_image_features`'
-    signatures (Qwen2/2.5/3-VL: pixel_values_videos -> pixel_values, video_grid_thw -> image_grid_thw), or {}
-    for a model without video features. Whether the video features really are the image features of those
-    inputs (one tower call can then take both) is `video_path`'s probe."""
+    """{video input: image input}, paired by position in `get_video_features`' and
+    `get_image_features`' signatures (Qwen2/2.5/3-VL: pixel_values_videos -> pixel_values,
+    video_grid_thw -> image_grid_thw), or {} for a model without video features. Whether the video
+    features really are the image features of those inputs (one tower call can then take both) is
+    `video_path`'s probe."""
     if getattr(model, "get_video_features", None) is None:
         return {}
     video, image = ([name for name in inspect.signature(function).parameters if name not in ("self", "kwargs")]
@@ -118,14 +123,16 @@ def video_as_image_names(model) -> dict[str, str]:
 
 @torch.no_grad()
 def video_path(model, processor) -> str | None:
-    """How the recipe trains this model on clips, from what its processor makes of a 2-frame probe clip:
-    - "as images": image inputs only (InternVL3: the frames become image tiles), which the image path takes;
+    """How the recipe trains this model on clips, from what its processor makes of a 2-frame probe
+    clip:
+    - "as images": image inputs only (InternVL3: the frames become image tiles), which the image
+      path takes;
     - "with images": video inputs whose features equal the image features of the same inputs
-      (`video_as_image_names`: Qwen2, 2.5 and 3-VL): one tower call a step takes images, videos or the dummy
-      alike, on every rank;
-    - "own": `pixel_values_videos` for a video path of the model's own (LLaVA-OneVision: frames pooled after
-      the tower) whose features fill the clip's placeholders exactly: every micro-batch calls it, on the
-      batch's clips or on a dummy clip (`dummy_video_inputs`).
+      (`video_as_image_names`: Qwen2, 2.5 and 3-VL): one tower call a step takes images, videos or
+      the dummy alike, on every rank;
+    - "own": `pixel_values_videos` for a video path of the model's own (LLaVA-OneVision: frames
+      pooled after the tower) whose features fill the clip's placeholders exactly: every micro-batch
+      calls it, on the batch's clips or on a dummy clip (`dummy_video_inputs`).
     No video processor, or anything else: None, and video rows are skipped and counted."""
     if getattr(processor, "video_processor", None) is None or getattr(processor, "video_token", None) is None:
         return None
@@ -153,10 +160,11 @@ def video_path(model, processor) -> str | None:
 
 
 def dummy_video_inputs(model, processor) -> dict:
-    """A one-frame probe clip as `pixel_values_videos`, for a model whose clips take a video path of their own
-    (see `video_path`): the collator gives it to every micro-batch without a clip, so that path runs on every
-    rank. {} for any other model: one whose video features are image features, or that has none, is never
-    "own", so the probe runs (a second time at start-up, after the labeller's) only for a model that may be."""
+    """A one-frame probe clip as `pixel_values_videos`, for a model whose clips take a video path of
+    their own (see `video_path`): the collator gives it to every micro-batch without a clip, so that
+    path runs on every rank. {} for any other model: one whose video features are image features, or
+    that has none, is never "own", so the probe runs (a second time at start-up, after the
+    labeller's) only for a model that may be."""
     if video_as_image_names(model) or getattr(model, "get_video_features", None) is None:
         return {}
     if video_path(model, processor) != "own":
@@ -166,8 +174,8 @@ def dummy_video_inputs(model, processor) -> dict:
 
 
 def _probe_clip(frames: int) -> dict:
-    """Processor kwargs of a `frames`-frame 56 px clip, its frames already sampled (random: some towers drop an
-    all-zero input as padding)."""
+    """Processor kwargs of a `frames`-frame 56 px clip, its frames already sampled (random: some
+    towers drop an all-zero input as padding)."""
     clip = numpy.random.default_rng(0).integers(0, 256, (frames, 56, 56, 3), dtype=numpy.uint8)
     metadata = VideoMetadata(total_num_frames=frames, fps=2.0, duration=frames / 2.0,
                              frames_indices=list(range(frames)))
@@ -175,8 +183,9 @@ def _probe_clip(frames: int) -> dict:
 
 
 def split_items(features, count: int) -> tuple:
-    """A `get_image_features` output for several items (per-item tuples: Qwen's pooler_output, each of
-    Qwen3-VL's deepstack layers) split into two outputs: its first `count` items, and the rest."""
+    """A `get_image_features` output for several items (per-item tuples: Qwen's pooler_output, each
+    of Qwen3-VL's deepstack layers) split into two outputs: its first `count` items, and the
+    rest."""
     def split(value, part):
         if isinstance(value, list):
             return [split(item, part) for item in value]
@@ -187,17 +196,19 @@ def split_items(features, count: int) -> tuple:
 
 
 def height_width(size) -> tuple[int, int]:
-    """A config's image or patch size as (height, width): an int, or a list/tuple (InternVL writes [448, 448])."""
+    """A config's image or patch size as (height, width): an int, or a list/tuple (InternVL writes
+    [448, 448])."""
     if isinstance(size, (list, tuple)):
         return (int(size[0]), int(size[-1]))
     return (int(size), int(size))
 
 
 def placeholder_token_ids(model, processor) -> list[int]:
-    """The image and video placeholder tokens, which decoding never emits (a sampled or greedy one, appended, makes
-    the next forward find one more placeholder than images: "Image features and image tokens do not match"). The
-    model's config names the ones its forward counts (Gemma 3's processor calls `<start_of_image>` its image token;
-    the placeholder is `<image_soft_token>`); the processor's are added (InternVL's config names no video token)."""
+    """The image and video placeholder tokens, which decoding never emits (a sampled or greedy one,
+    appended, makes the next forward find one more placeholder than images: "Image features and
+    image tokens do not match"). The model's config names the ones its forward counts (Gemma 3's
+    processor calls `<start_of_image>` its image token; the placeholder is `<image_soft_token>`);
+    the processor's are added (InternVL's config names no video token)."""
     config = model.config
     ids = {getattr(config, name, None) for name in ("image_token_id", "image_token_index", "video_token_id",
                                                     "video_token_index")}
@@ -206,13 +217,14 @@ def placeholder_token_ids(model, processor) -> list[int]:
     return sorted(token for token in ids if isinstance(token, int) and token >= 0)
 
 
-ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")  # transformers' layer_types
+# transformers' layer_types
+ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 def stateful_mixer_classes(model) -> dict[str, set[type]]:
-    """{layer type: the classes its layers hold that the attention layers do not} for each layer type of the language
-    model's config that is not attention (Qwen3.5's linear_attention: a Gated DeltaNet, a recurrence with a causal
-    convolution)."""
+    """{layer type: the classes its layers hold that the attention layers do not} for each layer
+    type of the language model's config that is not attention (Qwen3.5's linear_attention: a Gated
+    DeltaNet, a recurrence with a causal convolution)."""
     types = getattr(model.config.get_text_config(), "layer_types", None) or []
     layers = next((child for child in model.get_decoder().children()
                    if isinstance(child, torch.nn.ModuleList) and len(child) == len(types)), None)

@@ -1,7 +1,8 @@
-"""Loading a saved image-text-to-text checkpoint (a student's, a teacher's), checked first from its config alone
-(`check_trainable`), each refusal naming the flag and the fix: an empty name, a folder that is missing or not a saved
-model (a training checkpoint-N), a model that is not image-text-to-text, a family the step cannot run, weights in an
-unsafe pickle; and the tokens that end its turns."""
+"""Loading a saved image-text-to-text checkpoint (a student's, a teacher's), checked first from its
+config alone (`check_trainable`), each refusal naming the flag and the fix: an empty name, a folder
+that is missing or not a saved model (a training checkpoint-N), a model that is not
+image-text-to-text, a family the step cannot run, weights in an unsafe pickle; and the tokens that
+end its turns."""
 
 import inspect
 
@@ -12,8 +13,8 @@ from ...saved_models import model_config, pretrained
 
 
 def check_trainable(name_or_path: str, flag: str = "--model_name_or_path"):
-    """Raise, naming `flag`, the model type and why, if the recipes cannot train this checkpoint; reads its config
-    only."""
+    """Raise, naming `flag`, the model type and why, if the recipes cannot train this checkpoint;
+    reads its config only."""
     config = model_config(name_or_path, flag)
     model_type = config.model_type
     if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
@@ -32,15 +33,16 @@ def check_trainable(name_or_path: str, flag: str = "--model_name_or_path"):
 
 
 def load_pretrained(name_or_path: str, flag: str = "--model_name_or_path"):
-    """(model, processor) of a saved image-text-to-text checkpoint, checked first (`check_trainable`). Weights in a
-    pickle that holds more than tensors are refused by torch's weights-only loading (nothing in it runs); the error
-    names the file and the fix."""
+    """(model, processor) of a saved image-text-to-text checkpoint, checked first
+    (`check_trainable`). Weights in a pickle that holds more than tensors are refused by torch's
+    weights-only loading (nothing in it runs); the error names the file and the fix."""
     check_trainable(name_or_path, flag)
     return pretrained(AutoModelForImageTextToText, name_or_path, flag), AutoProcessor.from_pretrained(name_or_path)
 
 
 def stop_token_ids(model, processor) -> list[int]:
-    """The tokens that end an assistant turn: the generation config's eos ids and the tokenizer's eos."""
+    """The tokens that end an assistant turn: the generation config's eos ids and the tokenizer's
+    eos."""
     eos = model.generation_config.eos_token_id
     ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
     return [i for i in {*ids, processor.tokenizer.eos_token_id} if i is not None]

@@ -1,11 +1,12 @@
-"""LoRA adapters for any image-text-to-text family, with TRL's flag names, correct under every engine (docs/vlm.md,
-"LoRA").
+"""LoRA adapters for any image-text-to-text family, with TRL's flag names, correct under every
+engine (docs/vlm.md, "LoRA").
 
-Where the adapters go follows the module groups, not a list of names: every linear layer of the language model by
-default, and a mixture of experts' fused expert weights (`target_parameters`); the tower's too with `--train_modules
-all` (PEFT's `all-linear` keeps PEFT's meaning); the projector trained in full beside them (`modules_to_save`),
-everything else frozen before `prepare`. The adapters are injected into the
-model object itself, which is what trains; `save_lora` writes the adapter (`output_dir/adapter`) and the merged model.
+Where the adapters go follows the module groups, not a list of names: every linear layer of the
+language model by default, and a mixture of experts' fused expert weights (`target_parameters`); the
+tower's too with `--train_modules all` (PEFT's `all-linear` keeps PEFT's meaning); the projector
+trained in full beside them (`modules_to_save`), everything else frozen before `prepare`. The
+adapters are injected into the model object itself, which is what trains; `save_lora` writes the
+adapter (`output_dir/adapter`) and the merged model.
 """
 
 import os
@@ -52,8 +53,9 @@ def lora_config(model, groups: ModuleGroups, train_modules: str, args: LoraArgs)
 
 
 def dropout_note(config: LoraConfig, args: LoraArgs) -> str | None:
-    """The log line where the adapters train without the dropout asked for: a mixture of experts' fused experts
-    carry adapters (`expert_parameters`), which PEFT runs without dropout, and one config holds one dropout."""
+    """The log line where the adapters train without the dropout asked for: a mixture of experts'
+    fused experts carry adapters (`expert_parameters`), which PEFT runs without dropout, and one
+    config holds one dropout."""
     if config.target_parameters and args.lora_dropout:
         return (f"LoRA dropout 0, not --lora_dropout {args.lora_dropout}: the adapters on the fused experts "
                 "(PEFT's target_parameters) take none, and one adapter config holds one dropout for all; "
@@ -62,8 +64,9 @@ def dropout_note(config: LoraConfig, args: LoraArgs) -> str | None:
 
 
 def expert_parameters(model, groups: ModuleGroups) -> list[str] | None:
-    """The language model's fused experts: transformers 5 holds each MoE layer's experts as 3-D parameters of its
-    sparse block, which no `target_modules` reaches (PEFT #3009); PEFT's `target_parameters` does."""
+    """The language model's fused experts: transformers 5 holds each MoE layer's experts as 3-D
+    parameters of its sparse block, which no `target_modules` reaches (PEFT #3009); PEFT's
+    `target_parameters` does."""
     inside = {name for name, _ in groups.language_model}
     blocks = tuple(sparse_block_classes(model))
     names = [f"{block_name}.{name}" for block_name, block in model.named_modules()
@@ -73,7 +76,8 @@ def expert_parameters(model, groups: ModuleGroups) -> list[str] | None:
 
 
 def projector_modules(model, groups: ModuleGroups) -> list[str]:
-    """The projector's modules at a granularity PEFT can wrap: a ModuleList's items, not the list."""
+    """The projector's modules at a granularity PEFT can wrap: a ModuleList's items, not the
+    list."""
     modules = dict(model.named_modules())
     names = []
     for name in covering_modules([n for n, _ in groups.projector], [n for n, _ in model.named_parameters()]):
@@ -87,7 +91,8 @@ def projector_modules(model, groups: ModuleGroups) -> list[str]:
 
 def add_lora(model, groups: ModuleGroups, train_modules: str, args: LoraArgs):
     """(the PeftModel, the trainable parameters by group): adapters on the LM's layers (and the
-    tower's with `all`, at the tower's learning rate), the projector's trainable copy; all else frozen."""
+    tower's with `all`, at the tower's learning rate), the projector's trainable copy; all else
+    frozen."""
     config = lora_config(model, groups, train_modules, args)
     tower = {name for name, _ in groups.vision_tower}
     peft_model = get_peft_model(model, config)
@@ -113,17 +118,18 @@ def describe_trainable(model) -> str:
 
 def save_lora(peft_config: LoraConfig, inner, state_dict: dict, processor, output_dir):
     """On the main process, from the gathered full state dict (any engine): the adapter in
-    `output_dir/adapter`, the merged model in `output_dir`, each with the processor (its chat template)
-    and the input's generation config (its stop tokens and sampling settings).
+    `output_dir/adapter`, the merged model in `output_dir`, each with the processor (its chat
+    template) and the input's generation config (its stop tokens and sampling settings).
 
-    The adapters are put back on a copy of the model built on the meta device (no memory, no
-    init) and loaded with `assign`, so the sharded engines need no unsharded live model. Under ZeRO-3,
+    The adapters are put back on a copy of the model built on the meta device (no memory, no init)
+    and loaded with `assign`, so the sharded engines need no unsharded live model. Under ZeRO-3,
     transformers would build it (and its sub-models) inside `deepspeed.zero.Init`, a collective the
     other ranks never join: `set_zero3_state` tells it that one is already open.
     """
     with torch.device("meta"), set_zero3_state():
         copy = type(inner)(inner.config)
-    copy.generation_config = deepcopy(inner.generation_config)  # built from the config, it has the defaults only
+    # built from the config, it has the defaults only
+    copy.generation_config = deepcopy(inner.generation_config)
     peft_copy = get_peft_model(copy, peft_config)
     copy.load_state_dict(state_dict, assign=True, strict=False)
     copy.tie_weights()
@@ -131,7 +137,8 @@ def save_lora(peft_config: LoraConfig, inner, state_dict: dict, processor, outpu
         raise RuntimeError(f"the gathered state dict lacks {missing[:5]}")
     adapter_dir = os.path.join(output_dir, "adapter")
     peft_copy.save_pretrained(adapter_dir)
-    copy.generation_config.save_pretrained(adapter_dir)  # what the base model alone would not stop on
+    # what the base model alone would not stop on
+    copy.generation_config.save_pretrained(adapter_dir)
     processor.save_pretrained(adapter_dir)  # the chat template the adapter was trained with
     merged = peft_copy.merge_and_unload()
     merged.save_pretrained(output_dir)

@@ -1,9 +1,9 @@
 """Token-level losses (captioning, SFT, DPO, GRPO) under accumulation and data parallelism.
 
-The right gradient is (1/N) * grad(sum of CE over every target token of the window on all ranks), N = the window's
-target tokens on all data ranks. A per-micro-batch mean weights a micro-batch of 3 target tokens like one of 300.
-Count N once per window (one all-reduce), then back-propagate each micro-batch's *summed* CE times
-`distributed.token_loss_scale` (`Ranks.loss_scale`; docs/losses.md).
+The right gradient is (1/N) * grad(sum of CE over every target token of the window on all ranks), N
+= the window's target tokens on all data ranks. A per-micro-batch mean weights a micro-batch of 3
+target tokens like one of 300. Count N once per window (one all-reduce), then back-propagate each
+micro-batch's *summed* CE times `distributed.token_loss_scale` (`Ranks.loss_scale`; docs/losses.md).
 """
 
 import math
@@ -16,24 +16,27 @@ from ..rows.labels import IGNORE_INDEX
 
 
 def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token CE over the positions whose (shifted) label is not IGNORE_INDEX, in fp32."""
+    """Summed next-token CE over the positions whose (shifted) label is not IGNORE_INDEX, in
+    fp32."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
 
 
 def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
                            num_chunks: int = 8, softcap: float | None = None, shifted: bool = False) -> torch.Tensor:
-    """`token_cross_entropy_sum(head(hidden), labels)` without the `[batch, tokens, vocab]` fp32 logits.
+    """`token_cross_entropy_sum(head(hidden), labels)` without the `[batch, tokens, vocab]` fp32
+    logits.
 
     The shifted positions go through `head` (the LM's output layer) in `num_chunks` slices; each
     slice's logits are upcast to fp32 and recomputed in backward (activation checkpointing), so the
-    peak holds one slice's logits instead of every position's (torchtune's `num_output_chunks`).
-    A fixed number of slices, not a fixed slice size: every rank calls `head` the same number of
-    times whatever its batch (under ZeRO-3 each call gathers the weight, a collective), and the
-    slices' shapes come from the batch's shape, never from its values (no host read, no recompile
-    for a new count of targets). Ignored positions (prompt, image, padding) add exactly 0.
-    `softcap`: Gemma-style final logit soft-capping (`tanh(logits / cap) * cap`). `shifted`: `labels` are already
-    each position's next-token target (a sequence-parallel shard's: `sequence_parallel.Shard.targets`).
+    peak holds one slice's logits instead of every position's (torchtune's `num_output_chunks`). A
+    fixed number of slices, not a fixed slice size: every rank calls `head` the same number of times
+    whatever its batch (under ZeRO-3 each call gathers the weight, a collective), and the slices'
+    shapes come from the batch's shape, never from its values (no host read, no recompile for a new
+    count of targets). Ignored positions (prompt, image, padding) add exactly 0. `softcap`:
+    Gemma-style final logit soft-capping (`tanh(logits / cap) * cap`). `shifted`: `labels` are
+    already each position's next-token target (a sequence-parallel shard's:
+    `sequence_parallel.Shard.targets`).
     """
     return _chunked_sum(hidden, head, labels, num_chunks, softcap, per_row=False, shifted=shifted)
 
@@ -41,15 +44,17 @@ def head_cross_entropy_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: 
 def head_cross_entropy_per_row(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
                                num_chunks: int = 8, softcap: float | None = None,
                                shifted: bool = False) -> torch.Tensor:
-    """Each row's summed CE, `[rows]` (its answers' negative log-probability), as `head_cross_entropy_sum`."""
+    """Each row's summed CE, `[rows]` (its answers' negative log-probability), as
+    `head_cross_entropy_sum`."""
     return _chunked_sum(hidden, head, labels, num_chunks, softcap, per_row=True, shifted=shifted)
 
 
 def head_cross_entropy_per_token(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *,
                                  num_chunks: int = 8, softcap: float | None = None,
                                  temperature: float = 1.0, shifted: bool = False) -> torch.Tensor:
-    """Each target's CE, `[rows, tokens - 1]` (0 elsewhere; `[rows, tokens]` `shifted`), of the logits divided by
-    `temperature` (the distribution GRPO sampled from, as TRL scores it), as `head_cross_entropy_sum`."""
+    """Each target's CE, `[rows, tokens - 1]` (0 elsewhere; `[rows, tokens]` `shifted`), of the
+    logits divided by `temperature` (the distribution GRPO sampled from, as TRL scores it), as
+    `head_cross_entropy_sum`."""
     if not shifted:
         hidden, labels = hidden[:, :-1], labels[:, 1:]
     positions, targets = hidden.flatten(0, 1), labels.flatten()
@@ -92,15 +97,17 @@ def head_generalized_jsd_sum(student_hidden: torch.Tensor, student_head: torch.n
                              beta: float, temperature: float = 1.0, num_chunks: int = 8,
                              student_softcap: float | None = None,
                              teacher_softcap: float | None = None) -> torch.Tensor:
-    """The generalised Jensen-Shannon divergence between the teacher's and the student's next-token distributions at
-    `temperature`, summed over the positions where `mask` holds (GKD, Agarwal et al. 2024, as TRL 1.16 defines it):
-    beta KL(p_t || m) + (1 - beta) KL(p_s || m) with m = (1 - beta) p_s + beta p_t; beta 0 is the forward KL(p_t ||
-    p_s), 1 the reverse KL(p_s || p_t). `*_hidden`: `[..., hidden]` positions aligned with `mask` `[...]` (each
-    predicting the same next token), each model's own width; the vocabularies must be the same.
+    """The generalised Jensen-Shannon divergence between the teacher's and the student's next-token
+    distributions at `temperature`, summed over the positions where `mask` holds (GKD, Agarwal et
+    al. 2024, as TRL 1.16 defines it): beta KL(p_t || m) + (1 - beta) KL(p_s || m) with m = (1 -
+    beta) p_s + beta p_t; beta 0 is the forward KL(p_t || p_s), 1 the reverse KL(p_s || p_t).
+    `*_hidden`: `[..., hidden]` positions aligned with `mask` `[...]` (each predicting the same next
+    token), each model's own width; the vocabularies must be the same.
 
-    As `head_cross_entropy_sum`: the positions go through both heads in `num_chunks` slices, each slice's logits in
-    fp32 and recomputed in backward, so neither model's logits of the whole batch exist at once, and every rank calls
-    each head equally often. The gradient reaches the student only."""
+    As `head_cross_entropy_sum`: the positions go through both heads in `num_chunks` slices, each
+    slice's logits in fp32 and recomputed in backward, so neither model's logits of the whole batch
+    exist at once, and every rank calls each head equally often. The gradient reaches the student
+    only."""
     student, teacher = student_hidden.flatten(0, -2), teacher_hidden.flatten(0, -2)
     parts = zip(student.tensor_split(num_chunks), teacher.tensor_split(num_chunks),
                 mask.flatten().tensor_split(num_chunks))
@@ -128,5 +135,6 @@ def _chunk_generalized_jsd(student_hidden, teacher_hidden, mask, student_head, t
 
 
 def soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Gemma-style final logit soft-capping, `tanh(logits / cap) * cap`; the logits as they are for None."""
+    """Gemma-style final logit soft-capping, `tanh(logits / cap) * cap`; the logits as they are for
+    None."""
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap

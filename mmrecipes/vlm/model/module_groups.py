@@ -1,4 +1,5 @@
-"""Vision tower, projector and language model of any image-text-to-text family, found from one dummy backward."""
+"""Vision tower, projector and language model of any image-text-to-text family, found from one dummy
+backward."""
 
 from collections import Counter
 from dataclasses import dataclass, field
@@ -16,7 +17,8 @@ class ModuleGroups:
     vision_tower: list = field(default_factory=list)
     projector: list = field(default_factory=list)
     language_model: list = field(default_factory=list)
-    unreached: list = field(default_factory=list)  # names: trainable parameters no forward path reaches
+    # names: trainable parameters no forward path reaches
+    unreached: list = field(default_factory=list)
     projector_by: str = "rule"  # or "table" (PROJECTORS)
 
     def items(self):
@@ -35,13 +37,14 @@ class ModuleGroups:
 
 
 def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
-    """Vision tower, projector and language model of any family, from one dummy backward (before `prepare`).
+    """Vision tower, projector and language model of any family, from one dummy backward (before
+    `prepare`).
 
     - language model: `get_decoder()` plus the output embeddings;
     - vision step: the parameters that one backward of the dummy's `lm_features` reaches. Trainable
-      parameters of neither (CLIP's `post_layernorm`, which only feeds a pooled output Llava discards;
-      the tower's last layer at LLaVA's `vision_feature_layer=-2`) never get a gradient, so DDP would
-      wait for them forever: they are listed in `unreached` for the caller to freeze;
+      parameters of neither (CLIP's `post_layernorm`, which only feeds a pooled output Llava
+      discards; the tower's last layer at LLaVA's `vision_feature_layer=-2`) never get a gradient,
+      so DDP would wait for them forever: they are listed in `unreached` for the caller to freeze;
     - projector: the part of the vision step that feeds the language model. The tower is the largest
       module holding the vision encoder's blocks (`_no_split_modules`) and nothing of the language
       model; the projector is every vision parameter outside it (Llava's `multi_modal_projector`,
@@ -72,8 +75,8 @@ def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
 
 
 def _vision_step(model, dummy_inputs: dict) -> tuple[dict, set]:
-    """One forward and backward of the dummy image's `lm_features`: (the output width of each module it calls, the
-    ids of the parameters its backward reaches)."""
+    """One forward and backward of the dummy image's `lm_features`: (the output width of each module
+    it calls, the ids of the parameters its backward reaches)."""
     widths = {}
 
     def record(name, module, args, output):
@@ -93,8 +96,8 @@ def _vision_step(model, dummy_inputs: dict) -> tuple[dict, set]:
 
 
 def _vision_towers(model, modules: dict, widths: dict, language_model: set) -> tuple[list[str], set[str]]:
-    """(the encoder blocks the vision step called that hold nothing of the language model, the towers: the largest
-    modules holding them and nothing of the language model)."""
+    """(the encoder blocks the vision step called that hold nothing of the language model, the
+    towers: the largest modules holding them and nothing of the language model)."""
     blocks = set(getattr(model, "_no_split_modules", None) or [])
     called_blocks = [name for name in widths if type(modules[name]).__name__ in blocks and name]
     vision_blocks = [name for name in called_blocks
@@ -103,8 +106,9 @@ def _vision_towers(model, modules: dict, widths: dict, language_model: set) -> t
 
 
 def _projector_prefixes(model, modules: dict, widths: dict, vision_blocks: list[str], towers: set[str]):
-    """(the module paths of the projector inside the towers, "rule"), or, where the towers' widths cannot tell (a
-    tower as wide as the language model) or no tower was found, (PROJECTORS' entry for the model type, "table")."""
+    """(the module paths of the projector inside the towers, "rule"), or, where the towers' widths
+    cannot tell (a tower as wide as the language model) or no tower was found, (PROJECTORS' entry
+    for the model type, "table")."""
     lm_width = model.get_input_embeddings().embedding_dim
     if any(widths[name] == lm_width for name in vision_blocks) or not towers:
         prefixes = list(PROJECTORS.get(model.config.model_type, ()))

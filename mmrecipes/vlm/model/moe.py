@@ -1,23 +1,27 @@
-"""Mixture-of-experts VLMs (Qwen3-VL-MoE, Qwen3.5-MoE, Gemma 4's 26B-A4B): the load-balancing loss, and the sparse
-blocks the engines must treat as one (docs/vlm.md, "Mixture-of-experts models").
+"""Mixture-of-experts VLMs (Qwen3-VL-MoE, Qwen3.5-MoE, Gemma 4's 26B-A4B): the load-balancing loss,
+and the sparse blocks the engines must treat as one (docs/vlm.md, "Mixture-of-experts models").
 
-The routers are the modules transformers records `router_logits` from (the model's `_can_record_outputs`), the sparse
-blocks their parents: read from the model, never from a name.
+The routers are the modules transformers records `router_logits` from (the model's
+`_can_record_outputs`), the sparse blocks their parents: read from the model, never from a name.
 
-The loss is Switch Transformer's, as transformers' MoE families compute it (`load_balancing_loss_func`): over the real
-tokens of every MoE layer, f_e = the share of the top-k choices that go to expert e (counts: no gradient) and P_e =
-the mean router probability of e; aux = E * sum_e f_e * P_e (k when the load is even), times the checkpoint's
-`router_aux_loss_coef` or --router_aux_loss_coef. Its two scopes:
-- `micro_batch`, the model's own: each micro-batch's aux, as `forward(..., output_router_logits=True)` gives it (but
-  over real tokens only: a packed batch passes the model no mask), averaged over the window's micro-batches and ranks:
-  no world-size factor, no sum over micro-batches;
-- `global_batch` (Qwen's global-batch load balancing, 2025): f_e and P_e over every real token of the optimizer step
-  on every rank, so W ranks x k micro-batches give one process's loss and gradients. f must be known before the first
-  backward: with k > 1 micro-batches the window is first run without gradients to count the choices (one forward
-  more each), then one all-reduce of the counts; with k = 1 the counts of the micro-batch itself are all-reduced.
-Split over a sequence-parallel group, each rank routes its shard's tokens and the parts are summed over the group (the
-probabilities by the differentiable all-reduce the loss uses), so each rank holds its micro-batch's whole routing, as
-an unsplit rank does; the rows a group read count once in the global scope's sums.
+The loss is Switch Transformer's, as transformers' MoE families compute it
+(`load_balancing_loss_func`): over the real tokens of every MoE layer, f_e = the share of the top-k
+choices that go to expert e (counts: no gradient) and P_e = the mean router probability of e; aux =
+E * sum_e f_e * P_e (k when the load is even), times the checkpoint's `router_aux_loss_coef` or
+--router_aux_loss_coef. Its two scopes:
+- `micro_batch`, the model's own: each micro-batch's aux, as `forward(...,
+  output_router_logits=True)` gives it (but over real tokens only: a packed batch passes the model
+  no mask), averaged over the window's micro-batches and ranks: no world-size factor, no sum over
+  micro-batches;
+- `global_batch` (Qwen's global-batch load balancing, 2025): f_e and P_e over every real token of
+  the optimizer step on every rank, so W ranks x k micro-batches give one process's loss and
+  gradients. f must be known before the first backward: with k > 1 micro-batches the window is first
+  run without gradients to count the choices (one forward more each), then one all-reduce of the
+  counts; with k = 1 the counts of the micro-batch itself are all-reduced.
+Split over a sequence-parallel group, each rank routes its shard's tokens and the parts are summed
+over the group (the probabilities by the differentiable all-reduce the loss uses), so each rank
+holds its micro-batch's whole routing, as an unsplit rank does; the rows a group read count once in
+the global scope's sums.
 """
 
 import torch
@@ -30,8 +34,8 @@ from .outputs import StepOutput
 
 
 def router_class(model):
-    """The module class whose output transformers records as `router_logits` (the model's, or its language model's,
-    `_can_record_outputs`), if the model holds one of them."""
+    """The module class whose output transformers records as `router_logits` (the model's, or its
+    language model's, `_can_record_outputs`), if the model holds one of them."""
     for module in model.modules():
         recorder = (getattr(module, "_can_record_outputs", None) or {}).get("router_logits")
         target = getattr(recorder, "target_class", None)
@@ -41,8 +45,9 @@ def router_class(model):
 
 
 def sparse_block_classes(model) -> set[type]:
-    """The classes of the modules that hold a router and the experts it picks from (Qwen's SparseMoeBlock; Gemma 4's
-    decoder layer): an engine must gather each as one (ZeRO-3's leaf modules), as ranks route to different experts."""
+    """The classes of the modules that hold a router and the experts it picks from (Qwen's
+    SparseMoeBlock; Gemma 4's decoder layer): an engine must gather each as one (ZeRO-3's leaf
+    modules), as ranks route to different experts."""
     router = router_class(model)
     if router is None:
         return set()
@@ -50,7 +55,8 @@ def sparse_block_classes(model) -> set[type]:
 
 
 def inactive_expert_params(model) -> float:
-    """The expert weights a token does not run (FLOPs): (1 - k / E) of the sparse blocks' fused expert parameters."""
+    """The expert weights a token does not run (FLOPs): (1 - k / E) of the sparse blocks' fused
+    expert parameters."""
     blocks = tuple(sparse_block_classes(model))
     config = model.config.get_text_config()
     experts = getattr(config, "num_experts", None)
@@ -63,8 +69,9 @@ def inactive_expert_params(model) -> float:
 
 
 def routing(router_logits, mask: torch.Tensor | None, top_k: int):
-    """(choices per expert, summed router probabilities per expert, rows) over every layer's real tokens: the parts of
-    the loss. `router_logits`: one `[tokens, experts]` tensor per MoE layer; `mask`: 1 for a real token."""
+    """(choices per expert, summed router probabilities per expert, rows) over every layer's real
+    tokens: the parts of the loss. `router_logits`: one `[tokens, experts]` tensor per MoE layer;
+    `mask`: 1 for a real token."""
     weights = None if mask is None else mask.reshape(-1).float()
     counts = probabilities = rows = 0
     for logits in router_logits:
@@ -79,14 +86,16 @@ def routing(router_logits, mask: torch.Tensor | None, top_k: int):
 
 
 def balance_loss(counts, probabilities, rows) -> torch.Tensor:
-    """E * sum_e f_e * P_e from the choices and probabilities summed over `rows` (token, layer) pairs."""
+    """E * sum_e f_e * P_e from the choices and probabilities summed over `rows` (token, layer)
+    pairs."""
     return len(counts) * torch.sum(counts / rows * probabilities / rows)
 
 
 class Routing(StepOutput):
-    """What the routers did over the batch's real tokens: (choices per expert, summed router probabilities per
-    expert, rows), the parts of the load-balancing loss (`routing`); a forward of its own, without gradients. Split,
-    each rank routes its shard and the parts are summed over the group."""
+    """What the routers did over the batch's real tokens: (choices per expert, summed router
+    probabilities per expert, rows), the parts of the load-balancing loss (`routing`); a forward of
+    its own, without gradients. Split, each rank routes its shard and the parts are summed over the
+    group."""
 
     splits = True
     trains = False
@@ -103,11 +112,12 @@ class Routing(StepOutput):
 
 
 class LoadBalance:
-    """The load-balancing term of a MoE model's training loss (`of`; `on` False where there is none, and then every
-    method below does nothing). It rides on the step's `outputs.LossSum`: `start_window(model, window, device)` before
-    a window's micro-batches (the global scope's counts), then each forward's `term(routing)`: what to back-propagate
-    beside the CE (the engine's averaging over the accumulation steps and ranks already cancelled), its value kept for
-    the log (`window_sums`, `metrics`: `aux_loss`)."""
+    """The load-balancing term of a MoE model's training loss (`of`; `on` False where there is none,
+    and then every method below does nothing). It rides on the step's `outputs.LossSum`:
+    `start_window(model, window, device)` before a window's micro-batches (the global scope's
+    counts), then each forward's `term(routing)`: what to back-propagate beside the CE (the engine's
+    averaging over the accumulation steps and ranks already cancelled), its value kept for the log
+    (`window_sums`, `metrics`: `aux_loss`)."""
 
     FORMATS = {"aux_loss": ".6f"}  # how the log line writes `metrics`
 
@@ -123,9 +133,10 @@ class LoadBalance:
 
     @classmethod
     def of(cls, model, args: MoEArgs, accumulation: int, ranks) -> "LoadBalance":
-        """The term over `ranks`' data-parallel ranks (`distributed.Ranks`), off where the model has no routers or
-        --router_aux_loss_coef is 0, with the log line that says which (`line`). A model without routers, or whose
-        config defines no load-balancing loss, refuses a coefficient."""
+        """The term over `ranks`' data-parallel ranks (`distributed.Ranks`), off where the model has
+        no routers or --router_aux_loss_coef is 0, with the log line that says which (`line`). A
+        model without routers, or whose config defines no load-balancing loss, refuses a
+        coefficient."""
         coef, scope = args.router_aux_loss_coef, args.router_aux_loss_scope
         config = model.config.get_text_config()
         own = getattr(config, "router_aux_loss_coef", None)
@@ -152,9 +163,9 @@ class LoadBalance:
 
     @torch.no_grad()
     def start_window(self, model, window: list[dict], device):
-        """Before a window's micro-batches: the global scope's (choices per expert, rows) over the window on all
-        ranks, from a forward without gradients per micro-batch (k > 1; with k = 1 the counts come with the
-        micro-batch's own forward, and the micro-batch scope needs none)."""
+        """Before a window's micro-batches: the global scope's (choices per expert, rows) over the
+        window on all ranks, from a forward without gradients per micro-batch (k > 1; with k = 1 the
+        counts come with the micro-batch's own forward, and the micro-batch scope needs none)."""
         self.window_counts = None
         if not self.on or self.scope != "global_batch" or len(window) == 1:
             return
@@ -165,33 +176,38 @@ class LoadBalance:
         self.window_counts = self._over_ranks(counts, rows)
 
     def term_of(self, forward) -> torch.Tensor:
-        """`term` of a forward of the step that recorded its routers' logits (`outputs.LossSum`): over the real tokens
-        (a packed batch passes the model no mask); a shard's summed over its group."""
+        """`term` of a forward of the step that recorded its routers' logits (`outputs.LossSum`):
+        over the real tokens (a packed batch passes the model no mask); a shard's summed over its
+        group."""
         output = Routing(self.top_k)
         parts = output.compute(forward)
         return self.term(output.reduce(parts, forward.shard) if forward.shard is not None else parts)
 
     def term(self, routing) -> torch.Tensor:
-        """What to back-propagate beside the CE for a micro-batch whose routers did `routing` (`moe.routing`); its
-        value is kept for the log (summed over the window's micro-batches and the ranks it is the step's aux_loss, see
-        `logged_batches`)."""
+        """What to back-propagate beside the CE for a micro-batch whose routers did `routing`
+        (`moe.routing`); its value is kept for the log (summed over the window's micro-batches and
+        the ranks it is the step's aux_loss, see `logged_batches`)."""
         counts, probabilities, rows = routing
-        if self.scope == "micro_batch":  # accelerate divides by the accumulation steps and DDP averages: the mean
+        # accelerate divides by the accumulation steps and DDP averages: the mean
+        if self.scope == "micro_batch":
             aux = balance_loss(counts, probabilities, rows)
             self.values.append(aux.detach())
             return self.coef * aux
         total_counts, total_rows = self.window_counts or self._over_ranks(counts, rows)
-        part = balance_loss(total_counts, probabilities, total_rows)  # this micro-batch's share of the step's loss
+        # this micro-batch's share of the step's loss
+        part = balance_loss(total_counts, probabilities, total_rows)
         self.values.append(part.detach())
         return self.coef * part * self.accumulation * self.ranks.data_world
 
     def logged_batches(self) -> float:
-        """What one micro-batch adds to the count the logged aux sums are divided by: the micro-batch scope logs the
-        mean over micro-batches and ranks; the global scope's parts add up to the step's loss."""
+        """What one micro-batch adds to the count the logged aux sums are divided by: the
+        micro-batch scope logs the mean over micro-batches and ranks; the global scope's parts add
+        up to the step's loss."""
         return 1.0 if self.scope == "micro_batch" else 1.0 / (self.accumulation * self.ranks.data_world)
 
     def window_sums(self) -> dict:
-        """The window's `term` values as the report sums them over ranks (`metrics` reads them); none where off."""
+        """The window's `term` values as the report sums them over ranks (`metrics` reads them);
+        none where off."""
         values, self.values = self.values, []
         return {"aux": sum(values), "aux_batches": len(values) * self.logged_batches()} if self.on else {}
 

@@ -1,18 +1,20 @@
-"""What one forward of the VLM step returns: `model(batch, output)`, `model` a `step.VLMForTraining` (prepared or
-not), `output` one of the objects below.
+"""What one forward of the VLM step returns: `model(batch, output)`, `model` a `step.VLMForTraining`
+(prepared or not), `output` one of the objects below.
 
-Each output computes itself from the language model's last hidden states and its output layer (`Forward`), says
-whether a sequence-parallel rank may compute it from its shard of the sequence (`splits`; then `reduce` makes the
-whole sequence's value on every rank of the group), and whether a backward follows (`trains`: the dummy image's zero
-term rides on it). The output is an argument of the wrapped module's forward, so whatever it computes runs inside the
-engine's hooks (DDP's, FSDP2's unsharding, ZeRO-3's gathers).
+Each output computes itself from the language model's last hidden states and its output layer
+(`Forward`), says whether a sequence-parallel rank may compute it from its shard of the sequence
+(`splits`; then `reduce` makes the whole sequence's value on every rank of the group), and whether a
+backward follows (`trains`: the dummy image's zero term rides on it). The output is an argument of
+the wrapped module's forward, so whatever it computes runs inside the engine's hooks (DDP's, FSDP2's
+unsharding, ZeRO-3's gathers).
 
-A recipe defines its own output in its own file: subclass `StepOutput`, write `compute`, and declare `splits`: False
-(it reads whole sequences), or True with the `reduce` its value needs (the default sums the ranks' values, right for
-a sum over tokens; a per-token value must be placed at its positions first, as `TokenLogps.reduce` does). An output
-that declares nothing is refused where a sequence is split, never summed over positions that differ. To change the
-training loss, subclass `LossSum` and override `cross_entropy` (a label-smoothed CE, a token-weighted one): its
-`compute` adds a mixture of experts' load-balancing term, which overriding `compute` would drop.
+A recipe defines its own output in its own file: subclass `StepOutput`, write `compute`, and declare
+`splits`: False (it reads whole sequences), or True with the `reduce` its value needs (the default
+sums the ranks' values, right for a sum over tokens; a per-token value must be placed at its
+positions first, as `TokenLogps.reduce` does). An output that declares nothing is refused where a
+sequence is split, never summed over positions that differ. To change the training loss, subclass
+`LossSum` and override `cross_entropy` (a label-smoothed CE, a token-weighted one): its `compute`
+adds a mixture of experts' load-balancing term, which overriding `compute` would drop.
 """
 
 from dataclasses import dataclass
@@ -32,10 +34,11 @@ from .losses import (
 
 @dataclass
 class Forward:
-    """What an output computes itself from: `hidden`, the language model's last hidden states `[rows, tokens, width]`
-    (a sequence-parallel rank's shard of them where `shard` is set, `sequence_parallel.Shard`); the output layer
-    `head` and the family's final logit soft-capping `softcap`; the micro-batch `batch` (labels, masks, what the
-    recipe added); the routers' logits where the output asked (`routing`)."""
+    """What an output computes itself from: `hidden`, the language model's last hidden states
+    `[rows, tokens, width]` (a sequence-parallel rank's shard of them where `shard` is set,
+    `sequence_parallel.Shard`); the output layer `head` and the family's final logit soft-capping
+    `softcap`; the micro-batch `batch` (labels, masks, what the recipe added); the routers' logits
+    where the output asked (`routing`)."""
 
     hidden: torch.Tensor | None
     head: torch.nn.Module
@@ -50,7 +53,8 @@ class Forward:
 
     @property
     def positions(self) -> torch.Tensor:
-        """The hidden states that predict a next token: every position but the last (a shard: all of its own)."""
+        """The hidden states that predict a next token: every position but the last (a shard: all of
+        its own)."""
         return self.hidden if self.shard is not None else self.hidden[:, :-1]
 
     @property
@@ -61,7 +65,8 @@ class Forward:
 
     @property
     def token_mask(self) -> torch.Tensor:
-        """1 for each real token the language model ran, `[rows, tokens]` (a shard: its own, 0 past the sequence)."""
+        """1 for each real token the language model ran, `[rows, tokens]` (a shard: its own, 0 past
+        the sequence)."""
         mask = self.batch["attention_mask"]
         return self.shard.take(mask) if self.shard is not None else mask
 
@@ -71,9 +76,11 @@ class Forward:
 
 
 class StepOutput:
-    """An output of the step (see the module's docstring). `routing`: the forward records the MoE routers' logits."""
+    """An output of the step (see the module's docstring). `routing`: the forward records the MoE
+    routers' logits."""
 
-    splits: ClassVar[bool | None] = None  # undeclared: refused where the sequence is split (see the module)
+    # undeclared: refused where the sequence is split (see the module)
+    splits: ClassVar[bool | None] = None
     trains: ClassVar[bool] = True
     runs_model: ClassVar[bool] = True  # False: computed from the output layer alone (`OutputLayer`)
     routing: bool = False
@@ -82,8 +89,9 @@ class StepOutput:
         raise NotImplementedError
 
     def reduce(self, value: torch.Tensor, shard) -> torch.Tensor:
-        """The whole sequence's value on every rank of a sequence-parallel group from each rank's (`shard.sum`: an
-        all-reduce whose backward gives each shard the group's gradients): a sum of the ranks' values."""
+        """The whole sequence's value on every rank of a sequence-parallel group from each rank's
+        (`shard.sum`: an all-reduce whose backward gives each shard the group's gradients): a sum of
+        the ranks' values."""
         return shard.sum(value)
 
     @classmethod
@@ -97,10 +105,11 @@ class StepOutput:
 
 
 class LossSum(StepOutput):
-    """The summed token cross-entropy over the targets (training back-propagates it times `Ranks.loss_scale`: the exact
-    token mean over the optimizer step). With a mixture of experts' `balance` (`moe.LoadBalance`, on), its
-    load-balancing term rides on it: after each forward, `term` is what to back-propagate beside the scaled sum. A
-    recipe's own CE overrides `cross_entropy` (this `compute` adds the term)."""
+    """The summed token cross-entropy over the targets (training back-propagates it times
+    `Ranks.loss_scale`: the exact token mean over the optimizer step). With a mixture of experts'
+    `balance` (`moe.LoadBalance`, on), its load-balancing term rides on it: after each forward,
+    `term` is what to back-propagate beside the scaled sum. A recipe's own CE overrides
+    `cross_entropy` (this `compute` adds the term)."""
 
     splits = True
 
@@ -119,7 +128,8 @@ class LossSum(StepOutput):
 
 
 class SequenceLogps(StepOutput):
-    """Each row's answer log-probability, `[rows]`: the sum over its target tokens (DPO's; unpacked batches)."""
+    """Each row's answer log-probability, `[rows]`: the sum over its target tokens (DPO's; unpacked
+    batches)."""
 
     splits = True
 
@@ -129,8 +139,8 @@ class SequenceLogps(StepOutput):
 
 
 class TokenLogps(StepOutput):
-    """Each target token's log-probability at `temperature` (GRPO's: the sampling temperature, as TRL scores them),
-    `[rows, tokens - 1]`, 0 elsewhere."""
+    """Each target token's log-probability at `temperature` (GRPO's: the sampling temperature, as
+    TRL scores them), `[rows, tokens - 1]`, 0 elsewhere."""
 
     splits = True
 
@@ -142,15 +152,17 @@ class TokenLogps(StepOutput):
                                              softcap=forward.softcap, temperature=self.temperature, shifted=True)
 
     def reduce(self, value: torch.Tensor, shard) -> torch.Tensor:
-        """Each shard's tokens at their place in the whole sequence, zeros elsewhere, summed over the group."""
+        """Each shard's tokens at their place in the whole sequence, zeros elsewhere, summed over
+        the group."""
         return shard.sum(shard.place(value))[:, :shard.length - 1]
 
 
 class GeneralizedJSD(StepOutput):
-    """The batch's summed generalised JSD between the teacher's and the student's next-token distributions over its
-    target tokens (`losses.head_generalized_jsd_sum`): `batch["teacher_hidden"]`, the teacher's hidden states of the
-    same tokens (`Hidden`, whole sequences); `teacher_head`, its output layer (`OutputLayer` through the teacher's
-    prepared module: `teacher.Teacher.head_logits`)."""
+    """The batch's summed generalised JSD between the teacher's and the student's next-token
+    distributions over its target tokens (`losses.head_generalized_jsd_sum`):
+    `batch["teacher_hidden"]`, the teacher's hidden states of the same tokens (`Hidden`, whole
+    sequences); `teacher_head`, its output layer (`OutputLayer` through the teacher's prepared
+    module: `teacher.Teacher.head_logits`)."""
 
     splits = True
 
@@ -165,8 +177,8 @@ class GeneralizedJSD(StepOutput):
 
 
 class Logits(StepOutput):
-    """The logits, `[rows, tokens, vocabulary]` (soft-capped where the family does): evaluation and sampling, never a
-    backward (no dummy term), whole sequences."""
+    """The logits, `[rows, tokens, vocabulary]` (soft-capped where the family does): evaluation and
+    sampling, never a backward (no dummy term), whole sequences."""
 
     splits = trains = False
 
@@ -175,7 +187,8 @@ class Logits(StepOutput):
 
 
 class Hidden(StepOutput):
-    """The language model's last hidden states, `[rows, tokens, hidden]`: a teacher's, whole sequences, no graph."""
+    """The language model's last hidden states, `[rows, tokens, hidden]`: a teacher's, whole
+    sequences, no graph."""
 
     splits = trains = False
 
@@ -184,8 +197,9 @@ class Hidden(StepOutput):
 
 
 class OutputLayer(StepOutput):
-    """Another model's `hidden` states through this one's output layer, soft-capped as it does: the model itself does
-    not run, but the prepared module's forward gathers the layer as in any forward (a teacher's head under ZeRO-3)."""
+    """Another model's `hidden` states through this one's output layer, soft-capped as it does: the
+    model itself does not run, but the prepared module's forward gathers the layer as in any forward
+    (a teacher's head under ZeRO-3)."""
 
     splits = trains = runs_model = False
 

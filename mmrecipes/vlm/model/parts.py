@@ -1,8 +1,9 @@
-"""What a VLM recipe trains, in one call before `Accelerator()`: the model and its processor, the stop and placeholder
-ids, the dummy image, the module groups and what of them trains (the freezing preset, or LoRA), the engine's input
-gradients and ZeRO-3 leaf modules (a mixture of experts' sparse blocks), the FLOPs per batch; and the log lines that
-say so; `load_vlm`: a saved checkpoint (`loading`), a Llava composed from parts (`compose`) or the tiny Llava. The
-recipe keeps the Accelerate skeleton."""
+"""What a VLM recipe trains, in one call before `Accelerator()`: the model and its processor, the
+stop and placeholder ids, the dummy image, the module groups and what of them trains (the freezing
+preset, or LoRA), the engine's input gradients and ZeRO-3 leaf modules (a mixture of experts' sparse
+blocks), the FLOPs per batch; and the log lines that say so; `load_vlm`: a saved checkpoint
+(`loading`), a Llava composed from parts (`compose`) or the tiny Llava. The recipe keeps the
+Accelerate skeleton."""
 
 import copy
 import logging
@@ -37,19 +38,24 @@ class VLMParts:
     dummy_inputs: dict  # the dummy image a text-only batch carries
     groups: ModuleGroups
     trainable: dict[str, list[torch.nn.Parameter]]  # by group
-    peft_model: object = None  # with LoRA: the PeftModel describing the adapters (their switch, their config)
+    # with LoRA: the PeftModel describing the adapters (their switch, their config)
+    peft_model: object = None
     flops: VLMFlops | None = None  # a batch's training FLOPs (MFU)
-    frozen_copy: VLMForTraining | None = None  # a reference's starting weights, copied before `prepare`
-    sparse_blocks: tuple[str, ...] = ()  # a mixture of experts' router-and-experts classes: ZeRO-3 leaf modules
-    notes: tuple[str, ...] = ()  # what the run does otherwise than its flags say, and why (describe)
+    # a reference's starting weights, copied before `prepare`
+    frozen_copy: VLMForTraining | None = None
+    # a mixture of experts' router-and-experts classes: ZeRO-3 leaf modules
+    sparse_blocks: tuple[str, ...] = ()
+    # what the run does otherwise than its flags say, and why (describe)
+    notes: tuple[str, ...] = ()
 
     @property
     def peft_config(self):
         return self.peft_model.peft_config["default"] if self.peft_model is not None else None
 
     def optimizer_groups(self, args: VLMTrainingArgs) -> list[dict]:
-        """AdamW groups of the trainable parameters (frozen ones hold no state); the tower, if it trains, at its own
-        lr and weight decay (--vision_tower_learning_rate, --vision_tower_weight_decay)."""
+        """AdamW groups of the trainable parameters (frozen ones hold no state); the tower, if it
+        trains, at its own lr and weight decay (--vision_tower_learning_rate,
+        --vision_tower_weight_decay)."""
         return optimizer_groups(self.trainable, learning_rate=args.learning_rate, weight_decay=args.weight_decay,
                                 own_rates={"vision_tower": (args.vision_tower_learning_rate,
                                                             args.vision_tower_weight_decay)})
@@ -73,8 +79,9 @@ class VLMParts:
 
 @torch.no_grad()
 def check_packing(model, labeller, dummy_inputs):
-    """Raise unless an image conversation and a text one, packed into one sequence, give the logits each gives alone
-    (the model keeps packed samples apart), naming the layers that carry a state from one sample into the next."""
+    """Raise unless an image conversation and a text one, packed into one sequence, give the logits
+    each gives alone (the model keeps packed samples apart), naming the layers that carry a state
+    from one sample into the next."""
     rows, step, training = probe_rows(labeller), VLMForTraining(model), model.training
     model.eval()
     try:
@@ -93,12 +100,13 @@ def check_packing(model, labeller, dummy_inputs):
 
 
 def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, frozen_copy: bool = False) -> VLMParts:
-    """Load the model (`load_vlm`), find its groups from one dummy backward, freeze what --train_modules leaves out
-    and every parameter no forward path reaches (DDP would wait for their gradients), add LoRA adapters where asked
-    (everything but them and the projector frozen), and count the FLOPs now (after `prepare` ZeRO-3's parameters
-    report numel 0). `frozen_copy`: keep a frozen copy of the starting weights for a reference model without LoRA
-    (`reference.Reference.build` shards it like the policy after `prepare`). Call it before `Accelerator()`: under
-    ZeRO-3 a model built afterwards is partitioned and re-initialised."""
+    """Load the model (`load_vlm`), find its groups from one dummy backward, freeze what
+    --train_modules leaves out and every parameter no forward path reaches (DDP would wait for their
+    gradients), add LoRA adapters where asked (everything but them and the projector frozen), and
+    count the FLOPs now (after `prepare` ZeRO-3's parameters report numel 0). `frozen_copy`: keep a
+    frozen copy of the starting weights for a reference model without LoRA
+    (`reference.Reference.build` shards it like the policy after `prepare`). Call it before
+    `Accelerator()`: under ZeRO-3 a model built afterwards is partitioned and re-initialised."""
     model, processor = load_vlm(model_args)
     dummy_inputs = dummy_image_inputs(model, processor)
     groups = module_groups(model, dummy_inputs)
@@ -107,8 +115,10 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
     if lora_args.use_peft:  # adapters injected into `model` itself
         peft_model, trainable = add_lora(model, groups, model_args.train_modules, lora_args)
         notes = tuple(filter(None, [dropout_note(peft_model.peft_config["default"], lora_args)]))
-    if blocks := sparse_block_classes(model):  # ranks route to different experts: gather each block whole
-        from deepspeed.utils import set_z3_leaf_modules  # here: seconds to import, for MoE models only
+    # ranks route to different experts: gather each block whole
+    if blocks := sparse_block_classes(model):
+        # here: seconds to import, for MoE models only
+        from deepspeed.utils import set_z3_leaf_modules
 
         set_z3_leaf_modules(model, sorted(blocks, key=lambda block: block.__name__))
     if model_args.gradient_checkpointing:
@@ -122,7 +132,8 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
                      lm_weights_train="language_model" in trainable and peft_model is None,
                      vision_trains="vision_tower" in trainable)
     copied = None
-    if frozen_copy and peft_model is None:  # with LoRA the reference is the policy, its adapters disabled
+    # with LoRA the reference is the policy, its adapters disabled
+    if frozen_copy and peft_model is None:
         copied = copy.deepcopy(VLMForTraining(model)).requires_grad_(False).eval()
     return VLMParts(model=model, processor=processor, stops=stop_token_ids(model, processor),
                     placeholders=placeholder_token_ids(model, processor), dummy_inputs=dummy_inputs, groups=groups,
@@ -131,8 +142,9 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
 
 
 def load_vlm(args: VLMModelArgs):
-    """(model, processor): any `AutoModelForImageTextToText` checkpoint, a Llava composed from a vision tower and a
-    language model (`mmrecipes.vlm.model.compose`), or the tiny Llava built from a config.
+    """(model, processor): any `AutoModelForImageTextToText` checkpoint, a Llava composed from a
+    vision tower and a language model (`mmrecipes.vlm.model.compose`), or the tiny Llava built from
+    a config.
 
     A family the recipe cannot train is rejected from its config, before any weight is read.
     Build it *before* `Accelerator()` (under ZeRO-3 a model built afterwards is partitioned and
@@ -146,12 +158,14 @@ def load_vlm(args: VLMModelArgs):
         model, processor = load_pretrained(args.model_name_or_path)
     else:
         model, processor = _tiny_llava(args)
-    if args.chat_template_path and not args.vision_model_name_or_path:  # compose_llava took it as the LM's
+    # compose_llava took it as the LM's
+    if args.chat_template_path and not args.vision_model_name_or_path:
         template = read_chat_template(args.chat_template_path)
         processor.chat_template = replaced_template(processor.chat_template, template)
     try:
         model.set_attn_implementation(args.attn_implementation)
-    except ValueError as error:  # a family without that kernel: Gemma 2's LM (PaliGemma 2) has no sdpa
+    # a family without that kernel: Gemma 2's LM (PaliGemma 2) has no sdpa
+    except ValueError as error:
         if args.attn_implementation != "sdpa":
             raise ValueError(f"--attn_implementation {args.attn_implementation}: {error}") from error
         logger.warning("%s has no sdpa attention; using eager (--attn_implementation eager)", type(model).__name__)
@@ -173,7 +187,8 @@ def _tiny_llava(args: VLMModelArgs):
                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
     config = LlavaConfig(
         vision_config=vision, text_config=text, image_token_id=image_token_id,
-        # The last layer (not LLaVA's -2): a -2 layer here would leave the tower's last layer unused.
+        # The last layer (not LLaVA's -2): a -2 layer here would leave the tower's last layer
+        # unused.
         vision_feature_layer=-1, vision_feature_select_strategy="default",
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
     )
@@ -182,9 +197,9 @@ def _tiny_llava(args: VLMModelArgs):
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     image_processor = CLIPImageProcessor(size={"shortest_edge": args.image_size},
                                          crop_size={"height": args.image_size, "width": args.image_size})
-    # What AutoProcessor and the image-text-to-text pipeline need of the saved directory: patch_size, CLIP's one
-    # extra (CLS) token, the model's feature select strategy, the image token (else "Image features and image
-    # tokens do not match").
+    # What AutoProcessor and the image-text-to-text pipeline need of the saved directory:
+    # patch_size, CLIP's one extra (CLS) token, the model's feature select strategy, the image token
+    # (else "Image features and image tokens do not match").
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=args.patch_size,
                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                image_token=tokenizer.image_token, chat_template=tokenizer.chat_template)

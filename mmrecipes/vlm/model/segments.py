@@ -1,22 +1,25 @@
-"""Token mixers that keep packed samples apart: a linear-attention layer's chunked gated delta rule and its short
-causal convolution, each given every token's segment (`segment_ids`: the sample it belongs to in a packed row), equal
-to running every sample alone.
+"""Token mixers that keep packed samples apart: a linear-attention layer's chunked gated delta rule
+and its short causal convolution, each given every token's segment (`segment_ids`: the sample it
+belongs to in a packed row), equal to running every sample alone.
 
-transformers' torch path of Qwen3.5's Gated DeltaNet (`torch_chunk_gated_delta_rule`, `causal_conv1d_fn`) takes no
-sample boundaries: on a packed row the recurrent state and the convolution's window run from one sample into the
-next. Here the same chunk algorithm keeps its terms within a sample:
-- inside a chunk, a token attends (and its delta-rule update system reads) only the tokens of its own segment before
-  it: the pairwise decays of two segments are masked to 0, so the triangular system is block diagonal by segment;
-- the state carried into a chunk belongs to the segment of the chunk before's last token: only the tokens of that
-  segment read it (the query's read and the delta rule's correction), and it is carried on only when the chunk's
-  last token is of that segment too;
+transformers' torch path of Qwen3.5's Gated DeltaNet (`torch_chunk_gated_delta_rule`,
+`causal_conv1d_fn`) takes no sample boundaries: on a packed row the recurrent state and the
+convolution's window run from one sample into the next. Here the same chunk algorithm keeps its
+terms within a sample:
+- inside a chunk, a token attends (and its delta-rule update system reads) only the tokens of its
+  own segment before it: the pairwise decays of two segments are masked to 0, so the triangular
+  system is block diagonal by segment;
+- the state carried into a chunk belongs to the segment of the chunk before's last token: only the
+  tokens of that segment read it (the query's read and the delta rule's correction), and it is
+  carried on only when the chunk's last token is of that segment too;
 - the state a chunk hands on holds the updates of its last segment only.
-The convolution adds a tap `x[t - k]` only where that token is of `t`'s segment. Each equals the samples run alone
-(tests/test_packing.py), at about the cost of the unmasked path.
+The convolution adds a tap `x[t - k]` only where that token is of `t`'s segment. Each equals the
+samples run alone (tests/test_packing.py), at about the cost of the unmasked path.
 
-Where flash-linear-attention and causal-conv1d are installed (transformers routes the layers' calls to them) and the
-tensors are on a GPU, the kernels get the segments their way (`cu_seqlens`, `seq_idx`), once a probe on that device
-finds that they then equal the torch path; otherwise the torch path runs, and the log says why.
+Where flash-linear-attention and causal-conv1d are installed (transformers routes the layers' calls
+to them) and the tensors are on a GPU, the kernels get the segments their way (`cu_seqlens`,
+`seq_idx`), once a probe on that device finds that they then equal the torch path; otherwise the
+torch path runs, and the log says why.
 """
 
 import dataclasses
@@ -35,21 +38,22 @@ logger = logging.getLogger(__name__)
 
 
 def segment_ids(sample_lengths: torch.Tensor, shape) -> torch.Tensor:
-    """Each token's segment, `[rows, length]`: the index of its sample among a packed batch's `sample_lengths`
-    (every sample, and every row's padding, in row order)."""
+    """Each token's segment, `[rows, length]`: the index of its sample among a packed batch's
+    `sample_lengths` (every sample, and every row's padding, in row order)."""
     segments = torch.arange(len(sample_lengths), device=sample_lengths.device)
     return segments.repeat_interleave(sample_lengths).reshape(shape)
 
 
 def segment_causal_conv1d(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           segments: torch.Tensor) -> torch.Tensor:
-    """A depthwise causal convolution, `[rows, channels, length]` in and out (`weight`: `[channels, taps]`), whose
-    window never reaches into an earlier segment (`segments`: `[rows, length]`)."""
+    """A depthwise causal convolution, `[rows, channels, length]` in and out (`weight`: `[channels,
+    taps]`), whose window never reaches into an earlier segment (`segments`: `[rows, length]`)."""
     taps, length = weight.shape[-1], hidden.shape[-1]
     out = hidden.new_zeros(hidden.shape, dtype=weight.dtype) if bias is None else bias[None, :, None].expand(
         hidden.shape[0], -1, length).to(weight.dtype)
     source = hidden.to(weight.dtype)
-    for back in range(taps):  # tap `back`: the token `back` places earlier, weighted by weight[:, taps - 1 - back]
+    # tap `back`: the token `back` places earlier, weighted by weight[:, taps - 1 - back]
+    for back in range(taps):
         shifted = F.pad(source, (back, 0))[..., :length]
         same = F.pad(segments, (back, 0), value=-1)[..., :length] == segments
         out = out + shifted * same[:, None] * weight[:, taps - 1 - back, None]
@@ -58,9 +62,10 @@ def segment_causal_conv1d(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
 
 def segment_chunk_gated_delta_rule(query, key, value, g, beta, segments: torch.Tensor, *, chunk_size: int = 64,
                                    use_qk_l2norm_in_kernel: bool = False) -> torch.Tensor:
-    """The gated delta rule of `[rows, length, heads, dim]` queries, keys and values (`g`: log decays, `beta`: write
-    strengths, `[rows, length, value heads]`), chunk by chunk, each token's read and write within its segment
-    (`segments`: `[rows, length]`); the output `[rows, length, value heads, value dim]`, in the inputs' dtype."""
+    """The gated delta rule of `[rows, length, heads, dim]` queries, keys and values (`g`: log
+    decays, `beta`: write strengths, `[rows, length, value heads]`), chunk by chunk, each token's
+    read and write within its segment (`segments`: `[rows, length]`); the output `[rows, length,
+    value heads, value dim]`, in the inputs' dtype."""
     dtype = query.dtype
     rows, length, key_heads, key_dim = key.shape
     value_heads, value_dim = value.shape[-2:]
@@ -87,7 +92,8 @@ def segment_chunk_gated_delta_rule(query, key, value, g, beta, segments: torch.T
     decay = g.cumsum(dim=-1)  # from the chunk's start
     pairwise = (decay[..., :, None] - decay[..., None, :]).masked_fill(~(causal & same), float("-inf")).exp()
     k_beta, v_beta = key * beta[..., None], value * beta[..., None]
-    system = (k_beta @ key.transpose(-1, -2)) * pairwise  # its strictly lower part: block diagonal by segment
+    # its strictly lower part: block diagonal by segment
+    system = (k_beta @ key.transpose(-1, -2)) * pairwise
     new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     reads = (segments == carried).float()[..., None]  # the tokens that continue the carried segment
     k_decayed = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False,
@@ -96,7 +102,8 @@ def segment_chunk_gated_delta_rule(query, key, value, g, beta, segments: torch.T
     query_read = query * decay.exp()[..., None] * reads
     last = segments[..., -1:]
     key_write = key * (decay[..., -1:] - decay).exp()[..., None] * (segments == last).float()[..., None]
-    keeps = (last == carried).float()[..., None] * decay[..., -1:, None].exp()  # the whole chunk continues it
+    # the whole chunk continues it
+    keeps = (last == carried).float()[..., None] * decay[..., -1:, None].exp()
     state = query.new_zeros(rows, value_heads, key_dim, value_dim)
     out = torch.zeros_like(value)
     for index in range(chunks):
@@ -108,7 +115,8 @@ def segment_chunk_gated_delta_rule(query, key, value, g, beta, segments: torch.T
 
 
 def _previous_last(segments: torch.Tensor) -> torch.Tensor:
-    """Each chunk's preceding chunk's last segment, `[..., chunks, 1]` (none before the first: -2)."""
+    """Each chunk's preceding chunk's last segment, `[..., chunks, 1]` (none before the first:
+    -2)."""
     lasts = segments[..., -1:]
     return torch.cat([torch.full_like(lasts[..., :1, :], -2), lasts[..., :-1, :]], dim=-2)
 
@@ -128,8 +136,9 @@ def _rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_
 
 def _rule_kernel(kernel, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                  use_qk_l2norm_in_kernel=False, *, segments, **kwargs):
-    """flash-linear-attention's chunked rule keeps the sequences of one row apart given their `cu_seqlens`: the rows
-    laid end to end (each row's padding is a segment of its own, so no sample spans two rows)."""
+    """flash-linear-attention's chunked rule keeps the sequences of one row apart given their
+    `cu_seqlens`: the rows laid end to end (each row's padding is a segment of its own, so no sample
+    spans two rows)."""
     if initial_state is not None or output_final_state:
         raise ValueError("a packed batch runs without a cache: its segments carry no state out")
     rows, length = segments.shape
@@ -142,14 +151,14 @@ def _rule_kernel(kernel, query, key, value, g, beta, chunk_size=64, initial_stat
 
 
 def _conv_kernel(kernel, hidden_states, weight, bias=None, activation=None, *, segments, **kwargs):
-    """causal-conv1d keeps a tap within its token's segment given `seq_idx` (int32, channel-last input: the layer's
-    transposed projection is)."""
+    """causal-conv1d keeps a tap within its token's segment given `seq_idx` (int32, channel-last
+    input: the layer's transposed projection is)."""
     return kernel(hidden_states, weight, bias, activation=activation, seq_idx=segments.to(torch.int32))
 
 
 def _rule_probe(generator: torch.Generator, device, dtypes: dict) -> tuple[tuple, dict]:
-    """Queries, keys, values (2 heads of 16), slow decays and write strengths of two 128-token rows, in the dtypes of
-    the layer's call (fla takes no float32 queries)."""
+    """Queries, keys, values (2 heads of 16), slow decays and write strengths of two 128-token rows,
+    in the dtypes of the layer's call (fla takes no float32 queries)."""
     shapes = {"query": (2, 128, 2, 16), "key": (2, 128, 2, 16), "value": (2, 128, 2, 16), "g": (2, 128, 2),
               "beta": (2, 128, 2)}
     inputs = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
@@ -159,8 +168,8 @@ def _rule_probe(generator: torch.Generator, device, dtypes: dict) -> tuple[tuple
 
 
 def _conv_probe(generator: torch.Generator, device, dtypes: dict) -> tuple[tuple, dict]:
-    """8 channels of two 128-token rows, channel-last as the layer's transposed projection, and a 4-tap filter, in the
-    dtypes of the layer's call."""
+    """8 channels of two 128-token rows, channel-last as the layer's transposed projection, and a
+    4-tap filter, in the dtypes of the layer's call."""
     signal = torch.randn(2, 128, 8, generator=generator).to(device, dtypes.get("hidden_states")).transpose(1, 2)
     weight, bias = (x.to(device, dtypes.get("weight")) for x in (torch.randn(8, 4, generator=generator),
                                                                   torch.randn(8, generator=generator)))
@@ -170,9 +179,11 @@ def _conv_probe(generator: torch.Generator, device, dtypes: dict) -> tuple[tuple
 @dataclasses.dataclass(frozen=True)
 class Mixer:
     torch_path: Callable  # segment-aware, pure torch: any device
-    kernel_path: Callable  # the kernel transformers routes the layer's call to, given the segments its way
+    # the kernel transformers routes the layer's call to, given the segments its way
+    kernel_path: Callable
     package: str  # the kernel's package (transformers' `use_kernel_func_from_hub_with_fallback`)
-    probe: Callable  # (generator, device, the call's dtypes) -> the arguments of a call that shows a leak
+    # (generator, device, the call's dtypes) -> the arguments of a call that shows a leak
+    probe: Callable
 
 
 # transformers' names of the functions a linear-attention layer mixes its tokens with
@@ -181,11 +192,12 @@ MIXERS = {"torch_chunk_gated_delta_rule": Mixer(_rule, _rule_kernel, "fla", _rul
 
 
 def make_segment_aware(layer_classes) -> list[str]:
-    """Wrap, once, each mixer function (`MIXERS`) that the modules of `layer_classes` (a model's stateful mixers:
-    `families.stateful_mixers`) call: a call given `seq_idx`, each token's segment, keeps the segments apart (the
-    kernel where installed and the tensors are on a GPU, else the torch path), any other runs as it was. A layer that
-    passes no `seq_idx` on (or mixes with other functions) still mixes samples, which `parts.check_packing` finds
-    and refuses. Returns the classes whose module calls none of them."""
+    """Wrap, once, each mixer function (`MIXERS`) that the modules of `layer_classes` (a model's
+    stateful mixers: `families.stateful_mixers`) call: a call given `seq_idx`, each token's segment,
+    keeps the segments apart (the kernel where installed and the tensors are on a GPU, else the
+    torch path), any other runs as it was. A layer that passes no `seq_idx` on (or mixes with other
+    functions) still mixes samples, which `parts.check_packing` finds and refuses. Returns the
+    classes whose module calls none of them."""
     untouched = []
     for cls in layer_classes:
         module = sys.modules[cls.__module__]
@@ -231,15 +243,17 @@ PROBE_TOLERANCE = 5e-2
 
 
 def kernel_verdicts() -> dict[str, bool]:
-    """{mixer: whether its kernel runs packed batches} of the probes run so far in this process (none on CPU)."""
+    """{mixer: whether its kernel runs packed batches} of the probes run so far in this process
+    (none on CPU)."""
     return {name: used for (name, *_), used in _VERDICTS.items()}
 
 
 @torch.no_grad()
 def _kernel_keeps_segments_apart(name: str, original, mixer: Mixer, device: torch.device, dtypes: dict) -> bool:
-    """Whether the kernel, given the segments its way, equals the torch path (in float32) on a small probe in the
-    call's dtypes on `device` (three samples of 1, 70 and 57 tokens and a whole row), decided once per device and
-    dtypes; where not, the torch path keeps the samples apart and the log says why."""
+    """Whether the kernel, given the segments its way, equals the torch path (in float32) on a small
+    probe in the call's dtypes on `device` (three samples of 1, 70 and 57 tokens and a whole row),
+    decided once per device and dtypes; where not, the torch path keeps the samples apart and the
+    log says why."""
     key = (name, str(device), tuple(sorted((key, str(dtype)) for key, dtype in dtypes.items())))
     if key not in _VERDICTS:
         segments = segment_ids(torch.tensor([1, 70, 57, 128]), (2, 128)).to(device)
@@ -250,7 +264,8 @@ def _kernel_keeps_segments_apart(name: str, original, mixer: Mixer, device: torc
             error = ((got.float() - expected).abs().max() / expected.abs().max()).item()
             if not error <= PROBE_TOLERANCE:
                 why = f"it differs by {error:.3g} (relative) from the samples kept apart"
-        except Exception as exception:  # an install that fails to run is a reason to keep the torch path too
+        # an install that fails to run is a reason to keep the torch path too
+        except Exception as exception:
             why = f"it raised {type(exception).__name__}: {exception}"
         if why:
             logger.warning(f"--packing: {name}'s kernel ({mixer.package}) is not used for packed batches: {why}; "

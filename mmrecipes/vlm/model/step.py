@@ -1,12 +1,14 @@
-"""The VLM step, `VLMForTraining`: any `AutoModelForImageTextToText` model running the same graph on every rank
-whatever each rank's batch holds, its outputs objects (`outputs`); saving (`save_vlm`).
+"""The VLM step, `VLMForTraining`: any `AutoModelForImageTextToText` model running the same graph on
+every rank whatever each rank's batch holds, its outputs objects (`outputs`); saving (`save_vlm`).
 
-Every micro-batch calls the vision step once (its images and clips, or the collator's tiny dummy image), and a dummy's
-features enter the output as a zero-length slice inside the module the engine wraps: a text-only rank runs the vision
-tower's collectives too, and the loss and gradients stay bitwise the text's (docs/vlm.md, "Mixed text-only / image
-batches"). Losses come from the last hidden states through the output layer in slices (`losses`): the fp32 logits of
-a whole batch never exist in training. Family differences come from signatures, configs and the module tree
-(`families`), never a name. The step reads no parameter itself: under ZeRO-3 that would gather it on one rank only.
+Every micro-batch calls the vision step once (its images and clips, or the collator's tiny dummy
+image), and a dummy's features enter the output as a zero-length slice inside the module the engine
+wraps: a text-only rank runs the vision tower's collectives too, and the loss and gradients stay
+bitwise the text's (docs/vlm.md, "Mixed text-only / image batches"). Losses come from the last
+hidden states through the output layer in slices (`losses`): the fp32 logits of a whole batch never
+exist in training. Family differences come from signatures, configs and the module tree
+(`families`), never a name. The step reads no parameter itself: under ZeRO-3 that would gather it on
+one rank only.
 """
 
 import contextlib
@@ -25,11 +27,12 @@ from .segments import make_segment_aware, segment_ids
 class VLMForTraining(torch.nn.Module):
     """One training/eval step of an image-text-to-text model that is the same graph on every rank.
 
-    Its outputs are objects (`outputs`: `LossSum`, `SequenceLogps`, `TokenLogps`, `GeneralizedJSD`, `Logits`,
-    `Hidden`, or a recipe's own), and each is one call of the module, `model(batch, output)`, the prepared one
-    included: the engine's forward runs its hooks (DDP's, FSDP2's unsharding, ZeRO-3's gathers) around everything,
-    and the dummy's features enter the output inside it. Wrap the model *before* `accelerator.prepare`, or DDP sees
-    the vision parameters' (zero) gradients too late.
+    Its outputs are objects (`outputs`: `LossSum`, `SequenceLogps`, `TokenLogps`, `GeneralizedJSD`,
+    `Logits`, `Hidden`, or a recipe's own), and each is one call of the module, `model(batch,
+    output)`, the prepared one included: the engine's forward runs its hooks (DDP's, FSDP2's
+    unsharding, ZeRO-3's gathers) around everything, and the dummy's features enter the output
+    inside it. Wrap the model *before* `accelerator.prepare`, or DDP sees the vision parameters'
+    (zero) gradients too late.
     """
 
     def __init__(self, model, sequence_parallel=None):
@@ -50,9 +53,10 @@ class VLMForTraining(torch.nn.Module):
         model.train()
 
     def forward(self, batch: dict, output: StepOutput) -> torch.Tensor:
-        """`output` (`outputs.StepOutput`) of a `ChatCollator` batch on the device (`images.to_device`): the hidden
-        states (split over a sequence-parallel group where the output splits, in training), then the output, plus
-        the dummy's zero term where a backward follows."""
+        """`output` (`outputs.StepOutput`) of a `ChatCollator` batch on the device
+        (`images.to_device`): the hidden states (split over a sequence-parallel group where the
+        output splits, in training), then the output, plus the dummy's zero term where a backward
+        follows."""
         head = self.model.get_output_embeddings()
         if not output.runs_model:
             return output.compute(Forward(None, head, self.softcap, batch))
@@ -71,14 +75,16 @@ class VLMForTraining(torch.nn.Module):
 
     @staticmethod
     def _dummy_terms(dummies) -> torch.Tensor | float:
-        """Exact zeros from the dummies' features: their parameters get their gradients on every rank."""
+        """Exact zeros from the dummies' features: their parameters get their gradients on every
+        rank."""
         return sum(torch.cat([part.flatten() for part in lm_features(dummy)])[:0].sum() for dummy in dummies)
 
     def _hidden_states(self, input_ids, attention_mask, labels, dummy_image: bool, dummy_video=False,
                        sample_lengths=None, media_per_sample=None, video_frames=None, output_router_logits=False,
                        **media_inputs):
-        """(the base model's last hidden states, the dummies' features, its router logits if asked): the media
-        encoded in one vision call (`encode_media`), then the language model on the merged sequence (`lm_inputs`)."""
+        """(the base model's last hidden states, the dummies' features, its router logits if asked):
+        the media encoded in one vision call (`encode_media`), then the language model on the merged
+        sequence (`lm_inputs`)."""
         encoded, dummies = self.encode_media(media_inputs, dummy_image, dummy_video, video_frames)
         inputs = self.lm_inputs(input_ids, attention_mask, media_inputs, encoded, dummy_image, sample_lengths,
                                 media_per_sample)
@@ -89,9 +95,10 @@ class VLMForTraining(torch.nn.Module):
         return outputs[0], dummies, outputs.router_logits if output_router_logits else None
 
     def encode_media(self, media_inputs: dict, dummy_image: bool, dummy_video=False, video_frames=None):
-        """({"image": features, "video": features} of what the batch holds, [the dummies' features]): one vision call
-        for the images, the clips where the family takes them as images, or the dummy image (split, each rank of a
-        sequence-parallel group encodes a share: `VisionShare`); a video path of the model's own after it."""
+        """({"image": features, "video": features} of what the batch holds, [the dummies'
+        features]): one vision call for the images, the clips where the family takes them as images,
+        or the dummy image (split, each rank of a sequence-parallel group encodes a share:
+        `VisionShare`); a video path of the model's own after it."""
         vision_inputs = {name: value for name, value in media_inputs.items() if name in self.vision_input_names}
         videos = {name: value for name, value in media_inputs.items() if name in self.video_as_image}
         # Videos go through the tower in the same call as the images (or the dummy), after them: one call a step.
@@ -102,7 +109,8 @@ class VLMForTraining(torch.nn.Module):
         if videos:
             grid = next(value for name, value in videos.items() if self.video_as_image[name] != "pixel_values")
             features, encoded["video"] = split_items(features, len(features.pooler_output) - len(grid))
-        if "pixel_values_videos" in media_inputs and not self.video_as_image:  # a video path of its own
+        # a video path of its own
+        if "pixel_values_videos" in media_inputs and not self.video_as_image:
             encoded["video"] = self.own_video_features(media_inputs["pixel_values_videos"], video_frames)
         dummies = ([features] if dummy_image else []) + ([spare] if spare is not None else [])
         if dummy_video:
@@ -112,15 +120,15 @@ class VLMForTraining(torch.nn.Module):
         return encoded, dummies
 
     def image_features(self, vision_inputs: dict) -> tuple:
-        """(the vision tower's features, a spare dummy's or None): split, each rank of the sequence-parallel group
-        encodes a share of the images and frames (`VisionShare`)."""
+        """(the vision tower's features, a spare dummy's or None): split, each rank of the
+        sequence-parallel group encodes a share of the images and frames (`VisionShare`)."""
         if self.sequence_parallel:
             return self.sequence_parallel.image_features(self.model.get_image_features, vision_inputs)
         return self.model.get_image_features(**vision_inputs, return_dict=True), None
 
     def own_video_features(self, clips: torch.Tensor, video_frames=None):
-        """The clips through the model's own video path; clips zero-padded to the longest (`video_frames`: each
-        one's frames) keep their own frames' rows."""
+        """The clips through the model's own video path; clips zero-padded to the longest
+        (`video_frames`: each one's frames) keep their own frames' rows."""
         features = self.model.get_video_features(pixel_values_videos=clips, return_dict=True)
         if video_frames is not None:
             features.pooler_output = _own_frames(features.pooler_output, video_frames, self.clip_layout)
@@ -128,11 +136,12 @@ class VLMForTraining(torch.nn.Module):
 
     def lm_inputs(self, input_ids, attention_mask, media_inputs: dict, encoded: dict, dummy_image: bool,
                   sample_lengths=None, media_per_sample=None) -> dict:
-        """What the language model takes: the ids and mask, the encoded media (`mm_encoder_outputs`), the family's
-        other inputs (Qwen's image_grid_thw and mm_token_type_ids for mRoPE positions, Gemma 3's token_type_ids,
-        Idefics3's pixel_attention_mask, LLaVA-OneVision's image_sizes; a text-only batch passes its per-token ones
-        only: the LM sees no image and no image token), and, packed, each sample's positions and segments (no
-        mask: mmrecipes.vlm.rows.packing)."""
+        """What the language model takes: the ids and mask, the encoded media
+        (`mm_encoder_outputs`), the family's other inputs (Qwen's image_grid_thw and
+        mm_token_type_ids for mRoPE positions, Gemma 3's token_type_ids, Idefics3's
+        pixel_attention_mask, LLaVA-OneVision's image_sizes; a text-only batch passes its per-token
+        ones only: the LM sees no image and no image token), and, packed, each sample's positions
+        and segments (no mask: mmrecipes.vlm.rows.packing)."""
         pixels = {"pixel_values", "pixel_values_videos"}
         keep = self.forward_input_names - pixels - (self.vision_input_names if dummy_image else set())
         inputs = {name: value for name, value in media_inputs.items() if name in keep}
@@ -162,9 +171,9 @@ class VLMForTraining(torch.nn.Module):
 @torch.no_grad()
 def _clip_layout(model) -> tuple[int, int] | None:
     """(rows per frame, rows after the frames) of a video path of the model's own, for one clip of
-    `get_video_features`' output (LLaVA-OneVision: each frame's pooled patches, then a newline), read from a
-    1- and a 2-frame probe clip and checked: the 2-frame clip's first frame and last rows are the 1-frame clip's.
-    None without such a path or such a layout."""
+    `get_video_features`' output (LLaVA-OneVision: each frame's pooled patches, then a newline),
+    read from a 1- and a 2-frame probe clip and checked: the 2-frame clip's first frame and last
+    rows are the 1-frame clip's. None without such a path or such a layout."""
     if getattr(model, "get_video_features", None) is None:
         return None
     vision = model.config.vision_config
@@ -189,7 +198,8 @@ def _clip_layout(model) -> tuple[int, int] | None:
 
 
 def _own_frames(features, frames: list[int], layout) -> torch.Tensor:
-    """[clips, padded frames' rows, D] -> [1, rows, D]: each clip's own frames' rows and its last rows, in order."""
+    """[clips, padded frames' rows, D] -> [1, rows, D]: each clip's own frames' rows and its last
+    rows, in order."""
     if layout is None:
         raise ValueError("clips of different frame counts met in one micro-batch, and this model's video features "
                          "are not laid out frame by frame: give every clip the same frames (--video_max_frames at "
@@ -209,8 +219,8 @@ def save_vlm(accelerator, model, processor, output_dir, peft_config=None):
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         inner = accelerator.unwrap_model(model).model
-        # A tied weight (lm_head = embed_tokens) is written once, as by save_pretrained itself: gathered
-        # under FSDP2 the two names hold separate copies it would not recognise as one.
+        # A tied weight (lm_head = embed_tokens) is written once, as by save_pretrained itself:
+        # gathered under FSDP2 the two names hold separate copies it would not recognise as one.
         tied_copies = ({name for name, _ in inner.named_parameters(remove_duplicate=False)}
                        - {name for name, _ in inner.named_parameters()})
         state_dict = {name.removeprefix("model."): tensor for name, tensor in state_dict.items()

@@ -1,13 +1,15 @@
-"""Sequence parallelism through a linear-attention layer (Qwen3.5's Gated DeltaNet): head-parallel around the whole
-block, as Ulysses is around attention.
+"""Sequence parallelism through a linear-attention layer (Qwen3.5's Gated DeltaNet): head-parallel
+around the whole block, as Ulysses is around attention.
 
-A recurrence over the sequence cannot run on a shard of it: a rank that started its shard's state at zero would miss
-everything before it. So each rank projects its shard (the token-wise input projections), an all-to-all gives every
-rank the whole sequence for its share of the heads (`_to_heads`), the depthwise convolution runs with those heads'
-channels of its weights, the recurrence runs for those heads over the whole sequence, and an all-to-all gives each rank
-its shard back for every head (`_to_sequence`) before the token-wise gated norm and output projection. torch's
-differentiable all-to-all carries the gradients back the same way. Decided by the layer's structure (`parallel_layer`:
-the projections, the convolution and the decay parameters of a Gated DeltaNet), never by a name.
+A recurrence over the sequence cannot run on a shard of it: a rank that started its shard's state at
+zero would miss everything before it. So each rank projects its shard (the token-wise input
+projections), an all-to-all gives every rank the whole sequence for its share of the heads
+(`_to_heads`), the depthwise convolution runs with those heads' channels of its weights, the
+recurrence runs for those heads over the whole sequence, and an all-to-all gives each rank its shard
+back for every head (`_to_sequence`) before the token-wise gated norm and output projection. torch's
+differentiable all-to-all carries the gradients back the same way. Decided by the layer's structure
+(`parallel_layer`: the projections, the convolution and the decay parameters of a Gated DeltaNet),
+never by a name.
 """
 
 import sys
@@ -39,16 +41,18 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _to_heads(x: torch.Tensor, size: int, group) -> torch.Tensor:
-    """`[rows, shard, heads, dim]` of this rank's shard -> `[rows, size x shard, heads / size, dim]`: the whole
-    sequence of this rank's share of the heads."""
+    """`[rows, shard, heads, dim]` of this rank's shard -> `[rows, size x shard, heads / size,
+    dim]`: the whole sequence of this rank's share of the heads."""
     rows, shard, heads, dim = x.shape
     blocks = x.reshape(rows, shard, size, heads // size, dim).permute(2, 0, 1, 3, 4)
-    gathered = _all_to_all(blocks, group)  # [source rank: its shard, rows, shard, heads / size, dim]
+    # [source rank: its shard, rows, shard, heads / size, dim]
+    gathered = _all_to_all(blocks, group)
     return gathered.permute(1, 0, 2, 3, 4).reshape(rows, size * shard, heads // size, dim)
 
 
 def _to_sequence(x: torch.Tensor, size: int, group) -> torch.Tensor:
-    """`_to_heads` undone: `[rows, size x shard, heads / size, dim]` -> `[rows, shard, heads, dim]`."""
+    """`_to_heads` undone: `[rows, size x shard, heads / size, dim]` -> `[rows, shard, heads,
+    dim]`."""
     rows, length, heads, dim = x.shape
     blocks = x.reshape(rows, size, length // size, heads, dim).permute(1, 0, 2, 3, 4)
     gathered = _all_to_all(blocks, group)  # [source rank: its heads, rows, shard, heads, dim]
@@ -56,9 +60,11 @@ def _to_sequence(x: torch.Tensor, size: int, group) -> torch.Tensor:
 
 
 def head_parallel_forward(layer, hidden_states: torch.Tensor, size: int, rank: int, group) -> torch.Tensor:
-    """The Gated DeltaNet `layer` on this rank's shard of the sequence, `[rows, shard, hidden]`, as the layer computes
-    it on the whole sequence (no cache, no padding mask: a split sequence has neither)."""
-    module = sys.modules[type(layer).__module__]  # the layer's own mixers: the kernels where installed
+    """The Gated DeltaNet `layer` on this rank's shard of the sequence, `[rows, shard, hidden]`, as
+    the layer computes it on the whole sequence (no cache, no padding mask: a split sequence has
+    neither)."""
+    # the layer's own mixers: the kernels where installed
+    module = sys.modules[type(layer).__module__]
     rows, shard, _ = hidden_states.shape
     key_heads, value_heads = layer.num_k_heads // size, layer.num_v_heads // size
     key_width, value_width = key_heads * layer.head_k_dim, value_heads * layer.head_v_dim
@@ -68,7 +74,8 @@ def head_parallel_forward(layer, hidden_states: torch.Tensor, size: int, rank: i
     b, a = (_to_heads(projection(hidden_states)[..., None], size, group)[..., 0]
             for projection in (layer.in_proj_b, layer.in_proj_a))
     length = query.shape[1]
-    # this rank's heads' channels of the depthwise convolution, in the layer's order: queries, keys, values
+    # this rank's heads' channels of the depthwise convolution, in the layer's order: queries, keys,
+    # values
     channels = torch.cat([torch.arange(rank * key_width, (rank + 1) * key_width),
                           layer.key_dim + torch.arange(rank * key_width, (rank + 1) * key_width),
                           2 * layer.key_dim + torch.arange(rank * value_width, (rank + 1) * value_width)])

@@ -1,29 +1,33 @@
-"""Ulysses sequence parallelism for a VLM (`--sequence_parallel_size N`): DeepSpeed's `UlyssesSPAttentionHF` around
-the language model's attention, the sequence split after the vision merge.
+"""Ulysses sequence parallelism for a VLM (`--sequence_parallel_size N`): DeepSpeed's
+`UlyssesSPAttentionHF` around the language model's attention, the sequence split after the vision
+merge.
 
 The N ranks of a group hold the same rows (their data rank is the group's index:
-`distributed.data_parallel_rank_and_world`). Each encodes a share of their images and frames and the features are
-gathered (`vision.VisionShare`; where a tower does not split by image, each runs it on all of them), so every rank
-merges the whole batch's features and runs the same graph (the dummy image too). A pre-hook
-on the language model splits what the merge made into N contiguous shards, the sequence padded at its end to a
-multiple of N: the embeddings, the positions (mRoPE's computed on the whole sequence), Qwen3-VL's deepstack features.
-Around attention DeepSpeed's all-to-all swaps the sequence split for a head split. Each rank computes the step's
-output on its shard (`Shard`: its positions, their targets in the whole sequence) and the output reduces itself over
-the group (`outputs.StepOutput.reduce`, a sum by default): every rank of a group holds the whole sequence's loss,
-as a data-parallel rank without the split does, and the backward gives each shard the group's gradients. So with the
-window's target tokens counted once per group, the engine's average over every rank (DDP, FSDP2, ZeRO-2/3 alike) is
-the exact token mean, as without the split.
+`distributed.data_parallel_rank_and_world`). Each encodes a share of their images and frames and the
+features are gathered (`vision.VisionShare`; where a tower does not split by image, each runs it on
+all of them), so every rank merges the whole batch's features and runs the same graph (the dummy
+image too). A pre-hook on the language model splits what the merge made into N contiguous shards,
+the sequence padded at its end to a multiple of N: the embeddings, the positions (mRoPE's computed
+on the whole sequence), Qwen3-VL's deepstack features. Around attention DeepSpeed's all-to-all swaps
+the sequence split for a head split. Each rank computes the step's output on its shard (`Shard`: its
+positions, their targets in the whole sequence) and the output reduces itself over the group
+(`outputs.StepOutput.reduce`, a sum by default): every rank of a group holds the whole sequence's
+loss, as a data-parallel rank without the split does, and the backward gives each shard the group's
+gradients. So with the window's target tokens counted once per group, the engine's average over
+every rank (DDP, FSDP2, ZeRO-2/3 alike) is the exact token mean, as without the split.
 
-Layers that attend causally get no mask (causal over the gathered sequence: the padding is at its end). Sliding
-windows and image tokens attending both ways (Gemma 3, Gemma 4) need theirs: the model builds one per layer type for
-the whole sequence before the language model, the split pads them (`whole_sequence_masks`) and each layer's reaches
-the core attention after the all-to-all, where the whole sequence is. Other per-token inputs (Gemma 4's per-layer
-embeddings) split with the embeddings.
+Layers that attend causally get no mask (causal over the gathered sequence: the padding is at its
+end). Sliding windows and image tokens attending both ways (Gemma 3, Gemma 4) need theirs: the model
+builds one per layer type for the whole sequence before the language model, the split pads them
+(`whole_sequence_masks`) and each layer's reaches the core attention after the all-to-all, where the
+whole sequence is. Other per-token inputs (Gemma 4's per-layer embeddings) split with the
+embeddings.
 
 Only the language model's attention is wrapped, under its own name (`ATTENTION`): accelerate's path
-(`ParallelismConfig(sp_backend="deepspeed")`) replaces transformers' sdpa everywhere, the vision tower's attention
-included. Only the outputs that say so (`splits`) split, in training mode (`splitting`); evaluation, sampling and
-`generate` run whole sequences: each rank holds whole sequences there.
+(`ParallelismConfig(sp_backend="deepspeed")`) replaces transformers' sdpa everywhere, the vision
+tower's attention included. Only the outputs that say so (`splits`) split, in training mode
+(`splitting`); evaluation, sampling and `generate` run whole sequences: each rank holds whole
+sequences there.
 """
 
 import inspect
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed import _functional_collectives as collectives  # torch's differentiable collectives
+from torch.distributed import _functional_collectives as collectives  # differentiable collectives
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -43,13 +47,15 @@ from .linear_attention import head_parallel_forward, heads_refusal, parallel_lay
 from .vision import VisionShare
 
 ATTENTION = "ulysses"  # the language model's attn_implementation while it trains split
-SPLIT_APART = {"position_ids", "attention_mask", "visual_pos_masks"}  # per-token inputs the split handles itself
+# per-token inputs the split handles itself
+SPLIT_APART = {"position_ids", "attention_mask", "visual_pos_masks"}
 
 
 def refusal(model, size: int) -> str | None:
-    """Why `model`'s language model cannot be split over `size` ranks exactly, or None. Its attention heads and its
-    linear attention's must split over the group; layers that need their mask (sliding windows, image tokens attending
-    both ways) get the whole sequence's (`needs_masks`), the others attend causally over the gathered sequence."""
+    """Why `model`'s language model cannot be split over `size` ranks exactly, or None. Its
+    attention heads and its linear attention's must split over the group; layers that need their
+    mask (sliding windows, image tokens attending both ways) get the whole sequence's
+    (`needs_masks`), the others attend causally over the gathered sequence."""
     text = model.config.get_text_config()
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     if heads % size or (kv_heads % size and size % kv_heads):
@@ -70,8 +76,9 @@ def refusal(model, size: int) -> str | None:
 
 @dataclass(frozen=True)
 class Shard:
-    """This rank's part of the last split sequence: positions `start` to `end` of the sequence padded at its end to
-    `padded` tokens (`length` before the padding), and the ranks of its `group`."""
+    """This rank's part of the last split sequence: positions `start` to `end` of the sequence
+    padded at its end to `padded` tokens (`length` before the padding), and the ranks of its
+    `group`."""
 
     start: int
     end: int
@@ -80,30 +87,33 @@ class Shard:
     group: object
 
     def take(self, per_token: torch.Tensor, fill=0) -> torch.Tensor:
-        """A per-token tensor of the whole sequence, `[rows, length, ...]`, at the shard's positions."""
+        """A per-token tensor of the whole sequence, `[rows, length, ...]`, at the shard's
+        positions."""
         trailing = [0, 0] * (per_token.dim() - 2)
         return F.pad(per_token, (*trailing, 0, self.padded - per_token.shape[1]), value=fill)[:, self.start:self.end]
 
     def targets(self, labels: torch.Tensor) -> torch.Tensor:
-        """The next-token targets of the shard's positions, `[rows, end - start]` (IGNORE_INDEX past the sequence)."""
+        """The next-token targets of the shard's positions, `[rows, end - start]` (IGNORE_INDEX past
+        the sequence)."""
         return self.take(labels[:, 1:], fill=IGNORE_INDEX)
 
     def place(self, value: torch.Tensor) -> torch.Tensor:
-        """A per-position value of the shard, `[rows, end - start]`, at its place in the padded sequence (0
-        elsewhere)."""
+        """A per-position value of the shard, `[rows, end - start]`, at its place in the padded
+        sequence (0 elsewhere)."""
         return F.pad(value, (self.start, self.padded - self.end))
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
-        """`value` summed over the group, on every rank of it: torch's differentiable all-reduce, whose backward sums
-        the group's gradients into each shard (a group's ranks computing the same loss give each shard its gradient
-        times the group's size; the engine's average over every rank divides it back)."""
+        """`value` summed over the group, on every rank of it: torch's differentiable all-reduce,
+        whose backward sums the group's gradients into each shard (a group's ranks computing the
+        same loss give each shard its gradient times the group's size; the engine's average over
+        every rank divides it back)."""
         return collectives.all_reduce(value, "sum", self.group)
 
 
 def needs_masks(model) -> bool:
-    """Whether some layer of `model`'s language model attends other than causally over the whole sequence: sliding
-    windows (Gemma 3, Gemma 4), image tokens attending both ways (Gemma 3's token_type_ids, Gemma 4's
-    use_bidirectional_attention)."""
+    """Whether some layer of `model`'s language model attends other than causally over the whole
+    sequence: sliding windows (Gemma 3, Gemma 4), image tokens attending both ways (Gemma 3's
+    token_type_ids, Gemma 4's use_bidirectional_attention)."""
     text = model.config.get_text_config()
     mixer_kinds = stateful_mixer_classes(model)
     other = {kind for kind in getattr(text, "layer_types", None) or () if kind != "full_attention"} - set(mixer_kinds)
@@ -113,9 +123,10 @@ def needs_masks(model) -> bool:
 
 
 def whole_sequence_mask(mask: torch.Tensor | None, length: int, padded: int) -> torch.Tensor | None:
-    """A mask the model built for the whole sequence of `length` tokens, for its end padded to `padded`: a padding
-    mask `[rows, length]` or a mask `[rows, heads, length, length]` (True or 0 where a query attends a key). The
-    padding is attended by no real token and attends itself only (a row attending nothing would give NaN)."""
+    """A mask the model built for the whole sequence of `length` tokens, for its end padded to
+    `padded`: a padding mask `[rows, length]` or a mask `[rows, heads, length, length]` (True or 0
+    where a query attends a key). The padding is attended by no real token and attends itself only
+    (a row attending nothing would give NaN)."""
     if mask is None:  # causal: what the core does over the gathered sequence
         return None
     extra = padded - length
@@ -132,7 +143,8 @@ def whole_sequence_mask(mask: torch.Tensor | None, length: int, padded: int) -> 
 
 
 def whole_sequence_masks(masks, length: int, padded: int) -> dict:
-    """The masks by layer type the model built for the whole sequence (Gemma 3's and 4's), each padded."""
+    """The masks by layer type the model built for the whole sequence (Gemma 3's and 4's), each
+    padded."""
     if not isinstance(masks, dict):
         raise RuntimeError("sequence parallel: the language model's sliding-window or bidirectional layers need the "
                            "whole sequence's masks by layer type, and it was given none (a model that builds them "
@@ -141,15 +153,16 @@ def whole_sequence_masks(masks, length: int, padded: int) -> dict:
 
 
 def mixer_layers(model) -> list[torch.nn.Module]:
-    """The language model's stateful mixer layers (`families.stateful_mixer_classes`: Qwen3.5's Gated DeltaNet)."""
+    """The language model's stateful mixer layers (`families.stateful_mixer_classes`: Qwen3.5's
+    Gated DeltaNet)."""
     classes = tuple(set().union(*stateful_mixer_classes(model).values()))
     return [module for module in model.get_decoder().modules() if classes and isinstance(module, classes)]
 
 
 class SequenceParallel:
-    """The split of every training sequence over `size` consecutive ranks (`rank // size` is the group). Build it
-    after `Accelerator()` (it makes the groups) and before `prepare`; `VLMForTraining(model, sequence_parallel=...)`
-    trains on the shards."""
+    """The split of every training sequence over `size` consecutive ranks (`rank // size` is the
+    group). Build it after `Accelerator()` (it makes the groups) and before `prepare`;
+    `VLMForTraining(model, sequence_parallel=...)` trains on the shards."""
 
     def __init__(self, model, size: int, processor=None):
         from deepspeed import comm
@@ -161,7 +174,8 @@ class SequenceParallel:
                              f"{world}): launch with --num_processes a multiple of it")
         if why := refusal(model, size):
             raise ValueError(f"--sequence_parallel_size: {type(model).__name__} cannot split its sequences: {why}")
-        if not comm.is_initialized():  # DeepSpeed's all-to-all runs on deepspeed.comm, over the engine's group
+        # DeepSpeed's all-to-all runs on deepspeed.comm, over the engine's group
+        if not comm.is_initialized():
             comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
         rank = dist.get_rank()
         groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
@@ -179,7 +193,8 @@ class SequenceParallel:
         ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS[text._attn_implementation])
         text._attn_implementation = ATTENTION
         self.shard = self.positions = None
-        self.asked = self.split_now = False  # a split asked for (`splitting`); the last forward split
+        # a split asked for (`splitting`); the last forward split
+        self.asked = self.split_now = False
         self.masked = needs_masks(model)  # its layers get the whole sequence's masks, padded
         model.get_decoder().register_forward_pre_hook(self._split, with_kwargs=True)
         for layer in mixer_layers(model):  # linear attention: head-parallel around the whole block
@@ -187,10 +202,11 @@ class SequenceParallel:
 
     @classmethod
     def of(cls, accelerator, model, size: int, processor=None):
-        """The split for `--sequence_parallel_size size`, None for 1; accelerate's own sequence parallelism refused
-        (it replaces sdpa in the vision tower too). What cannot run split with other flags is refused when they are
-        parsed (`arguments.VLMModelArgs.check_with`). The processor makes the images the tower's check encodes,
-        where the model's config alone cannot (`image_sizes`, `image_position_ids`)."""
+        """The split for `--sequence_parallel_size size`, None for 1; accelerate's own sequence
+        parallelism refused (it replaces sdpa in the vision tower too). What cannot run split with
+        other flags is refused when they are parsed (`arguments.VLMModelArgs.check_with`). The
+        processor makes the images the tower's check encodes, where the model's config alone cannot
+        (`image_sizes`, `image_position_ids`)."""
         config = accelerator.parallelism_config
         if config is not None and (config.sp_size or 1) > 1:
             raise ValueError("the accelerate config's parallelism_config_sp_size wraps every sdpa attention, the "
@@ -202,8 +218,9 @@ class SequenceParallel:
                 f"Ulysses attention in the language model); {self.vision_line}")
 
     def image_features(self, encoder, inputs: dict):
-        """(`encoder(**inputs)`'s output, features encoded and left unused or None): while a split is asked, each
-        rank of the group encodes a share of the images and frames, gathered (`VisionShare`), else every rank all."""
+        """(`encoder(**inputs)`'s output, features encoded and left unused or None): while a split
+        is asked, each rank of the group encodes a share of the images and frames, gathered
+        (`VisionShare`), else every rank all."""
         if self.asked and self.vision is not None:
             return self.vision.encode(encoder, inputs)
         return encoder(**inputs, return_dict=True), None
@@ -215,8 +232,8 @@ class SequenceParallel:
 
     @contextmanager
     def splitting(self, split: bool):
-        """The language model's forwards inside split their sequences where `split`; any other forward (sampling,
-        evaluation, `generate`) runs whole sequences with their mask."""
+        """The language model's forwards inside split their sequences where `split`; any other
+        forward (sampling, evaluation, `generate`) runs whole sequences with their mask."""
         self.asked = split
         try:
             yield
@@ -224,7 +241,8 @@ class SequenceParallel:
             self.asked = False
 
     def _split(self, module, args, kwargs):
-        self.split_now = self.asked  # what the attention of this forward (and of its recomputation) does
+        # what the attention of this forward (and of its recomputation) does
+        self.split_now = self.asked
         if not self.asked:
             return None
         embeds = kwargs.get("inputs_embeds")
@@ -238,16 +256,19 @@ class SequenceParallel:
         if positions is None:
             positions = torch.arange(length, device=embeds.device).expand(rows, length)
         extra = torch.arange(1, padded - length + 1, device=embeds.device)
-        positions = torch.cat([positions, positions[..., -1:] + extra], dim=-1)  # mRoPE's [3, rows, length] too
+        # mRoPE's [3, rows, length] too
+        positions = torch.cat([positions, positions[..., -1:] + extra], dim=-1)
         self.shard = Shard(start, end, padded, length, self.group)
         self.positions = torch.arange(start, end, device=embeds.device).expand(rows, end - start)
         kwargs |= {"position_ids": positions[..., start:end],
                    "attention_mask": whole_sequence_masks(kwargs.get("attention_mask"), length, padded)
                    if self.masked else None}
-        for name, value in kwargs.items():  # the embeddings, Gemma 4's per-layer embeddings: each token's inputs
+        # the embeddings, Gemma 4's per-layer embeddings: each token's inputs
+        for name, value in kwargs.items():
             if name not in SPLIT_APART and torch.is_tensor(value) and value.shape[:2] == (rows, length):
                 kwargs[name] = self.shard.take(value)
-        if kwargs.get("visual_pos_masks") is not None:  # Qwen3-VL's deepstack: the shard's visual tokens' rows
+        # Qwen3-VL's deepstack: the shard's visual tokens' rows
+        if kwargs.get("visual_pos_masks") is not None:
             masks = F.pad(kwargs["visual_pos_masks"], (0, padded - length))
             in_shard = torch.zeros_like(masks)
             in_shard[:, start:end] = True
@@ -268,10 +289,13 @@ class SequenceParallel:
     def _attention(self, module, query, key, value, attention_mask, *args, **kwargs):
         if not self.split_now:  # whole sequences, with their mask
             return self.core(module, query, key, value, attention_mask, *args, **kwargs)
-        kwargs["position_ids"] = self.positions  # DeepSpeed gathers them; causal masking needs them monotonic
-        groups = getattr(module, "num_key_value_groups", None)  # DeepSpeed sets it where it replicates heads
+        # DeepSpeed gathers them; causal masking needs them monotonic
+        kwargs["position_ids"] = self.positions
+        # DeepSpeed sets it where it replicates heads
+        groups = getattr(module, "num_key_value_groups", None)
         try:
-            mask = attention_mask if self.masked else None  # the whole sequence's, or causal over it
+            # the whole sequence's, or causal over it
+            mask = attention_mask if self.masked else None
             return self._ulysses(len(query))(module, query, key, value, mask, *args, **kwargs)
         finally:
             if groups is not None:

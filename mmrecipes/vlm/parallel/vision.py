@@ -1,16 +1,19 @@
 """The vision tower's work shared over a sequence-parallel group ("vision data parallelism").
 
-The ranks of a group hold the same rows. Instead of each running the tower on all of the group's images, each encodes
-a share of them: whole images, and a clip's frames where the tower encodes each frame alone (Qwen's grid families),
-spread over the ranks by patch count (the largest first, each to the least loaded rank). Their features are gathered
-over the group (torch's differentiable all-gather: its backward sums each rank's gradients into the features' owner,
-as each rank's loss reaches the image tokens of its shard), so every rank merges the whole batch's features as before.
-A rank left without an image encodes the smallest one again and uses none of it (its features enter the loss as an
-exact zero, as a text-only batch's dummy does): every rank runs the tower and the same collectives.
+The ranks of a group hold the same rows. Instead of each running the tower on all of the group's
+images, each encodes a share of them: whole images, and a clip's frames where the tower encodes each
+frame alone (Qwen's grid families), spread over the ranks by patch count (the largest first, each to
+the least loaded rank). Their features are gathered over the group (torch's differentiable
+all-gather: its backward sums each rank's gradients into the features' owner, as each rank's loss
+reaches the image tokens of its shard), so every rank merges the whole batch's features as before. A
+rank left without an image encodes the smallest one again and uses none of it (its features enter
+the loss as an exact zero, as a text-only batch's dummy does): every rank runs the tower and the
+same collectives.
 
-Whether a family's tower splits so is checked, not assumed (`VisionShare.of`): two random images encoded together
-must give what each gives alone, and, for a grid family, a two-frame clip what its frames give alone. A tower that
-fails the check (or whose inputs are not laid out by image) runs whole on every rank, as before, and the log says so.
+Whether a family's tower splits so is checked, not assumed (`VisionShare.of`): two random images
+encoded together must give what each gives alone, and, for a grid family, a two-frame clip what its
+frames give alone. A tower that fails the check (or whose inputs are not laid out by image) runs
+whole on every rank, as before, and the log says so.
 """
 
 import inspect
@@ -29,8 +32,9 @@ ROWS_OF_SEVERAL = ("pixel_attention_mask", "batch_num_images")
 
 @dataclass(frozen=True)
 class Unit:
-    """One image, clip or frame of a batch: its `item` (image or clip), its rows of the pixels (of every input, where
-    the inputs have one row per image), its grid row (grid families) and its patches (the balance's cost)."""
+    """One image, clip or frame of a batch: its `item` (image or clip), its rows of the pixels (of
+    every input, where the inputs have one row per image), its grid row (grid families) and its
+    patches (the balance's cost)."""
 
     item: int
     rows: slice
@@ -39,8 +43,8 @@ class Unit:
 
 
 def split_units(inputs: dict, frames: bool) -> list[Unit]:
-    """The units of `get_image_features` inputs: a grid family's images, or their frames where `frames`; otherwise
-    each row of the inputs (one image each)."""
+    """The units of `get_image_features` inputs: a grid family's images, or their frames where
+    `frames`; otherwise each row of the inputs (one image each)."""
     if GRID in inputs:
         units, start = [], 0
         for item, (t, h, w) in enumerate(inputs[GRID].tolist()):
@@ -68,7 +72,8 @@ def take(inputs: dict, units: list[Unit]) -> dict:
 
 
 def owners(costs: list[int], size: int) -> list[int]:
-    """The rank of each unit: the largest first, each to the least loaded rank (the lowest of equals)."""
+    """The rank of each unit: the largest first, each to the least loaded rank (the lowest of
+    equals)."""
     loads, owner = [0] * size, [0] * len(costs)
     for index in sorted(range(len(costs)), key=lambda index: -costs[index]):
         owner[index] = min(range(size), key=lambda rank: loads[rank])
@@ -77,13 +82,15 @@ def owners(costs: list[int], size: int) -> list[int]:
 
 
 def streams(output) -> dict:
-    """The features the language model takes, per unit: {(field, layer or None): list of per-unit tensors}, and each
-    field's container (tuple, list or a tensor with a row per unit) to build the output again."""
+    """The features the language model takes, per unit: {(field, layer or None): list of per-unit
+    tensors}, and each field's container (tuple, list or a tensor with a row per unit) to build the
+    output again."""
     found, kinds = {}, {}
     for name, value in output.items():
         if name in ENCODER_ONLY_OUTPUTS or value is None:
             continue
-        layered = isinstance(value, list) and value and isinstance(value[0], (list, tuple))  # Qwen3-VL's deepstack
+        # Qwen3-VL's deepstack
+        layered = isinstance(value, list) and value and isinstance(value[0], (list, tuple))
         for layer, part in enumerate(value) if layered else [(None, value)]:
             found[name, layer] = list(part)
         kinds[name] = ("layers" if layered else "") + type(value[0] if layered else value).__name__
@@ -105,8 +112,9 @@ def build(output_type, kinds: dict, items: dict):
 
 
 class VisionShare:
-    """Each rank of a sequence-parallel `group` (`size` ranks, this one `rank`) encodes a share of the group's images
-    (and frames, where `frames`), and every rank gets the whole batch's features."""
+    """Each rank of a sequence-parallel `group` (`size` ranks, this one `rank`) encodes a share of
+    the group's images (and frames, where `frames`), and every rank gets the whole batch's
+    features."""
 
     def __init__(self, group, size: int, rank: int, frames: bool):
         self.group, self.size, self.rank, self.frames = group, size, rank, frames
@@ -114,10 +122,11 @@ class VisionShare:
     @classmethod
     @torch.no_grad()
     def of(cls, model, group, size: int, rank: int, processor=None) -> tuple["VisionShare | None", str]:
-        """The share for `model`'s tower, or None where its tower does not split by image; and the log line. The
-        processor makes the probe images where the model's config alone cannot."""
+        """The share for `model`'s tower, or None where its tower does not split by image; and the
+        log line. The processor makes the probe images where the model's config alone cannot."""
         try:
-            takes = inspect.signature(model.get_image_features).parameters  # not a clip of its own video path
+            # not a clip of its own video path
+            takes = inspect.signature(model.get_image_features).parameters
             inputs = {name: value for name, value in dummy_image_inputs(model, processor).items() if name in takes}
             generator = torch.Generator().manual_seed(0)
             pixels = inputs["pixel_values"]
@@ -147,14 +156,17 @@ class VisionShare:
                                                 "patches, the features gathered")
 
     def encode(self, encoder, inputs: dict):
-        """(`encoder(**inputs)`'s output for the whole batch, gathered over the group; the features this rank encoded
-        without using them, or None): the encoder runs on this rank's units only."""
+        """(`encoder(**inputs)`'s output for the whole batch, gathered over the group; the features
+        this rank encoded without using them, or None): the encoder runs on this rank's units
+        only."""
         units = split_units(inputs, self.frames)
         owner = owners([unit.patches for unit in units], self.size)
         per_rank = [[index for index, rank in enumerate(owner) if rank == other] for other in range(self.size)]
         mine = per_rank[self.rank]
         spare = not mine
-        if spare:  # a rank without an image encodes the smallest again: the same tower and collectives as the others
+        # a rank without an image encodes the smallest again: the same tower and collectives as the
+        # others
+        if spare:
             mine = [min(range(len(units)), key=lambda index: units[index].patches)]
         encoded = encoder(**take(inputs, [units[index] for index in mine]), return_dict=True)
         local, kinds = streams(encoded)
@@ -193,7 +205,8 @@ def _close(one: torch.Tensor, other: torch.Tensor) -> bool:
 
 
 def _frames_alone(model, two: list[dict], whole: dict) -> bool:
-    """Whether a two-frame clip of the two images gives what the images give alone, frame by frame."""
+    """Whether a two-frame clip of the two images gives what the images give alone, frame by
+    frame."""
     grid = two[0][GRID].clone()
     grid[:, 0] = 2
     clip = streams(model.get_image_features(pixel_values=torch.cat([one["pixel_values"] for one in two]),

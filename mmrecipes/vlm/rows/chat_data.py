@@ -1,11 +1,14 @@
-"""Streamed chat data for VLM fine-tuning: rows in any public layout -> tokens + labels, bad rows counted.
+"""Streamed chat data for VLM fine-tuning: rows in any public layout -> tokens + labels, bad rows
+counted.
 
-Each row is told apart by its columns (TRL's `messages`, ShareGPT, LLaMA-Factory's and LLaVA's `conversations`,
-image-caption rows: docs/data.md) and becomes image and video content parts, which the checkpoint's own chat template
-and processor turn into its tokens; the labels are the assistant turns (`labels.AnswerLabeller`). Relative media paths
-resolve against `--image_folder` / `--video_folder`, else the data file's folder, never outside it unless asked. A
-row is never truncated: one that is too long, or whose media or placeholders do not fit, raises `Skip` and is
-counted; a `<video>` placeholder never reaches a model that takes no video as the text it looks like.
+Each row is told apart by its columns (TRL's `messages`, ShareGPT, LLaMA-Factory's and LLaVA's
+`conversations`, image-caption rows: docs/data.md) and becomes image and video content parts, which
+the checkpoint's own chat template and processor turn into its tokens; the labels are the assistant
+turns (`labels.AnswerLabeller`). Relative media paths resolve against `--image_folder` /
+`--video_folder`, else the data file's folder, never outside it unless asked. A row is never
+truncated: one that is too long, or whose media or placeholders do not fit, raises `Skip` and is
+counted; a `<video>` placeholder never reaches a model that takes no video as the text it looks
+like.
 """
 
 import functools
@@ -41,9 +44,12 @@ CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "imag
 CAPTIONS = ("caption", "text")  # image-caption rows: a conversation of the image and its caption
 CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", "id", "tools", *CAPTIONS]
 MAX_CHARS_PER_TOKEN = 32  # a bound on the characters of text one token holds, with a wide margin
-TYPICAL_CHARS_PER_TOKEN = 4  # about what a token holds of English: longer texts are tokenised before labelling
-TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # per token: padded
-ROLES = ("system", "user", "assistant", "tool")  # what the chat templates know; a bot's turn is a bad_row
+# about what a token holds of English: longer texts are tokenised before labelling
+TYPICAL_CHARS_PER_TOKEN = 4
+# per token: padded
+TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+# what the chat templates know; a bot's turn is a bad_row
+ROLES = ("system", "user", "assistant", "tool")
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", **{role: role for role in ROLES}}
 MEDIA_PARTS = {"<image>": "image", "<video>": "video"}  # LLaVA's placeholders -> content part types
 
@@ -56,8 +62,9 @@ class BadRow(Skip):
 
 
 def to_chat(row):
-    """(messages, raw images, raw videos) of a row in any of the layouts in the module docstring; raises BadRow
-    for anything else. Paths are returned as written (`media_folder` says what they are relative to)."""
+    """(messages, raw images, raw videos) of a row in any of the layouts in the module docstring;
+    raises BadRow for anything else. Paths are returned as written (`media_folder` says what they
+    are relative to)."""
     key = "messages" if row.get("messages") is not None else "conversations"
     if row.get(key) is None and (caption := next((row[name] for name in CAPTIONS if row.get(name) is not None),
                                                   None)) is not None:
@@ -68,7 +75,8 @@ def to_chat(row):
 
 
 def _captioned(caption) -> list[dict]:
-    """An image-caption row (the CLIP data; LLaVA's stage 1) as a conversation: the image, then the caption."""
+    """An image-caption row (the CLIP data; LLaVA's stage 1) as a conversation: the image, then the
+    caption."""
     if not isinstance(caption, str) or not caption.strip():
         raise BadRow(f"a caption that is not text: {caption!r:.80}")
     return [{"role": "user", "content": [{"type": "image"}]},
@@ -76,7 +84,8 @@ def _captioned(caption) -> list[dict]:
 
 
 def to_message(turn) -> dict:
-    """A message of a role/content turn (TRL, LLaMA-Factory) or a from/value one (ShareGPT, LLaVA)."""
+    """A message of a role/content turn (TRL, LLaMA-Factory) or a from/value one (ShareGPT,
+    LLaVA)."""
     if isinstance(turn, dict) and "from" in turn:
         if _field(turn, "from") not in LLAVA_ROLES:
             raise BadRow(f"unknown speaker {turn['from']!r}")
@@ -90,7 +99,8 @@ def to_message(turn) -> dict:
     calls_only = turn["role"] == "assistant" and turn.get("tool_calls") and turn.get("content") is None
     # an assistant turn of calls alone has no content in TRL's datasets (and OpenAI's): an empty one, its calls kept
     message = {"role": turn["role"], "content": [] if calls_only else _content_parts(_field(turn, "content", list))}
-    if turn.get("tool_calls"):  # an assistant's calls (TRL's layout; arguments as an object or JSON text)
+    # an assistant's calls (TRL's layout; arguments as an object or JSON text)
+    if turn.get("tool_calls"):
         message["tool_calls"] = [_tool_call(call) for call in turn["tool_calls"]]
     if turn.get("name") is not None:  # a tool's turn: the tool it answers for
         message["name"] = str(turn["name"])
@@ -108,7 +118,8 @@ def _tool_call(call) -> dict:
 
 
 def row_tools(row) -> list | None:
-    """The JSON schemas of a row's `tools` column (TRL's: a list, or its JSON text), which its template renders."""
+    """The JSON schemas of a row's `tools` column (TRL's: a list, or its JSON text), which its
+    template renders."""
     tools = row.get("tools")
     if tools is None:
         return None
@@ -119,14 +130,15 @@ def row_tools(row) -> list | None:
 
 
 def string_prompt(prompt: str, images: list) -> dict:
-    """A TRL string prompt as a user turn: its `<image>` placeholders become image parts, or, where it has none,
-    one image part per image goes in front of its text (TRL's DPO and GRPO rows)."""
+    """A TRL string prompt as a user turn: its `<image>` placeholders become image parts, or, where
+    it has none, one image part per image goes in front of its text (TRL's DPO and GRPO rows)."""
     placeholders = "" if "<image>" in prompt else "<image>" * len(images)
     return to_message({"role": "user", "content": placeholders + prompt})
 
 
 def row_media(row, *keys) -> list:
-    """The row's images (or videos) from the first of `keys` that holds any: a list, or one of them."""
+    """The row's images (or videos) from the first of `keys` that holds any: a list, or one of
+    them."""
     media = next((row[key] for key in keys if row.get(key)), [])
     media = [media] if isinstance(media, (str, bytes, dict, Image.Image)) else media
     if not isinstance(media, list) or not all(isinstance(item, (str, bytes, dict, Image.Image)) for item in media):
@@ -136,9 +148,10 @@ def row_media(row, *keys) -> list:
 
 
 def media_folder(row, folder: str | None) -> str | None:
-    """What a row's relative image or video paths resolve against: `folder` (--image_folder / --video_folder),
-    else the folder of the local file the row was read from (as LLaMA-Factory's media_dir), else None (the
-    working directory: `datasets`' own readers do not say which file a row came from)."""
+    """What a row's relative image or video paths resolve against: `folder` (--image_folder /
+    --video_folder), else the folder of the local file the row was read from (as LLaMA-Factory's
+    media_dir), else None (the working directory: `datasets`' own readers do not say which file a
+    row came from)."""
     if folder:
         return _resolved_folder(folder)
     data_file = row.get(DATA_FILE)
@@ -147,12 +160,14 @@ def media_folder(row, folder: str | None) -> str | None:
 
 @functools.lru_cache(maxsize=1024)
 def _resolved_folder(path: str, parent: bool = False) -> str:
-    """The real path of a folder (or of a file's folder), resolved once: a stream asks for the same few per row."""
+    """The real path of a folder (or of a file's folder), resolved once: a stream asks for the same
+    few per row."""
     return os.path.dirname(os.path.realpath(path)) if parent else os.path.realpath(path)
 
 
 def _field(item, key, kind=str):
-    """`item[key]`, which must be a `kind` (a string unless told; a string always passes for content)."""
+    """`item[key]`, which must be a `kind` (a string unless told; a string always passes for
+    content)."""
     value = item.get(key) if isinstance(item, dict) else None
     if not isinstance(value, (kind, str)):
         raise BadRow(f"{key} is {type(value).__name__}, not {kind.__name__}")
@@ -160,8 +175,9 @@ def _field(item, key, kind=str):
 
 
 def _content_parts(content):
-    """Content parts; a string's `<image>` and `<video>` placeholders become image and video parts (LLaVA's
-    convention). A media part carries no text key: some templates test `'text' in part` before the part's type."""
+    """Content parts; a string's `<image>` and `<video>` placeholders become image and video parts
+    (LLaVA's convention). A media part carries no text key: some templates test `'text' in part`
+    before the part's type."""
     if not isinstance(content, str):
         parts = [{"type": part["type"]} if _field(part, "type") in MEDIA_PARTS.values()
                  else {"type": part["type"], "text": part.get("text")} for part in content]
@@ -187,16 +203,18 @@ def _count_parts(messages, kind) -> int:
 
 
 class ChatPreprocessor:
-    """Batched `datasets.map` function: chat rows in, {input_ids, labels, media_inputs} rows out, bad rows dropped
-    and counted (`Skip`; the counts travel on the next kept row, `SKIPPED`)."""
+    """Batched `datasets.map` function: chat rows in, {input_ids, labels, media_inputs} rows out,
+    bad rows dropped and counted (`Skip`; the counts travel on the next kept row, `SKIPPED`)."""
 
     COLUMNS = CHAT_COLUMNS  # what it reads of a row
-    OUTPUTS = ("input_ids", "labels", "media_inputs")  # what `example` gives for a kept row, in this order
+    # what `example` gives for a kept row, in this order
+    OUTPUTS = ("input_ids", "labels", "media_inputs")
 
     def __init__(self, args: ChatDataArgs, labeller, max_length: int):
         self.args, self.labeller, self.max_length = args, labeller, max_length
         self.drops = DropCounter()
-        self.logged = set()  # what was already logged once: "video", and the kinds of unexpected failure
+        # what was already logged once: "video", and the kinds of unexpected failure
+        self.logged = set()
 
     def __call__(self, batch):
         out = {name: [] for name in (*self.OUTPUTS, SKIPPED)}
@@ -214,9 +232,9 @@ class ChatPreprocessor:
         return out
 
     def example(self, row):
-        """(`tokenize`'s outputs, a note) of a raw row, or `Skip` ("video": a video the checkpoint cannot take); any
-        other failure is a counted "bad_row", never a crash (logged once per kind: a chat template that refuses a row
-        raises its own errors, and so would a bug)."""
+        """(`tokenize`'s outputs, a note) of a raw row, or `Skip` ("video": a video the checkpoint
+        cannot take); any other failure is a counted "bad_row", never a crash (logged once per kind:
+        a chat template that refuses a row raises its own errors, and so would a bug)."""
         try:
             messages, raw_images, raw_videos = to_chat(row)
             if self.labeller.video_token_id is None and has_video(row, messages):
@@ -236,9 +254,10 @@ class ChatPreprocessor:
             raise Skip("bad_row", f"{type(error).__name__}: {error}") from error
 
     def tokenize(self, messages, raw_images, raw_videos=(), images_folder=None, videos_folder=None, tools=None):
-        """((input_ids, labels, media_inputs), note), or `Skip` with the reason the row is dropped. Relative media
-        paths resolve against the folders (`media_folder`). A row whose text alone cannot fit is dropped first,
-        before its media are decoded and before the labeller renders and tokenises it."""
+        """((input_ids, labels, media_inputs), note), or `Skip` with the reason the row is dropped.
+        Relative media paths resolve against the folders (`media_folder`). A row whose text alone
+        cannot fit is dropped first, before its media are decoded and before the labeller renders
+        and tokenises it."""
         self.check_text_length(messages)
         images, note = row_images(self.args, images_folder, messages, raw_images)
         videos = row_videos(self.args, videos_folder, messages, raw_videos)
@@ -246,25 +265,28 @@ class ChatPreprocessor:
             input_ids, labels, media_inputs = encode_row(self.labeller, messages, images, videos, tools)
         except UnalignedAnswer as error:
             raise Skip("unaligned", str(error)) from error
-        except TemplateError as error:  # the template renders this row's turns differently from its prefixes
+        # the template renders this row's turns differently from its prefixes
+        except TemplateError as error:
             raise Skip("no_target", "the chat template renders its turns differently from their prefixes") from error
         if len(input_ids) > self.max_length:
             raise Skip("too_long", f"{len(input_ids)} tokens, over {self.max_length}")
-        if not (labels[1:] != IGNORE_INDEX).any():  # the first token is never a target after the shift
+        # the first token is never a target after the shift
+        if not (labels[1:] != IGNORE_INDEX).any():
             raise Skip("no_target", "no assistant answer to learn")
         return (input_ids, labels, media_inputs), note
 
     def check_text_length(self, messages):
-        """Skip (too_long) a row whose text parts alone cannot fit in `max_length` tokens: over `MAX_CHARS_PER_TOKEN`
-        characters a token (no tokenizer packs natural text so densely), or, for a text long enough to be in doubt,
-        over the limit once tokenised on their own (a margin of one token a part: in the template a part may merge
-        with its neighbours)."""
+        """Skip (too_long) a row whose text parts alone cannot fit in `max_length` tokens: over
+        `MAX_CHARS_PER_TOKEN` characters a token (no tokenizer packs natural text so densely), or,
+        for a text long enough to be in doubt, over the limit once tokenised on their own (a margin
+        of one token a part: in the template a part may merge with its neighbours)."""
         texts = [part["text"] for message in messages for part in message["content"] if part["type"] == "text"]
         characters = sum(map(len, texts))
         if characters > self.max_length * MAX_CHARS_PER_TOKEN:
             raise Skip("too_long", f"{characters} characters of text, more than {self.max_length} tokens hold")
         if characters <= self.max_length * TYPICAL_CHARS_PER_TOKEN:
-            return  # most rows: the labeller measures them, without a tokenisation of their own here
+            # most rows: the labeller measures them, without a tokenisation of their own here
+            return
         tokens = sum(map(len, self.labeller.tokenizer(texts, add_special_tokens=False)["input_ids"])) if texts else 0
         if tokens > self.max_length + len(texts):
             raise Skip("too_long", f"its text alone is {tokens} tokens, over {self.max_length}")
@@ -279,8 +301,8 @@ class ChatPreprocessor:
 
 
 def row_images(args: ChatDataArgs, folder: str | None, messages, raw_images):
-    """(decoded images, a note such as "converted") of a row, or `Skip`: its placeholders do not match its images, a
-    path leaves `folder` (`media_folder`), or an image does not decode."""
+    """(decoded images, a note such as "converted") of a row, or `Skip`: its placeholders do not
+    match its images, a path leaves `folder` (`media_folder`), or an image does not decode."""
     placeholders = _count_parts(messages, "image")
     if placeholders != len(raw_images):
         raise Skip("image_mismatch", f"{placeholders} image placeholders or parts, {len(raw_images)} images")
@@ -296,8 +318,8 @@ def row_images(args: ChatDataArgs, folder: str | None, messages, raw_images):
 
 
 def row_videos(args: ChatDataArgs, folder: str | None, messages, raw_videos):
-    """The decoded clips of a row (`mmrecipes.vlm.rows.videos.DecodedVideo`s), or `Skip`: as for images, and a clip that
-    yields no frame or runs over --video_max_seconds."""
+    """The decoded clips of a row (`mmrecipes.vlm.rows.videos.DecodedVideo`s), or `Skip`: as for
+    images, and a clip that yields no frame or runs over --video_max_seconds."""
     placeholders = _count_parts(messages, "video")
     if placeholders != len(raw_videos):
         raise Skip("video_mismatch", f"{placeholders} video placeholders or parts, {len(raw_videos)} clips")
@@ -312,8 +334,9 @@ def row_videos(args: ChatDataArgs, folder: str | None, messages, raw_videos):
 
 
 def _resolved(args: ChatDataArgs, folder: str | None, raw_media):
-    """A media path joined to `folder`, or `Skip` if it resolves outside it (symlinks followed: '../' and absolute
-    paths), unless --allow_images_outside_folder; bytes and decoded media as they are."""
+    """A media path joined to `folder`, or `Skip` if it resolves outside it (symlinks followed:
+    '../' and absolute paths), unless --allow_images_outside_folder; bytes and decoded media as they
+    are."""
     if not isinstance(raw_media, str) or not folder:
         return raw_media
     path = os.path.join(folder, raw_media)
@@ -330,9 +353,9 @@ def _unreadable(raw_media) -> str:
 
 
 def encode_row(labeller, messages, images, videos=(), tools=None):
-    """(input_ids, labels, media_inputs) of one conversation (with its `tools`' schemas): the labeller's tokens and
-    targets, and the processor's other outputs (image and video inputs; per-token ones like mm_token_type_ids
-    unbatched)."""
+    """(input_ids, labels, media_inputs) of one conversation (with its `tools`' schemas): the
+    labeller's tokens and targets, and the processor's other outputs (image and video inputs;
+    per-token ones like mm_token_type_ids unbatched)."""
     encoded, target = labeller(messages, images, videos, tools)
     input_ids, media_inputs = unbatched(encoded)
     return input_ids, torch.where(target, input_ids, IGNORE_INDEX), media_inputs
@@ -346,12 +369,13 @@ def unbatched(encoded) -> tuple[torch.Tensor, dict]:
 
 
 def generation_prompts(args: ChatDataArgs, processor, *, rows: int, ranks) -> list:
-    """This rank's share of `rows` held-out conversations (`ranks`: `distributed.Ranks`, their evaluation reads), as
-    (prompt row, answer): the conversation up to
-    its last assistant turn through the processor's own chat template with its generation prompt and images
-    (what a user's `generate` call gets), and that turn's text. Independent of the labels, so that
-    `evaluation.evaluate_generation` checks them. Rows that cannot be read are left out; where no rank has a prompt,
-    every rank raises together, with what its share left out by reason (the evaluation would never run)."""
+    """This rank's share of `rows` held-out conversations (`ranks`: `distributed.Ranks`, their
+    evaluation reads), as (prompt row, answer): the conversation up to its last assistant turn
+    through the processor's own chat template with its generation prompt and images (what a user's
+    `generate` call gets), and that turn's text. Independent of the labels, so that
+    `evaluation.evaluate_generation` checks them. Rows that cannot be read are left out; where no
+    rank has a prompt, every rank raises together, with what its share left out by reason (the
+    evaluation would never run)."""
     if not rows:
         return []
     rows = ranks.share(rows)
@@ -393,8 +417,8 @@ def _held_out_prompt(args: ChatDataArgs, processor, row):
 
 
 def prompt_row(processor, messages, images, tools=None) -> dict:
-    """A collator row of `messages` rendered with the generation prompt (and the `tools`' JSON schemas, where given;
-    no target): what `generate` is given."""
+    """A collator row of `messages` rendered with the generation prompt (and the `tools`' JSON
+    schemas, where given; no target): what `generate` is given."""
     text = processor.apply_chat_template(messages, add_generation_prompt=True, **({"tools": tools} if tools else {}))
     input_ids, media_inputs = unbatched(processor(text=text, images=[images] if images else None))
     return {"input_ids": input_ids, "labels": torch.full_like(input_ids, IGNORE_INDEX), "media_inputs": media_inputs}
@@ -409,16 +433,17 @@ def _as_tensor(value):
 
 def build_chat_dataloader(args: ChatDataArgs, labeller, collator, *, batch_size, ranks, shuffle_seed=None,
                           eval_split=False, preprocessor=ChatPreprocessor, preprocessor_kwargs=None):
-    """A DataLoader over this rank's rows (`ranks.reads`: `distributed.Ranks`; GRPO's prompts: `Ranks.teams`): the
-    training mixture, or (eval_split) the held-out set, read by `preprocessor` (conversations; `PreferencePreprocessor`:
-    preference pairs; `PromptPreprocessor`: prompts), built with `preprocessor_kwargs` besides.
-    --max_tokens_per_batch is what one rank holds: a micro-batch split over `ranks.split_size` ranks holds that many
-    times as many tokens. A held-out set that gives no rank a row stops the run now (`loader.check_held_out`: every
-    rank together, a collective).
+    """A DataLoader over this rank's rows (`ranks.reads`: `distributed.Ranks`; GRPO's prompts:
+    `Ranks.teams`): the training mixture, or (eval_split) the held-out set, read by `preprocessor`
+    (conversations; `PreferencePreprocessor`: preference pairs; `PromptPreprocessor`: prompts),
+    built with `preprocessor_kwargs` besides. --max_tokens_per_batch is what one rank holds: a
+    micro-batch split over `ranks.split_size` ranks holds that many times as many tokens. A held-out
+    set that gives no rank a row stops the run now (`loader.check_held_out`: every rank together, a
+    collective).
 
-    The sources are mixed at `dataset_weights` (`mmrecipes.sources.mixed_stream`), then the mixture is shuffled
-    in blocks and tokenised (`ResumableShuffle`: a checkpoint resumes it exactly). An epoch ends once every
-    source has been read once.
+    The sources are mixed at `dataset_weights` (`mmrecipes.sources.mixed_stream`), then the mixture
+    is shuffled in blocks and tokenised (`ResumableShuffle`: a checkpoint resumes it exactly). An
+    epoch ends once every source has been read once.
     """
     sources = ([(args.eval_dataset_name, args.dataset_config_name, args.eval_split, args.eval_data_files)]
                if eval_split else args.training_sources())

@@ -1,10 +1,11 @@
 """Rows to micro-batches for VLM fine-tuning: the dummy-image collator (padding or packing), and the
 checks before the first step that use it.
 
-`ChatCollator` gives a batch without any image the model's tiny dummy image, so the vision step
-runs on every rank for every micro-batch (see mmrecipes.vlm.model.step); it also counts, on the host, what the
-loop needs (rows, tokens, target tokens, data counts: `images.HOST_KEYS`, which `images.to_device` leaves on the
-host). `probe_rows`: two probe conversations for the checks before training (`models.check_packing`).
+`ChatCollator` gives a batch without any image the model's tiny dummy image, so the vision step runs
+on every rank for every micro-batch (see mmrecipes.vlm.model.step); it also counts, on the host,
+what the loop needs (rows, tokens, target tokens, data counts: `images.HOST_KEYS`, which
+`images.to_device` leaves on the host). `probe_rows`: two probe conversations for the checks before
+training (`models.check_packing`).
 """
 
 import torch
@@ -15,23 +16,25 @@ from ...skips import data_counts
 from .chat_data import CHAT_COUNTED, TOKEN_ALIGNED, encode_row
 from .labels import IGNORE_INDEX, count_target_tokens
 
-MEDIA_KEYS = ("pixel_values", "pixel_values_videos")  # a row holds images, videos or both when it has these
+# a row holds images, videos or both when it has these
+MEDIA_KEYS = ("pixel_values", "pixel_values_videos")
 
 
 class ChatCollator:
-    """Rows -> one micro-batch that runs the same graph on every rank (see mmrecipes.vlm.model.step).
+    """Rows -> one micro-batch that runs the same graph on every rank (see
+    mmrecipes.vlm.model.step).
 
     Pads each row to the longest on the right (labels with IGNORE_INDEX). With `packing`, the rows
     are first packed in order into sequences of up to `pack_length` tokens (one sequence if None),
     each row's first label ignored (it is never predicted from the sample before it), and
     `sample_lengths` / `media_per_sample` (images, and videos where the batch has any) list every
     segment of the padded `[sequences, L]` batch in order (a sequence's padding is a segment of its
-    own), for per-sample positions and attention (mmrecipes.vlm.rows.packing). Concatenates the rows' image
-    and video inputs in row order, and gives a batch without any image the model's tiny dummy image
-    (`dummy_image_inputs`) with `dummy_image=True`, so the vision step runs on every micro-batch (a
-    batch's videos go through the tower in the same call: `mmrecipes.vlm.model.step.VLMForTraining`). Where the
-    dummy inputs hold a clip (a video path of the model's own), a batch without a clip gets it, with
-    `dummy_video=True`.
+    own), for per-sample positions and attention (mmrecipes.vlm.rows.packing). Concatenates the
+    rows' image and video inputs in row order, and gives a batch without any image the model's tiny
+    dummy image (`dummy_image_inputs`) with `dummy_image=True`, so the vision step runs on every
+    micro-batch (a batch's videos go through the tower in the same call:
+    `mmrecipes.vlm.model.step.VLMForTraining`). Where the dummy inputs hold a clip (a video path of
+    the model's own), a batch without a clip gets it, with `dummy_video=True`.
     """
 
     def __init__(self, pad_token_id: int, dummy_inputs: dict, packing: bool = False, pack_length: int | None = None):
@@ -39,8 +42,9 @@ class ChatCollator:
         self.packing, self.pack_length = packing, pack_length
 
     def __call__(self, rows):
-        """The micro-batch of `rows`, in named steps: the packs (one a row without packing), the text, the segments
-        of packed sequences, the media, the dummies for what the batch lacks, and the host's counts."""
+        """The micro-batch of `rows`, in named steps: the packs (one a row without packing), the
+        text, the segments of packed sequences, the media, the dummies for what the batch lacks, and
+        the host's counts."""
         lengths = [len(row["input_ids"]) for row in rows]
         packs = _next_fit(lengths, self.pack_length) if self.packing else [[i] for i in range(len(rows))]
         joined = Joined(packs, max(sum(lengths[i] for i in pack) for pack in packs))
@@ -52,7 +56,8 @@ class ChatCollator:
         return batch | counts(rows, lengths, batch["labels"])
 
     def text(self, rows, joined: "Joined") -> dict:
-        """The token ids, the attention mask and the labels, padded (packed: each row's first label ignored)."""
+        """The token ids, the attention mask and the labels, padded (packed: each row's first label
+        ignored)."""
         labels = [row["labels"] for row in rows]
         if self.packing:
             labels = [torch.cat([row_labels.new_full((1,), IGNORE_INDEX), row_labels[1:]]) for row_labels in labels]
@@ -61,8 +66,8 @@ class ChatCollator:
                 "labels": joined(labels, IGNORE_INDEX)}
 
     def dummies(self, batch: dict) -> dict:
-        """The dummy image where the batch holds none (`dummy_image`), and the dummy clip where the model has a video
-        path of its own and the batch holds no clip (`dummy_video`)."""
+        """The dummy image where the batch holds none (`dummy_image`), and the dummy clip where the
+        model has a video path of its own and the batch holds no clip (`dummy_video`)."""
         dummies = {"dummy_image": "pixel_values" not in batch}
         if dummies["dummy_image"]:
             dummies |= {key: value for key, value in self.dummy_inputs.items() if key != "pixel_values_videos"}
@@ -72,7 +77,8 @@ class ChatCollator:
 
 
 class Joined:
-    """Rows' per-token tensors joined by pack and padded to the batch's `length` (`joined(tensors, pad value)`)."""
+    """Rows' per-token tensors joined by pack and padded to the batch's `length` (`joined(tensors,
+    pad value)`)."""
 
     def __init__(self, packs: list, length: int):
         self.packs, self.length = packs, length
@@ -82,8 +88,9 @@ class Joined:
 
 
 def segments(rows, packs, lengths, length: int) -> dict:
-    """Every segment of the packed sequences in order (`sample_lengths`; a sequence's padding a segment of its own)
-    and its media (`media_per_sample`: images, and videos where the batch has any)."""
+    """Every segment of the packed sequences in order (`sample_lengths`; a sequence's padding a
+    segment of its own) and its media (`media_per_sample`: images, and videos where the batch has
+    any)."""
     videos = any("pixel_values_videos" in row["media_inputs"] for row in rows)
     found = []
     for pack in packs:
@@ -95,8 +102,8 @@ def segments(rows, packs, lengths, length: int) -> dict:
 
 
 def media(rows, joined: Joined) -> dict:
-    """The rows' per-token media inputs joined as the text is (a text-only row's zeros: no image token), their image
-    and video inputs concatenated in row order (`media_tensors`)."""
+    """The rows' per-token media inputs joined as the text is (a text-only row's zeros: no image
+    token), their image and video inputs concatenated in row order (`media_tensors`)."""
     batch = {}
     for key in TOKEN_ALIGNED[2:]:
         if any(key in row["media_inputs"] for row in rows):
@@ -105,9 +112,9 @@ def media(rows, joined: Joined) -> dict:
 
 
 def media_tensors(with_media: list) -> dict:
-    """Images' and clips' inputs of the rows that hold any, concatenated in row order; the frames of clips of
-    different lengths (`video_frames`); the constants that finish uint8 images and clips on the device (the same
-    for every row)."""
+    """Images' and clips' inputs of the rows that hold any, concatenated in row order; the frames of
+    clips of different lengths (`video_frames`); the constants that finish uint8 images and clips on
+    the device (the same for every row)."""
     keys = {key for inputs in with_media for key in inputs} - {*TOKEN_ALIGNED, *NORMALIZED_BY.values()}
     batch = {key: _cat_padded([inputs[key] for inputs in with_media if key in inputs]) for key in keys}
     clips = [inputs["pixel_values_videos"] for inputs in with_media if "pixel_values_videos" in inputs]
@@ -116,14 +123,16 @@ def media_tensors(with_media: list) -> dict:
 
 
 def clip_frames(clips: list) -> dict:
-    """`video_frames`, each clip's frames, where clips of different lengths were zero-padded to the longest."""
+    """`video_frames`, each clip's frames, where clips of different lengths were zero-padded to the
+    longest."""
     if clips and clips[0].dim() == 5 and len({clip.shape[1] for clip in clips}) > 1:
         return {"video_frames": [frames for row in clips for frames in [row.shape[1]] * len(row)]}
     return {}
 
 
 def counts(rows, lengths, labels: torch.Tensor) -> dict:
-    """What the loop reads on the host: rows, tokens (padding left out), target tokens, the data counts."""
+    """What the loop reads on the host: rows, tokens (padding left out), target tokens, the data
+    counts."""
     return {"num_samples": len(rows), "num_tokens": sum(lengths), "target_tokens": count_target_tokens(labels),
             "data_counts": data_counts(rows, CHAT_COUNTED)}
 
@@ -168,8 +177,8 @@ def _pad(sequences, length, value):
 
 
 def probe_rows(labeller) -> list[dict]:
-    """Two collator rows made with the labeller: a question about a white 32 px image and a text-only
-    one (checks before the first step)."""
+    """Two collator rows made with the labeller: a question about a white 32 px image and a
+    text-only one (checks before the first step)."""
     image = Image.new("RGB", (32, 32), (255, 255, 255))
     rows = []
     for images, question, answer in (([image], "What colour is it?", "white"), ([], "What comes after one?", "two")):
@@ -182,8 +191,8 @@ def probe_rows(labeller) -> list[dict]:
 
 
 def chat_rows(prompt: dict, completions: list[list[int]], labelled: list[bool]) -> list[dict]:
-    """Collator rows (`ChatCollator`) of a prompt and its completions: the completion tokens are the targets (none
-    where `labelled` is False: a masked truncated completion)."""
+    """Collator rows (`ChatCollator`) of a prompt and its completions: the completion tokens are the
+    targets (none where `labelled` is False: a masked truncated completion)."""
     rows = []
     for completion, target in zip(completions, labelled):
         tokens = torch.tensor(completion, dtype=prompt["input_ids"].dtype)

@@ -1,15 +1,17 @@
-"""Answer-token labels from a checkpoint's own chat template, whatever the template contains (docs/vlm.md,
-"Answer tokens from the checkpoint's own template").
+"""Answer-token labels from a checkpoint's own chat template, whatever the template contains
+(docs/vlm.md, "Answer tokens from the checkpoint's own template").
 
-The targets are the assistant turns, each from the end of its generation prompt (a space the model must write is a
-target) to its end-of-turn token, found by the template's `{% generation %}` markers or, without them, by rendering
-prefixes. Markers that also take in the tail of the generation prompt (an empty think block) are read from the
-prompt's end. Without markers, a turn the template rewrites once later turns follow (Qwen3 and Qwen3.5 drop its think
-block) is context, not a target: the last turn is the one trained, as the model sees it at inference; a conversation
-whose last turn is rewritten is refused, never labelled wrong. An unprompted rendering that ends in the end-of-text
-token (Phi-3.5's) is compared without it. The character spans become token
-positions by aligning the text tokenised alone with the ids the processor returns with its images (expansion only
-inserts tokens), without trusting the processor's offsets; a turn that does not align raises `UnalignedAnswer`.
+The targets are the assistant turns, each from the end of its generation prompt (a space the model
+must write is a target) to its end-of-turn token, found by the template's `{% generation %}` markers
+or, without them, by rendering prefixes. Markers that also take in the tail of the generation prompt
+(an empty think block) are read from the prompt's end. Without markers, a turn the template rewrites
+once later turns follow (Qwen3 and Qwen3.5 drop its think block) is context, not a target: the last
+turn is the one trained, as the model sees it at inference; a conversation whose last turn is
+rewritten is refused, never labelled wrong. An unprompted rendering that ends in the end-of-text
+token (Phi-3.5's) is compared without it. The character spans become token positions by aligning the
+text tokenised alone with the ids the processor returns with its images (expansion only inserts
+tokens), without trusting the processor's offsets; a turn that does not align raises
+`UnalignedAnswer`.
 """
 
 import difflib
@@ -33,7 +35,8 @@ class TemplateError(ValueError):
 
 
 class UnalignedAnswer(TemplateError):
-    """The answer tokens of a conversation cannot be found exactly in the ids the processor returns."""
+    """The answer tokens of a conversation cannot be found exactly in the ids the processor
+    returns."""
 
 
 class AnswerLabeller:
@@ -41,16 +44,17 @@ class AnswerLabeller:
 
     `stop_token_ids`: the tokens that end a turn (the generation config's eos ids and the
     tokenizer's eos). `videos`: how the model trains on clips (`families.video_path`; None: it does
-    not); they go to the processor as decoded frames (`mmrecipes.vlm.rows.videos.DecodedVideo`) with their
-    metadata, already sampled. Images (where the image processor gives its own floats that way:
-    `images.uint8_normalization`) and clips that reach the model as `pixel_values_videos` come back uint8, with
-    the constants that finish them on the device (`images.NORMALIZED_BY`, `images.to_device`). A
-    conversation whose turns no rule finds raises `TemplateError`.
+    not); they go to the processor as decoded frames (`mmrecipes.vlm.rows.videos.DecodedVideo`) with
+    their metadata, already sampled. Images (where the image processor gives its own floats that
+    way: `images.uint8_normalization`) and clips that reach the model as `pixel_values_videos` come
+    back uint8, with the constants that finish them on the device (`images.NORMALIZED_BY`,
+    `images.to_device`). A conversation whose turns no rule finds raises `TemplateError`.
     """
 
     def __init__(self, processor, stop_token_ids, videos: str | None = None, template: str | None = None):
         self.processor, self.tokenizer = processor, processor.tokenizer
-        self.template = template or processor.chat_template  # `template`: a training format the model is not saved with
+        # `template`: a training format the model is not saved with
+        self.template = template or processor.chat_template
         if not isinstance(self.template, str):
             raise TemplateError("the processor has no chat template (or several): give one with --chat_template_path")
         self.has_markers = bool(GENERATION_MARKER.search(self.template))
@@ -66,20 +70,21 @@ class AnswerLabeller:
         self.rule = "generation markers" if self.has_markers else "prefix renderings"
 
     def render(self, messages, add_generation_prompt=False, marked=False, tools=None):
-        """(text, the character spans of its `{% generation %}` blocks if `marked`), with the `tools`' JSON schemas
-        where a row gives them (TRL's `tools` column)."""
+        """(text, the character spans of its `{% generation %}` blocks if `marked`), with the
+        `tools`' JSON schemas where a row gives them (TRL's `tools` column)."""
         try:
             texts, indices = render_jinja_template(
                 conversations=[messages], chat_template=self.template, add_generation_prompt=add_generation_prompt,
                 return_assistant_tokens_mask=marked, tools=tools, **self.tokenizer.special_tokens_map)
-        except jinja2.TemplateError as error:  # raise_exception(...) in the template: roles out of order, say
+        # raise_exception(...) in the template: roles out of order, say
+        except jinja2.TemplateError as error:
             raise TemplateError(f"{REFUSED}: {error}") from error
         return texts[0], indices[0] if indices else []
 
     def answer_spans(self, messages, tools=None) -> tuple[str, list[tuple[int, int] | None]]:
-        """(the rendered conversation, the character span of each assistant turn: from the end of its
-        generation prompt to its end-of-turn token; None for a turn the template rewrites once later turns follow,
-        which is context, not a target)."""
+        """(the rendered conversation, the character span of each assistant turn: from the end of
+        its generation prompt to its end-of-turn token; None for a turn the template rewrites once
+        later turns follow, which is context, not a target)."""
         text, marked = self.render(messages, marked=self.has_markers, tools=tools)
         turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
         if self.has_markers and len(marked) != len(turns):
@@ -93,7 +98,8 @@ class AnswerLabeller:
             else:
                 end = self._unprompted(messages[:index + 1], text, tools)
                 if end is None or not end.startswith(start):
-                    spans.append(None)  # rewritten once later turns follow (Qwen3's think blocks are dropped)
+                    # rewritten once later turns follow (Qwen3's think blocks are dropped)
+                    spans.append(None)
                     continue
                 begin, end = len(start), len(end)
             spans.append((begin, self._turn_end(text, begin, end)))
@@ -103,10 +109,11 @@ class AnswerLabeller:
         return text, spans
 
     def _marked_begin(self, text, history, start, begin, end, tools=None):
-        """Where a marked answer begins: the end of its generation prompt `start` where only whitespace lies
-        between them, or where the marked text begins with the prompt's tail (an empty think block the generation
-        prompt writes, and the markers too: TRL's Qwen3.5 training template), after the prompt's first
-        characters (its assistant header, which the model is given, not asked to write)."""
+        """Where a marked answer begins: the end of its generation prompt `start` where only
+        whitespace lies between them, or where the marked text begins with the prompt's tail (an
+        empty think block the generation prompt writes, and the markers too: TRL's Qwen3.5 training
+        template), after the prompt's first characters (its assistant header, which the model is
+        given, not asked to write)."""
         if not text.startswith(start):
             return begin
         if begin >= len(start):
@@ -118,9 +125,10 @@ class AnswerLabeller:
         return len(start)
 
     def _unprompted(self, messages, text, tools=None) -> str | None:
-        """The rendering of `messages` without a generation prompt, without the end-of-text token it may end in, if
-        it begins `text`, else None. Phi-3.5's template closes every unprompted rendering with that token, where a
-        longer conversation goes on; where it ends a turn (LLaVA-NeXT's `</s>`), `_turn_end` takes it back in."""
+        """The rendering of `messages` without a generation prompt, without the end-of-text token it
+        may end in, if it begins `text`, else None. Phi-3.5's template closes every unprompted
+        rendering with that token, where a longer conversation goes on; where it ends a turn
+        (LLaVA-NeXT's `</s>`), `_turn_end` takes it back in."""
         rendering = self.render(messages, tools=tools)[0]
         eos = self.tokenizer.eos_token
         if eos:
@@ -128,7 +136,8 @@ class AnswerLabeller:
         return rendering if text.startswith(rendering) else None
 
     def _turn_end(self, text, start, end):
-        """The span's end without trailing whitespace, extended over an end-of-turn token right after it."""
+        """The span's end without trailing whitespace, extended over an end-of-turn token right
+        after it."""
         while end > start and text[end - 1].isspace():
             end -= 1
         after = end
@@ -143,7 +152,8 @@ class AnswerLabeller:
         text, spans = self.answer_spans(messages, tools)
         kwargs = {}
         bos = self.tokenizer.bos_token
-        if bos is not None and text.startswith(bos):  # as apply_chat_template does: the template wrote it
+        # as apply_chat_template does: the template wrote it
+        if bos is not None and text.startswith(bos):
             kwargs["add_special_tokens"] = False
         plain = self.tokenizer(text, return_offsets_mapping=True, **kwargs)
         if images and self.normalization["pixel_values"] is not None:
@@ -172,13 +182,14 @@ class AnswerLabeller:
 
 
 def _aligned_positions(plain: list[int], processed: list[int]) -> dict[int, int]:
-    """Position in `processed` of each token of `plain` that an equal stretch of both aligns (the processor's
-    image expansion only adds tokens around and in place of the placeholders).
+    """Position in `processed` of each token of `plain` that an equal stretch of both aligns (the
+    processor's image expansion only adds tokens around and in place of the placeholders).
 
-    The common head and tail are aligned as they are (linear: a text-only row is all head); what lies between, where
-    the images were expanded, by a sequence diff, whose cost grows with the square of its length on repetitive text.
-    A middle over `MAX_DIFF_CELLS` (long text between two images) is aligned by a walk instead: each token of
-    `plain` to the next equal token of `processed`, the tokens skipped being the expansion's."""
+    The common head and tail are aligned as they are (linear: a text-only row is all head); what
+    lies between, where the images were expanded, by a sequence diff, whose cost grows with the
+    square of its length on repetitive text. A middle over `MAX_DIFF_CELLS` (long text between two
+    images) is aligned by a walk instead: each token of `plain` to the next equal token of
+    `processed`, the tokens skipped being the expansion's."""
     head, tail, shorter = 0, 0, min(len(plain), len(processed))
     while head < shorter and plain[head] == processed[head]:
         head += 1
@@ -202,14 +213,15 @@ def _aligned_positions(plain: list[int], processed: list[int]) -> dict[int, int]
 
 
 def check_template(labeller: AnswerLabeller, source: str, max_length: int | None = None) -> str:
-    """Label a 2-turn probe conversation with an image (a real one, through the processor; its first turn alone
-    where the template refuses two, as LLaVA's plain does) before the first step: raise unless the targets are
-    exactly its answers, each from the end of the generation prompt to its end-of-turn token (markers that start
-    inside the generation prompt, not after its header, are refused; a turn the template rewrites later is context,
-    and the log line says so), and (given `max_length`, --max_length) unless a one-line question
-    and a one-word answer without an image fit in it. A text the template writes after the generation prompt before
-    every answer (Qwen3's empty think block) is a target, as the model must write it; the log line names it and the
-    rule found."""
+    """Label a 2-turn probe conversation with an image (a real one, through the processor; its first
+    turn alone where the template refuses two, as LLaVA's plain does) before the first step: raise
+    unless the targets are exactly its answers, each from the end of the generation prompt to its
+    end-of-turn token (markers that start inside the generation prompt, not after its header, are
+    refused; a turn the template rewrites later is context, and the log line says so), and (given
+    `max_length`, --max_length) unless a one-line question and a one-word answer without an image
+    fit in it. A text the template writes after the generation prompt before every answer (Qwen3's
+    empty think block) is a target, as the model must write it; the log line names it and the rule
+    found."""
     answers = ["red", "two"]
     probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": answers[0]}]},
@@ -222,7 +234,8 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
         except TemplateError as error:
             if not str(error).startswith(REFUSED):
                 raise
-            probe, answers = probe[:2], answers[:1]  # a one-turn template (LLaVA's plain): its one answer
+            # a one-turn template (LLaVA's plain): its one answer
+            probe, answers = probe[:2], answers[:1]
             encoded, target = labeller(probe, [image])
     except TemplateError as error:
         found, problem, context = [], str(error), []
@@ -268,9 +281,10 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
 
 
 def check_generation_prompt(labeller: AnswerLabeller, source: str) -> str:
-    """Raise unless the chat template writes a generation prompt (its `add_generation_prompt` branch: the assistant
-    header a sample starts after); the log line that names it. Without one, GRPO's and distillation's samples would
-    follow the user's turn directly, a place the model never answers from."""
+    """Raise unless the chat template writes a generation prompt (its `add_generation_prompt`
+    branch: the assistant header a sample starts after); the log line that names it. Without one,
+    GRPO's and distillation's samples would follow the user's turn directly, a place the model never
+    answers from."""
     question = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]}]
     without, prompted = (labeller.render(question, add_generation_prompt=asked)[0] for asked in (False, True))
     header = prompted.removeprefix(without)

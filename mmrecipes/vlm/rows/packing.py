@@ -1,11 +1,12 @@
-"""Micro-batches by token budget, and packed sequences without padding, for the VLM recipe (docs/vlm.md, "Token
-budgets and packing").
+"""Micro-batches by token budget, and packed sequences without padding, for the VLM recipe
+(docs/vlm.md, "Token budgets and packing").
 
-`TokenBudgetBatches` (`--max_tokens_per_batch N`) fills each micro-batch with whole rows up to N tokens; the loss
-stays the exact token mean because `distributed.token_loss_scale` counts the window's targets on every rank. Packing
-(`--packing true`) concatenates the rows into sequences of up to `--max_length` tokens in which each sample attends
-only to itself and its positions restart: `packed_position_ids` gives plain positions per sample, or each sample's own
-3-D mRoPE positions for the Qwen families; `models.check_packing` proves it on the model before the first step.
+`TokenBudgetBatches` (`--max_tokens_per_batch N`) fills each micro-batch with whole rows up to N
+tokens; the loss stays the exact token mean because `distributed.token_loss_scale` counts the
+window's targets on every rank. Packing (`--packing true`) concatenates the rows into sequences of
+up to `--max_length` tokens in which each sample attends only to itself and its positions restart:
+`packed_position_ids` gives plain positions per sample, or each sample's own 3-D mRoPE positions for
+the Qwen families; `models.check_packing` proves it on the model before the first step.
 """
 
 import inspect
@@ -19,10 +20,10 @@ def packed_position_ids(model, input_ids, sample_lengths, media_per_sample, medi
     each segment's image count, and its video count as a second row where the batch has videos.
 
     A model whose base has `get_rope_index` (Qwen2/2.5/3-VL: 3-D mRoPE over text, image and video
-    grids, a video's temporal axis in its own seconds) gets each sample's own 3-D positions, computed as
-    if the sample were alone, with plain text positions stacked in front (`[4, sequences, L]`:
-    transformers builds the packed mask from those); any other model gets `[sequences, L]` plain
-    positions.
+    grids, a video's temporal axis in its own seconds) gets each sample's own 3-D positions,
+    computed as if the sample were alone, with plain text positions stacked in front (`[4,
+    sequences, L]`: transformers builds the packed mask from those); any other model gets
+    `[sequences, L]` plain positions.
     """
     shape = input_ids.shape
     text = torch.cat([torch.arange(int(n), device=input_ids.device) for n in sample_lengths])

@@ -1,8 +1,9 @@
-"""The prompts GRPO and distillation sample: TRL's prompt rows (`prompt`, a string or a conversation, with `images`
-and any other columns) or chat rows in any layout `chat_data` reads, up to their last answer; rendered with the
-checkpoint's generation prompt, carrying what reward functions get (the prompt as TRL passes it, the row's other
-columns; `PromptPreprocessor`); for distillation with the dataset's answer after them (`DistillPreprocessor`); bad
-rows skipped and counted as in SFT."""
+"""The prompts GRPO and distillation sample: TRL's prompt rows (`prompt`, a string or a
+conversation, with `images` and any other columns) or chat rows in any layout `chat_data` reads, up
+to their last answer; rendered with the checkpoint's generation prompt, carrying what reward
+functions get (the prompt as TRL passes it, the row's other columns; `PromptPreprocessor`); for
+distillation with the dataset's answer after them (`DistillPreprocessor`); bad rows skipped and
+counted as in SFT."""
 
 import io
 import json
@@ -33,10 +34,10 @@ PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution", OTHER_COLUMNS]
 
 
 def prompt_chat(row) -> tuple[list, list, str | list, dict]:
-    """(prompt messages, raw images, the prompt as reward functions get it, the columns they get as keywords) of a
-    TRL prompt row or of a chat row. As TRL passes them: a string prompt as it is, a conversation as messages; every
-    column but the prompt and the media (`OTHER_COLUMNS`), `id` and `solution` (a chat row's: its last answer,
-    unless it has a `solution` column)."""
+    """(prompt messages, raw images, the prompt as reward functions get it, the columns they get as
+    keywords) of a TRL prompt row or of a chat row. As TRL passes them: a string prompt as it is, a
+    conversation as messages; every column but the prompt and the media (`OTHER_COLUMNS`), `id` and
+    `solution` (a chat row's: its last answer, unless it has a `solution` column)."""
     columns = json.loads(row.get(OTHER_COLUMNS) or "{}")
     columns |= {name: row[name] for name in ("id", "solution") if row.get(name) is not None}
     if row.get("prompt") is not None:
@@ -56,10 +57,10 @@ def prompt_chat(row) -> tuple[list, list, str | list, dict]:
 
 
 class PromptPreprocessor(ChatPreprocessor):
-    """Batched `datasets.map` function: prompt rows in; {input_ids, media_inputs, reward_prompt, reward_columns (both
-    JSON: `prompt_chat`)} out, each rendered with the generation prompt; bad rows dropped and counted
-    (`ChatPreprocessor`'s counts). Its `max_length` is the prompt's: the recipe gives --max_length less
-    --max_completion_length."""
+    """Batched `datasets.map` function: prompt rows in; {input_ids, media_inputs, reward_prompt,
+    reward_columns (both JSON: `prompt_chat`)} out, each rendered with the generation prompt; bad
+    rows dropped and counted (`ChatPreprocessor`'s counts). Its `max_length` is the prompt's: the
+    recipe gives --max_length less --max_completion_length."""
 
     COLUMNS = PROMPT_COLUMNS
     OUTPUTS = ("input_ids", "media_inputs", "reward_prompt", "reward_columns", "images")
@@ -69,7 +70,8 @@ class PromptPreprocessor(ChatPreprocessor):
         # the JSON schemas of the tools the model may call, rendered in every prompt ({environment: schemas}: by the
         # row's `environment` column, TRL's multi-environment rows)
         self.tools = tools
-        self.keep_images = keep_images  # (as PNG) where an environment's observation re-renders the prompt
+        # (as PNG) where an environment's observation re-renders the prompt
+        self.keep_images = keep_images
 
     def row_tools(self, columns: dict) -> list | None:
         """The schemas a row's prompt renders (`columns`: its other columns, `prompt_chat`'s)."""
@@ -89,7 +91,8 @@ class PromptPreprocessor(ChatPreprocessor):
             prompt = prompt_row(self.labeller.processor, messages, images, self.row_tools(columns))
         except Skip:
             raise
-        except Exception as error:  # a template that refuses the prompt, say: counted, never a crash
+        # a template that refuses the prompt, say: counted, never a crash
+        except Exception as error:
             raise Skip("bad_row", f"{type(error).__name__}: {error}") from error
         if len(prompt["input_ids"]) > self.max_length:
             raise Skip("too_long", f"{len(prompt['input_ids'])} prompt tokens, over {self.max_length}")
@@ -111,9 +114,10 @@ def png_bytes(image) -> bytes:
 
 
 class PromptCollator:
-    """A batch of prompts as they are (each is sampled on its own): {prompts, num_samples, data_counts, chat: the
-    prompts through `chat_collator` (no target), what a rank with no held-out prompt left decodes}. `counted` False:
-    a team member other than the first, which reads the same prompts, counts none of them."""
+    """A batch of prompts as they are (each is sampled on its own): {prompts, num_samples,
+    data_counts, chat: the prompts through `chat_collator` (no target), what a rank with no held-out
+    prompt left decodes}. `counted` False: a team member other than the first, which reads the same
+    prompts, counts none of them."""
 
     def __init__(self, chat_collator, counted: bool = True):
         self.chat_collator, self.counted = chat_collator, counted
@@ -128,17 +132,19 @@ class PromptCollator:
 
 
 class DistillPreprocessor(PromptPreprocessor):
-    """Batched `datasets.map` function: rows GRPO reads in (TRL prompt rows with a `solution`, chat rows); out, the
-    prompt with the dataset's answer after it, the answer's tokens the only targets (the off-policy sample), and the
-    prompt's length (what the student's and the teacher's samples continue). Bad rows dropped and counted; a row whose
-    template writes the prompt otherwise before an answer than with its generation prompt counts as unaligned (its
-    samples and its answer would follow different prompts)."""
+    """Batched `datasets.map` function: rows GRPO reads in (TRL prompt rows with a `solution`, chat
+    rows); out, the prompt with the dataset's answer after it, the answer's tokens the only targets
+    (the off-policy sample), and the prompt's length (what the student's and the teacher's samples
+    continue). Bad rows dropped and counted; a row whose template writes the prompt otherwise before
+    an answer than with its generation prompt counts as unaligned (its samples and its answer would
+    follow different prompts)."""
 
     OUTPUTS = ("input_ids", "labels", "media_inputs", "prompt_length", "teacher_prompt")
 
     def __init__(self, args, labeller, max_length: int, teacher_processor=None):
         super().__init__(args, labeller, max_length)
-        self.teacher_processor = teacher_processor  # `Teacher.own_processor`: its prompt as it writes it
+        # `Teacher.own_processor`: its prompt as it writes it
+        self.teacher_processor = teacher_processor
 
     def example(self, row):
         try:
@@ -171,9 +177,9 @@ class DistillPreprocessor(PromptPreprocessor):
 
 
 class DistillCollator:
-    """A micro-batch of `DistillPreprocessor` rows: {answers: the rows through `chat_collator` (an off-policy
-    micro-batch, and what evaluation and a rank with nothing left forward), prompts: each row's prompt (what a sample
-    continues, `sampling.Sampler`), num_samples, data_counts}."""
+    """A micro-batch of `DistillPreprocessor` rows: {answers: the rows through `chat_collator` (an
+    off-policy micro-batch, and what evaluation and a rank with nothing left forward), prompts: each
+    row's prompt (what a sample continues, `sampling.Sampler`), num_samples, data_counts}."""
 
     def __init__(self, chat_collator):
         self.chat_collator = chat_collator

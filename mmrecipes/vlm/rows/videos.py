@@ -1,10 +1,12 @@
-"""Video clips from whatever a row holds, decoded with PyAV in the DataLoader workers (its wheels bundle FFmpeg).
+"""Video clips from whatever a row holds, decoded with PyAV in the DataLoader workers (its wheels
+bundle FFmpeg).
 
-`decode_video` never raises: it gives the sampled frames as one uint8 array with the clip's `VideoMetadata` (what a
-processor given `do_sample_frames=False` reads the sampling rate from), or why there are none, for the caller to
-count: "undecodable", "no_frames", "video_too_long" and "too_large" (the last two from the header, before decoding).
-Frames are sampled as the video processors' `fps` / `num_frames` do; a stream without a frame count is counted packet
-by packet, so only the sampled frames are ever decoded and held (docs/vlm.md, "Video").
+`decode_video` never raises: it gives the sampled frames as one uint8 array with the clip's
+`VideoMetadata` (what a processor given `do_sample_frames=False` reads the sampling rate from), or
+why there are none, for the caller to count: "undecodable", "no_frames", "video_too_long" and
+"too_large" (the last two from the header, before decoding). Frames are sampled as the video
+processors' `fps` / `num_frames` do; a stream without a frame count is counted packet by packet, so
+only the sampled frames are ever decoded and held (docs/vlm.md, "Video").
 """
 
 import logging
@@ -29,8 +31,8 @@ class DecodedVideo(NamedTuple):
 
 
 def sampled_indices(total_frames: int, seconds: float | None, fps: float, max_frames: int) -> list[int]:
-    """Indices of `fps` frames per second of clip, at most `max_frames`, at least one, each the middle
-    frame of an equal stretch of the clip (no duration known: `max_frames`)."""
+    """Indices of `fps` frames per second of clip, at most `max_frames`, at least one, each the
+    middle frame of an equal stretch of the clip (no duration known: `max_frames`)."""
     per_second = math.floor(seconds * fps) if seconds else max_frames
     count = max(1, min(max_frames, total_frames, per_second))
     stretch = total_frames / count
@@ -54,7 +56,9 @@ def decode_video(raw_video, args: VideoArgs):
                 return None, "video_too_long"
             rate = float(stream.average_rate or 0)
             total = stream.frames or (round(seconds * rate) if seconds and rate else 0)
-            if not total:  # no length in the header: count the packets (nothing decoded), then decode from the start
+            # no length in the header: count the packets (nothing decoded), then decode from the
+            # start
+            if not total:
                 total = sum(packet.size > 0 for packet in container.demux(stream))
                 if not total:
                     return None, "no_frames"
@@ -67,7 +71,8 @@ def decode_video(raw_video, args: VideoArgs):
                     frames.append(frame.to_ndarray(format="rgb24"))
                 if index >= kept[-1]:
                     break
-    except Exception as error:  # missing files; PyAV raises many types for corrupt or truncated input
+    # missing files; PyAV raises many types for corrupt or truncated input
+    except Exception as error:
         logger.debug("undecodable video: %s", error)
         return None, "undecodable"
     if not frames:
