@@ -173,7 +173,7 @@ def vlm_compute_only(directory: Path, batch_size: int, max_length: int, steps: i
 
     def train_step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=RECIPE_BF16):
-            loss = step(inputs, LossSum())
+            loss = step(inputs, LossSum()).summed
         loss.backward()
         torch.nn.utils.clip_grad_norm_(step.parameters(), 1.0)
         optimizer.step()

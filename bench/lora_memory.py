@@ -62,7 +62,7 @@ def _variant(use_peft, sizes, steps, batch_size, queue):
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for batch in batches:
-        wrapper(batch, LossSum()).backward()
+        wrapper(batch, LossSum()).summed.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # keep the gradients allocated: they count
     seconds = (time.perf_counter() - start) / len(batches)

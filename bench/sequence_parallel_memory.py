@@ -93,7 +93,7 @@ def measure(rank, world, port, directory, frames, out):
     start = time.perf_counter()
     # enable_grad: tests/run_benches.py runs scripts in one process, after some that switch gradients off
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
-        loss = step(batch, LossSum())
+        loss = step(batch, LossSum()).summed
         loss.backward()
     grads = [param.grad for param in model.parameters() if param.grad is not None]
     if world > 1:  # each shard got its gradient once from each rank's loss (mmrecipes.vlm.parallel.sequence_parallel)

@@ -113,7 +113,7 @@ def direction_accuracy(model_dir: Path, reverse: bool, limit: int) -> float:
             batch = collator([{"input_ids": input_ids, "labels": labels, "media_inputs": inputs}
                              ])
             with torch.no_grad():
-                losses[candidate] = float(step(to_device(batch, "cpu"), LossSum()))
+                losses[candidate] = float(step(to_device(batch, "cpu"), LossSum()).summed)
         right += min(losses, key=losses.get) == answer
         total += 1
     return right / total

@@ -70,7 +70,7 @@ def dummy_overhead(batch_size, repeats):
     wrapper, inputs = VLMForTraining(model), to_device(batch, "cpu")
 
     def with_dummy():
-        wrapper(inputs, LossSum()).backward()
+        wrapper(inputs, LossSum()).summed.backward()
 
     def without_vision():
         logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
@@ -98,7 +98,7 @@ def _guard_worker(rank, world, port, batch_size, repeats, out_dir):
 
     def step():
         for batch in batches:
-            ddp(batch, LossSum()).backward()
+            ddp(batch, LossSum()).summed.backward()
 
     timed(step, 1)
     off, on = [], []

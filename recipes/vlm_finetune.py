@@ -202,8 +202,8 @@ def main(argv=None):
         balance.start_window(model, window, accelerator.device)  # the global scope's expert counts
         for batch in window:
             with accelerator.accumulate(model):  # gradients all-reduced on the last micro-batch
-                summed = model(to_device(batch, accelerator.device), loss)
-                accelerator.backward(summed * loss_scale + loss.term)  # term: the balance's, or 0
+                summed, extra = model(to_device(batch, accelerator.device), loss)
+                accelerator.backward(summed * loss_scale + extra)  # extra: the balance's term, or 0
             window_ce.append(summed.detach())
         step_losses = torch.stack(window_ce)
         # shared: optimizer step

@@ -10,7 +10,7 @@ import runpy
 from pathlib import Path
 
 from mmrecipes.vlm.model.losses import token_cross_entropy_sum
-from mmrecipes.vlm.model.outputs import Logits
+from mmrecipes.vlm.model.outputs import CrossEntropy, Logits, LossSum
 from mmrecipes.vlm.model.step import VLMForTraining
 
 with_dummy = VLMForTraining.forward
@@ -22,7 +22,10 @@ def skip_tower_on_text_only(self, batch, output):
     text_inputs = {name: value for name, value in batch.items()
                    if name in self.forward_input_names - self.vision_input_names - {"labels"}}
     logits = self.model(**text_inputs).logits
-    return logits if isinstance(output, Logits) else token_cross_entropy_sum(logits, batch["labels"])
+    if isinstance(output, Logits):
+        return logits
+    summed = token_cross_entropy_sum(logits, batch["labels"])
+    return CrossEntropy(summed) if isinstance(output, LossSum) else summed
 
 
 class SkipsTowerOnTextOnly(VLMForTraining):

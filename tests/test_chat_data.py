@@ -123,7 +123,7 @@ def test_chat_format_text_only_batch_gets_the_dummy_image(tmp_path, tiny):
     wrapper = VLMForTraining(model)
     for batch in (image_batch, text_batch):
         inputs = to_device(batch, "cpu")
-        assert torch.isfinite(wrapper(inputs, LossSum())) and wrapper(inputs, Logits()).shape[:2] == batch[
+        assert torch.isfinite(wrapper(inputs, LossSum()).summed) and wrapper(inputs, Logits()).shape[:2] == batch[
             "input_ids"].shape
     plain = model(input_ids=text_batch["input_ids"], attention_mask=text_batch["attention_mask"]).logits
     assert torch.equal(wrapper(to_device(text_batch, "cpu"), Logits()), plain)

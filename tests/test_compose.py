@@ -128,7 +128,7 @@ def test_a_composed_llava_counts_its_image_tokens_keeps_its_parts_and_stage_1_tr
     optimizer = torch.optim.SGD([p for params in trainable.values() for p in params], lr=0.1)
     batch = ChatCollator(tokenizer.pad_token_id, dummy)([{"input_ids": input_ids, "labels": labels,
                                                            "media_inputs": media}])
-    VLMForTraining(model)(to_device(batch, "cpu"), LossSum()).backward()
+    VLMForTraining(model)(to_device(batch, "cpu"), LossSum()).summed.backward()
     optimizer.step()
     moved = {name for name, param in model.named_parameters() if not torch.equal(param, before[name])}
     assert moved and all(name.startswith("model.multi_modal_projector.") for name in moved)

@@ -83,7 +83,7 @@ def test_dummy_gives_exact_zero_vision_gradients_and_changes_nothing_else(family
     generator = torch.Generator().manual_seed(0)
     batch = collate(model, [row(model, 4, image=False, generator=generator) for _ in range(2)])
     assert batch["dummy_image"]
-    summed = VLMForTraining(model)(inputs(batch), LossSum())
+    summed = VLMForTraining(model)(inputs(batch), LossSum()).summed
     summed.backward()
     with_dummy = {name: p.grad.clone() if p.grad is not None else None for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -113,7 +113,7 @@ def _ddp_mixed_steps(rank, world_size, family, wrapper_class):
     generator = torch.Generator().manual_seed(rank)
     ddp = torch.nn.parallel.DistributedDataParallel(wrapper_class(model))  # find_unused_parameters=False
     for _ in range(2):
-        ddp(inputs(collate(model, [row(model, 3, image=rank == 0, generator=generator)])), LossSum()).backward()
+        ddp(inputs(collate(model, [row(model, 3, image=rank == 0, generator=generator)])), LossSum()).summed.backward()
     return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
@@ -150,7 +150,7 @@ def _accelerate_window(rank, world_size, normalisation):
     window_tokens = sum_over_ranks(torch.tensor(float(sum(count_target_tokens(b["labels"]) for b in window))))
     for batch in window:
         with accelerator.accumulate(ddp):
-            summed = ddp(inputs(batch), LossSum())
+            summed = ddp(inputs(batch), LossSum()).summed
             if normalisation in ("token", "token_packed"):
                 accelerator.backward(summed * token_loss_scale(window_tokens, 2, world_size))
             else:  # the per-micro-batch mean most loops compute
@@ -167,7 +167,7 @@ def test_window_gradient_is_the_token_mean_of_one_big_batch(normalisation):
     model = tiny_llava()
     everything = [r for rank in WINDOW for rows in window_rows(model, rank) for r in rows]
     batch = collate(model, everything)
-    (VLMForTraining(model)(inputs(batch), LossSum()) / count_target_tokens(batch["labels"])).backward()
+    (VLMForTraining(model)(inputs(batch), LossSum()).summed / count_target_tokens(batch["labels"])).backward()
     truth = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
     grads = run_on_ranks(_accelerate_window, 2, normalisation)[0]

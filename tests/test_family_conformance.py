@@ -72,7 +72,7 @@ def train(model, processor, parameters, steps, shown=square, family=None) -> lis
     shuffle, losses = random.Random(0), []
     for _ in range(steps):
         batch = collator(shuffle.sample(rows * 2, 8))
-        summed = wrapper(to_device(batch, "cpu"), LossSum())
+        summed = wrapper(to_device(batch, "cpu"), LossSum()).summed
         (summed / batch["target_tokens"]).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -116,7 +116,7 @@ def _mixed_ranks_steps(rank, world_size, directories):
         assert batch["dummy_image"] == (rank == 1)
         ddp = DistributedDataParallel(VLMForTraining(model))
         for _ in range(2):
-            ddp(to_device(batch, "cpu"), LossSum()).backward()
+            ddp(to_device(batch, "cpu"), LossSum()).summed.backward()
         grads[family] = {name: param.grad for name, param in model.named_parameters() if param.requires_grad}
     return grads
 

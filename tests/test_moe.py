@@ -107,8 +107,8 @@ def _window(model, processor, batches, balance, world, ddp=None):
     for index, batch in enumerate(batches):
         syncing = ddp.no_sync() if ddp is not None and index < len(batches) - 1 else nullcontext()
         with syncing:
-            summed = step(to_device(batch, "cpu"), output)
-            ((summed * scale + output.term) / len(batches)).backward()
+            summed, extra = step(to_device(batch, "cpu"), output)
+            ((summed * scale + extra) / len(batches)).backward()
     sums = balance.window_sums()
     logged = torch.tensor([float(sums["aux"]), sums["aux_batches"]]) if balance.on else torch.zeros(2)
     return {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}, logged
@@ -159,7 +159,8 @@ def test_two_ranks_of_two_micro_batches_give_one_process_holding_the_window(tiny
     batches = [collator([row]) for row in rows(processor, model)]
     step = VLMForTraining(model)
     tokens = sum(batch["target_tokens"] for batch in batches)
-    parts = [(step(to_device(batch, "cpu"), LossSum()), step(to_device(batch, "cpu"), Routing(2))) for batch in batches]
+    parts = [(step(to_device(batch, "cpu"), LossSum()).summed, step(to_device(batch, "cpu"), Routing(2)))
+             for batch in batches]
     if scope == "global_batch":
         aux = balance_loss(*(sum(part[1][i] for part in parts) for i in range(3)))
     else:

@@ -70,7 +70,7 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
     rows = rows_of(labeller)
     step = VLMForTraining(model)
     alone = [step(to_device(ChatCollator(0, dummy_inputs)([row]), "cpu"), Logits()) for row in rows]
-    alone_losses = [step(to_device(ChatCollator(0, dummy_inputs)([row]), "cpu"), LossSum()) for row in rows]
+    alone_losses = [step(to_device(ChatCollator(0, dummy_inputs)([row]), "cpu"), LossSum()).summed for row in rows]
     lengths = [len(row["input_ids"]) for row in rows]
     for pack_length, sequences in ((None, [[0, 1, 2]]), (lengths[0] + lengths[1], [[0, 1], [2]])):
         batch = to_device(ChatCollator(0, dummy_inputs, packing=True, pack_length=pack_length)(rows),
@@ -82,7 +82,8 @@ def test_a_packed_micro_batch_equals_its_samples_one_by_one(tiny_vlms, family):
             torch.testing.assert_close(packed_logits[index, :len(expected)], expected, rtol=1e-5, atol=1e-5)
         loss = token_cross_entropy_sum(packed_logits, batch["labels"])
         torch.testing.assert_close(loss, sum(alone_losses), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(step(batch, LossSum()), loss, rtol=1e-5, atol=1e-5)  # the training loss, in slices
+        # the training loss, in slices
+        torch.testing.assert_close(step(batch, LossSum()).summed, loss, rtol=1e-5, atol=1e-5)
     packed = to_device(ChatCollator(0, dummy_inputs, packing=True)(rows), "cpu")
     packed_logits = step(packed, Logits())
     check_packing(model, labeller, dummy_inputs)

@@ -80,13 +80,13 @@ def _shards_against_whole(rank, world_size, directories, forced):
                                     collator_row(labeller, text, [])]), "cpu")
         step = VLMForTraining(model)
         whole_logps = [step(batch, TokenLogps(0.7)), step(batch, SequenceLogps())]
-        whole = VLMForTraining(model)(batch, LossSum())
+        whole = VLMForTraining(model)(batch, LossSum()).summed
         whole.backward()
         truth = taken_gradients(model)
         split = sequence_parallel.SequenceParallel(model, 2)
         step = VLMForTraining(model, split)
         logps = [step(batch, TokenLogps(0.7)), step(batch, SequenceLogps())]
-        summed = step(batch, LossSum())  # the whole sequence's, on both ranks
+        summed = step(batch, LossSum()).summed  # the whole sequence's, on both ranks
         summed.backward()
         worst = averaged_difference(model, truth, 2)  # each shard got its gradient twice: once from each rank's loss
         results[family] = (whole.item(), summed.item(), worst,
@@ -106,11 +106,11 @@ def _four_ways(rank, world_size, directory):
     batch = to_device(collator([collator_row(labeller, colour_conversation("red"), [square("red")])]), "cpu")
     step = VLMForTraining(model)
     logits = step.eval()(batch, Logits())
-    whole = step.train()(batch, LossSum())
+    whole = step.train()(batch, LossSum()).summed
     whole.backward()
     truth = taken_gradients(model)
     split = VLMForTraining(model, sequence_parallel.SequenceParallel(model, world_size))
-    summed = split(batch, LossSum())
+    summed = split(batch, LossSum()).summed
     summed.backward()
     worst = averaged_difference(model, truth, world_size)
     after = split.eval()(batch, Logits())

@@ -61,10 +61,10 @@ def test_the_copied_output_is_torchs_label_smoothed_cross_entropy(tmp_path):
                       collator_row(labeller, colour_conversation("blue"), [square("blue")])])
     step = VLMForTraining(model)
     logits, labels = step(batch, Logits())[:, :-1].float(), batch["labels"][:, 1:]
-    smoothed = step(batch, namespace["LabelSmoothedLossSum"](smoothing=0.1))
+    smoothed = step(batch, namespace["LabelSmoothedLossSum"](smoothing=0.1)).summed
     expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", label_smoothing=0.1)
     torch.testing.assert_close(smoothed, expected, rtol=1e-6, atol=1e-5)
-    plain = step(batch, LossSum())  # the plain CE fails the same comparison
+    plain = step(batch, LossSum()).summed  # the plain CE fails the same comparison
     assert not torch.allclose(plain, expected, rtol=1e-6, atol=1e-5), (float(plain), float(expected))
 
 

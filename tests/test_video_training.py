@@ -121,7 +121,7 @@ def test_clips_leave_the_workers_as_uint8_and_are_finished_to_the_processors_own
     assert torch.equal(inputs["pixel_values_videos"], own)
     assert not torch.equal(batch["pixel_values_videos"].float(), own)  # the raw uint8 values are not the inputs
     step = VLMForTraining(model)
-    assert torch.equal(step(inputs, LossSum()), step(inputs | {"pixel_values_videos": own}, LossSum()))
+    assert torch.equal(step(inputs, LossSum()).summed, step(inputs | {"pixel_values_videos": own}, LossSum()).summed)
 
 
 def losses_of(model, dummy, rows, packing=False):
@@ -160,7 +160,7 @@ def test_every_batch_makes_the_same_tower_calls(tiny_vlms, name, calls):
         try:
             batch = ChatCollator(0, dummy)(rows)
             model.zero_grad()
-            step(to_device(batch, "cpu"), LossSum()).backward()
+            step(to_device(batch, "cpu"), LossSum()).summed.backward()
         finally:
             hook.remove()
         assert batch["dummy_image"] and len(counted) == calls[kind], (kind, counted)

@@ -87,11 +87,11 @@ def _shared_against_whole(rank, world_size, directories, clip):
         results[family] = []
         for batch in (to_device(collator(batch_rows), "cpu") for batch_rows in rows):
             model.zero_grad()
-            whole = whole_step(batch, LossSum())
+            whole = whole_step(batch, LossSum()).summed
             whole.backward()
             truth = taken_gradients(model)
             encoded.clear()
-            summed = split_step(batch, LossSum())
+            summed = split_step(batch, LossSum()).summed
             summed.backward()
             worst = averaged_difference(model, truth, world_size)
             all_pixels = sum(len(batch[name]) for name in ("pixel_values", "pixel_values_videos") if name in batch)

@@ -290,7 +290,7 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
     assert decoded == [lead + "red" + end, lead + "blue" + end, lead + "two" + end]
     assert [(row == labeller.image_token_id).any().item() for row in batch["input_ids"]] == [True, True, False]
     wrapper = VLMForTraining(model)
-    summed = wrapper(to_device(batch, "cpu"), LossSum())
+    summed = wrapper(to_device(batch, "cpu"), LossSum()).summed
     summed.backward()
     assert torch.isfinite(summed)
     # The loss from the base model's hidden states and the output layer in slices is the loss of the
@@ -308,7 +308,7 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
     (text_only,) = batches("text_only.json", 1)
     assert text_only["dummy_image"]
     model.zero_grad(set_to_none=True)
-    wrapper(to_device(text_only, "cpu"), LossSum()).backward()
+    wrapper(to_device(text_only, "cpu"), LossSum()).summed.backward()
     assert all(p.grad is not None and not p.grad.any() for p in vision_step)
 
 
@@ -335,7 +335,7 @@ def test_a_two_image_llava_row_brings_both_images_to_the_loss(tiny_vlms, tmp_pat
         image_tokens = (batch["input_ids"] == labeller.image_token_id).sum(dim=1)
         assert image_tokens[1] > image_tokens[0] > 0  # both images expanded in the two-image row
         with torch.no_grad():
-            losses.append(wrapper(to_device(batch, "cpu"), LossSum()))
+            losses.append(wrapper(to_device(batch, "cpu"), LossSum()).summed)
     assert not torch.isclose(losses[0], losses[1], rtol=1e-6, atol=0)
 
 

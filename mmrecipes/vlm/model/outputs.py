@@ -18,7 +18,7 @@ adds a mixture of experts' load-balancing term, which overriding `compute` would
 """
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -94,6 +94,10 @@ class StepOutput:
         the ranks' values."""
         return shard.sum(value)
 
+    def plus(self, value, zero: torch.Tensor):
+        """`value` with the dummy media's exact zero term added (its parameters get gradients)."""
+        return value + zero
+
     @classmethod
     def check_split(cls):
         """Refuse to split an output that does not say how (`splits` None)."""
@@ -104,27 +108,41 @@ class StepOutput:
                             "needs `shard.place`, as TokenLogps.reduce does)")
 
 
+class CrossEntropy(NamedTuple):
+    """`LossSum`'s value: `summed`, the token cross-entropy summed over the targets (training
+    back-propagates it times `Ranks.loss_scale`), and `extra`, what to back-propagate beside it
+    unscaled (a mixture of experts' load-balancing term; 0 without one)."""
+
+    summed: torch.Tensor
+    extra: torch.Tensor | float = 0.0
+
+
 class LossSum(StepOutput):
-    """The summed token cross-entropy over the targets (training back-propagates it times
-    `Ranks.loss_scale`: the exact token mean over the optimizer step). With a mixture of experts'
-    `balance` (`moe.LoadBalance`, on), its load-balancing term rides on it: after each forward,
-    `term` is what to back-propagate beside the scaled sum. A recipe's own CE overrides
-    `cross_entropy` (this `compute` adds the term)."""
+    """The training loss, a `CrossEntropy`: `summed, extra = model(batch, LossSum(balance))`, then
+    `backward(summed * loss_scale + extra)` (the exact token mean over the optimizer step, plus a
+    mixture of experts' load-balancing term where `balance`, `moe.LoadBalance`, is on). A recipe's
+    own CE overrides `cross_entropy` (this `compute` adds the term)."""
 
     splits = True
 
     def __init__(self, balance=None):
         self.balance = balance if balance is not None and balance.on else None
-        self.routing, self.term = self.balance is not None, 0.0
+        self.routing = self.balance is not None
 
-    def compute(self, forward: Forward) -> torch.Tensor:
-        if self.balance is not None:
-            self.term = self.balance.term_of(forward)
-        return self.cross_entropy(forward)
+    def compute(self, forward: Forward) -> CrossEntropy:
+        extra = self.balance.term_of(forward) if self.balance is not None else 0.0
+        return CrossEntropy(self.cross_entropy(forward), extra)
 
     def cross_entropy(self, forward: Forward) -> torch.Tensor:
         return head_cross_entropy_sum(forward.positions, forward.head, forward.targets, softcap=forward.softcap,
                                       shifted=True)
+
+    def reduce(self, value: CrossEntropy, shard) -> CrossEntropy:
+        """The group's sum of the CE; the balance's term is its group's already (`term_of`)."""
+        return value._replace(summed=shard.sum(value.summed))
+
+    def plus(self, value: CrossEntropy, zero: torch.Tensor) -> CrossEntropy:
+        return value._replace(summed=value.summed + zero)
 
 
 class SequenceLogps(StepOutput):

@@ -71,7 +71,7 @@ class VLMForTraining(torch.nn.Module):
                                        router_logits=router_logits))
         if shard is not None:
             value = output.reduce(value, shard)
-        return value + self._dummy_terms(dummies) if output.trains else value
+        return output.plus(value, self._dummy_terms(dummies)) if output.trains else value
 
     @staticmethod
     def _dummy_terms(dummies) -> torch.Tensor | float:
