@@ -1,7 +1,8 @@
-"""A recipe's own loss in its own file: a copy of vlm_finetune.py defines a label-smoothed cross-entropy as a step
-output (a `LossSum` whose `cross_entropy` it replaces) and trains with it, no library file touched. Under DDP (2 data
-ranks) and under ZeRO-3 with the sequence split over 2 ranks it gives one process's losses and gradient norms: the
-output runs inside the engine's forward, and splits and reduces itself over the group as the library's outputs do."""
+"""A recipe's own loss in its own file: a copy of vlm_finetune.py defines a per-token label-smoothed cross-entropy
+as a step output (a `StepOutput` placing its tokens where a sequence splits) and trains with their sum, no library file
+touched. Under DDP (2 data ranks) and under ZeRO-3 with the sequence split over 2 ranks it gives one process's losses
+and gradient norms: the output runs inside the engine's forward, and splits and reduces itself over the group as the
+library's outputs do."""
 
 import pytest
 import torch
@@ -22,32 +23,41 @@ from test_sequence_parallel import rank_files
 LABEL_SMOOTHED = '''
 import torch.nn.functional as F
 
-from mmrecipes.vlm.model.outputs import LossSum
+from mmrecipes.vlm.model.outputs import StepOutput
 
 
-class LabelSmoothedLossSum(LossSum):
-    """The summed cross-entropy with torch's label smoothing over the targets, in place of the library's."""
+class LabelSmoothedTokens(StepOutput):
+    """Each target token's cross-entropy with torch's label smoothing, `[rows, tokens - 1]`, 0 elsewhere: a
+    per-token output, placed at its positions where a sequence splits."""
 
-    def __init__(self, balance=None, smoothing=0.1):
-        super().__init__(balance)
+    splits = True
+
+    def __init__(self, smoothing=0.1):
         self.smoothing = smoothing
 
-    def cross_entropy(self, forward):
+    def compute(self, forward):
         logits = forward.logits(forward.positions).float()
-        return F.cross_entropy(logits.flatten(0, 1), forward.targets.flatten(), ignore_index=-100,
-                               reduction="sum", label_smoothing=self.smoothing)
+        return F.cross_entropy(logits.transpose(1, 2), forward.targets, ignore_index=-100, reduction="none",
+                               label_smoothing=self.smoothing)
+
+    def reduce(self, value, shard):
+        return shard.sum(shard.place(value))[:, :shard.length - 1]
 
 
 def main('''
+TRAINED = "                summed, extra = model(to_device(batch, accelerator.device), loss)\n"
 
 
 def copied_recipe(folder):
-    """vlm_finetune.py copied to `folder`, its step's output the label-smoothed loss defined in the copy."""
+    """vlm_finetune.py copied to `folder`, its step's output the per-token label-smoothed loss defined in the copy,
+    summed in its loop."""
     source = VLM_RECIPE.read_text()
     assert source.count("\ndef main(") == 1 and source.count("    loss = LossSum(balance)\n") == 1
+    assert source.count(TRAINED) == 1
     copy = folder / "vlm_finetune_label_smoothed.py"
     copy.write_text(source.replace("\ndef main(", LABEL_SMOOTHED, 1).replace(
-        "    loss = LossSum(balance)\n", "    loss = LabelSmoothedLossSum(balance, smoothing=0.1)\n"))
+        "    loss = LossSum(balance)\n", "    loss = LabelSmoothedTokens(smoothing=0.1)\n").replace(
+        TRAINED, TRAINED.replace("loss)", "loss).sum(), 0.0")))
     return copy
 
 
@@ -61,7 +71,7 @@ def test_the_copied_output_is_torchs_label_smoothed_cross_entropy(tmp_path):
                       collator_row(labeller, colour_conversation("blue"), [square("blue")])])
     step = VLMForTraining(model)
     logits, labels = step(batch, Logits())[:, :-1].float(), batch["labels"][:, 1:]
-    smoothed = step(batch, namespace["LabelSmoothedLossSum"](smoothing=0.1)).summed
+    smoothed = step(batch, namespace["LabelSmoothedTokens"](smoothing=0.1)).sum()
     expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", label_smoothing=0.1)
     torch.testing.assert_close(smoothed, expected, rtol=1e-6, atol=1e-5)
     plain = step(batch, LossSum()).summed  # the plain CE fails the same comparison
