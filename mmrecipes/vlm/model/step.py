@@ -64,9 +64,10 @@ class VLMForTraining(torch.nn.Module):
         if split:
             output.check_split()
         split = split and output.splits
-        with self.sequence_parallel.splitting(split) if self.sequence_parallel else contextlib.nullcontext():
+        splitting = self.sequence_parallel.splitting(split) if self.sequence_parallel else contextlib.nullcontext()
+        with splitting as this_forward:  # sequence parallel: its `shard` once the language model ran
             hidden, dummies, router_logits = self._hidden_states(**batch, output_router_logits=output.routing)
-        shard = self.sequence_parallel.shard if split else None
+        shard = this_forward.shard if this_forward is not None else None
         value = output.compute(Forward(hidden=hidden, head=head, softcap=self.softcap, batch=batch, shard=shard,
                                        router_logits=router_logits))
         if shard is not None:

@@ -152,6 +152,19 @@ def whole_sequence_masks(masks, length: int, padded: int) -> dict:
     return {kind: whole_sequence_mask(mask, length, padded) for kind, mask in masks.items()}
 
 
+class SplitForward:
+    """One forward of the language model, split over the group or whole (`SequenceParallel.splitting`
+    yields it): where it splits, the language model's pre-hook sets `shard` (this rank's part of the
+    padded sequence, `Shard`) and `positions` (its places in the whole sequence, which causal masking
+    reads)."""
+
+    def __init__(self, split: bool):
+        self.split, self.shard, self.positions = split, None, None
+
+
+WHOLE = SplitForward(False)  # every forward outside a split's block: never given a shard
+
+
 def mixer_layers(model) -> list[torch.nn.Module]:
     """The language model's stateful mixer layers (`families.stateful_mixer_classes`: Qwen3.5's
     Gated DeltaNet)."""
@@ -192,13 +205,18 @@ class SequenceParallel:
         ALL_ATTENTION_FUNCTIONS.register(ATTENTION, self._attention)
         ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS[text._attn_implementation])
         text._attn_implementation = ATTENTION
-        self.shard = self.positions = None
-        # a split asked for (`splitting`); the last forward split
-        self.asked = self.split_now = False
+        # The forward a `splitting` block asks for, and the language model's last one: its attention reads it, and
+        # so does its recomputation in the backward (gradient checkpointing), which runs after the block.
+        self.asked = self.running = WHOLE
         self.masked = needs_masks(model)  # its layers get the whole sequence's masks, padded
-        model.get_decoder().register_forward_pre_hook(self._split, with_kwargs=True)
-        for layer in mixer_layers(model):  # linear attention: head-parallel around the whole block
+        decoder, mixers = model.get_decoder(), mixer_layers(model)
+        decoder.register_forward_pre_hook(self._split, with_kwargs=True)
+        for layer in mixers:  # linear attention: head-parallel around the whole block
             layer.forward = self._head_parallel(layer, layer.forward)
+        self.patched = [f"attention {ATTENTION!r} registered in transformers and set as the language model's",
+                        f"a pre-hook on {type(decoder).__name__} that splits its inputs"]
+        if mixers:
+            self.patched.append(f"{len(mixers)} {type(mixers[0]).__name__} forwards made head-parallel")
 
     @classmethod
     def of(cls, accelerator, model, size: int, processor=None):
@@ -215,13 +233,13 @@ class SequenceParallel:
 
     def describe(self) -> str:
         return (f"sequence parallel: each sequence split over {self.size} ranks after the vision merge (DeepSpeed's "
-                f"Ulysses attention in the language model); {self.vision_line}")
+                f"Ulysses attention in the language model); {self.vision_line}; patched: {'; '.join(self.patched)}")
 
     def image_features(self, encoder, inputs: dict):
         """(`encoder(**inputs)`'s output, features encoded and left unused or None): while a split
         is asked, each rank of the group encodes a share of the images and frames, gathered
         (`VisionShare`), else every rank all."""
-        if self.asked and self.vision is not None:
+        if self.asked.split and self.vision is not None:
             return self.vision.encode(encoder, inputs)
         return encoder(**inputs, return_dict=True), None
 
@@ -232,18 +250,19 @@ class SequenceParallel:
 
     @contextmanager
     def splitting(self, split: bool):
-        """The language model's forwards inside split their sequences where `split`; any other
-        forward (sampling, evaluation, `generate`) runs whole sequences with their mask."""
-        self.asked = split
+        """Yields the `SplitForward` of the language model's forward inside: split where `split`
+        (its `shard` set once it ran); any other forward (sampling, evaluation, `generate`) runs
+        whole sequences with their mask."""
+        self.asked = SplitForward(split)
         try:
-            yield
+            yield self.asked
         finally:
-            self.asked = False
+            self.asked = WHOLE
 
     def _split(self, module, args, kwargs):
         # what the attention of this forward (and of its recomputation) does
-        self.split_now = self.asked
-        if not self.asked:
+        self.running = forward = self.asked
+        if not forward.split:
             return None
         embeds = kwargs.get("inputs_embeds")
         if args or embeds is None:
@@ -258,15 +277,15 @@ class SequenceParallel:
         extra = torch.arange(1, padded - length + 1, device=embeds.device)
         # mRoPE's [3, rows, length] too
         positions = torch.cat([positions, positions[..., -1:] + extra], dim=-1)
-        self.shard = Shard(start, end, padded, length, self.group)
-        self.positions = torch.arange(start, end, device=embeds.device).expand(rows, end - start)
+        forward.shard = Shard(start, end, padded, length, self.group)
+        forward.positions = torch.arange(start, end, device=embeds.device).expand(rows, end - start)
         kwargs |= {"position_ids": positions[..., start:end],
                    "attention_mask": whole_sequence_masks(kwargs.get("attention_mask"), length, padded)
                    if self.masked else None}
         # the embeddings, Gemma 4's per-layer embeddings: each token's inputs
         for name, value in kwargs.items():
             if name not in SPLIT_APART and torch.is_tensor(value) and value.shape[:2] == (rows, length):
-                kwargs[name] = self.shard.take(value)
+                kwargs[name] = forward.shard.take(value)
         # Qwen3-VL's deepstack: the shard's visual tokens' rows
         if kwargs.get("visual_pos_masks") is not None:
             masks = F.pad(kwargs["visual_pos_masks"], (0, padded - length))
@@ -279,7 +298,7 @@ class SequenceParallel:
 
     def _head_parallel(self, layer, whole):
         def forward(*args, **kwargs):
-            if not self.split_now:
+            if not self.running.split:
                 return whole(*args, **kwargs)
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             return head_parallel_forward(layer, hidden, self.size, self.rank, self.group)
@@ -287,10 +306,10 @@ class SequenceParallel:
         return forward
 
     def _attention(self, module, query, key, value, attention_mask, *args, **kwargs):
-        if not self.split_now:  # whole sequences, with their mask
+        if not self.running.split:  # whole sequences, with their mask
             return self.core(module, query, key, value, attention_mask, *args, **kwargs)
         # DeepSpeed gathers them; causal masking needs them monotonic
-        kwargs["position_ids"] = self.positions
+        kwargs["position_ids"] = self.running.positions
         # DeepSpeed sets it where it replicates heads
         groups = getattr(module, "num_key_value_groups", None)
         try:
