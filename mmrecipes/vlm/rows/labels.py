@@ -14,6 +14,7 @@ tokens), without trusting the processor's offsets; a turn that does not align ra
 `UnalignedAnswer`.
 """
 
+import copy
 import difflib
 import re
 
@@ -222,11 +223,29 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
     fit in it. A text the template writes after the generation prompt before every answer (Qwen3's
     empty think block) is a target, as the model must write it; the log line names it and the rule
     found."""
-    answers = ["red", "two"]
-    probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
-             {"role": "assistant", "content": [{"type": "text", "text": answers[0]}]},
-             {"role": "user", "content": [{"type": "text", "text": "How many are there?"}]},
-             {"role": "assistant", "content": [{"type": "text", "text": answers[1]}]}]
+    found, answers, context = _probe_targets(labeller, source)
+    texts = [_without_stop(text, labeller.stop_strings) for text in found]
+    # What the template writes after its generation prompt and before every answer (Qwen3's empty think block)
+    leads = {text.removesuffix(answer) for text, answer in zip(texts, answers) if text.endswith(answer)}
+    if len(texts) != len(answers) or len(leads) != 1 or not all(map(str.endswith, texts, answers)):
+        raise _unusable(source, f"the targets found by {labeller.rule} are {found!r}, not the answers {answers!r}")
+    if max_length is not None:
+        _check_room(labeller, max_length)
+    return (f"chat template of {source}: assistant turns found by {labeller.rule}; it {_ends(labeller, found)}"
+            f"{_writes(leads.pop(), context)}")
+
+
+PROBE_ANSWERS = ["red", "two"]
+PROBE = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
+         {"role": "assistant", "content": [{"type": "text", "text": PROBE_ANSWERS[0]}]},
+         {"role": "user", "content": [{"type": "text", "text": "How many are there?"}]},
+         {"role": "assistant", "content": [{"type": "text", "text": PROBE_ANSWERS[1]}]}]
+
+
+def _probe_targets(labeller: AnswerLabeller, source: str) -> tuple[list[str], list[str], list[str]]:
+    """(the target texts the labeller finds in the probe, the answers that should be targets, those
+    the template makes context): the 2-turn probe, or its first turn where the template refuses two."""
+    probe, answers = copy.deepcopy(PROBE), PROBE_ANSWERS
     image = Image.new("RGB", (64, 64), (220, 40, 40))
     try:
         try:
@@ -238,46 +257,50 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
             probe, answers = probe[:2], answers[:1]
             encoded, target = labeller(probe, [image])
     except TemplateError as error:
-        found, problem, context = [], str(error), []
-    else:
-        spans = labeller.answer_spans(probe)[1]
-        context = [answer for answer, span in zip(answers, spans) if span is None]
-        answers = [answer for answer, span in zip(answers, spans) if span is not None]
-        ids = torch.as_tensor(encoded["input_ids"][0])
-        found = [labeller.tokenizer.decode(ids[run]).strip() for run in _runs(target)]
-        problem = None
-        texts = [_without_stop(text, labeller.stop_strings) for text in found]
-        # What the template writes after its generation prompt and before every answer (Qwen3's empty think block)
-        leads = {text.removesuffix(answer) for text, answer in zip(texts, answers) if text.endswith(answer)}
-        if len(texts) != len(answers) or len(leads) != 1 or not all(map(str.endswith, texts, answers)):
-            problem = f"the targets found by {labeller.rule} are {found!r}, not the answers {answers!r}"
-    if problem:
-        raise TemplateError(
-            f"The chat template of {source} cannot be used for training: {problem}. Give a chat template whose "
-            "assistant turns are wrapped in {% generation %} ... {% endgeneration %}, or whose generation prompt "
-            "is its assistant header, with --chat_template_path (TRL ships such patches of common templates: "
-            "trl/chat_templates/*_training.jinja).")
-    if max_length is not None:
-        shortest = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]},
-                    {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
-        overhead = len(labeller(shortest, [])[0]["input_ids"][0])
-        if overhead > max_length:
-            raise ValueError(f"--max_length {max_length} is below what the chat template needs for a one-line "
-                             f"question and a one-word answer ({overhead} tokens): every row would be skipped as "
-                             "too_long. Raise it.")
+        raise _unusable(source, str(error)) from None
+    spans = labeller.answer_spans(probe)[1]
+    context = [answer for answer, span in zip(answers, spans) if span is None]
+    answers = [answer for answer, span in zip(answers, spans) if span is not None]
+    ids = torch.as_tensor(encoded["input_ids"][0])
+    return [labeller.tokenizer.decode(ids[run]).strip() for run in _runs(target)], answers, context
+
+
+def _unusable(source: str, problem: str) -> TemplateError:
+    return TemplateError(
+        f"The chat template of {source} cannot be used for training: {problem}. Give a chat template whose "
+        "assistant turns are wrapped in {% generation %} ... {% endgeneration %}, or whose generation prompt "
+        "is its assistant header, with --chat_template_path (TRL ships such patches of common templates: "
+        "trl/chat_templates/*_training.jinja).")
+
+
+def _check_room(labeller: AnswerLabeller, max_length: int):
+    """Raise unless a one-line question and a one-word answer fit in `max_length` tokens."""
+    shortest = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
+    overhead = len(labeller(shortest, [])[0]["input_ids"][0])
+    if overhead > max_length:
+        raise ValueError(f"--max_length {max_length} is below what the chat template needs for a one-line "
+                         f"question and a one-word answer ({overhead} tokens): every row would be skipped as "
+                         "too_long. Raise it.")
+
+
+def _ends(labeller: AnswerLabeller, found: list[str]) -> str:
+    """How the template ends an answer, for the log line."""
     stops = sorted({stop for text in found for stop in labeller.stop_strings if text.endswith(stop)})
     if len(stops) == 1 and all(text.endswith(stops[0]) for text in found):
-        ends = f"ends each answer with {stops[0]}, a target"
-    else:
-        ends = "ends answers with no end-of-turn token: a fine-tuned model will not learn to stop"
-    lead = leads.pop() if not problem and leads else ""
+        return f"ends each answer with {stops[0]}, a target"
+    return "ends answers with no end-of-turn token: a fine-tuned model will not learn to stop"
+
+
+def _writes(lead: str, context: list[str]) -> str:
+    """What the template writes before each answer, and which answers it makes context, for the log line."""
     writes = f"; it writes {lead!r} before each answer, a target (the model learns to write it)" if lead else ""
-    if not problem and context:
+    if context:
         writes += ("; it rewrites an answer once later turns follow (Qwen3 drops its think block), so only the "
                    "last answer of a conversation is a target, as the model sees it at inference, the earlier ones "
                    "context (to train every turn, give a template with {% generation %} markers, such as TRL's "
                    "*_training.jinja, with --chat_template_path)")
-    return f"chat template of {source}: assistant turns found by {labeller.rule}; it {ends}{writes}"
+    return writes
 
 
 def check_generation_prompt(labeller: AnswerLabeller, source: str) -> str:
