@@ -88,7 +88,7 @@ def _variant(mode, mixture, budget, steps, queue):
         batch = next(batches)
         inputs = to_device(batch, device)
         start = time.perf_counter()
-        summed = step(inputs, LossSum())
+        summed = step(inputs, LossSum()).summed
         (summed / max(1, count_target_tokens(batch["labels"]))).backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -71,13 +71,14 @@ answer(text=[{{"role": "user", "content": [{{"type": "image", "image": image}},
 }
 
 
-def write_model_card(output_dir, history: History, *, pipeline_tag: str, eval_metrics: list[str],
-                     base_model: str | None, datasets: list[str], evaluated: str, tags: list[str], engine: str,
-                     seen: str, resumed_at: int, benchmarks: list[str] = ()):
-    """`output_dir/README.md` (a model card) and `output_dir/training_curves.png`. `engine`: the
-    `[engine]` line; `seen`: what the run trained on, before a resume at `resumed_at` too (0: not
-    resumed); `evaluated`: what the evaluation metrics measured (the recipe's evaluation line);
-    `benchmarks`: a line per benchmark task (`mmrecipes.benchmarks.Benchmarks.card_lines`)."""
+def write_model_card(output_dir, report, *, pipeline_tag: str, base_model: str | None, datasets: list[str],
+                     evaluated: str, tags: list[str], engine: str, seen: str, resumed_at: int):
+    """`output_dir/README.md` (a model card) and `output_dir/training_curves.png`, from the run's
+    `reporting.Report`: its history, its evaluations' curves and their own lines (the benchmarks').
+    `engine`: the `[engine]` line; `seen`: what the run trained on, before a resume at `resumed_at`
+    too (0: not resumed); `evaluated`: what the evaluation metrics measured (the recipe's
+    evaluation line)."""
+    history, eval_metrics, benchmarks = report.history, report.curves(), report.card_lines()
     output_dir = Path(output_dir)
     plot_curves(history, output_dir / CURVES, eval_metrics)
     # hub ids only: not local paths, embedded names, or builders such as parquet (their files are

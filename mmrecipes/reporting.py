@@ -90,10 +90,12 @@ class Evaluation:
     a rank with nothing left to evaluate forwards), their scores on one eval line. Due every `every`
     steps (None: the run's --eval_steps; 0: at the last step only) and at the run's last step, or,
     `at_start`, before the first step of a run that starts at 0 only. Without parts it is never due
-    (held-out data not given, no benchmark named)."""
+    (held-out data not given, no benchmark named). For the model card: `curves`, the names of its
+    scores it plots; `card`, a function giving its lines there (the benchmarks' numbers)."""
 
-    def __init__(self, parts: list, every: int | None = None, at_start: bool = False):
+    def __init__(self, parts: list, every: int | None = None, at_start: bool = False, curves=(), card=None):
         self.parts, self.every, self.at_start = list(parts), every, at_start
+        self.curves, self.card = list(curves), card
 
     def due(self, step: int, before_step: bool, eval_steps: int, max_steps: int) -> bool:
         if not self.parts or before_step != self.at_start:
@@ -163,6 +165,14 @@ class Report:
             if evaluation.due(step, before_step, self.eval_steps, self.max_steps):
                 with self.evaluating(step) as scores:
                     scores |= evaluation(filler)
+
+    def curves(self) -> list[str]:
+        """The evaluations' scores the model card plots, in their order."""
+        return [name for evaluation in self.evaluations for name in evaluation.curves]
+
+    def card_lines(self) -> list[str]:
+        """The evaluations' own lines for the model card (the benchmarks' numbers)."""
+        return [line for evaluation in self.evaluations if evaluation.card for line in evaluation.card()]
 
     def add_batches(self, window: list, trained: list | None = None):
         """Count a step's batches: those read (`window`: rows, `num_samples`, and the data counts)

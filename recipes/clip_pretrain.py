@@ -171,9 +171,10 @@ def main(argv=None):
     config = asdict(model_args) | asdict(data_args) | asdict(args)
     accelerator.init_trackers(f"{model_args.loss}_pretrain", config)
     # The data counters: bad rows by kind, and the rows of each source where there are several
+    curves = ["image_to_text_R@1", "text_to_image_R@1", "zeroshot_top1"]  # in the model card
     report = Report(accelerator, args, batches, data_args.counted(), guard=guard, flops=batch_flops,
                     total=checkpoints.resumed_totals, ranks=ranks,
-                    evaluations=[Evaluation(held_out)])
+                    evaluations=[Evaluation(held_out, curves=curves)])
     # Both take (image_embeds, text_embeds, *the model's other outputs: scale, SigLIP's bias)
     loss_fn = (siglip_loss if model_args.loss == "siglip"
                else partial(clip_loss, tile_size=args.loss_tile_size))
@@ -226,8 +227,7 @@ def main(argv=None):
 
     if accelerator.is_main_process:
         write_model_card(
-            args.output_dir, report.history, pipeline_tag="zero-shot-image-classification",
-            eval_metrics=["image_to_text_R@1", "text_to_image_R@1", "zeroshot_top1"],
+            args.output_dir, report, pipeline_tag="zero-shot-image-classification",
             base_model=model_args.model_name_or_path, datasets=[data_args.dataset_name],
             evaluated="; ".join(evaluated), tags=[model_args.loss, "contrastive"], engine=engine,
             seen=f"{report.total['samples']:,.0f} image-text pairs", resumed_at=start_step)

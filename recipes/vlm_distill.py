@@ -152,9 +152,8 @@ def main(argv=None):
     # shared: benchmarks
     # Standard benchmarks scored as lmms-eval scores them, each rank answering its stride of the
     # documents
-    benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True))
-    accelerator.print(benchmarks.describe())
-    benchmarking = benchmarks.evaluation(BenchmarkAnswers(model, vlm, accelerator.device))
+    benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True)).evaluation(
+        BenchmarkAnswers(model, vlm, accelerator.device), say=accelerator.print)
 
     data = data_layout(data_args, args, ranks, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model), data,
@@ -186,7 +185,9 @@ def main(argv=None):
 
     held_out_parts = [evaluate] if eval_loader is not None else []
     at_start = [partial(evaluate, teacher_too=True)] if eval_loader is not None else []
-    evaluations = [Evaluation(at_start, at_start=True), Evaluation(held_out_parts), benchmarking]
+    curves = ["generated_accuracy", "answer_accuracy", "divergence"]  # in the model card
+    evaluations = [Evaluation(at_start, at_start=True), Evaluation(held_out_parts, curves=curves),
+                   benchmarks]
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals, ranks=ranks, formats=targets.FORMATS,
                     evaluations=evaluations)
@@ -242,16 +243,15 @@ def main(argv=None):
 
     seen = (f"{report.total['samples']:,.0f} prompts, {report.total['tokens']:,.0f} tokens, "
             f"teacher {distill_args.teacher_model_name_or_path}")
+    tags = ["vlm", "distillation", "lora" if vlm.peft_config else "full fine-tune",
+            type(vlm.model).__name__]
+    # shared: vlm model card
     if accelerator.is_main_process:
-        tags = ["vlm", "distillation", "lora" if vlm.peft_config else "full fine-tune",
-                type(vlm.model).__name__]
-        write_model_card(args.output_dir, report.history, pipeline_tag="image-text-to-text",
-                         eval_metrics=["generated_accuracy", "answer_accuracy", "divergence",
-                                       *benchmarks.metrics()],
-                         base_model=model_args.model_name_or_path, tags=tags,
-                         datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
-                         seen=seen, engine=engine, resumed_at=start_step,
-            benchmarks=benchmarks.card_lines())
+        write_model_card(args.output_dir, report, pipeline_tag="image-text-to-text", tags=tags,
+                         seen=seen, base_model=model_args.model_name_or_path, engine=engine,
+                         resumed_at=start_step, datasets=data_args.dataset_name.split(","),
+                         evaluated=data_args.evaluation)
+
     # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").

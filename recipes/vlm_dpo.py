@@ -155,9 +155,8 @@ def main(argv=None):
     # shared: benchmarks
     # Standard benchmarks scored as lmms-eval scores them, each rank answering its stride of the
     # documents
-    benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True))
-    accelerator.print(benchmarks.describe())
-    benchmarking = benchmarks.evaluation(BenchmarkAnswers(model, vlm, accelerator.device))
+    benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True)).evaluation(
+        BenchmarkAnswers(model, vlm, accelerator.device), say=accelerator.print)
 
     if dpo_args.precompute_ref_log_probs:  # an epoch of this rank's pairs, then no reference model
         first_pass = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size,
@@ -181,9 +180,10 @@ def main(argv=None):
 
     config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(dpo_args)
     accelerator.init_trackers("vlm_dpo", config | asdict(args) | asdict(bench_args))
+    curves = ["eval_rewards/accuracies", "answer_accuracy"]  # the held-out scores in the model card
     report = Report(accelerator, args, batches, PREFERENCE_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals, ranks=ranks, formats=DPO_FORMATS,
-                    evaluations=[Evaluation(held_out), benchmarking])
+                    evaluations=[Evaluation(held_out, curves=curves), benchmarks])
     # shared: loop head
     for step in progress:
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
@@ -241,17 +241,14 @@ def main(argv=None):
     report.evaluate_last(filler_batch)
 
     seen = f"{report.total['samples']:,.0f} preference pairs, {report.total['tokens']:,.0f} tokens"
+    tags = ["vlm", "dpo", "lora" if vlm.peft_config else "full fine-tune", type(vlm.model).__name__]
+    # shared: vlm model card
     if accelerator.is_main_process:
-        write_model_card(
-            args.output_dir, report.history,
-            eval_metrics=["eval_rewards/accuracies", "answer_accuracy", *benchmarks.metrics()],
-            pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
-            datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
-            tags=["vlm", "dpo", "lora" if vlm.peft_config else "full fine-tune",
-                  type(vlm.model).__name__],
-            engine=engine, resumed_at=start_step,
-            seen=seen,
-            benchmarks=benchmarks.card_lines())
+        write_model_card(args.output_dir, report, pipeline_tag="image-text-to-text", tags=tags,
+                         seen=seen, base_model=model_args.model_name_or_path, engine=engine,
+                         resumed_at=start_step, datasets=data_args.dataset_name.split(","),
+                         evaluated=data_args.evaluation)
+
     # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").

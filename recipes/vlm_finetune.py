@@ -100,7 +100,7 @@ def main(argv=None):
     batch_size = per_device_batch_size(args, ranks.data_world)
     accelerator.print(ranks.describe())
 
-    # The step's output: the summed token CE; a mixture of experts' load-balancing term rides on it
+    # The step's output: the summed token CE, beside it a mixture of experts' balancing term
     balance = LoadBalance.of(model, moe_args, args.gradient_accumulation_steps, ranks)
     loss = LossSum(balance)
 
@@ -160,9 +160,8 @@ def main(argv=None):
     # shared: benchmarks
     # Standard benchmarks scored as lmms-eval scores them, each rank answering its stride of the
     # documents
-    benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True))
-    accelerator.print(benchmarks.describe())
-    benchmarking = benchmarks.evaluation(BenchmarkAnswers(model, vlm, accelerator.device))
+    benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True)).evaluation(
+        BenchmarkAnswers(model, vlm, accelerator.device), say=accelerator.print)
 
     # shared: vlm checkpoints
     layout = data_layout(data_args, args, ranks, batch_size=batch_size)
@@ -182,9 +181,10 @@ def main(argv=None):
     config = (asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args)
               | asdict(bench_args))
     accelerator.init_trackers("vlm_finetune", config)
+    curves = ["answer_accuracy", "generated_accuracy"]  # the held-out scores in the model card
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals, ranks=ranks, formats=balance.FORMATS,
-                    evaluations=[Evaluation(held_out), benchmarking])
+                    evaluations=[Evaluation(held_out, curves=curves), benchmarks])
 
     # shared: loop head
     for step in progress:
@@ -234,15 +234,14 @@ def main(argv=None):
     report.evaluate_last(filler_batch)
 
     seen = f"{report.total['samples']:,.0f} conversations, {report.total['tokens']:,.0f} tokens"
-    curves = ["answer_accuracy", "generated_accuracy", *benchmarks.metrics()]
+    tags = ["vlm", "lora" if vlm.peft_config else "full fine-tune", type(vlm.model).__name__]
+    # shared: vlm model card
     if accelerator.is_main_process:
-        write_model_card(
-            args.output_dir, report.history, eval_metrics=curves,
-            pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
-            datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
-            tags=["vlm", "lora" if vlm.peft_config else "full fine-tune", type(vlm.model).__name__],
-            engine=engine, resumed_at=start_step,
-            seen=seen, benchmarks=benchmarks.card_lines())
+        write_model_card(args.output_dir, report, pipeline_tag="image-text-to-text", tags=tags,
+                         seen=seen, base_model=model_args.model_name_or_path, engine=engine,
+                         resumed_at=start_step, datasets=data_args.dataset_name.split(","),
+                         evaluated=data_args.evaluation)
+
     if divergence_guard is not None:
         divergence_guard.remove()
     # shared: the end

@@ -158,9 +158,8 @@ def main(argv=None):
     # shared: benchmarks
     # Standard benchmarks scored as lmms-eval scores them, each rank answering its stride of the
     # documents
-    benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True))
-    accelerator.print(benchmarks.describe())
-    benchmarking = benchmarks.evaluation(BenchmarkAnswers(model, vlm, accelerator.device))
+    benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True)).evaluation(
+        BenchmarkAnswers(model, vlm, accelerator.device), say=accelerator.print)
 
     data = data_layout(data_args, args, ranks, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
@@ -179,7 +178,7 @@ def main(argv=None):
     accelerator.init_trackers("vlm_grpo", config | asdict(args) | asdict(bench_args))
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals, ranks=ranks, formats=grpo.FORMATS,
-                    evaluations=[Evaluation(held_out), benchmarking])
+                    evaluations=[Evaluation(held_out, curves=["generated_accuracy"]), benchmarks])
     rollouts = None
     for step in progress:
         window = []  # a batch of the team's prompts, read once every --num_iterations steps
@@ -247,16 +246,15 @@ def main(argv=None):
     report.evaluate_last(filler_batch)
 
     seen = f"{report.total['samples']:,.0f} prompts, {report.total['completions']:,.0f} completions"
+    tags = ["vlm", "grpo", "lora" if vlm.peft_config else "full fine-tune",
+            type(vlm.model).__name__]
+    # shared: vlm model card
     if accelerator.is_main_process:
-        write_model_card(
-            args.output_dir, report.history, eval_metrics=["generated_accuracy",
-                                                           *benchmarks.metrics()],
-            pipeline_tag="image-text-to-text", base_model=model_args.model_name_or_path,
-            datasets=data_args.dataset_name.split(","), evaluated=data_args.evaluation,
-            tags=["vlm", "grpo", "lora" if vlm.peft_config else "full fine-tune",
-                  type(vlm.model).__name__],
-            seen=seen, engine=engine, resumed_at=start_step,
-            benchmarks=benchmarks.card_lines())
+        write_model_card(args.output_dir, report, pipeline_tag="image-text-to-text", tags=tags,
+                         seen=seen, base_model=model_args.model_name_or_path, engine=engine,
+                         resumed_at=start_step, datasets=data_args.dataset_name.split(","),
+                         evaluated=data_args.evaluation)
+
     # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").

@@ -172,11 +172,14 @@ class Benchmarks:
     def __bool__(self) -> bool:
         return bool(self.tasks)
 
-    def evaluation(self, answer) -> Evaluation:
-        """The tasks as an evaluation of the run (`reporting.Evaluation`): every --benchmark_steps
-        and at the run's last step, answered by `answer` (`Request` -> text: the recipes'
-        `BenchmarkAnswers`)."""
-        return Evaluation([lambda filler: self.run(answer)] if self.tasks else [], every=self.args.benchmark_steps)
+    def evaluation(self, answer, say=print) -> Evaluation:
+        """The tasks as an evaluation of the run (`reporting.Evaluation`), said now (`describe`):
+        every --benchmark_steps and at the run's last step, answered by `answer` (`Request` -> text:
+        the recipes' `BenchmarkAnswers`); their main metrics plotted in the model card, their
+        numbers written there."""
+        say(self.describe())
+        return Evaluation([lambda filler: self.run(answer)] if self.tasks else [], every=self.args.benchmark_steps,
+                          curves=self.metrics(), card=self.card_lines)
 
     def describe(self) -> str:
         if not self.tasks:
