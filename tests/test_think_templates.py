@@ -133,3 +133,33 @@ def test_qwen3_5_think_learns_the_colour_through_trls_training_template(tiny_vlm
     model.save_pretrained(tmp_path)
     processor.save_pretrained(tmp_path)
     assert answers_after_thinking(tmp_path) == {colour: colour for colour in COLOURS}
+
+
+def test_reasoning_content_reaches_the_template_and_is_trained_or_the_row_says_why_not(tiny_vlms):
+    """An assistant turn's `reasoning_content` (the transformers / OpenAI field Qwen3's templates read) was dropped
+    when rows were read: the row trained the template's empty think block, the reasoning lost, silently. Now it is
+    rendered and trained as the official template writes it; a template that never renders it skips the row as a
+    bad_row saying so, and reasoning on a user's turn is a bad_row."""
+    from mmrecipes.skips import Skip
+    from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
+    from mmrecipes.vlm.model.parts import load_vlm
+    from mmrecipes.vlm.rows.chat_data import ChatPreprocessor
+
+    # as a datasets column fills the other turns: None or ""
+    row = {"messages": [{"role": "user", "content": "What colour is a stop sign?", "reasoning_content": ""},
+                        {"role": "assistant", "content": "red", "reasoning_content": "Stop signs are painted red."}]}
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen3_5_think"])
+    processor = AutoProcessor.from_pretrained(tiny_vlms["qwen3_5_think"])
+    reading = ChatPreprocessor(ChatDataArgs(), AnswerLabeller(processor, stop_token_ids(model, processor)), 512)
+    (input_ids, labels, _), _ = reading.example(row)
+    # the generation prompt wrote `<think>\n`: the reasoning, the block's end and the answer are the target
+    assert runs(processor, input_ids, labels) == ["Stop signs are painted red.\n</think>\n\nred<|im_end|>"]
+    llava, llava_processor = load_vlm(VLMModelArgs())
+    plain = ChatPreprocessor(ChatDataArgs(), AnswerLabeller(llava_processor, stop_token_ids(llava, llava_processor)),
+                             512)
+    with pytest.raises(Skip, match="bad_row: the chat template does not render reasoning_content"):
+        plain.example(row)
+    user_reasons = copy.deepcopy(row)
+    user_reasons["messages"][0]["reasoning_content"] = "I wonder."
+    with pytest.raises(Skip, match="bad_row: reasoning_content on a user turn"):
+        reading.example(user_reasons)

@@ -27,7 +27,7 @@ from ...loader import check_held_out, rank_loader
 from ...skips import SKIPPED, DropCounter, Skip
 from ...sources import DATA_FILE, PROBLEM, load_stream, mixed_stream, row_name
 from ..arguments import ChatDataArgs
-from .labels import IGNORE_INDEX, TemplateError, UnalignedAnswer
+from .labels import IGNORE_INDEX, ReasoningDropped, TemplateError, UnalignedAnswer
 from .videos import VIDEO_COUNTED, decode_video
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,18 @@ def to_message(turn) -> dict:
         message["tool_calls"] = [_tool_call(call) for call in turn["tool_calls"]]
     if turn.get("name") is not None:  # a tool's turn: the tool it answers for
         message["name"] = str(turn["name"])
+    # the transformers / OpenAI field the reasoning templates read (empty: none, as datasets fill other turns)
+    if turn.get("reasoning_content"):
+        message["reasoning_content"] = _reasoning(turn)
     return message
+
+
+def _reasoning(turn) -> str:
+    if turn["role"] != "assistant":
+        raise BadRow(f"reasoning_content on a {turn['role']} turn: only an assistant's turn holds reasoning")
+    if not isinstance(turn["reasoning_content"], str):
+        raise BadRow(f"reasoning_content is {type(turn['reasoning_content']).__name__}, not text")
+    return turn["reasoning_content"]
 
 
 def _tool_call(call) -> dict:
@@ -265,6 +276,8 @@ class ChatPreprocessor:
             input_ids, labels, media_inputs = encode_row(self.labeller, messages, images, videos, tools)
         except UnalignedAnswer as error:
             raise Skip("unaligned", str(error)) from error
+        except ReasoningDropped as error:
+            raise BadRow(str(error)) from error
         # the template renders this row's turns differently from its prefixes
         except TemplateError as error:
             raise Skip("no_target", "the chat template renders its turns differently from their prefixes") from error
@@ -281,6 +294,7 @@ class ChatPreprocessor:
         for a text long enough to be in doubt, over the limit once tokenised on their own (a margin
         of one token a part: in the template a part may merge with its neighbours)."""
         texts = [part["text"] for message in messages for part in message["content"] if part["type"] == "text"]
+        texts += [message["reasoning_content"] for message in messages if message.get("reasoning_content")]
         characters = sum(map(len, texts))
         if characters > self.max_length * MAX_CHARS_PER_TOKEN:
             raise Skip("too_long", f"{characters} characters of text, more than {self.max_length} tokens hold")

@@ -40,6 +40,10 @@ class UnalignedAnswer(TemplateError):
     returns."""
 
 
+class ReasoningDropped(TemplateError):
+    """A row's reasoning (`reasoning_content`) that the chat template leaves out of its rendering."""
+
+
 class AnswerLabeller:
     """`labeller(messages, images, videos)` -> (processor outputs of the conversation, target mask).
 
@@ -151,6 +155,12 @@ class AnswerLabeller:
 
     def __call__(self, messages, images, videos=(), tools=None):
         text, spans = self.answer_spans(messages, tools)
+        reasoned = [message["reasoning_content"].strip() for message in messages
+                    if message["role"] == "assistant" and (message.get("reasoning_content") or "").strip()]
+        # the last answer's reasoning is rendered by every template that reads it (Qwen3's drop earlier ones)
+        if reasoned and reasoned[-1] not in text:
+            raise ReasoningDropped("the chat template does not render reasoning_content (the row's reasoning would "
+                                   "be lost): give a template that writes it, or drop the field to train the answers")
         kwargs = {}
         bos = self.tokenizer.bos_token
         # as apply_chat_template does: the template wrote it
