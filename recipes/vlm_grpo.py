@@ -152,7 +152,8 @@ def main(argv=None):
         held_out = [partial(evaluate_generation, model, questions, collator=chat_collator,
                             tokenizer=processor.tokenizer, stop_token_ids=vlm.stops,
                             device=accelerator.device, placeholders=vlm.placeholders)]
-    scorer = RewardScorer(reward_funcs, weights, grpo_args.reward_timeout)
+    scorer = RewardScorer(reward_funcs, weights, grpo_args.reward_timeout,
+                          generation_prompt=labeller.generation_prompt())
     normaliser = grpo.LossNormaliser(grpo_args)
 
     # shared: benchmarks

@@ -163,3 +163,33 @@ def test_reasoning_content_reaches_the_template_and_is_trained_or_the_row_says_w
     user_reasons["messages"][0]["reasoning_content"] = "I wonder."
     with pytest.raises(Skip, match="bad_row: reasoning_content on a user turn"):
         reading.example(user_reasons)
+
+
+def test_the_format_reward_reads_the_turn_whose_think_block_the_prompt_opened(tiny_vlms):
+    """Qwen3.5's think templates open `<think>` in the generation prompt, so every completion starts inside the
+    block: the built-in format reward (TRL's `think_format_reward` too, TRL #6966) scored them all 0, whatever the
+    model wrote. It reads the model's turn now: the completion after what the generation prompt wrote of it, given
+    by the scorer the recipe builds with the labeller's generation prompt. A prompt that opens nothing changes
+    nothing."""
+    from trl.rewards import think_format_reward
+
+    from mmrecipes.vlm.algorithms.rewards import RewardScorer, load_reward_funcs
+    from mmrecipes.vlm.arguments import GRPOArgs, VLMModelArgs
+    from mmrecipes.vlm.model.parts import load_vlm
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen3_5_think"])
+    processor = AutoProcessor.from_pretrained(tiny_vlms["qwen3_5_think"])
+    prompt = AnswerLabeller(processor, stop_token_ids(model, processor)).generation_prompt()
+    assert prompt == "<|im_start|>assistant\n<think>\n"
+    funcs = load_reward_funcs(["format"], GRPOArgs().format_pattern)
+    completions = ["It is the colour of a stop sign.\n</think>\n\n<answer>red</answer>", "<answer>red</answer>",
+                   "<think>twice</think> <answer>red</answer>"]
+    ids = [[1]] * len(completions)
+    assert RewardScorer(funcs, [1.0], generation_prompt=prompt)(None, completions, ids, {})[:, 0].tolist() == [
+        1.0, 0.0, 1.0]
+    assert RewardScorer(funcs, [1.0])(None, completions, ids, {})[:, 0].tolist() == [0.0, 0.0, 1.0]  # as before
+    assert think_format_reward([[{"content": completions[0]}]]) == [0.0]
+    llava, llava_processor = load_vlm(VLMModelArgs())
+    plain = AnswerLabeller(llava_processor, stop_token_ids(llava, llava_processor)).generation_prompt()
+    assert RewardScorer(funcs, [1.0], generation_prompt=plain)(None, completions, ids, {})[:, 0].tolist() == [
+        0.0, 0.0, 1.0]

@@ -79,11 +79,17 @@ def accuracy(prompts, completions, completion_ids=None, *, solution=None, **colu
 
 
 def format_reward(pattern: str):
-    """A reward function: 1.0 where the whole completion matches `pattern` (re.DOTALL), else 0."""
+    """A reward function: 1.0 where the model's whole turn matches `pattern` (re.DOTALL), else 0. The
+    turn is the completion, after what the template's `generation_prompt` already wrote of it: a
+    completion of Qwen3.5's think templates starts inside the `<think>` block their prompt opened
+    (TRL's `think_format_reward` scores it 0, TRL #6966), so the completion matches if some end of
+    the generation prompt put before it does."""
     regex = re.compile(pattern, re.DOTALL)
 
-    def format(prompts, completions, completion_ids=None, **columns) -> list[float]:  # noqa: A001 (TRL's name)
-        return [float(regex.fullmatch(completion_text(completion).strip()) is not None) for completion in completions]
+    def format(prompts, completions, completion_ids=None, generation_prompt="", **columns):  # noqa: A001 (TRL's)
+        written = [generation_prompt[start:] for start in range(len(generation_prompt), -1, -1)]
+        return [float(any(regex.fullmatch((before + completion_text(completion)).strip()) for before in written))
+                for completion in completions]
 
     return format
 
@@ -148,13 +154,15 @@ class RewardScorer:
     failure of each kind once; `first_errors` keeps each function's first failure in the run for
     `check_window`."""
 
-    def __init__(self, funcs: dict, weights: list[float], timeout: float | None = None):
+    def __init__(self, funcs: dict, weights: list[float], timeout: float | None = None, generation_prompt: str = ""):
         self.funcs, self.weights = funcs, torch.tensor(weights, dtype=torch.float64)
-        self.timeout = timeout
+        self.timeout, self.generation_prompt = timeout, generation_prompt
         # TRL's docs name the token ids `completions_ids` in their first example, where its trainer passes
         # `completion_ids`: a function that asks for the documented name gets them under it too
         self.ids_as_documented = {name for name, func in funcs.items() if "completions_ids" in _parameters(func)}
         self.given_environments = {name for name, func in funcs.items() if "environments" in _parameters(func)}
+        # what the template wrote of the turn before the model (`format`), to a function that asks for it
+        self.given_prompt = {name for name, func in funcs.items() if "generation_prompt" in _parameters(func)}
         self.failures, self.errors, self.said, self.first_errors = Counter(), [], set(), {}
 
     def __call__(self, prompts, completions, completion_ids, columns: dict, environments=None) -> torch.Tensor:
@@ -162,7 +170,8 @@ class RewardScorer:
         for column, (name, func) in enumerate(self.funcs.items()):
             ids = {"completion_ids": completion_ids} | (
                 {"completions_ids": completion_ids} if name in self.ids_as_documented else {}) | (
-                {"environments": environments} if environments and name in self.given_environments else {})
+                {"environments": environments} if environments and name in self.given_environments else {}) | (
+                {"generation_prompt": self.generation_prompt} if name in self.given_prompt else {})
             try:
                 with time_limit(self.timeout, f"reward function {name}", "--reward_timeout", RewardTimeout):
                     values = list(awaited(func(prompts=prompts, completions=completions, **ids, **columns)))

@@ -86,6 +86,14 @@ class AnswerLabeller:
             raise TemplateError(f"{REFUSED}: {error}") from error
         return texts[0], indices[0] if indices else []
 
+    def generation_prompt(self) -> str:
+        """What `add_generation_prompt` adds after a user's turn: the assistant header a sample
+        starts after, and what the template writes there before the model does (Qwen3.5's think
+        templates: `<think>\n`)."""
+        question = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]}]
+        without, prompted = (self.render(question, add_generation_prompt=asked)[0] for asked in (False, True))
+        return prompted.removeprefix(without)
+
     def answer_spans(self, messages, tools=None) -> tuple[str, list[tuple[int, int] | None]]:
         """(the rendered conversation, the character span of each assistant turn: from the end of
         its generation prompt to its end-of-turn token; None for a turn the template rewrites once
@@ -318,9 +326,7 @@ def check_generation_prompt(labeller: AnswerLabeller, source: str) -> str:
     branch: the assistant header a sample starts after); the log line that names it. Without one,
     GRPO's and distillation's samples would follow the user's turn directly, a place the model never
     answers from."""
-    question = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]}]
-    without, prompted = (labeller.render(question, add_generation_prompt=asked)[0] for asked in (False, True))
-    header = prompted.removeprefix(without)
+    header = labeller.generation_prompt()
     if not header.strip():
         raise TemplateError(
             f"The chat template of {source} writes no generation prompt (add_generation_prompt adds "
