@@ -88,7 +88,8 @@ def main(argv=None):
     # entry by entry); it reads rows of its own where its processor writes images otherwise
     teacher = Teacher.load(distill_args.teacher_model_name_or_path, model, processor,
                            model_args.attn_implementation, distill_args.seq_kd)
-    labeller = AnswerLabeller(processor, vlm.stops)  # the dataset's answers: off-policy targets
+    # the dataset's answers: off-policy targets
+    labeller = AnswerLabeller(processor, vlm.stops, empty_think=data_args.empty_think_block)
     source = model_args.template_source()
     template_line = check_template(labeller, source, data_args.max_length)
     template_line += "\n" + check_generation_prompt(labeller, source)  # what the samples follow

@@ -93,7 +93,8 @@ def main(argv=None):
     vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2, frozen_copy=True)
     model, processor = vlm.model, vlm.processor
     # The chosen and rejected answers' tokens, as in SFT
-    labeller = AnswerLabeller(processor, vlm.stops, template=model_args.training_template())
+    labeller = AnswerLabeller(processor, vlm.stops, template=model_args.training_template(),
+                              empty_think=data_args.empty_think_block)
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
 
     # shared: accelerator

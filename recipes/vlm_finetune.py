@@ -85,7 +85,8 @@ def main(argv=None):
     # The answer tokens of the checkpoint's own chat template, checked on a probe conversation now
     # (a template whose turns no rule finds would otherwise drop every row as no_target).
     labeller = AnswerLabeller(processor, vlm.stops, videos=video_path(model, processor),
-                              template=model_args.training_template())
+                              template=model_args.training_template(),
+                              empty_think=data_args.empty_think_block)
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
     if data_args.packing:  # samples kept apart in one sequence?
         vlm.check_packing(labeller)

@@ -47,8 +47,6 @@ END_OF_TURN = {"llava": "", "llava_next": "</s>", "qwen2_vl": "<|im_end|>", "qwe
                "idefics3": "<end_of_utterance>", "gemma3": "<end_of_turn>", "llava_onevision": "<|im_end|>",
                "mistral3": "</s>", "qwen3_5": "<|im_end|>", "qwen3_vl_moe": "<|im_end|>", "qwen3_5_moe": "<|im_end|>",
                "gemma4": "<turn|>", "gemma4_moe": "<turn|>"}
-# What a think template's answer begins with, the generation prompt having opened the block (Qwen3.5-35B-A3B's)
-ANSWER_LEAD = {"qwen3_5_moe": "\n</think>\n\n"}
 VISION = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2, image_size=32,
               patch_size=8)
 TEXT_TOWER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

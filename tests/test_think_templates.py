@@ -54,7 +54,9 @@ def test_targets_are_trls_assistant_tokens_less_the_generation_prompts_tail(tiny
     it: the empty think block in nothink, `<think>\\n` in think) and less the new line after `<|im_end|>`. With the
     official template, which drops an earlier answer's think block once later turns follow, the last answer is
     the target, the same tokens; the earlier answers are context, and the log line says so. Before, both were
-    refused before the first step ("start inside its generation prompt", "not a prefix")."""
+    refused before the first step ("start inside its generation prompt", "not a prefix"). TRL trains the empty
+    think block (`--empty_think_block target`); by default (context) it is out of the targets, exactly: a thinking
+    model tuned on plain answers learnt to close its block at once, to stop thinking."""
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlms[family])
     processor = AutoProcessor.from_pretrained(tiny_vlms[family])
     if template == "qwen3_6":  # the tiny checkpoints carry Qwen3.5's; Qwen3.6 ships its own
@@ -63,8 +65,13 @@ def test_targets_are_trls_assistant_tokens_less_the_generation_prompts_tail(tiny
     training = get_training_chat_template(processor)
     assert training == (TRL_TEMPLATES / f"{template}_training.jinja").read_text()
     trl_collator = DataCollatorForVisionLanguageModeling(processor, assistant_only_loss=True, chat_template=training)
-    marked = AnswerLabeller(processor, stop_token_ids(model, processor), template=training)
-    official = AnswerLabeller(processor, stop_token_ids(model, processor))
+    stops = stop_token_ids(model, processor)
+    # TRL trains the empty think block: --empty_think_block target
+    marked = AnswerLabeller(processor, stops, template=training, empty_think="target")
+    official = AnswerLabeller(processor, stops, empty_think="target")
+    kept_thinking = AnswerLabeller(processor, stops, template=training)  # the default, context
+    block = kept_thinking.empty_think_block
+    assert block == ("" if template == "qwen3_5_nothink" else "\n</think>\n\n")  # nothink: the prompt wrote it
     tail = PROMPT_TAIL[template]
     lead = tail.split("<think>")[1].replace("\n\n</think>\n\n", "")  # what is left of the block to write
     marked_line, official_line = check_template(marked, "trl"), check_template(official, family)
@@ -85,6 +92,12 @@ def test_targets_are_trls_assistant_tokens_less_the_generation_prompts_tail(tiny
         assert ("pixel_values" in media) == bool(images)
         input_ids, labels, _ = encode_row(official, messages, images)
         assert runs(processor, input_ids, labels) == targets[-1:]
+        # context: the block exactly out of the targets, every other target token as TRL's
+        input_ids, labels, _ = encode_row(kept_thinking, messages, images)
+        assert torch.equal(input_ids, expected["input_ids"][0])
+        assert runs(processor, input_ids, labels) == [target.removeprefix(block) for target in targets]
+    context_line = check_template(kept_thinking, "trl")
+    assert ("an empty think block: context, not a target" in context_line) == bool(block)
 
 
 def test_markers_that_take_in_the_assistant_header_or_stop_in_the_prompt_are_refused(tiny_vlms):

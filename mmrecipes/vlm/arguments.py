@@ -220,6 +220,10 @@ class ChatDataArgs(SourceArgs, VideoArgs):
     max_tokens_per_batch: int | None = checked(None, "count_or_none")
     # rows packed into sequences of up to max_length tokens, each sample attending only to itself
     packing: bool = False
+    # The empty think block a reasoning template writes before an answer without reasoning (Qwen3's): context
+    # keeps it out of the targets, so a thinking model tuned on plain answers keeps thinking (ms-swift's
+    # ignore_empty_think); target trains it, as TRL does, and teaches the model to close its block at once
+    empty_think_block: str = checked("context", choices=("context", "target"))
 
     def __post_init__(self):
         super().__post_init__()

@@ -56,7 +56,8 @@ class AnswerLabeller:
     `images.to_device`). A conversation whose turns no rule finds raises `TemplateError`.
     """
 
-    def __init__(self, processor, stop_token_ids, videos: str | None = None, template: str | None = None):
+    def __init__(self, processor, stop_token_ids, videos: str | None = None, template: str | None = None,
+                 empty_think: str = "context"):
         self.processor, self.tokenizer = processor, processor.tokenizer
         # `template`: a training format the model is not saved with
         self.template = template or processor.chat_template
@@ -73,6 +74,9 @@ class AnswerLabeller:
                               "pixel_values_videos": fused_normalization(processor.video_processor) if as_clips
                               else None}
         self.rule = "generation markers" if self.has_markers else "prefix renderings"
+        # `context`: the empty think block the template writes before an answer without reasoning is no target
+        # (trained, it teaches a thinking model to close its block at once: to stop thinking); `target`: trained
+        self.empty_think, self.empty_think_block = empty_think, self._empty_think_block()
 
     def render(self, messages, add_generation_prompt=False, marked=False, tools=None):
         """(text, the character spans of its `{% generation %}` blocks if `marked`), with the
@@ -85,6 +89,23 @@ class AnswerLabeller:
         except jinja2.TemplateError as error:
             raise TemplateError(f"{REFUSED}: {error}") from error
         return texts[0], indices[0] if indices else []
+
+    def _empty_think_block(self) -> str:
+        """What the template writes between its generation prompt and an answer without reasoning, where
+        that is the slot its reasoning fills (Qwen3's empty think block), found by rendering; else ""."""
+        user = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]}]
+        answer = {"role": "assistant", "content": [{"type": "text", "text": "ANSWER"}]}
+        try:
+            prompt = self.render(user, add_generation_prompt=True)[0]
+            plain = self.render([*user, answer])[0]
+            reasoned = self.render([*user, answer | {"reasoning_content": "REASONING"}])[0]
+        except TemplateError:  # a template that refuses the probe has its check_template say why
+            return ""
+        if not (plain.startswith(prompt) and reasoned.startswith(prompt) and "ANSWER" in plain):
+            return ""
+        block = plain[len(prompt):plain.index("ANSWER")]
+        filled = reasoned[len(prompt):reasoned.find("ANSWER")]
+        return block if block.strip() and "REASONING" in filled else ""
 
     def generation_prompt(self) -> str:
         """What `add_generation_prompt` adds after a user's turn: the assistant header a sample
@@ -188,7 +209,7 @@ class AnswerLabeller:
         input_ids = torch.as_tensor(encoded["input_ids"][0])
         aligned = _aligned_positions(plain["input_ids"], input_ids.tolist())
         target = torch.zeros(len(input_ids), dtype=torch.bool)
-        for start, end in filter(None, spans):
+        for start, end in filter(None, self._without_empty_think(messages, text, spans)):
             inside = [i for i, (a, b) in enumerate(plain["offset_mapping"]) if a < end and b > start and b > a]
             if not inside or plain["offset_mapping"][inside[0]][0] < start:
                 raise UnalignedAnswer("the generation prompt does not end on a token boundary")
@@ -198,6 +219,21 @@ class AnswerLabeller:
             target[positions] = True
         media_ids = torch.tensor([i for i in (self.image_token_id, self.video_token_id) if i is not None])
         return encoded, target & ~torch.isin(input_ids, media_ids)
+
+
+    def _without_empty_think(self, messages, text: str, spans: list) -> list:
+        """The answer spans, each of a turn without reasoning starting after the empty think block the
+        template wrote there (`empty_think` context)."""
+        if self.empty_think != "context" or not self.empty_think_block:
+            return spans
+        turns = [message for message in messages if message["role"] == "assistant"]
+        kept = []
+        for message, span in zip(turns, spans):
+            if span and not (message.get("reasoning_content") or "").strip() and text.startswith(
+                    self.empty_think_block, span[0]):
+                span = (span[0] + len(self.empty_think_block), span[1])
+            kept.append(span)
+        return kept
 
 
 def _aligned_positions(plain: list[int], processed: list[int]) -> dict[int, int]:
@@ -250,7 +286,7 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
     if max_length is not None:
         _check_room(labeller, max_length)
     return (f"chat template of {source}: assistant turns found by {labeller.rule}; it {_ends(labeller, found)}"
-            f"{_writes(leads.pop(), context)}")
+            f"{_writes(leads.pop(), context)}{_think_policy(labeller)}")
 
 
 PROBE_ANSWERS = ["red", "two"]
@@ -319,6 +355,17 @@ def _writes(lead: str, context: list[str]) -> str:
                    "context (to train every turn, give a template with {% generation %} markers, such as TRL's "
                    "*_training.jinja, with --chat_template_path)")
     return writes
+
+
+def _think_policy(labeller: AnswerLabeller) -> str:
+    """What becomes of the empty think block before an answer without reasoning, for the log line."""
+    if not labeller.empty_think_block:
+        return ""
+    if labeller.empty_think == "target":
+        return "; its empty think block before an answer without reasoning is a target (--empty_think_block target)"
+    return (f"; before an answer without reasoning it writes {labeller.empty_think_block!r}, an empty think block: "
+            "context, not a target (--empty_think_block context keeps a thinking model thinking; target trains "
+            "it to close the block at once)")
 
 
 def check_generation_prompt(labeller: AnswerLabeller, source: str) -> str:
