@@ -101,12 +101,11 @@ class Running:
     """What user code each rank of a node runs now: one file per rank (`pid what`, empty between
     calls) in a folder the node's ranks share, named for their launcher's process. A rank that ends
     inside user code leaves its line; a rank whose run then fails reads it (`lost_ranks`, said by
-    the exception hook `mark` installs)."""
+    the exception hook it installs when made)."""
 
     def __init__(self):
         self.folder = Path(tempfile.gettempdir()) / f"mmrecipes-user-code-{os.getppid()}"
-        self.rank = os.environ.get("RANK", "0")
-        self.file = self.folder / self.rank
+        self.file = self.folder / os.environ.get("RANK", "0")
         self.folder.mkdir(exist_ok=True)
         # a rank that ends inside user code leaves it
         atexit.register(self.file.unlink, missing_ok=True)
@@ -138,7 +137,7 @@ class Running:
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a process ended but not yet reaped by its launcher counts as ended)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
     except FileNotFoundError:
         return False
     except OSError:  # no /proc

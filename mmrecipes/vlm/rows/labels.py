@@ -40,6 +40,10 @@ class UnalignedAnswer(TemplateError):
     returns."""
 
 
+# the one-line text question the template checks render (the probe's, without its image)
+QUESTION = {"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]}
+
+
 class ReasoningDropped(TemplateError):
     """A row's reasoning (`reasoning_content`) that the chat template leaves out of its rendering."""
 
@@ -93,12 +97,11 @@ class AnswerLabeller:
     def _empty_think_block(self) -> str:
         """What the template writes between its generation prompt and an answer without reasoning, where
         that is the slot its reasoning fills (Qwen3's empty think block), found by rendering; else ""."""
-        user = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]}]
         answer = {"role": "assistant", "content": [{"type": "text", "text": "ANSWER"}]}
         try:
-            prompt = self.render(user, add_generation_prompt=True)[0]
-            plain = self.render([*user, answer])[0]
-            reasoned = self.render([*user, answer | {"reasoning_content": "REASONING"}])[0]
+            prompt = self.render([QUESTION], add_generation_prompt=True)[0]
+            plain = self.render([QUESTION, answer])[0]
+            reasoned = self.render([QUESTION, answer | {"reasoning_content": "REASONING"}])[0]
         except TemplateError:  # a template that refuses the probe has its check_template say why
             return ""
         if not (plain.startswith(prompt) and reasoned.startswith(prompt) and "ANSWER" in plain):
@@ -111,8 +114,7 @@ class AnswerLabeller:
         """What `add_generation_prompt` adds after a user's turn: the assistant header a sample
         starts after, and what the template writes there before the model does (Qwen3.5's think
         templates: `<think>\n`)."""
-        question = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]}]
-        without, prompted = (self.render(question, add_generation_prompt=asked)[0] for asked in (False, True))
+        without, prompted = (self.render([QUESTION], add_generation_prompt=asked)[0] for asked in (False, True))
         return prompted.removeprefix(without)
 
     def answer_spans(self, messages, tools=None) -> tuple[str, list[tuple[int, int] | None]]:
@@ -329,8 +331,7 @@ def _unusable(source: str, problem: str) -> TemplateError:
 
 def _check_room(labeller: AnswerLabeller, max_length: int):
     """Raise unless a one-line question and a one-word answer fit in `max_length` tokens."""
-    shortest = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]},
-                {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
+    shortest = [QUESTION, {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
     overhead = len(labeller(shortest, [])[0]["input_ids"][0])
     if overhead > max_length:
         raise ValueError(f"--max_length {max_length} is below what the chat template needs for a one-line "
