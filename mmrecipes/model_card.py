@@ -8,6 +8,7 @@ command, the engine, what the run saw, the final metrics and how to load it), an
 shows. Main process only: no collectives.
 """
 
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -72,12 +73,14 @@ answer(text=[{{"role": "user", "content": [{{"type": "image", "image": image}},
 
 
 def write_model_card(output_dir, report, *, pipeline_tag: str, base_model: str | None, datasets: list[str],
-                     evaluated: str, tags: list[str], engine: str, seen: str, resumed_at: int):
+                     evaluated: str, tags: list[str], engine: str, seen: str, resumed_at: int,
+                     template_kwargs: dict | None = None):
     """`output_dir/README.md` (a model card) and `output_dir/training_curves.png`, from the run's
     `reporting.Report`: its history, its evaluations' curves and their own lines (the benchmarks').
     `engine`: the `[engine]` line; `seen`: what the run trained on, before a resume at `resumed_at`
     too (0: not resumed); `evaluated`: what the evaluation metrics measured (the recipe's
-    evaluation line)."""
+    evaluation line); `template_kwargs`: --chat_template_kwargs, what its chat template was rendered with
+    (the model is served the same way)."""
     history, eval_metrics, benchmarks = report.history, report.curves(), report.card_lines()
     output_dir = Path(output_dir)
     plot_curves(history, output_dir / CURVES, eval_metrics)
@@ -103,6 +106,8 @@ def write_model_card(output_dir, report, *, pipeline_tag: str, base_model: str |
         f"- base model: {base_model or 'built from a config (random initialisation)'}",
         f"- data: {', '.join(name for name in datasets if name) or '-'}",
         f"- evaluated: {evaluated}",
+        *([f"- chat template rendered with: `{json.dumps(template_kwargs, sort_keys=True)}` (--chat_template_kwargs; "
+           "pass the same to `apply_chat_template`)"] if template_kwargs else []),
         "",
         "## Final metrics",
         "",

@@ -9,6 +9,8 @@ throughput every recipe reports (`throughput`) and the counters so far. The run'
 components (`Evaluation`) the report runs when due (`evaluate`: one loop line for all).
 """
 
+import dataclasses
+import json
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -240,6 +242,15 @@ class Report:
             self.accelerator.log(scores, step=step)
             self.history.add(step, scores, evaluation=True)
             self.write(eval_line(step, scores))
+
+
+def tracker_config(*args) -> dict:
+    """The run's flags for `accelerator.init_trackers`: every field of the argument dataclasses
+    `args`, a mapping (--chat_template_kwargs) as its JSON text (TensorBoard's hparams take
+    scalars only)."""
+    values = {key: value for one in args for key, value in dataclasses.asdict(one).items()}
+    return {key: json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+            for key, value in values.items()}
 
 
 def ratio(numerator: float, denominator: float) -> float:

@@ -17,7 +17,7 @@ accelerate_configs/ (DDP, FSDP2, ZeRO-2, ZeRO-3, multi-node) and on real data:
 Tested on a 2-core CPU (1 and 2 processes, gloo).
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from mmrecipes.arguments import TrainingArgs
 from mmrecipes.config import checked, parse_args
@@ -70,7 +70,7 @@ from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches, check_held_out
 from mmrecipes.model_card import write_model_card
-from mmrecipes.reporting import Evaluation, Report, ratio
+from mmrecipes.reporting import Evaluation, Report, ratio, tracker_config
 from mmrecipes.sources import evaluation_source
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import (
@@ -168,7 +168,7 @@ def main(argv=None):
     progress = tqdm(range(start_step, args.max_steps),
                     disable=not accelerator.is_local_main_process)
 
-    config = asdict(model_args) | asdict(data_args) | asdict(args)
+    config = tracker_config(model_args, data_args, args)
     accelerator.init_trackers(f"{model_args.loss}_pretrain", config)
     # The data counters: bad rows by kind, and the rows of each source where there are several
     curves = ["image_to_text_R@1", "text_to_image_R@1", "zeroshot_top1"]  # in the model card

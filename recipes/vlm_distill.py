@@ -16,7 +16,7 @@ in the layouts GRPO reads; a chat row's last answer or a prompt row's `solution`
 answer (docs/distill.md). With no arguments: the tiny SFT'd Llava learns from a wider one.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
@@ -58,7 +58,7 @@ from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
-from mmrecipes.reporting import Evaluation, Report, ratio
+from mmrecipes.reporting import Evaluation, Report, ratio, tracker_config
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
 from mmrecipes.vlm.algorithms.distill import StepTargets, evaluate_divergence
@@ -87,9 +87,11 @@ def main(argv=None):
     # The teacher, checked now against the student's vocabulary and chat template (logits compared
     # entry by entry); it reads rows of its own where its processor writes images otherwise
     teacher = Teacher.load(distill_args.teacher_model_name_or_path, model, processor,
-                           model_args.attn_implementation, distill_args.seq_kd)
+                           model_args.attn_implementation, distill_args.seq_kd,
+                           data_args.chat_template_kwargs)
     # the dataset's answers: off-policy targets
-    labeller = AnswerLabeller(processor, vlm.stops, empty_think=data_args.empty_think_block)
+    labeller = AnswerLabeller(processor, vlm.stops, empty_think=data_args.empty_think_block,
+                              template_kwargs=data_args.chat_template_kwargs)
     source = model_args.template_source()
     template_line = check_template(labeller, source, data_args.max_length)
     template_line += "\n" + check_generation_prompt(labeller, source)  # what the samples follow
@@ -154,7 +156,8 @@ def main(argv=None):
     # Standard benchmarks scored as lmms-eval scores them, each rank answering its stride of the
     # documents
     benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True)).evaluation(
-        BenchmarkAnswers(model, vlm, accelerator.device), say=accelerator.print)
+        BenchmarkAnswers(model, vlm, accelerator.device, data_args.chat_template_kwargs),
+        say=accelerator.print)
 
     data = data_layout(data_args, args, ranks, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model), data,
@@ -169,8 +172,8 @@ def main(argv=None):
     progress = tqdm(range(start_step, args.max_steps),
                     disable=not accelerator.is_local_main_process)
 
-    config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(distill_args)
-    accelerator.init_trackers("vlm_distill", config | asdict(args) | asdict(bench_args))
+    config = tracker_config(model_args, lora_args, data_args, distill_args, args, bench_args)
+    accelerator.init_trackers("vlm_distill", config)
 
     def evaluate(filler: dict, teacher_too: bool = False) -> dict:  # held-out scores
         answers = (batch["answers"] for batch in eval_loader)
@@ -251,7 +254,8 @@ def main(argv=None):
         write_model_card(args.output_dir, report, pipeline_tag="image-text-to-text", tags=tags,
                          seen=seen, base_model=model_args.model_name_or_path, engine=engine,
                          resumed_at=start_step, datasets=data_args.dataset_name.split(","),
-                         evaluated=data_args.evaluation)
+                         evaluated=data_args.evaluation,
+                         template_kwargs=data_args.chat_template_kwargs)
 
     # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote

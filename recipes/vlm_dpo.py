@@ -17,7 +17,7 @@ in one forward, a text-only batch with the dummy image (as vlm_finetune.py), and
 exact mean over the window's pairs on every rank (docs/dpo.md).
 """
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
@@ -58,7 +58,7 @@ from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
-from mmrecipes.reporting import Evaluation, Report, ratio
+from mmrecipes.reporting import Evaluation, Report, ratio, tracker_config
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
 from mmrecipes.vlm.algorithms.preference import (
@@ -94,7 +94,8 @@ def main(argv=None):
     model, processor = vlm.model, vlm.processor
     # The chosen and rejected answers' tokens, as in SFT
     labeller = AnswerLabeller(processor, vlm.stops, template=model_args.training_template(),
-                              empty_think=data_args.empty_think_block)
+                              empty_think=data_args.empty_think_block,
+                              template_kwargs=data_args.chat_template_kwargs)
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
 
     # shared: accelerator
@@ -157,7 +158,8 @@ def main(argv=None):
     # Standard benchmarks scored as lmms-eval scores them, each rank answering its stride of the
     # documents
     benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True)).evaluation(
-        BenchmarkAnswers(model, vlm, accelerator.device), say=accelerator.print)
+        BenchmarkAnswers(model, vlm, accelerator.device, data_args.chat_template_kwargs),
+        say=accelerator.print)
 
     if dpo_args.precompute_ref_log_probs:  # an epoch of this rank's pairs, then no reference model
         first_pass = build_chat_dataloader(data_args, collator=collator, batch_size=batch_size,
@@ -179,8 +181,8 @@ def main(argv=None):
     progress = tqdm(range(start_step, args.max_steps),
                     disable=not accelerator.is_local_main_process)
 
-    config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(dpo_args)
-    accelerator.init_trackers("vlm_dpo", config | asdict(args) | asdict(bench_args))
+    config = tracker_config(model_args, lora_args, data_args, dpo_args, args, bench_args)
+    accelerator.init_trackers("vlm_dpo", config)
     curves = ["eval_rewards/accuracies", "answer_accuracy"]  # the held-out scores in the model card
     report = Report(accelerator, args, batches, PREFERENCE_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals, ranks=ranks, formats=DPO_FORMATS,
@@ -248,7 +250,8 @@ def main(argv=None):
         write_model_card(args.output_dir, report, pipeline_tag="image-text-to-text", tags=tags,
                          seen=seen, base_model=model_args.model_name_or_path, engine=engine,
                          resumed_at=start_step, datasets=data_args.dataset_name.split(","),
-                         evaluated=data_args.evaluation)
+                         evaluated=data_args.evaluation,
+                         template_kwargs=data_args.chat_template_kwargs)
 
     # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote

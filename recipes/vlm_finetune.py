@@ -15,7 +15,7 @@ exact token mean over the accumulation window on all ranks (docs/vlm.md). Data: 
 (`--dataset_name json --data_files llava.json --image_folder images/`), `messages` + `images` rows.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
@@ -55,7 +55,7 @@ from mmrecipes.distributed import DivergenceGuard, Ranks, engine_line, reconcile
 from mmrecipes.images import to_device
 from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
-from mmrecipes.reporting import Evaluation, Report, ratio
+from mmrecipes.reporting import Evaluation, Report, ratio, tracker_config
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import (
     accelerator_from_args,
@@ -86,7 +86,8 @@ def main(argv=None):
     # (a template whose turns no rule finds would otherwise drop every row as no_target).
     labeller = AnswerLabeller(processor, vlm.stops, videos=video_path(model, processor),
                               template=model_args.training_template(),
-                              empty_think=data_args.empty_think_block)
+                              empty_think=data_args.empty_think_block,
+                              template_kwargs=data_args.chat_template_kwargs)
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
     if data_args.packing:  # samples kept apart in one sequence?
         vlm.check_packing(labeller)
@@ -162,7 +163,8 @@ def main(argv=None):
     # Standard benchmarks scored as lmms-eval scores them, each rank answering its stride of the
     # documents
     benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True)).evaluation(
-        BenchmarkAnswers(model, vlm, accelerator.device), say=accelerator.print)
+        BenchmarkAnswers(model, vlm, accelerator.device, data_args.chat_template_kwargs),
+        say=accelerator.print)
 
     # shared: vlm checkpoints
     layout = data_layout(data_args, args, ranks, batch_size=batch_size)
@@ -179,8 +181,7 @@ def main(argv=None):
     progress = tqdm(range(start_step, args.max_steps),
                     disable=not accelerator.is_local_main_process)
 
-    config = (asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(args)
-              | asdict(bench_args))
+    config = tracker_config(model_args, lora_args, data_args, args, bench_args)
     accelerator.init_trackers("vlm_finetune", config)
     curves = ["answer_accuracy", "generated_accuracy"]  # the held-out scores in the model card
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
@@ -241,7 +242,8 @@ def main(argv=None):
         write_model_card(args.output_dir, report, pipeline_tag="image-text-to-text", tags=tags,
                          seen=seen, base_model=model_args.model_name_or_path, engine=engine,
                          resumed_at=start_step, datasets=data_args.dataset_name.split(","),
-                         evaluated=data_args.evaluation)
+                         evaluated=data_args.evaluation,
+                         template_kwargs=data_args.chat_template_kwargs)
 
     if divergence_guard is not None:
         divergence_guard.remove()

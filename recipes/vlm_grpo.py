@@ -16,7 +16,7 @@ until every rank is done, each from a seed of its own, so W ranks sample what on
 model that never answers right gets no reward to learn from.
 """
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
@@ -57,7 +57,7 @@ from mmrecipes.checkpointing import Checkpointer, data_layout
 from mmrecipes.distributed import Ranks, engine_line, reconcile_deepspeed_config
 from mmrecipes.loader import TrainBatches
 from mmrecipes.model_card import write_model_card
-from mmrecipes.reporting import Evaluation, Report, ratio
+from mmrecipes.reporting import Evaluation, Report, ratio, tracker_config
 from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
 from mmrecipes.vlm.algorithms import grpo
@@ -87,9 +87,11 @@ def main(argv=None):
     vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2,
                     frozen_copy=grpo_args.beta > 0)
     model, processor = vlm.model, vlm.processor
-    labeller = AnswerLabeller(processor, vlm.stops)  # the prompts go through its template
+    # the prompts go through its template
+    labeller = AnswerLabeller(processor, vlm.stops, template_kwargs=data_args.chat_template_kwargs)
     # --tools, --environment_factory: completions call them and go on after the results
-    tools = Tools.of(grpo_args, processor, vlm.stops, data_args.max_length)
+    tools = Tools.of(grpo_args, processor, vlm.stops, data_args.max_length,
+                     data_args.chat_template_kwargs)
     reward_funcs, weights = Tools.reward_sources(tools, reward_funcs, grpo_args.weights)
     # the assistant header the samples start after
     template_line = check_generation_prompt(labeller, model_args.template_source())
@@ -160,7 +162,8 @@ def main(argv=None):
     # Standard benchmarks scored as lmms-eval scores them, each rank answering its stride of the
     # documents
     benchmarks = Benchmarks(bench_args, **ranks.reads(evaluation=True)).evaluation(
-        BenchmarkAnswers(model, vlm, accelerator.device), say=accelerator.print)
+        BenchmarkAnswers(model, vlm, accelerator.device, data_args.chat_template_kwargs),
+        say=accelerator.print)
 
     data = data_layout(data_args, args, ranks, batch_size=batch_size)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
@@ -175,8 +178,8 @@ def main(argv=None):
     progress = tqdm(range(start_step, args.max_steps),
                     disable=not accelerator.is_local_main_process)
 
-    config = asdict(model_args) | asdict(lora_args) | asdict(data_args) | asdict(grpo_args)
-    accelerator.init_trackers("vlm_grpo", config | asdict(args) | asdict(bench_args))
+    config = tracker_config(model_args, lora_args, data_args, grpo_args, args, bench_args)
+    accelerator.init_trackers("vlm_grpo", config)
     report = Report(accelerator, args, batches, CHAT_COUNTED, guard=guard, flops=vlm.flops,
                     total=checkpoints.resumed_totals, ranks=ranks, formats=grpo.FORMATS,
                     evaluations=[Evaluation(held_out, curves=["generated_accuracy"]), benchmarks])
@@ -254,7 +257,8 @@ def main(argv=None):
         write_model_card(args.output_dir, report, pipeline_tag="image-text-to-text", tags=tags,
                          seen=seen, base_model=model_args.model_name_or_path, engine=engine,
                          resumed_at=start_step, datasets=data_args.dataset_name.split(","),
-                         evaluated=data_args.evaluation)
+                         evaluated=data_args.evaluation,
+                         template_kwargs=data_args.chat_template_kwargs)
 
     # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote

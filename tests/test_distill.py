@@ -83,6 +83,10 @@ def test_a_teacher_of_another_vocabulary_or_template_is_refused_and_other_images
     wider_processor.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="needs a teacher of the student's vocabulary and chat template"):
         Teacher.load(str(tmp_path), student, processor)
+    # --chat_template_kwargs renders both models' templates: one that never reads a key is refused by name
+    with pytest.raises(ValueError, match=r"--chat_template_kwargs \(the teacher's chat template\): the chat template "
+                                         "never reads enable_thinking"):
+        Teacher.load(str(tmp_path), student, processor, template_kwargs={"enable_thinking": False})
 
 
 def test_prompt_rows_and_chat_rows_become_a_prompt_with_the_dataset_answer_after_it():

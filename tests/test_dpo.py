@@ -374,9 +374,13 @@ def test_precomputed_reference_log_probs_give_the_live_frozen_copys_losses(scena
     result = run_recipe(*SCENARIO, "--precompute_ref_log_probs", "true", "--per_device_train_batch_size", 4,
                         "--gradient_accumulation_steps", 1, "--data_files", scenario / "single" / "all.parquet",
                         "--output_dir", tmp_path / "out", "--benchmarks", f"chartqa,{hostile}",
-                        "--benchmark_data_dir", tmp_path / "benchmarks", "--benchmark_limit", 2, recipe=DPO_RECIPE)
+                        "--benchmark_data_dir", tmp_path / "benchmarks", "--benchmark_limit", 2,
+                        # the untrained model never stops: MMBench's 1,024 answer tokens (lmms-eval's default) by
+                        # whole-sequence forwards were 35 of this test's 38 s; the cap is said in the log
+                        "--benchmark_max_new_tokens", 16, recipe=DPO_RECIPE)
     assert result.returncode == 0, result.log[-3000:]
     assert f"eval step {STEPS} | bench/chartqa/relaxed_overall " in result.log  # a benchmark at the end
+    assert "(--benchmark_max_new_tokens caps them: not lmms-eval's scores)" in result.log
     assert "benchmark mmmu_val: no document was scored (missing_image_1 2): no numbers" in result.log
     assert "benchmark ai2d: 2 documents could not be scored (unscorable)" in result.log
     assert "bench/mmbench_en_dev_static/unscorable 1" in result.log

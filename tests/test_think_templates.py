@@ -12,9 +12,12 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 from trl.chat_template_utils import get_training_chat_template
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
+from mmrecipes.config import parse_args
+from mmrecipes.vlm.arguments import PromptDataArgs
 from mmrecipes.vlm.model.loading import stop_token_ids
 from mmrecipes.vlm.rows.chat_data import encode_row
 from mmrecipes.vlm.rows.labels import AnswerLabeller, TemplateError, _runs, check_template
+from mmrecipes.vlm.rows.prompts import PromptPreprocessor
 from test_family_conformance import COLOURS, STEPS, colour_conversation, square, train
 
 TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"
@@ -206,3 +209,44 @@ def test_the_format_reward_reads_the_turn_whose_think_block_the_prompt_opened(ti
     plain = AnswerLabeller(llava_processor, stop_token_ids(llava, llava_processor)).generation_prompt()
     assert RewardScorer(funcs, [1.0], generation_prompt=plain)(None, completions, ids, {})[:, 0].tolist() == [
         0.0, 0.0, 1.0]
+
+
+def test_chat_template_kwargs_reach_the_labels_and_the_prompts_and_a_key_never_read_is_refused(tiny_vlms):
+    """--chat_template_kwargs '{"enable_thinking": false}' on Qwen3.5-4B's think template (before, no run could pass
+    it): the training rows, the generation prompt and a GRPO prompt row are the template's own rendering with it
+    (`apply_chat_template(..., enable_thinking=False)`, what TRL's GRPOTrainer renders with its
+    `chat_template_kwargs`): the no-think prompt writes the closed empty block, which is context, and the answer is
+    the target. A key the template never reads (a typo) is refused with the options it reads; a value that is not
+    a mapping, or a key the recipe sets itself, when the flags are parsed."""
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen3_5_think"])
+    processor = AutoProcessor.from_pretrained(tiny_vlms["qwen3_5_think"])
+    stops = stop_token_ids(model, processor)
+    (data_args,) = parse_args([PromptDataArgs], ["--chat_template_kwargs", '{"enable_thinking": false}'])
+    no_think = AnswerLabeller(processor, stops, template_kwargs=data_args.chat_template_kwargs)
+    thinking = AnswerLabeller(processor, stops)
+    assert no_think.generation_prompt() == "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert thinking.generation_prompt() == "<|im_start|>assistant\n<think>\n"
+    line = check_template(no_think, "qwen3_5_think")
+    assert 'rendered with {"enable_thinking": false} (--chat_template_kwargs)' in line
+    messages, images = ROWS[0]
+    input_ids, labels, _ = encode_row(no_think, messages, images)
+    served = processor.apply_chat_template(messages, enable_thinking=False)
+    assert processor.tokenizer.decode(input_ids).replace("<|image_pad|>", "") == served.replace("<|image_pad|>", "")
+    assert runs(processor, input_ids, labels) == ["red<|im_end|>"]
+    assert "<think>\n\n</think>\n\nred" in served
+    reader = PromptPreprocessor(data_args, no_think, 256)
+    (ids, *_), _ = reader.example({"prompt": "What colour is it?"})
+    prompt = [{"role": "user", "content": [{"type": "text", "text": "What colour is it?"}]}]
+    expected = processor.apply_chat_template(prompt, add_generation_prompt=True, enable_thinking=False)
+    assert processor.tokenizer.decode(ids) == expected and expected.endswith("<think>\n\n</think>\n\n")
+    assert processor.tokenizer.decode(PromptPreprocessor(PromptDataArgs(), thinking, 256).example(
+        {"prompt": "What colour is it?"})[0][0]).endswith("assistant\n<think>\n")  # the old rendering
+    with pytest.raises(ValueError, match=r"never reads enable_thinkng, so it changes nothing; the options it reads: "
+                                         r".*enable_thinking"):
+        AnswerLabeller(processor, stops, template_kwargs={"enable_thinkng": False})
+    with pytest.raises(ValueError, match="the options it reads: none beyond the conversation"):
+        AnswerLabeller(AutoProcessor.from_pretrained(tiny_vlms["llava"]), stops, template_kwargs={"x": 1})
+    for value, problem in [("[1]", "list .* is not a mapping"), ('{"messages": []}', "messages is set by the recipe"),
+                           ("{enable_thinking: false}", "not JSON")]:
+        with pytest.raises(ValueError, match=f"--chat_template_kwargs: {problem}"):
+            parse_args([PromptDataArgs], ["--chat_template_kwargs", value])

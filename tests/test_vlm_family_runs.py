@@ -32,6 +32,9 @@ VIDEO_FAMILIES = [MATRIX, "llava_onevision"]  # one of each video path that laun
 SHARDED = [(MATRIX, "fsdp2.yaml"), ("llava_onevision", "fsdp2.yaml"), ("llava_onevision", "zero3.yaml"),
            ("qwen3_5", "fsdp2.yaml"), ("gemma4", "zero3.yaml")]
 TRAIN_MODULES = {"idefics3": "all"}  # the others: projector,language_model (the default)
+# Qwen3.5-2B's template renders no think block unless asked: its own default said again, through the flag, tracked
+# by TensorBoard (whose hparams take no mapping)
+TEMPLATE_KWARGS = {"qwen3_5": ["--chat_template_kwargs", '{"enable_thinking": false}', "--report_to", "tensorboard"]}
 # Gemma 4 under ZeRO-3 (and FSDP2) parts from DDP step by step: its gradient norm agrees to 1e-6 at step 1 (the sums'
 # order), 5e-4 by step 16, the loss to 1e-6 throughout (its weights: `assert_adam_weights_close`). {family: norm rel}
 LOOSER = {"gemma4": 1e-3}
@@ -57,6 +60,7 @@ def family_runs(tiny_vlms, tmp_path_factory):
     for family, config in [(family, "ddp.yaml") for family in FAMILIES] + SHARDED:
         preset = ["--train_modules", TRAIN_MODULES[family]] if family in TRAIN_MODULES else []
         preset += WITH_VIDEO if family in VIDEO_FAMILIES else []
+        preset += TEMPLATE_KWARGS.get(family, []) if config == "ddp.yaml" else []
         runs[family, config] = launch(config, tiny_vlms[family],
                                       tmp_path_factory.mktemp(f"{family}_{config[:-5]}"), *preset)
     return runs
@@ -193,3 +197,17 @@ def test_llava_json_with_two_image_and_video_rows_trains_non_llava_families(llav
         assert_same_curves(result.log, llava_json_runs[MATRIX, "ddp.yaml"].log, grad_norm=True)
     else:
         assert re.search(r"^step 16/16 .*\| video [1-9]\d* \| no_frames 0 ", result.log, re.M), result.log[-3000:]
+
+
+def test_chat_template_kwargs_are_said_tracked_and_kept_in_the_model_card(family_runs):
+    """--chat_template_kwargs: the template line says what every rendering gets, the tracker holds it as JSON text
+    and the model card says how to render as the model was trained."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result, output_dir = family_runs["qwen3_5", "ddp.yaml"]
+    assert result.returncode == 0, result.log[-3000:]
+    assert re.search(r"^chat template of .*, rendered with \{\"enable_thinking\": false\} \(--chat_template_kwargs\):",
+                     result.log, re.M), result.log[:3000]
+    card = (output_dir / "README.md").read_text()
+    assert '- chat template rendered with: `{"enable_thinking": false}` (--chat_template_kwargs;' in card
+    assert EventAccumulator(str(output_dir / "vlm_finetune")).Reload().Scalars("loss")  # the tracker started

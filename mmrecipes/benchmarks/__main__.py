@@ -22,6 +22,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from ..config import CheckedArgs, parse_args
 from ..paths import resolve_name
 from ..saved_models import model_config, pretrained
+from ..template_kwargs import check_template_kwargs, parse_template_kwargs
 from .arguments import BenchmarkArgs
 from .harness import Benchmarks, too_long
 
@@ -31,25 +32,30 @@ class ModelArgs(CheckedArgs):
     model: str = ""  # a saved model directory or a hub id (embedded:tiny_sft_vlm: the embedded one)
     output: str = ""  # a JSON file of the scores ("": printed only)
     device: str = ""  # "": cuda:<local rank> where there is a GPU, else cpu
+    # variables its chat template gets (a JSON object: '{"enable_thinking": false}'), as the run that trained it
+    chat_template_kwargs: dict | str | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if not self.model:
             raise ValueError("--model: give a saved model directory or a hub id")
         self.model = resolve_name(self.model)
+        self.chat_template_kwargs = parse_template_kwargs(self.chat_template_kwargs)
 
 
 class GeneratedAnswers:
     """`answer(request, max_new_tokens)` by `generate`, greedy: the new tokens' text, special tokens
     left out; `refusal`: a prompt longer than the model's positions."""
 
-    def __init__(self, model, processor, device):
+    def __init__(self, model, processor, device, template_kwargs=None):
         self.model, self.processor, self.device = model, processor, device
+        self.template_kwargs = template_kwargs or {}
         self.rendered = (None, None)
 
     def inputs(self, request):
         if self.rendered[0] is not request:
-            text = self.processor.apply_chat_template(request.messages, add_generation_prompt=True)
+            text = self.processor.apply_chat_template(request.messages, add_generation_prompt=True,
+                                                      **self.template_kwargs)
             inputs = self.processor(text=[text], images=[request.images] if request.images else None,
                                     return_tensors="pt")
             self.rendered = request, inputs
@@ -81,9 +87,11 @@ def main(argv=None):
     model_config(model_args.model, "--model")
     model = pretrained(AutoModelForImageTextToText, model_args.model, "--model").to(device).eval()
     processor = AutoProcessor.from_pretrained(model_args.model)
+    check_template_kwargs(model_args.chat_template_kwargs, processor.chat_template,
+                          processor.tokenizer.special_tokens_map)
     if rank == 0:
         print(benchmarks.describe())
-    scores = benchmarks.run(GeneratedAnswers(model, processor, device))
+    scores = benchmarks.run(GeneratedAnswers(model, processor, device, model_args.chat_template_kwargs))
     if rank == 0:
         for line in benchmarks.card_lines():
             print(line)

@@ -11,6 +11,7 @@ from ..arguments import SourceArgs, TrainingArgs
 from ..config import CheckedArgs, checked
 from ..paths import PLAIN_CHAT_TEMPLATE, TINY_VLM_TOKENIZER, resolve_name
 from ..sources import evaluation_source
+from ..template_kwargs import parse_template_kwargs
 
 TRAIN_MODULES = ("projector", "projector,language_model", "all")  # what --train_modules may name
 CHAT_TEMPLATE_FILE = ("a chat template file is the Jinja text of one template, which renders `messages` (a saved "
@@ -224,9 +225,14 @@ class ChatDataArgs(SourceArgs, VideoArgs):
     # keeps it out of the targets, so a thinking model tuned on plain answers keeps thinking (ms-swift's
     # ignore_empty_think); target trains it, as TRL does, and teaches the model to close its block at once
     empty_think_block: str = checked("context", choices=("context", "target"))
+    # Variables every rendering of the chat template gets (TRL's name): a JSON object, or a mapping in YAML, e.g.
+    # '{"enable_thinking": false}' trains and samples a hybrid template's no-think mode; a key the template never
+    # reads is refused
+    chat_template_kwargs: dict | str | None = None
 
     def __post_init__(self):
         super().__post_init__()
+        self.chat_template_kwargs = parse_template_kwargs(self.chat_template_kwargs)
         self.eval_dataset_name, self.evaluation = evaluation_source(
             "eval_dataset_name", self.eval_dataset_name, self.eval_data_files, self.dataset_name, self.EMBEDDED_EVAL)
 

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from ...images import to_device
+from ...template_kwargs import check_template_kwargs
 from ..model.evaluation import evaluate_generation
 from ..model.families import dummy_image_inputs, placeholder_token_ids
 from ..model.loading import load_pretrained, stop_token_ids
@@ -31,16 +32,17 @@ PROBE = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text"
 HELLO = [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}]
 
 
-def _probe(processor) -> dict:
+def _probe(processor, template_kwargs=None) -> dict:
     """The probe conversation with a red square through `processor`'s own chat template."""
-    text = processor.apply_chat_template(PROBE, tokenize=False)
+    text = processor.apply_chat_template(PROBE, tokenize=False, **(template_kwargs or {}))
     return processor(text=text, images=[Image.new("RGB", (32, 32), (200, 30, 30))], return_tensors="pt")
 
 
-def mismatch(student, student_processor, teacher, teacher_processor) -> str | None:
+def mismatch(student, student_processor, teacher, teacher_processor, template_kwargs=None) -> str | None:
     """Why the teacher cannot give the student its next-token distributions entry by entry, or None:
     another output size or vocabulary, or a chat template writing a conversation as other text
-    tokens (image tokens left out: those may differ, `reads_own_rows`)."""
+    tokens (image tokens left out: those may differ, `reads_own_rows`), both rendered with
+    `template_kwargs` (--chat_template_kwargs)."""
     sizes = [model.get_output_embeddings().weight.shape[0] for model in (student, teacher)]
     if sizes[0] != sizes[1]:
         return f"the student's output layer has {sizes[0]} entries, the teacher's {sizes[1]}"
@@ -50,7 +52,8 @@ def mismatch(student, student_processor, teacher, teacher_processor) -> str | No
             token for token in vocabularies[0] if vocabularies[0][token] != vocabularies[1][token])[:3]
         return f"their tokenizers differ ({len(vocabularies[0])} and {len(vocabularies[1])} tokens; e.g. {differing})"
     try:
-        ids = [_probe(processor)["input_ids"][0].tolist() for processor in (student_processor, teacher_processor)]
+        ids = [_probe(processor, template_kwargs)["input_ids"][0].tolist()
+               for processor in (student_processor, teacher_processor)]
     except (ValueError, KeyError, TypeError) as error:
         return f"the teacher's processor cannot read a conversation with an image ({error})"
     placeholders = [set(placeholder_token_ids(model, processor)) for model, processor in ((student, student_processor),
@@ -83,20 +86,25 @@ class Teacher:
     (`head_logits`, the divergence's second head), its held-out accuracy (`generated_accuracy`).
     `own_processor`: what renders its own prompts, None where it reads the student's rows."""
 
-    def __init__(self, model: VLMForTraining, processor, own_rows: bool, stops, placeholders, dummy_inputs):
+    def __init__(self, model: VLMForTraining, processor, own_rows: bool, stops, placeholders, dummy_inputs,
+                 template_kwargs=None):
         self.model, self.processor, self.stops, self.placeholders = model, processor, stops, placeholders
+        self.template_kwargs = template_kwargs
         self.own_processor = processor if own_rows else None
         self.collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs)
 
     @classmethod
     def load(cls, path: str, student, student_processor, attn_implementation: str = "sdpa",
-             seq_kd: bool = False) -> "Teacher":
-        """`path`'s model and processor, checked against the student's (`mismatch`); build it before
-        `Accelerator()` (under ZeRO-3 a model built afterwards is partitioned and
-        re-initialised)."""
+             seq_kd: bool = False, template_kwargs=None) -> "Teacher":
+        """`path`'s model and processor, checked against the student's (`mismatch`), its template
+        rendered with `template_kwargs` as the student's (--chat_template_kwargs: refused where it
+        never reads one); build it before `Accelerator()` (under ZeRO-3 a model built afterwards is
+        partitioned and re-initialised)."""
         model, processor = load_pretrained(path, "--teacher_model_name_or_path")
         model.set_attn_implementation(attn_implementation)
-        if why := mismatch(student, student_processor, model, processor):
+        check_template_kwargs(template_kwargs, processor.chat_template, processor.tokenizer.special_tokens_map,
+                              flag="--chat_template_kwargs (the teacher's chat template)")
+        if why := mismatch(student, student_processor, model, processor, template_kwargs):
             raise ValueError(f"--teacher_model_name_or_path {path}: {why}. Logit distillation needs a teacher of the "
                              "student's vocabulary and chat template (its family, another size)")
         own_rows = reads_own_rows(student_processor, processor)
@@ -106,7 +114,7 @@ class Teacher:
                              "false (the dataset's answers off-policy)")
         return cls(VLMForTraining(model).requires_grad_(False).eval(), processor, own_rows,
                    stop_token_ids(model, processor), placeholder_token_ids(model, processor),
-                   dummy_image_inputs(model, processor))
+                   dummy_image_inputs(model, processor), template_kwargs)
 
     def prepare(self, accelerator):
         """Kept as the engine keeps the student: sharded by FSDP2, partitioned by ZeRO-3, whole
@@ -145,7 +153,7 @@ class Teacher:
         of `rows` held-out questions (`ranks`: `distributed.Ranks`), as its own processor writes
         them; teacher_* names; it stays in eval mode."""
         prompts = generation_prompts(data_args, self.processor, rows=rows, ranks=ranks)
-        filler = self.collator([prompt_row(self.processor, HELLO, [])])
+        filler = self.collator([prompt_row(self.processor, HELLO, [], template_kwargs=self.template_kwargs)])
         scores = evaluate_generation(self.model, prompts, filler, self.collator, self.processor.tokenizer,
                                      self.stops, ranks.device, self.placeholders)
         self.model.eval()

@@ -126,18 +126,20 @@ def environment_tools(environment) -> list:
 
 class ToolFormat:
     """How the chat template writes a tool call (the text around its JSON), tool schemas and tool
-    turns, found by rendering them; `of` refuses a template that writes none of them, or a call
-    other than as JSON."""
+    turns, found by rendering them (with `template_kwargs`: --chat_template_kwargs); `of` refuses a
+    template that writes none of them, or a call other than as JSON."""
 
-    def __init__(self, processor, stop_ids, opening: str, closing: str, images_in_tool_turns: bool):
+    def __init__(self, processor, stop_ids, opening: str, closing: str, images_in_tool_turns: bool,
+                 template_kwargs=None):
         self.processor, self.stop_ids = processor, set(stop_ids)
+        self.template_kwargs = template_kwargs or {}
         self.opening, self.closing = opening, closing
         self.images_in_tool_turns = images_in_tool_turns
 
     @classmethod
-    def of(cls, processor, stop_ids, schemas: list) -> "ToolFormat":
+    def of(cls, processor, stop_ids, schemas: list, template_kwargs=None) -> "ToolFormat":
         def render(messages, **kwargs):
-            return processor.apply_chat_template(messages, **kwargs)
+            return processor.apply_chat_template(messages, **kwargs, **(template_kwargs or {}))
 
         user = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
         plain = render([user, {"role": "assistant", "content": [{"type": "text", "text": ""}]}])
@@ -171,7 +173,7 @@ class ToolFormat:
             raise ValueError(f"--tools: {where} does not write tool turns: the model would never see a result")
         image_token = getattr(processor, "image_token", None)
         images = bool(image_token) and turn.count(image_token) > called.count(image_token)
-        return cls(processor, stop_ids, opening, closing, images)
+        return cls(processor, stop_ids, opening, closing, images, template_kwargs)
 
     def describe(self) -> str:
         where = ("in the tool turn" if self.images_in_tool_turns else
@@ -208,8 +210,8 @@ class ToolFormat:
                                       for block in kept]})
         if images and not self.images_in_tool_turns:
             turns.append({"role": "user", "content": [{"type": "image"}] * len(images)})
-        prefix = self.processor(text=self.processor.apply_chat_template(before))["input_ids"][0]
-        text = self.processor.apply_chat_template(before + turns, add_generation_prompt=True)
+        prefix = self.processor(text=self.processor.apply_chat_template(before, **self.template_kwargs))["input_ids"][0]
+        text = self.processor.apply_chat_template(before + turns, add_generation_prompt=True, **self.template_kwargs)
         ids, media = unbatched(self.processor(text=text, images=[images] if images else None))
         ends = [index for index, token in enumerate(prefix) if token in self.stop_ids]
         cut = ends[-1] + 1 if ends else len(prefix)
@@ -326,9 +328,10 @@ class Tools:
         self.environment_failures, self.said = Counter(), set()
 
     @classmethod
-    def of(cls, args, processor, stop_ids, max_length: int | None = None) -> "Tools | None":
+    def of(cls, args, processor, stop_ids, max_length: int | None = None, template_kwargs=None) -> "Tools | None":
         """The run's tools (`args`: GRPOArgs), None without; `max_length`: --max_length, of which a
-        prompt may take what --max_completion_length leaves."""
+        prompt may take what --max_completion_length leaves; `template_kwargs`:
+        --chat_template_kwargs."""
         if not args.tools and not args.environment_factory:
             return None
         tools = load_tools(args.tools, args.tool_timeout)
@@ -337,7 +340,7 @@ class Tools:
         offered = offered_tools(tools, probes)
         schemas = {name: [schema(tool, "--tools") for tool in offered[name]] for name in offered}
         every = {tool["function"]["name"]: tool for offered_schemas in schemas.values() for tool in offered_schemas}
-        tool_format = ToolFormat.of(processor, stop_ids, list(every.values()))
+        tool_format = ToolFormat.of(processor, stop_ids, list(every.values()), template_kwargs)
         owners = [type(probe).__name__ for probe in probes.values() if callable(getattr(probe, "get_reward", None))]
         if not args.funcs and not owners:
             raise ValueError("--reward_funcs is empty and no environment has get_reward: nothing scores the "
@@ -496,7 +499,8 @@ class Tools:
         messages = [*prompt["prompt"][:-1], {**last, "content": content}]
         images = [Image.open(readable_source(data)) for data in prompt["images"]]
         images += [block["image"] for block in added if block["type"] == "image"]
-        rendered = prompt_row(self.format.processor, messages, images, self.schemas(environment))
+        rendered = prompt_row(self.format.processor, messages, images, self.schemas(environment),
+                              self.format.template_kwargs)
         if length and len(rendered["input_ids"]) > length:
             raise PromptTooLong(f"the prompt with its observation is {len(rendered['input_ids'])} tokens, over "
                                 f"{length} (--max_length less --max_completion_length)")

@@ -101,15 +101,17 @@ class BenchmarkAnswers:
     lmms-eval's Hugging Face models decode). `refusal`: a request whose prompt alone runs past the
     language model's positions is refused before any forward."""
 
-    def __init__(self, model, vlm, device):
+    def __init__(self, model, vlm, device, template_kwargs=None):
         self.model, self.vlm, self.device = model, vlm, device
+        self.template_kwargs = template_kwargs  # --chat_template_kwargs
         self.collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)
         # the last request and its row: refusal renders what answering reads next
         self.rendered = (None, None)
 
     def row(self, request) -> dict:
         if self.rendered[0] is not request:
-            self.rendered = request, prompt_row(self.vlm.processor, request.messages, request.images)
+            self.rendered = request, prompt_row(self.vlm.processor, request.messages, request.images,
+                                                template_kwargs=self.template_kwargs)
         return self.rendered[1]
 
     def refusal(self, request) -> str | None:

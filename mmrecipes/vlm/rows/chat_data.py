@@ -427,13 +427,15 @@ def _held_out_prompt(args: ChatDataArgs, processor, row):
         raise Skip("an image after the question")
     images, _ = row_images(args, media_folder(row, args.image_folder), messages, raw_images)
     answer = " ".join(part["text"] for part in messages[last]["content"] if part["type"] == "text")
-    return prompt_row(processor, messages[:last], images), answer.strip()
+    return prompt_row(processor, messages[:last], images, template_kwargs=args.chat_template_kwargs), answer.strip()
 
 
-def prompt_row(processor, messages, images, tools=None) -> dict:
+def prompt_row(processor, messages, images, tools=None, template_kwargs=None) -> dict:
     """A collator row of `messages` rendered with the generation prompt (and the `tools`' JSON
-    schemas, where given; no target): what `generate` is given."""
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, **({"tools": tools} if tools else {}))
+    schemas, where given; `template_kwargs`: --chat_template_kwargs; no target): what `generate`
+    is given."""
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, **({"tools": tools} if tools else {}),
+                                         **(template_kwargs or {}))
     input_ids, media_inputs = unbatched(processor(text=text, images=[images] if images else None))
     return {"input_ids": input_ids, "labels": torch.full_like(input_ids, IGNORE_INDEX), "media_inputs": media_inputs}
 

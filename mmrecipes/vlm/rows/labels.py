@@ -24,6 +24,7 @@ from PIL import Image
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from ...images import NORMALIZED_BY, UINT8_PIXELS, fused_normalization, uint8_normalization
+from ...template_kwargs import check_template_kwargs
 
 IGNORE_INDEX = -100  # label of positions that are not trained on (prompt, image tokens, padding)
 REFUSED = "the template refuses the conversation"
@@ -61,12 +62,15 @@ class AnswerLabeller:
     """
 
     def __init__(self, processor, stop_token_ids, videos: str | None = None, template: str | None = None,
-                 empty_think: str = "context"):
+                 empty_think: str = "context", template_kwargs: dict | None = None):
         self.processor, self.tokenizer = processor, processor.tokenizer
         # `template`: a training format the model is not saved with
         self.template = template or processor.chat_template
         if not isinstance(self.template, str):
             raise TemplateError("the processor has no chat template (or several): give one with --chat_template_path")
+        # --chat_template_kwargs, in every rendering; a key the template never reads is refused now
+        self.template_kwargs = template_kwargs or {}
+        self.kwargs_line = check_template_kwargs(template_kwargs, self.template, self.tokenizer.special_tokens_map)
         self.has_markers = bool(GENERATION_MARKER.search(self.template))
         self.stop_strings = sorted({self.tokenizer.convert_ids_to_tokens(int(i)) for i in stop_token_ids}, key=len,
                                    reverse=True)
@@ -88,7 +92,8 @@ class AnswerLabeller:
         try:
             texts, indices = render_jinja_template(
                 conversations=[messages], chat_template=self.template, add_generation_prompt=add_generation_prompt,
-                return_assistant_tokens_mask=marked, tools=tools, **self.tokenizer.special_tokens_map)
+                return_assistant_tokens_mask=marked, tools=tools, **self.tokenizer.special_tokens_map,
+                **self.template_kwargs)
         # raise_exception(...) in the template: roles out of order, say
         except jinja2.TemplateError as error:
             raise TemplateError(f"{REFUSED}: {error}") from error
@@ -287,8 +292,9 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
         raise _unusable(source, f"the targets found by {labeller.rule} are {found!r}, not the answers {answers!r}")
     if max_length is not None:
         _check_room(labeller, max_length)
-    return (f"chat template of {source}: assistant turns found by {labeller.rule}; it {_ends(labeller, found)}"
-            f"{_writes(leads.pop(), context)}{_think_policy(labeller)}")
+    rendered = f", {labeller.kwargs_line}" if labeller.kwargs_line else ""
+    return (f"chat template of {source}{rendered}: assistant turns found by {labeller.rule}; it "
+            f"{_ends(labeller, found)}{_writes(leads.pop(), context)}{_think_policy(labeller)}")
 
 
 PROBE_ANSWERS = ["red", "two"]
@@ -380,7 +386,8 @@ def check_generation_prompt(labeller: AnswerLabeller, source: str) -> str:
             f"The chat template of {source} writes no generation prompt (add_generation_prompt adds "
             f"{header!r} after the user's turn), so samples would start with no assistant header. Give a template "
             "with an add_generation_prompt branch (the model's own has one) with --chat_template_path")
-    return f"chat template of {source}: samples start after its generation prompt {header!r}"
+    rendered = f", {labeller.kwargs_line}" if labeller.kwargs_line else ""
+    return f"chat template of {source}{rendered}: samples start after its generation prompt {header!r}"
 
 
 def _runs(mask):

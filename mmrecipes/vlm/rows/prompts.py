@@ -88,7 +88,8 @@ class PromptPreprocessor(ChatPreprocessor):
             if has_video(row, messages):
                 raise Skip("video", "GRPO samples image and text prompts")
             images, note = row_images(self.args, media_folder(row, self.args.image_folder), messages, raw_images)
-            prompt = prompt_row(self.labeller.processor, messages, images, self.row_tools(columns))
+            prompt = prompt_row(self.labeller.processor, messages, images, self.row_tools(columns),
+                                self.labeller.template_kwargs)
         except Skip:
             raise
         # a template that refuses the prompt, say: counted, never a crash
@@ -155,10 +156,12 @@ class DistillPreprocessor(PromptPreprocessor):
                 raise Skip("no_target", "a prompt row without a solution: no answer for the off-policy steps")
             self.check_text_length(messages)
             images, note = row_images(self.args, media_folder(row, self.args.image_folder), messages, raw_images)
-            prompt = prompt_row(self.labeller.processor, messages, images)["input_ids"]
+            prompt = prompt_row(self.labeller.processor, messages, images,
+                                template_kwargs=self.labeller.template_kwargs)["input_ids"]
             answer = {"role": "assistant", "content": [{"type": "text", "text": str(columns["solution"])}]}
             input_ids, labels, media_inputs = encode_row(self.labeller, [*messages, answer], images)
-            teacher = self.teacher_processor and prompt_row(self.teacher_processor, messages, images)
+            teacher = self.teacher_processor and prompt_row(self.teacher_processor, messages, images,
+                                                            template_kwargs=self.labeller.template_kwargs)
         except Skip:
             raise
         except UnalignedAnswer as error:
