@@ -107,7 +107,22 @@ def to_message(turn) -> dict:
     # the transformers / OpenAI field the reasoning templates read (empty: none, as datasets fill other turns)
     if turn.get("reasoning_content"):
         message["reasoning_content"] = _reasoning(turn)
+    if turn["role"] == "assistant":
+        _check_inline_reasoning(message)
     return message
+
+
+def _check_inline_reasoning(message: dict):
+    """An answer's reasoning inlined as `<think>...</think>` (the reasoning templates read it so, as
+    they read `reasoning_content`): refused where it would be trained as other text than the
+    model writes: a block never closed, or one beside a `reasoning_content` (two reasonings)."""
+    text = "".join(part.get("text") or "" for part in message["content"] if part["type"] == "text")
+    if "<think>" not in text:
+        return
+    if "</think>" not in text.split("<think>", 1)[1]:
+        raise BadRow("an assistant turn opens <think> and never closes it: its reasoning has no end to train")
+    if message.get("reasoning_content"):
+        raise BadRow("an assistant turn with both reasoning_content and an inline <think> block: two reasonings")
 
 
 def _reasoning(turn) -> str:
