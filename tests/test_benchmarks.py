@@ -29,6 +29,7 @@ from mmrecipes.benchmarks.scoring import (
     mmmu_open_correct,
     mmmu_open_predictions,
     relaxed_correctness,
+    without_reasoning,
 )
 from mmrecipes.benchmarks.tasks import TASKS
 
@@ -50,12 +51,18 @@ def turn_of(bench, doc, request) -> list:
     return [block["text"] if block["type"] == "text" else next(columns) for block in request.messages[0]["content"]]
 
 
-@pytest.mark.parametrize("answers", ["tasks", "padded"])
+# a reasoning model's block before its answer, whose letters and numbers would be read as the answer if kept
+REASONING = "<think>\nMaybe (A), or 12%? The answer is D.\n</think>\n\n"
+
+
+@pytest.mark.parametrize("answers", ["tasks", "padded", "reasoned"])
 @pytest.mark.parametrize("name", sorted(FIXTURE["tasks"]))
 def test_prompts_scores_and_numbers_equal_lmms_evals(name, answers):
     """`tasks`: the answers as written; `padded`: within whitespace, which lmms-eval's pipeline strips before any
-    task scores (ChartQA's "12% " and MMMU's "C\n" scored otherwise here before)."""
-    expected = FIXTURE[answers][name]
+    task scores (ChartQA's "12% " and MMMU's "C\n" scored otherwise here before); `reasoned`: after a think block,
+    which lmms-eval's command line takes out before any task scores (its default --reasoning_tags): the answers'
+    scores (before, the block's letters were read as the answer)."""
+    expected = FIXTURE["tasks" if answers == "reasoned" else answers][name]
     bench = Benchmark.load(TASKS[name], EMBEDDED, 0, 1)
     assert len(bench.docs) == len(expected["documents"])
     scored, read = [], Counter()
@@ -66,7 +73,7 @@ def test_prompts_scores_and_numbers_equal_lmms_evals(name, answers):
             assert len(request.images) == len(bench.task.visuals(doc))
         elif answers == "tasks":
             assert request.messages[0]["content"][-1]["text"] == document["prompt"]
-        result = bench.task.read(doc, document["answer"])
+        result = bench.task.read(doc, (REASONING if answers == "reasoned" else "") + document["answer"])
         theirs = {metric: categorised(score) for metric, score in document["scores"].items() if metric != "parsed"}
         if name == "mmmu_val" and not result.read:
             # no letter read: lmms-eval guesses from its process's random state, we from the document's; both are a
@@ -119,6 +126,21 @@ def test_the_scorers_equal_lmms_evals_own_where_it_is_installed():
                 answer)), (answer, gold)
         choices = dict(zip("ABCD", options))
         assert mmbench_prefetch(answer, choices) == (mmbench_evaluator.can_infer(answer, dict(choices)) or "")
+
+
+def test_reasoning_is_taken_out_as_lmms_evals_command_line_takes_it_out():
+    """lmms-eval's `strip_reasoning_tags` with its default tags, on closed, repeated, prefilled (only the closing
+    tag: the template opened the block) and unclosed blocks; equal to its own where it is installed."""
+    answers = ["<think>\nIt is red.\n</think>\n\nred", "It is red.\n</think>\n\nred", "<think>unclosed red", "red",
+               "<think>a</think> B <think>b</think> C", "<analysis>x</analysis>final: 2", " </think> </think>x ",
+               "<think>x</think></analysis>y"]
+    expected = ["red", "red", "<think>unclosed red", "red", "B  C", "final: 2", "x", "y"]
+    assert [without_reasoning(answer) for answer in answers] == expected
+    if importlib.util.find_spec("lmms_eval") is not None:
+        from lmms_eval.api.reasoning import strip_reasoning_tags
+
+        tags = json.loads('[["<think>", "</think>"], ["<analysis>", "</analysis>"]]')  # its --reasoning_tags default
+        assert [strip_reasoning_tags(answer, tags) for answer in answers] == expected
 
 
 def test_parsers_on_the_forms_they_must_read():

@@ -19,6 +19,7 @@ costs the trained model. A task that would read no document, a column of the wro
 or repeated task or a dataset without a column the task reads stops the run before its first step.
 """
 
+import json
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -168,6 +169,7 @@ class Benchmarks:
         self.tasks = [Benchmark.load(TASKS[name], args, data_rank, data_world) for name in args.names()]
         # {task: (its numbers, scored documents, unread, skipped)} of the last run
         self.results = {}
+        self.rendering = ""  # what the answerer's chat template is given (--chat_template_kwargs), said with the tasks
 
     def __bool__(self) -> bool:
         return bool(self.tasks)
@@ -175,8 +177,10 @@ class Benchmarks:
     def evaluation(self, answer, say=print) -> Evaluation:
         """The tasks as an evaluation of the run (`reporting.Evaluation`), said now (`describe`):
         every --benchmark_steps and at the run's last step, answered by `answer` (`Request` -> text:
-        the recipes' `BenchmarkAnswers`); their main metrics plotted in the model card, their
-        numbers written there."""
+        the recipes' `BenchmarkAnswers`, whose `template_kwargs` are said beside the tasks and
+        their numbers); their main metrics plotted in the model card, their numbers written there."""
+        if kwargs := getattr(answer, "template_kwargs", None):
+            self.rendering = f"; prompts rendered with {json.dumps(kwargs, sort_keys=True)} (--chat_template_kwargs)"
         say(self.describe())
         return Evaluation([lambda filler: self.run(answer)] if self.tasks else [], every=self.args.benchmark_steps,
                           curves=self.metrics(), card=self.card_lines)
@@ -188,7 +192,8 @@ class Benchmarks:
                           f"{bench.max_new_tokens} tokens)" for bench in self.tasks)
         capped = " (--benchmark_max_new_tokens caps them: not lmms-eval's scores)" if any(
             bench.max_new_tokens < bench.task.max_new_tokens for bench in self.tasks) else ""
-        return f"benchmarks, as lmms-eval {LMMS_EVAL} scores them, greedy: {tasks}{capped}"
+        return (f"benchmarks, as lmms-eval {LMMS_EVAL} scores them, greedy, each answer read after its reasoning (the "
+                f"<think> and <analysis> blocks its command line takes out): {tasks}{capped}{self.rendering}")
 
     def run(self, answer) -> dict:
         """Every task answered and scored: {`bench/<task>/<metric>`: value} for the log, counts
@@ -257,5 +262,5 @@ class Benchmarks:
             counts = "".join(f", {reason} {count}" for reason, count in sorted(skipped.items()))
             lines.append(f"- {bench.task.name} (lmms-eval {LMMS_EVAL}'s task, version {bench.task.version}; "
                          f"{bench.source}): {shown}; {documents} documents scored, {unread} answers "
-                         f"unread{counts}")
+                         f"unread{counts}{self.rendering}")
         return lines

@@ -14,13 +14,17 @@
 - `mmmu_choice`, `mmmu_open_predictions`, `mmmu_open_correct`: MMMU's parsers (the MMMU authors'
   `eval_utils`, as lmms-eval runs them);
 - `mmbench_prefetch`: MMBench's rule extraction before its judge (VLMEvalKit's `can_infer`, as
-  lmms-eval's static evaluation runs it).
+  lmms-eval's static evaluation runs it);
+- `without_reasoning`: its reasoning blocks taken out of every answer before a task scores it
+  (`api.reasoning.strip_reasoning_tags` with the command line's default `--reasoning_tags`).
 """
 
 import re
 import string
 
 CHOICES = "ABCDEFGH"
+# lmms-eval's default --reasoning_tags: the blocks a reasoning model writes before its answer
+REASONING_TAGS = (("<think>", "</think>"), ("<analysis>", "</analysis>"))
 # phrases after which a letter is the answer ("the answer is B"), in lmms-eval's order
 ANSWER_PHRASES = ("the answer is", "answer is", "the correct answer is", "correct answer is", "the best answer is",
                   "best answer is", "the correct option is", "correct option is", "the best option is",
@@ -32,6 +36,22 @@ FORMS = {"start": 10, "end": 9, "phrase": 7, "parentheses": 6, "period": 5, "col
          "anywhere": 0}
 AROUND = {"parentheses": ("(", ")"), "period": ("", "."), "colon": ("", ":"), "right_paren": ("", ")"),
           "space": ("", " ")}
+
+
+def without_reasoning(response: str, tags=REASONING_TAGS) -> str:
+    """The answer after its reasoning, stripped: each closed block of a pair of `tags` taken out, and
+    where only a closing tag is left (the template opened the block in the generation prompt) the
+    text after the last one; an unclosed opening tag stays."""
+    for start_tag, end_tag in tags:
+        while start_tag in response and end_tag in response:
+            start = response.find(start_tag)
+            end = response.find(end_tag, start)
+            if end == -1:
+                break
+            response = response[:start] + response[end + len(end_tag):]
+        if end_tag in response and start_tag not in response:
+            response = response.rsplit(end_tag, 1)[-1]
+    return response.strip()
 
 
 def choice_letter(response: str, choices=CHOICES) -> str:

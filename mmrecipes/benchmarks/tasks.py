@@ -29,6 +29,7 @@ from .scoring import (
     mmmu_open_correct,
     mmmu_open_predictions,
     relaxed_correctness,
+    without_reasoning,
 )
 from .vqa_answers import vqa_accuracy
 
@@ -70,11 +71,12 @@ class Task:
     lists: tuple[str, ...] = ()
 
     def read(self, doc, answer: str) -> Scored:
-        """The answer scored as lmms-eval's pipeline scores it: cut at the first of `until`, then
-        stripped (its `process_results` strips every answer before a task reads it)."""
+        """The answer scored as lmms-eval's pipeline scores it: cut at the first of `until`, its
+        reasoning taken out (`without_reasoning`: its command line's default), then stripped (its
+        `process_results` strips every answer before a task reads it)."""
         for stop in self.until:
             answer = answer.split(stop)[0]
-        return self.score(doc, answer.strip())
+        return self.score(doc, without_reasoning(answer))
 
     @property
     def reads(self) -> tuple[str, ...]:
