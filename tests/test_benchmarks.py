@@ -377,3 +377,14 @@ class _Scores:
 
     def __exit__(self, *exc):
         self.lines.append((self.step, self.scores))
+
+
+def test_the_benchmarks_line_says_what_the_prompts_are_rendered_with():
+    """The answerer's --chat_template_kwargs (a think mode) are said beside the tasks, and so in the model card's
+    lines."""
+    said = []
+    benchmarks = Benchmarks(BenchmarkArgs(benchmarks="ai2d", benchmark_data_dir="embedded:benchmarks",
+                                          benchmark_limit=2))
+    benchmarks.evaluation(SimpleNamespace(template_kwargs={"enable_thinking": False}), say=said.append)
+    assert said[0].endswith('; prompts rendered with {"enable_thinking": false} (--chat_template_kwargs)'), said
+    assert "each answer read after its reasoning" in said[0]
