@@ -175,24 +175,21 @@ def test_reasoning_content_reaches_the_template_and_is_trained_or_the_row_says_w
                              512)
     with pytest.raises(Skip, match="bad_row: the chat template does not render reasoning_content"):
         plain.example(row)
-    user_reasons = copy.deepcopy(row)
-    user_reasons["messages"][0]["reasoning_content"] = "I wonder."
-    with pytest.raises(Skip, match="bad_row: reasoning_content on a user turn"):
-        reading.example(user_reasons)
     # Reasoning inlined in the answer, as Qwen3's templates also read it: rendered and trained as reasoning_content
     inline = copy.deepcopy(row)
     inline["messages"][1] = {"role": "assistant", "content": "<think>\nStop signs are painted red.\n</think>\n\nred"}
     (inline_ids, inline_labels, _), _ = reading.example(inline)
     assert torch.equal(inline_ids, input_ids) and torch.equal(inline_labels, labels)
-    # an unclosed block (its reasoning would have no end), two reasonings: bad rows, never trained as text
-    unclosed = copy.deepcopy(inline)
-    unclosed["messages"][1]["content"] = "<think>\nStop signs are painted"
-    with pytest.raises(Skip, match="bad_row: an assistant turn opens <think> and never closes it"):
-        reading.example(unclosed)
-    both = copy.deepcopy(inline)
-    both["messages"][1]["reasoning_content"] = "Red, I think."
-    with pytest.raises(Skip, match="bad_row: an assistant turn with both reasoning_content and an inline <think>"):
-        reading.example(both)
+    # reasoning on a user's turn, an unclosed block (its reasoning would have no end), two reasonings: bad rows
+    for turn, change, problem in [(0, {"reasoning_content": "I wonder."}, "reasoning_content on a user turn"),
+                                  (1, {"content": "<think>\nStop signs are painted"},
+                                   "an assistant turn opens <think> and never closes it"),
+                                  (1, {"reasoning_content": "Red, I think."},
+                                   "an assistant turn with both reasoning_content and an inline <think>")]:
+        bad = copy.deepcopy(inline)
+        bad["messages"][turn] |= change
+        with pytest.raises(Skip, match=f"bad_row: {problem}"):
+            reading.example(bad)
 
 
 def test_the_format_reward_reads_the_turn_whose_think_block_the_prompt_opened(tiny_vlms):
