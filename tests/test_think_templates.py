@@ -17,7 +17,7 @@ from mmrecipes.vlm.arguments import PromptDataArgs
 from mmrecipes.vlm.model.loading import stop_token_ids
 from mmrecipes.vlm.rows.chat_data import encode_row
 from mmrecipes.vlm.rows.labels import AnswerLabeller, TemplateError, _runs, check_template
-from mmrecipes.vlm.rows.prompts import PromptPreprocessor
+from mmrecipes.vlm.rows.prompts import DistillPreprocessor, PromptPreprocessor
 from test_family_conformance import COLOURS, STEPS, colour_conversation, square, train
 
 TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"
@@ -252,6 +252,12 @@ def test_chat_template_kwargs_reach_the_labels_and_the_prompts_and_a_key_never_r
     assert processor.tokenizer.decode(ids) == expected and expected.endswith("<think>\n\n</think>\n\n")
     assert processor.tokenizer.decode(PromptPreprocessor(PromptDataArgs(), thinking, 256).example(
         {"prompt": "What colour is it?"})[0][0]).endswith("assistant\n<think>\n")  # the old rendering
+    # distillation's rows: the prompt both models continue, then the dataset's answer, the only target
+    for labeller, prompt_tail in [(no_think, "assistant\n<think>\n\n</think>\n\n"), (thinking, "assistant\n<think>\n")]:
+        (ids, labels, _, prompt_length, _), _ = DistillPreprocessor(data_args, labeller, 256).example(
+            {"prompt": "What colour is it?", "solution": "red"})
+        assert processor.tokenizer.decode(ids[:prompt_length]).endswith(prompt_tail)
+        assert runs(processor, ids, labels) == ["red<|im_end|>"]
     with pytest.raises(ValueError, match=r"never reads enable_thinkng, so it changes nothing; the options it reads: "
                                          r".*enable_thinking"):
         AnswerLabeller(processor, stops, template_kwargs={"enable_thinkng": False})
