@@ -87,6 +87,18 @@ def test_a_teacher_of_another_vocabulary_or_template_is_refused_and_other_images
     with pytest.raises(ValueError, match=r"--chat_template_kwargs \(the teacher's chat template\): the chat template "
                                          "never reads enable_thinking"):
         Teacher.load(str(tmp_path), student, processor, template_kwargs={"enable_thinking": False})
+    # Qwen3.5-2B's template (no think block unless asked) and Qwen3.5-4B's (thinks unless told not to): the same
+    # conversation text, but the student answers after a closed empty block where the teacher would open one; one
+    # mode for both (their templates read enable_thinking) aligns them
+    nothink, think = (AutoModelForImageTextToText.from_pretrained(tiny_vlms[name]) for name in ("qwen3_5",
+                                                                                                "qwen3_5_think"))
+    nothink_processor, think_processor = (AutoProcessor.from_pretrained(tiny_vlms[name]) for name in ("qwen3_5",
+                                                                                                      "qwen3_5_think"))
+    why = mismatch(nothink, nothink_processor, think, think_processor)
+    closed = "\n</think>\n\n"  # what the student's prompt writes after the teacher's
+    assert why.startswith(f"their chat templates end a prompt otherwise (the student's with {closed!r}, the "
+                          "teacher's with ''"), why
+    assert mismatch(nothink, nothink_processor, think, think_processor, {"enable_thinking": False}) is None
 
 
 def test_prompt_rows_and_chat_rows_become_a_prompt_with_the_dataset_answer_after_it():

@@ -12,6 +12,8 @@ by the student row's text after the prompt, and its states are aligned with the 
 text (every target is in it).
 """
 
+import os
+
 import torch
 from PIL import Image
 
@@ -40,9 +42,10 @@ def _probe(processor, template_kwargs=None) -> dict:
 
 def mismatch(student, student_processor, teacher, teacher_processor, template_kwargs=None) -> str | None:
     """Why the teacher cannot give the student its next-token distributions entry by entry, or None:
-    another output size or vocabulary, or a chat template writing a conversation as other text
-    tokens (image tokens left out: those may differ, `reads_own_rows`), both rendered with
-    `template_kwargs` (--chat_template_kwargs)."""
+    another output size or vocabulary, a chat template writing a conversation as other text tokens
+    (image tokens left out: those may differ, `reads_own_rows`), or ending a prompt otherwise (a
+    thinking teacher of a non-thinking student), both rendered with `template_kwargs`
+    (--chat_template_kwargs)."""
     sizes = [model.get_output_embeddings().weight.shape[0] for model in (student, teacher)]
     if sizes[0] != sizes[1]:
         return f"the student's output layer has {sizes[0]} entries, the teacher's {sizes[1]}"
@@ -62,6 +65,17 @@ def mismatch(student, student_processor, teacher, teacher_processor, template_kw
     if texts[0] != texts[1]:
         return (f"their chat templates write the same conversation as other text tokens ({len(texts[0])} and "
                 f"{len(texts[1])} besides the image tokens), so the targets cannot be aligned")
+    # What each is given to continue: a thinking template opens its block where a non-thinking one closes it empty
+    # (a template that writes no generation prompt is refused by the recipe's own check, which says so)
+    prompts, bare = ([processor.apply_chat_template(HELLO, add_generation_prompt=asked, tokenize=False,
+                                                    **(template_kwargs or {}))
+                      for processor in (student_processor, teacher_processor)] for asked in (True, False))
+    if prompts[0] != prompts[1] and all(map(str.__ne__, prompts, bare)):
+        common = len(os.path.commonprefix(prompts))
+        return (f"their chat templates end a prompt otherwise (the student's with {prompts[0][common:]!r}, the "
+                f"teacher's with {prompts[1][common:]!r}: a thinking and a non-thinking template?), so the teacher "
+                "would be asked in another mode than the student answers in; give both one mode, e.g. "
+                "--chat_template_kwargs '{\"enable_thinking\": false}' where both templates read it")
     return None
 
 
