@@ -70,7 +70,7 @@ def mismatch(student, student_processor, teacher, teacher_processor, template_kw
     prompts, bare = ([processor.apply_chat_template(HELLO, add_generation_prompt=asked, tokenize=False,
                                                     **(template_kwargs or {}))
                       for processor in (student_processor, teacher_processor)] for asked in (True, False))
-    if prompts[0] != prompts[1] and all(map(str.__ne__, prompts, bare)):
+    if prompts[0] != prompts[1] and all(prompt != plain for prompt, plain in zip(prompts, bare)):
         common = len(os.path.commonprefix(prompts))
         return (f"their chat templates end a prompt otherwise (the student's with {prompts[0][common:]!r}, the "
                 f"teacher's with {prompts[1][common:]!r}: a thinking and a non-thinking template?), so the teacher "

@@ -292,9 +292,13 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
         raise _unusable(source, f"the targets found by {labeller.rule} are {found!r}, not the answers {answers!r}")
     if max_length is not None:
         _check_room(labeller, max_length)
-    rendered = f", {labeller.kwargs_line}" if labeller.kwargs_line else ""
-    return (f"chat template of {source}{rendered}: assistant turns found by {labeller.rule}; it "
+    return (f"{_template_of(labeller, source)}: assistant turns found by {labeller.rule}; it "
             f"{_ends(labeller, found)}{_writes(leads.pop(), context)}{_think_policy(labeller)}")
+
+
+def _template_of(labeller: AnswerLabeller, source: str) -> str:
+    """How a template line names the template: its source, and what its renderings get."""
+    return f"chat template of {source}" + (f", {labeller.kwargs_line}" if labeller.kwargs_line else "")
 
 
 PROBE_ANSWERS = ["red", "two"]
@@ -386,8 +390,7 @@ def check_generation_prompt(labeller: AnswerLabeller, source: str) -> str:
             f"The chat template of {source} writes no generation prompt (add_generation_prompt adds "
             f"{header!r} after the user's turn), so samples would start with no assistant header. Give a template "
             "with an add_generation_prompt branch (the model's own has one) with --chat_template_path")
-    rendered = f", {labeller.kwargs_line}" if labeller.kwargs_line else ""
-    return f"chat template of {source}{rendered}: samples start after its generation prompt {header!r}"
+    return f"{_template_of(labeller, source)}: samples start after its generation prompt {header!r}"
 
 
 def _runs(mask):
