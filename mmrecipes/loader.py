@@ -24,6 +24,7 @@ from .distributed import all_ranks_true
 from .skips import no_rows_error
 
 ROW_SEED = "__row_seed__"  # a column ResumableShuffle gives its preprocess function
+FIRST_ROWS = 8  # check_held_out's rows at a time: one row decides, where a batch cost a whole batch's preprocessing
 
 
 class ResumableShuffle(torch.utils.data.IterableDataset):
@@ -146,9 +147,11 @@ def rank_loader(stream, preprocess, collator, args, *, batch_size: int, shuffle_
     batches. `args`: the data arguments (`SourceArgs`). The workers' fork server imports the
     preprocessing's and the collator's modules once."""
     if shuffle_seed is None:
+        rows = stream
         stream = stream.map(preprocess, batched=True, batch_size=batch_size, remove_columns=remove_columns)
-        # its skip counts, as ResumableShuffle's, for `no_rows_error`
+        # its skip counts, as ResumableShuffle's, for `no_rows_error`; its rows a few at a time for `check_held_out`
         stream.preprocess = preprocess
+        stream.first_rows = rows.map(preprocess, batched=True, batch_size=FIRST_ROWS, remove_columns=remove_columns)
     else:  # same seed on every rank; each rank shuffles its own rows
         stream = ResumableShuffle(stream, preprocess, block_size=args.shuffle_buffer_size, seed=shuffle_seed,
                                   batch_size=batch_size)
@@ -269,11 +272,9 @@ def check_held_out(dataloader, device, source: str):
     """Before the first step: every rank raises together when no rank's held-out loader gives a row
     (every row skipped, an empty file), each saying what its share skipped, by reason
     (`no_rows_error`). Otherwise the evaluation would silently never run, and the model card would
-    still name `source`."""
-    device = torch.device(device)
-    # an iterator draws a seed
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        empty = next(iter(dataloader), None) is None
+    still name `source`. Read here, in the main process, `FIRST_ROWS` at a time until one is kept:
+    no DataLoader worker starts for it."""
+    empty = next(iter(dataloader.dataset.first_rows), None) is None
     if all_ranks_true(empty, device):
         raise no_rows_error(dataloader, 0, True, held_out=source)
 

@@ -35,6 +35,9 @@ WITH_FAULTS = REPO / "tests" / "recipe_with_faults.py"  # the recipe with faults
 # No DataLoader workers unless a test asks for them (their fork server costs seconds per rank on 2 cores).
 QUICK = ["--report_to", "none", "--ddp_timeout", "120", "--per_device_eval_batch_size", "256",
          "--dataloader_num_workers", "0"]
+# The embedded held-out conversations' first 64 rows (data/vlm_shapes/image_chat's test split), for VLM runs whose
+# subject is not the held-out set: tokenising all 512 was most of a 2-step run's time.
+HELD_OUT_64 = REPO / "tests" / "fixtures" / "held_out_64"
 
 
 def accelerate_launch(config: str | Path, *recipe_args, num_processes=2, launcher_args=(), port=None,

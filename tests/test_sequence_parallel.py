@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from gloo import averaged_difference, run_on_ranks, taken_gradients
 from helpers import chat_row, tiny, write_chat_parquet
 from launch import (
+    HELD_OUT_64,
     VLM_RECIPE,
     assert_adam_weights_close,
     assert_engine,
@@ -230,6 +231,7 @@ def assert_same_run(result, truth, output_dir, truth_dir, config, processes=2, l
                                                     ("gemma4", ["zero3.yaml"], WITH_VIDEO)])
 def test_sp2_on_two_ranks_equals_one_process(tiny_vlms, tmp_path, family, configs, extra):
     model = ["--model_name_or_path", tiny_vlms[family]] if family != "llava" else []
+    model += ["--eval_dataset_name", HELD_OUT_64]
     truth = run_recipe(*COMMON, *model, *extra, "--output_dir", tmp_path / "one", recipe=VLM_RECIPE)
     assert truth.returncode == 0, truth.log[-3000:]
     for config in configs:
@@ -328,7 +330,7 @@ DPO_RECIPE = VLM_RECIPE.parent / "vlm_dpo.py"
 def test_dpo_at_sp2_equals_one_process(tmp_path, config, extra):
     """Each row's log-probability summed over the group before the pair loss; the reference: a frozen copy (whole
     sequences) or the policy with its adapters off (split too). Dropout would draw other masks per shard: none."""
-    common = [*COMMON[:-4], "--ddp_timeout", 120, *extra]
+    common = [*COMMON[:-4], "--ddp_timeout", 120, "--eval_questions", HELD_OUT_64, *extra]
     truth = run_recipe(*common, "--output_dir", tmp_path / "one", recipe=DPO_RECIPE)
     assert truth.returncode == 0, truth.log[-3000:]
     result = run_engine(config, *common, *SP, "--output_dir", tmp_path / "sp", recipe=DPO_RECIPE)
