@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoProcessor, LlavaForConditionalGeneration, pipeline
 
 from launch import (
+    HELD_OUT_64,
     REPO,
     VLM_RECIPE,
     assert_engine,
@@ -166,7 +167,7 @@ def test_unknown_preset_is_rejected_before_training(tmp_path):
 RESUME_RUN = ["--max_steps", 6, "--logging_steps", 1, "--per_device_train_batch_size", 1,
               "--gradient_accumulation_steps", 2, "--eval_steps", 6, "--per_device_eval_batch_size", 256,
               "--save_steps", 3, "--dataloader_num_workers", 1,  # the default: the data position comes from a worker
-              "--eval_generation_rows", 8]
+              "--eval_generation_rows", 8, "--eval_dataset_name", HELD_OUT_64]
 
 
 def test_default_mixture_at_batch_size_1_and_exact_resume(tmp_path):
@@ -178,7 +179,7 @@ def test_default_mixture_at_batch_size_1_and_exact_resume(tmp_path):
     assert_engine(straight.log, "zero2.yaml")
     dummies = sum(map(int, re.findall(r"^step \d+/6 .*\| dummy_image_batches (\d+)", straight.log, re.M)))
     assert dummies > 0  # some micro-batches were text-only: the dummy ran on those ranks
-    assert "eval_answers 512" in straight.log  # every rank agrees on the whole held-out set
+    assert "eval_answers 64" in straight.log  # every rank agrees on the whole held-out set
     resumed = run_engine("zero2.yaml", *RESUME_RUN, "--output_dir", tmp_path / "resumed",
                                 "--resume_from_checkpoint", tmp_path / "straight" / "checkpoints" / "checkpoint-3",
                                 recipe=VLM_RECIPE)
