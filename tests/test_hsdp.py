@@ -1,8 +1,9 @@
 """accelerate_configs/hsdp.yaml (FSDP2 on a dp_replicate x dp_shard mesh) on 4 CPU processes: the
 [engine] line names the 2 x 2 mesh, and both recipes give the losses of DDP on 4 processes (the VLM recipe on a
-mixture of experts too, with its load-balancing loss), which
-they only do if each of the 4 data ranks reads its own rows (r_replicate * 2 + r_shard). The ranks are
-forked with the environment `accelerate launch` computes from hsdp.yaml (its parallelism_config included)."""
+mixture of experts, with its load-balancing loss: the mesh is the same for every family, and the tiny Llava's
+FSDP2 runs are test_vlm_engines.py's), which they only do if each of the 4 data ranks reads its own rows
+(r_replicate * 2 + r_shard). The ranks are forked with the environment `accelerate launch` computes from hsdp.yaml
+(its parallelism_config included)."""
 
 import pytest
 
@@ -14,7 +15,6 @@ pytestmark = pytest.mark.launch
 VLM = ["--max_steps", 4, "--logging_steps", 1, "--per_device_train_batch_size", 2, "--eval_dataset_name", ""]
 RUNS = {"clip": (RECIPE, ["--max_steps", 4, "--logging_steps", 1, "--per_device_train_batch_size", 8,
                           "--eval_split", ""]),
-        "vlm": (VLM_RECIPE, VLM),
         # a mixture of experts (the tiny Qwen3-VL-MoE), its decoder layers sharded with their experts, balanced over
         # the optimizer step on all 4 ranks
         "vlm_moe": (VLM_RECIPE, [*VLM, "--router_aux_loss_coef", 0.01, "--router_aux_loss_scope", "global_batch"])}
