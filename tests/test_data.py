@@ -16,12 +16,12 @@ from PIL import Image
 
 from gloo import run_on_ranks
 from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
-from mmrecipes.contrastive.data import COUNTED, ImageTextCollator, build_dataloader
+from mmrecipes.contrastive.data import COUNTED, ImageTextCollator, ImageTextPreprocessor, build_dataloader
 from mmrecipes.contrastive.evaluation import evaluate_retrieval, retrieval_recall_at_1
 from mmrecipes.contrastive.models import build_contrastive
 from mmrecipes.distributed import Ranks
 from mmrecipes.images import processed_pixels, to_device
-from mmrecipes.loader import batches_forever
+from mmrecipes.loader import FIRST_ROWS, batches_forever, check_held_out
 from mmrecipes.sources import expand_data_files
 from webdataset_shards import make_webdataset
 
@@ -389,3 +389,18 @@ def test_workers_outlive_a_preemption_signal_to_the_process_group(tiny):
     os.kill(server, signal.SIGTERM)
     time.sleep(6)  # longer than the worker's parent check (torch's MP_STATUS_CHECK_INTERVAL, 5 s)
     assert len([batch for _, batch in zip(range(40), batches)]) == 40  # more than the prefetched ones
+
+
+def test_the_held_out_check_reads_a_few_rows_not_a_batch(tiny, monkeypatch):
+    """`check_held_out` decides from the first row kept, read `FIRST_ROWS` at a time in this process: it took the
+    loader's first batch (128 rows preprocessed, then thrown away, before every run's first step). The evaluation
+    still reads every row."""
+    seen = []
+    preprocess = ImageTextPreprocessor.__call__
+    monkeypatch.setattr(ImageTextPreprocessor, "__call__",
+                        lambda self, batch: seen.append(len(next(iter(batch.values())))) or preprocess(self, batch))
+    args = DataArgs()  # the embedded held-out pairs
+    loader = build_dataloader(args, args.eval_split, None, *tiny, batch_size=128, ranks=Ranks())
+    check_held_out(loader, "cpu", args.eval_split)
+    assert seen == [FIRST_ROWS]
+    assert sum(len(batch["input_ids"]) for batch in loader) == 512
