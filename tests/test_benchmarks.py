@@ -388,3 +388,17 @@ def test_the_benchmarks_line_says_what_the_prompts_are_rendered_with():
     benchmarks.evaluation(SimpleNamespace(template_kwargs={"enable_thinking": False}), say=said.append)
     assert said[0].endswith('; prompts rendered with {"enable_thinking": false} (--chat_template_kwargs)'), said
     assert "each answer read after its reasoning" in said[0]
+
+
+def test_the_saved_model_command_says_what_its_prompts_are_rendered_with(tiny_vlms, capsys):
+    """`python -m mmrecipes.benchmarks --chat_template_kwargs ...` says them on its benchmarks line and each task's
+    card line, as the recipes do (its line was printed before they were known)."""
+    from mmrecipes.benchmarks.__main__ import main
+
+    main(["--model", str(tiny_vlms["qwen3_5"]), "--chat_template_kwargs", '{"enable_thinking": false}', "--benchmarks",
+          "ai2d", "--benchmark_data_dir", "embedded:benchmarks", "--benchmark_limit", "2",
+          "--benchmark_max_new_tokens", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    rendering = '; prompts rendered with {"enable_thinking": false} (--chat_template_kwargs)'
+    said = [line for line in lines if line.startswith(("benchmarks, as lmms-eval", "- ai2d ("))]
+    assert len(said) == 2 and all(line.endswith(rendering) for line in said), lines

@@ -89,9 +89,11 @@ def main(argv=None):
     processor = AutoProcessor.from_pretrained(model_args.model)
     check_template_kwargs(model_args.chat_template_kwargs, processor.chat_template,
                           processor.tokenizer.special_tokens_map)
+    answer = GeneratedAnswers(model, processor, device, model_args.chat_template_kwargs)
+    benchmarks.rendered_with(answer)
     if rank == 0:
         print(benchmarks.describe())
-    scores = benchmarks.run(GeneratedAnswers(model, processor, device, model_args.chat_template_kwargs))
+    scores = benchmarks.run(answer)
     if rank == 0:
         for line in benchmarks.card_lines():
             print(line)

@@ -179,11 +179,17 @@ class Benchmarks:
         every --benchmark_steps and at the run's last step, answered by `answer` (`Request` -> text:
         the recipes' `BenchmarkAnswers`, whose `template_kwargs` are said beside the tasks and
         their numbers); their main metrics plotted in the model card, their numbers written there."""
-        if kwargs := getattr(answer, "template_kwargs", None):
-            self.rendering = f"; prompts rendered with {json.dumps(kwargs, sort_keys=True)} (--chat_template_kwargs)"
+        self.rendered_with(answer)
         say(self.describe())
         return Evaluation([lambda filler: self.run(answer)] if self.tasks else [], every=self.args.benchmark_steps,
                           curves=self.metrics(), card=self.card_lines)
+
+    def rendered_with(self, answer):
+        """Say beside the tasks and their numbers what `answer`'s chat template is given (its
+        `template_kwargs`: --chat_template_kwargs, a think mode)."""
+        kwargs = getattr(answer, "template_kwargs", None)
+        self.rendering = (f"; prompts rendered with {json.dumps(kwargs, sort_keys=True)} (--chat_template_kwargs)"
+                          if kwargs else "")
 
     def describe(self) -> str:
         if not self.tasks:
