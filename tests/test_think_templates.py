@@ -103,6 +103,28 @@ def test_targets_are_trls_assistant_tokens_less_the_generation_prompts_tail(tiny
     assert ("an empty think block: context, not a target" in context_line) == bool(block)
 
 
+
+def test_the_template_line_shows_a_row_with_and_without_reasoning_labelled(tiny_vlms):
+    """The log shows what the model learns: a question and answer labelled as a training row, targets in [[ ]], with
+    and without reasoning; the empty think block outside the targets under the context policy, inside under target;
+    a template that writes no reasoning (the tiny Llava's) says why a row with it is skipped."""
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen3_5_think"])
+    processor = AutoProcessor.from_pretrained(tiny_vlms["qwen3_5_think"])
+    stops = stop_token_ids(model, processor)
+    prompt = "<|im_start|>user\\nWhat colour is it?<|im_end|>\\n<|im_start|>assistant\\n<think>\\n"
+    reasoned = prompt + "[[The shape is red.\\n</think>\\n\\nred<|im_end|>]]\\n"
+    for policy, plain in (("context", prompt + "\\n</think>\\n\\n[[red<|im_end|>]]\\n"),
+                          ("target", prompt + "[[\\n</think>\\n\\nred<|im_end|>]]\\n")):
+        line = check_template(AnswerLabeller(processor, stops, empty_think=policy), "qwen3_5_think")
+        assert line.splitlines()[1:] == [f"  example without reasoning: {plain}",
+                                         f"  example with reasoning: {reasoned}"], line
+    llava = AutoProcessor.from_pretrained(tiny_vlms["llava"])
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms["llava"])
+    plain, reasoned = check_template(AnswerLabeller(llava, stop_token_ids(model, llava)), "llava").splitlines()[1:]
+    assert plain == "  example without reasoning: USER: What colour is it? ASSISTANT:[[ red]] ", plain
+    assert reasoned.startswith("  example with reasoning: skipped as a bad row (the chat template does not render "
+                               "reasoning_content"), reasoned
+
 def test_markers_that_take_in_the_assistant_header_or_stop_in_the_prompt_are_refused(tiny_vlms):
     """Read from the prompt's end only where the marked text begins after the generation prompt's assistant
     header and goes past the prompt: TRL's training template with its markers moved before the header (the model

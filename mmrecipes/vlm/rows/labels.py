@@ -293,7 +293,30 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
     if max_length is not None:
         _check_room(labeller, max_length)
     return (f"{_template_of(labeller, source)}: assistant turns found by {labeller.rule}; it "
-            f"{_ends(labeller, found)}{_writes(leads.pop(), context)}{_think_policy(labeller)}")
+            f"{_ends(labeller, found)}{_writes(leads.pop(), context)}{_think_policy(labeller)}"
+            + "".join(f"\n  {line}" for line in labelled_examples(labeller)))
+
+
+def labelled_examples(labeller: AnswerLabeller) -> list[str]:
+    """A one-line question and its answer labelled as a training row is, its targets between [[ and ]]
+    (newlines as \\n), without reasoning and with it: what the model learns from each kind of row, or
+    why such a row is skipped (a template that renders no `reasoning_content`, a no-think mode)."""
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "red"}]}
+    rows = {"without reasoning": [QUESTION, answer],
+            "with reasoning": [QUESTION, answer | {"reasoning_content": "The shape is red."}]}
+    lines = []
+    for kind, messages in rows.items():
+        try:
+            encoded, target = labeller(messages, [])
+        except TemplateError as error:  # as a training row of this kind is
+            lines.append(f"example {kind}: skipped as a bad row ({error})")
+            continue
+        ids = torch.as_tensor(encoded["input_ids"][0])
+        cuts = sorted({0, len(ids), *(edge for run in _runs(target) for edge in (run.start, run.stop))})
+        parts = [labeller.tokenizer.decode(ids[start:stop]) for start, stop in zip(cuts, cuts[1:])]
+        marked = "".join(f"[[{part}]]" if target[start] else part for start, part in zip(cuts, parts))
+        lines.append(f"example {kind}: " + marked.replace("\n", "\\n"))
+    return lines
 
 
 def _template_of(labeller: AnswerLabeller, source: str) -> str:
