@@ -78,7 +78,8 @@ from mmrecipes.vlm.model.step import VLMForTraining, save_vlm
 from mmrecipes.vlm.parallel.sequence_parallel import SequenceParallel
 from mmrecipes.vlm.rows.chat_data import build_chat_dataloader
 from mmrecipes.vlm.rows.collate import ChatCollator
-from mmrecipes.vlm.rows.labels import AnswerLabeller, check_template
+from mmrecipes.vlm.rows.labels import AnswerLabeller
+from mmrecipes.vlm.rows.template_checks import check_template
 
 # each step's, over its pairs
 PAIR_SUMS = ("loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected")

@@ -73,7 +73,8 @@ from mmrecipes.vlm.model.step import VLMForTraining, save_vlm
 from mmrecipes.vlm.parallel.sequence_parallel import SequenceParallel
 from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
 from mmrecipes.vlm.rows.collate import ChatCollator
-from mmrecipes.vlm.rows.labels import AnswerLabeller, check_template
+from mmrecipes.vlm.rows.labels import AnswerLabeller
+from mmrecipes.vlm.rows.template_checks import check_template
 
 
 def main(argv=None):

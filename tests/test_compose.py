@@ -37,7 +37,8 @@ from mmrecipes.vlm.model.parts import load_vlm
 from mmrecipes.vlm.model.step import VLMForTraining
 from mmrecipes.vlm.rows.chat_data import encode_row
 from mmrecipes.vlm.rows.collate import ChatCollator
-from mmrecipes.vlm.rows.labels import AnswerLabeller, _runs, check_template
+from mmrecipes.vlm.rows.labels import AnswerLabeller
+from mmrecipes.vlm.rows.template_checks import _runs, check_template
 from tiny_language_models import save_tiny_language_model
 
 DPO_RECIPE = REPO / "recipes" / "vlm_dpo.py"

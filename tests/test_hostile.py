@@ -45,7 +45,8 @@ from mmrecipes.vlm.model.loading import stop_token_ids
 from mmrecipes.vlm.model.parts import load_vlm
 from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader
 from mmrecipes.vlm.rows.collate import ChatCollator
-from mmrecipes.vlm.rows.labels import AnswerLabeller, check_template
+from mmrecipes.vlm.rows.labels import AnswerLabeller
+from mmrecipes.vlm.rows.template_checks import check_template
 
 CLIP_RECIPE, VLM = load_recipe(), load_recipe(VLM_RECIPE)
 

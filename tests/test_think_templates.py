@@ -16,8 +16,9 @@ from mmrecipes.config import parse_args
 from mmrecipes.vlm.arguments import PromptDataArgs
 from mmrecipes.vlm.model.loading import stop_token_ids
 from mmrecipes.vlm.rows.chat_data import encode_row
-from mmrecipes.vlm.rows.labels import AnswerLabeller, TemplateError, _runs, check_template
+from mmrecipes.vlm.rows.labels import AnswerLabeller, TemplateError
 from mmrecipes.vlm.rows.prompts import DistillPreprocessor, PromptPreprocessor
+from mmrecipes.vlm.rows.template_checks import _runs, check_template
 from test_family_conformance import COLOURS, STEPS, colour_conversation, square, train
 
 TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"

@@ -26,7 +26,8 @@ from mmrecipes.vlm.model.parts import load_vlm
 from mmrecipes.vlm.model.step import VLMForTraining
 from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row, generation_prompts, prompt_row
 from mmrecipes.vlm.rows.collate import ChatCollator
-from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller, TemplateError, check_template
+from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller, TemplateError
+from mmrecipes.vlm.rows.template_checks import check_template
 
 MARKERS = {"llava", "llava_onevision"}  # the only official templates with {% generation %}
 LAST_ANSWER_ONLY = {"qwen3_5", "qwen3_5_moe"}  # official templates that drop an earlier answer's think block
