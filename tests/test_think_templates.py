@@ -119,12 +119,15 @@ def test_the_template_line_shows_a_row_with_and_without_reasoning_labelled(tiny_
         line = check_template(AnswerLabeller(processor, stops, empty_think=policy), "qwen3_5_think")
         assert line.splitlines()[1:] == [f"  example without reasoning: {plain}",
                                          f"  example with reasoning: {reasoned}"], line
+    no_think = AnswerLabeller(processor, stops, template_kwargs={"enable_thinking": False})
+    reasoned = check_template(no_think, "qwen3_5_think").splitlines()[2]
+    assert reasoned.startswith("  example with reasoning: skipped, counted as no_target ("), reasoned
     llava = AutoProcessor.from_pretrained(tiny_vlms["llava"])
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlms["llava"])
     plain, reasoned = check_template(AnswerLabeller(llava, stop_token_ids(model, llava)), "llava").splitlines()[1:]
     assert plain == "  example without reasoning: USER: What colour is it? ASSISTANT:[[ red]] ", plain
-    assert reasoned.startswith("  example with reasoning: skipped as a bad row (the chat template does not render "
-                               "reasoning_content"), reasoned
+    assert reasoned.startswith("  example with reasoning: skipped, counted as bad_row (the chat template does not "
+                               "render reasoning_content"), reasoned
 
 def test_markers_that_take_in_the_assistant_header_or_stop_in_the_prompt_are_refused(tiny_vlms):
     """Read from the prompt's end only where the marked text begins after the generation prompt's assistant

@@ -10,7 +10,7 @@ import copy
 import torch
 from PIL import Image
 
-from .labels import QUESTION, REFUSED, AnswerLabeller, TemplateError
+from .labels import QUESTION, REFUSED, AnswerLabeller, ReasoningDropped, TemplateError, UnalignedAnswer
 
 
 def check_template(labeller: AnswerLabeller, source: str, max_length: int | None = None) -> str:
@@ -47,8 +47,10 @@ def labelled_examples(labeller: AnswerLabeller) -> list[str]:
     for kind, messages in rows.items():
         try:
             encoded, target = labeller(messages, [])
-        except TemplateError as error:  # as a training row of this kind is
-            lines.append(f"example {kind}: skipped as a bad row ({error})")
+        except TemplateError as error:  # counted as chat_data counts such a training row
+            count = ("bad_row" if isinstance(error, ReasoningDropped) else
+                     "unaligned" if isinstance(error, UnalignedAnswer) else "no_target")
+            lines.append(f"example {kind}: skipped, counted as {count} ({error})")
             continue
         ids = torch.as_tensor(encoded["input_ids"][0])
         cuts = sorted({0, len(ids), *(edge for run in _runs(target) for edge in (run.start, run.stop))})
