@@ -61,6 +61,16 @@ class BadRow(Skip):
         super().__init__("bad_row", detail)
 
 
+def labelling_skip(error: TemplateError) -> Skip:
+    """How a row whose labelling raised `error` is skipped and counted."""
+    if isinstance(error, UnalignedAnswer):
+        return Skip("unaligned", str(error))
+    if isinstance(error, ReasoningDropped):
+        return BadRow(str(error))
+    # the template renders this row's turns differently from its prefixes
+    return Skip("no_target", "the chat template renders its turns differently from their prefixes")
+
+
 def to_chat(row):
     """(messages, raw images, raw videos) of a row in any of the layouts in the module docstring;
     raises BadRow for anything else. Paths are returned as written (`media_folder` says what they
@@ -289,13 +299,8 @@ class ChatPreprocessor:
         videos = row_videos(self.args, videos_folder, messages, raw_videos)
         try:
             input_ids, labels, media_inputs = encode_row(self.labeller, messages, images, videos, tools)
-        except UnalignedAnswer as error:
-            raise Skip("unaligned", str(error)) from error
-        except ReasoningDropped as error:
-            raise BadRow(str(error)) from error
-        # the template renders this row's turns differently from its prefixes
         except TemplateError as error:
-            raise Skip("no_target", "the chat template renders its turns differently from their prefixes") from error
+            raise labelling_skip(error) from error
         if len(input_ids) > self.max_length:
             raise Skip("too_long", f"{len(input_ids)} tokens, over {self.max_length}")
         # the first token is never a target after the shift

@@ -10,7 +10,8 @@ import copy
 import torch
 from PIL import Image
 
-from .labels import QUESTION, REFUSED, AnswerLabeller, ReasoningDropped, TemplateError, UnalignedAnswer
+from .chat_data import labelling_skip
+from .labels import QUESTION, REFUSED, AnswerLabeller, TemplateError
 
 
 def check_template(labeller: AnswerLabeller, source: str, max_length: int | None = None) -> str:
@@ -40,17 +41,14 @@ def labelled_examples(labeller: AnswerLabeller) -> list[str]:
     """A one-line question and its answer labelled as a training row is, its targets between [[ and ]]
     (newlines as \\n), without reasoning and with it: what the model learns from each kind of row, or
     why such a row is skipped (a template that renders no `reasoning_content`, a no-think mode)."""
-    answer = {"role": "assistant", "content": [{"type": "text", "text": "red"}]}
-    rows = {"without reasoning": [QUESTION, answer],
-            "with reasoning": [QUESTION, answer | {"reasoning_content": "The shape is red."}]}
+    rows = {"without reasoning": SHORTEST,
+            "with reasoning": [QUESTION, SHORTEST[1] | {"reasoning_content": "The shape is red."}]}
     lines = []
     for kind, messages in rows.items():
         try:
             encoded, target = labeller(messages, [])
-        except TemplateError as error:  # counted as chat_data counts such a training row
-            count = ("bad_row" if isinstance(error, ReasoningDropped) else
-                     "unaligned" if isinstance(error, UnalignedAnswer) else "no_target")
-            lines.append(f"example {kind}: skipped, counted as {count} ({error})")
+        except TemplateError as error:  # as a training row of this kind is
+            lines.append(f"example {kind}: skipped, counted as {labelling_skip(error).reason} ({error})")
             continue
         ids = torch.as_tensor(encoded["input_ids"][0])
         cuts = sorted({0, len(ids), *(edge for run in _runs(target) for edge in (run.start, run.stop))})
@@ -65,6 +63,8 @@ def _template_of(labeller: AnswerLabeller, source: str) -> str:
     return f"chat template of {source}" + (f", {labeller.kwargs_line}" if labeller.kwargs_line else "")
 
 
+# a one-line question and a one-word answer: what must fit in --max_length, and the log's examples
+SHORTEST = [QUESTION, {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
 PROBE_ANSWERS = ["red", "two"]
 PROBE = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
          {"role": "assistant", "content": [{"type": "text", "text": PROBE_ANSWERS[0]}]},
@@ -105,8 +105,7 @@ def _unusable(source: str, problem: str) -> TemplateError:
 
 def _check_room(labeller: AnswerLabeller, max_length: int):
     """Raise unless a one-line question and a one-word answer fit in `max_length` tokens."""
-    shortest = [QUESTION, {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
-    overhead = len(labeller(shortest, [])[0]["input_ids"][0])
+    overhead = len(labeller(SHORTEST, [])[0]["input_ids"][0])
     if overhead > max_length:
         raise ValueError(f"--max_length {max_length} is below what the chat template needs for a one-line "
                          f"question and a one-word answer ({overhead} tokens): every row would be skipped as "
