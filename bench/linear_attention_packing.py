@@ -32,12 +32,11 @@ RESULTS = Path(__file__).resolve().parent / "results" / "linear_attention_packin
 
 def language_model(device):
     import tiny_vlm_2026
-    from mmrecipes.vlm.model.families import stateful_mixer_classes
-    from mmrecipes.vlm.model.segments import make_segment_aware
+    from mmrecipes.vlm.model.segments import apply_segment_aware_mixers
 
     torch.manual_seed(0)
     model, _ = tiny_vlm_2026.FAMILIES["qwen3_5"]()
-    make_segment_aware(set().union(*stateful_mixer_classes(model).values()))
+    apply_segment_aware_mixers(model)
     return model.model.language_model.to(device).train()
 
 

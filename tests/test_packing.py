@@ -22,6 +22,7 @@ from mmrecipes.vlm.model.loading import stop_token_ids
 from mmrecipes.vlm.model.losses import token_cross_entropy_sum
 from mmrecipes.vlm.model.outputs import Logits, LossSum
 from mmrecipes.vlm.model.parts import check_packing, load_vlm
+from mmrecipes.vlm.model.segments import apply_segment_aware_mixers
 from mmrecipes.vlm.model.step import VLMForTraining
 from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row
 from mmrecipes.vlm.rows.collate import ChatCollator, probe_rows
@@ -35,11 +36,13 @@ TORCH_RULE, TORCH_CONV = (inspect.unwrap(function) for function in (qwen3_5.torc
 
 
 def load(tiny_vlms, family):
+    """The model and its processor, linear attention's mixers made segment-aware as `vlm_parts` makes them."""
     set_seed(0)
     if family is None:
         return load_vlm(VLMModelArgs())
-    return (AutoModelForImageTextToText.from_pretrained(tiny_vlms[family]),
-            AutoProcessor.from_pretrained(tiny_vlms[family]))
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms[family])
+    apply_segment_aware_mixers(model)
+    return model, AutoProcessor.from_pretrained(tiny_vlms[family])
 
 
 def rows_of(labeller):
@@ -122,6 +125,33 @@ def test_a_family_that_does_not_keep_packed_samples_apart_is_rejected(tiny_vlms,
     with pytest.raises(ValueError, match="--packing: " + reason):
         check_packing(model, AnswerLabeller(processor, stop_token_ids(model, processor)),
                       dummy_image_inputs(model, processor))
+
+
+@torch.no_grad()
+def test_linear_attention_not_made_segment_aware_refuses_a_packed_batch_and_the_patch_is_listed(tiny_vlms,
+                                                                                               monkeypatch):
+    """Segment-aware packing is applied in one place (`vlm_parts`, which logs what it patched): a step built on a
+    Qwen3.5 whose mixers were not made segment-aware refuses a packed batch, naming what to call, where it would
+    otherwise hand `seq_idx` to transformers' own functions; once applied, the same batch runs."""
+    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):  # as before any run applied it
+        monkeypatch.setattr(qwen3_5, name, transformers_routing(getattr(qwen3_5, name)))
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen3_5"]).eval()
+    processor = AutoProcessor.from_pretrained(tiny_vlms["qwen3_5"])
+    labeller = AnswerLabeller(processor, stop_token_ids(model, processor))
+    batch = to_device(ChatCollator(0, dummy_image_inputs(model, processor), packing=True)(rows_of(labeller)), "cpu")
+    step = VLMForTraining(model)
+    with pytest.raises(ValueError, match=r"a packed batch through Qwen3_5GatedDeltaNet, whose "
+                                         r"torch_chunk_gated_delta_rule and causal_conv1d_fn keep no sample "
+                                         r"boundaries: call mmrecipes.vlm.model.segments.apply_segment_aware_mixers"):
+        step(batch, Logits())
+    applied = apply_segment_aware_mixers(model)
+    module = "transformers.models.qwen3_5.modeling_qwen3_5"
+    assert applied.wrapped == (f"{module}.torch_chunk_gated_delta_rule", f"{module}.causal_conv1d_fn")
+    assert applied.describe() == (f"segment-aware packing: patched torch_chunk_gated_delta_rule, causal_conv1d_fn in "
+                                  f"{module} (given each token's segment, they keep packed samples apart)")
+    assert apply_segment_aware_mixers(model) == applied  # once: a second call wraps nothing again
+    assert step(batch, Logits()).isfinite().all()
+    assert apply_segment_aware_mixers(load_vlm(VLMModelArgs())[0]) is None  # no linear attention, nothing patched
 
 
 def test_token_budget_batches_hold_whole_rows_and_resume_exactly():

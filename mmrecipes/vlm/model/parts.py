@@ -1,9 +1,9 @@
-"""What a VLM recipe trains, in one call before `Accelerator()`: the model and its processor, the
-stop and placeholder ids, the dummy image, the module groups and what of them trains (the freezing
-preset, or LoRA), the engine's input gradients and ZeRO-3 leaf modules (a mixture of experts' sparse
-blocks), the FLOPs per batch; and the log lines that say so; `load_vlm`: a saved checkpoint
-(`loading`), a Llava composed from parts (`compose`) or the tiny Llava. The recipe keeps the
-Accelerate skeleton."""
+"""What a VLM recipe trains, in one call before `Accelerator()`: the model and its processor (linear
+attention's mixers made segment-aware for packing: `segments`), the stop and placeholder ids, the
+dummy image, the module groups and what of them trains (the freezing preset, or LoRA), the engine's
+input gradients and ZeRO-3 leaf modules (a mixture of experts' sparse blocks), the FLOPs per batch;
+and the log lines that say so; `load_vlm`: a saved checkpoint (`loading`), a Llava composed from
+parts (`compose`) or the tiny Llava. The recipe keeps the Accelerate skeleton."""
 
 import copy
 import logging
@@ -24,6 +24,7 @@ from .lora import add_lora, describe_trainable, dropout_note
 from .module_groups import ModuleGroups, apply_train_modules, module_groups
 from .moe import sparse_block_classes
 from .outputs import Logits
+from .segments import SegmentAwareMixers, apply_segment_aware_mixers
 from .step import VLMForTraining
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class VLMParts:
     sparse_blocks: tuple[str, ...] = ()
     # what the run does otherwise than its flags say, and why (describe)
     notes: tuple[str, ...] = ()
+    # linear attention's mixers, made to keep packed samples apart (None: the model has none)
+    segments: SegmentAwareMixers | None = None
 
     @property
     def peft_config(self):
@@ -71,6 +74,8 @@ class VLMParts:
                          "whichever experts a rank's tokens pick); a load-balancing loss only in vlm_finetune.py "
                          "(--router_aux_loss_coef): vlm_dpo.py and vlm_grpo.py add none")
         lines += list(self.notes)
+        if self.segments is not None:
+            lines.append(self.segments.describe())
         if self.groups.unreached:
             lines.append(f"froze {len(self.groups.unreached)} parameters no forward path reaches: "
                          + ", ".join(self.groups.unreached))
@@ -108,6 +113,7 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
     (`reference.Reference.build` shards it like the policy after `prepare`). Call it before
     `Accelerator()`: under ZeRO-3 a model built afterwards is partitioned and re-initialised."""
     model, processor = load_vlm(model_args)
+    segments = apply_segment_aware_mixers(model)  # process-wide, in transformers' modules: listed in describe
     dummy_inputs = dummy_image_inputs(model, processor)
     groups = module_groups(model, dummy_inputs)
     trainable = apply_train_modules(groups, model_args.train_modules)
@@ -138,7 +144,7 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
     return VLMParts(model=model, processor=processor, stops=stop_token_ids(model, processor),
                     placeholders=placeholder_token_ids(model, processor), dummy_inputs=dummy_inputs, groups=groups,
                     trainable=trainable, peft_model=peft_model, flops=flops, frozen_copy=copied,
-                    sparse_blocks=tuple(sorted(block.__name__ for block in blocks)), notes=notes)
+                    sparse_blocks=tuple(sorted(block.__name__ for block in blocks)), notes=notes, segments=segments)
 
 
 def load_vlm(args: VLMModelArgs):

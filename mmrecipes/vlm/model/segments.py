@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from .families import stateful_mixer_classes
+
 logger = logging.getLogger(__name__)
 
 
@@ -191,23 +193,60 @@ MIXERS = {"torch_chunk_gated_delta_rule": Mixer(_rule, _rule_kernel, "fla", _rul
           "causal_conv1d_fn": Mixer(_conv, _conv_kernel, "causal_conv1d", _conv_probe)}
 
 
-def make_segment_aware(layer_classes) -> list[str]:
-    """Wrap, once, each mixer function (`MIXERS`) that the modules of `layer_classes` (a model's
-    stateful mixers: `families.stateful_mixers`) call: a call given `seq_idx`, each token's segment,
-    keeps the segments apart (the kernel where installed and the tensors are on a GPU, else the
-    torch path), any other runs as it was. A layer that passes no `seq_idx` on (or mixes with other
-    functions) still mixes samples, which `parts.check_packing` finds and refuses. Returns the
-    classes whose module calls none of them."""
-    untouched = []
-    for cls in layer_classes:
+@dataclasses.dataclass(frozen=True)
+class SegmentAwareMixers:
+    """What `apply_segment_aware_mixers` patched: the mixer functions it wrapped (`module.function`),
+    and the stateful mixer classes whose module calls none of them."""
+    wrapped: tuple[str, ...]
+    untouched: tuple[str, ...]
+
+    def describe(self) -> str:
+        by_module = {}
+        for path in self.wrapped:
+            module, name = path.rsplit(".", 1)
+            by_module.setdefault(module, []).append(name)
+        line = "segment-aware packing: patched " + "; ".join(f"{', '.join(names)} in {module}" for module, names
+                                                           in by_module.items())
+        line += " (given each token's segment, they keep packed samples apart)"
+        if self.untouched:
+            line += f"; {', '.join(self.untouched)} call none of them: --packing is checked and refused for them"
+        return line
+
+
+def apply_segment_aware_mixers(model) -> SegmentAwareMixers | None:
+    """Wrap, once, each mixer function (`MIXERS`) that the modules of `model`'s stateful mixers
+    (`families.stateful_mixer_classes`: linear attention) call: a call given `seq_idx`, each token's
+    segment, keeps the segments apart (the kernel where installed and the tensors are on a GPU, else
+    the torch path), any other runs as it was. A layer that passes no `seq_idx` on (or mixes with
+    other functions) still mixes samples, which `parts.check_packing` finds and refuses. None for a
+    model without stateful mixers."""
+    classes = set().union(*stateful_mixer_classes(model).values())
+    if not classes:
+        return None
+    wrapped, untouched = [], []
+    for cls in sorted(classes, key=lambda cls: cls.__name__):
         module = sys.modules[cls.__module__]
         names = [name for name in MIXERS if callable(getattr(module, name, None))]
         for name in names:
             if not getattr(getattr(module, name), "segment_aware", False):
                 setattr(module, name, _dispatching(name, getattr(module, name), MIXERS[name]))
+            wrapped.append(f"{module.__name__}.{name}")
         if not names:
             untouched.append(cls.__name__)
-    return untouched
+    return SegmentAwareMixers(tuple(dict.fromkeys(wrapped)), tuple(untouched))
+
+
+def check_segment_aware(layer_classes):
+    """Raise where a module of `layer_classes` calls a mixer function not made segment-aware: its
+    state would run from one packed sample into the next."""
+    for cls in layer_classes:
+        module = sys.modules[cls.__module__]
+        plain = [name for name in MIXERS if callable(getattr(module, name, None))
+                 and not getattr(getattr(module, name), "segment_aware", False)]
+        if plain:
+            raise ValueError(f"a packed batch through {cls.__name__}, whose {' and '.join(plain)} keep no sample "
+                             "boundaries: call mmrecipes.vlm.model.segments.apply_segment_aware_mixers(model) "
+                             "before the first step (vlm_parts does)")
 
 
 def kernel_installed(package: str) -> bool:

@@ -21,7 +21,7 @@ from ..rows.packing import packed_position_ids
 from .families import height_width, lm_features, split_items, stateful_mixer_classes, video_as_image_names
 from .lora import save_lora
 from .outputs import Forward, StepOutput
-from .segments import make_segment_aware, segment_ids
+from .segments import check_segment_aware, segment_ids
 
 
 class VLMForTraining(torch.nn.Module):
@@ -44,10 +44,8 @@ class VLMForTraining(torch.nn.Module):
         self.forward_input_names = set(inspect.signature(model.forward).parameters) - {"kwargs"}
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         self.clip_layout = _clip_layout(model) if not self.video_as_image else None
-        # Linear-attention layers: a packed batch gives them each token's segment (`segments`)
-        mixers = set().union(*stateful_mixer_classes(model).values())
-        make_segment_aware(mixers)
-        self.segmented = bool(mixers)
+        # Linear-attention layers: a packed batch gives them each token's segment (`segments`, applied by vlm_parts)
+        self.mixer_classes = tuple(set().union(*stateful_mixer_classes(model).values()))
         # from_pretrained leaves a model in eval mode: no dropout, and no gradient checkpointing (transformers
         # checkpoints only in training mode), until an evaluation's train() would turn them on mid-run
         model.train()
@@ -151,7 +149,8 @@ class VLMForTraining(torch.nn.Module):
         if sample_lengths is not None:
             inputs["position_ids"] = packed_position_ids(self.model, input_ids, sample_lengths, media_per_sample,
                                                          media_inputs)
-            if self.segmented:
+            if self.mixer_classes:
+                check_segment_aware(self.mixer_classes)
                 inputs["seq_idx"] = segment_ids(sample_lengths, input_ids.shape)
             attention_mask = None
         return inputs | {"input_ids": input_ids, "attention_mask": attention_mask}
