@@ -16,7 +16,7 @@ from mmrecipes.config import parse_args
 from mmrecipes.vlm.arguments import PromptDataArgs
 from mmrecipes.vlm.model.loading import stop_token_ids
 from mmrecipes.vlm.rows.chat_data import encode_row
-from mmrecipes.vlm.rows.labels import AnswerLabeller, TemplateError
+from mmrecipes.vlm.rows.labels import AnswerLabeller, EarlierReasoningDropped, TemplateError
 from mmrecipes.vlm.rows.prompts import DistillPreprocessor, PromptPreprocessor
 from mmrecipes.vlm.rows.template_checks import _runs, check_template
 from test_family_conformance import COLOURS, STEPS, colour_conversation, square, train
@@ -293,3 +293,80 @@ def test_chat_template_kwargs_reach_the_labels_and_the_prompts_and_a_key_never_r
                            ("{enable_thinking: false}", "not JSON")]:
         with pytest.raises(ValueError, match=f"--chat_template_kwargs: {problem}"):
             parse_args([PromptDataArgs], ["--chat_template_kwargs", value])
+
+
+def reasoned(answer, reasoning=None):
+    return {"role": "assistant", "content": text(answer)} | ({"reasoning_content": reasoning} if reasoning else {})
+
+
+REASONED_ROWS = [  # single-turn with reasoning; two turns, both reasoned; mixed: plain then reasoned, and reversed
+    ([{"role": "user", "content": [{"type": "image"}, *text("What colour is it?")]},
+      reasoned("red", "The square is red.")], [square("red")]),
+    ([{"role": "user", "content": [{"type": "image"}, {"type": "image"}, *text("Which is first?")]},
+      reasoned("the blue one", "The left one is blue."),
+      {"role": "user", "content": text("And the other?")},
+      reasoned("green", "The right one is green.")], [square("blue"), square("green")]),
+    ([{"role": "user", "content": text("Name a colour.")}, reasoned("yellow"),
+      {"role": "user", "content": text("One of the sea?")}, reasoned("blue", "The sea looks blue.")], []),
+    ([{"role": "user", "content": text("Name a colour.")}, reasoned("yellow", "Any will do."),
+      {"role": "user", "content": text("Another?")}, reasoned("blue")], []),
+]
+
+
+@pytest.mark.parametrize("family, template", TEMPLATES[1:])
+def test_every_turns_reasoning_trains_as_trls_training_template_and_preserve_thinking_writes_it(tiny_vlms, family,
+                                                                                                template):
+    """Multi-turn rows with reasoning on some turns (single-turn, multi-turn, mixed): with TRL's training template
+    every answer is a target with its reasoning, equal to TRL's assistant masks less the generation prompt's tail;
+    under the context policy a turn without reasoning loses exactly its empty think block. Qwen3.6's own template
+    with `preserve_thinking` true writes every turn's reasoning as the training template does: the same ids and
+    targets; false (its default) drops earlier turns' reasoning, so the last answer alone is the target. A key the
+    template never reads (`preserve_thinking` on Qwen3.5's) is refused."""
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms[family])
+    processor = AutoProcessor.from_pretrained(tiny_vlms[family])
+    if template == "qwen3_6":
+        processor.chat_template = (TRL_TEMPLATES / "qwen3_6.jinja").read_text()
+    training = get_training_chat_template(processor)
+    trl_collator = DataCollatorForVisionLanguageModeling(processor, assistant_only_loss=True, chat_template=training)
+    stops = stop_token_ids(model, processor)
+    marked = AnswerLabeller(processor, stops, template=training, empty_think="target")
+    kept_thinking = AnswerLabeller(processor, stops, template=training)
+    block, tail = kept_thinking.empty_think_block, PROMPT_TAIL[template]
+    preserving = {preserve: AnswerLabeller(processor, stops, empty_think="target",
+                                           template_kwargs={"preserve_thinking": preserve})
+                  for preserve in (True, False) if template == "qwen3_6"}
+    for messages, images in REASONED_ROWS:
+        expected = trl_collator([{"messages": copy.deepcopy(messages), "images": images}])
+        targets = [run.removeprefix(tail).removesuffix("\n")
+                   for run in runs(processor, expected["input_ids"][0], expected["labels"][0])]
+        answers = [message for message in messages if message["role"] == "assistant"]
+        assert len(targets) == len(answers)
+        for target, answer in zip(targets, answers):
+            assert (answer.get("reasoning_content") or "") in target and target.endswith("<|im_end|>")
+        input_ids, labels, _ = encode_row(marked, messages, images)
+        assert torch.equal(input_ids, expected["input_ids"][0]) and runs(processor, input_ids, labels) == targets
+        input_ids, labels, _ = encode_row(kept_thinking, messages, images)
+        assert runs(processor, input_ids, labels) == [
+            target if answer.get("reasoning_content") else target.removeprefix(block)
+            for target, answer in zip(targets, answers)]
+        for preserve, labeller in preserving.items():
+            input_ids, labels, _ = encode_row(labeller, messages, images)
+            assert runs(processor, input_ids, labels) == (targets if preserve else targets[-1:])
+            assert torch.equal(input_ids, expected["input_ids"][0]) == (preserve or len(answers) == 1)
+    if template == "qwen3_5_think":
+        with pytest.raises(ValueError, match="the chat template never reads preserve_thinking"):
+            AnswerLabeller(processor, stops, template_kwargs={"preserve_thinking": True})
+        return
+    # TRL's markers on a template that still drops earlier reasoning: the first answer would be trained without its
+    # reasoning (before, only the last turn's reasoning was looked for, and such a row was labelled so, silently)
+    keep = "        {{- '<think>\\n' + reasoning_content + '\\n</think>\\n\\n' + content }}\n"
+    assert keep in training
+    dropping = AnswerLabeller(processor, stops, template=training.replace(
+        keep, "{%- if loop.index0 > ns.last_query_index %}" + keep + "{%- else %}{{- content }}{%- endif %}"))
+    with pytest.raises(TemplateError, match="The chat template of dropping cannot train multi-turn reasoning: the "
+                                            "chat template drops the reasoning of assistant turn 1 once later turns"):
+        check_template(dropping, "dropping")
+    with pytest.raises(EarlierReasoningDropped, match=r'\{"preserve_thinking": true\} in --chat_template_kwargs'):
+        encode_row(dropping, *REASONED_ROWS[1])
+    input_ids, labels, _ = encode_row(dropping, *REASONED_ROWS[2])  # no earlier reasoning to drop: both trained
+    assert runs(processor, input_ids, labels) == ["yellow<|im_end|>", "The sea looks blue.\n</think>\n\nblue<|im_end|>"]

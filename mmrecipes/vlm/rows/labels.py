@@ -47,6 +47,11 @@ class ReasoningDropped(TemplateError):
     """A row's reasoning (`reasoning_content`) that the chat template leaves out of its rendering."""
 
 
+class EarlierReasoningDropped(ReasoningDropped):
+    """A template that trains an earlier assistant turn but drops its reasoning once later turns
+    follow."""
+
+
 class AnswerLabeller:
     """`labeller(messages, images, videos)` -> (processor outputs of the conversation, target mask).
 
@@ -189,12 +194,7 @@ class AnswerLabeller:
 
     def __call__(self, messages, images, videos=(), tools=None):
         text, spans = self.answer_spans(messages, tools)
-        reasoned = [message["reasoning_content"].strip() for message in messages
-                    if message["role"] == "assistant" and (message.get("reasoning_content") or "").strip()]
-        # the last answer's reasoning is rendered by every template that reads it (Qwen3's drop earlier ones)
-        if reasoned and reasoned[-1] not in text:
-            raise ReasoningDropped("the chat template does not render reasoning_content (the row's reasoning would "
-                                   "be lost): give a template that writes it, or drop the field to train the answers")
+        _check_reasoning_kept(messages, text, spans)
         kwargs = {}
         bos = self.tokenizer.bos_token
         # as apply_chat_template does: the template wrote it
@@ -239,6 +239,25 @@ class AnswerLabeller:
                 span = (span[0] + len(self.empty_think_block), span[1])
             kept.append(span)
         return kept
+
+
+def _check_reasoning_kept(messages, text: str, spans: list):
+    """Raise `ReasoningDropped` where a target turn's `reasoning_content` is not in its target: a
+    template that renders none, or one that drops an earlier turn's reasoning while training that
+    turn (a context turn may lose it: the model sees it so at inference)."""
+    turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    reasonings = [(messages[index].get("reasoning_content") or "").strip() for index in turns]
+    for index, span, reasoning in zip(turns, spans, reasonings):
+        if not reasoning or span is None or reasoning in text[span[0]:span[1]]:
+            continue
+        if not any(reasoning and reasoning in text for reasoning in reasonings):
+            raise ReasoningDropped("the chat template does not render reasoning_content (the row's reasoning would "
+                                   "be lost): give a template that writes it, or drop the field to train the answers")
+        raise EarlierReasoningDropped(
+            f"the chat template drops the reasoning of assistant turn {index} once later turns follow, where that "
+            "turn is a target: trained, the model would learn to answer it without thinking. Give "
+            '{"preserve_thinking": true} in --chat_template_kwargs where the template reads it, or a template that '
+            "keeps every turn's reasoning (TRL's *_training.jinja) with --chat_template_path")
 
 
 def _aligned_positions(plain: list[int], processed: list[int]) -> dict[int, int]:

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from .chat_data import labelling_skip
-from .labels import QUESTION, REFUSED, AnswerLabeller, TemplateError
+from .labels import QUESTION, REFUSED, AnswerLabeller, EarlierReasoningDropped, TemplateError
 
 
 def check_template(labeller: AnswerLabeller, source: str, max_length: int | None = None) -> str:
@@ -19,7 +19,8 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
     turn alone where the template refuses two, as LLaVA's plain does) before the first step: raise
     unless the targets are exactly its answers, each from the end of the generation prompt to its
     end-of-turn token (markers that start inside the generation prompt, not after its header, are
-    refused; a turn the template rewrites later is context, and the log line says so), and (given
+    refused; a turn the template rewrites later is context, and the log line says so), unless a
+    template that trains every turn keeps each turn's reasoning, and (given
     `max_length`, --max_length) unless a one-line question and a one-word answer without an image
     fit in it. A text the template writes after the generation prompt before every answer (Qwen3's
     empty think block) is a target, as the model must write it; the log line names it and the rule
@@ -30,6 +31,7 @@ def check_template(labeller: AnswerLabeller, source: str, max_length: int | None
     leads = {text.removesuffix(answer) for text, answer in zip(texts, answers) if text.endswith(answer)}
     if len(texts) != len(answers) or len(leads) != 1 or not all(map(str.endswith, texts, answers)):
         raise _unusable(source, f"the targets found by {labeller.rule} are {found!r}, not the answers {answers!r}")
+    _check_reasoning_turns(labeller, source)
     if max_length is not None:
         _check_room(labeller, max_length)
     return (f"{_template_of(labeller, source)}: assistant turns found by {labeller.rule}; it "
@@ -41,8 +43,7 @@ def labelled_examples(labeller: AnswerLabeller) -> list[str]:
     """A one-line question and its answer labelled as a training row is, its targets between [[ and ]]
     (newlines as \\n), without reasoning and with it: what the model learns from each kind of row, or
     why such a row is skipped (a template that renders no `reasoning_content`, a no-think mode)."""
-    rows = {"without reasoning": SHORTEST,
-            "with reasoning": [QUESTION, SHORTEST[1] | {"reasoning_content": "The shape is red."}]}
+    rows = {"without reasoning": SHORTEST, "with reasoning": REASONED}
     lines = []
     for kind, messages in rows.items():
         try:
@@ -65,6 +66,7 @@ def _template_of(labeller: AnswerLabeller, source: str) -> str:
 
 # a one-line question and a one-word answer: what must fit in --max_length, and the log's examples
 SHORTEST = [QUESTION, {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
+REASONED = [QUESTION, SHORTEST[1] | {"reasoning_content": "The shape is red."}]
 PROBE_ANSWERS = ["red", "two"]
 PROBE = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
          {"role": "assistant", "content": [{"type": "text", "text": PROBE_ANSWERS[0]}]},
@@ -93,6 +95,18 @@ def _probe_targets(labeller: AnswerLabeller, source: str) -> tuple[list[str], li
     answers = [answer for answer, span in zip(answers, spans) if span is not None]
     ids = torch.as_tensor(encoded["input_ids"][0])
     return [labeller.tokenizer.decode(ids[run]).strip() for run in _runs(target)], answers, context
+
+
+def _check_reasoning_turns(labeller: AnswerLabeller, source: str):
+    """Raise where the template trains every turn but drops an earlier turn's reasoning: a row with
+    reasoning on two turns would teach the first answer without its reasoning (other problems of
+    such a row are the rows' to count)."""
+    try:
+        labeller([*REASONED, PROBE[2], {**PROBE[3], "reasoning_content": "There are two."}], [])
+    except EarlierReasoningDropped as error:
+        raise TemplateError(f"The chat template of {source} cannot train multi-turn reasoning: {error}") from None
+    except TemplateError:
+        pass
 
 
 def _unusable(source: str, problem: str) -> TemplateError:
