@@ -37,12 +37,16 @@ from mmrecipes.vlm.rows.prompts import PromptPreprocessor
 
 sys.path.insert(0, str(REPO / "data_prep"))
 import tiny_vlm  # noqa: E402
+import tiny_vlm_2026  # noqa: E402
 
 TOOLS = "tools_for_tests:multiply,tools_for_tests:crop"
 CALL = '<tool_call>\n{"name": "crop", "arguments": {"left": 3, "top": 4}}\n</tool_call>'
 # the crop call as each template writes it, and the end of turn after it
 CALLS = {"qwen3_vl": (CALL, "<|im_end|>"), "qwen2_5_vl": (CALL, "<|im_end|>"),
-         "embedded": (CALL.replace("\n", ""), "<|end|>")}
+         "embedded": (CALL.replace("\n", ""), "<|end|>"),
+         # Qwen3.5's own form: a tag per argument
+         "qwen3_5": ("<tool_call>\n<function=crop>\n<parameter=left>\n3\n</parameter>\n<parameter=top>\n4\n"
+                     "</parameter>\n</function>\n</tool_call>", "<|im_end|>")}
 
 
 def qwen3_vl(family="qwen3_vl"):
@@ -52,6 +56,9 @@ def qwen3_vl(family="qwen3_vl"):
     if family == "embedded":
         model = AutoModelForImageTextToText.from_pretrained(EMBEDDED / "tiny_sft_vlm")
         processor = AutoProcessor.from_pretrained(EMBEDDED / "tiny_sft_vlm")
+        return model, processor, stop_token_ids(model, processor)
+    if family in tiny_vlm_2026.FAMILIES:  # its own template
+        model, processor = tiny_vlm_2026.FAMILIES[family]()
         return model, processor, stop_token_ids(model, processor)
     model, processor = tiny_vlm.FAMILIES[family]()
     if family != "qwen3_vl":
@@ -92,8 +99,11 @@ def calling_turn(processor, sampler, prompt, index=0, call=CALL, end="<|im_end|>
 def test_the_template_decides_how_calls_are_read_and_where_tool_images_go():
     model, processor, stops = qwen3_vl()
     tools = Tools.of(GRPOArgs(tools=TOOLS), processor, stops)
-    assert (tools.format.opening, tools.format.closing, tools.format.images_in_tool_turns) == (
-        "<tool_call>", "</tool_call>", True)
+    calls = tools.format.responses.template["fields"]["tool_calls"]
+    assert (calls["open"], calls["close_pattern"], calls["content"], tools.format.images_in_tool_turns) == (
+        "<tool_call>", r"</tool_call>\s*", "json", True)
+    assert tools.format.describe().startswith("tools: model turns read as the chat template writes them (found by "
+                                              "rendering): tool_calls, content;")
     results = [("crop", [{"type": "image", "image": Image.new("RGB", (32, 32))}, {"type": "text", "text": "a region"}])]
     in_tool_turn = processor.tokenizer.decode(tools.format.suffix(results)[0])
     assert in_tool_turn.startswith("\n<|im_start|>user\n<tool_response>\n<|vision_start|>")
@@ -133,7 +143,7 @@ def test_a_tool_that_fails_fails_its_call_never_the_run():
     assert box.run("multiply", {"a": 3, "b": 4}) == [{"type": "text", "text": "12"}] and box.calls == 10
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl", "embedded"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl", "embedded", "qwen3_5"])
 def test_a_multi_turn_completion_is_the_models_tokens_then_the_tools_token_in_token_out(family):
     step, processor, sampler, prompt = setup(family=family)
     call, end = CALLS[family]
@@ -230,7 +240,8 @@ def test_the_recipe_renders_and_runs_tools_and_refuses_a_template_without_them(t
                  "--max_length", "2048", "--eval_steps", "9", "--report_to", "none", "--output_dir",
                  str(tmp_path / "run")])
     log = capsys.readouterr().out
-    assert "tools: calls read between '<tool_call>' and '</tool_call>'; a tool's images go in the tool turn" in log
+    assert ("tools: model turns read as the chat template writes them (found by rendering): tool_calls, content; a "
+            "tool's images go in the tool turn") in log
     assert "tools/call_frequency 0.0 | tools/failure_frequency 0.0" in log
     with pytest.raises(ValueError, match="does not write an assistant turn's tool calls"):
         recipe.main(["--tools", TOOLS, "--chat_template_path", str(REPO / "data_prep" / "chat_templates" /

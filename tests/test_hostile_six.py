@@ -177,7 +177,8 @@ def test_async_tools_are_awaited_and_hostile_results_fail_their_call_only():
     import numpy as np
 
     from mmrecipes.images import decode_image
-    from mmrecipes.vlm.algorithms.tools import ToolBox, ToolFormat
+    from mmrecipes.vlm.algorithms.tools import ToolBox
+    from test_grpo_tools import setup
     from tools_for_tests import doubled, hostile
 
     def interrupted() -> str:
@@ -197,9 +198,11 @@ def test_async_tools_are_awaited_and_hostile_results_fail_their_call_only():
         assert abs(np.asarray(image).astype(float).mean() - grey) <= 1, (kind, np.asarray(image).mean())
     with pytest.raises(KeyboardInterrupt):
         box.run("interrupted", {})
-    tool_format = ToolFormat(None, [], "<tool_call>", "</tool_call>", True)
-    text, calls = tool_format.parse("<tool_call>" + '{"a": ' * 5000 + "1" + "}" * 5000 + "</tool_call>")
-    assert calls[0][0] is None and "RecursionError" in calls[0][1]
+    _, processor, sampler, prompt = setup()
+    deep = processor.tokenizer("<tool_call>" + '{"a": ' * 5000 + "1" + "}" * 5000 + "</tool_call>",
+                               add_special_tokens=False)["input_ids"]
+    message, calls = sampler.tools.format.parse(deep, prompt["input_ids"].tolist())
+    assert calls[0][0] is None and "RecursionError" in calls[0][1] and "tool_calls" not in message
 
 
 def test_a_huge_tool_result_ends_its_completion_without_being_tokenised(monkeypatch):

@@ -24,8 +24,6 @@ observation would not fit the prompt's length, leaves its completion with the st
 """
 
 import inspect
-import json
-import re
 from collections import Counter
 
 import torch
@@ -35,6 +33,7 @@ from transformers.utils import get_json_schema
 
 from ...images import decode_image, readable_source
 from ..rows.chat_data import MAX_CHARS_PER_TOKEN, TOKEN_ALIGNED, prompt_row, unbatched
+from .responses import ResponseFormat, calling
 from .trajectory import Trajectory, first_turns, prompt_seed
 from .user_code import EnvironmentTimeout, ToolTimeout, Unscored, awaited, imported, time_limit
 
@@ -125,15 +124,15 @@ def environment_tools(environment) -> list:
 
 
 class ToolFormat:
-    """How the chat template writes a tool call (the text around its JSON), tool schemas and tool
-    turns, found by rendering them (with `template_kwargs`: --chat_template_kwargs); `of` refuses a
-    template that writes none of them, or a call other than as JSON."""
+    """How the chat template writes a model's turn and its tool calls (`responses.ResponseFormat`),
+    tool schemas and tool turns, found by rendering them (with `template_kwargs`:
+    --chat_template_kwargs); `of` refuses a template that writes none of them, or calls it cannot
+    read back."""
 
-    def __init__(self, processor, stop_ids, opening: str, closing: str, images_in_tool_turns: bool,
+    def __init__(self, processor, stop_ids, responses: ResponseFormat, images_in_tool_turns: bool,
                  template_kwargs=None):
-        self.processor, self.stop_ids = processor, set(stop_ids)
+        self.processor, self.stop_ids, self.responses = processor, set(stop_ids), responses
         self.template_kwargs = template_kwargs or {}
-        self.opening, self.closing = opening, closing
         self.images_in_tool_turns = images_in_tool_turns
 
     @classmethod
@@ -141,58 +140,40 @@ class ToolFormat:
         def render(messages, **kwargs):
             return processor.apply_chat_template(messages, **kwargs, **(template_kwargs or {}))
 
-        user = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
-        plain = render([user, {"role": "assistant", "content": [{"type": "text", "text": ""}]}])
-        called = render([user, calling(SENTINEL["name"], SENTINEL["arguments"])])
-        call = json.dumps(SENTINEL)
         where = "the model's chat template (--chat_template_path gives another)"
-        if SENTINEL["name"] not in called:
-            raise ValueError(f"--tools: {where} does not write an assistant turn's tool calls: the model would never "
-                             "see how to call one")
-        if call not in called:
-            raise ValueError(f"--tools: {where} writes tool calls other than as JSON {{\"name\": ..., \"arguments\": "
-                             "...}}; only that format is read here yet")
+        stops = [processor.tokenizer.convert_ids_to_tokens(int(token)) for token in stop_ids]
+        try:
+            responses = ResponseFormat.of(processor, stops, template_kwargs, calls=True)
+        except ValueError as error:
+            raise ValueError(f"--tools: {where}: {error}") from None
+        user = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
         if schemas[0]["function"]["name"] not in render([user], tools=schemas):
             raise ValueError(f"--tools: {where} does not write the tools' schemas: the model would not know them")
-        # the call's marks: between the generation prompt and the JSON, and between the JSON and what an empty
-        # answer ends with
-        header = render([user], add_generation_prompt=True)
-        start, tail = called.index(call), plain[len(header):]
-        if not (plain.startswith(header) and called.startswith(header) and called.endswith(tail)):
-            raise ValueError(f"--tools: {where} writes an assistant turn otherwise after its generation prompt: "
-                             "where a call begins cannot be found")
-        opening = called[len(header):start].strip()
-        closing = called[start + len(call):len(called) - len(tail)].strip()
-        if not opening or not closing:
-            raise ValueError(f"--tools: {where} writes a tool call without marks around it: it cannot be told from "
-                             "an answer")
         result = {"role": "tool", "name": SENTINEL["name"],
                   "content": [{"type": "image"}, {"type": "text", "text": "result_sentinel"}]}
         turn = render([user, calling(SENTINEL["name"], {}), result], add_generation_prompt=True)
         if "result_sentinel" not in turn:
             raise ValueError(f"--tools: {where} does not write tool turns: the model would never see a result")
         image_token = getattr(processor, "image_token", None)
+        called = render([user, calling(SENTINEL["name"], SENTINEL["arguments"])])
         images = bool(image_token) and turn.count(image_token) > called.count(image_token)
-        return cls(processor, stop_ids, opening, closing, images, template_kwargs)
+        return cls(processor, stop_ids, responses, images, template_kwargs)
 
     def describe(self) -> str:
         where = ("in the tool turn" if self.images_in_tool_turns else
                  "in a user turn after it (the chat template drops images in tool turns)")
-        return f"tools: calls read between {self.opening!r} and {self.closing!r}; a tool's images go {where}"
+        return f"tools: {self.responses.describe()}; a tool's images go {where}"
 
-    def parse(self, text: str) -> tuple[str, list]:
-        """(the answer's text before its first call, [(name, arguments) or (None, why it is
-        unreadable)])."""
-        pattern = re.escape(self.opening) + r"(.*?)" + re.escape(self.closing)
-        calls = []
-        for inside in re.findall(pattern, text, flags=re.DOTALL):
-            try:
-                call = json.loads(inside)
-                calls.append((str(call["name"]), call.get("arguments") or {}))
-            # RecursionError: JSON nested 1000 deep
-            except (ValueError, KeyError, TypeError, RecursionError) as error:
-                calls.append((None, f"an unreadable tool call ({type(error).__name__}: {str(error)[:200]})"))
-        return text.split(self.opening)[0].strip(), calls
+    def parse(self, ids: list, prefix_ids: list, tools=None) -> tuple[dict, list]:
+        """(the model's turn `ids` after `prefix_ids` as a message, [(name, arguments) or (None, why
+        it is unreadable)]): a turn the template cannot read whole (a malformed call) is text, its
+        calls one unreadable call where it opened one."""
+        message, problem = self.responses.read(ids, prefix_ids, tools)
+        calls = [(call["function"]["name"], call["function"].get("arguments") or {})
+                 for call in message.get("tool_calls") or []]
+        if problem and self.responses.calls_opened(message["content"]):
+            calls = [(None, f"an unreadable tool call ({problem[:200]})")]
+        return message, calls
 
     def suffix(self, results: list) -> tuple[torch.Tensor, dict]:
         """The token ids (and the images' inputs) of tool results `[(name, content blocks)]` as the
@@ -219,11 +200,6 @@ class ToolFormat:
             raise ValueError("--tools: the chat template writes an assistant turn otherwise once a tool turn follows; "
                              "tool results cannot be appended to the model's tokens")
         return ids[cut:], {key: value[cut:] if key in TOKEN_ALIGNED else value for key, value in media.items()}
-
-
-def calling(name: str, arguments: dict) -> dict:
-    return {"role": "assistant", "content": [{"type": "text", "text": ""}],
-            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
 
 
 class ToolBox:
@@ -447,14 +423,14 @@ class Tools:
                 self.read(trajectory, tokens)
 
     def read(self, trajectory: Trajectory, tokens: list):
-        """A turn the model wrote, read as the template writes calls: the assistant's message (with
-        its calls) and the calls to run next (none where it was truncated)."""
-        text = self.tokenizer.decode([token for token in tokens if token not in self.format.stop_ids])
-        content, calls = self.format.parse(text)
+        """A turn the model wrote, read as the template writes it (`ToolFormat.parse`: TRL's message,
+        its reasoning, answer and calls, the calls typed by the tools' schemas) and the calls to run
+        next (none where it was truncated)."""
+        before = trajectory.ids[:len(trajectory.ids) - len(tokens)]
+        message, calls = self.format.parse(tokens, trajectory.prompt["input_ids"].tolist() + before,
+                                           self.schemas(trajectory.prompt["columns"].get("environment")))
         trajectory.pending = [] if trajectory.truncated else calls
-        message = {"role": "assistant", "content": content if calls else text.strip()}
-        trajectory.messages.append(message | ({"tool_calls": [{"type": "function", "function": {
-            "name": name, "arguments": arguments}} for name, arguments in calls if name]} if calls else {}))
+        trajectory.messages.append(message)
 
     def environment(self, prompt: dict) -> tuple[object, dict]:
         """(a fresh environment for one completion, reset with its row; the prompt it goes on from:
