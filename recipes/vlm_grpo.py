@@ -62,6 +62,7 @@ from mmrecipes.step_guard import StepGuard
 from mmrecipes.training import accelerator_from_args, adamw, lr_scheduler, per_device_batch_size
 from mmrecipes.vlm.algorithms import grpo
 from mmrecipes.vlm.algorithms.reference import Reference
+from mmrecipes.vlm.algorithms.responses import ResponseFormat
 from mmrecipes.vlm.algorithms.rewards import RewardScorer, load_reward_funcs
 from mmrecipes.vlm.algorithms.sampling import Sampler
 from mmrecipes.vlm.algorithms.tools import Tools
@@ -155,8 +156,11 @@ def main(argv=None):
         held_out = [partial(evaluate_generation, model, questions, collator=chat_collator,
                             tokenizer=processor.tokenizer, stop_token_ids=vlm.stops,
                             device=accelerator.device, placeholders=vlm.placeholders)]
+    # rewards get each turn read as its template writes it (reasoning, answer, calls): TRL's parse
+    responses = tools.format.responses if tools else ResponseFormat.of(processor, vlm.stops,
+                                                                        data_args.chat_template_kwargs)
     scorer = RewardScorer(reward_funcs, weights, grpo_args.reward_timeout,
-                          generation_prompt=labeller.generation_prompt())
+                          generation_prompt=labeller.generation_prompt(), responses=responses)
     normaliser = grpo.LossNormaliser(grpo_args)
 
     # shared: benchmarks

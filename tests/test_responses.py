@@ -49,8 +49,7 @@ def test_turns_read_as_trls_parse_response_reads_them(tiny_vlms, family):
     template writes no think block, so a `<think>` its model writes is answer text here, reasoning to TRL's table."""
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlms[family])
     processor = AutoProcessor.from_pretrained(tiny_vlms[family])
-    stops = [processor.tokenizer.convert_ids_to_tokens(int(i)) for i in stop_token_ids(model, processor)]
-    ours = ResponseFormat.of(processor, stops, calls=True)
+    ours = ResponseFormat.of(processor, stop_token_ids(model, processor), calls=True)
     assert ours.source == "found by rendering"
     trl_tokenizer = add_response_schema(AutoProcessor.from_pretrained(tiny_vlms[family])).tokenizer
     assert trl_tokenizer.response_template is not None
@@ -79,7 +78,7 @@ def test_the_checkpoints_own_response_template_is_used_and_a_template_it_cannot_
     read back from (arguments as bare words), and one that writes none (the tiny Llava's), for tools."""
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlms["gemma4"])
     processor = add_response_schema(AutoProcessor.from_pretrained(tiny_vlms["gemma4"]))
-    stops = [processor.tokenizer.convert_ids_to_tokens(int(i)) for i in stop_token_ids(model, processor)]
+    stops = stop_token_ids(model, processor)
     assert ResponseFormat.of(processor, stops, calls=True).source == "the checkpoint's response_template"
     processor.tokenizer.response_template = {"fields": {"content": {"close_pattern": "$", "content": "text"}}}
     with pytest.raises(ValueError, match=r"cannot be read back \(the checkpoint's response_template\): a turn with "
@@ -89,8 +88,9 @@ def test_the_checkpoints_own_response_template_is_used_and_a_template_it_cannot_
     qwen.chat_template = BARE_CALLS
     with pytest.raises(ValueError, match=r"cannot be read back \(found by rendering\): a tool call rendered as "
                                          "'<call>tool_name_sentinel first_sentinel value sentinel second_sentinel 7"):
-        ResponseFormat.of(qwen, ["<|im_end|>"], calls=True)
+        ResponseFormat.of(qwen, [qwen.tokenizer.convert_tokens_to_ids("<|im_end|>")], calls=True)
     llava = AutoProcessor.from_pretrained(tiny_vlms["llava"])
+    stops = [llava.tokenizer.eos_token_id]
     with pytest.raises(ValueError, match="does not write an assistant turn's tool calls"):
-        ResponseFormat.of(llava, ["</s>"], calls=True)
-    assert "reasoning_content" not in ResponseFormat.of(llava, ["</s>"]).template["fields"]
+        ResponseFormat.of(llava, stops, calls=True)
+    assert "reasoning_content" not in ResponseFormat.of(llava, stops).template["fields"]

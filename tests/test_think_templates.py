@@ -370,3 +370,50 @@ def test_every_turns_reasoning_trains_as_trls_training_template_and_preserve_thi
         encode_row(dropping, *REASONED_ROWS[1])
     input_ids, labels, _ = encode_row(dropping, *REASONED_ROWS[2])  # no earlier reasoning to drop: both trained
     assert runs(processor, input_ids, labels) == ["yellow<|im_end|>", "The sea looks blue.\n</think>\n\nblue<|im_end|>"]
+
+
+def test_rewards_get_the_parsed_turn_and_a_completion_cut_inside_its_reasoning_is_counted(tiny_vlms):
+    """GRPO on Qwen3.5's think template (the prompt opens `<think>`): reward functions get TRL 1.16's parsed
+    completion, `[{"role": "assistant", "reasoning_content": ..., "content": the answer}]`, so a TRL-style function
+    reading `content` reads the answer and the built-in accuracy scores it (it read the reasoning and the answer as
+    one string: 0); the built-in format still reads the whole turn after the prompt's `<think>`. A completion cut
+    before its block closed is counted (`completions/truncated_in_reasoning_ratio`); one cut after it is not."""
+    import torch
+
+    from mmrecipes.vlm.algorithms.grpo import grpo_metrics
+    from mmrecipes.vlm.algorithms.responses import ResponseFormat
+    from mmrecipes.vlm.algorithms.rewards import RewardScorer, load_reward_funcs
+    from mmrecipes.vlm.algorithms.sampling import Rollouts
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen3_5_think"])
+    processor = AutoProcessor.from_pretrained(tiny_vlms["qwen3_5_think"])
+    stops = stop_token_ids(model, processor)
+    labeller = AnswerLabeller(processor, stops)
+    question = [{"role": "user", "content": [{"type": "text", "text": "What colour is a stop sign?"}]}]
+    prompt = {"prompt": question, "columns": {"solution": "red"}, "input_ids": torch.tensor(processor.tokenizer(
+        processor.apply_chat_template(question, add_generation_prompt=True), add_special_tokens=False)["input_ids"])}
+    turns = ["Stop signs are red.\n</think>\n\nred<|im_end|>", "Stop signs are", "Red.\n</think>\n\n"]
+    ids = [processor.tokenizer(turn, add_special_tokens=False)["input_ids"] for turn in turns]
+    seen = []
+
+    def trl_style(completions, **kwargs):  # a TRL 1.16 reward function, unchanged
+        seen.extend(completion[0] for completion in completions)
+        return [float(completion[0]["content"] == "red") for completion in completions]
+
+    funcs = load_reward_funcs(["accuracy", "format"], r"<think>.*?</think>\s*\w+") | {
+        "trl_style": trl_style}
+    scorer = RewardScorer(funcs, [1.0, 1.0, 1.0], generation_prompt=labeller.generation_prompt(),
+                          responses=ResponseFormat.of(processor, stops))
+    rollouts = Rollouts(completions=[(prompt, row) for row in ids], truncated=[False, True, True],
+                        lengths=list(map(len, ids)))
+    scores = rollouts.scores = scorer.score(rollouts, processor.tokenizer, stops)
+    assert seen[0] == {"role": "assistant", "reasoning_content": "Stop signs are red.", "content": "red"}
+    assert seen[1] == {"role": "assistant", "reasoning_content": "Stop signs are", "content": ""}
+    assert scores[0].tolist() == [1.0, 1.0, 1.0] and scores[1].tolist() == [0.0, 0.0, 0.0]
+    assert RewardScorer(funcs, [1.0] * 3, generation_prompt=labeller.generation_prompt()).score(
+        rollouts, processor.tokenizer, stops)[0].tolist() == [0.0, 1.0, 0.0]  # before: the turn as one string
+    assert rollouts.in_reasoning == [False, True, False]
+    sums = rollouts.sums(scorer.total(scores), torch.zeros(3), scorer.take_failures(say=lambda line: None), funcs)
+    metrics = grpo_metrics(sums | {"loss": 0, "normaliser": 1, "tokens_trained": 1} | {
+        f"clip_{name}": 0 for name in ("low", "high", "region")}, funcs, 0.0)
+    assert metrics["completions/truncated_in_reasoning_ratio"] == pytest.approx(1 / 3)

@@ -265,6 +265,8 @@ def grpo_metrics(sums: dict, names, beta: float) -> dict:
         metrics |= {f"rewards/{name}/mean": ratio(sums[f"reward_{name}"], sums[f"scored_{name}"]),
                     f"rewards/{name}/failed": int(sums[f"failed_{name}"])}
     metrics |= {f"clip_ratio/{name}_mean": ratio(sums[f"clip_{name}"], sums["tokens_trained"]) for name in CLIP_COUNTS}
+    if "truncated_in_reasoning" in sums:  # cut before the think block closed: no answer to score
+        metrics["completions/truncated_in_reasoning_ratio"] = ratio(sums["truncated_in_reasoning"], sums["completions"])
     if "tool_calls" in sums:  # TRL's names
         metrics |= {"tools/call_frequency": ratio(sums["tool_calls"], sums["completions"]),
                     "tools/failure_frequency": ratio(sums["tool_failures"], sums["tool_calls"]) if sums["tool_calls"]

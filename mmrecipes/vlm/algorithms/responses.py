@@ -45,14 +45,15 @@ class ResponseFormat:
         self.tokenizer, self.template, self.source = tokenizer, template, source
 
     @classmethod
-    def of(cls, processor, stop_strings, template_kwargs=None, calls: bool = False) -> "ResponseFormat":
+    def of(cls, processor, stop_ids, template_kwargs=None, calls: bool = False) -> "ResponseFormat":
         """The checkpoint's `response_template` where its tokenizer has one, else one found by
-        rendering; refused (ValueError) unless the sentinel turns read back (their tool calls too
-        where `calls`: --tools)."""
+        rendering (`stop_ids`: the tokens that end a turn); refused (ValueError) unless the sentinel
+        turns read back (their tool calls too where `calls`: --tools)."""
         def render(messages, **kwargs):
             return processor.apply_chat_template(messages, **kwargs, **(template_kwargs or {}))
 
         tokenizer = processor.tokenizer
+        stop_strings = [tokenizer.convert_ids_to_tokens(int(token)) for token in stop_ids]
         own = getattr(tokenizer, "response_template", None)
         template = own or rendered_template(render, tokenizer, stop_strings, calls)
         found = cls(tokenizer, template, "the checkpoint's response_template" if own else "found by rendering")
@@ -77,6 +78,13 @@ class ResponseFormat:
             return {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}, problem
         message["content"] = message.get("content") or ""
         return message, None
+
+    def cut_in_reasoning(self, message: dict, ids) -> bool:
+        """Whether a turn `ids` read as `message` ends inside its reasoning: reasoning read, and the
+        block never closed in the model's tokens."""
+        close = self.template.get("fields", {}).get("reasoning_content", {}).get("close_pattern")
+        return bool(close and message.get("reasoning_content")) and re.search(
+            close, self.tokenizer.decode(ids)) is None
 
     def calls_opened(self, text: str) -> bool:
         """Whether `text` opens a tool call as the template writes one."""

@@ -80,16 +80,18 @@ def accuracy(prompts, completions, completion_ids=None, *, solution=None, **colu
 
 def format_reward(pattern: str):
     """A reward function: 1.0 where the model's whole turn matches `pattern` (re.DOTALL), else 0. The
-    turn is the completion, after what the template's `generation_prompt` already wrote of it: a
+    turn is the completion as text (`completion_texts`: its reasoning too, where the answer alone is
+    `content`), after what the template's `generation_prompt` already wrote of it: a
     completion of Qwen3.5's think templates starts inside the `<think>` block their prompt opened
     (TRL's `think_format_reward` scores it 0, TRL #6966), so the completion matches if some end of
     the generation prompt put before it does."""
     regex = re.compile(pattern, re.DOTALL)
 
-    def format(prompts, completions, completion_ids=None, generation_prompt="", **columns):  # noqa: A001 (TRL's)
+    def format(prompts, completions, completion_ids=None, generation_prompt="", completion_texts=None,  # noqa: A001
+               **columns):
         written = [generation_prompt[start:] for start in range(len(generation_prompt), -1, -1)]
-        return [float(any(regex.fullmatch((before + completion_text(completion)).strip()) for before in written))
-                for completion in completions]
+        texts = completion_texts or [completion_text(completion) for completion in completions]
+        return [float(any(regex.fullmatch((before + text).strip()) for before in written)) for text in texts]
 
     return format
 
@@ -110,12 +112,15 @@ def load_reward_funcs(names: list[str], format_pattern: str, timeout: float | No
     return funcs
 
 
-def reward_inputs(prompts: list[dict], texts: list[str]) -> tuple[list, list, dict]:
+def reward_inputs(prompts: list[dict], texts: list[str], messages: list | None = None) -> tuple[list, list, dict]:
     """(prompts, completions, columns) as TRL hands them to reward functions: a conversational
-    prompt's completion as `[{"role": "assistant", "content": text}]`, a string prompt's as its
-    text; each column one value per completion (None where a prompt lacks it)."""
-    completions = [[{"role": "assistant", "content": text}] if isinstance(prompt["prompt"], list) else text
-                   for prompt, text in zip(prompts, texts)]
+    prompt's completion as `[message]`, the turn read into its reasoning, answer and calls
+    (`messages`: `responses.ResponseFormat.parse`; without, `{"role": "assistant", "content":
+    text}`), a string prompt's as its text; each column one value per completion (None where a
+    prompt lacks it)."""
+    messages = messages or [{"role": "assistant", "content": text} for text in texts]
+    completions = [[message] if isinstance(prompt["prompt"], list) else text
+                   for prompt, text, message in zip(prompts, texts, messages)]
     names = sorted({name for prompt in prompts for name in prompt["columns"]})
     return ([prompt["prompt"] for prompt in prompts], completions,
             {name: [prompt["columns"].get(name) for prompt in prompts] for name in names})
@@ -154,24 +159,30 @@ class RewardScorer:
     failure of each kind once; `first_errors` keeps each function's first failure in the run for
     `check_window`."""
 
-    def __init__(self, funcs: dict, weights: list[float], timeout: float | None = None, generation_prompt: str = ""):
+    def __init__(self, funcs: dict, weights: list[float], timeout: float | None = None, generation_prompt: str = "",
+                 responses=None):
         self.funcs, self.weights = funcs, torch.tensor(weights, dtype=torch.float64)
         self.timeout, self.generation_prompt = timeout, generation_prompt
+        self.responses = responses  # how a turn reads (`responses.ResponseFormat`): TRL's parsed completions
         # TRL's docs name the token ids `completions_ids` in their first example, where its trainer passes
         # `completion_ids`: a function that asks for the documented name gets them under it too
         self.ids_as_documented = {name for name, func in funcs.items() if "completions_ids" in _parameters(func)}
         self.given_environments = {name for name, func in funcs.items() if "environments" in _parameters(func)}
-        # what the template wrote of the turn before the model (`format`), to a function that asks for it
+        # what the template wrote of the turn before the model, and the turns as text (`format`), to a function
+        # that asks for them
         self.given_prompt = {name for name, func in funcs.items() if "generation_prompt" in _parameters(func)}
+        self.given_texts = {name for name, func in funcs.items() if "completion_texts" in _parameters(func)}
         self.failures, self.errors, self.said, self.first_errors = Counter(), [], set(), {}
 
-    def __call__(self, prompts, completions, completion_ids, columns: dict, environments=None) -> torch.Tensor:
+    def __call__(self, prompts, completions, completion_ids, columns: dict, environments=None,
+                 texts=None) -> torch.Tensor:
         scores = torch.full((len(completions), len(self.funcs)), math.nan, dtype=torch.float64)
         for column, (name, func) in enumerate(self.funcs.items()):
             ids = {"completion_ids": completion_ids} | (
                 {"completions_ids": completion_ids} if name in self.ids_as_documented else {}) | (
                 {"environments": environments} if environments and name in self.given_environments else {}) | (
-                {"generation_prompt": self.generation_prompt} if name in self.given_prompt else {})
+                {"generation_prompt": self.generation_prompt} if name in self.given_prompt else {}) | (
+                {"completion_texts": texts} if texts is not None and name in self.given_texts else {})
             try:
                 with time_limit(self.timeout, f"reward function {name}", "--reward_timeout", RewardTimeout):
                     values = list(awaited(func(prompts=prompts, completions=completions, **ids, **columns)))
@@ -191,15 +202,24 @@ class RewardScorer:
 
     def score(self, rollouts, tokenizer, stop_ids) -> torch.Tensor:
         """The completions of `rollouts` (`sampling.Rollouts`: (prompt, token ids) each) decoded
-        (without their stop tokens) and scored as TRL hands them to reward functions
-        (`reward_inputs`); multi-turn ones as their conversations (the assistant's and the tools'
-        messages, TRL's way), with their environments to a function that asks for them (an
-        environment's `get_reward`: `tools.Tools.reward`)."""
+        (without their stop tokens), read into reasoning, answer and calls (`responses`), and scored
+        as TRL hands them to reward functions (`reward_inputs`); multi-turn ones as their
+        conversations (the assistant's and the tools' messages, TRL's way), with their environments
+        to a function that asks for them (an environment's `get_reward`: `tools.Tools.reward`).
+        Where the template writes reasoning, the completions cut inside it are marked
+        (`rollouts.in_reasoning`)."""
         prompts, ids = zip(*rollouts.completions)
         texts = [tokenizer.decode([token for token in row if token not in stop_ids], skip_special_tokens=True)
                  for row in ids]
-        reward_prompts, values, columns = reward_inputs(prompts, texts)
-        return self(reward_prompts, rollouts.conversations or values, list(ids), columns, rollouts.environments)
+        messages = None
+        if self.responses is not None:
+            messages = [self.responses.parse(row, prompt["input_ids"].tolist()) for prompt, row in zip(prompts, ids)]
+            if "reasoning_content" in self.responses.template.get("fields", {}):
+                rollouts.in_reasoning = [cut and self.responses.cut_in_reasoning(message, row)
+                                         for cut, message, row in zip(rollouts.truncated, messages, ids)]
+        reward_prompts, values, columns = reward_inputs(prompts, texts, messages)
+        return self(reward_prompts, rollouts.conversations or values, list(ids), columns, rollouts.environments,
+                    texts)
 
     def _failed(self, name: str, kind: str, why: str, completions: int = 1):
         """Count a failure; the first of each `kind` per function is said (`take_failures`)."""

@@ -217,6 +217,8 @@ class Rollouts:
     trained: int = 0  # optimizer steps trained on them so far (--num_iterations)
     # multi-turn: tool calls and failed calls (`Tools.take_counts`)
     tool_counts: dict = field(default_factory=dict)
+    # where the template writes reasoning: each completion cut inside it (`rewards.RewardScorer.score`)
+    in_reasoning: list | None = None
 
     def sums(self, rewards, zero_std, failures, names, counted: bool = True) -> dict:
         """This rank's sums for the log (summed over ranks and steps by `Report`): the rewards, the
@@ -225,7 +227,8 @@ class Rollouts:
         scores, valid = self.scores, ~rewards.isnan()
         sums = {"completions": len(rewards), "scored": valid.sum(), "reward": rewards[valid].sum(),
                 "reward_square": (rewards[valid] ** 2).sum(), "zero_std": zero_std.sum(), "length": sum(self.lengths),
-                "truncated": sum(self.truncated), "generation_seconds": self.seconds} | self.tool_counts
+                "truncated": sum(self.truncated), "generation_seconds": self.seconds} | self.tool_counts | (
+                    {"truncated_in_reasoning": sum(self.in_reasoning)} if self.in_reasoning is not None else {})
         for index, name in enumerate(names):
             sums |= {f"reward_{name}": scores[:, index].nan_to_num(0).sum(), f"failed_{name}": failures[name],
                      f"scored_{name}": (~scores[:, index].isnan()).sum()}

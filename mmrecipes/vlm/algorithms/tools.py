@@ -141,9 +141,8 @@ class ToolFormat:
             return processor.apply_chat_template(messages, **kwargs, **(template_kwargs or {}))
 
         where = "the model's chat template (--chat_template_path gives another)"
-        stops = [processor.tokenizer.convert_ids_to_tokens(int(token)) for token in stop_ids]
         try:
-            responses = ResponseFormat.of(processor, stops, template_kwargs, calls=True)
+            responses = ResponseFormat.of(processor, stop_ids, template_kwargs, calls=True)
         except ValueError as error:
             raise ValueError(f"--tools: {where}: {error}") from None
         user = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
