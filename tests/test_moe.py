@@ -18,6 +18,7 @@ from mmrecipes.vlm.model.families import dummy_image_inputs
 from mmrecipes.vlm.model.loading import stop_token_ids
 from mmrecipes.vlm.model.moe import LoadBalance, Routing, balance_loss, sparse_block_classes
 from mmrecipes.vlm.model.outputs import LossSum
+from mmrecipes.vlm.model.segments import apply_segment_aware_mixers
 from mmrecipes.vlm.model.step import VLMForTraining
 from mmrecipes.vlm.rows.collate import ChatCollator
 from mmrecipes.vlm.rows.labels import AnswerLabeller
@@ -43,8 +44,11 @@ def rows(processor, model):
 
 
 def load(directory):
+    """The model (linear attention's mixers made segment-aware, as `vlm_parts` makes them) and its processor."""
     torch.manual_seed(0)
-    return AutoModelForImageTextToText.from_pretrained(directory), AutoProcessor.from_pretrained(directory)
+    model = AutoModelForImageTextToText.from_pretrained(directory)
+    apply_segment_aware_mixers(model)
+    return model, AutoProcessor.from_pretrained(directory)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
