@@ -60,6 +60,11 @@ class ResponseFormat:
         found.check(render, calls)
         return found
 
+    @property
+    def structured(self) -> bool:
+        """Whether the template writes reasoning or tool calls: a turn reads as more than its text."""
+        return bool({"reasoning_content", "tool_calls"} & set(self.template.get("fields", {})))
+
     def parse(self, ids, prefix_ids, tools=None) -> dict:
         """The turn `ids` (the model's tokens after `prefix_ids`: its prompt and any earlier turns)
         as a message; one the template cannot read (a malformed call) is its text, as TRL falls

@@ -212,7 +212,8 @@ class RewardScorer:
         texts = [tokenizer.decode([token for token in row if token not in stop_ids], skip_special_tokens=True)
                  for row in ids]
         messages = None
-        if self.responses is not None:
+        # a template that writes neither reasoning nor calls: the decoded text, as TRL gives it without a template
+        if self.responses is not None and self.responses.structured:
             messages = [self.responses.parse(row, prompt["input_ids"].tolist()) for prompt, row in zip(prompts, ids)]
             if "reasoning_content" in self.responses.template.get("fields", {}):
                 rollouts.in_reasoning = [cut and self.responses.cut_in_reasoning(message, row)
