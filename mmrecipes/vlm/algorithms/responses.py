@@ -107,6 +107,9 @@ class ResponseFormat:
             turns["a tool call"] = (calling(**CALL), {"tool_calls": [{"type": "function", "function": CALL}]})
         for what, (message, expected) in turns.items():
             text = render([USER, message])
+            if what == "a tool call" and not text.startswith(prompt):
+                raise ValueError(f"the chat template writes a calling turn otherwise than after its generation prompt "
+                                 f"{prompt[-40:]!r}: the calls would not follow what the model is given")
             if not text.startswith(prompt) or REASONING not in text and "reasoning_content" in expected:
                 continue  # a template that writes no reasoning (or none in this mode) reads none
             ids, prefix = (self.tokenizer(part, add_special_tokens=False)["input_ids"]
