@@ -46,7 +46,11 @@ CALLS = {"qwen3_vl": (CALL, "<|im_end|>"), "qwen2_5_vl": (CALL, "<|im_end|>"),
          "embedded": (CALL.replace("\n", ""), "<|end|>"),
          # Qwen3.5's own form: a tag per argument
          "qwen3_5": ("<tool_call>\n<function=crop>\n<parameter=left>\n3\n</parameter>\n<parameter=top>\n4\n"
-                     "</parameter>\n</function>\n</tool_call>", "<|im_end|>")}
+                     "</parameter>\n</function>\n</tool_call>", "<|im_end|>"),
+         # Gemma 4's: call:name{key:value}, the turn ended by <|tool_response>, where the results follow
+         "gemma4": ("<|tool_call>call:crop{left:3,top:4}<tool_call|>", "<|tool_response>")}
+# Gemma 4's marks, special tokens of its tokenizer (the tiny one's splits them)
+GEMMA4_MARKS = ["<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>']
 
 
 def qwen3_vl(family="qwen3_vl"):
@@ -59,6 +63,9 @@ def qwen3_vl(family="qwen3_vl"):
         return model, processor, stop_token_ids(model, processor)
     if family in tiny_vlm_2026.FAMILIES:  # its own template
         model, processor = tiny_vlm_2026.FAMILIES[family]()
+        if family == "gemma4":
+            processor.tokenizer.add_special_tokens({"additional_special_tokens": GEMMA4_MARKS})
+            model.resize_token_embeddings(len(processor.tokenizer))
         return model, processor, stop_token_ids(model, processor)
     model, processor = tiny_vlm.FAMILIES[family]()
     if family != "qwen3_vl":
@@ -143,7 +150,7 @@ def test_a_tool_that_fails_fails_its_call_never_the_run():
     assert box.run("multiply", {"a": 3, "b": 4}) == [{"type": "text", "text": "12"}] and box.calls == 10
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl", "embedded", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl", "embedded", "qwen3_5", "gemma4"])
 def test_a_multi_turn_completion_is_the_models_tokens_then_the_tools_token_in_token_out(family):
     step, processor, sampler, prompt = setup(family=family)
     call, end = CALLS[family]

@@ -11,7 +11,9 @@ through the chat template with the run's --chat_template_kwargs, never from a fa
   integer), read as JSON between two marks (Qwen2.5, Qwen3), as one tag per argument after the
   name (Qwen3.5, Qwen3.6: `<function=name>` `<parameter=key>`), or as `call:name{key:value}` with the
   template's own string quotes (Gemma 4);
-- the answer: up to an end-of-turn token.
+- the answer: up to an end-of-turn token, or what the template ends a calling turn with where that is
+  no end-of-turn token (Gemma 4's `<|tool_response>`: its results follow in the same turn, and a
+  later turn is read from where they end, `after_results`).
 Either way the sentinel turns must read back as they were written, or `ResponseFormat.of` refuses
 the template, saying what did not read back.
 """
@@ -41,8 +43,10 @@ class ResponseFormat:
     """How the template writes a model's turn (`template`: a transformers `response_template`), and
     what reads it back (`parse`)."""
 
-    def __init__(self, tokenizer, template: dict, source: str):
+    def __init__(self, tokenizer, template: dict, source: str, after_calls: str = ""):
         self.tokenizer, self.template, self.source = tokenizer, template, source
+        # what the model ends a calling turn with, where not an end-of-turn token (Gemma 4: `<|tool_response>`)
+        self.after_calls = after_calls
 
     @classmethod
     def of(cls, processor, stop_ids, template_kwargs=None, calls: bool = False) -> "ResponseFormat":
@@ -55,8 +59,14 @@ class ResponseFormat:
         tokenizer = processor.tokenizer
         stop_strings = [tokenizer.convert_ids_to_tokens(int(token)) for token in stop_ids]
         own = getattr(tokenizer, "response_template", None)
-        template = own or rendered_template(render, tokenizer, stop_strings, calls)
-        found = cls(tokenizer, template, "the checkpoint's response_template" if own else "found by rendering")
+        try:
+            template, after_calls = rendered_template(render, tokenizer, stop_strings, calls)
+        except ValueError:
+            if not own:
+                raise
+            template, after_calls = own, ""
+        found = cls(tokenizer, own or template, "the checkpoint's response_template" if own else "found by rendering",
+                    after_calls)
         found.check(render, calls)
         return found
 
@@ -90,6 +100,16 @@ class ResponseFormat:
         close = self.template.get("fields", {}).get("reasoning_content", {}).get("close_pattern")
         return bool(close and message.get("reasoning_content")) and re.search(
             close, self.tokenizer.decode(ids)) is None
+
+    def after_results(self, results_end: str):
+        """A turn also begins where the template ends tool results without a new assistant header
+        (Gemma 4 goes on after `<tool_response|>`): `results_end` or the header begins the turn a
+        parse reads."""
+        header = self.template.get("start_anchor")
+        if header and results_end:
+            anchors = "|".join(re.escape(anchor) for anchor in (header, results_end))
+            self.template = {key: value for key, value in self.template.items() if key != "start_anchor"} | {
+                "start_anchor_pattern": f"(?:{anchors})"}
 
     def calls_opened(self, text: str) -> bool:
         """Whether `text` opens a tool call as the template writes one."""
@@ -129,8 +149,9 @@ def _stripped(value):
     return value.strip() if isinstance(value, str) else value
 
 
-def rendered_template(render, tokenizer, stop_strings, calls: bool) -> dict:
-    """A transformers `response_template` found by rendering sentinel turns (module docstring)."""
+def rendered_template(render, tokenizer, stop_strings, calls: bool) -> tuple[dict, str]:
+    """(a transformers `response_template` found by rendering sentinel turns (module docstring),
+    what a calling turn ends with where the template ends it otherwise than an answer)."""
     before = render([USER])
     reasoned = render([USER, assistant(ANSWER, reasoning_content=REASONING)])[len(before):]
     plain = render([USER, assistant(ANSWER)])[len(before):]
@@ -144,13 +165,14 @@ def rendered_template(render, tokenizer, stop_strings, calls: bool) -> dict:
                                        "content": "text"}
     else:
         header = plain[:plain.index(ANSWER)] if ANSWER in plain else ""
-    ends = list(stop_strings)
+    ends, after_calls = list(stop_strings), ""
     if calls:  # a calling turn may end otherwise (Gemma 4: `<|tool_response>`, where the results follow)
         fields["tool_calls"], after_calls = _call_field(render, tokenizer, before)
         ends += [after_calls] if after_calls else []
     ends = "|".join(re.escape(end) for end in sorted(set(ends), key=len, reverse=True))
     fields["content"] = {"close_pattern": rf"(?:{ends})\s*|$" if ends else "$", "content": "text"}
-    return {"defaults": {"role": "assistant"}, "fields": fields} | ({"start_anchor": header} if header else {})
+    template = {"defaults": {"role": "assistant"}, "fields": fields} | ({"start_anchor": header} if header else {})
+    return template, after_calls
 
 
 def _last_added_token(tokenizer, text: str) -> int:

@@ -124,8 +124,9 @@ class Sampler:
 
     def __init__(self, accelerator, collator, args: SamplingArgs, stop_ids, suppressed, tools=None):
         self.accelerator, self.collator, self.args = accelerator, collator, args
-        self.stop_ids, self.suppressed = list(stop_ids), list(suppressed)
-        self.tools = tools
+        # with tools, also where the template ends a calling turn (`tools.ToolFormat.extra_stops`)
+        self.stop_ids = list(stop_ids) + (tools.format.extra_stops if tools is not None else [])
+        self.suppressed, self.tools = list(suppressed), tools
 
     def describe(self) -> str:
         line = generation_line(self.accelerator, self.args.ds3_gather_for_generation)

@@ -131,9 +131,14 @@ class ToolFormat:
 
     def __init__(self, processor, stop_ids, responses: ResponseFormat, images_in_tool_turns: bool,
                  template_kwargs=None):
-        self.processor, self.stop_ids, self.responses = processor, set(stop_ids), responses
+        self.processor, self.responses = processor, responses
         self.template_kwargs = template_kwargs or {}
         self.images_in_tool_turns = images_in_tool_turns
+        # a calling turn's own end where the template ends it otherwise than an answer (Gemma 4's `<|tool_response>`,
+        # one token of its tokenizer): sampling stops there too, and the results follow it
+        ends = processor.tokenizer(responses.after_calls, add_special_tokens=False)["input_ids"]
+        self.extra_stops = ends if responses.after_calls and len(ends) == 1 else []
+        self.stop_ids = set(stop_ids) | set(self.extra_stops)
 
     @classmethod
     def of(cls, processor, stop_ids, schemas: list, template_kwargs=None) -> "ToolFormat":
@@ -153,6 +158,10 @@ class ToolFormat:
         turn = render([user, calling(SENTINEL["name"], {}), result], add_generation_prompt=True)
         if "result_sentinel" not in turn:
             raise ValueError(f"--tools: {where} does not write tool turns: the model would never see a result")
+        after = turn[turn.rindex("result_sentinel") + len("result_sentinel"):]
+        if responses.template.get("start_anchor", "") not in after:  # the model goes on after the results
+            after = after.strip()
+            responses.after_results(after[after.rfind("<"):] if "<" in after else after)
         image_token = getattr(processor, "image_token", None)
         called = render([user, calling(SENTINEL["name"], SENTINEL["arguments"])])
         images = bool(image_token) and turn.count(image_token) > called.count(image_token)
