@@ -75,7 +75,8 @@ def test_turns_read_as_trls_parse_response_reads_them(tiny_vlms, family):
 def test_the_checkpoints_own_response_template_is_used_and_a_template_it_cannot_read_is_refused(tiny_vlms):
     """A tokenizer that ships a `response_template` is read with it (Gemma 4's checkpoints do); one whose sentinel
     turns do not read back is refused saying what did not; so is a template whose calls its own rendering cannot be
-    read back from (arguments as bare words), and one that writes none (the tiny Llava's), for tools."""
+    read back from (arguments as bare words), one whose JSON calls have no marks around them, and one that writes none
+    (the tiny Llava's), for tools."""
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlms["gemma4"])
     processor = add_response_schema(AutoProcessor.from_pretrained(tiny_vlms["gemma4"]))
     stops = stop_token_ids(model, processor)
@@ -89,6 +90,10 @@ def test_the_checkpoints_own_response_template_is_used_and_a_template_it_cannot_
     with pytest.raises(ValueError, match=r"cannot be read back \(found by rendering\): a tool call rendered as "
                                          "'<call>tool_name_sentinel first_sentinel value sentinel second_sentinel 7"):
         ResponseFormat.of(qwen, [qwen.tokenizer.convert_tokens_to_ids("<|im_end|>")], calls=True)
+    bare = AutoProcessor.from_pretrained(tiny_vlms["qwen3_vl"])  # its JSON calls without their marks
+    bare.chat_template = bare.chat_template.replace("<tool_call>", "").replace("</tool_call>", "")
+    with pytest.raises(ValueError, match="writes a tool call without marks around it"):
+        ResponseFormat.of(bare, [bare.tokenizer.convert_tokens_to_ids("<|im_end|>")], calls=True)
     llava = AutoProcessor.from_pretrained(tiny_vlms["llava"])
     stops = [llava.tokenizer.eos_token_id]
     with pytest.raises(ValueError, match="does not write an assistant turn's tool calls"):

@@ -202,6 +202,9 @@ def _call_field(render, tokenizer, before: str) -> tuple[dict, str]:
     as_json = json.dumps(CALL)
     if as_json in text:  # Qwen2.5 / Qwen3: {"name": ..., "arguments": ...} between two marks
         start = text.index(as_json)
+        if not text[:start].strip() or not text[start + len(as_json):].strip():
+            raise ValueError(f"the chat template writes a tool call without marks around it ({text!r}): it cannot be "
+                             "told from an answer")
         field = {"open": text[:start].strip(), "close_pattern": _loose(text[start + len(as_json):].strip()) + r"\s*",
                  "repeats": True, "content": "json", "transform": {"type": "function", "function": "{content}"}}
         return field, after_calls
