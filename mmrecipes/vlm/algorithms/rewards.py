@@ -214,7 +214,9 @@ class RewardScorer:
         messages = None
         # a template that writes neither reasoning nor calls: the decoded text, as TRL gives it without a template
         if self.responses is not None and self.responses.structured:
-            messages = [self.responses.parse(row, prompt["input_ids"].tolist()) for prompt, row in zip(prompts, ids)]
+            # multi-turn: each turn was read as it was sampled (`tools.Tools.read`); the last one is the completion's
+            messages = ([conversation[-1] for conversation in rollouts.conversations] if rollouts.conversations else
+                        [self.responses.parse(row, prompt["input_ids"].tolist()) for prompt, row in zip(prompts, ids)])
             if "reasoning_content" in self.responses.template.get("fields", {}):
                 rollouts.in_reasoning = [cut and self.responses.cut_in_reasoning(message, row)
                                          for cut, message, row in zip(rollouts.truncated, messages, ids)]
