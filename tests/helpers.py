@@ -72,18 +72,21 @@ def save_tower(kind: str, directory) -> str:
 
 
 def write_chat_parquet(path, rows):
-    features = datasets.Features({
-        "messages": [{"role": datasets.Value("string"),
-                      "content": [{"type": datasets.Value("string"), "text": datasets.Value("string")}]}],
-        "images": [datasets.Image()],
-    })
+    """`rows` as a parquet file of the chat layout; with a `reasoning_content` column where a turn has one."""
+    turn = {"role": datasets.Value("string"),
+            "content": [{"type": datasets.Value("string"), "text": datasets.Value("string")}]}
+    if any("reasoning_content" in message for row in rows for message in row["messages"]):
+        turn["reasoning_content"] = datasets.Value("string")
+    features = datasets.Features({"messages": [turn], "images": [datasets.Image()]})
     datasets.Dataset.from_list(rows, features=features).to_parquet(str(path))
 
 
-def chat_row(question, answer, image=None):
+def chat_row(question, answer, image=None, reasoning=None):
+    """A one-turn chat row; `reasoning`: the answer's `reasoning_content`."""
     content = ([{"type": "image", "text": None}] if image is not None else []) + [{"type": "text", "text": question}]
+    answer_turn = {"role": "assistant", "content": [{"type": "text", "text": answer}]}
     return {"messages": [{"role": "user", "content": content},
-                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+                         answer_turn | ({"reasoning_content": reasoning} if reasoning is not None else {})],
             "images": [image] if image is not None else []}
 
 

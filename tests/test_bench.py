@@ -44,7 +44,8 @@ PROCESSES = [
      ("vlm_loss_memory.py", ["--quick", "--loss", "jsd"]),
      ("benchmark_cost.py", ["--quick"]),
      ("linear_attention_packing.py", ["--quick"]),
-     ("zoom_task.py", ["--quick"])],
+     ("zoom_task.py", ["--quick"]),
+     ("reasoning_modes.py", ["--quick"])],
 ]
 BENCHES = [(process, position, script, args) for process, scripts in enumerate(PROCESSES)
            for position, (script, args) in enumerate(scripts)]

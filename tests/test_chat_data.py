@@ -103,7 +103,7 @@ def test_video_rows_are_counted_and_never_trained_as_text(tmp_path, tiny):
     assert answers(batch, processor.tokenizer) == ["below<|end|>"]
     assert "video" not in processor.tokenizer.decode(batch["input_ids"][0])
     prompts = generation_prompts(args, processor, rows=8, ranks=Ranks())
-    assert [answer for _, answer in prompts] == ["below"]
+    assert [held.answer for held in prompts] == ["below"]
 
 
 def test_chat_format_text_only_batch_gets_the_dummy_image(tmp_path, tiny):

@@ -12,10 +12,17 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 from trl.chat_template_utils import get_training_chat_template
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
+from helpers import chat_row, write_chat_parquet
+from mmrecipes.benchmarks.scoring import reasoning_of, without_reasoning
 from mmrecipes.config import parse_args
-from mmrecipes.vlm.arguments import PromptDataArgs
+from mmrecipes.distributed import Ranks
+from mmrecipes.vlm.arguments import ChatDataArgs, PromptDataArgs
+from mmrecipes.vlm.model import evaluation
+from mmrecipes.vlm.model.families import dummy_image_inputs
 from mmrecipes.vlm.model.loading import stop_token_ids
-from mmrecipes.vlm.rows.chat_data import encode_row
+from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.rows.chat_data import encode_row, generation_prompts
+from mmrecipes.vlm.rows.collate import ChatCollator
 from mmrecipes.vlm.rows.labels import AnswerLabeller, EarlierReasoningDropped, TemplateError
 from mmrecipes.vlm.rows.prompts import DistillPreprocessor, PromptPreprocessor
 from mmrecipes.vlm.rows.template_checks import _runs, check_template
@@ -417,3 +424,42 @@ def test_rewards_get_the_parsed_turn_and_a_completion_cut_inside_its_reasoning_i
     metrics = grpo_metrics(sums | {"loss": 0, "normaliser": 1, "tokens_trained": 1} | {
         f"clip_{name}": 0 for name in ("low", "high", "region")}, funcs, 0.0)
     assert metrics["completions/truncated_in_reasoning_ratio"] == pytest.approx(1 / 3)
+
+
+def test_held_out_answers_are_read_after_their_reasoning_and_generation_leaves_room_for_it(tiny_vlms, tmp_path):
+    """A held-out row's answer is its text after the reasoning (given in `reasoning_content`, or inlined), and
+    generation reads a thinking model's output as lmms-eval reads a benchmark answer: the text after the block the
+    generation prompt opened. Where the rows reason, decoding runs long enough for the reasoning and says how many
+    answers came after reasoning of the model's own."""
+    write_chat_parquet(tmp_path / "held_out.parquet", [
+        chat_row("What colour is it?", "red", square("red"), reasoning="The shape is red."),
+        chat_row("What colour is it?", "<think>\nThe shape is blue.\n</think>\n\nblue", square("blue")),
+        chat_row("What colour is it?", "green", square("green"))])
+    processor = AutoProcessor.from_pretrained(tiny_vlms["qwen3_5_think"])
+    args = ChatDataArgs(eval_dataset_name="parquet", eval_data_files=str(tmp_path / "held_out.parquet"),
+                        eval_split="train")
+    prompts = generation_prompts(args, processor, rows=8, ranks=Ranks())
+    assert [held[1:] for held in prompts] == [("red", "The shape is red."), ("blue", "The shape is blue."),
+                                              ("green", "")]
+    assert processor.tokenizer.decode(prompts[0].prompt["input_ids"]).endswith("<|im_start|>assistant\n<think>\n")
+    # what a thinking model writes after that prompt: the reasoning, or the block closed at once, or no block
+    for written, read in (("The shape is red.\n</think>\n\nred", ("red", "The shape is red.")),
+                          ("\n</think>\n\nred", ("red", "")), ("red", ("red", "")), (" red ", ("red", ""))):
+        assert (without_reasoning(written), reasoning_of(written)) == read
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen3_5_think"])
+    collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
+    decoded = []
+    greedy = evaluation.greedy_tokens
+    with pytest.MonkeyPatch.context() as patch:  # records how far each prompt is decoded
+        patch.setattr(evaluation, "greedy_tokens", lambda *args: decoded.append(args[2]) or greedy(*args))
+        scores = evaluation.evaluate_generation(VLMForTraining(model), prompts, collator([prompts[2].prompt]),
+                                                collator, processor.tokenizer, stop_token_ids(model, processor), "cpu")
+    # every prompt decoded as far, and far enough for the longest reasoned answer as the template writes it
+    longest = max(len(processor.tokenizer(f"{held.reasoning}\n</think>\n\n{held.answer}<|im_end|>")["input_ids"])
+                  for held in prompts)
+    assert len(set(decoded)) == 1 and decoded[0] >= longest
+    assert set(scores) == {"generated_accuracy", "eval_generated", "generated_with_reasoning"}
+    assert scores["eval_generated"] == 3
+    without = evaluation.evaluate_generation(VLMForTraining(model), prompts[2:], collator([prompts[2].prompt]),
+                                             collator, processor.tokenizer, stop_token_ids(model, processor), "cpu")
+    assert set(without) == {"generated_accuracy", "eval_generated"}  # rows that do not reason: no such share

@@ -16,6 +16,11 @@ Features across engines, not every feature under every engine (tests/README.md):
 | LoRA = one process | Llava, resumed | Llava, checkpointing | | Qwen2.5-VL, checkpointing |
 | without the dummy image: fails | yes | divergence guard names the modules | | yes |
 | a Llava composed from a CLIP tower and Gemma 3 text = one process | stage 2 | stage 1 (projector only) | | stage 2 |
+| a thinking Qwen3.5 on reasoning and plain rows = one process | yes | yes | | yes |
+
+The reasoning runs (the tiny `qwen3_5_think`, its official template) read image rows whose answers carry
+`reasoning_content` and text-only rows that answer at once: one rank's window all reasoned, the other's all plain;
+the reasoning trained, the plain rows' empty think block context.
 
 The full fine-tuning runs end with two benchmarks (`--benchmarks`, 5 embedded documents each, uneven over the 2
 ranks): every engine's scores equal one process's.
@@ -60,7 +65,9 @@ BENCHMARKS = ["--benchmarks", "docvqa_val,ai2d", "--benchmark_data_dir", "embedd
 FEATURES = {"full": BENCHMARKS, "lora": LORA, "lora_qwen": LORA,
             # a Llava composed from a CLIP tower and Gemma 3 text (mmrecipes.vlm.model.compose): stage 2, and
             # stage 1's preset
-            "composed": [], "composed_stage1": ["--train_modules", "projector"]}
+            "composed": [], "composed_stage1": ["--train_modules", "projector"],
+            # reasoning and plain rows on a thinking template (its own data: the scenario's rows with reasoning)
+            "reasoning": []}
 RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("ddp.yaml", "full"): [],
     ("fsdp2.yaml", "full"): [],  # with the divergence guard switched on by its environment variable
@@ -72,6 +79,9 @@ RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("ddp.yaml", "composed"): [],
     ("fsdp2.yaml", "composed_stage1"): [],
     ("zero3.yaml", "composed"): [],
+    ("ddp.yaml", "reasoning"): [],
+    ("fsdp2.yaml", "reasoning"): [],
+    ("zero3.yaml", "reasoning"): [],
 }
 
 
@@ -83,9 +93,15 @@ def text_row():
     return chat_row("What is the opposite of above?", "below, below, below, below, below, below, below")
 
 
-def write_scenario(data):
+def reasoned_image_row():
+    return chat_row("What colour is the shape?", "red", Image.new("RGB", (32, 32), (220, 40, 40)),
+                    reasoning="The image shows one large red square, so its colour is red.")
+
+
+def write_scenario(data, image=None, text=None):
     """rank{0,1}.parquet (one shard per data rank) and single/all.parquet (the same windows for one process)."""
-    image, text = image_row(), text_row()
+    image, text = image or image_row(), text or text_row()
+    data.mkdir(exist_ok=True)
     write_chat_parquet(data / "rank0.parquet", [image, image, text, text, image, text] * 4)
     write_chat_parquet(data / "rank1.parquet", [text, text, image, image, text, image] * 4)
     (data / "single").mkdir()
@@ -95,7 +111,13 @@ def write_scenario(data):
 
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
-    return write_scenario(tmp_path_factory.mktemp("scenario"))
+    root = tmp_path_factory.mktemp("scenario")
+    write_scenario(root / "reasoning", reasoned_image_row())
+    return write_scenario(root)
+
+
+def data_of(scenario, feature):
+    return scenario / "reasoning" if feature == "reasoning" else scenario
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +130,8 @@ def composed_parts(tmp_path_factory):
 
 
 def feature_args(feature, tiny_vlms, composed_parts):
-    model = {"lora_qwen": ["--model_name_or_path", tiny_vlms["qwen2_5_vl"]]}.get(feature, [])
+    model = {"lora_qwen": ["--model_name_or_path", tiny_vlms["qwen2_5_vl"]],
+             "reasoning": ["--model_name_or_path", tiny_vlms["qwen3_5_think"]]}.get(feature, [])
     return [*FEATURES[feature], *model, *(composed_parts if feature.startswith("composed") else [])]
 
 
@@ -122,7 +145,8 @@ def truth(scenario, tiny_vlms, composed_parts, tmp_path_factory):
         output_dir = tmp_path_factory.mktemp(f"single_{feature}")
         result = run_recipe(*SCENARIO, *feature_args(feature, tiny_vlms, composed_parts),
                             "--per_device_train_batch_size", 4, "--gradient_accumulation_steps", 1,
-                            "--data_files", scenario / "single" / "all.parquet", "--output_dir", output_dir,
+                            "--data_files", data_of(scenario, feature) / "single" / "all.parquet",
+                            "--output_dir", output_dir,
                             recipe=VLM_RECIPE)
         assert result.returncode == 0, result.log[-3000:]
         runs[feature] = result, output_dir
@@ -137,8 +161,8 @@ def runs(scenario, tiny_vlms, composed_parts, tmp_path_factory):
         env = {"MMRECIPES_DEBUG_DIVERGENCE": "1"} if (config, feature) == ("fsdp2.yaml", "full") else None
         results[config, feature] = run_engine(
             config, *SCENARIO, *feature_args(feature, tiny_vlms, composed_parts), *extra,
-            "--data_files", scenario / "rank*.parquet", "--output_dir", output_dir, recipe=VLM_RECIPE,
-            env=env), output_dir
+            "--data_files", data_of(scenario, feature) / "rank*.parquet", "--output_dir", output_dir,
+            recipe=VLM_RECIPE, env=env), output_dir
     return results
 
 
@@ -157,6 +181,11 @@ def test_mixed_ranks_match_one_process(runs, truth, config, feature):
         assert_adam_weights_close(LlavaForConditionalGeneration.from_pretrained(output_dir).state_dict(),
                                   LlavaForConditionalGeneration.from_pretrained(reference_dir).state_dict(),
                                   learning_rate=1e-3, steps=STEPS)
+    elif feature == "reasoning":  # the plain rows' empty think block was context, the reasoning a target
+        assert_adam_weights_close(AutoModelForImageTextToText.from_pretrained(output_dir).state_dict(),
+                                  AutoModelForImageTextToText.from_pretrained(reference_dir).state_dict(),
+                                  learning_rate=1e-3, steps=STEPS)
+        assert "an empty think block: context, not a target" in result.log
     else:
         assert "trainable parameters" in result.log and "frozen" in result.log
     if config == "fsdp2.yaml" and feature == "full":  # the guard was on, found nothing, changed no number

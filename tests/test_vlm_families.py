@@ -414,5 +414,5 @@ def test_generation_prompts_skip_what_training_skips_and_read_nothing_outside_th
     args = ChatDataArgs(eval_dataset_name="json", eval_data_files=str(tmp_path / "eval.json"), eval_split="train",
                         image_folder=str(folder))
     prompts = generation_prompts(args, processor, rows=8, ranks=Ranks())
-    assert [answer for _, answer in prompts] == ["red"]
-    assert (prompts[0][0]["input_ids"] == processor.image_token_id).any()
+    assert [held.answer for held in prompts] == ["red"]
+    assert (prompts[0].prompt["input_ids"] == processor.image_token_id).any()

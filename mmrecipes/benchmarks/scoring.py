@@ -54,6 +54,15 @@ def without_reasoning(response: str, tags=REASONING_TAGS) -> str:
     return response.strip()
 
 
+def reasoning_of(response: str, tags=REASONING_TAGS) -> str:
+    """What `without_reasoning` takes out of `response`, its tags left out and stripped: the text before the
+    last closing tag ("" for an empty block, or none)."""
+    for start_tag, end_tag in tags:
+        if end_tag in response:
+            return response.rsplit(end_tag, 1)[0].replace(start_tag, "").replace(end_tag, "").strip()
+    return ""
+
+
 def choice_letter(response: str, choices=CHOICES) -> str:
     """The choice letter `response` gives, or "" where it gives none."""
     if not response or not response.strip():

@@ -5,9 +5,10 @@ often as every other."""
 import torch
 
 from ...benchmarks.harness import too_long
+from ...benchmarks.scoring import reasoning_of, without_reasoning
 from ...distributed import batches_in_step, max_over_ranks, sum_over_ranks
 from ...images import to_device
-from ..rows.chat_data import TOKEN_ALIGNED, prompt_row
+from ..rows.chat_data import TOKEN_ALIGNED, HeldOut, prompt_row
 from ..rows.collate import ChatCollator
 from ..rows.labels import IGNORE_INDEX
 from .outputs import Logits
@@ -42,11 +43,13 @@ def evaluate_answers(model, eval_loader, filler_batch, device) -> dict:
 @torch.no_grad()
 def evaluate_generation(model, prompts, filler, collator, tokenizer, stop_token_ids, device,
                         placeholders=()) -> dict:
-    """Greedy generation, exact match: the share of `prompts` ((prompt row, answer) pairs from
+    """Greedy generation, exact match: the share of `prompts` (`chat_data.HeldOut`s from
     `chat_data.generation_prompts`: the processor's own generation prompt) whose generated text, up
-    to the first stop token and without special tokens, is the answer. It reads no label, so it
+    to the first stop token and without special tokens, is the answer, read after any reasoning (as
+    lmms-eval reads a benchmark's answers: `scoring.without_reasoning`). It reads no label, so it
     catches labels that teach anything else (a missing first token, shifted spans), which the
-    teacher-forced accuracy cannot.
+    teacher-forced accuracy cannot. Where held-out rows reason, `generated_with_reasoning` is the
+    share of answers the model gave after reasoning of its own (a thinking model asked to think).
 
     Decoded one row at a time with whole-sequence forwards of the prepared model and no cache, for
     the same number of tokens on every rank (the longest answer anywhere, plus its stop token), so
@@ -55,23 +58,31 @@ def evaluate_generation(model, prompts, filler, collator, tokenizer, stop_token_
     (`families.placeholder_token_ids`).
     """
     model.eval()
-    longest = max((len(tokenizer(answer, add_special_tokens=False)["input_ids"]) for _, answer in prompts), default=0)
+    # room for the longest reasoned answer (its reasoning, and 4 tokens for the closing tag and the lines around it)
+    longest = max((len(tokenizer(held.reasoning, add_special_tokens=False)["input_ids"]) + 4 * bool(held.reasoning)
+                   + len(tokenizer(held.answer, add_special_tokens=False)["input_ids"]) for held in prompts), default=0)
     # a space, the stop
     new_tokens = int(max_over_ranks(torch.tensor(float(longest), device=device)).item()) + 2
-    totals = torch.zeros(2, device=device)  # exact answers, prompts
+    # exact answers, prompts, answers given after reasoning, held-out rows that reason
+    totals = torch.zeros(4, device=device)
     stops = set(stop_token_ids)
-    batches = ((collator([row]), answer) for row, answer in prompts)
+    batches = ((collator([held.prompt]), held) for held in prompts)
     # A packed filler decodes unpacked: its outputs are discarded, and appending would break its segments.
     filler = {key: value for key, value in filler.items() if key not in ("sample_lengths", "media_per_sample")}
-    for (batch, answer), real in batches_in_step(batches, (filler, None), device):
+    for (batch, (_, answer, reasoning)), real in batches_in_step(batches, (filler, HeldOut(None, "", "")), device):
         generated = greedy_tokens(model, to_device(batch, device), new_tokens, placeholders)
         if real:
             ended = next((i for i, token in enumerate(generated) if token in stops), len(generated))
-            text = tokenizer.decode(generated[:ended], skip_special_tokens=True).strip()
-            totals += torch.tensor([float(text == answer), 1.0], device=device)
+            text = tokenizer.decode(generated[:ended], skip_special_tokens=True)
+            totals += torch.tensor([float(without_reasoning(text) == answer), 1.0, float(bool(reasoning_of(text))),
+                                    float(bool(reasoning))], device=device)
     model.train()
-    correct, count = sum_over_ranks(totals).tolist()
-    return {"generated_accuracy": correct / count, "eval_generated": int(count)} if count else {}
+    correct, count, reasoned, reasoning_rows = sum_over_ranks(totals).tolist()
+    if not count:
+        return {}
+    # where the held-out rows reason (a thinking model's), the share of answers given after reasoning
+    return {"generated_accuracy": correct / count, "eval_generated": int(count)} | (
+        {"generated_with_reasoning": reasoned / count} if reasoning_rows else {})
 
 
 def greedy_tokens(model, inputs: dict, new_tokens: int, placeholders=(), stops=None, running=True) -> list[int]:

@@ -17,10 +17,12 @@ import logging
 import os
 import re
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 from PIL import Image
 
+from ...benchmarks.scoring import reasoning_of, without_reasoning
 from ...distributed import all_ranks_true
 from ...images import decode_image
 from ...loader import check_held_out, rank_loader
@@ -402,11 +404,19 @@ def unbatched(encoded) -> tuple[torch.Tensor, dict]:
     return input_ids, {key: _as_tensor(value[0] if key in TOKEN_ALIGNED else value) for key, value in encoded.items()}
 
 
-def generation_prompts(args: ChatDataArgs, processor, *, rows: int, ranks) -> list:
+class HeldOut(NamedTuple):
+    """A held-out question: its prompt row, the answer, and the reasoning the row gives before it ("": none)."""
+
+    prompt: dict
+    answer: str
+    reasoning: str
+
+
+def generation_prompts(args: ChatDataArgs, processor, *, rows: int, ranks) -> list[HeldOut]:
     """This rank's share of `rows` held-out conversations (`ranks`: `distributed.Ranks`, their
-    evaluation reads), as (prompt row, answer): the conversation up to its last assistant turn
+    evaluation reads), as `HeldOut`: the conversation up to its last assistant turn
     through the processor's own chat template with its generation prompt and images (what a user's
-    `generate` call gets), and that turn's text. Independent of the labels, so that
+    `generate` call gets), that turn's answer and its reasoning. Independent of the labels, so that
     `evaluation.evaluate_generation` checks them. Rows that cannot be read are left out; where no
     rank has a prompt, every rank raises together, with what its share left out by reason (the
     evaluation would never run)."""
@@ -446,8 +456,10 @@ def _held_out_prompt(args: ChatDataArgs, processor, row):
     if sum(part["type"] == "image" for message in messages[:last] for part in message["content"]) != len(raw_images):
         raise Skip("an image after the question")
     images, _ = row_images(args, media_folder(row, args.image_folder), messages, raw_images)
-    answer = " ".join(part["text"] for part in messages[last]["content"] if part["type"] == "text")
-    return prompt_row(processor, messages[:last], images, template_kwargs=args.chat_template_kwargs), answer.strip()
+    text = " ".join(part["text"] for part in messages[last]["content"] if part["type"] == "text")
+    prompt = prompt_row(processor, messages[:last], images, template_kwargs=args.chat_template_kwargs)
+    # the answer a reasoning model gives after its reasoning (in reasoning_content, or inlined as <think>...</think>)
+    return HeldOut(prompt, without_reasoning(text), messages[last].get("reasoning_content") or reasoning_of(text))
 
 
 def prompt_row(processor, messages, images, tools=None, template_kwargs=None) -> dict:
