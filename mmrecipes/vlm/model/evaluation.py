@@ -52,7 +52,7 @@ def evaluate_generation(model, prompts, filler, collator, tokenizer, stop_token_
     share of answers the model gave after reasoning of its own (a thinking model asked to think).
 
     Decoded one row at a time with whole-sequence forwards of the prepared model and no cache, for
-    the same number of tokens on every rank (the longest answer anywhere, plus its stop token), so
+    the same number of tokens on every rank (the longest answer anywhere with its reasoning, and a stop), so
     the collectives of FSDP2 and ZeRO-3 stay in step; a rank with no prompt left decodes `filler` (a
     batch) and discards it. Never emits one of the `placeholders`
     (`families.placeholder_token_ids`).
