@@ -1,7 +1,7 @@
 """Video rows: decoding speed in one worker, the recipe's data_wait with video rows, and what a tiny model learns.
 
     python bench/video.py            # 300 recipe steps (about 2 minutes on 2 cores)
-    python bench/video.py --quick    # a smoke run: 10 steps, 2 motion questions
+    python bench/video.py --quick    # a smoke run: 3 steps, 2 motion questions
 
 1. Decoding (`mmrecipes.vlm.rows.videos.decode_video`, PyAV, one process = one DataLoader worker): clips/s and
    sampled frames/s at the recipe's defaults (--video_fps 2, --video_max_frames 8) on the embedded clips
@@ -125,8 +125,8 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--results", default=str(RESULTS), help="the JSON-lines file to append to")
     args = parser.parse_args()
-    # --quick: the recipe without workers (their fork server's start is most of a 10-step run)
-    steps, seconds, workers = (10, 0.5, ["--dataloader_num_workers", "0"]) if args.quick else (args.steps, 5.0, [])
+    # --quick: the recipe without workers (their fork server's start is most of a short run)
+    steps, seconds, workers = (3, 0.5, ["--dataloader_num_workers", "0"]) if args.quick else (args.steps, 5.0, [])
 
     embedded = [row["videos"][0]["bytes"] for row in datasets.load_dataset(str(VLM_SHAPES / "video_chat"),
                                                                             split="train").select(range(32))]

@@ -1,7 +1,7 @@
 """What the VLM safety features cost, as ratios measured in one run at the recipe's default sizes.
 
     python bench/vlm_dummy.py            # CPU here; the same code runs on a GPU
-    python bench/vlm_dummy.py --quick    # a smoke run: batch 4, 4 repeats
+    python bench/vlm_dummy.py --quick    # a smoke run: batch 4, 1 repeat
 
 1. Dummy image: forward+backward of a text-only micro-batch through `VLMForTraining` (the
    vision step runs on the dummy and is sliced out) vs the plain LM on the same batch with no
@@ -132,14 +132,14 @@ def main():
     parser.add_argument("--batch_size", type=int, default=None, help="default: 16, the recipe's (--quick: 4)")
     parser.add_argument("--results", default=str(RESULTS), help="the JSON-lines file to append to")
     args = parser.parse_args()
-    repeats = 4 if args.quick else 20
+    repeats = 1 if args.quick else 20
     args.batch_size = args.batch_size or (4 if args.quick else 16)
     print(f"{'what (test vs base)':<44} {'base':>12} {'test':>12} {'ratio':>7}  (spread of paired ratios)")
     dummy, plain = dummy_overhead(args.batch_size, repeats)
     record = {"bench": "vlm_dummy", "quick": args.quick, "machine": platform.node(), "threads": torch.get_num_threads(),
               "time": time.strftime("%Y-%m-%d %H:%M"), "batch_size": args.batch_size,
               "dummy_vs_no_vision_call": summary("text-only step: dummy image vs no vision call", dummy, plain)}
-    off, on = guard_cost(args.batch_size, max(2, repeats // 4))
+    off, on = guard_cost(args.batch_size, max(1, repeats // 4))
     record["guard_on_vs_off"] = summary("DDP x2, 10 micro-steps: guard on vs off", on, off)
     with open(args.results, "a") as results:
         results.write(json.dumps(record) + "\n")

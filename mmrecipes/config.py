@@ -32,14 +32,10 @@ def parse_args(dataclass_types, argv=None):
     shows each flag's comment in its dataclass and its default."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _Parser(dataclass_types)
-    comments = {name: text for cls in dataclass_types for name, text in field_comments(cls).items()}
-    comments |= {field.name: f"{comments.get(field.name, '')} (one of: {', '.join(field.metadata[CHOICES])})".lstrip()
-                 for cls in dataclass_types for field in dataclasses.fields(cls) if CHOICES in field.metadata}
-    fields = {field.name for cls in dataclass_types for field in dataclasses.fields(cls)}
+    if "-h" in argv or "--help" in argv:  # reading the comments parses each class's source: only for the help
+        _document_flags(parser, dataclass_types)
     nullable = _nullable_fields(dataclass_types)
     for action in parser._actions:
-        if action.dest in fields:
-            action.help = f"{comments.get(action.dest, '').replace('%', '%%')} (default: %(default)s)".lstrip()
         if action.dest in nullable:
             action.type = _none_or(action.type or str)
     if argv and argv[0].endswith((".yaml", ".yml")):
@@ -54,6 +50,17 @@ def parse_args(dataclass_types, argv=None):
         if isinstance(args, CheckedArgs):
             args.check_with({type(other): other for other in parsed})
     return parsed
+
+
+def _document_flags(parser, dataclass_types):
+    """Each flag's help: its field's comment, its choices and its default."""
+    comments = {name: text for cls in dataclass_types for name, text in field_comments(cls).items()}
+    comments |= {field.name: f"{comments.get(field.name, '')} (one of: {', '.join(field.metadata[CHOICES])})".lstrip()
+                 for cls in dataclass_types for field in dataclasses.fields(cls) if CHOICES in field.metadata}
+    fields = {field.name for cls in dataclass_types for field in dataclasses.fields(cls)}
+    for action in parser._actions:
+        if action.dest in fields:
+            action.help = f"{comments.get(action.dest, '').replace('%', '%%')} (default: %(default)s)".lstrip()
 
 
 class _Parser(HfArgumentParser):
@@ -73,8 +80,8 @@ class _Parser(HfArgumentParser):
 def _nullable_fields(dataclass_types) -> set[str]:
     """The fields that may be None: `None`, `none` and an empty value set them to None, on the
     command line and in YAML alike (what turns an evaluation, a limit or a source off)."""
-    return {field.name for cls in dataclass_types for field in dataclasses.fields(cls)
-            if type(None) in _union_members(typing.get_type_hints(cls)[field.name])}
+    return {field.name for cls in dataclass_types for hints in [typing.get_type_hints(cls)]
+            for field in dataclasses.fields(cls) if type(None) in _union_members(hints[field.name])}
 
 
 def _is_none_word(value) -> bool:
@@ -120,7 +127,8 @@ def _trailing_comment(line: str) -> str:
 
 
 def check_yaml_values(values: dict, dataclass_types, source: str):
-    fields = {f.name: typing.get_type_hints(cls)[f.name] for cls in dataclass_types for f in dataclasses.fields(cls)}
+    fields = {f.name: hints[f.name] for cls in dataclass_types for hints in [typing.get_type_hints(cls)]
+              for f in dataclasses.fields(cls)}
     problems = []
     for key, value in values.items():
         if key not in fields:

@@ -56,7 +56,7 @@ def plot_curves(history: History, path, eval_metrics: list[str]):
         axes.set_xlabel("step")
         axes.set_title(" / ".join(names) if len(names) < 3 else "evaluation")
         axes.grid(alpha=0.3)
-    figure.tight_layout()
+    figure.subplots_adjust(left=0.08, right=0.98, bottom=0.15, top=0.9, wspace=0.22)  # tight_layout: 2x the time
     figure.savefig(path, dpi=150)
 
 

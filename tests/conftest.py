@@ -21,6 +21,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
+from filelock import FileLock
 
 import launch
 from gloo import start_rank_server
@@ -86,11 +87,17 @@ def _launch_marker_is_exact(request):
 
 @pytest.fixture(scope="session")
 def tiny_vlms(tmp_path_factory):
-    """Every tiny family checkpoint (data_prep/tiny_vlm.py, tiny_vlm_2026.py), saved once per session:
-    {family: directory}."""
-    root = tmp_path_factory.mktemp("tiny_vlms")
+    """Every tiny family checkpoint (data_prep/tiny_vlm.py, tiny_vlm_2026.py), saved once per run, read by every
+    pytest worker (under xdist their base folders share a parent): {family: directory}. No test writes into them."""
+    shared = "PYTEST_XDIST_WORKER" in os.environ
+    root = tmp_path_factory.getbasetemp().parent / "tiny_vlms" if shared else tmp_path_factory.mktemp("tiny_vlms")
     families = tiny_vlm.FAMILIES | tiny_vlm_2026.FAMILIES
-    return {family: tiny_vlm.save_family(families, family, root / family) for family in families}
+    with FileLock(f"{root}.lock"):  # the first worker saves them, the other waits for it
+        if not (root / "saved").exists():
+            for family in families:
+                tiny_vlm.save_family(families, family, root / family)
+            (root / "saved").touch()
+    return {family: root / family for family in families}
 
 
 @pytest.fixture(scope="module")
