@@ -16,12 +16,12 @@ from launch import REPO, run_command, run_env
 
 pytestmark = pytest.mark.launch
 
-# Each process's scripts, in the order it runs them, about a third of the toy-size seconds each. Measured on 2 cores,
-# two processes at once (2026-12-02), the first of a process with its imports (about 7 s): vlm_dummy 33,
-# data_loading 30, resume_time 14; sequence_parallel_memory 27 (its ranks are fresh processes: their imports are most
-# of it), recipe_throughput 24, video 16, vlm_packing 15; gpu_recipe_throughput --mode vlm 31, grad_comm 20,
-# gpu_recipe_throughput 16 (their toy recipe runs take no DataLoader workers: their fork server's start was half of
-# such a run); every other under 2 s.
+# Each process's scripts, in the order it runs them, about a third of the toy-size seconds each. Measured with the three
+# processes side by side on 2 cores and nothing else running (2026-12-02, 141 s in all), the first of a process with
+# its imports: vlm_dummy 53, data_loading 58 (a fresh recipe process with a DataLoader worker: 53), resume_time 21;
+# sequence_parallel_memory 52 (its ranks are fresh processes), recipe_throughput 33, video 33, vlm_packing 21;
+# gpu_recipe_throughput --mode vlm 59, grad_comm 35, gpu_recipe_throughput 17 (their toy recipe runs take no
+# DataLoader workers: their fork server's start was half of such a run), zoom_task 7; every other under 3 s.
 PROCESSES = [
     [("vlm_dummy.py", ["--quick"]),
      ("data_loading.py", ["--quick"]),
