@@ -14,9 +14,11 @@ from types import SimpleNamespace
 # Nothing is fetched in the tests (CI reaches only package registries): a name that is no local folder fails at once
 # instead of after the hub client's retries (23 s for one in test_compose.py). Before transformers is imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Under `pytest -n 2` (README's command) two test processes share 2 cores: one OpenMP thread each, set before torch is
-# imported so that launched ranks and forked ones inherit it. Two threads each would spin against each other (a file
-# that takes 3 minutes alone ran past 15), where one thread costs a test file under 10% alone.
+# Under `pytest -n 3` (README's command) three test processes share 2 cores: one OpenMP thread each, set before torch
+# is imported so that launched ranks and forked ones inherit it. Two threads each would spin against each other (a file
+# that takes 3 minutes alone ran past 15), where one thread costs a test file under 10% alone. A third worker fills
+# the cores while the others start processes or wait on a rank: the cores idle 1% of the run, which took 0.88 of two
+# workers' time on the same machine.
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
 
