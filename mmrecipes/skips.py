@@ -56,6 +56,8 @@ FIXES = {
     "video_mismatch": "give each <video> placeholder or video part one entry in the row's videos (or video) column",
     "video": "this model's processor takes no video: use a checkpoint with a video processor, or leave the video "
              "rows out",
+    "audio": "the recipes do not train on audio yet: the rows are counted instead of trained without their sound; "
+             "leave them out",
     "no_frames": "check the clip's path and that PyAV can decode it",
     "video_too_long": "raise --video_max_seconds",
     "too_long": "raise --max_length, or --max_tokens_per_batch where it is lower (rows are never truncated; "

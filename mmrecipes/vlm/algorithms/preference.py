@@ -18,28 +18,30 @@ from ...skips import SKIPPED, Skip, data_counts
 from ...sources import DATA_FILE, PROBLEM, row_name
 from ..arguments import DPOArgs
 from ..model.outputs import SequenceLogps
-from ..rows.chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor, string_prompt
+from ..rows.chat_data import AUDIO_COLUMNS, CHAT_COUNTED, BadRow, ChatPreprocessor, string_prompt
 from ..rows.labels import IGNORE_INDEX
 from .reference import Reference
 
-PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image", "id"]
+PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image", *AUDIO_COLUMNS, "id"]
 # What the DPO log counts: the SFT recipe's skips, and pairs whose answers are the same or one of them empty
 PREFERENCE_COUNTED = (*CHAT_COUNTED, "no_preference")
 
 
 def preference_chats(row) -> tuple[dict, dict]:
     """(chosen row, rejected row) in the chat or LLaVA format `ChatPreprocessor` reads; BadRow if
-    neither fits."""
+    neither fits. Both carry the row's audio columns (counted as audio there)."""
+    audio = {column: row.get(column) for column in AUDIO_COLUMNS}
     if row.get("conversations") is not None:
         return tuple({"conversations": list(row["conversations"]) + [_llava_answer(row.get(side))],
-                      "image": row.get("image"), DATA_FILE: row.get(DATA_FILE)} for side in ("chosen", "rejected"))
+                      "image": row.get("image"), DATA_FILE: row.get(DATA_FILE)} | audio
+                     for side in ("chosen", "rejected"))
     prompt, images = row.get("prompt"), list(row.get("images") or [])
     if isinstance(prompt, str):
         prompt = [string_prompt(prompt, images)]
     if not isinstance(prompt, list) or not prompt:
         raise BadRow("no prompt and no conversations")
     return tuple({"messages": prompt + _chat_answer(row.get(side)), "images": images, DATA_FILE: row.get(DATA_FILE)}
-                 for side in ("chosen", "rejected"))
+                 | audio for side in ("chosen", "rejected"))
 
 
 def _chat_answer(answer) -> list:

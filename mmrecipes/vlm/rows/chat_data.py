@@ -8,7 +8,8 @@ turns (`labels.AnswerLabeller`). Relative media paths resolve against `--image_f
 `--video_folder`, else the data file's folder, never outside it unless asked. A row is never
 truncated: one that is too long, or whose media or placeholders do not fit, raises `Skip` and is
 counted; a `<video>` placeholder never reaches a model that takes no video as the text it looks
-like.
+like, nor an `<audio>` one (or an audio part, or a row's audio column) any model: no recipe trains on audio yet, so
+such rows are counted (audio) instead of trained without their sound.
 """
 
 import functools
@@ -39,12 +40,14 @@ logger = logging.getLogger(__name__)
 # not match the images; the row is over max_length or has no answer token; its answer tokens are not found
 # exactly in the processor's ids (labels.UnalignedAnswer); its text is not UTF-8; it is not
 # a well-formed conversation (or the chat template refuses it); its file is empty, unreadable or truncated; or
-# it holds a video and the checkpoint takes none; a clip yields no frame or is too long; the video placeholders do
-# not match the clips.
+# it holds audio, or a video where the checkpoint takes none; a clip yields no frame or is too long; the video
+# placeholders do not match the clips.
 CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "image_mismatch", "too_long", "no_target",
-                "unaligned", "bad_text", "bad_row", "bad_shard", "video", *VIDEO_COUNTED, "video_mismatch")
+                "unaligned", "bad_text", "bad_row", "bad_shard", "audio", "video", *VIDEO_COUNTED, "video_mismatch")
 CAPTIONS = ("caption", "text")  # image-caption rows: a conversation of the image and its caption
-CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", "id", "tools", *CAPTIONS]
+AUDIO_COLUMNS = ("audios", "audio")  # LLaMA-Factory's and ms-swift's, and one clip's
+CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", *AUDIO_COLUMNS, "id", "tools",
+                *CAPTIONS]
 MAX_CHARS_PER_TOKEN = 32  # a bound on the characters of text one token holds, with a wide margin
 # about what a token holds of English: longer texts are tokenised before labelling
 TYPICAL_CHARS_PER_TOKEN = 4
@@ -53,7 +56,10 @@ TOKEN_ALIGNED = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type
 # what the chat templates know; a bot's turn is a bad_row
 ROLES = ("system", "user", "assistant", "tool")
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", **{role: role for role in ROLES}}
-MEDIA_PARTS = {"<image>": "image", "<video>": "video"}  # LLaVA's placeholders -> content part types
+# LLaVA's placeholders (LLaMA-Factory's and ms-swift's <audio>) -> content part types
+MEDIA_PARTS = {"<image>": "image", "<video>": "video", "<audio>": "audio"}
+# why a row of that media is skipped (`media_not_taken`)
+NOT_TAKEN = {"video": "this model's processor takes no video", "audio": "the recipes do not train on audio yet"}
 
 
 class BadRow(Skip):
@@ -213,7 +219,7 @@ def _field(item, key, kind=str):
 
 
 def _content_parts(content):
-    """Content parts; a string's `<image>` and `<video>` placeholders become image and video parts
+    """Content parts; a string's `<image>`, `<video>` and `<audio>` placeholders become image, video and audio parts
     (LLaVA's convention). A media part carries no text key: some templates test `'text' in part`
     before the part's type."""
     if not isinstance(content, str):
@@ -236,6 +242,19 @@ def has_video(row, messages) -> bool:
     return _count_parts(messages, "video") > 0 or bool(row.get("videos") or row.get("video"))
 
 
+def has_audio(row, messages) -> bool:
+    """An audio part or placeholder in `messages`, or an audio column with something in it."""
+    return _count_parts(messages, "audio") > 0 or any(row.get(column) for column in AUDIO_COLUMNS)
+
+
+def media_not_taken(row, messages, takes_video: bool) -> str | None:
+    """The kind of media a row holds that is not trained here, for the row to be skipped and counted as it: "audio"
+    (no recipe trains on audio yet), "video" where not `takes_video`; else None."""
+    if has_audio(row, messages):
+        return "audio"
+    return "video" if not takes_video and has_video(row, messages) else None
+
+
 def _count_parts(messages, kind) -> int:
     return sum(part["type"] == kind for message in messages for part in message["content"])
 
@@ -251,7 +270,7 @@ class ChatPreprocessor:
     def __init__(self, args: ChatDataArgs, labeller, max_length: int):
         self.args, self.labeller, self.max_length = args, labeller, max_length
         self.drops = DropCounter()
-        # what was already logged once: "video", and the kinds of unexpected failure
+        # what was already logged once: "video", "audio", and the kinds of unexpected failure
         self.logged = set()
 
     def __call__(self, batch):
@@ -271,15 +290,16 @@ class ChatPreprocessor:
 
     def example(self, row):
         """(`tokenize`'s outputs, a note) of a raw row, or `Skip` ("video": a video the checkpoint
-        cannot take); any other failure is a counted "bad_row", never a crash (logged once per kind:
+        cannot take; "audio"); any other failure is a counted "bad_row", never a crash (logged once per kind:
         a chat template that refuses a row raises its own errors, and so would a bug)."""
         try:
             messages, raw_images, raw_videos = to_chat(row)
-            if self.labeller.video_token_id is None and has_video(row, messages):
-                if "video" not in self.logged:  # said once, not only counted
-                    self.logged.add("video")
-                    logger.warning("skipping video rows (counted as video): this model's processor takes no video")
-                raise Skip("video", "this model's processor takes no video")
+            if kind := media_not_taken(row, messages, takes_video=self.labeller.video_token_id is not None):
+                why = NOT_TAKEN[kind]
+                if kind not in self.logged:  # said once, not only counted
+                    self.logged.add(kind)
+                    logger.warning("skipping %s rows (counted as %s): %s", kind, kind, why)
+                raise Skip(kind, why)
             images_folder = media_folder(row, self.args.image_folder)
             videos_folder = media_folder(row, self.args.video_folder or self.args.image_folder)
             return self.tokenize(messages, raw_images, raw_videos, images_folder, videos_folder, row_tools(row))
@@ -447,8 +467,8 @@ def _held_out_prompt(args: ChatDataArgs, processor, row):
     if row.get(PROBLEM):
         raise Skip(row[PROBLEM])
     messages, raw_images, _ = to_chat(row)
-    if has_video(row, messages):
-        raise Skip("video")  # image questions only, for now
+    if kind := media_not_taken(row, messages, takes_video=False):
+        raise Skip(kind)  # image questions only, for now
     answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
     if not answers:
         raise Skip("no answer")

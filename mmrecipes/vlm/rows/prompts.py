@@ -18,8 +18,8 @@ from .chat_data import (
     BadRow,
     ChatPreprocessor,
     encode_row,
-    has_video,
     media_folder,
+    media_not_taken,
     prompt_row,
     row_images,
     row_media,
@@ -85,8 +85,8 @@ class PromptPreprocessor(ChatPreprocessor):
     def example(self, row):
         try:
             messages, raw_images, reward_prompt, columns = prompt_chat(row)
-            if has_video(row, messages):
-                raise Skip("video", "GRPO samples image and text prompts")
+            if kind := media_not_taken(row, messages, takes_video=False):
+                raise Skip(kind, "GRPO samples image and text prompts")
             images, note = row_images(self.args, media_folder(row, self.args.image_folder), messages, raw_images)
             prompt = prompt_row(self.labeller.processor, messages, images, self.row_tools(columns),
                                 self.labeller.template_kwargs)
@@ -150,8 +150,8 @@ class DistillPreprocessor(PromptPreprocessor):
     def example(self, row):
         try:
             messages, raw_images, _, columns = prompt_chat(row)
-            if has_video(row, messages):
-                raise Skip("video", "distillation samples image and text prompts")
+            if kind := media_not_taken(row, messages, takes_video=False):
+                raise Skip(kind, "distillation samples image and text prompts")
             if columns.get("solution") is None:
                 raise Skip("no_target", "a prompt row without a solution: no answer for the off-policy steps")
             self.check_text_length(messages)

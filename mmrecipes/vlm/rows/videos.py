@@ -51,7 +51,7 @@ def decode_video(raw_video, args: VideoArgs):
             stream = container.streams.video[0]
             if stream.codec_context.width * stream.codec_context.height > args.video_max_pixels:
                 return None, "too_large"
-            seconds = _seconds(container, stream)
+            seconds = stream_seconds(container, stream)
             if seconds is not None and seconds > args.video_max_seconds:
                 return None, "video_too_long"
             rate = float(stream.average_rate or 0)
@@ -83,7 +83,8 @@ def decode_video(raw_video, args: VideoArgs):
     return DecodedVideo(numpy.stack(frames), metadata), None
 
 
-def _seconds(container, stream) -> float | None:
+def stream_seconds(container, stream) -> float | None:
+    """A stream's length from the header: its own duration, else the container's; None if neither says."""
     if stream.duration is not None and stream.time_base is not None:
         return float(stream.duration * stream.time_base)
     if container.duration is not None:
