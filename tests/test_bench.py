@@ -17,11 +17,11 @@ from launch import REPO, run_command, run_env
 pytestmark = pytest.mark.launch
 
 # Each process's scripts, in the order it runs them, about a third of the toy-size seconds each. Measured with the three
-# processes side by side on 2 cores and nothing else running (2026-12-02, 141 s in all), the first of a process with
-# its imports: vlm_dummy 53, data_loading 58 (a fresh recipe process with a DataLoader worker: 53), resume_time 21;
-# sequence_parallel_memory 52 (its ranks are fresh processes), recipe_throughput 33, video 33, vlm_packing 21;
-# gpu_recipe_throughput --mode vlm 59, grad_comm 35, gpu_recipe_throughput 17 (their toy recipe runs take no
-# DataLoader workers: their fork server's start was half of such a run), zoom_task 7; every other under 3 s.
+# processes side by side on 2 cores and nothing else running (2026-12-02, 110 s in all, 188 CPU seconds), the first of
+# a process with its imports: vlm_dummy 37, data_loading 44 (a fresh recipe process with a DataLoader worker),
+# resume_time 20; sequence_parallel_memory 34 (its ranks are fresh processes), recipe_throughput 28, video 29,
+# vlm_packing 16; gpu_recipe_throughput --mode vlm 39, grad_comm 29, gpu_recipe_throughput 15 (their toy recipe runs
+# take no DataLoader workers: their fork server's start was half of such a run), zoom_task 6; every other under 3 s.
 PROCESSES = [
     [("vlm_dummy.py", ["--quick"]),
      ("data_loading.py", ["--quick"]),
