@@ -18,8 +18,9 @@ from ...skips import SKIPPED, Skip, data_counts
 from ...sources import DATA_FILE, PROBLEM, row_name
 from ..arguments import DPOArgs
 from ..model.outputs import SequenceLogps
-from ..rows.chat_data import AUDIO_COLUMNS, CHAT_COUNTED, BadRow, ChatPreprocessor, string_prompt
+from ..rows.chat_data import CHAT_COUNTED, BadRow, ChatPreprocessor, string_prompt
 from ..rows.labels import IGNORE_INDEX
+from ..rows.media import AUDIO_COLUMNS
 from .reference import Reference
 
 PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "images", "conversations", "image", *AUDIO_COLUMNS, "id"]

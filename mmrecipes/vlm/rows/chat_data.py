@@ -12,10 +12,8 @@ like, nor an `<audio>` one (or an audio part, or a row's audio column) any model
 such rows are counted (audio) instead of trained without their sound.
 """
 
-import functools
 import json
 import logging
-import os
 import re
 from collections import Counter
 from typing import NamedTuple
@@ -25,13 +23,13 @@ from PIL import Image
 
 from ...benchmarks.scoring import reasoning_of, without_reasoning
 from ...distributed import all_ranks_true
-from ...images import decode_image
 from ...loader import check_held_out, rank_loader
 from ...skips import SKIPPED, DropCounter, Skip
 from ...sources import DATA_FILE, PROBLEM, load_stream, mixed_stream, row_name
 from ..arguments import ChatDataArgs
 from .labels import IGNORE_INDEX, ReasoningDropped, TemplateError, UnalignedAnswer
-from .videos import VIDEO_COUNTED, decode_video
+from .media import AUDIO_COLUMNS, NOT_TAKEN, media_folder, media_not_taken, row_images, row_videos
+from .videos import VIDEO_COUNTED
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +43,6 @@ logger = logging.getLogger(__name__)
 CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "image_mismatch", "too_long", "no_target",
                 "unaligned", "bad_text", "bad_row", "bad_shard", "audio", "video", *VIDEO_COUNTED, "video_mismatch")
 CAPTIONS = ("caption", "text")  # image-caption rows: a conversation of the image and its caption
-AUDIO_COLUMNS = ("audios", "audio")  # LLaMA-Factory's and ms-swift's, and one clip's
 CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", *AUDIO_COLUMNS, "id", "tools",
                 *CAPTIONS]
 MAX_CHARS_PER_TOKEN = 32  # a bound on the characters of text one token holds, with a wide margin
@@ -58,8 +55,6 @@ ROLES = ("system", "user", "assistant", "tool")
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", **{role: role for role in ROLES}}
 # LLaVA's placeholders (LLaMA-Factory's and ms-swift's <audio>) -> content part types
 MEDIA_PARTS = {"<image>": "image", "<video>": "video", "<audio>": "audio"}
-# why a row of that media is skipped (`media_not_taken`)
-NOT_TAKEN = {"video": "this model's processor takes no video", "audio": "the recipes do not train on audio yet"}
 
 
 class BadRow(Skip):
@@ -191,24 +186,6 @@ def row_media(row, *keys) -> list:
     return media
 
 
-def media_folder(row, folder: str | None) -> str | None:
-    """What a row's relative image or video paths resolve against: `folder` (--image_folder /
-    --video_folder), else the folder of the local file the row was read from (as LLaMA-Factory's
-    media_dir), else None (the working directory: `datasets`' own readers do not say which file a
-    row came from)."""
-    if folder:
-        return _resolved_folder(folder)
-    data_file = row.get(DATA_FILE)
-    return _resolved_folder(data_file, parent=True) if data_file and "://" not in data_file else None
-
-
-@functools.lru_cache(maxsize=1024)
-def _resolved_folder(path: str, parent: bool = False) -> str:
-    """The real path of a folder (or of a file's folder), resolved once: a stream asks for the same
-    few per row."""
-    return os.path.dirname(os.path.realpath(path)) if parent else os.path.realpath(path)
-
-
 def _field(item, key, kind=str):
     """`item[key]`, which must be a `kind` (a string unless told; a string always passes for
     content)."""
@@ -235,28 +212,6 @@ def _content_parts(content):
         elif piece.strip():
             parts.append({"type": "text", "text": piece.strip()})
     return parts
-
-
-def has_video(row, messages) -> bool:
-    """A video part or placeholder in `messages`, or a video column with something in it."""
-    return _count_parts(messages, "video") > 0 or bool(row.get("videos") or row.get("video"))
-
-
-def has_audio(row, messages) -> bool:
-    """An audio part or placeholder in `messages`, or an audio column with something in it."""
-    return _count_parts(messages, "audio") > 0 or any(row.get(column) for column in AUDIO_COLUMNS)
-
-
-def media_not_taken(row, messages, takes_video: bool) -> str | None:
-    """The kind of media a row holds that is not trained here, for the row to be skipped and counted as it: "audio"
-    (no recipe trains on audio yet), "video" where not `takes_video`; else None."""
-    if has_audio(row, messages):
-        return "audio"
-    return "video" if not takes_video and has_video(row, messages) else None
-
-
-def _count_parts(messages, kind) -> int:
-    return sum(part["type"] == kind for message in messages for part in message["content"])
 
 
 class ChatPreprocessor:
@@ -354,58 +309,6 @@ class ChatPreprocessor:
                              "'conversations' (LLaVA, LLaMA-Factory), with 'images'/'image' and 'videos'/'video', or "
                              "image-caption rows ('image' and 'text' or 'caption') (the layouts in docs/data.md); "
                              "rename its columns to one of them")
-
-
-def row_images(args: ChatDataArgs, folder: str | None, messages, raw_images):
-    """(decoded images, a note such as "converted") of a row, or `Skip`: its placeholders do not
-    match its images, a path leaves `folder` (`media_folder`), or an image does not decode."""
-    placeholders = _count_parts(messages, "image")
-    if placeholders != len(raw_images):
-        raise Skip("image_mismatch", f"{placeholders} image placeholders or parts, {len(raw_images)} images")
-    images, note = [], None
-    for raw_image in raw_images:
-        raw_image = _resolved(args, folder, raw_image)
-        image, problem = decode_image(raw_image, args.max_image_pixels, args.max_image_aspect_ratio)
-        if image is None:
-            raise Skip(problem, _unreadable(raw_image))
-        images.append(image)
-        note = note or problem
-    return images, note
-
-
-def row_videos(args: ChatDataArgs, folder: str | None, messages, raw_videos):
-    """The decoded clips of a row (`mmrecipes.vlm.rows.videos.DecodedVideo`s), or `Skip`: as for
-    images, and a clip that yields no frame or runs over --video_max_seconds."""
-    placeholders = _count_parts(messages, "video")
-    if placeholders != len(raw_videos):
-        raise Skip("video_mismatch", f"{placeholders} video placeholders or parts, {len(raw_videos)} clips")
-    videos = []
-    for raw_video in raw_videos:
-        raw_video = _resolved(args, folder, raw_video)
-        video, problem = decode_video(raw_video, args)
-        if video is None:
-            raise Skip(problem, _unreadable(raw_video))
-        videos.append(video)
-    return videos
-
-
-def _resolved(args: ChatDataArgs, folder: str | None, raw_media):
-    """A media path joined to `folder`, or `Skip` if it resolves outside it (symlinks followed:
-    '../' and absolute paths), unless --allow_images_outside_folder; bytes and decoded media as they
-    are."""
-    if not isinstance(raw_media, str) or not folder:
-        return raw_media
-    path = os.path.join(folder, raw_media)
-    if not args.allow_images_outside_folder and os.path.commonpath([folder, os.path.realpath(path)]) != folder:
-        raise Skip("outside_folder", f"{raw_media!r} resolves to {os.path.realpath(path)}, outside {folder}")
-    return path
-
-
-def _unreadable(raw_media) -> str:
-    """How a skip report names media that could not be used."""
-    if isinstance(raw_media, str):
-        return raw_media if os.path.exists(raw_media) else f"{raw_media} (no such file)"
-    return f"{type(raw_media).__name__} data"
 
 
 def encode_row(labeller, messages, images, videos=(), tools=None):

@@ -18,10 +18,7 @@ from .chat_data import (
     BadRow,
     ChatPreprocessor,
     encode_row,
-    media_folder,
-    media_not_taken,
     prompt_row,
-    row_images,
     row_media,
     string_prompt,
     to_chat,
@@ -29,6 +26,7 @@ from .chat_data import (
 )
 from .collate import chat_rows
 from .labels import IGNORE_INDEX, UnalignedAnswer
+from .media import media_folder, media_not_taken, row_images
 
 PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution", OTHER_COLUMNS]
 
