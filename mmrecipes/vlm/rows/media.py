@@ -12,6 +12,7 @@ from ..arguments import ChatDataArgs
 from .videos import decode_video
 
 AUDIO_COLUMNS = ("audios", "audio")  # LLaMA-Factory's and ms-swift's, and one clip's
+MEDIA_COLUMNS = {"video": ("videos", "video"), "audio": AUDIO_COLUMNS}  # LLaVA-Video's one clip: `video`
 # why a row of that media is skipped (`media_not_taken`)
 NOT_TAKEN = {"video": "this model's processor takes no video", "audio": "the recipes do not train on audio yet"}
 
@@ -34,22 +35,17 @@ def _resolved_folder(path: str, parent: bool = False) -> str:
     return os.path.dirname(os.path.realpath(path)) if parent else os.path.realpath(path)
 
 
-def has_video(row, messages) -> bool:
-    """A video part or placeholder in `messages`, or a video column with something in it."""
-    return count_parts(messages, "video") > 0 or bool(row.get("videos") or row.get("video"))
-
-
-def has_audio(row, messages) -> bool:
-    """An audio part or placeholder in `messages`, or an audio column with something in it."""
-    return count_parts(messages, "audio") > 0 or any(row.get(column) for column in AUDIO_COLUMNS)
+def holds(row, messages, kind: str) -> bool:
+    """A `kind` ("video", "audio") part or placeholder in `messages`, or a column of that kind with something in it."""
+    return count_parts(messages, kind) > 0 or any(row.get(column) for column in MEDIA_COLUMNS[kind])
 
 
 def media_not_taken(row, messages, takes_video: bool) -> str | None:
     """The kind of media a row holds that is not trained here, for the row to be skipped and counted as it: "audio"
     (no recipe trains on audio yet), "video" where not `takes_video`; else None."""
-    if has_audio(row, messages):
+    if holds(row, messages, "audio"):
         return "audio"
-    return "video" if not takes_video and has_video(row, messages) else None
+    return "video" if not takes_video and holds(row, messages, "video") else None
 
 
 def count_parts(messages, kind) -> int:
