@@ -14,14 +14,16 @@
   experts, 2 per token, beside a gated shared expert.
 - `gemma4`: Gemma 4 (google/gemma-4-E2B-it's current template, `gemma4.jinja`): per-layer embeddings, the last two
   of four layers sharing the KV of the first two, sliding and full attention; a vision tower whose patches are
-  pooled 2 x 2 into at least 70 soft tokens an image (the processor's smallest budget); its processor carries an
-  audio feature extractor too.
+  pooled 2 x 2 into at least 70 soft tokens an image (the processor's smallest budget); E2B's audio tower (a
+  conformer after two stride-2 convolutions: 25 soft tokens a second of 16 kHz audio) beside it, fed by the
+  processor's audio feature extractor.
 - `gemma4_moe`: Gemma 4 26B-A4B's layout: each layer's MLP beside a router and 4 experts, 2 per token; image
   tokens attend to each other both ways (`use_bidirectional_attention="vision"`, as 26B-A4B and 31B; E2B and E4B
-  attend causally).
+  attend causally); no audio tower (26B-A4B and 31B hear nothing).
 """
 
 from transformers import (
+    Gemma4AudioConfig,
     Gemma4AudioFeatureExtractor,
     Gemma4Config,
     Gemma4ForConditionalGeneration,
@@ -73,8 +75,12 @@ def qwen3_5_moe():
                  added_tokens=["<think>", "</think>"])
 
 
-def gemma4(**layout):
-    """Gemma 4 E2B's layout by default (`layout`: text config settings over it)."""
+# E2B's audio tower at toy size (its widths 1024 and 1536, 12 layers of 8 heads); the subsampling convolutions as theirs
+AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, output_proj_dims=32)
+
+
+def gemma4(audio=True, **layout):
+    """Gemma 4 E2B's layout by default, its audio tower included (`layout`: text config settings over it)."""
     specials = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|audio>",
                 "<audio|>", "<|audio|>", "<|video|>", "<|channel>", "<channel|>", "<|think|>"]
     tokenizer = train_tokenizer(specials, bos="<bos>", eos="<eos>", pad="<pad>", extra_special_tokens={
@@ -89,9 +95,9 @@ def gemma4(**layout):
     config = Gemma4Config(
         text_config=text, vision_config=VISION | dict(num_key_value_heads=2, head_dim=16, patch_size=8,
                                                       pooling_kernel_size=2, position_embedding_size=64),
-        audio_config=None, boi_token_id=ids("<|image>"), eoi_token_id=ids("<image|>"), image_token_id=ids("<|image|>"),
-        video_token_id=ids("<|video|>"), boa_token_id=ids("<|audio>"), eoa_token_index=ids("<audio|>"),
-        audio_token_id=ids("<|audio|>"))
+        audio_config=Gemma4AudioConfig(**AUDIO) if audio else None, boi_token_id=ids("<|image>"),
+        eoi_token_id=ids("<image|>"), image_token_id=ids("<|image|>"), video_token_id=ids("<|video|>"),
+        boa_token_id=ids("<|audio>"), eoa_token_index=ids("<audio|>"), audio_token_id=ids("<|audio|>"))
     pixels = dict(patch_size=8, max_soft_tokens=70, pooling_kernel_size=2)
     processor = Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
                                 image_processor=Gemma4ImageProcessor(**pixels), tokenizer=tokenizer,
@@ -104,7 +110,7 @@ def gemma4(**layout):
 
 def gemma4_moe():
     """Gemma 4 26B-A4B's layout: no per-layer embeddings nor KV sharing, image tokens attending both ways."""
-    return gemma4(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+    return gemma4(audio=False, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
                   hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_bidirectional_attention="vision")
 
 

@@ -56,8 +56,14 @@ FIXES = {
     "video_mismatch": "give each <video> placeholder or video part one entry in the row's videos (or video) column",
     "video": "this model's processor takes no video: use a checkpoint with a video processor, or leave the video "
              "rows out",
-    "audio": "the recipes do not train on audio yet: the rows are counted instead of trained without their sound; "
-             "leave them out",
+    "audio": "this model does not hear (no audio tower, or no feature extractor), or this recipe does not train on "
+             "audio yet (vlm_finetune.py does): the rows are counted instead of trained without their sound; use a "
+             "checkpoint that hears, or leave them out",
+    "audio_mismatch": "give each <audio> placeholder or audio part one entry in the row's audios (or audio) column",
+    "audio_undecodable": "check the clip's path (relative to --image_folder, else the data file's folder) and that "
+                         "PyAV can decode it (an audio stream, a sound header)",
+    "audio_empty": "the clip holds no samples: leave it out",
+    "audio_too_long": "raise --audio_max_seconds (each second is 25 placeholders on Gemma 4: --max_length too)",
     "no_frames": "check the clip's path and that PyAV can decode it",
     "video_too_long": "raise --video_max_seconds",
     "too_long": "raise --max_length, or --max_tokens_per_batch where it is lower (rows are never truncated; "

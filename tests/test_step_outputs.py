@@ -139,7 +139,8 @@ def test_the_step_encodes_the_media_and_builds_the_language_models_inputs_apart(
             "input_ids", "attention_mask", "labels", "dummy_image", "sample_lengths", "media_per_sample")}
         encoded, dummies = step.encode_media(media, batch["dummy_image"])
         assert (set(encoded), len(dummies)) == (({"image"}, 0) if not batch["dummy_image"] else (set(), 1))
-        inputs = step.lm_inputs(batch["input_ids"], batch["attention_mask"], media, encoded, batch["dummy_image"],
-                                batch.get("sample_lengths"), batch.get("media_per_sample"))
+        inputs = step.lm_inputs(batch["input_ids"], batch["attention_mask"], media, encoded,
+                                step.dummy_input_names(batch), batch.get("sample_lengths"),
+                                batch.get("media_per_sample"))
         assert ("mm_encoder_outputs" in inputs) == (not batch["dummy_image"]) and "pixel_values" not in inputs
         assert (inputs["attention_mask"] is None) == packing == ("position_ids" in inputs)

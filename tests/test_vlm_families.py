@@ -42,7 +42,10 @@ EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_vl": {"ima
                 "llava_onevision": {"image_sizes", "batch_num_images", "pixel_values_videos", "dummy_video"},
                 "mistral3": {"image_sizes"},
                 **dict.fromkeys(("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"), {"image_grid_thw", "mm_token_type_ids"}),
-                **dict.fromkeys(("gemma4", "gemma4_moe"), {"image_position_ids", "mm_token_type_ids"})}
+                # E2B hears: a batch without a clip carries the dummy sound (26B-A4B does not)
+                "gemma4": {"image_position_ids", "mm_token_type_ids", "input_features", "input_features_mask",
+                           "dummy_audio"},
+                "gemma4_moe": {"image_position_ids", "mm_token_type_ids"}}
 TWO_TURNS = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
              {"role": "user", "content": [{"type": "text", "text": "How many shapes are there?"}]},
@@ -295,8 +298,9 @@ def test_llava_json_rows_train_through_each_family(tiny_vlms, llava_json, family
     assert torch.isfinite(summed)
     # The loss from the base model's hidden states and the output layer in slices is the loss of the
     # family's own forward (its whole logits): lm_head(base_model(...)) is all that forward adds. The dummy
-    # clip is not the batch's: the family's forward would look for its placeholders.
-    not_given = {"labels", *(["pixel_values_videos"] if batch.get("dummy_video") else [])}
+    # clip and sound are not the batch's: the family's forward would look for their placeholders.
+    not_given = {"labels", *(["pixel_values_videos"] if batch.get("dummy_video") else []),
+                 *(wrapper.audio_input_names if batch.get("dummy_audio") else [])}
     with torch.no_grad():
         own_logits = model(**{name: value for name, value in to_device(batch, "cpu").items()
                               if name in wrapper.forward_input_names and name not in not_given}).logits
@@ -383,13 +387,15 @@ def test_greedy_decoding_in_the_evaluation_is_what_generate_gives(tiny_vlms, fam
 
 
 def test_paligemma2_gets_eager_attention_and_is_refused_for_its_missing_template(tiny_vlms, tmp_path, caplog):
-    """Gemma 2 has no sdpa kernel: the default falls back to eager with a log line naming the flag (a kernel the
+    """Gemma 2 has no sdpa kernel: the default falls back to eager there with a log line naming the flag (a kernel the
     user asked for by name is refused naming it). PaliGemma 2 ships no chat template (a prefix-LM), so the
     recipe stops before the first step and says what to give it."""
     with caplog.at_level("WARNING"):
         model, _ = load_vlm(VLMModelArgs(model_name_or_path=str(tiny_vlms["paligemma2"])))
-    assert model.config._attn_implementation == "eager"
-    assert "PaliGemmaForConditionalGeneration has no sdpa attention; using eager" in caplog.text
+    # its language model eager, its SigLIP tower sdpa: each part the kernel it has
+    assert (model.config.text_config._attn_implementation, model.config.vision_config._attn_implementation) == (
+        "eager", "sdpa")
+    assert "PaliGemmaForConditionalGeneration: text_config has no sdpa attention and keeps eager" in caplog.text
     with pytest.raises(ValueError, match="--attn_implementation no_such_kernel: "):
         load_vlm(VLMModelArgs(model_name_or_path=str(tiny_vlms["paligemma2"]), attn_implementation="no_such_kernel"))
     with pytest.raises(TemplateError, match="the processor has no chat template \\(or several\\): give one with "

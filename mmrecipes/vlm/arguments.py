@@ -1,4 +1,4 @@
-"""The VLM recipes' arguments (model, LoRA, chat and preference data, videos, DPO), each with its
+"""The VLM recipes' arguments (model, LoRA, chat and preference data, videos, audio, DPO), each with its
 value rules; no torch (`--help`)."""
 
 import json
@@ -196,9 +196,16 @@ class VideoArgs(CheckedArgs):
 
 
 @dataclass
-class ChatDataArgs(SourceArgs, VideoArgs):
-    """Conversations: the shared data flags (`SourceArgs`), the clips' (`VideoArgs`) and the chat
-    pipeline's own."""
+class AudioArgs(CheckedArgs):
+    # longer audio clips are skipped and counted (audio_too_long): from the header where it says, else as soon as
+    # the decoded samples pass it (a clip is never cut: Gemma 4 gives 25 placeholders a second)
+    audio_max_seconds: float = checked(600.0, "positive")
+
+
+@dataclass
+class ChatDataArgs(SourceArgs, VideoArgs, AudioArgs):
+    """Conversations: the shared data flags (`SourceArgs`), the clips' (`VideoArgs`), the sounds' (`AudioArgs`) and
+    the chat pipeline's own."""
 
     # what auto evaluates beside embedded data
     EMBEDDED_EVAL: ClassVar[str] = "embedded:vlm_shapes/image_chat"

@@ -68,8 +68,7 @@ def generate_group(model, prompt: dict, collator, args: SamplingArgs, stop_ids, 
     that token)."""
     indices = range(args.num_generations) if indices is None else indices
     batch = to_device(collator(chat_rows(prompt, [[]] * len(indices), [False] * len(indices))), device)
-    dummies = (model.vision_input_names if batch["dummy_image"] else set()) | (
-        {"pixel_values_videos"} if batch.get("dummy_video") else set())
+    dummies = model.dummy_input_names(batch)
     inputs = {name: value for name, value in batch.items() if name in model.forward_input_names - dummies - {"labels"}}
     budget = args.max_completion_length if budget is None else budget
     config = GenerationConfig(max_new_tokens=budget, do_sample=False, eos_token_id=list(stop_ids),

@@ -8,7 +8,9 @@ derives:
 
 - `check_trainable`: families the recipe cannot train, rejected before any weight is loaded;
 - `dummy_image_inputs`: the smallest image the vision step accepts, its extra inputs chosen from
-  `get_image_features`' signature (Qwen needs `image_grid_thw`, Idefics3 a 5-D `pixel_values`);
+  `get_image_features`' signature (Qwen needs `image_grid_thw`, Idefics3 a 5-D `pixel_values`), and the
+  dummy clip and sound of a model with a video path or an audio tower of its own;
+- `audio_inputs`: what the audio step takes (`get_audio_features`' signature), where the model hears;
 - `lm_features`: the tensors of that call the language model consumes (the projected features,
   and Qwen3-VL's deepstack features);
 - `PROJECTORS`: the projector's modules where the widths cannot tell (`module_groups` reads it);
@@ -39,7 +41,7 @@ PROJECTORS = {
     "qwen3_vl_moe": ("model.visual.merger", "model.visual.deepstack_merger_list"),
     "qwen3_5": ("model.visual.merger",),
     "qwen3_5_moe": ("model.visual.merger",),
-    "gemma4": ("model.embed_vision",),
+    "gemma4": ("model.embed_vision", "model.embed_audio"),  # E2B and E4B hear
     "internvl": ("model.multi_modal_projector",),
     "idefics2": ("model.connector",),
     "idefics3": ("model.connector",),
@@ -80,7 +82,9 @@ def dummy_image_inputs(model, processor=None) -> dict:
     signature (LLaVA-OneVision's `image_sizes`) gets what the processor makes of one small white
     image, with every extra input the tower needs.
     """
-    return _dummy_image(model, processor) | (dummy_video_inputs(model, processor) if processor is not None else {})
+    if processor is None:
+        return _dummy_image(model, processor)
+    return _dummy_image(model, processor) | dummy_video_inputs(model, processor) | dummy_audio_inputs(model, processor)
 
 
 def _dummy_image(model, processor) -> dict:
@@ -180,6 +184,32 @@ def _probe_clip(frames: int) -> dict:
     metadata = VideoMetadata(total_num_frames=frames, fps=2.0, duration=frames / 2.0,
                              frames_indices=list(range(frames)))
     return dict(videos=[clip], video_metadata=[metadata], do_sample_frames=False)
+
+
+def audio_inputs(model, processor=None) -> tuple[str, ...]:
+    """The inputs of the model's audio step, from `get_audio_features`' signature (Gemma 4: input_features and
+    input_features_mask), where the model hears: its config holds an audio tower and (given) its processor a feature
+    extractor and an audio token. () otherwise: audio rows are skipped and counted."""
+    step = getattr(model.base_model, "get_audio_features", None)
+    if step is None or getattr(model.config, "audio_config", None) is None:
+        return ()
+    if processor is not None and (getattr(processor, "feature_extractor", None) is None
+                                  or getattr(processor, "audio_token", None) is None):
+        return ()
+    return tuple(name for name in inspect.signature(step).parameters if name not in ("self", "kwargs"))
+
+
+def dummy_audio_inputs(model, processor) -> dict:
+    """A tenth of a second of noise (some towers drop silence as padding) through the processor's feature extractor,
+    as `get_audio_features`' inputs: the collator gives it to every micro-batch without a clip, so the audio tower
+    runs on every rank. {} for a model that does not hear (`audio_inputs`)."""
+    names = audio_inputs(model, processor)
+    if not names:
+        return {}
+    extractor = processor.feature_extractor
+    noise = numpy.random.default_rng(0).uniform(-0.5, 0.5, extractor.sampling_rate // 10).astype(numpy.float32)
+    made = extractor([noise], sampling_rate=extractor.sampling_rate, return_tensors="pt")
+    return {name: made[name] for name in names}
 
 
 def split_items(features, count: int) -> tuple:

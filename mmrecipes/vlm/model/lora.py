@@ -3,7 +3,7 @@ engine (docs/vlm.md, "LoRA").
 
 Where the adapters go follows the module groups, not a list of names: every linear layer of the
 language model by default, and a mixture of experts' fused expert weights (`target_parameters`); the
-tower's too with `--train_modules all` (PEFT's `all-linear` keeps PEFT's meaning); the projector
+towers' too with `--train_modules all` (PEFT's `all-linear` keeps PEFT's meaning); the projector
 trained in full beside them (`modules_to_save`), everything else frozen before `prepare`. The
 adapters are injected into the model object itself, which is what trains; `save_lora` writes the
 adapter (`output_dir/adapter`) and the merged model.
@@ -29,7 +29,7 @@ def lora_config(model, groups: ModuleGroups, train_modules: str, args: LoraArgs)
     linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     if args.lora_target_modules is None:
         head = model.get_output_embeddings()
-        parts = [groups.language_model] + ([groups.vision_tower] if train_modules == "all" else [])
+        parts = [groups.language_model] + ([groups.vision_tower, groups.audio_tower] if train_modules == "all" else [])
         inside = {name for part in parts for name, _ in part}
         targets = [name for name in linear if model.get_submodule(name) is not head and f"{name}.weight" in inside]
     elif args.lora_target_modules == "all-linear":
@@ -94,16 +94,16 @@ def add_lora(model, groups: ModuleGroups, train_modules: str, args: LoraArgs):
     tower's with `all`, at the tower's learning rate), the projector's trainable copy; all else
     frozen."""
     config = lora_config(model, groups, train_modules, args)
-    tower = {name for name, _ in groups.vision_tower}
+    towers = {name: group for group in ("vision_tower", "audio_tower") for name, _ in getattr(groups, group)}
     peft_model = get_peft_model(model, config)
-    trainable = {"vision_tower": [], "projector": [], "language_model": []}
+    trainable = {"vision_tower": [], "projector": [], "language_model": [], "audio_tower": []}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         if ".modules_to_save." in name:
             trainable["projector"].append(param)
-        elif name.split(".lora_")[0] + ".weight" in tower:  # the adapter of a tower layer
-            trainable["vision_tower"].append(param)
+        elif (tower := towers.get(name.split(".lora_")[0] + ".weight")) is not None:  # the adapter of a tower layer
+            trainable[tower].append(param)
         else:
             trainable["language_model"].append(param)
     return peft_model, {name: params for name, params in trainable.items() if params}

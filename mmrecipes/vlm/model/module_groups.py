@@ -1,5 +1,5 @@
 """Vision tower, projector and language model of any image-text-to-text family, found from one dummy
-backward."""
+backward; the audio tower too, from a second, where the model hears."""
 
 from collections import Counter
 from dataclasses import dataclass, field
@@ -7,7 +7,7 @@ from functools import partial
 
 import torch
 
-from .families import PROJECTORS, lm_features
+from .families import PROJECTORS, audio_inputs, lm_features
 
 
 @dataclass
@@ -17,13 +17,15 @@ class ModuleGroups:
     vision_tower: list = field(default_factory=list)
     projector: list = field(default_factory=list)
     language_model: list = field(default_factory=list)
+    audio_tower: list = field(default_factory=list)  # a model that hears (its projector: in `projector`)
     # names: trainable parameters no forward path reaches
     unreached: list = field(default_factory=list)
     projector_by: str = "rule"  # or "table" (PROJECTORS)
 
     def items(self):
         return [("vision_tower", self.vision_tower), ("projector", self.projector),
-                ("language_model", self.language_model)]
+                ("language_model", self.language_model)] + ([("audio_tower", self.audio_tower)] if self.audio_tower
+                                                            else [])
 
     def describe(self) -> str:
         parts = []
@@ -51,17 +53,28 @@ def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
       Idefics3's `connector`, LLaVA-OneVision's `image_newline`), plus the tower's direct
       sub-modules that hold no block and output the language model's width (Qwen's
       `visual.merger`, Qwen3-VL's deepstack mergers). Where the tower is as wide as the language
-      model that width says nothing, and `PROJECTORS` decides by model type.
+      model that width says nothing, and `PROJECTORS` decides by model type;
+    - audio tower (a model that hears: `families.audio_inputs`): the parameters one backward of the
+      dummy sound's features reaches inside the largest module holding the audio encoder's blocks and
+      nothing of the language model; what that backward reaches outside it (Gemma 4's `embed_audio`)
+      is projector.
     """
     language_model = {id(p) for p in [*model.get_decoder().parameters(), *model.get_output_embeddings().parameters()]}
-    widths, reached = _vision_step(model, dummy_inputs)
+    image_inputs = {name: value for name, value in dummy_inputs.items()
+                    if name != "pixel_values_videos" and name not in audio_inputs(model)}
+    widths, reached = _step_of(model, model.get_image_features, image_inputs)
     modules = dict(model.named_modules())
     vision_blocks, towers = _vision_towers(model, modules, widths, language_model)
     projector_prefixes, projector_by = _projector_prefixes(model, modules, widths, vision_blocks, towers)
+    audio_towers, heard = _audio_towers(model, modules, dummy_inputs, language_model)
     groups = ModuleGroups(projector_by=projector_by)
     for name, param in model.named_parameters():
         if id(param) in language_model:
             groups.language_model.append((name, param))
+            continue
+        if id(param) in heard:
+            in_audio_tower = any(name.startswith(tower + ".") for tower in audio_towers)
+            (groups.audio_tower if in_audio_tower else groups.projector).append((name, param))
             continue
         if param.requires_grad and id(param) not in reached:
             groups.unreached.append(name)
@@ -74,9 +87,21 @@ def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
     return groups
 
 
-def _vision_step(model, dummy_inputs: dict) -> tuple[dict, set]:
-    """One forward and backward of the dummy image's `lm_features`: (the output width of each module
-    it calls, the ids of the parameters its backward reaches)."""
+def _audio_towers(model, modules: dict, dummy_inputs: dict, language_model: set) -> tuple[set[str], set]:
+    """(the audio towers, the ids of the parameters the dummy sound's backward reaches outside the language model), or
+    (set(), set()) for a model that does not hear."""
+    names = audio_inputs(model)
+    if not names or not set(names) <= set(dummy_inputs):
+        return set(), set()
+    widths, reached = _step_of(model, model.base_model.get_audio_features,
+                               {name: dummy_inputs[name] for name in names})
+    _, towers = _vision_towers(model, modules, widths, language_model)
+    return towers, reached - language_model
+
+
+def _step_of(model, encode, inputs: dict) -> tuple[dict, set]:
+    """One forward and backward of `encode(**inputs)`'s `lm_features` (the dummy image's, or sound's): (the output
+    width of each module it calls, the ids of the parameters its backward reaches)."""
     widths = {}
 
     def record(name, module, args, output):
@@ -84,12 +109,11 @@ def _vision_step(model, dummy_inputs: dict) -> tuple[dict, set]:
 
     handles = [module.register_forward_hook(partial(record, name)) for name, module in model.named_modules()]
     try:
-        image_inputs = {name: value for name, value in dummy_inputs.items() if name != "pixel_values_videos"}
-        features = lm_features(model.get_image_features(**image_inputs, return_dict=True))
+        features = lm_features(encode(**inputs, return_dict=True))
     finally:
         for handle in handles:
             handle.remove()
-    torch.cat([feature.flatten() for feature in features]).sum().backward()
+    torch.cat([feature.flatten() for feature in features if feature.is_floating_point()]).sum().backward()
     reached = {id(p) for p in model.parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return widths, reached
@@ -175,7 +199,7 @@ def covering_modules(names, all_names):
 
 def apply_train_modules(groups: ModuleGroups, train_modules: str) -> dict[str, list[torch.nn.Parameter]]:
     """Freeze what `train_modules` does not name, and every unreached parameter; returns the
-    trainable parameters by group (vision_tower, projector, language_model).
+    trainable parameters by group (vision_tower, projector, language_model, audio_tower: the towers with `all`).
 
     Frozen parameters get `requires_grad=False` before `accelerator.prepare`, so DDP needs no
     `find_unused_parameters`, FSDP2 and ZeRO-3 skip their gradients, and the optimizer (built
@@ -183,7 +207,7 @@ def apply_train_modules(groups: ModuleGroups, train_modules: str) -> dict[str, l
     """
     names = {"projector"} | ({"language_model"} if "language_model" in train_modules else set())
     if train_modules == "all":
-        names = {"projector", "language_model", "vision_tower"}
+        names = {"projector", "language_model", "vision_tower", "audio_tower"}
     unreached = set(groups.unreached)
     trainable = {}
     for name, params in groups.items():

@@ -170,13 +170,27 @@ def load_vlm(args: VLMModelArgs):
         processor.chat_template = replaced_template(processor.chat_template, template)
     try:
         model.set_attn_implementation(args.attn_implementation)
-    # a family without that kernel: Gemma 2's LM (PaliGemma 2) has no sdpa
+    # a family with a part without that kernel: Gemma 2's LM (PaliGemma 2) has no sdpa, Gemma 4's audio tower none
     except ValueError as error:
         if args.attn_implementation != "sdpa":
             raise ValueError(f"--attn_implementation {args.attn_implementation}: {error}") from error
-        logger.warning("%s has no sdpa attention; using eager (--attn_implementation eager)", type(model).__name__)
-        model.set_attn_implementation("eager")
+        without = _sdpa_where_supported(model)
+        logger.warning("%s: %s ha%s no sdpa attention and keep%s eager (--attn_implementation eager: every part)",
+                       type(model).__name__, ", ".join(without), *(("s", "s") if len(without) == 1 else ("ve", "")))
     return model, processor
+
+
+def _sdpa_where_supported(model) -> list[str]:
+    """sdpa for each part of the model (its sub-configs) that has it; the parts that have none keep eager, as
+    transformers loaded them: their names."""
+    without = []
+    for part in model.config.sub_configs or ["model"]:
+        try:
+            model.set_attn_implementation({part: "sdpa"} if part != "model" else "sdpa")
+        except ValueError:
+            without.append(part)
+            model.set_attn_implementation({part: "eager"} if part != "model" else "eager")
+    return without
 
 
 def _tiny_llava(args: VLMModelArgs):

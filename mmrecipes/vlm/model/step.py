@@ -18,7 +18,15 @@ import torch
 
 from ...distributed import fsdp_block_classes
 from ..rows.packing import packed_position_ids
-from .families import height_width, lm_features, split_items, stateful_mixer_classes, video_as_image_names
+from .audio_rows import AudioRows
+from .families import (
+    audio_inputs,
+    height_width,
+    lm_features,
+    split_items,
+    stateful_mixer_classes,
+    video_as_image_names,
+)
 from .lora import save_lora
 from .outputs import Forward, StepOutput
 from .segments import check_segment_aware, segment_ids
@@ -41,6 +49,9 @@ class VLMForTraining(torch.nn.Module):
         self.sequence_parallel = sequence_parallel  # training splits each sequence over its ranks
         self.vision_input_names = set(inspect.signature(model.get_image_features).parameters) - {"kwargs"}
         self.video_as_image = video_as_image_names(model)
+        # a model that hears: its audio step's inputs, and each clip's placeholders checked against its encoder rows
+        self.audio_input_names = set(audio_inputs(model))
+        self.audio_rows = AudioRows(model, self.audio_input_names) if self.audio_input_names else None
         self.forward_input_names = set(inspect.signature(model.forward).parameters) - {"kwargs"}
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         self.clip_layout = _clip_layout(model) if not self.video_as_image else None
@@ -79,19 +90,32 @@ class VLMForTraining(torch.nn.Module):
         return sum(torch.cat([part.flatten() for part in lm_features(dummy)])[:0].sum() for dummy in dummies)
 
     def _hidden_states(self, input_ids, attention_mask, labels, dummy_image: bool, dummy_video=False,
-                       sample_lengths=None, media_per_sample=None, video_frames=None, output_router_logits=False,
-                       **media_inputs):
+                       dummy_audio=False, sample_lengths=None, media_per_sample=None, video_frames=None,
+                       output_router_logits=False, **media_inputs):
         """(the base model's last hidden states, the dummies' features, its router logits if asked):
-        the media encoded in one vision call (`encode_media`), then the language model on the merged
-        sequence (`lm_inputs`)."""
+        the media encoded in one vision call (`encode_media`) and, where the model hears, one audio call
+        (`AudioRows`), then the language model on the merged sequence (`lm_inputs`)."""
         encoded, dummies = self.encode_media(media_inputs, dummy_image, dummy_video, video_frames)
-        inputs = self.lm_inputs(input_ids, attention_mask, media_inputs, encoded, dummy_image, sample_lengths,
+        heard = None
+        if self.audio_rows is not None and self.audio_input_names <= set(media_inputs):
+            heard = self.audio_rows.encode(input_ids, media_inputs, dummy_audio)
+            if dummy_audio:
+                dummies.append(heard)
+        dropped = self.dummy_input_names({"dummy_image": dummy_image, "dummy_audio": dummy_audio})
+        inputs = self.lm_inputs(input_ids, attention_mask, media_inputs, encoded, dropped, sample_lengths,
                                 media_per_sample)
         if output_router_logits:
             inputs["output_router_logits"] = True
-        # No KV cache: training needs none, and transformers reads packed positions only without one.
-        outputs = self.model.base_model(use_cache=False, **inputs)
+        with self.audio_rows.given(heard) if heard is not None and not dummy_audio else contextlib.nullcontext():
+            # No KV cache: training needs none, and transformers reads packed positions only without one.
+            outputs = self.model.base_model(use_cache=False, **inputs)
         return outputs[0], dummies, outputs.router_logits if output_router_logits else None
+
+    def dummy_input_names(self, batch: dict) -> set[str]:
+        """The inputs of a collated batch that are its dummies', which the language model never takes."""
+        return ((self.vision_input_names if batch["dummy_image"] else set())
+                | ({"pixel_values_videos"} if batch.get("dummy_video") else set())
+                | (self.audio_input_names if batch.get("dummy_audio") else set()))
 
     def encode_media(self, media_inputs: dict, dummy_image: bool, dummy_video=False, video_frames=None):
         """({"image": features, "video": features} of what the batch holds, [the dummies'
@@ -133,16 +157,17 @@ class VLMForTraining(torch.nn.Module):
             features.pooler_output = _own_frames(features.pooler_output, video_frames, self.clip_layout)
         return features
 
-    def lm_inputs(self, input_ids, attention_mask, media_inputs: dict, encoded: dict, dummy_image: bool,
+    def lm_inputs(self, input_ids, attention_mask, media_inputs: dict, encoded: dict, dummies: set,
                   sample_lengths=None, media_per_sample=None) -> dict:
         """What the language model takes: the ids and mask, the encoded media
         (`mm_encoder_outputs`), the family's other inputs (Qwen's image_grid_thw and
         mm_token_type_ids for mRoPE positions, Gemma 3's token_type_ids, Idefics3's
-        pixel_attention_mask, LLaVA-OneVision's image_sizes; a text-only batch passes its per-token
-        ones only: the LM sees no image and no image token), and, packed, each sample's positions
-        and segments (no mask: mmrecipes.vlm.rows.packing)."""
+        pixel_attention_mask, LLaVA-OneVision's image_sizes, Gemma 4's audio features, which it
+        encodes itself; never the `dummies`' inputs: the LM sees no image and no image token of a
+        text-only batch), and, packed, each sample's positions and segments (no mask:
+        mmrecipes.vlm.rows.packing)."""
         pixels = {"pixel_values", "pixel_values_videos"}
-        keep = self.forward_input_names - pixels - (self.vision_input_names if dummy_image else set())
+        keep = self.forward_input_names - pixels - dummies
         inputs = {name: value for name, value in media_inputs.items() if name in keep}
         if encoded:
             inputs["mm_encoder_outputs"] = encoded

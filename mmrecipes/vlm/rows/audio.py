@@ -22,6 +22,7 @@ from .videos import stream_seconds
 
 logger = logging.getLogger(__name__)
 
+AUDIO_COUNTED = ("audio_undecodable", "audio_empty", "audio_too_long")  # decode_audio's problems
 # a sample type's full scale (u8 centred on 128)
 FULL_SCALE = {"u8": 128.0, "s16": 2.0 ** 15, "s32": 2.0 ** 31, "s64": 2.0 ** 63, "flt": 1.0, "dbl": 1.0}
 

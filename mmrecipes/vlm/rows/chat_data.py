@@ -8,8 +8,8 @@ turns (`labels.AnswerLabeller`). Relative media paths resolve against `--image_f
 `--video_folder`, else the data file's folder, never outside it unless asked. A row is never
 truncated: one that is too long, or whose media or placeholders do not fit, raises `Skip` and is
 counted; a `<video>` placeholder never reaches a model that takes no video as the text it looks
-like, nor an `<audio>` one (or an audio part, or a row's audio column) any model: no recipe trains on audio yet, so
-such rows are counted (audio) instead of trained without their sound.
+like, nor an `<audio>` one (or an audio part, or a row's audio column) a model that does not hear: such rows are
+counted (audio) instead of trained without their sound. Audio clips resolve as images do.
 """
 
 import json
@@ -27,8 +27,9 @@ from ...loader import check_held_out, rank_loader
 from ...skips import SKIPPED, DropCounter, Skip
 from ...sources import DATA_FILE, PROBLEM, load_stream, mixed_stream, row_name
 from ..arguments import ChatDataArgs
+from .audio import AUDIO_COUNTED
 from .labels import IGNORE_INDEX, ReasoningDropped, TemplateError, UnalignedAnswer
-from .media import AUDIO_COLUMNS, NOT_TAKEN, media_folder, media_not_taken, row_images, row_videos
+from .media import AUDIO_COLUMNS, NOT_TAKEN, media_folder, media_not_taken, row_audios, row_images, row_videos
 from .videos import VIDEO_COUNTED
 
 logger = logging.getLogger(__name__)
@@ -38,10 +39,12 @@ logger = logging.getLogger(__name__)
 # not match the images; the row is over max_length or has no answer token; its answer tokens are not found
 # exactly in the processor's ids (labels.UnalignedAnswer); its text is not UTF-8; it is not
 # a well-formed conversation (or the chat template refuses it); its file is empty, unreadable or truncated; or
-# it holds audio, or a video where the checkpoint takes none; a clip yields no frame or is too long; the video
+# it holds audio where the checkpoint does not hear, or a video where it takes none; a clip yields no frame or is too
+# long; the video placeholders do not match the clips; an audio clip does not decode, is empty or too long; the audio
 # placeholders do not match the clips.
 CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "image_mismatch", "too_long", "no_target",
-                "unaligned", "bad_text", "bad_row", "bad_shard", "audio", "video", *VIDEO_COUNTED, "video_mismatch")
+                "unaligned", "bad_text", "bad_row", "bad_shard", "audio", "video", *VIDEO_COUNTED, "video_mismatch",
+                *AUDIO_COUNTED, "audio_mismatch")
 CAPTIONS = ("caption", "text")  # image-caption rows: a conversation of the image and its caption
 CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", *AUDIO_COLUMNS, "id", "tools",
                 *CAPTIONS]
@@ -249,7 +252,8 @@ class ChatPreprocessor:
         a chat template that refuses a row raises its own errors, and so would a bug)."""
         try:
             messages, raw_images, raw_videos = to_chat(row)
-            if kind := media_not_taken(row, messages, takes_video=self.labeller.video_token_id is not None):
+            hears = self.labeller.audio_token_id is not None
+            if kind := media_not_taken(row, messages, self.labeller.video_token_id is not None, hears):
                 why = NOT_TAKEN[kind]
                 if kind not in self.logged:  # said once, not only counted
                     self.logged.add(kind)
@@ -257,7 +261,9 @@ class ChatPreprocessor:
                 raise Skip(kind, why)
             images_folder = media_folder(row, self.args.image_folder)
             videos_folder = media_folder(row, self.args.video_folder or self.args.image_folder)
-            return self.tokenize(messages, raw_images, raw_videos, images_folder, videos_folder, row_tools(row))
+            raw_audios = row_media(row, *AUDIO_COLUMNS) if hears else []
+            return self.tokenize(messages, raw_images, raw_videos, images_folder, videos_folder, row_tools(row),
+                                 raw_audios)
         except Skip:
             raise
         except Exception as error:
@@ -266,16 +272,21 @@ class ChatPreprocessor:
                 logger.warning("skipping a row (counted as bad_row): %s: %s", type(error).__name__, error)
             raise Skip("bad_row", f"{type(error).__name__}: {error}") from error
 
-    def tokenize(self, messages, raw_images, raw_videos=(), images_folder=None, videos_folder=None, tools=None):
+    def tokenize(self, messages, raw_images, raw_videos=(), images_folder=None, videos_folder=None, tools=None,
+                 raw_audios=()):
         """((input_ids, labels, media_inputs), note), or `Skip` with the reason the row is dropped.
-        Relative media paths resolve against the folders (`media_folder`). A row whose text alone
-        cannot fit is dropped first, before its media are decoded and before the labeller renders
-        and tokenises it."""
+        Relative media paths resolve against the folders (`media_folder`; audio clips: the images').
+        A row whose text alone cannot fit is dropped first, before its media are decoded and before the
+        labeller renders and tokenises it."""
         self.check_text_length(messages)
         images, note = row_images(self.args, images_folder, messages, raw_images)
         videos = row_videos(self.args, videos_folder, messages, raw_videos)
+        audios = []
+        if self.labeller.audio_token_id is not None:  # a placeholder without its clip is counted too
+            rate = self.labeller.processor.feature_extractor.sampling_rate
+            audios = row_audios(self.args, images_folder, messages, raw_audios, rate)
         try:
-            input_ids, labels, media_inputs = encode_row(self.labeller, messages, images, videos, tools)
+            input_ids, labels, media_inputs = encode_row(self.labeller, messages, images, videos, tools, audios)
         except TemplateError as error:
             raise labelling_skip(error) from error
         if len(input_ids) > self.max_length:
@@ -311,11 +322,11 @@ class ChatPreprocessor:
                              "rename its columns to one of them")
 
 
-def encode_row(labeller, messages, images, videos=(), tools=None):
+def encode_row(labeller, messages, images, videos=(), tools=None, audios=()):
     """(input_ids, labels, media_inputs) of one conversation (with its `tools`' schemas): the
-    labeller's tokens and targets, and the processor's other outputs (image and video inputs;
+    labeller's tokens and targets, and the processor's other outputs (image, video and audio inputs;
     per-token ones like mm_token_type_ids unbatched)."""
-    encoded, target = labeller(messages, images, videos, tools)
+    encoded, target = labeller(messages, images, videos, tools, audios)
     input_ids, media_inputs = unbatched(encoded)
     return input_ids, torch.where(target, input_ids, IGNORE_INDEX), media_inputs
 

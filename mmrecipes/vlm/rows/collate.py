@@ -16,8 +16,10 @@ from ...skips import data_counts
 from .chat_data import CHAT_COUNTED, TOKEN_ALIGNED, encode_row
 from .labels import IGNORE_INDEX, count_target_tokens
 
-# a row holds images, videos or both when it has these
-MEDIA_KEYS = ("pixel_values", "pixel_values_videos")
+# the audio inputs of transformers' audio families (Gemma 4's features and their mask)
+AUDIO_KEYS = ("input_features", "input_features_mask")
+# a row holds images, videos, audio clips when it has these
+MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features")
 
 
 class ChatCollator:
@@ -34,7 +36,9 @@ class ChatCollator:
     dummy image (`dummy_image_inputs`) with `dummy_image=True`, so the vision step runs on every
     micro-batch (a batch's videos go through the tower in the same call:
     `mmrecipes.vlm.model.step.VLMForTraining`). Where the dummy inputs hold a clip (a video path of
-    the model's own), a batch without a clip gets it, with `dummy_video=True`.
+    the model's own), a batch without a clip gets it, with `dummy_video=True`; where they hold a sound (a model
+    that hears), a batch without audio gets it, with `dummy_audio=True`. Audio features are right-padded to the
+    batch's longest clip, their mask saying which frames are the clip's.
     """
 
     def __init__(self, pad_token_id: int, dummy_inputs: dict, packing: bool = False, pack_length: int | None = None):
@@ -66,13 +70,18 @@ class ChatCollator:
                 "labels": joined(labels, IGNORE_INDEX)}
 
     def dummies(self, batch: dict) -> dict:
-        """The dummy image where the batch holds none (`dummy_image`), and the dummy clip where the
-        model has a video path of its own and the batch holds no clip (`dummy_video`)."""
+        """The dummy image where the batch holds none (`dummy_image`), the dummy clip where the
+        model has a video path of its own and the batch holds no clip (`dummy_video`), and the dummy
+        sound where the model hears and the batch holds no audio (`dummy_audio`)."""
         dummies = {"dummy_image": "pixel_values" not in batch}
         if dummies["dummy_image"]:
-            dummies |= {key: value for key, value in self.dummy_inputs.items() if key != "pixel_values_videos"}
+            dummies |= {key: value for key, value in self.dummy_inputs.items()
+                        if key not in ("pixel_values_videos", *AUDIO_KEYS)}
         if "pixel_values_videos" in self.dummy_inputs and "pixel_values_videos" not in batch:
             dummies |= {"pixel_values_videos": self.dummy_inputs["pixel_values_videos"], "dummy_video": True}
+        if "input_features" in self.dummy_inputs and "input_features" not in batch:
+            dummies |= {key: self.dummy_inputs[key] for key in AUDIO_KEYS if key in self.dummy_inputs}
+            dummies["dummy_audio"] = True
         return dummies
 
 

@@ -18,6 +18,7 @@ import difflib
 import re
 
 import jinja2
+import numpy
 import torch
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -52,20 +53,26 @@ class EarlierReasoningDropped(ReasoningDropped):
     follow."""
 
 
+# longer than a Whisper-style extractor's 30 s window: the probe clip a truncating feature extractor is caught on
+PROBE_AUDIO_SECONDS = 45
+
+
 class AnswerLabeller:
-    """`labeller(messages, images, videos)` -> (processor outputs of the conversation, target mask).
+    """`labeller(messages, images, videos, tools, audios)` -> (processor outputs of the conversation, target mask).
 
     `stop_token_ids`: the tokens that end a turn (the generation config's eos ids and the
     tokenizer's eos). `videos`: how the model trains on clips (`families.video_path`; None: it does
     not); they go to the processor as decoded frames (`mmrecipes.vlm.rows.videos.DecodedVideo`) with
-    their metadata, already sampled. Images (where the image processor gives its own floats that
+    their metadata, already sampled. `audio`: the model hears (`families.audio_inputs`); its clips (mono float32 at
+    the feature extractor's rate) go to the processor whole, never truncated (`check_audio_features`), and their
+    placeholders are never targets. Images (where the image processor gives its own floats that
     way: `images.uint8_normalization`) and clips that reach the model as `pixel_values_videos` come
     back uint8, with the constants that finish them on the device (`images.NORMALIZED_BY`,
     `images.to_device`). A conversation whose turns no rule finds raises `TemplateError`.
     """
 
     def __init__(self, processor, stop_token_ids, videos: str | None = None, template: str | None = None,
-                 empty_think: str = "context", template_kwargs: dict | None = None):
+                 empty_think: str = "context", template_kwargs: dict | None = None, audio: bool = False):
         self.processor, self.tokenizer = processor, processor.tokenizer
         # `template`: a training format the model is not saved with
         self.template = template or processor.chat_template
@@ -79,6 +86,9 @@ class AnswerLabeller:
                                    reverse=True)
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(processor.image_token)
         self.video_token_id = self.tokenizer.convert_tokens_to_ids(processor.video_token) if videos else None
+        self.audio_token_id = self.tokenizer.convert_tokens_to_ids(processor.audio_token) if audio else None
+        if audio:
+            check_audio_features(processor)
         as_clips = videos is not None and videos != "as images"  # not frames among the image tiles
         # {pixel key: the constants that finish its uint8 values on the device, or None: floats from the processor}
         self.normalization = {"pixel_values": uint8_normalization(processor.image_processor),
@@ -192,7 +202,7 @@ class AnswerLabeller:
             end = after + len(stop)
         return end
 
-    def __call__(self, messages, images, videos=(), tools=None):
+    def __call__(self, messages, images, videos=(), tools=None, audios=()):
         text, spans = self.answer_spans(messages, tools)
         _check_reasoning_kept(messages, text, spans)
         kwargs = {}
@@ -207,6 +217,8 @@ class AnswerLabeller:
             uint8 = UINT8_PIXELS if self.normalization["pixel_values_videos"] is not None else {}
             kwargs |= dict(videos=[video.frames for video in videos], videos_kwargs=dict(
                 do_sample_frames=False, video_metadata=[video.metadata for video in videos], **uint8))
+        if audios:
+            kwargs |= dict(audio=list(audios), audio_kwargs=audio_kwargs(self.processor))
         encoded = self.processor(text=text, images=[images] if images else None, **kwargs)
         for pixels, normalization in self.normalization.items():
             if normalization is not None and pixels in encoded:
@@ -222,7 +234,8 @@ class AnswerLabeller:
             if None in positions or positions[-1] - positions[0] != len(positions) - 1:
                 raise UnalignedAnswer("the answer tokens are not in the processor's ids as the text tokenised alone")
             target[positions] = True
-        media_ids = torch.tensor([i for i in (self.image_token_id, self.video_token_id) if i is not None])
+        media_ids = torch.tensor([i for i in (self.image_token_id, self.video_token_id, self.audio_token_id)
+                                  if i is not None])
         return encoded, target & ~torch.isin(input_ids, media_ids)
 
 
@@ -239,6 +252,37 @@ class AnswerLabeller:
                 span = (span[0] + len(self.empty_think_block), span[1])
             kept.append(span)
         return kept
+
+
+def audio_kwargs(processor) -> dict:
+    """The feature extractor's settings for a row's clips: their own rate, and never cut (Whisper-style
+    extractors cut at 30 s unless told; Gemma 4's at 30 s too)."""
+    return {"sampling_rate": processor.feature_extractor.sampling_rate, "truncation": False}
+
+
+def check_audio_features(processor):
+    """Refuse a processor whose features do not hold a clip whole: a `PROBE_AUDIO_SECONDS` clip must give a feature
+    mask that covers its every hop (else the extractor truncates: the end of every long clip would be lost without a
+    word) and starts with the clip (else the features are padded on the left, where the model reads its sound)."""
+    extractor = processor.feature_extractor
+    samples = PROBE_AUDIO_SECONDS * extractor.sampling_rate
+    clip = numpy.random.default_rng(0).uniform(-0.5, 0.5, samples).astype(numpy.float32)
+    made = processor(text=processor.audio_token, audio=[clip], audio_kwargs=audio_kwargs(processor),
+                     return_tensors="pt")
+    mask = made.get("input_features_mask")
+    if mask is None:
+        raise ValueError(f"{type(processor).__name__} gives no input_features_mask: which feature frames are a clip's "
+                         "cannot be checked, so its audio is not trained here")
+    frames = int(mask[0].sum())
+    if frames < samples / extractor.hop_length - 2:
+        kept = frames * extractor.hop_length / extractor.sampling_rate
+        raise ValueError(f"{type(extractor).__name__} keeps {kept:.1f} s of a {PROBE_AUDIO_SECONDS} s clip: it "
+                         "truncates (its settings force truncation or a max_length), and every longer clip would "
+                         "train without its end. Give the processor a feature extractor that takes truncation=False")
+    if not mask[0, :frames].all():
+        raise ValueError(f"{type(extractor).__name__} pads its features on the left (padding_side='left', perhaps the "
+                         "tokenizer's): the model reads a clip from the first frame; set "
+                         "processor.feature_extractor.padding_side = 'right'")
 
 
 def _check_reasoning_kept(messages, text: str, spans: list):

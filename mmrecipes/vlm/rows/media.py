@@ -9,12 +9,15 @@ from ...images import decode_image
 from ...skips import Skip
 from ...sources import DATA_FILE
 from ..arguments import ChatDataArgs
+from .audio import decode_audio
 from .videos import decode_video
 
 AUDIO_COLUMNS = ("audios", "audio")  # LLaMA-Factory's and ms-swift's, and one clip's
 MEDIA_COLUMNS = {"video": ("videos", "video"), "audio": AUDIO_COLUMNS}  # LLaVA-Video's one clip: `video`
 # why a row of that media is skipped (`media_not_taken`)
-NOT_TAKEN = {"video": "this model's processor takes no video", "audio": "the recipes do not train on audio yet"}
+NOT_TAKEN = {"video": "this model's processor takes no video",
+             "audio": "this model has no audio tower (or its processor no feature extractor), or this recipe does not "
+                      "train on audio yet"}
 
 
 def media_folder(row, folder: str | None) -> str | None:
@@ -40,10 +43,10 @@ def holds(row, messages, kind: str) -> bool:
     return count_parts(messages, kind) > 0 or any(row.get(column) for column in MEDIA_COLUMNS[kind])
 
 
-def media_not_taken(row, messages, takes_video: bool) -> str | None:
+def media_not_taken(row, messages, takes_video: bool, takes_audio: bool = False) -> str | None:
     """The kind of media a row holds that is not trained here, for the row to be skipped and counted as it: "audio"
-    (no recipe trains on audio yet), "video" where not `takes_video`; else None."""
-    if holds(row, messages, "audio"):
+    where not `takes_audio`, "video" where not `takes_video`; else None."""
+    if not takes_audio and holds(row, messages, "audio"):
         return "audio"
     return "video" if not takes_video and holds(row, messages, "video") else None
 
@@ -83,6 +86,23 @@ def row_videos(args: ChatDataArgs, folder: str | None, messages, raw_videos):
             raise Skip(problem, _unreadable(raw_video))
         videos.append(video)
     return videos
+
+
+def row_audios(args: ChatDataArgs, folder: str | None, messages, raw_audios, sampling_rate: int):
+    """The decoded clips of a row (mono float32 at `sampling_rate`), or `Skip`: its placeholders do not match its
+    clips (audio_mismatch), a path leaves `folder`, or a clip does not decode, is empty or runs over
+    --audio_max_seconds (`decode_audio`)."""
+    placeholders = count_parts(messages, "audio")
+    if placeholders != len(raw_audios):
+        raise Skip("audio_mismatch", f"{placeholders} audio placeholders or parts, {len(raw_audios)} clips")
+    clips = []
+    for raw_audio in raw_audios:
+        raw_audio = _resolved(args, folder, raw_audio)
+        clip, problem = decode_audio(raw_audio, sampling_rate, args.audio_max_seconds)
+        if clip is None:
+            raise Skip(problem, _unreadable(raw_audio))
+        clips.append(clip)
+    return clips
 
 
 def _resolved(args: ChatDataArgs, folder: str | None, raw_media):

@@ -1,0 +1,100 @@
+"""Make the embedded audio conversations: short synthesised sounds, as chat rows.
+
+    python data_prep/make_audio.py            # writes data/vlm_shapes/audio_chat/{train,test}-*.parquet
+
+Deterministic (fixed seed). Each clip is one second of 8 kHz mono, FLAC-encoded by PyAV's bundled FFmpeg (a few
+KB; the recipes resample it to the feature extractor's 16 kHz); its question needs the sound, never the text alone:
+- "How many beeps?": one to four 80 ms beeps at one pitch, spread over the second ("one" ... "four");
+- "Which tone is higher?": two 300 ms tones of different pitches, one after the other ("first" or "second").
+Rows are in chat format: `messages` with a `{"type": "audio"}` part and an `audios` column holding each clip's bytes
+(LLaMA-Factory's and ms-swift's column).
+"""
+
+import argparse
+import io
+import random
+from pathlib import Path
+
+import av
+import datasets
+import numpy
+
+RATE, SECONDS = 8000, 1.0
+COUNTS = ("one", "two", "three", "four")
+PITCHES = (330.0, 440.0, 587.0, 784.0, 988.0)  # Hz: any two a fourth or more apart
+
+
+def tone(frequency: float, seconds: float, amplitude: float = 0.4) -> numpy.ndarray:
+    """A sine tone with 5 ms fades (no clicks at its edges)."""
+    t = numpy.arange(int(seconds * RATE)) / RATE
+    fade = numpy.minimum(1.0, numpy.minimum(t, t[::-1]) / 0.005)
+    return (amplitude * fade * numpy.sin(2 * numpy.pi * frequency * t)).astype(numpy.float32)
+
+
+def beeps(count: int, frequency: float, rng: random.Random) -> numpy.ndarray:
+    """`count` beeps of 80 ms in a second, one in each of `count` equal slots at a random place in it."""
+    clip = numpy.zeros(int(SECONDS * RATE), numpy.float32)
+    slot = int(SECONDS * RATE) // count
+    for index in range(count):
+        start = index * slot + rng.randrange(0, slot - int(0.08 * RATE))
+        clip[start:start + int(0.08 * RATE)] += tone(frequency, 0.08)
+    return clip
+
+
+def two_tones(first: float, second: float) -> numpy.ndarray:
+    """Two 300 ms tones with 100 ms of silence around and between them."""
+    gap = numpy.zeros(int(0.1 * RATE), numpy.float32)
+    clip = numpy.concatenate([gap, tone(first, 0.3), gap, tone(second, 0.3), gap])
+    return numpy.pad(clip, (0, int(SECONDS * RATE) - len(clip)))
+
+
+def encode_flac(samples: numpy.ndarray) -> bytes:
+    """Mono float samples -> FLAC bytes (16-bit)."""
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="flac") as container:
+        stream = container.add_stream("flac", rate=RATE, layout="mono")
+        frame = av.AudioFrame.from_ndarray((numpy.clip(samples, -1, 1) * 32767).astype(numpy.int16)[None],
+                                           format="s16", layout="mono")
+        frame.sample_rate = RATE
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+def audio_row(question: str, answer: str, clip: bytes) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": question}]},
+                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+            "audios": [{"bytes": clip}]}
+
+
+def make_rows(count: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for index in range(count):
+        if index % 2 == 0:
+            number = rng.randrange(len(COUNTS))
+            clip = beeps(number + 1, rng.choice(PITCHES), rng)
+            rows.append(audio_row("How many beeps?", COUNTS[number], encode_flac(clip)))
+        else:
+            first, second = rng.sample(PITCHES, 2)
+            rows.append(audio_row("Which tone is higher?", "first" if first > second else "second",
+                                  encode_flac(two_tones(first, second))))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", default=str(Path(__file__).resolve().parents[1] / "data" / "vlm_shapes" /
+                                                "audio_chat"))
+    parser.add_argument("--train_rows", type=int, default=256)
+    parser.add_argument("--test_rows", type=int, default=64)
+    args = parser.parse_args()
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    for split, count, seed in (("train", args.train_rows, 0), ("test", args.test_rows, 1)):
+        datasets.Dataset.from_list(make_rows(count, seed)).to_parquet(output / f"{split}-00000-of-00001.parquet")
+        print(f"{split}: {count} rows -> {output}")
+
+
+if __name__ == "__main__":
+    main()

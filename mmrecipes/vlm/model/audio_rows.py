@@ -1,0 +1,68 @@
+"""A batch's audio clips encoded once, before the language model, on every rank whatever the batch holds, and each
+clip's placeholders checked against the rows its encoder gives, clip by clip, on every batch.
+
+The families encode audio inside their forward (Gemma 4 after its embedding lookup), where the dummy sound of a batch
+without a clip cannot go: it has no placeholders. So the tower runs here for both, in one place, as the vision step
+does: ZeRO-3 gathers the ranks' modules in one order (a rank encoding its clips inside the forward and another its
+dummy before it wait on each other's gathers forever), and the family's forward is given the features
+(`AudioRows.given`) instead of encoding them again.
+
+The families check their image placeholders in the forward; audio is checked by some (Gemma 4: the batch's total
+only) and by none of the Omni thinkers, whose `masked_scatter` fills fewer placeholders with the head of the features
+and trains on it. A total is not enough either: two clips whose placeholder counts are swapped pass it, each clip's
+rows then standing in for the other's sound. `AudioRows.encode` refuses a batch whose runs of placeholders, in order,
+are not the encoder's valid rows per clip, before any loss or gradient comes of it.
+"""
+
+import contextlib
+
+import torch
+
+
+class AudioRows:
+    """The audio step of a model that hears (its base model's `get_audio_features`) and its placeholder token."""
+
+    def __init__(self, model, input_names):
+        self.base_model, self.input_names = model.base_model, input_names
+        self.token_id = next(value for name in ("audio_token_id", "audio_token_index")
+                             if isinstance(value := getattr(model.config, name, None), int))
+
+    def encode(self, input_ids: torch.Tensor, media_inputs: dict, dummy: bool):
+        """The audio tower's output for the batch's clips (or the dummy sound), each clip's rows checked against its
+        run of placeholders in `input_ids` (not the dummy's: it has none)."""
+        output = self.base_model.get_audio_features(**{name: media_inputs[name] for name in self.input_names},
+                                                    return_dict=True)
+        if not dummy:
+            expected, rows = placeholder_runs(input_ids, self.token_id), encoder_rows(output)
+            if rows != expected:
+                raise ValueError(f"audio placeholders per clip {expected}, the audio encoder's rows per clip {rows}: "
+                                 "each clip must have exactly as many placeholders as its encoder gives rows, or its "
+                                 "sound would be trained in the wrong place, or in part (the processor and its "
+                                 "feature extractor disagree with the model: a truncating, padded or edited "
+                                 "feature extractor, or placeholders written by hand)")
+        return output
+
+    @contextlib.contextmanager
+    def given(self, output):
+        """While the body runs, the family's forward gets `output` from its own `get_audio_features` call."""
+        self.base_model.get_audio_features = lambda *args, **kwargs: output
+        try:
+            yield
+        finally:
+            del self.base_model.get_audio_features
+
+
+def placeholder_runs(input_ids: torch.Tensor, token_id: int) -> list[int]:
+    """The lengths of the runs of `token_id` in `[rows, tokens]`, row by row, in order (a run never crosses rows)."""
+    marks = torch.nn.functional.pad((input_ids == token_id).int(), (1, 1)).flatten()
+    edges = torch.diff(marks)
+    return ((edges == -1).nonzero() - (edges == 1).nonzero()).flatten().tolist()
+
+
+def encoder_rows(output) -> list[int]:
+    """The rows an audio tower's output gives each clip: its `attention_mask` (True: a row of the clip)."""
+    mask = getattr(output, "attention_mask", None)
+    if mask is None:
+        raise ValueError(f"{type(output).__name__} gives no attention_mask: the rows of each clip cannot be checked "
+                         "against its placeholders, so this family's audio is not trained here")
+    return mask.sum(-1).tolist()
