@@ -1,13 +1,14 @@
 """Make the embedded audio conversations: short synthesised sounds, as chat rows.
 
-    python data_prep/make_audio.py            # writes data/vlm_shapes/audio_chat/{train,test}-*.parquet
+    python data_prep/make_audio.py   # writes data/vlm_shapes/audio_chat/{train,test}-*.parquet and data/tiny_audio_vlm
 
 Deterministic (fixed seed). Each clip is one second of 8 kHz mono, FLAC-encoded by PyAV's bundled FFmpeg (a few
 KB; the recipes resample it to the feature extractor's 16 kHz); its question needs the sound, never the text alone:
 - "How many beeps?": one to four 80 ms beeps at one pitch, spread over the second ("one" ... "four");
 - "Which tone is higher?": two 300 ms tones of different pitches, one after the other ("first" or "second").
 Rows are in chat format: `messages` with a `{"type": "audio"}` part and an `audios` column holding each clip's bytes
-(LLaMA-Factory's and ms-swift's column).
+(LLaMA-Factory's and ms-swift's column). data/tiny_audio_vlm is the tiny Gemma 4 E2B of `data_prep/tiny_vlm_2026.py
+--family gemma4` (its audio tower included), untrained: recipes/configs/vlm_audio.yaml trains it on these.
 """
 
 import argparse
@@ -19,6 +20,10 @@ import av
 import datasets
 import numpy
 
+from tiny_vlm import save_family
+from tiny_vlm_2026 import FAMILIES
+
+ROOT = Path(__file__).resolve().parents[1]
 RATE, SECONDS = 8000, 1.0
 COUNTS = ("one", "two", "three", "four")
 PITCHES = (330.0, 440.0, 587.0, 784.0, 988.0)  # Hz: any two a fourth or more apart
@@ -84,8 +89,8 @@ def make_rows(count: int, seed: int) -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", default=str(Path(__file__).resolve().parents[1] / "data" / "vlm_shapes" /
-                                                "audio_chat"))
+    parser.add_argument("--output", default=str(ROOT / "data" / "vlm_shapes" / "audio_chat"))
+    parser.add_argument("--model_dir", default=str(ROOT / "data" / "tiny_audio_vlm"))
     parser.add_argument("--train_rows", type=int, default=256)
     parser.add_argument("--test_rows", type=int, default=64)
     args = parser.parse_args()
@@ -94,6 +99,8 @@ def main():
     for split, count, seed in (("train", args.train_rows, 0), ("test", args.test_rows, 1)):
         datasets.Dataset.from_list(make_rows(count, seed)).to_parquet(output / f"{split}-00000-of-00001.parquet")
         print(f"{split}: {count} rows -> {output}")
+    save_family(FAMILIES, "gemma4", Path(args.model_dir))
+    print(f"wrote {args.model_dir}")
 
 
 if __name__ == "__main__":

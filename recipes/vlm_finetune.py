@@ -71,8 +71,9 @@ from mmrecipes.vlm.model.outputs import LossSum
 from mmrecipes.vlm.model.parts import vlm_parts
 from mmrecipes.vlm.model.step import VLMForTraining, save_vlm
 from mmrecipes.vlm.parallel.sequence_parallel import SequenceParallel
-from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
+from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader
 from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.held_out import generation_prompts
 from mmrecipes.vlm.rows.labels import AnswerLabeller
 from mmrecipes.vlm.rows.template_checks import check_template
 
@@ -156,7 +157,7 @@ def main(argv=None):
                                             batch_size=args.per_device_eval_batch_size,
                                             **loader_kwargs)
         prompts = generation_prompts(data_args, processor, rows=args.eval_generation_rows,
-                                     ranks=ranks)
+                                     ranks=ranks, hears=labeller.audio_token_id is not None)
         held_out = [partial(evaluate_answers, model, eval_loader, device=accelerator.device),
                     partial(evaluate_generation, model, prompts, collator=eval_collator,
                             tokenizer=processor.tokenizer, stop_token_ids=vlm.stops,

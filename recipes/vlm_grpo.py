@@ -71,8 +71,9 @@ from mmrecipes.vlm.model.outputs import TokenLogps
 from mmrecipes.vlm.model.parts import vlm_parts
 from mmrecipes.vlm.model.step import VLMForTraining, save_vlm
 from mmrecipes.vlm.parallel.sequence_parallel import SequenceParallel
-from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
+from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader
 from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.held_out import generation_prompts
 from mmrecipes.vlm.rows.labels import AnswerLabeller
 from mmrecipes.vlm.rows.prompts import PromptCollator, PromptPreprocessor
 from mmrecipes.vlm.rows.template_checks import check_generation_prompt

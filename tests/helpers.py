@@ -77,17 +77,22 @@ def write_chat_parquet(path, rows):
             "content": [{"type": datasets.Value("string"), "text": datasets.Value("string")}]}
     if any("reasoning_content" in message for row in rows for message in row["messages"]):
         turn["reasoning_content"] = datasets.Value("string")
-    features = datasets.Features({"messages": [turn], "images": [datasets.Image()]})
-    datasets.Dataset.from_list(rows, features=features).to_parquet(str(path))
+    features = {"messages": [turn], "images": [datasets.Image()]}
+    if any(row.get("audios") for row in rows):  # clips as encoded bytes, as data/vlm_shapes/audio_chat holds them
+        features["audios"] = [{"bytes": datasets.Value("binary")}]
+        rows = [{"audios": []} | row for row in rows]
+    datasets.Dataset.from_list(rows, features=datasets.Features(features)).to_parquet(str(path))
 
 
-def chat_row(question, answer, image=None, reasoning=None):
-    """A one-turn chat row; `reasoning`: the answer's `reasoning_content`."""
-    content = ([{"type": "image", "text": None}] if image is not None else []) + [{"type": "text", "text": question}]
+def chat_row(question, answer, image=None, reasoning=None, audio=None):
+    """A one-turn chat row; `reasoning`: the answer's `reasoning_content`; `audio`: a clip's encoded bytes, heard
+    after the image."""
+    content = ([{"type": "image", "text": None}] if image is not None else []) + (
+        [{"type": "audio", "text": None}] if audio is not None else []) + [{"type": "text", "text": question}]
     answer_turn = {"role": "assistant", "content": [{"type": "text", "text": answer}]}
     return {"messages": [{"role": "user", "content": content},
                          answer_turn | ({"reasoning_content": reasoning} if reasoning is not None else {})],
-            "images": [image] if image is not None else []}
+            "images": [image] if image is not None else []} | ({"audios": [{"bytes": audio}]} if audio else {})
 
 
 def tiny(family_dir=None):

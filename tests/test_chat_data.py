@@ -17,8 +17,9 @@ from mmrecipes.vlm.model.loading import stop_token_ids
 from mmrecipes.vlm.model.outputs import Logits, LossSum
 from mmrecipes.vlm.model.parts import load_vlm
 from mmrecipes.vlm.model.step import VLMForTraining
-from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, generation_prompts
+from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader
 from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.held_out import generation_prompts
 from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller
 
 

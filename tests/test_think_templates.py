@@ -21,8 +21,9 @@ from mmrecipes.vlm.model import evaluation
 from mmrecipes.vlm.model.families import dummy_image_inputs
 from mmrecipes.vlm.model.loading import stop_token_ids
 from mmrecipes.vlm.model.step import VLMForTraining
-from mmrecipes.vlm.rows.chat_data import encode_row, generation_prompts
+from mmrecipes.vlm.rows.chat_data import encode_row
 from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.held_out import generation_prompts
 from mmrecipes.vlm.rows.labels import AnswerLabeller, EarlierReasoningDropped, TemplateError
 from mmrecipes.vlm.rows.prompts import DistillPreprocessor, PromptPreprocessor
 from mmrecipes.vlm.rows.template_checks import _runs, check_template

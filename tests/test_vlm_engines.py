@@ -17,14 +17,19 @@ Features across engines, not every feature under every engine (tests/README.md):
 | without the dummy image: fails | yes | divergence guard names the modules | | yes |
 | a Llava composed from a CLIP tower and Gemma 3 text = one process | stage 2 | stage 1 (projector only) | | stage 2 |
 | a thinking Qwen3.5 on reasoning and plain rows = one process | yes | yes | | yes |
+| Gemma 4 E2B on rows that show an image and play a clip, and text-only rows = one process | yes | yes | yes | yes |
 
 The reasoning runs (the tiny `qwen3_5_think`, its official template) read image rows whose answers carry
 `reasoning_content` and text-only rows that answer at once: one rank's window all reasoned, the other's all plain;
-the reasoning trained, the plain rows' empty think block context.
+the reasoning trained, the plain rows' empty think block context. The audio runs (the tiny `gemma4`, which hears)
+read rows holding an image and a one-second clip of beeps where the others read image rows: a text-only micro-batch
+carries the dummy image and the dummy sound together.
 
 The full fine-tuning runs end with two benchmarks (`--benchmarks`, 5 embedded documents each, uneven over the 2
 ranks): every engine's scores equal one process's.
 """
+
+import random
 
 import pytest
 import torch
@@ -45,6 +50,7 @@ from launch import (
     run_engine,
     run_recipe,
 )
+from make_audio import beeps, encode_flac
 from mmrecipes.vlm.arguments import LoraArgs
 from mmrecipes.vlm.model.lora import lora_config
 from tiny_language_models import save_tiny_language_model
@@ -67,7 +73,9 @@ FEATURES = {"full": BENCHMARKS, "lora": LORA, "lora_qwen": LORA,
             # stage 1's preset
             "composed": [], "composed_stage1": ["--train_modules", "projector"],
             # reasoning and plain rows on a thinking template (its own data: the scenario's rows with reasoning)
-            "reasoning": []}
+            "reasoning": [],
+            # image-and-audio rows and text-only ones on a model that hears (its own data)
+            "audio": []}
 RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("ddp.yaml", "full"): [],
     ("fsdp2.yaml", "full"): [],  # with the divergence guard switched on by its environment variable
@@ -82,6 +90,7 @@ RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("ddp.yaml", "reasoning"): [],
     ("fsdp2.yaml", "reasoning"): [],
     ("zero3.yaml", "reasoning"): [],
+    **{(config, "audio"): [] for config in ("ddp.yaml", "fsdp2.yaml", "zero2.yaml", "zero3.yaml")},
 }
 
 
@@ -96,6 +105,13 @@ def text_row():
 def reasoned_image_row():
     return chat_row("What colour is the shape?", "red", Image.new("RGB", (32, 32), (220, 40, 40)),
                     reasoning="The image shows one large red square, so its colour is red.")
+
+
+def heard_image_row():
+    """An image and a second of three beeps (data_prep/make_audio.py's), one question about both."""
+    clip = encode_flac(beeps(3, 440.0, random.Random(0)))
+    return chat_row("What colour is the shape, and how many beeps?", "red, three",
+                    Image.new("RGB", (32, 32), (220, 40, 40)), audio=clip)
 
 
 def write_scenario(data, image=None, text=None):
@@ -113,11 +129,12 @@ def write_scenario(data, image=None, text=None):
 def scenario(tmp_path_factory):
     root = tmp_path_factory.mktemp("scenario")
     write_scenario(root / "reasoning", reasoned_image_row())
+    write_scenario(root / "audio", heard_image_row())
     return write_scenario(root)
 
 
 def data_of(scenario, feature):
-    return scenario / "reasoning" if feature == "reasoning" else scenario
+    return scenario / feature if feature in ("reasoning", "audio") else scenario
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +148,8 @@ def composed_parts(tmp_path_factory):
 
 def feature_args(feature, tiny_vlms, composed_parts):
     model = {"lora_qwen": ["--model_name_or_path", tiny_vlms["qwen2_5_vl"]],
-             "reasoning": ["--model_name_or_path", tiny_vlms["qwen3_5_think"]]}.get(feature, [])
+             "reasoning": ["--model_name_or_path", tiny_vlms["qwen3_5_think"]],
+             "audio": ["--model_name_or_path", tiny_vlms["gemma4"]]}.get(feature, [])
     return [*FEATURES[feature], *model, *(composed_parts if feature.startswith("composed") else [])]
 
 
@@ -181,11 +199,13 @@ def test_mixed_ranks_match_one_process(runs, truth, config, feature):
         assert_adam_weights_close(LlavaForConditionalGeneration.from_pretrained(output_dir).state_dict(),
                                   LlavaForConditionalGeneration.from_pretrained(reference_dir).state_dict(),
                                   learning_rate=1e-3, steps=STEPS)
-    elif feature == "reasoning":  # the plain rows' empty think block was context, the reasoning a target
+    elif feature in ("reasoning", "audio"):
         assert_adam_weights_close(AutoModelForImageTextToText.from_pretrained(output_dir).state_dict(),
                                   AutoModelForImageTextToText.from_pretrained(reference_dir).state_dict(),
                                   learning_rate=1e-3, steps=STEPS)
-        assert "an empty think block: context, not a target" in result.log
+        # the plain rows' empty think block was context, the reasoning a target; every clip trained
+        assert ("an empty think block: context, not a target" if feature == "reasoning" else
+                "| audio 0 | video 0 |") in result.log
     else:
         assert "trainable parameters" in result.log and "frozen" in result.log
     if config == "fsdp2.yaml" and feature == "full":  # the guard was on, found nothing, changed no number

@@ -24,8 +24,9 @@ from mmrecipes.vlm.model.module_groups import apply_train_modules, module_groups
 from mmrecipes.vlm.model.outputs import LossSum
 from mmrecipes.vlm.model.parts import load_vlm
 from mmrecipes.vlm.model.step import VLMForTraining
-from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row, generation_prompts, prompt_row
+from mmrecipes.vlm.rows.chat_data import CHAT_COUNTED, build_chat_dataloader, encode_row, prompt_row
 from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.held_out import generation_prompts
 from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller, TemplateError
 from mmrecipes.vlm.rows.template_checks import check_template
 

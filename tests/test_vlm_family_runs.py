@@ -3,8 +3,9 @@ processes at per-device batch size 1 on the default mixture, so text-only and im
 meet on different ranks; no find_unused_parameters anywhere. Qwen2.5-VL (clips in the tower's image call) and
 LLaVA-OneVision (a video path of its own) train on the embedded video conversations too (video, image and
 text-only micro-batches meet), under DDP and a sharded engine against it (Qwen2.5-VL: FSDP2; LLaVA-OneVision:
-ZeRO-3); Qwen3.5 (linear attention) under FSDP2 and Gemma 4 (per-layer embeddings, KV sharing) under
-ZeRO-3 against DDP too; Qwen2.5-VL also on LLaVA(-Video) JSON with two-image and video rows under DDP and ZeRO-3
+ZeRO-3); Qwen3.5 (linear attention) under FSDP2 against DDP too; Gemma 4 E2B (per-layer embeddings, KV sharing, an
+audio tower) on a mixture with the embedded audio questions (under every engine against one process:
+test_vlm_engines.py); Qwen2.5-VL also on LLaVA(-Video) JSON with two-image and video rows under DDP and ZeRO-3
 against it; SmolVLM runs that JSON under DDP and counts its video rows (no video processor; its LoRA runs under
 ZeRO-3 in test_vlm_engines.py)."""
 
@@ -38,15 +39,11 @@ pytestmark = pytest.mark.launch
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision", "qwen3_5", "gemma4"]
 MATRIX = "qwen2_5_vl"
 VIDEO_FAMILIES = [MATRIX, "llava_onevision"]  # one of each video path that launches (test_video_training.py)
-SHARDED = [(MATRIX, "fsdp2.yaml"), ("llava_onevision", "zero3.yaml"), ("qwen3_5", "fsdp2.yaml"),
-           ("gemma4", "zero3.yaml")]
+SHARDED = [(MATRIX, "fsdp2.yaml"), ("llava_onevision", "zero3.yaml"), ("qwen3_5", "fsdp2.yaml")]
 TRAIN_MODULES = {"idefics3": "all"}  # the others: projector,language_model (the default)
 # Qwen3.5-2B's template renders no think block unless asked: its own default said again, through the flag, tracked
 # by TensorBoard (whose hparams take no mapping)
 TEMPLATE_KWARGS = {"qwen3_5": ["--chat_template_kwargs", '{"enable_thinking": false}', "--report_to", "tensorboard"]}
-# Gemma 4 under ZeRO-3 (and FSDP2) parts from DDP step by step: its gradient norm agrees to 1e-6 at step 1 (the sums'
-# order), 5e-4 by step 16, the loss to 1e-6 throughout (its weights: `assert_adam_weights_close`). {family: norm rel}
-LOOSER = {"gemma4": 1e-3}
 STEPS = 16
 RUN = ["--max_steps", STEPS, "--logging_steps", 4, "--per_device_train_batch_size", 1,
        "--gradient_accumulation_steps", 2, "--eval_steps", STEPS, "--eval_generation_rows", 8,  # 64: the default run
@@ -55,7 +52,7 @@ WITH_VIDEO = ["--dataset_name", ",".join(str(VLM_SHAPES / name) for name in ("im
               "--dataset_weights", "0.5,0.25,0.25"]
 VIDEO_COUNTS = r"\| video 0 \| no_frames 0 \| video_too_long 0 \| video_mismatch 0 "  # every video row trained
 # Gemma 4 E2B hears: a quarter of its rows are the embedded audio questions (ranks and micro-batches with and without
-# a clip meet), under DDP and ZeRO-3 against it
+# a clip meet)
 AUDIO_FAMILIES = ["gemma4"]
 WITH_AUDIO = ["--dataset_name", ",".join(str(VLM_SHAPES / name) for name in ("image_chat", "text_chat", "audio_chat")),
               "--dataset_weights", "0.5,0.25,0.25"]
@@ -144,7 +141,7 @@ def test_a_sharded_engine_matches_ddp_on_a_non_llava_family(family_runs, family,
     assert_engine(result.log, config, wrapped="VLMForTraining")
     ddp, ddp_dir = family_runs[family, "ddp.yaml"]
     assert dummy_batches(result.log) == dummy_batches(ddp.log) > 0
-    assert_same_curves(result.log, ddp.log, grad_norm=True, rel=LOOSER.get(family, 1e-4))
+    assert_same_curves(result.log, ddp.log, grad_norm=True, rel=1e-4)
     assert_adam_weights_close(load_file(output_dir / "model.safetensors"), load_file(ddp_dir / "model.safetensors"),
                               learning_rate=1e-3, steps=STEPS)
 

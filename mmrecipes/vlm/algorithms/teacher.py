@@ -24,8 +24,9 @@ from ..model.families import dummy_image_inputs, placeholder_token_ids
 from ..model.loading import load_pretrained, stop_token_ids
 from ..model.outputs import Hidden, OutputLayer
 from ..model.step import VLMForTraining
-from ..rows.chat_data import generation_prompts, prompt_row
+from ..rows.chat_data import prompt_row
 from ..rows.collate import ChatCollator
+from ..rows.held_out import generation_prompts
 from ..rows.labels import IGNORE_INDEX
 from .reference import frozen_reference, parameter_values_held
 

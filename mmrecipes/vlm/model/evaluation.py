@@ -8,8 +8,9 @@ from ...benchmarks.harness import too_long
 from ...benchmarks.scoring import reasoning_of, without_reasoning
 from ...distributed import batches_in_step, max_over_ranks, sum_over_ranks
 from ...images import to_device
-from ..rows.chat_data import TOKEN_ALIGNED, HeldOut, prompt_row
+from ..rows.chat_data import TOKEN_ALIGNED, prompt_row
 from ..rows.collate import ChatCollator
+from ..rows.held_out import HeldOut
 from ..rows.labels import IGNORE_INDEX
 from .outputs import Logits
 

@@ -15,20 +15,16 @@ counted (audio) instead of trained without their sound. Audio clips resolve as i
 import json
 import logging
 import re
-from collections import Counter
-from typing import NamedTuple
 
 import torch
 from PIL import Image
 
-from ...benchmarks.scoring import reasoning_of, without_reasoning
-from ...distributed import all_ranks_true
 from ...loader import check_held_out, rank_loader
 from ...skips import SKIPPED, DropCounter, Skip
-from ...sources import DATA_FILE, PROBLEM, load_stream, mixed_stream, row_name
+from ...sources import DATA_FILE, PROBLEM, mixed_stream, row_name
 from ..arguments import ChatDataArgs
 from .audio import AUDIO_COUNTED
-from .labels import IGNORE_INDEX, ReasoningDropped, TemplateError, UnalignedAnswer
+from .labels import IGNORE_INDEX, ReasoningDropped, TemplateError, UnalignedAnswer, audio_kwargs
 from .media import AUDIO_COLUMNS, NOT_TAKEN, media_folder, media_not_taken, row_audios, row_images, row_videos
 from .videos import VIDEO_COUNTED
 
@@ -338,71 +334,14 @@ def unbatched(encoded) -> tuple[torch.Tensor, dict]:
     return input_ids, {key: _as_tensor(value[0] if key in TOKEN_ALIGNED else value) for key, value in encoded.items()}
 
 
-class HeldOut(NamedTuple):
-    """A held-out question: its prompt row, the answer, and the reasoning the row gives before it ("": none)."""
-
-    prompt: dict
-    answer: str
-    reasoning: str
-
-
-def generation_prompts(args: ChatDataArgs, processor, *, rows: int, ranks) -> list[HeldOut]:
-    """This rank's share of `rows` held-out conversations (`ranks`: `distributed.Ranks`, their
-    evaluation reads), as `HeldOut`: the conversation up to its last assistant turn
-    through the processor's own chat template with its generation prompt and images (what a user's
-    `generate` call gets), that turn's answer and its reasoning. Independent of the labels, so that
-    `evaluation.evaluate_generation` checks them. Rows that cannot be read are left out; where no
-    rank has a prompt, every rank raises together, with what its share left out by reason (the
-    evaluation would never run)."""
-    if not rows:
-        return []
-    rows = ranks.share(rows)
-    stream, _ = load_stream(args.eval_dataset_name, args.dataset_config_name, args.eval_split, args.eval_data_files,
-                            CHAT_COLUMNS, **ranks.reads(evaluation=True))
-    prompts, skipped = [], Counter()
-    for row in stream:
-        if len(prompts) == rows:
-            break
-        try:
-            prompts.append(_held_out_prompt(args, processor, row))
-        except Skip as skip:
-            skipped[skip.reason] += 1
-        except Exception as error:  # a row the training data would count as bad
-            skipped[f"bad_row ({type(error).__name__})"] += 1
-    if all_ranks_true(not prompts, ranks.device):
-        counts = ", ".join(f"{reason} {count}" for reason, count in skipped.most_common()) or "none read"
-        raise RuntimeError(f"No data rank has a held-out question of {args.eval_dataset_name} to answer by "
-                           f"generation, so that evaluation would never run; this rank left out: {counts}")
-    return prompts
-
-
-def _held_out_prompt(args: ChatDataArgs, processor, row):
-    """(prompt row, answer) of a held-out row, or `Skip` with why it gives none."""
-    if row.get(PROBLEM):
-        raise Skip(row[PROBLEM])
-    messages, raw_images, _ = to_chat(row)
-    if kind := media_not_taken(row, messages, takes_video=False):
-        raise Skip(kind)  # image questions only, for now
-    answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
-    if not answers:
-        raise Skip("no answer")
-    last = answers[-1]
-    if sum(part["type"] == "image" for message in messages[:last] for part in message["content"]) != len(raw_images):
-        raise Skip("an image after the question")
-    images, _ = row_images(args, media_folder(row, args.image_folder), messages, raw_images)
-    text = " ".join(part["text"] for part in messages[last]["content"] if part["type"] == "text")
-    prompt = prompt_row(processor, messages[:last], images, template_kwargs=args.chat_template_kwargs)
-    # the answer a reasoning model gives after its reasoning (in reasoning_content, or inlined as <think>...</think>)
-    return HeldOut(prompt, without_reasoning(text), messages[last].get("reasoning_content") or reasoning_of(text))
-
-
-def prompt_row(processor, messages, images, tools=None, template_kwargs=None) -> dict:
+def prompt_row(processor, messages, images, tools=None, template_kwargs=None, audios=()) -> dict:
     """A collator row of `messages` rendered with the generation prompt (and the `tools`' JSON
-    schemas, where given; `template_kwargs`: --chat_template_kwargs; no target): what `generate`
-    is given."""
+    schemas, where given; `template_kwargs`: --chat_template_kwargs; `audios`: its clips, decoded; no target):
+    what `generate` is given."""
     text = processor.apply_chat_template(messages, add_generation_prompt=True, **({"tools": tools} if tools else {}),
                                          **(template_kwargs or {}))
-    input_ids, media_inputs = unbatched(processor(text=text, images=[images] if images else None))
+    heard = dict(audio=list(audios), audio_kwargs=audio_kwargs(processor)) if audios else {}
+    input_ids, media_inputs = unbatched(processor(text=text, images=[images] if images else None, **heard))
     return {"input_ids": input_ids, "labels": torch.full_like(input_ids, IGNORE_INDEX), "media_inputs": media_inputs}
 
 
