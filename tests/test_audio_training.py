@@ -10,7 +10,9 @@ import pytest
 import torch
 from transformers import AutoProcessor
 
+from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
+from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.vlm.arguments import ChatDataArgs, LoraArgs, VLMModelArgs
 from mmrecipes.vlm.model import audio_rows
 from mmrecipes.vlm.model.families import audio_inputs
@@ -21,6 +23,7 @@ from mmrecipes.vlm.model.step import VLMForTraining
 from mmrecipes.vlm.rows import labels
 from mmrecipes.vlm.rows.chat_data import ChatPreprocessor
 from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.held_out import generation_prompts
 from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller
 from test_audio_rows import encoded, preprocessed, tone, wav_bytes
 
@@ -176,3 +179,17 @@ def test_every_bad_clip_is_a_counted_skip_and_the_rest_train(gemma4, tmp_path):
     # over --audio_max_seconds: counted from the header
     assert rows_of(labeller, [audio_row(wav_bytes(tone(3.0, RATE), RATE))], audio_max_seconds=2.0) == (
         [], {"audio_too_long": 1})
+
+
+def test_held_out_audio_questions_are_asked_with_their_clips(gemma4):
+    """The evaluation by generation asks the embedded audio questions with their sound (a model that does not hear
+    leaves them out, counted)."""
+    vlm, _, _ = gemma4
+    args = ChatDataArgs(eval_dataset_name=str(VLM_SHAPES / "audio_chat"), eval_split="test")
+    prompts = generation_prompts(args, vlm.processor, rows=4, ranks=Ranks(), hears=True)
+    token = vlm.processor.tokenizer.convert_tokens_to_ids(vlm.processor.audio_token)
+    assert [int((held.prompt["input_ids"] == token).sum()) for held in prompts] == [25] * 4
+    assert all(held.answer in ("one", "two", "three", "four", "first", "second") for held in prompts)
+    assert {"input_features", "input_features_mask"} <= set(prompts[0].prompt["media_inputs"])
+    with pytest.raises(RuntimeError, match="this rank left out: audio 64"):
+        generation_prompts(args, vlm.processor, rows=4, ranks=Ranks())

@@ -58,51 +58,39 @@ def count_parts(messages, kind) -> int:
 def row_images(args: ChatDataArgs, folder: str | None, messages, raw_images):
     """(decoded images, a note such as "converted") of a row, or `Skip`: its placeholders do not
     match its images, a path leaves `folder` (`media_folder`), or an image does not decode."""
-    placeholders = count_parts(messages, "image")
-    if placeholders != len(raw_images):
-        raise Skip("image_mismatch", f"{placeholders} image placeholders or parts, {len(raw_images)} images")
-    images, note = [], None
-    for raw_image in raw_images:
-        raw_image = _resolved(args, folder, raw_image)
-        image, problem = decode_image(raw_image, args.max_image_pixels, args.max_image_aspect_ratio)
-        if image is None:
-            raise Skip(problem, _unreadable(raw_image))
-        images.append(image)
-        note = note or problem
-    return images, note
+    decoded = _decoded(args, folder, messages, raw_images, "image", "images", lambda raw: decode_image(
+        raw, args.max_image_pixels, args.max_image_aspect_ratio))
+    return [image for image, _ in decoded], next((note for _, note in decoded if note), None)
 
 
 def row_videos(args: ChatDataArgs, folder: str | None, messages, raw_videos):
     """The decoded clips of a row (`mmrecipes.vlm.rows.videos.DecodedVideo`s), or `Skip`: as for
     images, and a clip that yields no frame or runs over --video_max_seconds."""
-    placeholders = count_parts(messages, "video")
-    if placeholders != len(raw_videos):
-        raise Skip("video_mismatch", f"{placeholders} video placeholders or parts, {len(raw_videos)} clips")
-    videos = []
-    for raw_video in raw_videos:
-        raw_video = _resolved(args, folder, raw_video)
-        video, problem = decode_video(raw_video, args)
-        if video is None:
-            raise Skip(problem, _unreadable(raw_video))
-        videos.append(video)
-    return videos
+    return [video for video, _ in _decoded(args, folder, messages, raw_videos, "video", "clips",
+                                           lambda raw: decode_video(raw, args))]
 
 
 def row_audios(args: ChatDataArgs, folder: str | None, messages, raw_audios, sampling_rate: int):
-    """The decoded clips of a row (mono float32 at `sampling_rate`), or `Skip`: its placeholders do not match its
-    clips (audio_mismatch), a path leaves `folder`, or a clip does not decode, is empty or runs over
-    --audio_max_seconds (`decode_audio`)."""
-    placeholders = count_parts(messages, "audio")
-    if placeholders != len(raw_audios):
-        raise Skip("audio_mismatch", f"{placeholders} audio placeholders or parts, {len(raw_audios)} clips")
-    clips = []
-    for raw_audio in raw_audios:
-        raw_audio = _resolved(args, folder, raw_audio)
-        clip, problem = decode_audio(raw_audio, sampling_rate, args.audio_max_seconds)
-        if clip is None:
-            raise Skip(problem, _unreadable(raw_audio))
-        clips.append(clip)
-    return clips
+    """The decoded clips of a row (mono float32 at `sampling_rate`), or `Skip`: as for images (audio_mismatch), and a
+    clip that does not decode, is empty or runs over --audio_max_seconds (`decode_audio`)."""
+    return [clip for clip, _ in _decoded(args, folder, messages, raw_audios, "audio", "clips",
+                                         lambda raw: decode_audio(raw, sampling_rate, args.audio_max_seconds))]
+
+
+def _decoded(args: ChatDataArgs, folder: str | None, messages, raw_media, kind: str, noun: str, decode) -> list:
+    """(media, note) of each of a row's `raw_media` by `decode` (-> (media or None, its problem or note)), or `Skip`:
+    fewer or more `kind` placeholders than media (`<kind>_mismatch`), a path that leaves `folder`, a problem."""
+    placeholders = count_parts(messages, kind)
+    if placeholders != len(raw_media):
+        raise Skip(f"{kind}_mismatch", f"{placeholders} {kind} placeholders or parts, {len(raw_media)} {noun}")
+    decoded = []
+    for raw in raw_media:
+        raw = _resolved(args, folder, raw)
+        media, problem = decode(raw)
+        if media is None:
+            raise Skip(problem, _unreadable(raw))
+        decoded.append((media, problem))
+    return decoded
 
 
 def _resolved(args: ChatDataArgs, folder: str | None, raw_media):
