@@ -17,9 +17,9 @@ import random
 from pathlib import Path
 
 import av
-import datasets
 import numpy
 
+from make_videos import clip_row, write_splits
 from tiny_vlm import save_family
 from tiny_vlm_2026 import FAMILIES
 
@@ -66,12 +66,6 @@ def encode_flac(samples: numpy.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def audio_row(question: str, answer: str, clip: bytes) -> dict:
-    return {"messages": [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": question}]},
-                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
-            "audios": [{"bytes": clip}]}
-
-
 def make_rows(count: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []
@@ -79,10 +73,10 @@ def make_rows(count: int, seed: int) -> list[dict]:
         if index % 2 == 0:
             number = rng.randrange(len(COUNTS))
             clip = beeps(number + 1, rng.choice(PITCHES), rng)
-            rows.append(audio_row("How many beeps?", COUNTS[number], encode_flac(clip)))
+            rows.append(clip_row("audio", "How many beeps?", COUNTS[number], encode_flac(clip)))
         else:
             first, second = rng.sample(PITCHES, 2)
-            rows.append(audio_row("Which tone is higher?", "first" if first > second else "second",
+            rows.append(clip_row("audio", "Which tone is higher?", "first" if first > second else "second",
                                   encode_flac(two_tones(first, second))))
     return rows
 
@@ -94,11 +88,7 @@ def main():
     parser.add_argument("--train_rows", type=int, default=256)
     parser.add_argument("--test_rows", type=int, default=64)
     args = parser.parse_args()
-    output = Path(args.output)
-    output.mkdir(parents=True, exist_ok=True)
-    for split, count, seed in (("train", args.train_rows, 0), ("test", args.test_rows, 1)):
-        datasets.Dataset.from_list(make_rows(count, seed)).to_parquet(output / f"{split}-00000-of-00001.parquet")
-        print(f"{split}: {count} rows -> {output}")
+    write_splits(Path(args.output), make_rows, args.train_rows, args.test_rows)
     save_family(FAMILIES, "gemma4", Path(args.model_dir))
     print(f"wrote {args.model_dir}")
 

@@ -65,10 +65,19 @@ def colour_sequence(first: str, second: str, shape: str, frames: int = FRAMES) -
     return images
 
 
-def video_row(question: str, answer: str, clip: bytes) -> dict:
-    return {"messages": [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]},
+def clip_row(kind: str, question: str, answer: str, clip: bytes) -> dict:
+    """A chat row of one `kind` ("video", "audio") part and a question, its clip's bytes in the `<kind>s` column."""
+    return {"messages": [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": question}]},
                          {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
-            "videos": [{"bytes": clip}]}
+            f"{kind}s": [{"bytes": clip}]}
+
+
+def write_splits(output: Path, make_rows, train_rows: int, test_rows: int):
+    """train- and test-00000-of-00001.parquet of `make_rows(count, seed)` (seeds 0 and 1) in `output`."""
+    output.mkdir(parents=True, exist_ok=True)
+    for split, count, seed in (("train", train_rows, 0), ("test", test_rows, 1)):
+        datasets.Dataset.from_list(make_rows(count, seed)).to_parquet(output / f"{split}-00000-of-00001.parquet")
+        print(f"{split}: {count} rows -> {output}")
 
 
 def make_rows(count: int, seed: int) -> list[dict]:
@@ -80,11 +89,11 @@ def make_rows(count: int, seed: int) -> list[dict]:
         if index % 2 == 0:
             direction = rng.choice(sorted(DIRECTIONS))
             clip = encode_clip(moving_shape(direction, rng.choice(colours), shape))
-            rows.append(video_row("Which way does the shape move?", direction, clip))
+            rows.append(clip_row("video", "Which way does the shape move?", direction, clip))
         else:
             first, second = rng.sample(colours, 2)
-            rows.append(video_row("Which colour appears first?", first, encode_clip(colour_sequence(first, second,
-                                                                                                     shape))))
+            rows.append(clip_row("video", "Which colour appears first?", first,
+                                  encode_clip(colour_sequence(first, second, shape))))
     return rows
 
 
@@ -95,11 +104,7 @@ def main():
     parser.add_argument("--train_rows", type=int, default=256)
     parser.add_argument("--test_rows", type=int, default=64)
     args = parser.parse_args()
-    output = Path(args.output)
-    output.mkdir(parents=True, exist_ok=True)
-    for split, count, seed in (("train", args.train_rows, 0), ("test", args.test_rows, 1)):
-        datasets.Dataset.from_list(make_rows(count, seed)).to_parquet(output / f"{split}-00000-of-00001.parquet")
-        print(f"{split}: {count} rows -> {output}")
+    write_splits(Path(args.output), make_rows, args.train_rows, args.test_rows)
 
 
 if __name__ == "__main__":

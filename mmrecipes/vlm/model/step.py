@@ -250,9 +250,21 @@ def save_vlm(accelerator, model, processor, output_dir, peft_config=None):
                        - {name for name, _ in inner.named_parameters()})
         state_dict = {name.removeprefix("model."): tensor for name, tensor in state_dict.items()
                       if name.removeprefix("model.") not in tied_copies}
+        without_call_settings(processor.tokenizer)
         if peft_config is None:
             inner.save_pretrained(output_dir, state_dict=state_dict, save_function=accelerator.save)
             processor.save_pretrained(output_dir)
         else:
             save_lora(peft_config, inner, state_dict, processor, output_dir)
     accelerator.wait_for_everyone()
+
+
+def without_call_settings(tokenizer):
+    """Clear the padding and truncation a fast tokenizer's last call left on its backend, which `save_pretrained`
+    would write into tokenizer.json as the tokenizer's own (every call sets its own again). Gemma 4's processor pads
+    each call; reloaded with that padding saved, it truncates its audio features by default, finds no max_length and
+    refuses every clip, the any-to-any pipeline's included."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None:
+        backend.no_padding()
+        backend.no_truncation()
