@@ -162,10 +162,10 @@ class VLMForTraining(torch.nn.Module):
         """What the language model takes: the ids and mask, the encoded media
         (`mm_encoder_outputs`), the family's other inputs (Qwen's image_grid_thw and
         mm_token_type_ids for mRoPE positions, Gemma 3's token_type_ids, Idefics3's
-        pixel_attention_mask, LLaVA-OneVision's image_sizes, Gemma 4's audio features, which it
-        encodes itself; never the `dummies`' inputs: the LM sees no image and no image token of a
-        text-only batch), and, packed, each sample's positions and segments (no mask:
-        mmrecipes.vlm.rows.packing)."""
+        pixel_attention_mask, LLaVA-OneVision's image_sizes, Gemma 4's audio features and their
+        mask, already encoded: `AudioRows.given`; never the `dummies`' inputs: the LM sees no image
+        and no image token of a text-only batch), and, packed, each sample's positions and segments
+        (no mask: mmrecipes.vlm.rows.packing)."""
         pixels = {"pixel_values", "pixel_values_videos"}
         keep = self.forward_input_names - pixels - dummies
         inputs = {name: value for name, value in media_inputs.items() if name in keep}
