@@ -17,7 +17,7 @@ from mmrecipes.vlm.arguments import ChatDataArgs, LoraArgs, VLMModelArgs
 from mmrecipes.vlm.model import audio_rows
 from mmrecipes.vlm.model.families import audio_inputs
 from mmrecipes.vlm.model.module_groups import apply_train_modules
-from mmrecipes.vlm.model.outputs import LossSum
+from mmrecipes.vlm.model.outputs import Logits, LossSum
 from mmrecipes.vlm.model.parts import vlm_parts
 from mmrecipes.vlm.model.step import VLMForTraining
 from mmrecipes.vlm.rows import labels
@@ -193,3 +193,22 @@ def test_held_out_audio_questions_are_asked_with_their_clips(gemma4):
     assert {"input_features", "input_features_mask"} <= set(prompts[0].prompt["media_inputs"])
     with pytest.raises(RuntimeError, match="this rank left out: audio 64"):
         generation_prompts(args, vlm.processor, rows=4, ranks=Ranks())
+
+
+@torch.no_grad()
+def test_packed_audio_rows_give_the_logits_they_give_alone(gemma4):
+    """Two clips of different lengths packed after a text row: each sample's logits as alone (each clip's rows at
+    its own run of placeholders), and --packing's check before the first step passes."""
+    vlm, labeller, step = gemma4
+    clips = [audio_row(wav_bytes(tone(seconds, RATE), RATE)) for seconds in (1.0, 0.5)]
+    rows, _ = rows_of(labeller, [TEXT_ROW, *clips])
+    collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs, packing=True)
+    step.eval()
+    try:
+        packed = step(to_device(collator(rows), "cpu"), Logits())
+        alone = torch.cat([step(to_device(ChatCollator(0, vlm.dummy_inputs)([row]), "cpu"), Logits())
+                           for row in rows], dim=1)
+        vlm.check_packing(labeller)
+    finally:
+        step.train()
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
