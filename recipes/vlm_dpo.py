@@ -93,8 +93,10 @@ def main(argv=None):
     # starting weights.
     vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2, frozen_copy=True)
     model, processor = vlm.model, vlm.processor
-    # The chosen and rejected answers' tokens, as in SFT
-    labeller = AnswerLabeller(processor, vlm.stops, template=model_args.training_template(),
+    # The chosen and rejected answers' tokens, as in SFT; a model that hears reads both sides'
+    # clips (the row's audio columns) as vlm_finetune.py does
+    labeller = AnswerLabeller(processor, vlm.stops, audio=vlm.hears,
+                              template=model_args.training_template(),
                               empty_think=data_args.empty_think_block,
                               template_kwargs=data_args.chat_template_kwargs)
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)

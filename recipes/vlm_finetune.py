@@ -65,7 +65,7 @@ from mmrecipes.training import (
     per_device_batch_size,
 )
 from mmrecipes.vlm.model.evaluation import BenchmarkAnswers, evaluate_answers, evaluate_generation
-from mmrecipes.vlm.model.families import audio_inputs, video_path
+from mmrecipes.vlm.model.families import video_path
 from mmrecipes.vlm.model.moe import LoadBalance
 from mmrecipes.vlm.model.outputs import LossSum
 from mmrecipes.vlm.model.parts import vlm_parts
@@ -88,10 +88,9 @@ def main(argv=None):
     # (a template whose turns no rule finds would otherwise drop every row as no_target).
     # A model that hears (an audio tower, a feature extractor) trains on audio rows too.
     labeller = AnswerLabeller(processor, vlm.stops, videos=video_path(model, processor),
-                              template=model_args.training_template(),
+                              audio=vlm.hears, template=model_args.training_template(),
                               empty_think=data_args.empty_think_block,
-                              template_kwargs=data_args.chat_template_kwargs,
-                              audio=bool(audio_inputs(model, processor)))
+                              template_kwargs=data_args.chat_template_kwargs)
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
     if data_args.packing:  # samples kept apart in one sequence?
         vlm.check_packing(labeller)

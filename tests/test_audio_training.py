@@ -13,11 +13,11 @@ from transformers import AutoProcessor
 from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
 from mmrecipes.paths import VLM_SHAPES
+from mmrecipes.vlm.algorithms.preference import PreferenceCollator, PreferencePreprocessor
 from mmrecipes.vlm.arguments import ChatDataArgs, LoraArgs, VLMModelArgs
 from mmrecipes.vlm.model import audio_rows
-from mmrecipes.vlm.model.families import audio_inputs
 from mmrecipes.vlm.model.module_groups import apply_train_modules
-from mmrecipes.vlm.model.outputs import Logits, LossSum
+from mmrecipes.vlm.model.outputs import Logits, LossSum, SequenceLogps
 from mmrecipes.vlm.model.parts import vlm_parts
 from mmrecipes.vlm.model.step import VLMForTraining
 from mmrecipes.vlm.rows import labels
@@ -45,7 +45,7 @@ def gemma4(tiny_vlms):
     """(the recipe's parts of the tiny Gemma 4 E2B, its labeller that hears, a step)."""
     torch.manual_seed(0)
     vlm = vlm_parts(VLMModelArgs(model_name_or_path=str(tiny_vlms["gemma4"])), LoraArgs(), seq_len=128)
-    labeller = AnswerLabeller(vlm.processor, vlm.stops, audio=bool(audio_inputs(vlm.model, vlm.processor)))
+    labeller = AnswerLabeller(vlm.processor, vlm.stops, audio=vlm.hears)
     return vlm, labeller, VLMForTraining(vlm.model)
 
 
@@ -212,3 +212,28 @@ def test_packed_audio_rows_give_the_logits_they_give_alone(gemma4):
     finally:
         step.train()
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_dpo_reads_both_sides_clips_through_the_same_path(gemma4):
+    """A preference pair whose prompt plays a clip (TRL's string prompt with LLaMA-Factory's `<audio>` tag and `audios`
+    column): each side carries the clip's features and placeholders, the answers alone differ, and each side's
+    log-probability is its own row's as a batch of one."""
+    vlm, labeller, step = gemma4
+    clip = wav_bytes(tone(1.0, RATE), RATE)
+    pair = {"prompt": f"<audio>{QUESTION}", "chosen": "three", "rejected": "four", "audios": [clip]}
+    out = preprocessed(PreferencePreprocessor(ChatDataArgs(max_length=256), labeller, 256), [pair])
+    chosen, rejected = out["chosen"][0], out["rejected"][0]
+    token = labeller.audio_token_id
+    assert [int((side["input_ids"] == token).sum()) for side in (chosen, rejected)] == [25, 25]
+    assert torch.equal(chosen["media_inputs"]["input_features"], rejected["media_inputs"]["input_features"])
+    batch = PreferenceCollator(ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs))([
+        {"chosen": chosen, "rejected": rejected}])
+    step.eval()
+    try:
+        logps = step(to_device(batch, "cpu"), SequenceLogps())
+        alone = [step(to_device(ChatCollator(0, vlm.dummy_inputs)([side]), "cpu"), SequenceLogps())
+                 for side in (chosen, rejected)]
+    finally:
+        step.train()
+    torch.testing.assert_close(logps, torch.cat(alone), rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ from ...training import optimizer_groups
 from ..arguments import LoraArgs, VLMModelArgs, VLMTrainingArgs, read_chat_template
 from ..rows.collate import ChatCollator, probe_rows
 from .compose import compose_llava, replaced_template
-from .families import dummy_image_inputs, placeholder_token_ids, stateful_mixers
+from .families import audio_inputs, dummy_image_inputs, placeholder_token_ids, stateful_mixers
 from .flops import VLMFlops
 from .loading import load_pretrained, stop_token_ids
 from .lora import add_lora, describe_trainable, dropout_note
@@ -50,6 +50,11 @@ class VLMParts:
     notes: tuple[str, ...] = ()
     # linear attention's mixers, made to keep packed samples apart (None: the model has none)
     segments: SegmentAwareMixers | None = None
+
+    @property
+    def hears(self) -> bool:
+        """The model trains on audio rows (`families.audio_inputs`: an audio tower, a feature extractor)."""
+        return bool(audio_inputs(self.model, self.processor))
 
     @property
     def peft_config(self):
