@@ -57,7 +57,7 @@ def lm_features(output) -> list[torch.Tensor]:
     tensors = []
 
     def collect(value):
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():  # not a mask (Gemma 4's audio rows)
             tensors.append(value)
         elif isinstance(value, (list, tuple)):
             for item in value:

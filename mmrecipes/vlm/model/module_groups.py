@@ -60,8 +60,8 @@ def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
       is projector.
     """
     language_model = {id(p) for p in [*model.get_decoder().parameters(), *model.get_output_embeddings().parameters()]}
-    image_inputs = {name: value for name, value in dummy_inputs.items()
-                    if name != "pixel_values_videos" and name not in audio_inputs(model)}
+    not_image = {"pixel_values_videos", *audio_inputs(model)}
+    image_inputs = {name: value for name, value in dummy_inputs.items() if name not in not_image}
     widths, reached = _step_of(model, model.get_image_features, image_inputs)
     modules = dict(model.named_modules())
     vision_blocks, towers = _vision_towers(model, modules, widths, language_model)
@@ -113,7 +113,7 @@ def _step_of(model, encode, inputs: dict) -> tuple[dict, set]:
     finally:
         for handle in handles:
             handle.remove()
-    torch.cat([feature.flatten() for feature in features if feature.is_floating_point()]).sum().backward()
+    torch.cat([feature.flatten() for feature in features]).sum().backward()
     reached = {id(p) for p in model.parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return widths, reached
