@@ -20,6 +20,12 @@
 - `gemma4_moe`: Gemma 4 26B-A4B's layout: each layer's MLP beside a router and 4 experts, 2 per token; image
   tokens attend to each other both ways (`use_bidirectional_attention="vision"`, as 26B-A4B and 31B; E2B and E4B
   attend causally); no audio tower (26B-A4B and 31B hear nothing).
+- `qwen2_5_omni`: the thinker of Qwen2.5-Omni (Qwen/Qwen2.5-Omni-7B's chat template, `qwen2_5_omni.jinja`), the
+  part that reads and writes text: Qwen2.5-VL's windowed vision tower, and a Whisper-style audio encoder (two
+  convolutions, then attention in windows of 100 frames, pooled 2:1: 25 soft tokens a second of 16 kHz audio) fed by
+  the Whisper feature extractor (128 mel bins); 3-D mRoPE over text, image and video, audio positions as text's.
+- `qwen2_5_omni_full`: the whole Qwen2.5-Omni checkpoint (`qwen2_5_omni`, as Qwen/Qwen2.5-Omni-7B ships): that
+  thinker beside a talker and a token-to-waveform model at toy size, which speak; the recipes train its thinker.
 """
 
 from transformers import (
@@ -30,6 +36,13 @@ from transformers import (
     Gemma4ImageProcessor,
     Gemma4Processor,
     Gemma4VideoProcessor,
+    Qwen2_5OmniConfig,
+    Qwen2_5OmniForConditionalGeneration,
+    Qwen2_5OmniProcessor,
+    Qwen2_5OmniThinkerConfig,
+    Qwen2_5OmniThinkerForConditionalGeneration,
+    Qwen2VLImageProcessor,
+    Qwen2VLVideoProcessor,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeConfig,
@@ -38,6 +51,7 @@ from transformers import (
     Qwen3VLMoeForConditionalGeneration,
     Qwen3VLProcessor,
     Qwen3VLVideoProcessor,
+    WhisperFeatureExtractor,
 )
 
 from tiny_vlm import TEXT, VISION, _qwen, _stop_on, family_main, save_family, template, train_tokenizer
@@ -114,8 +128,67 @@ def gemma4_moe():
                   hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_bidirectional_attention="vision")
 
 
+OMNI_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
+               "<|vision_bos|>", "<|vision_eos|>", "<|vision_pad|>", "<|IMAGE|>", "<|VIDEO|>"]
+
+
+def qwen2_5_omni():
+    """The Qwen2.5-Omni thinker at toy size (the checkpoint's audio encoder: 32 layers of width 1280; its 30 s window
+    of 3000 frames, 1500 positions, is the Whisper extractor's default cut, which the recipes turn off)."""
+    tokenizer = train_tokenizer(OMNI_TOKENS, eos="<|im_end|>", pad="<|endoftext|>", extra_special_tokens={
+        "image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "audio_token": "<|AUDIO|>",
+        "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+        "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"})
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5OmniThinkerConfig(
+        audio_config=dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
+                          d_model=32, output_dim=TEXT["hidden_size"]),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=TEXT["hidden_size"],
+                           window_size=16, fullatt_block_indexes=[1]),
+        text_config=dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **TEXT,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3]}),
+        audio_token_index=ids("<|AUDIO|>"), image_token_index=ids("<|IMAGE|>"), video_token_index=ids("<|VIDEO|>"),
+        audio_start_token_id=ids("<|audio_bos|>"), audio_end_token_id=ids("<|audio_eos|>"),
+        vision_start_token_id=ids("<|vision_bos|>"), vision_end_token_id=ids("<|vision_eos|>"))
+    pixels = dict(patch_size=4, merge_size=2, temporal_patch_size=2,
+                  size={"shortest_edge": 8 * 8, "longest_edge": 64 * 64})
+    processor = Qwen2_5OmniProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
+                                     video_processor=Qwen2VLVideoProcessor(**pixels),
+                                     feature_extractor=WhisperFeatureExtractor(feature_size=128),
+                                     chat_template=template("qwen2_5_omni"))
+    model = Qwen2_5OmniThinkerForConditionalGeneration(config)
+    _stop_on(model, ids("<|im_end|>"), ids("<|endoftext|>"))
+    return model, processor
+
+
+# the speaking parts of a full Qwen2.5-Omni checkpoint at toy size
+TALKER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=16, embedding_size=TEXT["hidden_size"],
+              rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3]})
+TOKEN2WAV = dict(dit_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ff_mult=1, emb_dim=16,
+                                 head_dim=16, num_embeds=64, mel_dim=8, enc_emb_dim=8, enc_dim=8,
+                                 enc_channels=[8, 8, 8, 8, 24], repeats=1, look_ahead_layers=[0],
+                                 look_backward_layers=[0]),
+                 bigvgan_config=dict(mel_dim=8, upsample_initial_channel=16, resblock_kernel_sizes=[3],
+                                     resblock_dilation_sizes=[[1, 3, 5]], upsample_rates=[2],
+                                     upsample_kernel_sizes=[4]))
+
+
+def qwen2_5_omni_full():
+    """The thinker of `qwen2_5_omni` (the same weights) inside a whole Qwen2.5-Omni checkpoint."""
+    thinker, processor = qwen2_5_omni()
+    model = Qwen2_5OmniForConditionalGeneration(Qwen2_5OmniConfig(
+        thinker_config=thinker.config.to_dict(), talker_config=TALKER, token2wav_config=TOKEN2WAV))
+    model.thinker = thinker
+    model.generation_config.eos_token_id = thinker.generation_config.eos_token_id
+    return model, processor
+
+
 FAMILIES = {"qwen3_5": qwen3_5, "qwen3_5_think": qwen3_5_think, "qwen3_vl_moe": qwen3_vl_moe,
-            "qwen3_5_moe": qwen3_5_moe, "gemma4": gemma4, "gemma4_moe": gemma4_moe}
+            "qwen3_5_moe": qwen3_5_moe, "gemma4": gemma4, "gemma4_moe": gemma4_moe,
+            "qwen2_5_omni": qwen2_5_omni, "qwen2_5_omni_full": qwen2_5_omni_full}
 
 
 def save_tiny_vlm_2026(family: str, output_dir):

@@ -1,13 +1,17 @@
-"""Audio training on a model that hears, in process: the tiny Gemma 4 E2B with its audio tower (data_prep/
-tiny_vlm_2026.py) and its real processor. A clip's placeholders are its encoder's rows, never targets, and its
-features never cut; a batch whose placeholders disagree with its clips is refused clip by clip (shown silent without
-the check); a batch without audio runs the tower on the dummy sound at zero weight; the presets and LoRA reach the
-audio tower by module structure; every bad clip is a counted skip. The two-rank runs (DDP, ZeRO-3 against it, ranks
-with and without audio): test_vlm_family_runs.py."""
+"""Audio training on a model that hears, in process: the tiny Gemma 4 E2B with its audio tower and the tiny
+Qwen2.5-Omni thinker (data_prep/tiny_vlm_2026.py), each with its real processor. A clip's placeholders are its
+encoder's rows, never targets, and its features never cut; a batch whose placeholders disagree with its clips is
+refused clip by clip (shown silent without the check); a batch without audio runs the tower on the dummy sound at
+zero weight; the presets and LoRA reach the audio tower by module structure; packed clips keep their own positions;
+every bad clip is a counted skip. The two-rank runs (DDP, sharded engines against it, ranks with and without audio):
+test_vlm_family_runs.py, test_vlm_engines.py."""
+
+import io
 
 import numpy
 import pytest
 import torch
+from PIL import Image
 from transformers import AutoProcessor
 
 from mmrecipes.distributed import Ranks
@@ -22,7 +26,7 @@ from mmrecipes.vlm.model.parts import vlm_parts
 from mmrecipes.vlm.model.step import VLMForTraining
 from mmrecipes.vlm.rows import labels
 from mmrecipes.vlm.rows.chat_data import ChatPreprocessor
-from mmrecipes.vlm.rows.collate import ChatCollator
+from mmrecipes.vlm.rows.collate import AUDIO_KEYS, ChatCollator
 from mmrecipes.vlm.rows.held_out import generation_prompts
 from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller
 from test_audio_rows import encoded, preprocessed, tone, wav_bytes
@@ -40,13 +44,51 @@ def audio_row(clip, question=QUESTION, answer="three"):
 TEXT_ROW = {"messages": [{"role": "user", "content": "One, two?"}, {"role": "assistant", "content": "three"}]}
 
 
+def heard_image_row(seconds=0.5):
+    """A question about an image and a clip together."""
+    image = io.BytesIO()
+    Image.new("RGB", (32, 32), (220, 40, 40)).save(image, format="PNG")
+    return {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "audio"},
+                                                      {"type": "text", "text": QUESTION}]},
+                         {"role": "assistant", "content": [{"type": "text", "text": "two"}]}],
+            "images": [image.getvalue()], "audios": [wav_bytes(tone(seconds, RATE), RATE)]}
+
+
+# what differs between the families that hear: each one's end of turn, its encoder rows for a half-second clip, the
+# parameters of its audio tower (the projector apart) and its audio projector
+HEARING = {"gemma4": dict(end="<turn|>", half_second=13, tower_params=122_080, projector="model.embed_audio."),
+           "qwen2_5_omni": dict(end="<|im_end|>", half_second=12, tower_params=32_640,
+                                projector="model.audio_tower.proj.")}
+
+
+@pytest.fixture(scope="module", params=list(HEARING))
+def hearing(request, tiny_vlms):
+    """(the recipe's parts of a tiny family that hears, its labeller that hears, a step, the family's HEARING)."""
+    torch.manual_seed(0)
+    vlm = vlm_parts(VLMModelArgs(model_name_or_path=str(tiny_vlms[request.param])), LoraArgs(), seq_len=128)
+    labeller = AnswerLabeller(vlm.processor, vlm.stops, audio=vlm.hears)
+    return vlm, labeller, VLMForTraining(vlm.model), HEARING[request.param] | {"family": request.param}
+
+
 @pytest.fixture(scope="module")
 def gemma4(tiny_vlms):
-    """(the recipe's parts of the tiny Gemma 4 E2B, its labeller that hears, a step)."""
+    """(the recipe's parts of the tiny Gemma 4 E2B, its labeller that hears, a step): what no family changes."""
     torch.manual_seed(0)
     vlm = vlm_parts(VLMModelArgs(model_name_or_path=str(tiny_vlms["gemma4"])), LoraArgs(), seq_len=128)
     labeller = AnswerLabeller(vlm.processor, vlm.stops, audio=vlm.hears)
     return vlm, labeller, VLMForTraining(vlm.model)
+
+
+def audio_features(vlm, media_inputs):
+    """The audio tower's output and its rows per clip (`AudioRows`)."""
+    rows = VLMForTraining(vlm.model).audio_rows
+    inputs = {name: media_inputs[name] for name in rows.input_names if name in media_inputs}
+    output = vlm.model.base_model.get_audio_features(**inputs, return_dict=True)
+    return output, rows.encoder_rows(output, inputs)
+
+
+def feature_mask(media_inputs):
+    return next(media_inputs[name] for name in labels.FEATURE_MASKS if name in media_inputs)
 
 
 def rows_of(labeller, rows, max_length=2048, **args):
@@ -58,107 +100,111 @@ def rows_of(labeller, rows, max_length=2048, **args):
     return kept, dict(preprocessor.drops.totals)
 
 
-def test_a_45_second_clip_is_as_many_placeholders_as_encoder_rows_none_of_them_a_target(gemma4):
-    vlm, labeller, step = gemma4
+def test_a_45_second_clip_is_as_many_placeholders_as_encoder_rows_none_of_them_a_target(hearing):
+    vlm, labeller, _, family = hearing
     clip = wav_bytes(tone(45.0, 44100, channels=2), 44100)  # resampled to the extractor's 16 kHz
     (row,), _ = rows_of(labeller, [audio_row(clip)])
     token = labeller.audio_token_id
     placeholders = int((row["input_ids"] == token).sum())
-    output = vlm.model.base_model.get_audio_features(**{name: row["media_inputs"][name] for name in
-                                                        ("input_features", "input_features_mask")})
+    _, rows = audio_features(vlm, row["media_inputs"])
     # 25 a second, the whole clip: the extractor's default would cut it at 30 s (750)
-    assert placeholders == int(output.attention_mask.sum()) == 1125
+    assert [placeholders] == rows == [1125]
     assert (row["labels"][row["input_ids"] == token] == IGNORE_INDEX).all()
     answer = vlm.processor.tokenizer.decode(row["labels"][row["labels"] != IGNORE_INDEX])
-    assert answer.replace(" ", "") == "three<turn|>"
+    assert answer.replace(" ", "").strip() == "three" + family["end"]
 
 
-def test_an_extractor_that_truncates_or_pads_on_the_left_is_refused_before_the_first_step(gemma4, tiny_vlms,
+def test_an_extractor_that_truncates_or_pads_on_the_left_is_refused_before_the_first_step(hearing, tiny_vlms,
                                                                                           monkeypatch):
-    vlm, _, _ = gemma4
-    processor = AutoProcessor.from_pretrained(tiny_vlms["gemma4"])
+    vlm, _, _, family = hearing
+    processor = AutoProcessor.from_pretrained(tiny_vlms[family["family"]])
     extractor_call = type(processor.feature_extractor).__call__
 
     def truncating(self, raw_speech, **kwargs):  # a processor that forces Whisper's 30 s window
-        return extractor_call(self, raw_speech, **kwargs | {"truncation": True})
+        return extractor_call(self, raw_speech, **kwargs | {"truncation": True, "max_length": 30 * RATE})
 
     monkeypatch.setattr(type(processor.feature_extractor), "__call__", truncating)
     with pytest.raises(ValueError, match="keeps 30.0 s of a 45 s clip: it truncates"):
         AnswerLabeller(processor, vlm.stops, audio=True)
     # the old failure is silent: placeholders and encoder rows agree at 750, the last 15 s never heard
-    made = processor(text=processor.audio_token, audio=[numpy.zeros(45 * RATE, numpy.float32)],
-                     audio_kwargs=labels.audio_kwargs(processor), return_tensors="pt")
-    rows = vlm.model.base_model.get_audio_features(made["input_features"], made["input_features_mask"])
-    assert int((made["input_ids"] == processor.tokenizer.convert_tokens_to_ids(processor.audio_token)).sum()) == int(
-        rows.attention_mask.sum()) == 750
-
-    def left_padded(self, raw_speech, **kwargs):  # the clip at the end of its features, padding first
-        made = extractor_call(self, raw_speech, **kwargs)
-        for name in ("input_features", "input_features_mask"):
-            features = numpy.asarray(made[name])
-            made[name] = numpy.concatenate([numpy.zeros_like(features[:, :7]), features], axis=1)
-        return made
-
-    monkeypatch.setattr(type(processor.feature_extractor), "__call__", left_padded)
+    clip = numpy.zeros(45 * RATE, numpy.float32)
+    made = processor(text=processor.audio_token, audio=[clip], audio_kwargs=labels.audio_kwargs(processor, [clip]),
+                     return_tensors="pt")
+    placeholders = int((made["input_ids"] == processor.tokenizer.convert_tokens_to_ids(processor.audio_token)).sum())
+    assert [placeholders] == audio_features(vlm, made)[1] == [750]
+    monkeypatch.undo()
+    processor.feature_extractor.padding_side = "left"  # the tokenizer's side, leaked: a short clip's frames last
     with pytest.raises(ValueError, match="pads its features on the left"):
         AnswerLabeller(processor, vlm.stops, audio=True)
 
 
-def test_placeholders_that_disagree_with_a_clips_encoder_rows_are_refused_clip_by_clip(gemma4, monkeypatch):
-    vlm, labeller, step = gemma4
+def test_placeholders_that_disagree_with_a_clips_encoder_rows_are_refused_clip_by_clip(hearing, monkeypatch):
+    vlm, labeller, step, family = hearing
     clips = [wav_bytes(tone(seconds, RATE), RATE) for seconds in (1.0, 0.5)]
     rows, _ = rows_of(labeller, [audio_row(clip) for clip in clips])
     collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)
-    token = labeller.audio_token_id
-    # each row with the other's clip: 25 and 13 placeholders for clips of 13 and 25 rows, the same total
+    token, half = labeller.audio_token_id, family["half_second"]
+    # each row with the other's clip: 25 and `half` placeholders for clips of `half` and 25 rows, the same total
     swapped = [rows[0] | {"media_inputs": rows[1]["media_inputs"]}, rows[1] | {"media_inputs": rows[0]["media_inputs"]}]
     fewer = rows[0]["input_ids"].clone()
-    fewer[(fewer == token).nonzero()[0]] = vlm.processor.tokenizer.pad_token_id  # Gemma 4's own total check too
-    one_fewer = rows[0] | {"input_ids": fewer}
-    for batch_rows, expected in ((swapped, r"per clip \[25, 13\], the audio encoder's rows per clip \[13, 25\]"),
-                                 ([one_fewer], r"per clip \[24\], the audio encoder's rows per clip \[25\]")):
+    fewer[(fewer == token).nonzero()[0]] = vlm.processor.tokenizer.pad_token_id
+    one_fewer = [rows[0] | {"input_ids": fewer}]
+    more = torch.cat([rows[1]["input_ids"][:1], torch.tensor([token]), rows[1]["input_ids"][1:]])
+    one_more = [rows[1] | {"input_ids": more, "labels": torch.cat([rows[1]["labels"][:1], rows[1]["labels"]])}]
+    for batch_rows, (placed, given) in ((swapped, (f"25, {half}", f"{half}, 25")), (one_fewer, ("24", "25")),
+                                          (one_more, (f"1, {half}", f"{half}"))):
+        expected = rf"per clip \[{placed}\], the audio encoder's rows per clip \[{given}\]"
         with pytest.raises(ValueError, match=expected):
             step(to_device(collator(batch_rows), "cpu"), LossSum())
-    # without the check the swap trains, each clip's sound at the other's placeholders (Gemma 4 checks the total)
-    monkeypatch.setattr(audio_rows, "encoder_rows", lambda output: audio_rows.placeholder_runs(
-        collator(swapped)["input_ids"], token))
-    assert torch.isfinite(step(to_device(collator(swapped), "cpu"), LossSum()).summed)
+    # without the check the swap trains, each clip's sound at the other's placeholders (Gemma 4 checks the total);
+    # the Qwen2.5-Omni thinker checks nothing: one placeholder too few trains on the clip's head too
+    for batch_rows in [swapped] + ([one_fewer] if family["family"] == "qwen2_5_omni" else []):
+        batch = collator(batch_rows)
+        runs = audio_rows.placeholder_runs(batch["input_ids"], token)
+        monkeypatch.setattr(audio_rows.AudioRows, "encoder_rows", lambda self, output, inputs: runs)
+        assert torch.isfinite(step(to_device(batch, "cpu"), LossSum()).summed)
 
 
-def test_a_batch_without_audio_runs_the_tower_on_the_dummy_sound_and_keeps_the_texts_loss(gemma4):
-    vlm, labeller, step = gemma4
+def test_a_batch_without_audio_runs_the_tower_on_the_dummy_sound_and_keeps_the_texts_loss(hearing):
+    vlm, labeller, step, _ = hearing
     (text_row,), _ = rows_of(labeller, [TEXT_ROW])
     batch = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)([text_row])
-    assert batch["dummy_audio"] and batch["input_features"].shape[:2] == (1, 10)  # a tenth of a second
+    assert batch["dummy_audio"] and 0 < feature_mask(batch).sum() <= 10  # a tenth of a second: 10 ms hops
     tower = vlm.model.model.audio_tower
+    trained = {name: p.requires_grad for name, p in tower.named_parameters()}  # the preset's (Omni: its `proj`)
     tower.requires_grad_(True)
     try:
         summed = step(to_device(batch, "cpu"), LossSum()).summed
         summed.backward()
-        assert all(p.grad is not None and not p.grad.any() for p in tower.parameters())  # reached, at zero weight
-        without = {key: value for key, value in batch.items() if key not in ("input_features", "input_features_mask",
-                                                                           "dummy_audio")}
+        assert all(p.grad is not None and not p.grad.any() for name, p in tower.named_parameters()
+                   if f"model.audio_tower.{name}" not in vlm.groups.unreached)  # reached, at zero weight
+        without = {key: value for key, value in batch.items() if key not in ("dummy_audio", *AUDIO_KEYS)}
         assert torch.equal(step(to_device(without, "cpu"), LossSum()).summed, summed)
     finally:
-        tower.requires_grad_(False)
+        for name, p in tower.named_parameters():
+            p.requires_grad_(trained[name])
         vlm.model.zero_grad(set_to_none=True)
 
 
-def test_the_presets_and_lora_reach_the_audio_tower_by_module_structure(gemma4, tiny_vlms):
-    vlm, _, _ = gemma4
+def test_the_presets_and_lora_reach_the_audio_tower_by_module_structure(hearing, tiny_vlms):
+    vlm, _, _, family = hearing
     groups = vlm.groups
     assert {name.split(".")[1] for name, _ in groups.audio_tower} == {"audio_tower"}
     assert {name for name, _ in groups.projector if "audio" in name} == {
-        name for name, _ in vlm.model.named_parameters() if name.startswith("model.embed_audio.")}
-    assert not groups.unreached
-    assert "; audio_tower 122,080 params (model.audio_tower)" in groups.describe()
+        name for name, _ in vlm.model.named_parameters() if name.startswith(family["projector"])}
+    # every parameter reached, but the Qwen2.5-Omni tower's token embedding that its forward never calls
+    never_called = [] if family["family"] == "gemma4" else ["model.audio_tower.audio_bos_eos_token.weight"]
+    assert groups.unreached == never_called
+    tower_params = sum(p.numel() for _, p in groups.audio_tower)
+    assert tower_params == family["tower_params"]
+    assert f"; audio_tower {tower_params:,} params (model.audio_tower" in groups.describe()
     # the default preset trains the audio projector and freezes the tower; `all` trains it
     assert not any(p.requires_grad for _, p in groups.audio_tower)
-    assert all(p.requires_grad for name, p in groups.projector if "embed_audio" in name)
+    assert all(p.requires_grad for name, p in groups.projector if name.startswith(family["projector"]))
     everything = apply_train_modules(groups, "all")
-    assert len(everything["audio_tower"]) == len(groups.audio_tower)
+    assert len(everything["audio_tower"]) == len(groups.audio_tower) - len(groups.unreached)
     apply_train_modules(groups, "projector,language_model")
-    lora = vlm_parts(VLMModelArgs(model_name_or_path=str(tiny_vlms["gemma4"]), train_modules="all"),
+    lora = vlm_parts(VLMModelArgs(model_name_or_path=str(tiny_vlms[family["family"]]), train_modules="all"),
                      LoraArgs(use_peft=True), seq_len=128)
     adapted = {name for name, p in lora.model.named_parameters() if p.requires_grad and ".lora_" in name}
     assert any(name.startswith("model.audio_tower.") for name in adapted) and lora.trainable["audio_tower"]
@@ -196,12 +242,12 @@ def test_held_out_audio_questions_are_asked_with_their_clips(gemma4):
 
 
 @torch.no_grad()
-def test_packed_audio_rows_give_the_logits_they_give_alone(gemma4):
-    """Two clips of different lengths packed after a text row: each sample's logits as alone (each clip's rows at
-    its own run of placeholders), and --packing's check before the first step passes."""
-    vlm, labeller, step = gemma4
-    clips = [audio_row(wav_bytes(tone(seconds, RATE), RATE)) for seconds in (1.0, 0.5)]
-    rows, _ = rows_of(labeller, [TEXT_ROW, *clips])
+def test_packed_audio_rows_give_the_logits_they_give_alone(hearing):
+    """Two clips of different lengths, one beside an image, packed after a text row: each sample's logits as alone
+    (each clip's rows at its own run of placeholders; the Qwen2.5-Omni thinker's 3-D positions of the sample with an
+    image computed from its own clip's frames), and --packing's check before the first step passes."""
+    vlm, labeller, step, _ = hearing
+    rows, _ = rows_of(labeller, [TEXT_ROW, audio_row(wav_bytes(tone(1.0, RATE), RATE)), heard_image_row()])
     collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs, packing=True)
     step.eval()
     try:

@@ -18,12 +18,13 @@ Features across engines, not every feature under every engine (tests/README.md):
 | a Llava composed from a CLIP tower and Gemma 3 text = one process | stage 2 | stage 1 (projector only) | | stage 2 |
 | a thinking Qwen3.5 on reasoning and plain rows = one process | yes | yes | | yes |
 | Gemma 4 E2B on rows that show an image and play a clip, and text-only rows = one process | yes | yes | yes | yes |
+| the Qwen2.5-Omni thinker on the same rows = one process | yes | yes | yes | yes |
 
 The reasoning runs (the tiny `qwen3_5_think`, its official template) read image rows whose answers carry
 `reasoning_content` and text-only rows that answer at once: one rank's window all reasoned, the other's all plain;
-the reasoning trained, the plain rows' empty think block context. The audio runs (the tiny `gemma4`, which hears)
-read rows holding an image and a one-second clip of beeps where the others read image rows: a text-only micro-batch
-carries the dummy image and the dummy sound together.
+the reasoning trained, the plain rows' empty think block context. The audio runs (the tiny `gemma4` and
+`qwen2_5_omni`, which hear) read rows holding an image and a one-second clip of beeps where the others read image
+rows: a text-only micro-batch carries the dummy image and the dummy sound together.
 
 The full fine-tuning runs end with two benchmarks (`--benchmarks`, 5 embedded documents each, uneven over the 2
 ranks): every engine's scores equal one process's.
@@ -74,8 +75,9 @@ FEATURES = {"full": BENCHMARKS, "lora": LORA, "lora_qwen": LORA,
             "composed": [], "composed_stage1": ["--train_modules", "projector"],
             # reasoning and plain rows on a thinking template (its own data: the scenario's rows with reasoning)
             "reasoning": [],
-            # image-and-audio rows and text-only ones on a model that hears (its own data)
-            "audio": []}
+            # image-and-audio rows and text-only ones on a model that hears (its own data): Gemma 4 E2B, and the
+            # Qwen2.5-Omni thinker (its encoder rows checked by its length formula, no mask)
+            "audio": [], "audio_omni": []}
 RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("ddp.yaml", "full"): [],
     ("fsdp2.yaml", "full"): [],  # with the divergence guard switched on by its environment variable
@@ -90,7 +92,8 @@ RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("ddp.yaml", "reasoning"): [],
     ("fsdp2.yaml", "reasoning"): [],
     ("zero3.yaml", "reasoning"): [],
-    **{(config, "audio"): [] for config in ("ddp.yaml", "fsdp2.yaml", "zero2.yaml", "zero3.yaml")},
+    **{(config, feature): [] for config in ("ddp.yaml", "fsdp2.yaml", "zero2.yaml", "zero3.yaml")
+       for feature in ("audio", "audio_omni")},
 }
 
 
@@ -134,7 +137,7 @@ def scenario(tmp_path_factory):
 
 
 def data_of(scenario, feature):
-    return scenario / feature if feature in ("reasoning", "audio") else scenario
+    return scenario / feature.removesuffix("_omni") if feature in ("reasoning", "audio", "audio_omni") else scenario
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +152,8 @@ def composed_parts(tmp_path_factory):
 def feature_args(feature, tiny_vlms, composed_parts):
     model = {"lora_qwen": ["--model_name_or_path", tiny_vlms["qwen2_5_vl"]],
              "reasoning": ["--model_name_or_path", tiny_vlms["qwen3_5_think"]],
-             "audio": ["--model_name_or_path", tiny_vlms["gemma4"]]}.get(feature, [])
+             "audio": ["--model_name_or_path", tiny_vlms["gemma4"]],
+             "audio_omni": ["--model_name_or_path", tiny_vlms["qwen2_5_omni"]]}.get(feature, [])
     return [*FEATURES[feature], *model, *(composed_parts if feature.startswith("composed") else [])]
 
 
@@ -199,7 +203,7 @@ def test_mixed_ranks_match_one_process(runs, truth, config, feature):
         assert_adam_weights_close(LlavaForConditionalGeneration.from_pretrained(output_dir).state_dict(),
                                   LlavaForConditionalGeneration.from_pretrained(reference_dir).state_dict(),
                                   learning_rate=1e-3, steps=STEPS)
-    elif feature in ("reasoning", "audio"):
+    elif feature in ("reasoning", "audio", "audio_omni"):
         assert_adam_weights_close(AutoModelForImageTextToText.from_pretrained(output_dir).state_dict(),
                                   AutoModelForImageTextToText.from_pretrained(reference_dir).state_dict(),
                                   learning_rate=1e-3, steps=STEPS)

@@ -46,7 +46,8 @@ EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_vl": {"ima
                 # E2B hears: a batch without a clip carries the dummy sound (26B-A4B does not)
                 "gemma4": {"image_position_ids", "mm_token_type_ids", "input_features", "input_features_mask",
                            "dummy_audio"},
-                "gemma4_moe": {"image_position_ids", "mm_token_type_ids"}}
+                "gemma4_moe": {"image_position_ids", "mm_token_type_ids"},
+                "qwen2_5_omni": {"image_grid_thw", "input_features", "feature_attention_mask", "dummy_audio"}}
 TWO_TURNS = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
              {"role": "user", "content": [{"type": "text", "text": "How many shapes are there?"}]},

@@ -1,13 +1,13 @@
-"""vlm_finetune.py on each tiny family checkpoint (conftest.py), as a user launches it: 2 CPU
-processes at per-device batch size 1 on the default mixture, so text-only and image micro-batches
-meet on different ranks; no find_unused_parameters anywhere. Qwen2.5-VL (clips in the tower's image call) and
-LLaVA-OneVision (a video path of its own) train on the embedded video conversations too (video, image and
-text-only micro-batches meet), under DDP and a sharded engine against it (Qwen2.5-VL: FSDP2; LLaVA-OneVision:
-ZeRO-3); Qwen3.5 (linear attention) under FSDP2 against DDP too; Gemma 4 E2B (per-layer embeddings, KV sharing, an
-audio tower) on a mixture with the embedded audio questions (under every engine against one process:
-test_vlm_engines.py); Qwen2.5-VL also on LLaVA(-Video) JSON with two-image and video rows under DDP and ZeRO-3
-against it; SmolVLM runs that JSON under DDP and counts its video rows (no video processor; its LoRA runs under
-ZeRO-3 in test_vlm_engines.py)."""
+"""vlm_finetune.py on each tiny family checkpoint (conftest.py), as a user launches it: 2 CPU processes at per-device
+batch size 1 on the default mixture, so text-only and image micro-batches meet on different ranks; no
+find_unused_parameters anywhere. Qwen2.5-VL (clips in the tower's image call) and LLaVA-OneVision (a video path of
+its own) train on the embedded video conversations too (video, image and text-only micro-batches meet), under DDP
+and a sharded engine against it (Qwen2.5-VL: FSDP2; LLaVA-OneVision: ZeRO-3); Qwen3.5 (linear attention) under FSDP2
+against DDP too; Gemma 4 E2B (per-layer embeddings, KV sharing, an audio tower) on a mixture with the embedded audio
+questions, and the Qwen2.5-Omni thinker on it too (both under every engine against one process:
+test_vlm_engines.py), a full Qwen2.5-Omni checkpoint trained as its thinker; Qwen2.5-VL also on LLaVA(-Video) JSON
+with two-image and video rows under DDP and ZeRO-3 against it; SmolVLM runs that JSON under DDP and counts its video
+rows (no video processor; its LoRA runs under ZeRO-3 in test_vlm_engines.py)."""
 
 import json
 import re
@@ -28,6 +28,7 @@ from launch import (
     assert_same_curves,
     losses,
     run_engine,
+    run_recipe,
 )
 from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.vlm.model.families import dummy_image_inputs
@@ -38,7 +39,7 @@ from test_audio_rows import tone, wav_bytes
 pytestmark = pytest.mark.launch
 
 # Llava: test_vlm_recipe.py; Qwen3-VL-MoE: test_moe_engines.py, test_hsdp.py
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision", "qwen3_5", "gemma4"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision", "qwen3_5", "gemma4", "qwen2_5_omni"]
 MATRIX = "qwen2_5_vl"
 VIDEO_FAMILIES = [MATRIX, "llava_onevision"]  # one of each video path that launches (test_video_training.py)
 SHARDED = [(MATRIX, "fsdp2.yaml"), ("llava_onevision", "zero3.yaml"), ("qwen3_5", "fsdp2.yaml")]
@@ -53,9 +54,9 @@ RUN = ["--max_steps", STEPS, "--logging_steps", 4, "--per_device_train_batch_siz
 WITH_VIDEO = ["--dataset_name", ",".join(str(VLM_SHAPES / name) for name in ("image_chat", "text_chat", "video_chat")),
               "--dataset_weights", "0.5,0.25,0.25"]
 VIDEO_COUNTS = r"\| video 0 \| no_frames 0 \| video_too_long 0 \| video_mismatch 0 "  # every video row trained
-# Gemma 4 E2B hears: a quarter of its rows are the embedded audio questions (ranks and micro-batches with and without
-# a clip meet)
-AUDIO_FAMILIES = ["gemma4"]
+# Gemma 4 E2B and the Qwen2.5-Omni thinker hear: a quarter of their rows are the embedded audio questions (ranks and
+# micro-batches with and without a clip meet)
+AUDIO_FAMILIES = ["gemma4", "qwen2_5_omni"]
 WITH_AUDIO = ["--dataset_name", ",".join(str(VLM_SHAPES / name) for name in ("image_chat", "text_chat", "audio_chat")),
               "--dataset_weights", "0.5,0.25,0.25"]
 AUDIO_COUNTS = r"\| audio 0 \| .*\| audio_undecodable 0 \| audio_empty 0 \| audio_too_long 0 \| audio_mismatch 0$"
@@ -101,7 +102,8 @@ def test_each_family_trains_on_mixed_ranks_under_ddp(family_runs, family):
         assert re.search(r"^step 16/16 .*" + VIDEO_COUNTS, result.log, re.M), result.log[-3000:]
     if family in AUDIO_FAMILIES:  # every audio row trained, its tower among the groups
         assert re.search(r"^step 16/16 .*" + AUDIO_COUNTS, result.log, re.M), result.log[-3000:]
-        assert re.search(r"^module groups: .*; audio_tower [\d,]+ params \(model\.audio_tower\)", result.log, re.M)
+        # all of it (Gemma 4), or all but its last layer, the projector (Qwen2.5-Omni: model.audio_tower.proj)
+        assert re.search(r"^module groups: .*; audio_tower [\d,]+ params \(model\.audio_tower[.)]", result.log, re.M)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -148,6 +150,22 @@ def test_output_loads_as_the_input_checkpoint_and_answers_through_the_pipeline(t
         answered = pipeline("any-to-any", model=str(output_dir))(text=chat, max_new_tokens=4, return_full_text=False,
                                                                  generate_kwargs={"do_sample": False})
         assert answered[0]["generated_text"] == saved_processor.decode(generated, skip_special_tokens=True)
+
+
+def test_a_full_omni_checkpoint_trains_its_thinker_and_saves_one_the_auto_class_loads(tiny_vlms, tmp_path):
+    """Given the whole Qwen2.5-Omni checkpoint (a talker beside the thinker), the recipe says it trains the thinker,
+    trains it on the audio mixture, and saves a thinker that AutoModelForImageTextToText loads."""
+    result = run_recipe("--model_name_or_path", tiny_vlms["qwen2_5_omni_full"], "--max_steps", 4, "--logging_steps", 2,
+                        "--eval_dataset_name", "", *WITH_AUDIO, "--output_dir", tmp_path, recipe=VLM_RECIPE)
+    assert result.returncode == 0, result.log[-3000:]
+    assert ("is a full qwen2_5_omni checkpoint: training its thinker (Qwen2_5OmniThinkerForConditionalGeneration), "
+            "saved as a model of its own that loads with AutoModelForImageTextToText") in result.log
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path)
+    thinker = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen2_5_omni"])  # the checkpoint's, untrained
+    assert type(model) is type(thinker) and model.config.model_type == "qwen2_5_omni_thinker"
+    before, after = thinker.state_dict(), model.state_dict()
+    assert before.keys() == after.keys()
+    assert not torch.equal(before["model.audio_tower.proj.weight"], after["model.audio_tower.proj.weight"])
 
 
 @pytest.mark.parametrize("family, config", SHARDED)

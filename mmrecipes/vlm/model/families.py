@@ -27,6 +27,8 @@ import torch
 from PIL import Image
 from transformers.video_utils import VideoMetadata
 
+from ..rows.labels import audio_kwargs
+
 # Outputs of a vision encoder that the language model never reads.
 ENCODER_ONLY_OUTPUTS = ("last_hidden_state", "hidden_states", "attentions")
 # Backs the projector rule (module_groups) where it cannot decide: a tower as wide as the language
@@ -42,6 +44,7 @@ PROJECTORS = {
     "qwen3_5": ("model.visual.merger",),
     "qwen3_5_moe": ("model.visual.merger",),
     "gemma4": ("model.embed_vision", "model.embed_audio"),  # E2B and E4B hear
+    "qwen2_5_omni_thinker": ("model.visual.merger", "model.audio_tower.proj"),
     "internvl": ("model.multi_modal_projector",),
     "idefics2": ("model.connector",),
     "idefics3": ("model.connector",),
@@ -188,7 +191,8 @@ def _probe_clip(frames: int) -> dict:
 
 def audio_inputs(model, processor=None) -> tuple[str, ...]:
     """The inputs of the model's audio step, from `get_audio_features`' signature (Gemma 4: input_features and
-    input_features_mask), where the model hears: its config holds an audio tower and (given) its processor a feature
+    input_features_mask; the Qwen2.5-Omni thinker: input_features, feature_attention_mask, audio_feature_lengths; the
+    features first), where the model hears: its config holds an audio tower and (given) its processor a feature
     extractor and an audio token. () otherwise: audio rows are skipped and counted."""
     step = getattr(model.base_model, "get_audio_features", None)
     if step is None or getattr(model.config, "audio_config", None) is None:
@@ -200,16 +204,17 @@ def audio_inputs(model, processor=None) -> tuple[str, ...]:
 
 
 def dummy_audio_inputs(model, processor) -> dict:
-    """A tenth of a second of noise (some towers drop silence as padding) through the processor's feature extractor,
-    as `get_audio_features`' inputs: the collator gives it to every micro-batch without a clip, so the audio tower
-    runs on every rank. {} for a model that does not hear (`audio_inputs`)."""
+    """A tenth of a second of noise (some towers drop silence as padding) through the processor, as
+    `get_audio_features`' inputs: the collator gives it to every micro-batch without a clip, so the audio tower runs
+    on every rank. {} for a model that does not hear (`audio_inputs`)."""
     names = audio_inputs(model, processor)
     if not names:
         return {}
-    extractor = processor.feature_extractor
-    noise = numpy.random.default_rng(0).uniform(-0.5, 0.5, extractor.sampling_rate // 10).astype(numpy.float32)
-    made = extractor([noise], sampling_rate=extractor.sampling_rate, return_tensors="pt")
-    return {name: made[name] for name in names}
+    rate = processor.feature_extractor.sampling_rate
+    noise = numpy.random.default_rng(0).uniform(-0.5, 0.5, rate // 10).astype(numpy.float32)
+    made = processor(text=processor.audio_token, audio=[noise], audio_kwargs=audio_kwargs(processor),
+                     return_tensors="pt")
+    return {name: made[name] for name in names if name in made}
 
 
 def split_items(features, count: int) -> tuple:

@@ -2,7 +2,8 @@
 config alone (`check_trainable`), each refusal naming the flag and the fix: an empty name, a folder
 that is missing or not a saved model (a training checkpoint-N), a model that is not
 image-text-to-text, a family the step cannot run, weights in an unsafe pickle; and the tokens that
-end its turns."""
+end its turns. A full omni checkpoint (Qwen2.5-Omni: a thinker that reads and writes text, a talker
+that speaks) trains its thinker, which saves as an image-text-to-text model of its own."""
 
 import inspect
 
@@ -12,10 +13,18 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 from ...saved_models import model_config, pretrained
 
 
+def trained_config(config):
+    """The config the recipes train: `config`, or a full omni checkpoint's thinker's (`thinker_config`, where that
+    is an image-text-to-text model)."""
+    thinker = getattr(config, "thinker_config", None)
+    trains = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    return thinker if type(config) not in trains and type(thinker) in trains else config
+
+
 def check_trainable(name_or_path: str, flag: str = "--model_name_or_path"):
     """Raise, naming `flag`, the model type and why, if the recipes cannot train this checkpoint;
     reads its config only."""
-    config = model_config(name_or_path, flag)
+    config = trained_config(model_config(name_or_path, flag))
     model_type = config.model_type
     if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
         raise ValueError(f"{flag} {name_or_path}: model type {model_type!r} is not an image-text-to-text model "
@@ -37,7 +46,20 @@ def load_pretrained(name_or_path: str, flag: str = "--model_name_or_path"):
     (`check_trainable`). Weights in a pickle that holds more than tensors are refused by torch's
     weights-only loading (nothing in it runs); the error names the file and the fix."""
     check_trainable(name_or_path, flag)
-    return pretrained(AutoModelForImageTextToText, name_or_path, flag), AutoProcessor.from_pretrained(name_or_path)
+    config = model_config(name_or_path, flag)
+    if trained_config(config) is config:
+        return pretrained(AutoModelForImageTextToText, name_or_path, flag), AutoProcessor.from_pretrained(name_or_path)
+    model_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config.thinker_config)]
+    return pretrained(model_class, name_or_path, flag), AutoProcessor.from_pretrained(name_or_path)
+
+
+def thinker_note(name_or_path: str | None, model) -> str | None:
+    """The start-up line of a full omni checkpoint (`trained_config`): its thinker trains, and saves on its own."""
+    if not name_or_path or (config := model_config(name_or_path, "")).model_type == model.config.model_type:
+        return None
+    return (f"{name_or_path} is a full {config.model_type} checkpoint: training its thinker "
+            f"({type(model).__name__}), saved as a model of its own that loads with AutoModelForImageTextToText; "
+            "the talker is neither trained nor saved")
 
 
 def stop_token_ids(model, processor) -> list[int]:

@@ -57,7 +57,8 @@ def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
     - audio tower (a model that hears: `families.audio_inputs`): the parameters one backward of the
       dummy sound's features reaches inside the largest module holding the audio encoder's blocks and
       nothing of the language model; what that backward reaches outside it (Gemma 4's `embed_audio`)
-      is projector.
+      is projector, else the tower's own last layer to the language model's width (Qwen2.5-Omni's
+      `audio_tower.proj`), found as Qwen's `visual.merger` is.
     """
     language_model = {id(p) for p in [*model.get_decoder().parameters(), *model.get_output_embeddings().parameters()]}
     not_image = {"pixel_values_videos", *audio_inputs(model)}
@@ -66,15 +67,18 @@ def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
     modules = dict(model.named_modules())
     vision_blocks, towers = _vision_towers(model, modules, widths, language_model)
     projector_prefixes, projector_by = _projector_prefixes(model, modules, widths, vision_blocks, towers)
-    audio_towers, heard = _audio_towers(model, modules, dummy_inputs, language_model)
+    audio_towers, audio_projectors, heard = _audio_towers(model, modules, dummy_inputs, language_model)
     groups = ModuleGroups(projector_by=projector_by)
     for name, param in model.named_parameters():
         if id(param) in language_model:
             groups.language_model.append((name, param))
             continue
-        if id(param) in heard:
-            in_audio_tower = any(name.startswith(tower + ".") for tower in audio_towers)
-            (groups.audio_tower if in_audio_tower else groups.projector).append((name, param))
+        in_audio_tower = any(name.startswith(tower + ".") for tower in audio_towers)
+        if id(param) in heard or in_audio_tower:
+            if param.requires_grad and id(param) not in heard:  # Qwen2.5-Omni's audio_bos_eos_token
+                groups.unreached.append(name)
+            in_projector = not in_audio_tower or any(name.startswith(prefix + ".") for prefix in audio_projectors)
+            (groups.projector if in_projector else groups.audio_tower).append((name, param))
             continue
         if param.requires_grad and id(param) not in reached:
             groups.unreached.append(name)
@@ -87,16 +91,22 @@ def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
     return groups
 
 
-def _audio_towers(model, modules: dict, dummy_inputs: dict, language_model: set) -> tuple[set[str], set]:
-    """(the audio towers, the ids of the parameters the dummy sound's backward reaches outside the language model), or
-    (set(), set()) for a model that does not hear."""
-    names = audio_inputs(model)
-    if not names or not set(names) <= set(dummy_inputs):
-        return set(), set()
+def _audio_towers(model, modules: dict, dummy_inputs: dict, language_model: set) -> tuple[set[str], list[str], set]:
+    """(the audio towers, their projector modules inside them, the ids of the parameters the dummy sound's backward
+    reaches outside the language model), or (set(), [], set()) for a model that does not hear. The projector inside
+    a tower is found as the vision tower's (`_inner_projectors`: the Qwen2.5-Omni tower's `proj`), where nothing
+    outside the towers feeds the language model (Gemma 4's `embed_audio` does)."""
+    names = [name for name in audio_inputs(model) if name in dummy_inputs]
+    if not names:
+        return set(), [], set()
     widths, reached = _step_of(model, model.base_model.get_audio_features,
                                {name: dummy_inputs[name] for name in names})
-    _, towers = _vision_towers(model, modules, widths, language_model)
-    return towers, reached - language_model
+    blocks, towers = _vision_towers(model, modules, widths, language_model)
+    heard = reached - language_model
+    inside = {id(p) for tower in towers for p in modules[tower].parameters()}
+    lm_width = model.get_input_embeddings().embedding_dim
+    projectors = _inner_projectors(modules, widths, blocks, towers, lm_width) if heard <= inside else []
+    return towers, projectors, heard
 
 
 def _step_of(model, encode, inputs: dict) -> tuple[dict, set]:
@@ -142,17 +152,23 @@ def _projector_prefixes(model, modules: dict, widths: dict, vision_blocks: list[
                 f"(the tower is as wide as the language model, {lm_width}): add its projector modules to "
                 "PROJECTORS in mmrecipes/vlm/model/families.py")
         return prefixes, "table"
+    return _inner_projectors(modules, widths, vision_blocks, towers, lm_width), "rule"
+
+
+def _inner_projectors(modules: dict, widths: dict, blocks: list[str], towers: set[str], lm_width: int) -> list[str]:
+    """The towers' direct sub-modules (a ModuleList's items too) that hold no encoder block, have parameters and
+    output the language model's width."""
     prefixes = []
     for tower in towers:
         for child, module in modules[tower].named_children():
             inner = [f"{tower}.{child}"] + ([f"{tower}.{child}.{i}" for i, _ in module.named_children()]
                                             if isinstance(module, torch.nn.ModuleList) else [])
             for name in inner:
-                holds_block = any(b == name or b.startswith(name + ".") for b in vision_blocks)
+                holds_block = any(b == name or b.startswith(name + ".") for b in blocks)
                 has_parameters = any(True for _ in modules[name].parameters())
                 if not holds_block and widths.get(name) == lm_width and has_parameters:
                     prefixes.append(name)
-    return prefixes, "rule"
+    return prefixes
 
 
 def _width(output):

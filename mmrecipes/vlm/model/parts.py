@@ -19,7 +19,7 @@ from ..rows.collate import ChatCollator, probe_rows
 from .compose import compose_llava, replaced_template
 from .families import audio_inputs, dummy_image_inputs, placeholder_token_ids, stateful_mixers
 from .flops import VLMFlops
-from .loading import load_pretrained, stop_token_ids
+from .loading import load_pretrained, stop_token_ids, thinker_note
 from .lora import add_lora, describe_trainable, dropout_note
 from .module_groups import ModuleGroups, apply_train_modules, module_groups
 from .moe import sparse_block_classes
@@ -122,10 +122,10 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
     dummy_inputs = dummy_image_inputs(model, processor)
     groups = module_groups(model, dummy_inputs)
     trainable = apply_train_modules(groups, model_args.train_modules)
-    peft_model, notes = None, ()
+    peft_model, notes = None, [thinker_note(model_args.model_name_or_path, model)]
     if lora_args.use_peft:  # adapters injected into `model` itself
         peft_model, trainable = add_lora(model, groups, model_args.train_modules, lora_args)
-        notes = tuple(filter(None, [dropout_note(peft_model.peft_config["default"], lora_args)]))
+        notes.append(dropout_note(peft_model.peft_config["default"], lora_args))
     # ranks route to different experts: gather each block whole
     if blocks := sparse_block_classes(model):
         # here: seconds to import, for MoE models only
@@ -149,7 +149,8 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
     return VLMParts(model=model, processor=processor, stops=stop_token_ids(model, processor),
                     placeholders=placeholder_token_ids(model, processor), dummy_inputs=dummy_inputs, groups=groups,
                     trainable=trainable, peft_model=peft_model, flops=flops, frozen_copy=copied,
-                    sparse_blocks=tuple(sorted(block.__name__ for block in blocks)), notes=notes, segments=segments)
+                    sparse_blocks=tuple(sorted(block.__name__ for block in blocks)), notes=tuple(filter(None, notes)),
+                    segments=segments)
 
 
 def load_vlm(args: VLMModelArgs):

@@ -50,8 +50,9 @@ class VLMForTraining(torch.nn.Module):
         self.vision_input_names = set(inspect.signature(model.get_image_features).parameters) - {"kwargs"}
         self.video_as_image = video_as_image_names(model)
         # a model that hears: its audio step's inputs, and each clip's placeholders checked against its encoder rows
-        self.audio_input_names = set(audio_inputs(model))
-        self.audio_rows = AudioRows(model, self.audio_input_names) if self.audio_input_names else None
+        names = audio_inputs(model)
+        self.audio_input_names = set(names)
+        self.audio_rows = AudioRows(model, names) if names else None
         self.forward_input_names = set(inspect.signature(model.forward).parameters) - {"kwargs"}
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         self.clip_layout = _clip_layout(model) if not self.video_as_image else None
@@ -97,7 +98,7 @@ class VLMForTraining(torch.nn.Module):
         (`AudioRows`), then the language model on the merged sequence (`lm_inputs`)."""
         encoded, dummies = self.encode_media(media_inputs, dummy_image, dummy_video, video_frames)
         heard = None
-        if self.audio_rows is not None and self.audio_input_names <= set(media_inputs):
+        if self.audio_rows is not None and self.audio_rows.features in media_inputs:
             heard = self.audio_rows.encode(input_ids, media_inputs, dummy_audio)
             if dummy_audio:
                 dummies.append(heard)

@@ -340,7 +340,7 @@ def prompt_row(processor, messages, images, tools=None, template_kwargs=None, au
     what `generate` is given."""
     text = processor.apply_chat_template(messages, add_generation_prompt=True, **({"tools": tools} if tools else {}),
                                          **(template_kwargs or {}))
-    heard = dict(audio=list(audios), audio_kwargs=audio_kwargs(processor)) if audios else {}
+    heard = dict(audio=list(audios), audio_kwargs=audio_kwargs(processor, audios)) if audios else {}
     input_ids, media_inputs = unbatched(processor(text=text, images=[images] if images else None, **heard))
     return {"input_ids": input_ids, "labels": torch.full_like(input_ids, IGNORE_INDEX), "media_inputs": media_inputs}
 

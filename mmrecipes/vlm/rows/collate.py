@@ -14,10 +14,10 @@ from PIL import Image
 from ...images import NORMALIZED_BY
 from ...skips import data_counts
 from .chat_data import CHAT_COUNTED, TOKEN_ALIGNED, encode_row
-from .labels import IGNORE_INDEX, count_target_tokens
+from .labels import FEATURE_MASKS, IGNORE_INDEX, count_target_tokens
 
-# the audio inputs of transformers' audio families (Gemma 4's features and their mask)
-AUDIO_KEYS = ("input_features", "input_features_mask")
+# the audio inputs of transformers' audio families: the features and which of their frames are a clip's
+AUDIO_KEYS = ("input_features", *FEATURE_MASKS)
 # a row holds images, videos, audio clips when it has these
 MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features")
 
@@ -29,7 +29,7 @@ class ChatCollator:
     Pads each row to the longest on the right (labels with IGNORE_INDEX). With `packing`, the rows
     are first packed in order into sequences of up to `pack_length` tokens (one sequence if None),
     each row's first label ignored (it is never predicted from the sample before it), and
-    `sample_lengths` / `media_per_sample` (images, and videos where the batch has any) list every
+    `sample_lengths` / `media_per_sample` (images, videos, audio clips where the batch has any) list every
     segment of the padded `[sequences, L]` batch in order (a sequence's padding is a segment of its
     own), for per-sample positions and attention (mmrecipes.vlm.rows.packing). Concatenates the
     rows' image and video inputs in row order, and gives a batch without any image the model's tiny
@@ -98,14 +98,15 @@ class Joined:
 
 def segments(rows, packs, lengths, length: int) -> dict:
     """Every segment of the packed sequences in order (`sample_lengths`; a sequence's padding a
-    segment of its own) and its media (`media_per_sample`: images, and videos where the batch has
-    any)."""
-    videos = any("pixel_values_videos" in row["media_inputs"] for row in rows)
+    segment of its own) and its media (`media_per_sample`: images; videos where the batch has any,
+    or audio; audio clips where it has any)."""
+    clips = any("input_features" in row["media_inputs"] for row in rows)
+    kinds = 1 + (clips or any("pixel_values_videos" in row["media_inputs"] for row in rows)) + clips
     found = []
     for pack in packs:
         used = sum(lengths[i] for i in pack)
-        found += [(lengths[i], *_media_counts(rows[i])[:1 + videos]) for i in pack]
-        found += [(length - used, *[0] * (1 + videos))] if used < length else []
+        found += [(lengths[i], *_media_counts(rows[i])[:kinds]) for i in pack]
+        found += [(length - used, *[0] * kinds)] if used < length else []
     sample_lengths, *per_sample = torch.tensor(found).T.clone()
     return {"sample_lengths": sample_lengths, "media_per_sample": torch.stack(per_sample)}
 
@@ -159,12 +160,13 @@ def _next_fit(lengths, capacity):
 
 
 
-def _media_counts(row) -> tuple[int, int]:
-    """(images, videos) of a row: its grid rows (Qwen), else its pixel values' first dimension."""
+def _media_counts(row) -> tuple[int, int, int]:
+    """(images, videos, audio clips) of a row: its grid rows (Qwen), else its pixel values' (or
+    features') first dimension."""
     inputs = row["media_inputs"]
     return tuple(len(inputs[grid]) if grid in inputs else len(inputs[pixels]) if pixels in inputs else 0
-                 for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")))
-
+                 for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"),
+                                      ("input_features", None)))
 
 
 def _cat_padded(tensors):

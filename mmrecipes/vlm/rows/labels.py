@@ -55,6 +55,8 @@ class EarlierReasoningDropped(ReasoningDropped):
 
 # longer than a Whisper-style extractor's 30 s window: the probe clip a truncating feature extractor is caught on
 PROBE_AUDIO_SECONDS = 45
+# the processors' names for which feature frames are a clip's: Gemma 4's; the Qwen Omni thinkers' and Qwen2-Audio's
+FEATURE_MASKS = ("input_features_mask", "feature_attention_mask")
 
 
 class AnswerLabeller:
@@ -218,7 +220,7 @@ class AnswerLabeller:
             kwargs |= dict(videos=[video.frames for video in videos], videos_kwargs=dict(
                 do_sample_frames=False, video_metadata=[video.metadata for video in videos], **uint8))
         if audios:
-            kwargs |= dict(audio=list(audios), audio_kwargs=audio_kwargs(self.processor))
+            kwargs |= dict(audio=list(audios), audio_kwargs=audio_kwargs(self.processor, audios))
         encoded = self.processor(text=text, images=[images] if images else None, **kwargs)
         for pixels, normalization in self.normalization.items():
             if normalization is not None and pixels in encoded:
@@ -254,32 +256,41 @@ class AnswerLabeller:
         return kept
 
 
-def audio_kwargs(processor) -> dict:
-    """The feature extractor's settings for a row's clips: their own rate, and never cut (Whisper-style
-    extractors cut at 30 s unless told; Gemma 4's at 30 s too)."""
-    return {"sampling_rate": processor.feature_extractor.sampling_rate, "truncation": False}
+def audio_kwargs(processor, clips=()) -> dict:
+    """The feature extractor's settings for a row's `clips`: their own rate, and never cut (Whisper-style extractors
+    cut at 30 s unless told; Gemma 4's at 30 s too). A Whisper-style extractor pads every clip to its window (the
+    Qwen2.5-Omni processor forces it): to the longest clip where that is longer, so clips of different lengths over
+    the window stack."""
+    extractor = processor.feature_extractor
+    kwargs = {"sampling_rate": extractor.sampling_rate, "truncation": False}
+    window = getattr(extractor, "n_samples", None)
+    if window is not None:
+        kwargs["max_length"] = max([window, *map(len, clips)])
+    return kwargs
 
 
 def check_audio_features(processor):
     """Refuse a processor whose features do not hold a clip whole: a `PROBE_AUDIO_SECONDS` clip must give a feature
     mask that covers its every hop (else the extractor truncates: the end of every long clip would be lost without a
-    word) and starts with the clip (else the features are padded on the left, where the model reads its sound)."""
+    word), and a 1 s clip beside it one that starts with the clip (else the features are padded on the left, where
+    the model reads its sound)."""
     extractor = processor.feature_extractor
     samples = PROBE_AUDIO_SECONDS * extractor.sampling_rate
-    clip = numpy.random.default_rng(0).uniform(-0.5, 0.5, samples).astype(numpy.float32)
-    made = processor(text=processor.audio_token, audio=[clip], audio_kwargs=audio_kwargs(processor),
+    noise = numpy.random.default_rng(0).uniform(-0.5, 0.5, samples).astype(numpy.float32)
+    clips = [noise, noise[:extractor.sampling_rate]]
+    made = processor(text=processor.audio_token * 2, audio=clips, audio_kwargs=audio_kwargs(processor, clips),
                      return_tensors="pt")
-    mask = made.get("input_features_mask")
+    mask = next((made[name] for name in FEATURE_MASKS if name in made), None)
     if mask is None:
-        raise ValueError(f"{type(processor).__name__} gives no input_features_mask: which feature frames are a clip's "
-                         "cannot be checked, so its audio is not trained here")
-    frames = int(mask[0].sum())
-    if frames < samples / extractor.hop_length - 2:
-        kept = frames * extractor.hop_length / extractor.sampling_rate
+        raise ValueError(f"{type(processor).__name__} gives none of {FEATURE_MASKS}: which feature frames are a "
+                         "clip's cannot be checked, so its audio is not trained here")
+    frames = mask.sum(-1).tolist()
+    if frames[0] < samples / extractor.hop_length - 2:
+        kept = frames[0] * extractor.hop_length / extractor.sampling_rate
         raise ValueError(f"{type(extractor).__name__} keeps {kept:.1f} s of a {PROBE_AUDIO_SECONDS} s clip: it "
                          "truncates (its settings force truncation or a max_length), and every longer clip would "
                          "train without its end. Give the processor a feature extractor that takes truncation=False")
-    if not mask[0, :frames].all():
+    if not all(mask[clip, :count].all() for clip, count in enumerate(frames)):
         raise ValueError(f"{type(extractor).__name__} pads its features on the left (padding_side='left', perhaps the "
                          "tokenizer's): the model reads a clip from the first frame; set "
                          "processor.feature_extractor.padding_side = 'right'")

@@ -13,17 +13,20 @@ import inspect
 
 import torch
 
+from .labels import FEATURE_MASKS
+
 
 def packed_position_ids(model, input_ids, sample_lengths, media_per_sample, media_inputs) -> torch.Tensor:
     """Position ids of a packed `[sequences, L]` batch whose segments (samples, and each sequence's
     padding) have `sample_lengths` in order: positions restart at every segment. `media_per_sample`:
-    each segment's image count, and its video count as a second row where the batch has videos.
+    each segment's image count, its video count as a second row where the batch has videos or audio,
+    its clip count as a third where it has audio.
 
     A model whose base has `get_rope_index` (Qwen2/2.5/3-VL: 3-D mRoPE over text, image and video
-    grids, a video's temporal axis in its own seconds) gets each sample's own 3-D positions,
-    computed as if the sample were alone, with plain text positions stacked in front (`[4,
-    sequences, L]`: transformers builds the packed mask from those); any other model gets
-    `[sequences, L]` plain positions.
+    grids, a video's temporal axis in its own seconds; the Qwen2.5-Omni thinker: audio as text)
+    gets each sample's own 3-D positions, computed as if the sample were alone, with plain text
+    positions stacked in front (`[4, sequences, L]`: transformers builds the packed mask from those);
+    any other model gets `[sequences, L]` plain positions.
     """
     shape = input_ids.shape
     text = torch.cat([torch.arange(int(n), device=input_ids.device) for n in sample_lengths])
@@ -33,20 +36,25 @@ def packed_position_ids(model, input_ids, sample_lengths, media_per_sample, medi
     flat = input_ids.reshape(1, -1)
     per_token = {name: media_inputs[name].reshape(1, -1) for name in ("mm_token_type_ids", "token_type_ids")
                  if name in media_inputs and name in inspect.signature(rope_index).parameters}
-    # Per image: its grid; per video: its grid and seconds per temporal patch.
+    # Per image: its grid; per video: its grid and seconds per temporal patch; per clip: its feature frames
     media = [{key: media_inputs[key] for key in keys if key in media_inputs}
-             for keys in (("image_grid_thw",), ("video_grid_thw", "second_per_grid_ts"))]
+             for keys in (("image_grid_thw",), ("video_grid_thw", "second_per_grid_ts"), FEATURE_MASKS)]
     counts = media_per_sample.reshape(-1, len(sample_lengths)).T.tolist()
-    positions, start, firsts = [], 0, [0, 0]
+    positions, start, firsts = [], 0, [0, 0, 0]
     for length, sample_counts in zip(sample_lengths.tolist(), counts):
-        if any(sample_counts):
-            kwargs = {name: value[:, start:start + length] for name, value in per_token.items()}
-            for kind, count in enumerate(sample_counts):
-                kwargs |= {key: value[firsts[kind]:firsts[kind] + count] for key, value in media[kind].items()
-                           if count}
-                firsts[kind] += count
-            positions.append(rope_index(flat[:, start:start + length], **kwargs)[0])
-        else:  # text only (or a sequence's padding): the same plain position on all three axes
+        kwargs = {name: value[:, start:start + length] for name, value in per_token.items()}
+        for kind, count in enumerate(sample_counts):
+            kwargs |= {key: value[firsts[kind]:firsts[kind] + count] for key, value in media[kind].items() if count}
+            firsts[kind] += count
+        if any(sample_counts[:2]):
+            positions.append(rope_index(flat[:, start:start + length], **_audio_lengths(kwargs))[0])
+        else:  # text (audio's positions are text's), or a sequence's padding: one plain position on all three axes
             positions.append(torch.arange(length, device=flat.device).expand(3, 1, -1))
         start += length
     return torch.cat([text[None, None], torch.cat(positions, dim=-1)]).reshape(4, *shape)
+
+
+def _audio_lengths(kwargs: dict) -> dict:
+    """The Qwen Omni thinkers' `get_rope_index` takes a sample's clips as their frame counts (`audio_seqlens`)."""
+    mask = next((kwargs.pop(name) for name in FEATURE_MASKS if name in kwargs), None)
+    return kwargs | ({"audio_seqlens": mask.sum(-1)} if mask is not None else {})
