@@ -24,8 +24,9 @@
   part that reads and writes text: Qwen2.5-VL's windowed vision tower, and a Whisper-style audio encoder (two
   convolutions, then attention in windows of 100 frames, pooled 2:1: 25 soft tokens a second of 16 kHz audio) fed by
   the Whisper feature extractor (128 mel bins); 3-D mRoPE over text, image and video, audio positions as text's.
-- `qwen2_5_omni_full`: the whole Qwen2.5-Omni checkpoint (`qwen2_5_omni`, as Qwen/Qwen2.5-Omni-7B ships): that
-  thinker beside a talker and a token-to-waveform model at toy size, which speak; the recipes train its thinker.
+- `qwen2_5_omni_full`: the whole Qwen2.5-Omni checkpoint (as Qwen/Qwen2.5-Omni-7B ships): `qwen2_5_omni`'s thinker
+  beside a talker and a token-to-waveform model at toy size, which speak; the recipes train its thinker (not in
+  FAMILIES, the image-text-to-text checkpoints: it is not one).
 """
 
 from transformers import (
@@ -188,7 +189,8 @@ def qwen2_5_omni_full():
 
 FAMILIES = {"qwen3_5": qwen3_5, "qwen3_5_think": qwen3_5_think, "qwen3_vl_moe": qwen3_vl_moe,
             "qwen3_5_moe": qwen3_5_moe, "gemma4": gemma4, "gemma4_moe": gemma4_moe,
-            "qwen2_5_omni": qwen2_5_omni, "qwen2_5_omni_full": qwen2_5_omni_full}
+            "qwen2_5_omni": qwen2_5_omni}
+WHOLE = {"qwen2_5_omni_full": qwen2_5_omni_full}
 
 
 def save_tiny_vlm_2026(family: str, output_dir):
@@ -196,4 +198,4 @@ def save_tiny_vlm_2026(family: str, output_dir):
 
 
 if __name__ == "__main__":
-    family_main(__doc__, FAMILIES)
+    family_main(__doc__, FAMILIES | WHOLE)

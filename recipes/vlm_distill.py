@@ -91,8 +91,9 @@ def main(argv=None):
     teacher = Teacher.load(distill_args.teacher_model_name_or_path, model, processor,
                            model_args.attn_implementation, distill_args.seq_kd,
                            data_args.chat_template_kwargs)
-    # the dataset's answers: off-policy targets
-    labeller = AnswerLabeller(processor, vlm.stops, empty_think=data_args.empty_think_block,
+    # the dataset's answers: off-policy targets; the rows' clips where student and teacher hear
+    labeller = AnswerLabeller(processor, vlm.stops, audio=vlm.hears and teacher.hears,
+                              empty_think=data_args.empty_think_block,
                               template_kwargs=data_args.chat_template_kwargs)
     source = model_args.template_source()
     template_line = check_template(labeller, source, data_args.max_length)

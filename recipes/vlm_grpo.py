@@ -90,8 +90,9 @@ def main(argv=None):
     vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2,
                     frozen_copy=grpo_args.beta > 0)
     model, processor = vlm.model, vlm.processor
-    # the prompts go through its template
-    labeller = AnswerLabeller(processor, vlm.stops, template_kwargs=data_args.chat_template_kwargs)
+    # the prompts go through its template; a model that hears plays their clips (the audio columns)
+    labeller = AnswerLabeller(processor, vlm.stops, audio=vlm.hears,
+                              template_kwargs=data_args.chat_template_kwargs)
     # --tools, --environment_factory: completions call them and go on after the results
     tools = Tools.of(grpo_args, processor, vlm.stops, data_args.max_length,
                      data_args.chat_template_kwargs)

@@ -7,6 +7,7 @@ every bad clip is a counted skip. The two-rank runs (DDP, sharded engines agains
 test_vlm_family_runs.py, test_vlm_engines.py."""
 
 import io
+import json
 
 import numpy
 import pytest
@@ -17,8 +18,11 @@ from transformers import AutoProcessor
 from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
 from mmrecipes.paths import VLM_SHAPES
+from mmrecipes.skips import SKIPPED
 from mmrecipes.vlm.algorithms.preference import PreferenceCollator, PreferencePreprocessor
-from mmrecipes.vlm.arguments import ChatDataArgs, LoraArgs, VLMModelArgs
+from mmrecipes.vlm.algorithms.sampling import generate_group, sample_group
+from mmrecipes.vlm.algorithms.teacher import Teacher
+from mmrecipes.vlm.arguments import ChatDataArgs, GRPOArgs, LoraArgs, PromptDataArgs, VLMModelArgs
 from mmrecipes.vlm.model import audio_rows
 from mmrecipes.vlm.model.module_groups import apply_train_modules
 from mmrecipes.vlm.model.outputs import Logits, LossSum, SequenceLogps
@@ -29,6 +33,7 @@ from mmrecipes.vlm.rows.chat_data import ChatPreprocessor
 from mmrecipes.vlm.rows.collate import AUDIO_KEYS, ChatCollator
 from mmrecipes.vlm.rows.held_out import generation_prompts
 from mmrecipes.vlm.rows.labels import IGNORE_INDEX, AnswerLabeller
+from mmrecipes.vlm.rows.prompts import DistillCollator, DistillPreprocessor, PromptPreprocessor
 from test_audio_rows import encoded, preprocessed, tone, wav_bytes
 
 RATE = 16000
@@ -283,3 +288,53 @@ def test_dpo_reads_both_sides_clips_through_the_same_path(gemma4):
     finally:
         step.train()
     torch.testing.assert_close(logps, torch.cat(alone), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_grpo_prompts_play_their_clips_and_sample_alike_by_generate_and_by_the_synced_loop(hearing):
+    """A GRPO prompt row with a clip (TRL's string prompt with an `<audio>` tag and an `audios` column) is rendered with
+    the clip's placeholders and features, its reward columns without it; `generate` (a model whole on the rank, the
+    family's own audio path in the prompt's forward) draws the tokens the synced loop draws through the step (the
+    clip encoded and checked before the language model)."""
+    vlm, labeller, step, _ = hearing
+    row = {"prompt": f"<audio>{QUESTION}", "audios": [wav_bytes(tone(1.0, RATE), RATE)], "solution": "three"}
+    out = preprocessed(PromptPreprocessor(PromptDataArgs(), labeller, 256), [row])
+    prompt = {"input_ids": torch.as_tensor(out["input_ids"][0]), "media_inputs": out["media_inputs"][0]}
+    assert int((prompt["input_ids"] == labeller.audio_token_id).sum()) == 25
+    assert "input_features" in prompt["media_inputs"] and json.loads(out["reward_columns"][0]) == {"solution": "three"}
+    collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)
+    args = GRPOArgs(num_generations=3, max_completion_length=4, temperature=2.0)
+    step.eval()
+    try:
+        sampled = [sample(step, prompt, collator, args, vlm.stops, 7, "cpu", vlm.placeholders)
+                   for sample in (sample_group, generate_group)]
+    finally:
+        step.train()
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 3
+
+
+@torch.no_grad()
+def test_distillation_reads_clips_where_its_teacher_hears_and_a_deaf_teacher_reads_rows_of_its_own(gemma4, tiny_vlms):
+    """A distillation row with a clip: the prompt plays it, the dataset's answer its only target. A teacher that hears
+    (the same family) reads the student's rows; one that does not (Gemma 4 26B-A4B's layout: no audio tower) reads
+    rows of its own, so the student's dummy sound never reaches it, and the student's clips are counted instead."""
+    vlm, labeller, _ = gemma4
+    row = {"prompt": f"<audio>{QUESTION}", "audios": [wav_bytes(tone(1.0, RATE), RATE)], "solution": "three"}
+    hearing, deaf = (Teacher.load(str(tiny_vlms[name]), vlm.model, vlm.processor) for name in ("gemma4", "gemma4_moe"))
+    assert (hearing.hears, hearing.own_processor) == (True, None)
+    assert not deaf.hears and deaf.own_processor is not None and "or it does not hear" in deaf.describe()
+    out = preprocessed(DistillPreprocessor(PromptDataArgs(), labeller, 256), [row])
+    ids, labels = torch.as_tensor(out["input_ids"][0]), torch.as_tensor(out["labels"][0])
+    assert int((ids == labeller.audio_token_id).sum()) == 25 and "input_features" in out["media_inputs"][0]
+    assert vlm.processor.tokenizer.decode(labels[labels != IGNORE_INDEX]).replace(" ", "") == "three<turn|>"
+    # the recipe's labeller for a deaf teacher: the clip counted; a text row's batch carries the student's dummy sound,
+    # and the deaf teacher reads its own
+    deaf_labeller = AnswerLabeller(vlm.processor, vlm.stops)
+    preprocessor = DistillPreprocessor(PromptDataArgs(), deaf_labeller, 256, deaf.own_processor)
+    out = preprocessed(preprocessor, [row, {"prompt": "One, two?", "solution": "three"}])
+    assert len(out["input_ids"]) == 1 and out[SKIPPED][0]["audio"] == 1
+    batch = DistillCollator(ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs))(
+        [{key: out[key][0] for key in DistillPreprocessor.OUTPUTS}])
+    assert batch["answers"]["dummy_audio"]
+    hidden = deaf.hidden(to_device(batch["answers"], "cpu"), batch["prompts"])
+    assert hidden.shape[:2] == batch["answers"]["input_ids"].shape and torch.isfinite(hidden).all()

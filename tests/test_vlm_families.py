@@ -348,7 +348,7 @@ def test_a_two_image_llava_row_brings_both_images_to_the_loss(tiny_vlms, tmp_pat
 # The families whose image processors give their own floats from uint8 finished on the device (the others pad after
 # normalising, or return floats: their images cross the loader as float32)
 UINT8_IMAGES = {"llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "gemma3", "qwen3_5",
-                "qwen3_vl_moe", "qwen3_5_moe"}
+                "qwen3_vl_moe", "qwen3_5_moe", "qwen2_5_omni"}
 
 
 def test_images_cross_the_loader_as_uint8_where_the_processor_gives_its_own_floats(tiny_vlms):

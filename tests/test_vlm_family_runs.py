@@ -19,6 +19,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
+import tiny_vlm_2026
 from launch import (
     HELD_OUT_64,
     REPO,
@@ -35,6 +36,7 @@ from mmrecipes.vlm.model.families import dummy_image_inputs
 from mmrecipes.vlm.model.module_groups import module_groups
 from mmrecipes.vlm.rows.audio import decode_audio
 from test_audio_rows import tone, wav_bytes
+from tiny_vlm import save_family
 
 pytestmark = pytest.mark.launch
 
@@ -155,12 +157,13 @@ def test_output_loads_as_the_input_checkpoint_and_answers_through_the_pipeline(t
 def test_a_full_omni_checkpoint_trains_its_thinker_and_saves_one_the_auto_class_loads(tiny_vlms, tmp_path):
     """Given the whole Qwen2.5-Omni checkpoint (a talker beside the thinker), the recipe says it trains the thinker,
     trains it on the audio mixture, and saves a thinker that AutoModelForImageTextToText loads."""
-    result = run_recipe("--model_name_or_path", tiny_vlms["qwen2_5_omni_full"], "--max_steps", 4, "--logging_steps", 2,
-                        "--eval_dataset_name", "", *WITH_AUDIO, "--output_dir", tmp_path, recipe=VLM_RECIPE)
+    full = save_family(tiny_vlm_2026.WHOLE, "qwen2_5_omni_full", tmp_path / "full")
+    result = run_recipe("--model_name_or_path", full, "--max_steps", 4, "--logging_steps", 2, "--eval_dataset_name", "",
+                        *WITH_AUDIO, "--output_dir", tmp_path / "run", recipe=VLM_RECIPE)
     assert result.returncode == 0, result.log[-3000:]
     assert ("is a full qwen2_5_omni checkpoint: training its thinker (Qwen2_5OmniThinkerForConditionalGeneration), "
             "saved as a model of its own that loads with AutoModelForImageTextToText") in result.log
-    model = AutoModelForImageTextToText.from_pretrained(tmp_path)
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "run")
     thinker = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen2_5_omni"])  # the checkpoint's, untrained
     assert type(model) is type(thinker) and model.config.model_type == "qwen2_5_omni_thinker"
     before, after = thinker.state_dict(), model.state_dict()

@@ -20,8 +20,8 @@ from PIL import Image
 from ...images import to_device
 from ...template_kwargs import check_template_kwargs
 from ..model.evaluation import evaluate_generation
-from ..model.families import dummy_image_inputs, placeholder_token_ids
-from ..model.loading import load_pretrained, stop_token_ids
+from ..model.families import audio_inputs, dummy_image_inputs, placeholder_token_ids
+from ..model.loading import load_pretrained, set_attention, stop_token_ids
 from ..model.outputs import Hidden, OutputLayer
 from ..model.step import VLMForTraining
 from ..rows.chat_data import prompt_row
@@ -107,6 +107,8 @@ class Teacher:
         self.template_kwargs = template_kwargs
         self.own_processor = processor if own_rows else None
         self.collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_inputs)
+        # it takes audio rows (`families.audio_inputs`): the student reads clips only where its teacher hears them
+        self.hears = bool(audio_inputs(model.model, processor))
 
     @classmethod
     def load(cls, path: str, student, student_processor, attn_implementation: str = "sdpa",
@@ -116,7 +118,7 @@ class Teacher:
         never reads one); build it before `Accelerator()` (under ZeRO-3 a model built afterwards is
         partitioned and re-initialised)."""
         model, processor = load_pretrained(path, "--teacher_model_name_or_path")
-        model.set_attn_implementation(attn_implementation)
+        set_attention(model, attn_implementation, "--attn_implementation (the teacher's)")
         check_template_kwargs(template_kwargs, processor.chat_template, processor.tokenizer.special_tokens_map,
                               flag="--chat_template_kwargs (the teacher's chat template)")
         if why := mismatch(student, student_processor, model, processor, template_kwargs):
@@ -127,7 +129,10 @@ class Teacher:
             raise ValueError(f"--seq_kd with --teacher_model_name_or_path {path}: its processor writes images "
                              "otherwise than the student's, so its samples would follow other prompts; use --seq_kd "
                              "false (the dataset's answers off-policy)")
-        return cls(VLMForTraining(model).requires_grad_(False).eval(), processor, own_rows,
+        # a student that hears batches its dummy sound, which a teacher that does not hear cannot take: it reads rows
+        # of its own (its prompts as the student's, written by the same processor settings)
+        deaf = bool(audio_inputs(student, student_processor)) and not audio_inputs(model, processor)
+        return cls(VLMForTraining(model).requires_grad_(False).eval(), processor, own_rows or deaf,
                    stop_token_ids(model, processor), placeholder_token_ids(model, processor),
                    dummy_image_inputs(model, processor), template_kwargs)
 
@@ -178,6 +183,6 @@ class Teacher:
         held, total = parameter_values_held(self.model)
         # inside ZeRO-3's engine, FSDP2's
         family = type(getattr(self.model, "module", self.model).model).__name__
-        rows = (", reading rows of its own (its processor writes images otherwise), aligned on the text after each "
-                "prompt") if self.own_processor else ""
+        rows = (", reading rows of its own (its processor writes images otherwise, or it does not hear), aligned on "
+                "the text after each prompt") if self.own_processor else ""
         return f"teacher: {family} holding {held:,} of its {total:,} parameter values on this rank, frozen{rows}"

@@ -22,51 +22,61 @@ from ..rows.labels import FEATURE_MASKS
 
 
 class AudioRows:
-    """The audio step of a model that hears (its base model's `get_audio_features`) and its placeholder token."""
+    """The audio step of a model that hears (its base model's `get_audio_features`) and its
+    placeholder token."""
 
     def __init__(self, model, input_names: tuple):
         self.base_model, self.input_names = model.base_model, input_names
-        self.features = input_names[0]  # a batch holds clips (or the dummy sound) when it holds these
+        # a batch holds clips (or the dummy sound) when it holds these
+        self.features = input_names[0]
         self.token_id = next(value for name in ("audio_token_id", "audio_token_index")
                              if isinstance(value := getattr(model.config, name, None), int))
 
     def encode(self, input_ids: torch.Tensor, media_inputs: dict, dummy: bool):
-        """The audio tower's output for the batch's clips (or the dummy sound), each clip's rows checked against its
-        run of placeholders in `input_ids` (not the dummy's: it has none)."""
+        """The audio tower's output for the batch's clips (or the dummy sound), each clip's rows
+        checked against its run of placeholders in `input_ids` (not the dummy's: it has none)."""
         inputs = {name: media_inputs[name] for name in self.input_names if name in media_inputs}
         output = self.base_model.get_audio_features(**inputs, return_dict=True)
         if not dummy:
-            expected, rows = placeholder_runs(input_ids, self.token_id), self.encoder_rows(output, inputs)
+            expected = placeholder_runs(input_ids, self.token_id)
+            rows = self.encoder_rows(output, inputs)
             if rows != expected:
-                raise ValueError(f"audio placeholders per clip {expected}, the audio encoder's rows per clip {rows}: "
-                                 "each clip must have exactly as many placeholders as its encoder gives rows, or its "
-                                 "sound would be trained in the wrong place, or in part (the processor and its "
-                                 "feature extractor disagree with the model: a truncating, padded or edited "
-                                 "feature extractor, or placeholders written by hand)")
+                raise ValueError(
+                    f"audio placeholders per clip {expected}, the audio encoder's rows per clip "
+                    f"{rows}: each clip must have exactly as many placeholders as its encoder gives "
+                    "rows, or its sound would be trained in the wrong place, or in part (the "
+                    "processor and its feature extractor disagree with the model: a truncating, "
+                    "padded or edited feature extractor, or placeholders written by hand)")
         return output
 
     def encoder_rows(self, output, inputs: dict) -> list[int]:
-        """The rows the audio tower gives each clip: its output's mask where it gives one (Gemma 4: True, a row of the
-        clip); else the tower's own length formula over each clip's frames (the Qwen2.5-Omni thinker's output is
-        its clips' rows end to end, split by that formula), its total checked against the output's rows."""
+        """The rows the audio tower gives each clip: its output's mask where it gives one (Gemma 4:
+        True, a row of the clip); else the tower's own length formula over each clip's frames (the
+        Qwen2.5-Omni thinker's output is its clips' rows end to end, split by that formula), its
+        total checked against the output's rows."""
         mask = getattr(output, "attention_mask", None)
         if mask is not None:
             return mask.sum(-1).tolist()
-        lengths = getattr(getattr(self.base_model, "audio_tower", None), "_get_feat_extract_output_lengths", None)
+        tower = getattr(self.base_model, "audio_tower", None)
+        lengths = getattr(tower, "_get_feat_extract_output_lengths", None)
         frames = next((inputs[name] for name in FEATURE_MASKS if name in inputs), None)
         if lengths is None or frames is None:
-            raise ValueError(f"{type(output).__name__} gives no attention_mask, and the audio tower no length formula "
-                             "over a feature mask: the rows of each clip cannot be checked against its "
-                             "placeholders, so this family's audio is not trained here")
+            raise ValueError(
+                f"{type(output).__name__} gives no attention_mask, and the audio tower no length "
+                "formula over a feature mask: the rows of each clip cannot be checked against its "
+                "placeholders, so this family's audio is not trained here")
         rows = lengths(frames.sum(-1))
-        rows = (rows[-1] if isinstance(rows, tuple) else rows).tolist()  # Qwen2.5-Omni: (after the convolutions, out)
+        # Qwen2.5-Omni's: (after the convolutions, out)
+        rows = (rows[-1] if isinstance(rows, tuple) else rows).tolist()
         if sum(rows) != len(output.last_hidden_state):
-            raise ValueError(f"the audio encoder gives {len(output.last_hidden_state)} rows for clips of {rows} rows")
+            raise ValueError(f"the audio encoder gives {len(output.last_hidden_state)} rows for "
+                             f"clips of {rows} rows")
         return rows
 
     @contextlib.contextmanager
     def given(self, output):
-        """While the body runs, the family's forward gets `output` from its own `get_audio_features` call."""
+        """While the body runs, the family's forward gets `output` from its own
+        `get_audio_features` call."""
         self.base_model.get_audio_features = lambda *args, **kwargs: output
         try:
             yield

@@ -6,16 +6,19 @@ end its turns. A full omni checkpoint (Qwen2.5-Omni: a thinker that reads and wr
 that speaks) trains its thinker, which saves as an image-text-to-text model of its own."""
 
 import inspect
+import logging
 
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
 from ...saved_models import model_config, pretrained
 
+logger = logging.getLogger(__name__)
+
 
 def trained_config(config):
-    """The config the recipes train: `config`, or a full omni checkpoint's thinker's (`thinker_config`, where that
-    is an image-text-to-text model)."""
+    """The config the recipes train: `config`, or a full omni checkpoint's thinker's
+    (`thinker_config`, where that is an image-text-to-text model)."""
     thinker = getattr(config, "thinker_config", None)
     trains = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
     return thinker if type(config) not in trains and type(thinker) in trains else config
@@ -47,19 +50,23 @@ def load_pretrained(name_or_path: str, flag: str = "--model_name_or_path"):
     weights-only loading (nothing in it runs); the error names the file and the fix."""
     check_trainable(name_or_path, flag)
     config = model_config(name_or_path, flag)
-    if trained_config(config) is config:
-        return pretrained(AutoModelForImageTextToText, name_or_path, flag), AutoProcessor.from_pretrained(name_or_path)
-    model_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config.thinker_config)]
+    model_class = AutoModelForImageTextToText
+    if trained_config(config) is not config:  # a full omni checkpoint: its thinker
+        model_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config.thinker_config)]
     return pretrained(model_class, name_or_path, flag), AutoProcessor.from_pretrained(name_or_path)
 
 
 def thinker_note(name_or_path: str | None, model) -> str | None:
-    """The start-up line of a full omni checkpoint (`trained_config`): its thinker trains, and saves on its own."""
-    if not name_or_path or (config := model_config(name_or_path, "")).model_type == model.config.model_type:
+    """The start-up line of a full omni checkpoint (`trained_config`): its thinker trains, and
+    saves on its own."""
+    if not name_or_path:
+        return None
+    config = model_config(name_or_path, "")
+    if config.model_type == model.config.model_type:
         return None
     return (f"{name_or_path} is a full {config.model_type} checkpoint: training its thinker "
-            f"({type(model).__name__}), saved as a model of its own that loads with AutoModelForImageTextToText; "
-            "the talker is neither trained nor saved")
+            f"({type(model).__name__}), saved as a model of its own that loads with "
+            "AutoModelForImageTextToText; the talker is neither trained nor saved")
 
 
 def stop_token_ids(model, processor) -> list[int]:
@@ -68,3 +75,30 @@ def stop_token_ids(model, processor) -> list[int]:
     eos = model.generation_config.eos_token_id
     ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
     return [i for i in {*ids, processor.tokenizer.eos_token_id} if i is not None]
+
+
+def set_attention(model, implementation: str, flag: str = "--attn_implementation"):
+    """`implementation` for every part of the model; asked for sdpa, a part without that kernel
+    (Gemma 2's LM in PaliGemma 2, Gemma 4's audio tower) keeps eager, said in the log."""
+    try:
+        model.set_attn_implementation(implementation)
+    except ValueError as error:
+        if implementation != "sdpa":
+            raise ValueError(f"{flag} {implementation}: {error}") from error
+        without = _sdpa_where_supported(model)
+        verbs = ("s", "s") if len(without) == 1 else ("ve", "")
+        logger.warning("%s: %s ha%s no sdpa attention and keep%s eager (%s eager: every part)",
+                       type(model).__name__, ", ".join(without), *verbs, flag)
+
+
+def _sdpa_where_supported(model) -> list[str]:
+    """sdpa for each part of the model (its sub-configs) that has it; the parts that have none
+    keep eager, as transformers loaded them: their names."""
+    without = []
+    for part in model.config.sub_configs or ["model"]:
+        try:
+            model.set_attn_implementation({part: "sdpa"} if part != "model" else "sdpa")
+        except ValueError:
+            without.append(part)
+            model.set_attn_implementation({part: "eager"} if part != "model" else "eager")
+    return without

@@ -6,7 +6,6 @@ and the log lines that say so; `load_vlm`: a saved checkpoint (`loading`), a Lla
 parts (`compose`) or the tiny Llava. The recipe keeps the Accelerate skeleton."""
 
 import copy
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,15 +18,13 @@ from ..rows.collate import ChatCollator, probe_rows
 from .compose import compose_llava, replaced_template
 from .families import audio_inputs, dummy_image_inputs, placeholder_token_ids, stateful_mixers
 from .flops import VLMFlops
-from .loading import load_pretrained, stop_token_ids, thinker_note
+from .loading import load_pretrained, set_attention, stop_token_ids, thinker_note
 from .lora import add_lora, describe_trainable, dropout_note
 from .module_groups import ModuleGroups, apply_train_modules, module_groups
 from .moe import sparse_block_classes
 from .outputs import Logits
 from .segments import SegmentAwareMixers, apply_segment_aware_mixers
 from .step import VLMForTraining
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -174,29 +171,8 @@ def load_vlm(args: VLMModelArgs):
     if args.chat_template_path and not args.vision_model_name_or_path:
         template = read_chat_template(args.chat_template_path)
         processor.chat_template = replaced_template(processor.chat_template, template)
-    try:
-        model.set_attn_implementation(args.attn_implementation)
-    # a family with a part without that kernel: Gemma 2's LM (PaliGemma 2) has no sdpa, Gemma 4's audio tower none
-    except ValueError as error:
-        if args.attn_implementation != "sdpa":
-            raise ValueError(f"--attn_implementation {args.attn_implementation}: {error}") from error
-        without = _sdpa_where_supported(model)
-        logger.warning("%s: %s ha%s no sdpa attention and keep%s eager (--attn_implementation eager: every part)",
-                       type(model).__name__, ", ".join(without), *(("s", "s") if len(without) == 1 else ("ve", "")))
+    set_attention(model, args.attn_implementation)
     return model, processor
-
-
-def _sdpa_where_supported(model) -> list[str]:
-    """sdpa for each part of the model (its sub-configs) that has it; the parts that have none keep eager, as
-    transformers loaded them: their names."""
-    without = []
-    for part in model.config.sub_configs or ["model"]:
-        try:
-            model.set_attn_implementation({part: "sdpa"} if part != "model" else "sdpa")
-        except ValueError:
-            without.append(part)
-            model.set_attn_implementation({part: "eager"} if part != "model" else "eager")
-    return without
 
 
 def _tiny_llava(args: VLMModelArgs):

@@ -26,7 +26,7 @@ from .chat_data import (
 )
 from .collate import chat_rows
 from .labels import IGNORE_INDEX, UnalignedAnswer
-from .media import media_folder, media_not_taken, row_images
+from .media import AUDIO_COLUMNS, media_folder, media_not_taken, row_audios, row_images
 
 PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution", OTHER_COLUMNS]
 
@@ -83,11 +83,10 @@ class PromptPreprocessor(ChatPreprocessor):
     def example(self, row):
         try:
             messages, raw_images, reward_prompt, columns = prompt_chat(row)
-            if kind := media_not_taken(row, messages, takes_video=False):
-                raise Skip(kind, "GRPO samples image and text prompts")
+            self.check_taken(row, messages)
             images, note = row_images(self.args, media_folder(row, self.args.image_folder), messages, raw_images)
             prompt = prompt_row(self.labeller.processor, messages, images, self.row_tools(columns),
-                                self.labeller.template_kwargs)
+                                self.labeller.template_kwargs, self.row_clips(row, messages))
         except Skip:
             raise
         # a template that refuses the prompt, say: counted, never a crash
@@ -98,6 +97,20 @@ class PromptPreprocessor(ChatPreprocessor):
         kept = [png_bytes(image) for image in images] if self.keep_images else []
         return (prompt["input_ids"], prompt["media_inputs"], json.dumps(reward_prompt), json.dumps(columns),
                 kept), note
+
+    def check_taken(self, row, messages):
+        """Skip a row holding what prompts are not sampled with: video, and audio where the labeller does not
+        hear."""
+        hears = self.labeller.audio_token_id is not None
+        if kind := media_not_taken(row, messages, takes_video=False, takes_audio=hears):
+            raise Skip(kind, "prompts are sampled with images, text and (a model that hears) audio")
+
+    def row_clips(self, row, messages) -> list:
+        """The row's clips, decoded (`row_audios`, paths resolved as images'), where the labeller hears."""
+        if self.labeller.audio_token_id is None:
+            return []
+        return row_audios(self.args, media_folder(row, self.args.image_folder), messages,
+                          row_media(row, *AUDIO_COLUMNS), self.labeller.processor.feature_extractor.sampling_rate)
 
     @staticmethod
     def check_columns(name, available):
@@ -148,18 +161,19 @@ class DistillPreprocessor(PromptPreprocessor):
     def example(self, row):
         try:
             messages, raw_images, _, columns = prompt_chat(row)
-            if kind := media_not_taken(row, messages, takes_video=False):
-                raise Skip(kind, "distillation samples image and text prompts")
+            self.check_taken(row, messages)
             if columns.get("solution") is None:
                 raise Skip("no_target", "a prompt row without a solution: no answer for the off-policy steps")
             self.check_text_length(messages)
             images, note = row_images(self.args, media_folder(row, self.args.image_folder), messages, raw_images)
+            audios = self.row_clips(row, messages)
             prompt = prompt_row(self.labeller.processor, messages, images,
-                                template_kwargs=self.labeller.template_kwargs)["input_ids"]
+                                template_kwargs=self.labeller.template_kwargs, audios=audios)["input_ids"]
             answer = {"role": "assistant", "content": [{"type": "text", "text": str(columns["solution"])}]}
-            input_ids, labels, media_inputs = encode_row(self.labeller, [*messages, answer], images)
+            input_ids, labels, media_inputs = encode_row(self.labeller, [*messages, answer], images, audios=audios)
             teacher = self.teacher_processor and prompt_row(self.teacher_processor, messages, images,
-                                                            template_kwargs=self.labeller.template_kwargs)
+                                                            template_kwargs=self.labeller.template_kwargs,
+                                                            audios=audios)
         except Skip:
             raise
         except UnalignedAnswer as error:
