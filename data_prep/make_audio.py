@@ -7,8 +7,8 @@ KB; the recipes resample it to the feature extractor's 16 kHz); its question nee
 - "How many beeps?": one to four 80 ms beeps at one pitch, spread over the second ("one" ... "four");
 - "Which tone is higher?": two 300 ms tones of different pitches, one after the other ("first" or "second").
 Rows are in chat format: `messages` with a `{"type": "audio"}` part and an `audios` column holding each clip's bytes
-(LLaMA-Factory's and ms-swift's column). data/tiny_audio_vlm is the tiny Gemma 4 E2B of `data_prep/tiny_vlm_2026.py
---family gemma4` (its audio tower included), untrained: recipes/configs/vlm_audio.yaml trains it on these.
+(LLaMA-Factory's and ms-swift's column). data/tiny_audio_vlm is the tiny Qwen2.5-Omni thinker of
+`data_prep/tiny_vlm_2026.py --family qwen2_5_omni`, untrained: recipes/configs/vlm_audio.yaml trains it on these.
 """
 
 import argparse
@@ -89,7 +89,7 @@ def main():
     parser.add_argument("--test_rows", type=int, default=64)
     args = parser.parse_args()
     write_splits(Path(args.output), make_rows, args.train_rows, args.test_rows)
-    save_family(FAMILIES, "gemma4", Path(args.model_dir))
+    save_family(FAMILIES, "qwen2_5_omni", Path(args.model_dir))
     print(f"wrote {args.model_dir}")
 
 
