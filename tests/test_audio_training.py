@@ -25,7 +25,7 @@ from mmrecipes.vlm.algorithms.teacher import Teacher
 from mmrecipes.vlm.arguments import ChatDataArgs, GRPOArgs, LoraArgs, PromptDataArgs, VLMModelArgs
 from mmrecipes.vlm.model import audio_rows
 from mmrecipes.vlm.model.module_groups import apply_train_modules
-from mmrecipes.vlm.model.outputs import Logits, LossSum, SequenceLogps
+from mmrecipes.vlm.model.outputs import Hidden, Logits, LossSum, SequenceLogps
 from mmrecipes.vlm.model.parts import vlm_parts
 from mmrecipes.vlm.model.step import VLMForTraining
 from mmrecipes.vlm.rows import labels
@@ -338,3 +338,6 @@ def test_distillation_reads_clips_where_its_teacher_hears_and_a_deaf_teacher_rea
     assert batch["answers"]["dummy_audio"]
     hidden = deaf.hidden(to_device(batch["answers"], "cpu"), batch["prompts"])
     assert hidden.shape[:2] == batch["answers"]["input_ids"].shape and torch.isfinite(hidden).all()
+    # the old failure: given the student's rows, the deaf teacher's forward refuses the dummy sound
+    with pytest.raises(ValueError, match="initialized without an audio_config"):
+        deaf.model(to_device(batch["answers"], "cpu"), Hidden())
