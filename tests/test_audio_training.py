@@ -6,6 +6,7 @@ zero weight; the presets and LoRA reach the audio tower by module structure; pac
 every bad clip is a counted skip. The two-rank runs (DDP, sharded engines against it, ranks with and without audio):
 test_vlm_family_runs.py, test_vlm_engines.py."""
 
+import functools
 import io
 import json
 
@@ -141,6 +142,25 @@ def test_an_extractor_that_truncates_or_pads_on_the_left_is_refused_before_the_f
     processor.feature_extractor.padding_side = "left"  # the tokenizer's side, leaked: a short clip's frames last
     with pytest.raises(ValueError, match="pads its features on the left"):
         AnswerLabeller(processor, vlm.stops, audio=True)
+
+
+def test_a_family_whose_clips_rows_cannot_be_told_is_refused_before_the_first_step(gemma4, tiny_vlms, monkeypatch):
+    """An audio output without a mask from a tower without a length formula (Gemma 4's tower has none; Qwen3-Omni's
+    formula is a function of its module, not of its tower): refused at start-up with the reason, not at the first
+    batch with a clip."""
+    vlm, _, _ = gemma4
+    family = type(vlm.model.model)
+    with_mask = family.get_audio_features
+
+    @functools.wraps(with_mask)
+    def without_mask(self, *args, **kwargs):
+        output = with_mask(self, *args, **kwargs)
+        output.attention_mask = None
+        return output
+
+    monkeypatch.setattr(family, "get_audio_features", without_mask)
+    with pytest.raises(ValueError, match="gives no attention_mask, and the audio tower no length formula"):
+        vlm_parts(VLMModelArgs(model_name_or_path=str(tiny_vlms["gemma4"])), LoraArgs(), seq_len=128)
 
 
 def test_placeholders_that_disagree_with_a_clips_encoder_rows_are_refused_clip_by_clip(hearing, monkeypatch):

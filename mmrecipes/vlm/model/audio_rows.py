@@ -49,6 +49,13 @@ class AudioRows:
                     "padded or edited feature extractor, or placeholders written by hand)")
         return output
 
+    @torch.no_grad()
+    def check_family(self, dummy_inputs: dict):
+        """Refuse, before the first step, a family whose clips' encoder rows cannot be told
+        (`encoder_rows` on the dummy sound in `dummy_inputs`)."""
+        inputs = {name: dummy_inputs[name] for name in self.input_names if name in dummy_inputs}
+        self.encoder_rows(self.base_model.get_audio_features(**inputs, return_dict=True), inputs)
+
     def encoder_rows(self, output, inputs: dict) -> list[int]:
         """The rows the audio tower gives each clip: its output's mask where it gives one (Gemma 4:
         True, a row of the clip); else the tower's own length formula over each clip's frames (the

@@ -15,6 +15,7 @@ from ...images import to_device
 from ...training import optimizer_groups
 from ..arguments import LoraArgs, VLMModelArgs, VLMTrainingArgs, read_chat_template
 from ..rows.collate import ChatCollator, probe_rows
+from .audio_rows import AudioRows
 from .compose import compose_llava, replaced_template
 from .families import audio_inputs, dummy_image_inputs, placeholder_token_ids, stateful_mixers
 from .flops import VLMFlops
@@ -117,6 +118,8 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
     model, processor = load_vlm(model_args)
     segments = apply_segment_aware_mixers(model)  # process-wide, in transformers' modules: listed in describe
     dummy_inputs = dummy_image_inputs(model, processor)
+    if hears := audio_inputs(model, processor):
+        AudioRows(model, hears).check_family(dummy_inputs)
     groups = module_groups(model, dummy_inputs)
     trainable = apply_train_modules(groups, model_args.train_modules)
     peft_model, notes = None, [thinker_note(model_args.model_name_or_path, model)]
