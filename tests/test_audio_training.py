@@ -328,6 +328,20 @@ def test_grpo_prompts_play_their_clips_and_sample_alike_by_generate_and_by_the_s
     try:
         sampled = [sample(step, prompt, collator, args, vlm.stops, 7, "cpu", vlm.placeholders)
                    for sample in (sample_group, generate_group)]
+        # the audio placeholder made the likeliest token: never sampled (an untrained model drew it in a GRPO run)
+        token = labeller.audio_token_id
+        bias = torch.zeros(vlm.model.get_output_embeddings().weight.shape[0])
+        bias[token] = 50.0
+        hook = vlm.model.get_output_embeddings().register_forward_hook(lambda module, inputs, output: output + bias)
+        try:
+            group = sample_group(step, prompt, collator, args, vlm.stops, 7, "cpu", vlm.placeholders)
+            assert not any(token in ids for ids, _ in group)
+            # the old failure: drawn and appended, the next forward finds a clip of one placeholder
+            with pytest.raises(ValueError, match=r"audio placeholders per clip \[25, 1"):
+                sample_group(step, prompt, collator, args, vlm.stops, 7, "cpu",
+                             [other for other in vlm.placeholders if other != token])
+        finally:
+            hook.remove()
     finally:
         step.train()
     assert sampled[0] == sampled[1] and len(sampled[0]) == 3

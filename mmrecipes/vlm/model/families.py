@@ -239,16 +239,17 @@ def height_width(size) -> tuple[int, int]:
 
 
 def placeholder_token_ids(model, processor) -> list[int]:
-    """The image and video placeholder tokens, which decoding never emits (a sampled or greedy one,
-    appended, makes the next forward find one more placeholder than images: "Image features and
-    image tokens do not match"). The model's config names the ones its forward counts (Gemma 3's
-    processor calls `<start_of_image>` its image token; the placeholder is `<image_soft_token>`);
-    the processor's are added (InternVL's config names no video token)."""
+    """The image, video and audio placeholder tokens, which decoding never emits (a sampled or greedy
+    one, appended, makes the next forward find one more placeholder than images: "Image features and
+    image tokens do not match"; or than a clip's encoder rows: `AudioRows` refuses the batch). The
+    model's config names the ones its forward counts (Gemma 3's processor calls `<start_of_image>`
+    its image token; the placeholder is `<image_soft_token>`); the processor's are added (InternVL's
+    config names no video token)."""
     config = model.config
-    ids = {getattr(config, name, None) for name in ("image_token_id", "image_token_index", "video_token_id",
-                                                    "video_token_index")}
-    ids |= {processor.tokenizer.convert_tokens_to_ids(getattr(processor, name))
-            for name in ("image_token", "video_token") if getattr(processor, name, None) is not None}
+    ids = {getattr(config, f"{kind}_token_{suffix}", None) for kind in ("image", "video", "audio")
+           for suffix in ("id", "index")}
+    ids |= {processor.tokenizer.convert_tokens_to_ids(getattr(processor, f"{kind}_token"))
+            for kind in ("image", "video", "audio") if getattr(processor, f"{kind}_token", None) is not None}
     return sorted(token for token in ids if isinstance(token, int) and token >= 0)
 
 
