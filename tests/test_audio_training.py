@@ -286,11 +286,11 @@ def test_packed_audio_rows_give_the_logits_they_give_alone(hearing):
 
 
 @torch.no_grad()
-def test_dpo_reads_both_sides_clips_through_the_same_path(gemma4):
+def test_dpo_reads_both_sides_clips_through_the_same_path(hearing):
     """A preference pair whose prompt plays a clip (TRL's string prompt with LLaMA-Factory's `<audio>` tag and `audios`
     column): each side carries the clip's features and placeholders, the answers alone differ, and each side's
     log-probability is its own row's as a batch of one."""
-    vlm, labeller, step = gemma4
+    vlm, labeller, step, _ = hearing
     clip = wav_bytes(tone(1.0, RATE), RATE)
     pair = {"prompt": f"<audio>{QUESTION}", "chosen": "three", "rejected": "four", "audios": [clip]}
     out = preprocessed(PreferencePreprocessor(ChatDataArgs(max_length=256), labeller, 256), [pair])
