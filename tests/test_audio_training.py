@@ -61,10 +61,11 @@ def heard_image_row(seconds=0.5):
 
 
 # what differs between the families that hear: each one's end of turn, its encoder rows for a half-second clip, the
-# parameters of its audio tower (the projector apart) and its audio projector
-HEARING = {"gemma4": dict(end="<turn|>", half_second=13, tower_params=122_080, projector="model.embed_audio."),
+# parameters of its audio tower (the projector apart), its audio projector, the tower LoRA's MLP preset misses first
+HEARING = {"gemma4": dict(end="<turn|>", half_second=13, tower_params=122_080, projector="model.embed_audio.",
+                         missed_by_mlp=None),  # PEFT itself refuses its vision MLP's clippable layers by these names
            "qwen2_5_omni": dict(end="<|im_end|>", half_second=12, tower_params=32_640,
-                                projector="model.audio_tower.proj.")}
+                                projector="model.audio_tower.proj.", missed_by_mlp="audio")}
 
 
 @pytest.fixture(scope="module", params=list(HEARING))
@@ -233,6 +234,12 @@ def test_the_presets_and_lora_reach_the_audio_tower_by_module_structure(hearing,
                      LoraArgs(use_peft=True), seq_len=128)
     adapted = {name for name, p in lora.model.named_parameters() if p.requires_grad and ".lora_" in name}
     assert any(name.startswith("model.audio_tower.") for name in adapted) and lora.trainable["audio_tower"]
+    # the MLP preset reaches the Omni thinker's language model and vision tower, not its audio tower (fc1, fc2), which
+    # would stay frozen under --train_modules all
+    if family["missed_by_mlp"]:
+        with pytest.raises(ValueError, match=f"reaches no linear layer of the {family['missed_by_mlp']} tower"):
+            vlm_parts(VLMModelArgs(model_name_or_path=str(tiny_vlms[family["family"]]), train_modules="all"),
+                      LoraArgs(use_peft=True, lora_target_modules="gate_proj,up_proj,down_proj"), seq_len=128)
 
 
 def test_every_bad_clip_is_a_counted_skip_and_the_rest_train(gemma4, tmp_path):

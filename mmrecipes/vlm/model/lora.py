@@ -106,7 +106,24 @@ def add_lora(model, groups: ModuleGroups, train_modules: str, args: LoraArgs):
             trainable[tower].append(param)
         else:
             trainable["language_model"].append(param)
+    if train_modules == "all":
+        check_towers_reached(model, groups, trainable, args)
     return peft_model, {name: params for name, params in trainable.items() if params}
+
+
+def check_towers_reached(model, groups: ModuleGroups, trainable: dict, args: LoraArgs):
+    """Refuse --train_modules all whose LoRA targets reach no linear layer of a tower (the usual
+    q_proj,...,down_proj preset misses Gemma 4's towers and the Qwen2.5-Omni audio tower's fc1/fc2):
+    the tower would stay frozen while the run says it trains."""
+    for tower in ("vision_tower", "audio_tower"):
+        names = {name.removesuffix(".weight") for name, _ in getattr(groups, tower)}
+        if not names or trainable[tower]:
+            continue
+        leaves = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear) and name.removeprefix("base_model.model.") in names})
+        raise ValueError(f"--use_peft with --train_modules all: --lora_target_modules {args.lora_target_modules!r} "
+                         f"reaches no linear layer of the {tower.replace('_', ' ')}, which would stay frozen: add "
+                         f"its layers ({', '.join(leaves)}) or give all-linear")
 
 
 def describe_trainable(model) -> str:
