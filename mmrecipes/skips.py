@@ -56,9 +56,9 @@ FIXES = {
     "video_mismatch": "give each <video> placeholder or video part one entry in the row's videos (or video) column",
     "video": "this model's processor takes no video: use a checkpoint with a video processor, or leave the video "
              "rows out",
-    "audio": "this model does not hear (no audio tower, or no feature extractor), or this recipe does not train on "
-             "audio yet (vlm_finetune.py and vlm_dpo.py do): the rows are counted instead of trained without their "
-             "sound; use a checkpoint that hears, or leave them out",
+    "audio": "this model does not hear (no audio tower, or no feature extractor), or (vlm_distill.py) its teacher "
+             "does not: the rows are counted instead of trained without their sound; use a checkpoint that hears, or "
+             "leave them out",
     "audio_mismatch": "give each <audio> placeholder or audio part one entry in the row's audios (or audio) column",
     "audio_undecodable": "check the clip's path (relative to --image_folder, else the data file's folder) and that "
                          "PyAV can decode it (an audio stream, a sound header)",

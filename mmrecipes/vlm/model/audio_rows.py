@@ -18,7 +18,7 @@ import contextlib
 
 import torch
 
-from ..rows.labels import FEATURE_MASKS
+from ..rows.labels import feature_mask
 
 
 class AudioRows:
@@ -66,7 +66,7 @@ class AudioRows:
             return mask.sum(-1).tolist()
         tower = getattr(self.base_model, "audio_tower", None)
         lengths = getattr(tower, "_get_feat_extract_output_lengths", None)
-        frames = next((inputs[name] for name in FEATURE_MASKS if name in inputs), None)
+        frames = feature_mask(inputs)
         if lengths is None or frames is None:
             raise ValueError(
                 f"{type(output).__name__} gives no attention_mask, and the audio tower no length "

@@ -26,8 +26,9 @@ def trained_config(config):
 
 def check_trainable(name_or_path: str, flag: str = "--model_name_or_path"):
     """Raise, naming `flag`, the model type and why, if the recipes cannot train this checkpoint;
-    reads its config only."""
-    config = trained_config(model_config(name_or_path, flag))
+    reads its config only, and returns it."""
+    saved = model_config(name_or_path, flag)
+    config = trained_config(saved)
     model_type = config.model_type
     if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
         raise ValueError(f"{flag} {name_or_path}: model type {model_type!r} is not an image-text-to-text model "
@@ -42,14 +43,14 @@ def check_trainable(name_or_path: str, flag: str = "--model_name_or_path"):
         reason = f"{model_class.__name__}.forward takes no precomputed image features (mm_encoder_outputs)"
     if reason:
         raise ValueError(f"{flag} {name_or_path}: model type {model_type!r} cannot be trained by this recipe: {reason}")
+    return saved
 
 
 def load_pretrained(name_or_path: str, flag: str = "--model_name_or_path"):
     """(model, processor) of a saved image-text-to-text checkpoint, checked first
     (`check_trainable`). Weights in a pickle that holds more than tensors are refused by torch's
     weights-only loading (nothing in it runs); the error names the file and the fix."""
-    check_trainable(name_or_path, flag)
-    config = model_config(name_or_path, flag)
+    config = check_trainable(name_or_path, flag)
     model_class = AutoModelForImageTextToText
     if trained_config(config) is not config:  # a full omni checkpoint: its thinker
         model_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config.thinker_config)]

@@ -120,7 +120,7 @@ def check_towers_reached(model, groups: ModuleGroups, trainable: dict, args: Lor
         if not names or trainable[tower]:
             continue
         leaves = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                         if isinstance(module, torch.nn.Linear) and name.removeprefix("base_model.model.") in names})
+                         if isinstance(module, torch.nn.Linear) and name in names})
         raise ValueError(f"--use_peft with --train_modules all: --lora_target_modules {args.lora_target_modules!r} "
                          f"reaches no linear layer of the {tower.replace('_', ' ')}, which would stay frozen: add "
                          f"its layers ({', '.join(leaves)}) or give all-linear")

@@ -277,10 +277,7 @@ class ChatPreprocessor:
         self.check_text_length(messages)
         images, note = row_images(self.args, images_folder, messages, raw_images)
         videos = row_videos(self.args, videos_folder, messages, raw_videos)
-        audios = []
-        if self.labeller.audio_token_id is not None:  # a placeholder without its clip is counted too
-            rate = self.labeller.processor.feature_extractor.sampling_rate
-            audios = row_audios(self.args, images_folder, messages, raw_audios, rate)
+        audios = self.clips(images_folder, messages, raw_audios)
         try:
             input_ids, labels, media_inputs = encode_row(self.labeller, messages, images, videos, tools, audios)
         except TemplateError as error:
@@ -291,6 +288,14 @@ class ChatPreprocessor:
         if not (labels[1:] != IGNORE_INDEX).any():
             raise Skip("no_target", "no assistant answer to learn")
         return (input_ids, labels, media_inputs), note
+
+    def clips(self, folder, messages, raw_audios) -> list:
+        """A row's clips decoded at the feature extractor's rate (`row_audios`), where the labeller
+        hears (a placeholder without its clip is counted too); none otherwise."""
+        if self.labeller.audio_token_id is None:
+            return []
+        return row_audios(self.args, folder, messages, raw_audios,
+                          self.labeller.processor.feature_extractor.sampling_rate)
 
     def check_text_length(self, messages):
         """Skip (too_long) a row whose text parts alone cannot fit in `max_length` tokens: over

@@ -29,7 +29,7 @@ class ChatCollator:
     Pads each row to the longest on the right (labels with IGNORE_INDEX). With `packing`, the rows
     are first packed in order into sequences of up to `pack_length` tokens (one sequence if None),
     each row's first label ignored (it is never predicted from the sample before it), and
-    `sample_lengths` / `media_per_sample` (images, videos, audio clips where the batch has any) list every
+    `sample_lengths` / `media_per_sample` (images, videos, audio clips) list every
     segment of the padded `[sequences, L]` batch in order (a sequence's padding is a segment of its
     own), for per-sample positions and attention (mmrecipes.vlm.rows.packing). Concatenates the
     rows' image and video inputs in row order, and gives a batch without any image the model's tiny
@@ -98,15 +98,12 @@ class Joined:
 
 def segments(rows, packs, lengths, length: int) -> dict:
     """Every segment of the packed sequences in order (`sample_lengths`; a sequence's padding a
-    segment of its own) and its media (`media_per_sample`: images; videos where the batch has any,
-    or audio; audio clips where it has any)."""
-    clips = any("input_features" in row["media_inputs"] for row in rows)
-    kinds = 1 + (clips or any("pixel_values_videos" in row["media_inputs"] for row in rows)) + clips
+    segment of its own) and its media (`media_per_sample`: its images, videos and audio clips)."""
     found = []
     for pack in packs:
         used = sum(lengths[i] for i in pack)
-        found += [(lengths[i], *_media_counts(rows[i])[:kinds]) for i in pack]
-        found += [(length - used, *[0] * kinds)] if used < length else []
+        found += [(lengths[i], *_media_counts(rows[i])) for i in pack]
+        found += [(length - used, 0, 0, 0)] if used < length else []
     sample_lengths, *per_sample = torch.tensor(found).T.clone()
     return {"sample_lengths": sample_lengths, "media_per_sample": torch.stack(per_sample)}
 

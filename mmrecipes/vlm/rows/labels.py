@@ -269,6 +269,11 @@ def audio_kwargs(processor, clips=()) -> dict:
     return kwargs
 
 
+def feature_mask(inputs: dict):
+    """Which feature frames are each clip's (`FEATURE_MASKS`: the processor's name for it), or None."""
+    return next((inputs[name] for name in FEATURE_MASKS if name in inputs), None)
+
+
 def check_audio_features(processor):
     """Refuse a processor whose features do not hold a clip whole: a `PROBE_AUDIO_SECONDS` clip must give a feature
     mask that covers its every hop (else the extractor truncates: the end of every long clip would be lost without a
@@ -280,7 +285,7 @@ def check_audio_features(processor):
     clips = [noise, noise[:extractor.sampling_rate]]
     made = processor(text=processor.audio_token * 2, audio=clips, audio_kwargs=audio_kwargs(processor, clips),
                      return_tensors="pt")
-    mask = next((made[name] for name in FEATURE_MASKS if name in made), None)
+    mask = feature_mask(made)
     if mask is None:
         raise ValueError(f"{type(processor).__name__} gives none of {FEATURE_MASKS}: which feature frames are a "
                          "clip's cannot be checked, so its audio is not trained here")

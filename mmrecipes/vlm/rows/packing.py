@@ -13,14 +13,13 @@ import inspect
 
 import torch
 
-from .labels import FEATURE_MASKS
+from .labels import FEATURE_MASKS, feature_mask
 
 
 def packed_position_ids(model, input_ids, sample_lengths, media_per_sample, media_inputs) -> torch.Tensor:
     """Position ids of a packed `[sequences, L]` batch whose segments (samples, and each sequence's
     padding) have `sample_lengths` in order: positions restart at every segment. `media_per_sample`:
-    each segment's image count, its video count as a second row where the batch has videos or audio,
-    its clip count as a third where it has audio.
+    each segment's image, video and audio clip counts, a row each.
 
     A model whose base has `get_rope_index` (Qwen2/2.5/3-VL: 3-D mRoPE over text, image and video
     grids, a video's temporal axis in its own seconds; the Qwen2.5-Omni thinker: audio as text)
@@ -39,7 +38,7 @@ def packed_position_ids(model, input_ids, sample_lengths, media_per_sample, medi
     # Per image: its grid; per video: its grid and seconds per temporal patch; per clip: its feature frames
     media = [{key: media_inputs[key] for key in keys if key in media_inputs}
              for keys in (("image_grid_thw",), ("video_grid_thw", "second_per_grid_ts"), FEATURE_MASKS)]
-    counts = media_per_sample.reshape(-1, len(sample_lengths)).T.tolist()
+    counts = media_per_sample.T.tolist()
     positions, start, firsts = [], 0, [0, 0, 0]
     for length, sample_counts in zip(sample_lengths.tolist(), counts):
         kwargs = {name: value[:, start:start + length] for name, value in per_token.items()}
@@ -56,5 +55,6 @@ def packed_position_ids(model, input_ids, sample_lengths, media_per_sample, medi
 
 def _audio_lengths(kwargs: dict) -> dict:
     """The Qwen Omni thinkers' `get_rope_index` takes a sample's clips as their frame counts (`audio_seqlens`)."""
-    mask = next((kwargs.pop(name) for name in FEATURE_MASKS if name in kwargs), None)
+    mask = feature_mask(kwargs)
+    kwargs = {name: value for name, value in kwargs.items() if name not in FEATURE_MASKS}
     return kwargs | ({"audio_seqlens": mask.sum(-1)} if mask is not None else {})

@@ -26,7 +26,7 @@ from .chat_data import (
 )
 from .collate import chat_rows
 from .labels import IGNORE_INDEX, UnalignedAnswer
-from .media import AUDIO_COLUMNS, media_folder, media_not_taken, row_audios, row_images
+from .media import AUDIO_COLUMNS, media_folder, media_not_taken, row_images
 
 PROMPT_COLUMNS = [*CHAT_COLUMNS, "prompt", "solution", OTHER_COLUMNS]
 
@@ -106,11 +106,9 @@ class PromptPreprocessor(ChatPreprocessor):
             raise Skip(kind, "prompts are sampled with images, text and (a model that hears) audio")
 
     def row_clips(self, row, messages) -> list:
-        """The row's clips, decoded (`row_audios`, paths resolved as images'), where the labeller hears."""
-        if self.labeller.audio_token_id is None:
-            return []
-        return row_audios(self.args, media_folder(row, self.args.image_folder), messages,
-                          row_media(row, *AUDIO_COLUMNS), self.labeller.processor.feature_extractor.sampling_rate)
+        """The row's clips, decoded (`clips`; paths resolved as images'), where the labeller hears."""
+        raw_audios = row_media(row, *AUDIO_COLUMNS) if self.labeller.audio_token_id is not None else []
+        return self.clips(media_folder(row, self.args.image_folder), messages, raw_audios)
 
     @staticmethod
     def check_columns(name, available):
