@@ -4,7 +4,7 @@ which tests/test_benchmarks.py compares mmrecipes.benchmarks against).
 
     pip install --no-deps --target /tmp/lmms lmms-eval==0.7.3 loguru pytz tenacity evaluate sacrebleu portalocker \
         tabulate colorama lxml aiohttp multidict attrs yarl propcache aiohappyeyeballs aiosignal frozenlist openpyxl \
-        et_xmlfile
+        et_xmlfile editdistance more_itertools
     PYTHONPATH=/tmp/lmms python data_prep/lmms_eval_parity.py
 
 lmms-eval runs end to end (`simple_evaluate`, its task YAML, filters, `process_results` and aggregations) with a
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "benchmarks"
 OUTPUT = ROOT / "tests" / "fixtures" / "lmms_eval_parity.json"
 TASKS = ["mmstar", "chartqa", "docvqa_val", "infovqa_val", "ai2d", "scienceqa_img", "ocrbench", "textvqa_val",
-         "mmmu_val", "mmbench_en_dev_static"]
+         "mmmu_val", "mmbench_en_dev_static", "librispeech_test_clean"]
 # answers the documents get in turn, from each document's right and a wrong answer: the forms each parser must read,
 # and some it must not
 FORMS = {
@@ -55,6 +55,12 @@ FORMS = {
                               "{right}: {wrong}", "{right_text}", "Option {right}) is it"],
 }
 FORMS["infovqa_val"] = FORMS["docvqa_val"]
+# transcripts: as written, in another case, as a sentence, behind a language token, digits for number words, a word
+# left out, one too many, two swapped, commas between words, nothing
+FORMS["librispeech_test_clean"] = ["{right}", "{right_lower}", "{right_sentence}", "<|en|> {right_lower}",
+                                   "{right_digits}", "{right_dropped}", "{right} and more", "{right_swapped}",
+                                   "{right_commas}", "", "{wrong}", "{right_title}!"]
+DIGITS = {"ONE": "1", "TWO": "2", "THREE": "3", "FOUR": "4", "FIVE": "5", "TWENTY": "20", "FORTY": "40"}
 
 
 def right_and_wrong(task: str, doc: dict) -> tuple[str, str]:
@@ -76,6 +82,8 @@ def right_and_wrong(task: str, doc: dict) -> tuple[str, str]:
         return "ABCD"[doc["answer"]], "ABCD"[(doc["answer"] + 1) % len(doc["choices"])]
     if task == "ocrbench":
         return doc["answer"][0], "purple"
+    if task == "librispeech_test_clean":
+        return doc["gt"], "purple"
     if task == "textvqa_val":
         return doc["answers"][0], doc["answers"][-1]
     return doc["answers"][0], "purple"
@@ -91,9 +99,13 @@ def right_text(task: str, doc: dict, right: str) -> str:
 def fixed_answer(task: str, doc: dict, doc_id: int) -> str:
     right, wrong = right_and_wrong(task, doc)
     form = FORMS[task][doc_id % len(FORMS[task])]
-    return form.format(right=right, wrong=wrong, right_lower=right.lower(), wrong_lower=wrong.lower(),
-                       right_title=right.title(), wrong_title=wrong.title(), right_upper=right.upper(),
-                       right_prefix=right[:2], right_typo=right[:-1] + "x", right_text=right_text(task, doc, right))
+    words = right.split()
+    return form.format(right_sentence=right.capitalize() + ".", right_digits=" ".join(DIGITS.get(w, w) for w in words),
+                       right_dropped=" ".join(words[1:]), right_swapped=" ".join([*words[1::-1], *words[2:]]),
+                       right_commas=", ".join(words), right=right, wrong=wrong, right_lower=right.lower(),
+                       wrong_lower=wrong.lower(), right_title=right.title(), wrong_title=wrong.title(),
+                       right_upper=right.upper(), right_prefix=right[:2], right_typo=right[:-1] + "x",
+                       right_text=right_text(task, doc, right))
 
 
 class Named(str):
@@ -162,7 +174,9 @@ class FixedAnswers(lmms):
 
 
 def documents(task: str):
-    return datasets.load_dataset("parquet", data_files=str(DATA / task / "*.parquet"), split="train")
+    """The embedded documents, clips undecoded (datasets decodes audio with torchcodec, not installed here)."""
+    docs = datasets.load_dataset("parquet", data_files=str(DATA / task / "*.parquet"), split="train")
+    return docs.cast_column("audio", datasets.Audio(decode=False)) if "audio" in docs.column_names else docs
 
 
 def local_download(self, dataset_kwargs=None):

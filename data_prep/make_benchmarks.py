@@ -1,7 +1,9 @@
 """Make the embedded benchmark fixture tasks: a few documents of each built-in task, in the columns of the hub
-dataset lmms-eval reads, about the rendered shapes (data_prep/make_shapes.py).
+dataset lmms-eval reads, about the rendered shapes (data_prep/make_shapes.py) and, for LibriSpeech, the synthesised
+beeps and tones (data_prep/make_audio.py) with LibriSpeech-style transcripts.
 
     python data_prep/make_benchmarks.py        # writes data/benchmarks/<task>/test-00000-of-00001.parquet
+    python data_prep/make_benchmarks.py --tasks librispeech_test_clean
 
 Deterministic (fixed seed). The tiny models trained on the embedded conversations can answer some of them (colours,
 shapes, counts); they are for running the harness end to end and for tests, not for comparing models.
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import datasets
 
+from make_audio import COUNTS, PITCHES, beeps, encode_flac, two_tones
 from make_shapes import COLORS, SHAPES, encode, make_scene
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,21 +164,46 @@ def mmbench(rng, index):
             "comment": None, "split": "dev"}
 
 
+# LibriSpeech-style references (upper case, no punctuation) with what Whisper's normalisers rewrite: numbers,
+# British spellings, contractions, titles
+TRANSCRIPTS = ("THREE BEEPS IN ONE SECOND", "THE SECOND TONE IS HIGHER THAN THE FIRST",
+               "TWO BEEPS AT FOUR HUNDRED AND FORTY HERTZ", "HE SAID THE COLOUR OF THE SOUND WAS GREY",
+               "MISTER JONES COUNTED ONE BEEP", "IT'S THE FIRST TONE THAT'S HIGHER",
+               "FOUR BEEPS TWENTY FIVE PERCENT LOUDER", "WE WON'T HEAR A FIFTH BEEP",
+               "ONE OH ONE TONES IN NINETEEN SIXTY",
+               "THEY ORGANISED TWO TONES", "THE BEEPS CAME AT THREE POINT FIVE SECONDS",
+               "DOCTOR SMITH HEARD NO TONE AT ALL")
+
+
+def librispeech(rng, index):
+    if index % 2:
+        clip = two_tones(*rng.sample(PITCHES, 2))
+    else:
+        clip = beeps(rng.randrange(len(COUNTS)) + 1, rng.choice(PITCHES), rng)
+    return {"audio": {"bytes": encode_flac(clip), "path": None}, "gt": TRANSCRIPTS[index % len(TRANSCRIPTS)],
+            "source": "librispeech_test_clean", "task": "asr_en"}
+
+
 MAKERS = {"mmstar": mmstar, "chartqa": chartqa, "docvqa_val": docvqa, "infovqa_val": infovqa, "ai2d": ai2d,
           "scienceqa_img": scienceqa, "ocrbench": ocrbench, "textvqa_val": textvqa,
-          "mmmu_val": mmmu, "mmbench_en_dev_static": mmbench}
+          "mmmu_val": mmmu, "mmbench_en_dev_static": mmbench, "librispeech_test_clean": librispeech}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default=str(ROOT / "data" / "benchmarks"))
+    parser.add_argument("--tasks", default=",".join(MAKERS), help="the tasks to write, comma-separated")
     args = parser.parse_args()
     for offset, (task, make) in enumerate(MAKERS.items()):
+        if task not in args.tasks.split(","):
+            continue
         rng = random.Random(100 + offset)
         docs = [make(rng, index) for index in range(DOCS + (task == "ai2d"))]
         table = datasets.Dataset.from_list(docs)
         for column in [name for name in table.column_names if re.fullmatch(r"image(_\d)?", name)]:
             table = table.cast_column(column, datasets.Image())
+        if "audio" in table.column_names:
+            table = table.cast_column("audio", datasets.Audio())
         folder = Path(args.output_dir) / task
         folder.mkdir(parents=True, exist_ok=True)
         table.to_parquet(folder / "test-00000-of-00001.parquet")

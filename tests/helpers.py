@@ -160,6 +160,8 @@ def documents(task: str) -> list[dict]:
     for column, feature in docs.features.items():
         if isinstance(feature, datasets.Image):
             docs = docs.cast_column(column, datasets.Image(decode=False))
+        if isinstance(feature, datasets.Audio):
+            docs = docs.cast_column(column, datasets.Audio(decode=False))
     return docs.to_list()
 
 

@@ -1,5 +1,5 @@
 """Audio in rows: clips decoded with PyAV to one channel at the extractor's rate, every bad clip a reason to count
-(mmrecipes.vlm.rows.audio), and audio rows counted (audio) by every VLM recipe's reader instead of trained without
+(mmrecipes.audio), and audio rows counted (audio) by every VLM recipe's reader instead of trained without
 their sound, or with an `<audio>` placeholder trained as text."""
 
 import io
@@ -10,13 +10,14 @@ import av
 import numpy
 import pytest
 
+from mmrecipes import audio
+from mmrecipes.audio import decode_audio
 from mmrecipes.skips import SKIPPED
 from mmrecipes.vlm.algorithms.preference import PreferencePreprocessor
 from mmrecipes.vlm.arguments import ChatDataArgs, VLMModelArgs
 from mmrecipes.vlm.model.loading import stop_token_ids
 from mmrecipes.vlm.model.parts import load_vlm
-from mmrecipes.vlm.rows import audio, chat_data
-from mmrecipes.vlm.rows.audio import decode_audio
+from mmrecipes.vlm.rows import chat_data
 from mmrecipes.vlm.rows.chat_data import ChatPreprocessor
 from mmrecipes.vlm.rows.labels import AnswerLabeller
 from mmrecipes.vlm.rows.prompts import PromptPreprocessor

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor
 
+from mmrecipes.audio import audio_kwargs
 from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
 from mmrecipes.paths import VLM_SHAPES
@@ -135,7 +136,7 @@ def test_an_extractor_that_truncates_or_pads_on_the_left_is_refused_before_the_f
         AnswerLabeller(processor, vlm.stops, audio=True)
     # the old failure is silent: placeholders and encoder rows agree at 750, the last 15 s never heard
     clip = numpy.zeros(45 * RATE, numpy.float32)
-    made = processor(text=processor.audio_token, audio=[clip], audio_kwargs=labels.audio_kwargs(processor, [clip]),
+    made = processor(text=processor.audio_token, audio=[clip], audio_kwargs=audio_kwargs(processor, [clip]),
                      return_tensors="pt")
     placeholders = int((made["input_ids"] == processor.tokenizer.convert_tokens_to_ids(processor.audio_token)).sum())
     assert [placeholders] == audio_features(vlm, made)[1] == [750]
@@ -382,3 +383,28 @@ def test_distillation_reads_clips_where_its_teacher_hears_and_a_deaf_teacher_rea
     # the old failure: given the student's rows, the deaf teacher's forward refuses the dummy sound
     with pytest.raises(ValueError, match="initialized without an audio_config"):
         deaf.model(to_device(batch["answers"], "cpu"), Hidden())
+
+
+def test_librispeech_is_answered_in_the_loop_as_by_generate_on_the_saved_model(hearing, tmp_path):
+    """The WER task (lmms-eval's librispeech_test_clean, on the embedded clips): the recipes' answerer in step over
+    the ranks and `python -m mmrecipes.benchmarks` (generate, a KV cache) on the saved model hear the same clip (its
+    placeholders in the prompt) and give the same greedy transcripts, so the same WER."""
+    from mmrecipes.benchmarks.__main__ import main
+    from mmrecipes.benchmarks.arguments import BenchmarkArgs
+    from mmrecipes.benchmarks.harness import Benchmark, Benchmarks
+    from mmrecipes.benchmarks.tasks import TASKS
+    from mmrecipes.vlm.model.evaluation import BenchmarkAnswers
+
+    vlm, labeller, step, _ = hearing
+    vlm.model.save_pretrained(tmp_path)
+    vlm.processor.save_pretrained(tmp_path)
+    args = BenchmarkArgs(benchmarks="librispeech_test_clean", benchmark_data_dir="embedded:benchmarks",
+                         benchmark_limit=3, benchmark_max_new_tokens=4)
+    answers = BenchmarkAnswers(step, vlm, "cpu")
+    _, request = Benchmark.load(TASKS["librispeech_test_clean"], args, 0, 1).request(0, answers.sampling_rate)
+    assert (answers.row(request)["input_ids"] == labeller.audio_token_id).sum() > 0
+    in_the_loop = Benchmarks(args).run(answers)
+    saved = main(["--model", str(tmp_path), "--benchmarks", "librispeech_test_clean", "--benchmark_data_dir",
+                  "embedded:benchmarks", "--benchmark_limit", "3", "--benchmark_max_new_tokens", "4"])
+    assert saved == in_the_loop and saved["bench/librispeech_test_clean/documents"] == 3
+    assert saved["bench/librispeech_test_clean/wer"] > 0  # an untrained model's transcripts

@@ -16,9 +16,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import datasets
+import numpy
 import pytest
 
 from gloo import run_on_ranks
+from helpers import documents, write_task
 from mmrecipes.benchmarks.arguments import BenchmarkArgs
 from mmrecipes.benchmarks.harness import Benchmark, Benchmarks
 from mmrecipes.benchmarks.scoring import (
@@ -29,9 +31,12 @@ from mmrecipes.benchmarks.scoring import (
     mmmu_open_correct,
     mmmu_open_predictions,
     relaxed_correctness,
+    transcript_words,
     without_reasoning,
+    word_error_rate,
 )
 from mmrecipes.benchmarks.tasks import TASKS
+from test_audio_rows import wav_bytes
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "lmms_eval_parity.json").read_text())
 EMBEDDED = BenchmarkArgs(benchmark_data_dir="embedded:benchmarks")
@@ -42,7 +47,9 @@ def categorised(score):
     (question index, score)."""
     if isinstance(score, list):
         return tuple(score)
-    return (score.get("l2_category", score.get("question_type")), score["score"]) if isinstance(score, dict) else score
+    if isinstance(score, dict) and "score" in score:
+        return score.get("l2_category", score.get("question_type")), score["score"]
+    return score  # LibriSpeech's: the reference and the answer, as they are
 
 
 def turn_of(bench, doc, request) -> list:
@@ -67,7 +74,9 @@ def test_prompts_scores_and_numbers_equal_lmms_evals(name, answers):
     assert len(bench.docs) == len(expected["documents"])
     scored, read = [], Counter()
     for document in expected["documents"]:
-        doc, request = bench.request(document["doc_id"])
+        doc, request = bench.request(document["doc_id"], sampling_rate=16_000)
+        assert len(request.clips) == bench.task.hears  # LibriSpeech: its clip, decoded (1 s at 16 kHz)
+        assert all(len(clip) == 16_000 for clip in request.clips)
         if "turn" in document:  # MMMU's interleaved turn (lmms-eval's doc_to_messages)
             assert turn_of(bench, doc, request) == document["turn"], document
             assert len(request.images) == len(bench.task.visuals(doc))
@@ -85,7 +94,8 @@ def test_prompts_scores_and_numbers_equal_lmms_evals(name, answers):
             scored.append(result.metrics)
         read[result.read] += 1
     assert bench.task.numbers(scored) == pytest.approx(expected["numbers"], rel=1e-12)
-    free_form = ("chartqa", "docvqa_val", "infovqa_val", "ocrbench", "textvqa_val")  # every answer is read
+    # every answer is read
+    free_form = ("chartqa", "docvqa_val", "infovqa_val", "ocrbench", "textvqa_val", "librispeech_test_clean")
     assert read[True] and (read[False] or name in free_form), read
 
 
@@ -126,6 +136,15 @@ def test_the_scorers_equal_lmms_evals_own_where_it_is_installed():
                 answer)), (answer, gold)
         choices = dict(zip("ABCD", options))
         assert mmbench_prefetch(answer, choices) == (mmbench_evaluator.can_infer(answer, dict(choices)) or "")
+    # LibriSpeech's corpus WER over transcripts of every normaliser path, for English and another language
+    from lmms_eval.tasks.librispeech.utils import librispeech_wer
+
+    transcripts = ["MISTER SMITH PAID TWENTY DOLLARS", "Mr. Smith paid $20.", "<|en|>the colour , is grey !",
+                   "the color is gray", "one oh one", "101", "it's", "it is", "Café [noise] (um) naïve", "", "x y"]
+    for language in ("en", "fr"):
+        rows = [{"gt": gt, "pred": pred, "task": f"asr_{language}"} for gt in transcripts[:-2] for pred in transcripts]
+        expected = librispeech_wer(rows, None)
+        assert 100 * word_error_rate([r["gt"] for r in rows], [r["pred"] for r in rows], language) == expected
 
 
 def test_reasoning_is_taken_out_as_lmms_evals_command_line_takes_it_out():
@@ -144,6 +163,14 @@ def test_reasoning_is_taken_out_as_lmms_evals_command_line_takes_it_out():
 
 
 def test_parsers_on_the_forms_they_must_read():
+    # Whisper's normalisers as lmms-eval runs them for English: numbers, currency, spellings, titles, tokens
+    assert transcript_words("<|en|> Mr. Smith paid $20 for the colour grey!", "en") == [
+        "mister", "smith", "paid", "20", "for", "the", "color", "gray"]
+    assert transcript_words("Mr. Smith, the colour", "fr") == ["mr", "smith", "the", "colour"]
+    assert word_error_rate(["the red cat", "dog"], ["the cat", "dog house"], "en") == 2 / 4
+    assert word_error_rate(["one two three"], ["one three"], "en") == 1.0  # one word to it: "123"
+    with pytest.raises(ValueError, match="Chinese normaliser"):
+        transcript_words("你好", "zh")
     assert [choice_letter(text, "ABCD") for text in ["B", "(C)", "The answer is D.", "a", "Options A or B: B",
                                                        "A cat", "no letter"]] == ["B", "C", "D", "", "B", "A", ""]
     assert relaxed_correctness("10.4", "10") and not relaxed_correctness("10.6", "10")
@@ -215,6 +242,27 @@ def test_what_cannot_be_scored_is_counted_and_named(tmp_path):
                                                               "undecodable_image", "documents")] == [1, 1, 1, 9]
     assert [len(request.images) for request in answered if not request.filler][:2] == [2, 3]
     assert scores["bench/mmbench_en_dev_static/unread"] == 12  # cut at MMBench's stop, as lmms-eval: nothing left
+    # LibriSpeech: a clip that does not decode, one with no sound, none; a model that does not hear is refused
+    speech = documents("librispeech_test_clean")
+    speech[0]["audio"] = {"bytes": b"not a clip", "path": None}
+    speech[1]["audio"] = {"bytes": wav_bytes(numpy.zeros((0, 1), numpy.int16), 16_000), "path": None}
+    speech[2]["audio"] = None
+    write_task(tmp_path, "librispeech_test_clean", speech)
+    benchmarks = Benchmarks(BenchmarkArgs(benchmarks="librispeech_test_clean", benchmark_data_dir=str(tmp_path)))
+
+    def transcribe(request, _):
+        answered.append(request)
+        return "three beeps in one second"
+
+    with pytest.raises(ValueError, match="librispeech_test_clean: its documents are audio clips, and the model does "
+                                         "not hear"):
+        benchmarks.evaluation(transcribe)
+    transcribe.sampling_rate = 16_000
+    scores = benchmarks.run(transcribe)
+    assert [scores[f"bench/librispeech_test_clean/{reason}"] for reason in (
+        "audio_undecodable", "audio_empty", "missing_audio", "documents")] == [1, 1, 1, 9]
+    assert [len(request.clips[0]) for request in answered[-9:]] == [16_000] * 9  # 1 s at 8 kHz, read at 16 kHz
+    assert 0 < scores["bench/librispeech_test_clean/wer"] < 100
 
 
 def test_a_saved_model_scores_by_generate_as_in_the_loop(tmp_path):
@@ -303,6 +351,46 @@ def test_lmms_evals_simple_evaluate_runs_the_live_model_on_two_ranks_as_on_one(t
     model.save_pretrained(tmp_path / "saved")
     processor.save_pretrained(tmp_path / "saved")
     assert _lmms_eval_on_ranks(0, 1, data, tmp_path / "saved") == one  # by generate: the same greedy answers
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lmms_eval") is None, reason="lmms-eval is not installed here (the "
+                    "[benchmarks] extra: it pins av<16)")
+def test_lmms_evals_librispeech_hears_the_clips_the_harness_decodes(monkeypatch, tmp_path):
+    """lmms-eval's own pipeline on the embedded LibriSpeech documents (its clips undecoded: datasets decodes audio
+    with torchcodec, not installed) through `LiveModel`: the answerer gets the prompt and the clip `Benchmarks` gives
+    it, and the WER equals ours for the same transcripts; a model that does not hear is refused, not answered
+    deaf."""
+    from lmms_eval import evaluator
+    from lmms_eval.api.task import ConfigurableTask
+    from lmms_eval.tasks import TaskManager
+
+    from mmrecipes.benchmarks.lmms_eval_model import LiveModel
+
+    monkeypatch.chdir(tmp_path)
+    docs = datasets.Dataset.from_list(documents("librispeech_test_clean"))
+
+    def local(self, dataset_kwargs=None):
+        self.dataset = self.dataset_no_image = datasets.DatasetDict({self.config.test_split: docs})
+
+    monkeypatch.setattr(ConfigurableTask, "download", local)
+    monkeypatch.setattr(evaluator, "_enable_reentrant_filelocks", lambda: None)
+    heard = {}
+
+    def transcribe(request, _):
+        heard[request.index] = (request.messages, request.clips[0].tolist())
+        return ["three beeps in 1 second", "", "THE SECOND TONE"][request.index % 3]
+
+    transcribe.sampling_rate = 16_000
+    theirs = evaluator.simple_evaluate(model=LiveModel(transcribe), tasks=["librispeech_test_clean"],
+                                       task_manager=TaskManager(), bootstrap_iters=0)["results"]
+    ours_heard, heard = heard, {}
+    ours = Benchmarks(BenchmarkArgs(benchmarks="librispeech_test_clean", benchmark_data_dir="embedded:benchmarks"))
+    assert ours.run(transcribe)["bench/librispeech_test_clean/wer"] == theirs["librispeech_test_clean"]["wer,none"]
+    assert heard == ours_heard and len(heard) == 12
+    del transcribe.sampling_rate
+    with pytest.raises(ValueError, match="a dict among the task's visuals"):
+        evaluator.simple_evaluate(model=LiveModel(transcribe), tasks=["librispeech_test_clean"],
+                                  task_manager=TaskManager(), bootstrap_iters=0)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("lmms_eval") is None, reason="lmms-eval is not installed here (it pins "

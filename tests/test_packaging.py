@@ -54,6 +54,12 @@ def test_clip_recipe_copied_out_of_the_checkout_trains_and_saves(installed_wheel
     assert losses(result.log)[300] < 0.5 * losses(result.log)[20]
     assert "eval_pairs 512" in result.log  # the embedded test split came from the wheel
     CLIPModel.from_pretrained(project / "outputs" / "clip_pretrain")
+    # the WER task's British-to-American spellings travel in the wheel too (read beside the scorer's module)
+    words = subprocess.run([sys.executable, "-c", "from mmrecipes.benchmarks.scoring import transcript_words; "
+                            "print(transcript_words('The colour is grey', 'en'))"], cwd=project,
+                           env=run_env({"PYTHONPATH": str(installed_wheel)}), capture_output=True, text=True,
+                           check=True).stdout
+    assert words.strip() == "['the', 'color', 'is', 'gray']"
 
 
 # The VLM recipes in one Python process, one after the other: their imports are shared (about 15 s each). 16
@@ -83,3 +89,4 @@ def test_vlm_recipes_copied_out_of_the_checkout_start(installed_wheel, tmp_path)
     assert "step 2/2 | loss" in distill and "teacher_generated_accuracy" in distill  # and the teacher
     for output in ("vlm_finetune", "vlm_dpo", "vlm_grpo", "vlm_distill"):
         assert (project / "outputs" / output / "config.json").is_file()
+

@@ -31,10 +31,10 @@ from launch import (
     run_engine,
     run_recipe,
 )
+from mmrecipes.audio import decode_audio
 from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.vlm.model.families import dummy_image_inputs
 from mmrecipes.vlm.model.module_groups import module_groups
-from mmrecipes.vlm.rows.audio import decode_audio
 from test_audio_rows import tone, wav_bytes
 from tiny_vlm import save_family
 

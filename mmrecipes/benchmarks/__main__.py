@@ -6,7 +6,7 @@
     torchrun --nproc_per_node 8 -m mmrecipes.benchmarks --model Qwen/Qwen2.5-VL-3B-Instruct --benchmarks docvqa_val
 
 The model and its processor load with the Auto classes (its own chat template renders each prompt:
-one user turn of the images, then the task's prompt) and answer greedily with `generate`. Launched
+one user turn of the media, then the task's prompt) and answer greedily with `generate`. Launched
 on several processes, each holds the whole model and answers its stride of the documents; the scores
 are gathered once. Prints one line per task and writes them as JSON (`--output`).
 """
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from ..audio import audio_kwargs, hears
 from ..config import CheckedArgs, parse_args
 from ..paths import resolve_name
 from ..saved_models import model_config, pretrained
@@ -45,19 +46,24 @@ class ModelArgs(CheckedArgs):
 
 class GeneratedAnswers:
     """`answer(request, max_new_tokens)` by `generate`, greedy: the new tokens' text, special tokens
-    left out; `refusal`: a prompt longer than the model's positions."""
+    left out; `refusal`: a prompt longer than the model's positions; `sampling_rate`: its clips'
+    rate (None: the model does not hear)."""
 
     def __init__(self, model, processor, device, template_kwargs=None):
         self.model, self.processor, self.device = model, processor, device
         self.template_kwargs = template_kwargs or {}
+        heard = hears(model, processor)
+        self.sampling_rate = processor.feature_extractor.sampling_rate if heard else None
         self.rendered = (None, None)
 
     def inputs(self, request):
         if self.rendered[0] is not request:
             text = self.processor.apply_chat_template(request.messages, add_generation_prompt=True,
                                                       **self.template_kwargs)
+            clips = list(request.clips)
+            heard = dict(audio=clips, audio_kwargs=audio_kwargs(self.processor, clips)) if clips else {}
             inputs = self.processor(text=[text], images=[request.images] if request.images else None,
-                                    return_tensors="pt")
+                                    return_tensors="pt", **heard)
             self.rendered = request, inputs
         return self.rendered[1]
 
@@ -90,6 +96,7 @@ def main(argv=None):
     check_template_kwargs(model_args.chat_template_kwargs, processor.chat_template,
                           processor.tokenizer.special_tokens_map)
     answer = GeneratedAnswers(model, processor, device, model_args.chat_template_kwargs)
+    benchmarks.check_answerer(answer)
     benchmarks.rendered_with(answer)
     if rank == 0:
         print(benchmarks.describe())

@@ -9,10 +9,13 @@ order. Answers come from a callable the caller gives (`answer(request, max_new_t
 recipes' greedy decoding in step over the ranks, or `generate` for a saved model), so this package
 holds no model code; a rank past its documents gives it a filler request (`Request.filler`). An
 answerer may refuse a request before it forwards anything (`answer.refusal(request)`: a prompt
-longer than the model reads); the filler is answered in its place.
+longer than the model reads); the filler is answered in its place. A task whose documents are clips
+(LibriSpeech) needs an answerer that hears (`answer.sampling_rate`: its feature extractor's rate,
+the rate the clips are decoded at, with PyAV as the recipes decode theirs); another is refused
+before the first step.
 
 A document that cannot be scored is counted by reason and named in the log, never scored 0: a
-missing value, an image that does not decode, a scorer that raises on it (`unscorable`: a value of
+missing value, an image or clip that does not decode, a scorer that raises on it (`unscorable`: a value of
 another form than the task's). An answer the task's parser cannot read scores 0, as in lmms-eval,
 and is counted (`unread`). Nothing a document holds ends the run: a benchmark at the last step never
 costs the trained model. A task that would read no document, a column of the wrong type, an unknown
@@ -28,6 +31,7 @@ import datasets
 import torch.distributed as dist
 from PIL import Image
 
+from ..audio import decode_audio
 from ..images import decode_image
 from ..paths import resolve_name
 from ..reporting import Evaluation
@@ -36,18 +40,20 @@ from .arguments import BenchmarkArgs
 from .tasks import LMMS_EVAL, TASKS, Task
 
 MAX_ERRORS_SAID = 3  # a task's scorer errors named in the log, per rank
+MAX_CLIP_SECONDS = 600.0  # a longer clip is counted (audio_too_long), from its header where it can
 
 
 @dataclass(frozen=True)
 class Request:
-    """One document to answer: one user turn of its images, then its prompt. A `filler` is answered
-    only to stay in step with ranks that have a document left (its answer is dropped: an answerer
-    without collectives may skip it)."""
+    """One document to answer: one user turn of its images or clips (mono float32 at the answerer's
+    `sampling_rate`), then its prompt. A `filler` is answered only to stay in step with ranks that
+    have a document left (its answer is dropped: an answerer without collectives may skip it)."""
 
     index: int
     messages: list
     images: list
     filler: bool = False
+    clips: list = ()
 
 
 def too_long(prompt_tokens: int, config) -> str | None:
@@ -84,9 +90,12 @@ class Benchmark:
             if not isinstance(docs.features[column], (datasets.List, datasets.LargeList)):
                 raise ValueError(f"--benchmarks {task.name}: its {column} column holds {docs.features[column]}, not "
                                  f"a list (lmms-eval reads a list of {column} from {task.hub})")
-        for column in task.image_columns:  # decoded per document: a bad one counts
+        # decoded per document: a bad one counts
+        for column in (*task.image_columns, *task.audio_columns):
             if isinstance(docs.features[column], datasets.Image):
                 docs = docs.cast_column(column, datasets.Image(decode=False))
+            if isinstance(docs.features[column], datasets.Audio):
+                docs = docs.cast_column(column, datasets.Audio(decode=False))
         if args.benchmark_limit:
             docs = docs.select(range(min(args.benchmark_limit, len(docs))))
         if not len(docs):
@@ -97,37 +106,45 @@ class Benchmark:
         """How many answers every rank gives: the most any rank has."""
         return -(-len(self.docs) // self.world)
 
-    def request(self, index: int) -> tuple[dict, Request]:
-        """(the document's row, what to answer), or `Skip`."""
+    def request(self, index: int, sampling_rate: int | None = None) -> tuple[dict, Request]:
+        """(the document's row, what to answer, its clips at `sampling_rate`), or `Skip`."""
         doc = self.docs[index]
         if missing := [column for column in self.task.columns if doc[column] is None]:
             raise Skip(f"missing_{missing[0]}")
         visuals = self.task.visuals(doc)
         if missing := [column for column in visuals if doc.get(column) is None]:
             raise Skip(f"missing_{missing[0]}")
-        images = []
-        # the project's one decoder: a FIFO or device is refused, never opened
+        images, clips = [], []
+        # the project's decoders: a FIFO or device is refused, never opened
         for column in visuals:
+            if column in self.task.audio_columns:
+                clip, problem = decode_audio(doc[column], sampling_rate, MAX_CLIP_SECONDS)
+                if clip is None:
+                    raise Skip(problem)
+                clips.append(clip)
+                continue
             image, problem = decode_image(doc[column], Image.MAX_IMAGE_PIXELS)
             if image is None:
                 raise Skip(f"{problem}_image")
             images.append(image)
-        return doc, Request(index, [{"role": "user", "content": self.task.turn(doc)}], images)
+        turn = [{"role": "user", "content": self.task.turn(doc)}]
+        return doc, Request(index, turn, images, clips=clips)
 
-    def answerable(self, index: int, refusal) -> tuple[dict, Request]:
+    def answerable(self, index: int, answer) -> tuple[dict, Request]:
         """(the document's row, what to answer), or `Skip`: as `request`, and not refused by the
         answerer."""
-        doc, request = self.request(index)
+        doc, request = self.request(index, getattr(answer, "sampling_rate", None))
+        refusal = getattr(answer, "refusal", None)
         if refusal is not None and (reason := refusal(request)):
             raise Skip(reason)
         return doc, request
 
-    def filler(self, refusal) -> Request | None:
+    def filler(self, answer) -> Request | None:
         """The first document that can be answered, as a filler (the same on every rank; None if
         none can)."""
         for index in range(len(self.docs)):
             try:
-                return replace(self.answerable(index, refusal)[1], filler=True)
+                return replace(self.answerable(index, answer)[1], filler=True)
             except Skip:
                 continue
         return None
@@ -135,14 +152,13 @@ class Benchmark:
     def run(self, answer) -> tuple[list, Counter, list]:
         """This rank's (document index, `Scored`), its counts of documents not scored, by reason,
         and the first errors of a scorer that raised (document index, why)."""
-        refusal = getattr(answer, "refusal", None)
-        scored, skipped, errors, filler = [], Counter(), [], self.filler(refusal)
+        scored, skipped, errors, filler = [], Counter(), [], self.filler(answer)
         mine = list(range(self.rank, len(self.docs), self.world))
         for slot in range(self.slots()):
             doc = request = None
             if slot < len(mine):
                 try:
-                    doc, request = self.answerable(mine[slot], refusal)
+                    doc, request = self.answerable(mine[slot], answer)
                 except Skip as skip:
                     skipped[skip.reason] += 1
             # no document of the task can be answered, on any rank: nothing to stay in step with
@@ -179,10 +195,20 @@ class Benchmarks:
         every --benchmark_steps and at the run's last step, answered by `answer` (`Request` -> text:
         the recipes' `BenchmarkAnswers`, whose `template_kwargs` are said beside the tasks and
         their numbers); their main metrics plotted in the model card, their numbers written there."""
+        self.check_answerer(answer)
         self.rendered_with(answer)
         say(self.describe())
         return Evaluation([lambda filler: self.run(answer)] if self.tasks else [], every=self.args.benchmark_steps,
                           curves=self.metrics(), card=self.card_lines)
+
+    def check_answerer(self, answer):
+        """Refuse a task of clips where `answer` does not hear (no `sampling_rate`): its prompts would
+        be answered without their sound."""
+        deaf = [bench.task.name for bench in self.tasks if bench.task.hears]
+        if deaf and getattr(answer, "sampling_rate", None) is None:
+            raise ValueError(f"--benchmarks {', '.join(deaf)}: its documents are audio clips, and the "
+                             "model does not hear (no audio tower, or a processor without a feature "
+                             "extractor): leave the task out")
 
     def rendered_with(self, answer):
         """Say beside the tasks and their numbers what `answer`'s chat template is given (its

@@ -15,9 +15,12 @@
 
 lmms-eval strides each task's documents over the ranks and pads every rank's requests to the most
 any rank has, so each rank calls the answerer equally often, as `Benchmarks` does. Each request
-becomes one user turn of its images, then its text (the model's own chat template renders it); the
-answer is cut at the first of the request's `until` strings. Only `generate_until` tasks:
-log-likelihood and multi-round requests are refused with the reason.
+becomes one user turn of its clips and images, then its text (the model's own chat template renders
+it); the answer is cut at the first of the request's `until` strings. A clip is lmms-eval's decoded
+{"array", "sampling_rate"} (resampled to the answerer's rate) or an undecoded {"bytes", "path"};
+anything else a task shows (a video, a clip for a model that does not hear) is refused with the
+reason, never left out of the prompt. Only `generate_until` tasks: log-likelihood and multi-round
+requests are refused with the reason.
 """
 
 import torch.distributed as dist
@@ -25,7 +28,8 @@ from lmms_eval.api.model import lmms
 from lmms_eval.models.registry_v2 import ModelManifest
 from PIL import Image
 
-from .harness import Request
+from ..audio import decode_audio, resampled
+from .harness import MAX_CLIP_SECONDS, Request
 
 
 def manifest() -> ModelManifest:
@@ -33,13 +37,27 @@ def manifest() -> ModelManifest:
     return ModelManifest(model_id="mmrecipes", simple_class_path=f"{__name__}.LiveModel")
 
 
-def images_of(visuals) -> list:
-    """The PIL images of a `doc_to_visual` result (nested lists flattened), as RGB."""
-    if isinstance(visuals, Image.Image):
-        return [visuals.convert("RGB")]
+def media_of(visuals, sampling_rate: int | None) -> tuple[list, list]:
+    """The PIL images (as RGB) and clips (mono float32 at `sampling_rate`) of a `doc_to_visual`
+    result, nested lists flattened; `ValueError` for anything else, or a clip that does not
+    decode."""
     if isinstance(visuals, (list, tuple)):
-        return [image for visual in visuals for image in images_of(visual)]
-    return []
+        images, clips = [], []
+        for visual in visuals:
+            found = media_of(visual, sampling_rate)
+            images, clips = images + found[0], clips + found[1]
+        return images, clips
+    if isinstance(visuals, Image.Image):
+        return [visuals.convert("RGB")], []
+    if isinstance(visuals, dict) and sampling_rate is not None:
+        if "array" in visuals:
+            return [], [resampled(visuals["array"], visuals["sampling_rate"], sampling_rate)]
+        clip, problem = decode_audio(visuals, sampling_rate, MAX_CLIP_SECONDS)
+        if clip is not None:
+            return [], [clip]
+        raise ValueError(f"a clip of the task: {problem}")
+    raise ValueError(f"a {type(visuals).__name__} among the task's visuals: mmrecipes answers with "
+                     "images, and with clips where the model hears")
 
 
 class LiveModel(lmms):
@@ -76,9 +94,12 @@ class LiveModel(lmms):
         answers = []
         for instance in requests:
             context, settings, doc_to_visual, doc_id, task, split = instance.args
-            images = images_of(doc_to_visual(self.task_dict[task][split][doc_id]))
-            content = [{"type": "image"}] * len(images) + [{"type": "text", "text": context}]
-            request = Request(int(doc_id), [{"role": "user", "content": content}], images)
+            images, clips = media_of(doc_to_visual(self.task_dict[task][split][doc_id]),
+                                     getattr(self.answer, "sampling_rate", None))
+            content = [{"type": "audio"}] * len(clips) + [{"type": "image"}] * len(images) + [
+                {"type": "text", "text": context}]
+            turn = [{"role": "user", "content": content}]
+            request = Request(int(doc_id), turn, images, clips=clips)
             text = self.answer(request, int(settings.get("max_new_tokens", 1024)))
             until = settings.get("until") or []
             for stop in [until] if isinstance(until, str) else until:

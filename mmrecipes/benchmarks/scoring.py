@@ -16,11 +16,20 @@
 - `mmbench_prefetch`: MMBench's rule extraction before its judge (VLMEvalKit's `can_infer`, as
   lmms-eval's static evaluation runs it);
 - `without_reasoning`: its reasoning blocks taken out of every answer before a task scores it
-  (`api.reasoning.strip_reasoning_tags` with the command line's default `--reasoning_tags`).
+  (`api.reasoning.strip_reasoning_tags` with the command line's default `--reasoning_tags`);
+- `word_error_rate`: its speech recognition tasks' corpus WER (`tasks.asr_wer_utils`: special
+  tokens taken out, Whisper's English and basic text normalisers, sacrebleu's "none" tokenizer
+  lower-cased without punctuation, word edit distances summed over the references' words).
 """
 
+import functools
+import json
 import re
 import string
+import unicodedata
+from pathlib import Path
+
+from transformers.models.whisper import english_normalizer as whisper
 
 CHOICES = "ABCDEFGH"
 # lmms-eval's default --reasoning_tags: the blocks a reasoning model writes before its answer
@@ -125,7 +134,8 @@ def relaxed_correctness(prediction: str, target: str, max_relative_change: float
     return prediction.lower() == target.lower()
 
 
-def levenshtein(one: str, other: str) -> int:
+def levenshtein(one, other) -> int:
+    """The edit distance of two strings, or of two lists of words."""
     if len(one) > len(other):
         one, other = other, one
     distances = list(range(len(one) + 1))
@@ -244,3 +254,42 @@ def mmbench_prefetch(response: str, options: dict) -> str:
             return found[0]
     named = [letter for letter, option in options.items() if str(option).lower() in response.lower()]
     return named[0] if len(named) == 1 else ""
+
+
+@functools.cache
+def english_normalizer() -> whisper.EnglishTextNormalizer:
+    """Whisper's English normaliser with its British-to-American spellings (english_spellings.json:
+    Whisper's english.json, as lmms-eval ships it)."""
+    spellings = (Path(__file__).parent / "english_spellings.json").read_text()
+    return whisper.EnglishTextNormalizer(json.loads(spellings))
+
+
+def punctuation(word: str) -> bool:
+    return all(unicodedata.category(character)[0] == "P" for character in word)
+
+
+def transcript_words(text: str, language: str) -> list[str]:
+    """The words WER compares of a transcript: `<|..|>` tokens out and no space before punctuation
+    (lmms-eval's `remove_sp`), Whisper's English normaliser then its basic one (for any other
+    language, the basic one: lmms-eval's order, both for English), lower-cased words without the
+    all-punctuation ones."""
+    if language in ("zh", "yue"):
+        raise ValueError(f"lmms-eval normalises {language} transcripts with its Chinese normaliser "
+                         "(cn_tn), which is not reproduced here")
+    text = re.sub(r"\s+", " ", re.sub(r"<\|.*?\|>", " ", text))
+    text = re.sub(r" ?([!,.?;:])", r"\1", text).lstrip(" ")
+    if language == "en":
+        text = english_normalizer()(text)
+    text = whisper.BasicTextNormalizer()(text)
+    return " ".join(word for word in text.split(" ") if not punctuation(word)).lower().split()
+
+
+def word_error_rate(references: list[str], predictions: list[str], language: str) -> float:
+    """The corpus word error rate: word edits summed over the pairs, over the references' words
+    (none: an error, as in lmms-eval)."""
+    edits = words = 0
+    for reference, prediction in zip(references, predictions, strict=True):
+        expected = transcript_words(reference, language)
+        edits += levenshtein(expected, transcript_words(prediction, language))
+        words += len(expected)
+    return edits / words

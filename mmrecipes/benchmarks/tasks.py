@@ -2,7 +2,7 @@
 one small table.
 
 A task names the hub dataset lmms-eval reads (or local files of the same columns), the columns it
-needs, its prompt (lmms-eval's `doc_to_text` with the default pre- and post-prompt), its images, how
+needs, its prompt (lmms-eval's `doc_to_text` with the default pre- and post-prompt), its media, how
 many tokens a greedy answer may take (its `generation_kwargs`, else the 1024 of lmms-eval's Hugging
 Face models), how one answer is scored (its `process_results`, or its metric after its filters) and
 how the scores of the documents make the task's numbers (its aggregation). Scores equal lmms-eval's
@@ -30,6 +30,7 @@ from .scoring import (
     mmmu_open_predictions,
     relaxed_correctness,
     without_reasoning,
+    word_error_rate,
 )
 from .vqa_answers import vqa_accuracy
 
@@ -62,13 +63,19 @@ class Task:
     aggregate: Callable[[list[dict]], dict] | None = None
     until: tuple[str, ...] = ()  # the answer is cut at the first of these
     image_columns: tuple[str, ...] = ("image",)  # the image columns the dataset must have
-    # the image columns a document shows, in order; its user turn (images and text) by default its images, then its
+    # the media columns a document shows, in order; its user turn (media and text) by default its media, then its
     # prompt (lmms-eval's turn of `doc_to_visual` and `doc_to_text`), else as `content` gives it (`doc_to_messages`)
     visuals: Callable[[dict], list[str]] = lambda doc: ["image"]
+    # the clip columns the dataset must have (a visual named here is a clip)
+    audio_columns: tuple[str, ...] = ()
     content: Callable[[dict], list] | None = None
 
     # columns that hold a list (of answers, of options): a string there is refused
     lists: tuple[str, ...] = ()
+
+    @property
+    def hears(self) -> bool:
+        return bool(self.audio_columns)
 
     def read(self, doc, answer: str) -> Scored:
         """The answer scored as lmms-eval's pipeline scores it: cut at the first of `until`, its
@@ -80,15 +87,16 @@ class Task:
 
     @property
     def reads(self) -> tuple[str, ...]:
-        """Every column the dataset must have: its images, then the columns."""
-        return (*self.image_columns, *self.columns)
+        """Every column the dataset must have: its images and clips, then the columns."""
+        return (*self.image_columns, *self.audio_columns, *self.columns)
 
     def turn(self, doc) -> list:
-        """The document's user turn: {"type": "image"} blocks (its `visuals` in order) and text
-        blocks."""
+        """The document's user turn: {"type": "image"} and {"type": "audio"} blocks (its `visuals` in
+        order) and text blocks."""
         if self.content is not None:
             return self.content(doc)
-        return [{"type": "image"}] * len(self.visuals(doc)) + [{"type": "text", "text": self.prompt(doc)}]
+        kinds = ["audio" if column in self.audio_columns else "image" for column in self.visuals(doc)]
+        return [{"type": kind} for kind in kinds] + [{"type": "text", "text": self.prompt(doc)}]
 
     @property
     def hub(self) -> str:
@@ -294,6 +302,21 @@ def circular_accuracy(scored: list[dict]) -> dict:
     return {"gpt_eval_score": 100 * sum(right) / len(right) if right else math.nan}
 
 
+def transcript_score(doc, prediction: str) -> Scored:
+    """LibriSpeech's per-document result: the reference and the answer, scored together
+    (`corpus_wer`)."""
+    kept = {"gt": doc["gt"], "pred": prediction, "source": doc["source"], "task": doc["task"]}
+    return Scored({"wer": kept})
+
+
+def corpus_wer(scored: list[dict]) -> dict:
+    """LibriSpeech's aggregation: the corpus WER in percent, every transcript normalised for the
+    language of the last document's task ("asr_en": English), as lmms-eval's loop leaves it."""
+    results = [metrics["wer"] for metrics in scored]
+    references, predictions = [r["gt"] for r in results], [r["pred"] for r in results]
+    return {"wer": 100 * word_error_rate(references, predictions, results[-1]["task"][4:])}
+
+
 def question_then(post_prompt: str) -> Callable[[dict], str]:
     return lambda doc: f"{doc['question']}{post_prompt}"
 
@@ -327,4 +350,9 @@ TASKS = {task.name: task for task in [
     Task("mmbench_en_dev_static", "lmms-lab-encoder/MMBench", "en", "dev", "0.0",
          ("index", "question", "A", "B", "answer"), mmbench_prompt, mmbench_score, main="gpt_eval_score",
          aggregate=circular_accuracy, until=("ASSISTANT:",)),
+    Task("librispeech_test_clean", "lmms-lab-audio/librispeech", "librispeech_test_clean",
+         "librispeech_test_clean", "0.0", ("gt", "source", "task"),
+         lambda doc: "Please recognize the speech and only output the recognized content:",
+         transcript_score, main="wer", max_new_tokens=256, aggregate=corpus_wer, image_columns=(),
+         audio_columns=("audio",), visuals=lambda doc: ["audio"]),
 ]}

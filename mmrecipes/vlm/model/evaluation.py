@@ -4,6 +4,7 @@ often as every other."""
 
 import torch
 
+from ...audio import hears
 from ...benchmarks.harness import too_long
 from ...benchmarks.scoring import reasoning_of, without_reasoning
 from ...distributed import batches_in_step, max_over_ranks, sum_over_ranks
@@ -111,19 +112,23 @@ class BenchmarkAnswers:
     decoding in step over the ranks until every rank's answer has stopped (`greedy_tokens`; a filler
     counts as stopped), the text up to the first stop token, special tokens left out (what
     lmms-eval's Hugging Face models decode). `refusal`: a request whose prompt alone runs past the
-    language model's positions is refused before any forward."""
+    language model's positions is refused before any forward. `sampling_rate`: the rate a model
+    that hears reads its clips at (None: it does not hear)."""
 
     def __init__(self, model, vlm, device, template_kwargs=None):
         self.model, self.vlm, self.device = model, vlm, device
         self.template_kwargs = template_kwargs  # --chat_template_kwargs
+        heard = hears(vlm.model, vlm.processor)
+        self.sampling_rate = vlm.processor.feature_extractor.sampling_rate if heard else None
         self.collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)
         # the last request and its row: refusal renders what answering reads next
         self.rendered = (None, None)
 
     def row(self, request) -> dict:
         if self.rendered[0] is not request:
-            self.rendered = request, prompt_row(self.vlm.processor, request.messages, request.images,
-                                                template_kwargs=self.template_kwargs)
+            row = prompt_row(self.vlm.processor, request.messages, request.images,
+                             template_kwargs=self.template_kwargs, audios=request.clips)
+            self.rendered = request, row
         return self.rendered[1]
 
     def refusal(self, request) -> str | None:

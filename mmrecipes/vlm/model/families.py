@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 from transformers.video_utils import VideoMetadata
 
-from ..rows.labels import audio_kwargs
+from ...audio import audio_kwargs, hears
 
 # Outputs of a vision encoder that the language model never reads.
 ENCODER_ONLY_OUTPUTS = ("last_hidden_state", "hidden_states", "attentions")
@@ -192,14 +192,11 @@ def _probe_clip(frames: int) -> dict:
 def audio_inputs(model, processor=None) -> tuple[str, ...]:
     """The inputs of the model's audio step, from `get_audio_features`' signature (Gemma 4: input_features and
     input_features_mask; the Qwen2.5-Omni thinker: input_features, feature_attention_mask, audio_feature_lengths; the
-    features first), where the model hears: its config holds an audio tower and (given) its processor a feature
-    extractor and an audio token. () otherwise: audio rows are skipped and counted."""
-    step = getattr(model.base_model, "get_audio_features", None)
-    if step is None or getattr(model.config, "audio_config", None) is None:
+    features first), where the model hears (`audio.hears`). () otherwise: audio rows are skipped and
+    counted."""
+    if not hears(model, processor):
         return ()
-    if processor is not None and (getattr(processor, "feature_extractor", None) is None
-                                  or getattr(processor, "audio_token", None) is None):
-        return ()
+    step = model.base_model.get_audio_features
     return tuple(name for name in inspect.signature(step).parameters if name not in ("self", "kwargs"))
 
 

@@ -19,12 +19,12 @@ import re
 import torch
 from PIL import Image
 
+from ...audio import AUDIO_COUNTED, audio_kwargs
 from ...loader import check_held_out, rank_loader
 from ...skips import SKIPPED, DropCounter, Skip
 from ...sources import DATA_FILE, PROBLEM, mixed_stream, row_name
 from ..arguments import ChatDataArgs
-from .audio import AUDIO_COUNTED
-from .labels import IGNORE_INDEX, ReasoningDropped, TemplateError, UnalignedAnswer, audio_kwargs
+from .labels import IGNORE_INDEX, ReasoningDropped, TemplateError, UnalignedAnswer
 from .media import AUDIO_COLUMNS, NOT_TAKEN, media_folder, media_not_taken, row_audios, row_images, row_videos
 from .videos import VIDEO_COUNTED
 

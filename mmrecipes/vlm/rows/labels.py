@@ -22,6 +22,7 @@ import numpy
 import torch
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from ...audio import audio_kwargs
 from ...images import NORMALIZED_BY, UINT8_PIXELS, fused_normalization, uint8_normalization
 from ...template_kwargs import check_template_kwargs
 
@@ -254,19 +255,6 @@ class AnswerLabeller:
                 span = (span[0] + len(self.empty_think_block), span[1])
             kept.append(span)
         return kept
-
-
-def audio_kwargs(processor, clips=()) -> dict:
-    """The feature extractor's settings for a row's `clips`: their own rate, and never cut (Whisper-style extractors
-    cut at 30 s unless told; Gemma 4's at 30 s too). A Whisper-style extractor pads every clip to its window (the
-    Qwen2.5-Omni processor forces it): to the longest clip where that is longer, so clips of different lengths over
-    the window stack."""
-    extractor = processor.feature_extractor
-    kwargs = {"sampling_rate": extractor.sampling_rate, "truncation": False}
-    window = getattr(extractor, "n_samples", None)
-    if window is not None:
-        kwargs["max_length"] = max([window, *map(len, clips)])
-    return kwargs
 
 
 def feature_mask(inputs: dict):

@@ -5,11 +5,11 @@ kinds of media a recipe does not train on found, for the row to be skipped and c
 import functools
 import os
 
+from ...audio import decode_audio
 from ...images import decode_image
 from ...skips import Skip
 from ...sources import DATA_FILE
 from ..arguments import ChatDataArgs
-from .audio import decode_audio
 from .videos import decode_video
 
 AUDIO_COLUMNS = ("audios", "audio")  # LLaMA-Factory's and ms-swift's, and one clip's

@@ -17,6 +17,7 @@ import av
 import numpy
 from transformers.video_utils import VideoMetadata
 
+from ...audio import stream_seconds
 from ...images import readable_source
 from ..arguments import VideoArgs
 
@@ -81,12 +82,3 @@ def decode_video(raw_video, args: VideoArgs):
     rate = rate or (total / seconds if seconds else 1.0)  # no rate in the header: the clip's own
     metadata = VideoMetadata(total_num_frames=total, fps=rate, duration=total / rate, frames_indices=kept)
     return DecodedVideo(numpy.stack(frames), metadata), None
-
-
-def stream_seconds(container, stream) -> float | None:
-    """A stream's length from the header: its own duration, else the container's; None if neither says."""
-    if stream.duration is not None and stream.time_base is not None:
-        return float(stream.duration * stream.time_base)
-    if container.duration is not None:
-        return container.duration / av.time_base
-    return None
