@@ -257,6 +257,8 @@ def test_what_cannot_be_scored_is_counted_and_named(tmp_path):
     with pytest.raises(ValueError, match="librispeech_test_clean: its documents are audio clips, and the model does "
                                          "not hear"):
         benchmarks.evaluation(transcribe)
+    with pytest.raises(ValueError, match="librispeech_test_clean: its documents are audio clips"):
+        benchmarks.run(transcribe)  # (a TypeError in the clip decoder before)
     transcribe.sampling_rate = 16_000
     scores = benchmarks.run(transcribe)
     assert [scores[f"bench/librispeech_test_clean/{reason}"] for reason in (

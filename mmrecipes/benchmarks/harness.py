@@ -230,6 +230,7 @@ class Benchmarks:
     def run(self, answer) -> dict:
         """Every task answered and scored: {`bench/<task>/<metric>`: value} for the log, counts
         included."""
+        self.check_answerer(answer)
         scores = {}
         for bench in self.tasks:
             name = bench.task.name
