@@ -24,9 +24,14 @@
   part that reads and writes text: Qwen2.5-VL's windowed vision tower, and a Whisper-style audio encoder (two
   convolutions, then attention in windows of 100 frames, pooled 2:1: 25 soft tokens a second of 16 kHz audio) fed by
   the Whisper feature extractor (128 mel bins); 3-D mRoPE over text, image and video, audio positions as text's.
+- `qwen3_omni_moe`: the thinker of Qwen3-Omni-30B-A3B (Qwen/Qwen3-Omni-30B-A3B-Thinking's chat template,
+  `qwen3_omni_thinking.jinja`): Qwen3-VL's vision tower (deepstack), every decoder MLP a sparse block of 4 experts,
+  2 per token (the checkpoint: 128, 8), and an audio encoder of three stride-2 convolutions, attention in windows of
+  100 frames (12.5 soft tokens a second of 16 kHz audio) fed by the Whisper feature extractor (128 mel bins).
 - `qwen2_5_omni_full`: the whole Qwen2.5-Omni checkpoint (as Qwen/Qwen2.5-Omni-7B ships): `qwen2_5_omni`'s thinker
   beside a talker and a token-to-waveform model at toy size, which speak; the recipes train its thinker (not in
-  FAMILIES, the image-text-to-text checkpoints: it is not one).
+  FAMILIES, the image-text-to-text checkpoints: it is not one); `qwen3_omni_moe_full` likewise around
+  `qwen3_omni_moe`'s thinker (a talker with its code predictor, and a code-to-waveform model).
 """
 
 from transformers import (
@@ -48,6 +53,11 @@ from transformers import (
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeConfig,
     Qwen3_5MoeForConditionalGeneration,
+    Qwen3OmniMoeConfig,
+    Qwen3OmniMoeForConditionalGeneration,
+    Qwen3OmniMoeProcessor,
+    Qwen3OmniMoeThinkerConfig,
+    Qwen3OmniMoeThinkerForConditionalGeneration,
     Qwen3VLMoeConfig,
     Qwen3VLMoeForConditionalGeneration,
     Qwen3VLProcessor,
@@ -55,7 +65,17 @@ from transformers import (
     WhisperFeatureExtractor,
 )
 
-from tiny_vlm import TEXT, VISION, _qwen, _stop_on, family_main, save_family, template, train_tokenizer
+from tiny_vlm import (
+    QWEN_TOKENS,
+    TEXT,
+    VISION,
+    _qwen,
+    _stop_on,
+    family_main,
+    save_family,
+    template,
+    train_tokenizer,
+)
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, router_aux_loss_coef=0.001)
 # Qwen3.5's layer pattern at toy size: a linear-attention layer, then a full-attention one (3:1 in the checkpoints)
@@ -164,6 +184,42 @@ def qwen2_5_omni():
     return model, processor
 
 
+def qwen3_omni_moe():
+    """The Qwen3-Omni-30B-A3B thinker at toy size (the checkpoint's audio encoder: 32 layers of width 1280; its
+    config names the vision and audio start tokens the 3-D positions read, which its class leaves out)."""
+    tokenizer = train_tokenizer([*QWEN_TOKENS, "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"], eos="<|im_end|>",
+                                pad="<|endoftext|>", extra_special_tokens={
+                                    "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                                    "audio_token": "<|audio_pad|>", "vision_bos_token": "<|vision_start|>",
+                                    "vision_eos_token": "<|vision_end|>", "audio_bos_token": "<|audio_start|>",
+                                    "audio_eos_token": "<|audio_end|>"})
+    tokenizer.add_tokens(["<think>", "</think>"])
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen3OmniMoeThinkerConfig(
+        audio_config=dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
+                          d_model=32, output_dim=TEXT["hidden_size"], downsample_hidden_size=8),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=TEXT["hidden_size"],
+                           num_position_embeddings=64, deepstack_visual_indexes=[0]),
+        text_config=dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, decoder_sparse_step=1, **TEXT, **MOE,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        audio_token_id=ids("<|audio_pad|>"), image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        audio_start_token_id=ids("<|audio_start|>"), user_token_id=ids("<|im_start|>"))
+    config.vision_start_token_id, config.vision_end_token_id = ids("<|vision_start|>"), ids("<|vision_end|>")
+    config.audio_end_token_id = ids("<|audio_end|>")
+    pixels = dict(patch_size=4, merge_size=2, temporal_patch_size=2,
+                  size={"shortest_edge": 8 * 8, "longest_edge": 64 * 64})
+    processor = Qwen3OmniMoeProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
+                                      video_processor=Qwen2VLVideoProcessor(**pixels),
+                                      feature_extractor=WhisperFeatureExtractor(feature_size=128),
+                                      chat_template=template("qwen3_omni_thinking"))
+    model = Qwen3OmniMoeThinkerForConditionalGeneration(config)
+    _stop_on(model, ids("<|im_end|>"), ids("<|endoftext|>"))
+    return model, processor
+
+
 # the speaking parts of a full Qwen2.5-Omni checkpoint at toy size
 TALKER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
               num_key_value_heads=1, head_dim=16, embedding_size=TEXT["hidden_size"],
@@ -187,10 +243,37 @@ def qwen2_5_omni_full():
     return model, processor
 
 
+# the speaking parts of a full Qwen3-Omni checkpoint at toy size: the talker (a sparse decoder and its code
+# predictor; the checkpoint's config names the merge size the talker's positions read, which its class leaves out)
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=16)
+QWEN3_TALKER = dict(text_config=dict(vocab_size=64, **SMALL, moe_intermediate_size=32, num_experts=2,
+                                     num_experts_per_tok=1, shared_expert_intermediate_size=32,
+                                     rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                      "mrope_interleaved": True}),
+                    code_predictor_config=dict(vocab_size=64, **SMALL, num_code_groups=2), num_code_groups=2,
+                    thinker_hidden_size=TEXT["hidden_size"], accept_hidden_layer=0, codec_eos_token_id=1,
+                    codec_nothink_id=2, codec_think_bos_id=3, codec_think_eos_id=4, codec_pad_id=5, codec_bos_id=6,
+                    spatial_merge_size=2)
+CODE2WAV = dict(codebook_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                intermediate_size=64, num_quantizers=2, decoder_dim=32, upsample_rates=[2, 2], upsampling_ratios=[2],
+                sliding_window=8)
+
+
+def qwen3_omni_moe_full():
+    """The thinker of `qwen3_omni_moe` (the same weights) inside a whole Qwen3-Omni-30B-A3B checkpoint."""
+    thinker, processor = qwen3_omni_moe()
+    model = Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig(
+        thinker_config=thinker.config.to_dict(), talker_config=QWEN3_TALKER, code2wav_config=CODE2WAV))
+    model.thinker = thinker
+    model.generation_config.eos_token_id = thinker.generation_config.eos_token_id
+    return model, processor
+
+
 FAMILIES = {"qwen3_5": qwen3_5, "qwen3_5_think": qwen3_5_think, "qwen3_vl_moe": qwen3_vl_moe,
             "qwen3_5_moe": qwen3_5_moe, "gemma4": gemma4, "gemma4_moe": gemma4_moe,
-            "qwen2_5_omni": qwen2_5_omni}
-WHOLE = {"qwen2_5_omni_full": qwen2_5_omni_full}
+            "qwen2_5_omni": qwen2_5_omni, "qwen3_omni_moe": qwen3_omni_moe}
+WHOLE = {"qwen2_5_omni_full": qwen2_5_omni_full, "qwen3_omni_moe_full": qwen3_omni_moe_full}
 
 
 def save_tiny_vlm_2026(family: str, output_dir):

@@ -41,13 +41,14 @@ from mmrecipes.vlm.model.parts import load_vlm
 
 FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "idefics2", "idefics3", "gemma3",
             "llava_onevision", "mistral3", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma4", "gemma4_moe",
-            "qwen2_5_omni"]
+            "qwen2_5_omni", "qwen3_omni_moe"]
 # What each family's official template ends an assistant turn with (Llava-1.5's writes nothing).
 END_OF_TURN = {"llava": "", "llava_next": "</s>", "qwen2_vl": "<|im_end|>", "qwen2_5_vl": "<|im_end|>",
                "qwen3_vl": "<|im_end|>", "internvl3": "<|im_end|>", "idefics2": "<end_of_utterance>",
                "idefics3": "<end_of_utterance>", "gemma3": "<end_of_turn>", "llava_onevision": "<|im_end|>",
                "mistral3": "</s>", "qwen3_5": "<|im_end|>", "qwen3_vl_moe": "<|im_end|>", "qwen3_5_moe": "<|im_end|>",
-               "gemma4": "<turn|>", "gemma4_moe": "<turn|>", "qwen2_5_omni": "<|im_end|>"}
+               "gemma4": "<turn|>", "gemma4_moe": "<turn|>", "qwen2_5_omni": "<|im_end|>",
+               "qwen3_omni_moe": "<|im_end|>"}
 VISION = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2, image_size=32,
               patch_size=8)
 TEXT_TOWER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

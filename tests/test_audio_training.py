@@ -61,12 +61,21 @@ def heard_image_row(seconds=0.5):
             "images": [image.getvalue()], "audios": [wav_bytes(tone(seconds, RATE), RATE)]}
 
 
-# what differs between the families that hear: each one's end of turn, its encoder rows for a half-second clip, the
-# parameters of its audio tower (the projector apart), its audio projector, the tower LoRA's MLP preset misses first
-HEARING = {"gemma4": dict(end="<turn|>", half_second=13, tower_params=122_080, projector="model.embed_audio.",
-                         missed_by_mlp=None),  # PEFT itself refuses its vision MLP's clippable layers by these names
-           "qwen2_5_omni": dict(end="<|im_end|>", half_second=12, tower_params=32_640,
-                                projector="model.audio_tower.proj.", missed_by_mlp="audio")}
+# what differs between the families that hear: each one's end of turn, its encoder rows for clips of 0.5, 1, 30 and
+# 45 s, the parameters of its audio tower (the projector apart), its audio projector, why LoRA's MLP preset is
+# refused, the tower's parameters no forward reaches, whether the family checks its audio placeholders at all
+HEARING = {"gemma4": dict(end="<turn|>", rows={0.5: 13, 1: 25, 30: 750, 45: 1125}, tower_params=122_080,
+                          projector="model.embed_audio.", mlp_refused=None, unreached=[], checks_total=True),
+           # (PEFT itself refuses Gemma 4's vision MLP's clippable layers by these names)
+           "qwen2_5_omni": dict(end="<|im_end|>", rows={0.5: 12, 1: 25, 30: 750, 45: 1125}, tower_params=32_640,
+                                projector="model.audio_tower.proj.", unreached=[
+                                    "model.audio_tower.audio_bos_eos_token.weight"], checks_total=False,
+                                mlp_refused="reaches no linear layer of the audio tower"),
+           # 12.5 rows a second: each window of 100 frames gives 13
+           "qwen3_omni_moe": dict(end="<|im_end|>", rows={0.5: 7, 1: 13, 30: 390, 45: 585}, tower_params=23_552,
+                                  projector="model.audio_tower.proj2.", unreached=[], checks_total=False,
+                                  # its experts are 3-D parameters, no linear layers
+                                  mlp_refused="no linear layer is called gate_proj, up_proj, down_proj")}
 
 
 @pytest.fixture(scope="module", params=list(HEARING))
@@ -115,8 +124,8 @@ def test_a_45_second_clip_is_as_many_placeholders_as_encoder_rows_none_of_them_a
     token = labeller.audio_token_id
     placeholders = int((row["input_ids"] == token).sum())
     _, rows = audio_features(vlm, row["media_inputs"])
-    # 25 a second, the whole clip: the extractor's default would cut it at 30 s (750)
-    assert [placeholders] == rows == [1125]
+    # the whole clip: the extractor's default would cut it at 30 s
+    assert [placeholders] == rows == [family["rows"][45]]
     assert (row["labels"][row["input_ids"] == token] == IGNORE_INDEX).all()
     answer = vlm.processor.tokenizer.decode(row["labels"][row["labels"] != IGNORE_INDEX])
     assert answer.replace(" ", "").strip() == "three" + family["end"]
@@ -134,12 +143,12 @@ def test_an_extractor_that_truncates_or_pads_on_the_left_is_refused_before_the_f
     monkeypatch.setattr(type(processor.feature_extractor), "__call__", truncating)
     with pytest.raises(ValueError, match="keeps 30.0 s of a 45 s clip: it truncates"):
         AnswerLabeller(processor, vlm.stops, audio=True)
-    # the old failure is silent: placeholders and encoder rows agree at 750, the last 15 s never heard
+    # the old failure is silent: placeholders and encoder rows agree at 30 s's, the last 15 s never heard
     clip = numpy.zeros(45 * RATE, numpy.float32)
     made = processor(text=processor.audio_token, audio=[clip], audio_kwargs=audio_kwargs(processor, [clip]),
                      return_tensors="pt")
     placeholders = int((made["input_ids"] == processor.tokenizer.convert_tokens_to_ids(processor.audio_token)).sum())
-    assert [placeholders] == audio_features(vlm, made)[1] == [750]
+    assert [placeholders] == audio_features(vlm, made)[1] == [family["rows"][30]]
     monkeypatch.undo()
     processor.feature_extractor.padding_side = "left"  # the tokenizer's side, leaked: a short clip's frames last
     with pytest.raises(ValueError, match="pads its features on the left"):
@@ -170,22 +179,23 @@ def test_placeholders_that_disagree_with_a_clips_encoder_rows_are_refused_clip_b
     clips = [wav_bytes(tone(seconds, RATE), RATE) for seconds in (1.0, 0.5)]
     rows, _ = rows_of(labeller, [audio_row(clip) for clip in clips])
     collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)
-    token, half = labeller.audio_token_id, family["half_second"]
-    # each row with the other's clip: 25 and `half` placeholders for clips of `half` and 25 rows, the same total
+    token, half, second = labeller.audio_token_id, family["rows"][0.5], family["rows"][1]
+    # each row with the other's clip: `second` and `half` placeholders for clips of `half` and `second` rows
     swapped = [rows[0] | {"media_inputs": rows[1]["media_inputs"]}, rows[1] | {"media_inputs": rows[0]["media_inputs"]}]
     fewer = rows[0]["input_ids"].clone()
     fewer[(fewer == token).nonzero()[0]] = vlm.processor.tokenizer.pad_token_id
     one_fewer = [rows[0] | {"input_ids": fewer}]
     more = torch.cat([rows[1]["input_ids"][:1], torch.tensor([token]), rows[1]["input_ids"][1:]])
     one_more = [rows[1] | {"input_ids": more, "labels": torch.cat([rows[1]["labels"][:1], rows[1]["labels"]])}]
-    for batch_rows, (placed, given) in ((swapped, (f"25, {half}", f"{half}, 25")), (one_fewer, ("24", "25")),
+    for batch_rows, (placed, given) in ((swapped, (f"{second}, {half}", f"{half}, {second}")),
+                                          (one_fewer, (f"{second - 1}", f"{second}")),
                                           (one_more, (f"1, {half}", f"{half}"))):
         expected = rf"per clip \[{placed}\], the audio encoder's rows per clip \[{given}\]"
         with pytest.raises(ValueError, match=expected):
             step(to_device(collator(batch_rows), "cpu"), LossSum())
     # without the check the swap trains, each clip's sound at the other's placeholders (Gemma 4 checks the total);
-    # the Qwen2.5-Omni thinker checks nothing: one placeholder too few trains on the clip's head too
-    for batch_rows in [swapped] + ([one_fewer] if family["family"] == "qwen2_5_omni" else []):
+    # the Omni thinkers check nothing: one placeholder too few trains on the clip's head too
+    for batch_rows in [swapped] + ([] if family["checks_total"] else [one_fewer]):
         batch = collator(batch_rows)
         runs = audio_rows.placeholder_runs(batch["input_ids"], token)
         monkeypatch.setattr(audio_rows.AudioRows, "encoder_rows", lambda self, output, inputs: runs)
@@ -220,8 +230,7 @@ def test_the_presets_and_lora_reach_the_audio_tower_by_module_structure(hearing,
     assert {name for name, _ in groups.projector if "audio" in name} == {
         name for name, _ in vlm.model.named_parameters() if name.startswith(family["projector"])}
     # every parameter reached, but the Qwen2.5-Omni tower's token embedding that its forward never calls
-    never_called = [] if family["family"] == "gemma4" else ["model.audio_tower.audio_bos_eos_token.weight"]
-    assert groups.unreached == never_called
+    assert groups.unreached == family["unreached"]
     tower_params = sum(p.numel() for _, p in groups.audio_tower)
     assert tower_params == family["tower_params"]
     assert f"; audio_tower {tower_params:,} params (model.audio_tower" in groups.describe()
@@ -235,10 +244,10 @@ def test_the_presets_and_lora_reach_the_audio_tower_by_module_structure(hearing,
                      LoraArgs(use_peft=True), seq_len=128)
     adapted = {name for name, p in lora.model.named_parameters() if p.requires_grad and ".lora_" in name}
     assert any(name.startswith("model.audio_tower.") for name in adapted) and lora.trainable["audio_tower"]
-    # the MLP preset reaches the Omni thinker's language model and vision tower, not its audio tower (fc1, fc2), which
-    # would stay frozen under --train_modules all
-    if family["missed_by_mlp"]:
-        with pytest.raises(ValueError, match=f"reaches no linear layer of the {family['missed_by_mlp']} tower"):
+    # the MLP preset reaches the Qwen2.5-Omni thinker's language model and vision tower, not its audio tower (fc1,
+    # fc2), which would stay frozen under --train_modules all
+    if family["mlp_refused"]:
+        with pytest.raises(ValueError, match=family["mlp_refused"]):
             vlm_parts(VLMModelArgs(model_name_or_path=str(tiny_vlms[family["family"]]), train_modules="all"),
                       LoraArgs(use_peft=True, lora_target_modules="gate_proj,up_proj,down_proj"), seq_len=128)
 
@@ -298,13 +307,13 @@ def test_dpo_reads_both_sides_clips_through_the_same_path(hearing):
     """A preference pair whose prompt plays a clip (TRL's string prompt with LLaMA-Factory's `<audio>` tag and `audios`
     column): each side carries the clip's features and placeholders, the answers alone differ, and each side's
     log-probability is its own row's as a batch of one."""
-    vlm, labeller, step, _ = hearing
+    vlm, labeller, step, family = hearing
     clip = wav_bytes(tone(1.0, RATE), RATE)
     pair = {"prompt": f"<audio>{QUESTION}", "chosen": "three", "rejected": "four", "audios": [clip]}
     out = preprocessed(PreferencePreprocessor(ChatDataArgs(max_length=256), labeller, 256), [pair])
     chosen, rejected = out["chosen"][0], out["rejected"][0]
     token = labeller.audio_token_id
-    assert [int((side["input_ids"] == token).sum()) for side in (chosen, rejected)] == [25, 25]
+    assert [int((side["input_ids"] == token).sum()) for side in (chosen, rejected)] == [family["rows"][1]] * 2
     assert torch.equal(chosen["media_inputs"]["input_features"], rejected["media_inputs"]["input_features"])
     batch = PreferenceCollator(ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs))([
         {"chosen": chosen, "rejected": rejected}])
@@ -324,11 +333,11 @@ def test_grpo_prompts_play_their_clips_and_sample_alike_by_generate_and_by_the_s
     the clip's placeholders and features, its reward columns without it; `generate` (a model whole on the rank, the
     family's own audio path in the prompt's forward) draws the tokens the synced loop draws through the step (the
     clip encoded and checked before the language model)."""
-    vlm, labeller, step, _ = hearing
+    vlm, labeller, step, family = hearing
     row = {"prompt": f"<audio>{QUESTION}", "audios": [wav_bytes(tone(1.0, RATE), RATE)], "solution": "three"}
     out = preprocessed(PromptPreprocessor(PromptDataArgs(), labeller, 256), [row])
     prompt = {"input_ids": torch.as_tensor(out["input_ids"][0]), "media_inputs": out["media_inputs"][0]}
-    assert int((prompt["input_ids"] == labeller.audio_token_id).sum()) == 25
+    assert int((prompt["input_ids"] == labeller.audio_token_id).sum()) == family["rows"][1]
     assert "input_features" in prompt["media_inputs"] and json.loads(out["reward_columns"][0]) == {"solution": "three"}
     collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)
     args = GRPOArgs(num_generations=3, max_completion_length=4, temperature=2.0)
@@ -345,7 +354,7 @@ def test_grpo_prompts_play_their_clips_and_sample_alike_by_generate_and_by_the_s
             group = sample_group(step, prompt, collator, args, vlm.stops, 7, "cpu", vlm.placeholders)
             assert not any(token in ids for ids, _ in group)
             # the old failure: drawn and appended, the next forward finds a clip of one placeholder
-            with pytest.raises(ValueError, match=r"audio placeholders per clip \[25, 1"):
+            with pytest.raises(ValueError, match=rf"audio placeholders per clip \[{family['rows'][1]}, 1"):
                 sample_group(step, prompt, collator, args, vlm.stops, 7, "cpu",
                              [other for other in vlm.placeholders if other != token])
         finally:

@@ -56,7 +56,7 @@ from test_family_conformance import collator_row, colour_conversation, square
 # the whole sequence's masks; Gemma 4: per-layer embeddings, KV shared between layers)
 SPLITS = ["llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "idefics2",
           "idefics3", "internvl3", "mistral3", "qwen3_5", "qwen3_5_think", "qwen3_5_moe", "gemma3", "gemma4",
-          "gemma4_moe", "qwen2_5_omni"]
+          "gemma4_moe", "qwen2_5_omni", "qwen3_omni_moe"]
 MASKED = ["gemma3", "gemma4", "gemma4_moe"]  # whose layers need their masks
 
 

@@ -19,11 +19,12 @@ Features across engines, not every feature under every engine (tests/README.md):
 | a thinking Qwen3.5 on reasoning and plain rows = one process | yes | yes | | yes |
 | Gemma 4 E2B on rows that show an image and play a clip, and text-only rows = one process | yes | yes | yes | yes |
 | the Qwen2.5-Omni thinker on the same rows = one process | yes | yes | yes | yes |
+| the Qwen3-Omni-MoE thinker on the same rows = one process | yes | yes | yes | yes |
 
 The reasoning runs (the tiny `qwen3_5_think`, its official template) read image rows whose answers carry
 `reasoning_content` and text-only rows that answer at once: one rank's window all reasoned, the other's all plain;
-the reasoning trained, the plain rows' empty think block context. The audio runs (the tiny `gemma4` and
-`qwen2_5_omni`, which hear) read rows holding an image and a one-second clip of beeps where the others read image
+the reasoning trained, the plain rows' empty think block context. The audio runs (the tiny `gemma4`, `qwen2_5_omni`
+and `qwen3_omni_moe`, which hear) read rows holding an image and a one-second clip of beeps where the others read image
 rows: a text-only micro-batch carries the dummy image and the dummy sound together.
 
 The full fine-tuning runs end with two benchmarks (`--benchmarks`, 5 embedded documents each, uneven over the 2
@@ -76,8 +77,9 @@ FEATURES = {"full": BENCHMARKS, "lora": LORA, "lora_qwen": LORA,
             # reasoning and plain rows on a thinking template (its own data: the scenario's rows with reasoning)
             "reasoning": [],
             # image-and-audio rows and text-only ones on a model that hears (its own data): Gemma 4 E2B, and the
-            # Qwen2.5-Omni thinker (its encoder rows checked by its length formula, no mask)
-            "audio": [], "audio_omni": []}
+            # Qwen2.5-Omni and Qwen3-Omni-MoE thinkers (their encoder rows checked by their length formulas, no mask)
+            "audio": [], "audio_omni": [], "audio_qwen3_omni": []}
+HEARING = {"audio": "gemma4", "audio_omni": "qwen2_5_omni", "audio_qwen3_omni": "qwen3_omni_moe"}
 RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("ddp.yaml", "full"): [],
     ("fsdp2.yaml", "full"): [],  # with the divergence guard switched on by its environment variable
@@ -93,7 +95,7 @@ RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("fsdp2.yaml", "reasoning"): [],
     ("zero3.yaml", "reasoning"): [],
     **{(config, feature): [] for config in ("ddp.yaml", "fsdp2.yaml", "zero2.yaml", "zero3.yaml")
-       for feature in ("audio", "audio_omni")},
+       for feature in HEARING},
 }
 
 
@@ -137,7 +139,7 @@ def scenario(tmp_path_factory):
 
 
 def data_of(scenario, feature):
-    return scenario / feature.removesuffix("_omni") if feature in ("reasoning", "audio", "audio_omni") else scenario
+    return scenario / ("audio" if feature in HEARING else feature) if feature in ("reasoning", *HEARING) else scenario
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +154,8 @@ def composed_parts(tmp_path_factory):
 def feature_args(feature, tiny_vlms, composed_parts):
     model = {"lora_qwen": ["--model_name_or_path", tiny_vlms["qwen2_5_vl"]],
              "reasoning": ["--model_name_or_path", tiny_vlms["qwen3_5_think"]],
-             "audio": ["--model_name_or_path", tiny_vlms["gemma4"]],
-             "audio_omni": ["--model_name_or_path", tiny_vlms["qwen2_5_omni"]]}.get(feature, [])
+             **{audio: ["--model_name_or_path", tiny_vlms[family]] for audio, family in HEARING.items()}
+             }.get(feature, [])
     return [*FEATURES[feature], *model, *(composed_parts if feature.startswith("composed") else [])]
 
 
@@ -203,7 +205,7 @@ def test_mixed_ranks_match_one_process(runs, truth, config, feature):
         assert_adam_weights_close(LlavaForConditionalGeneration.from_pretrained(output_dir).state_dict(),
                                   LlavaForConditionalGeneration.from_pretrained(reference_dir).state_dict(),
                                   learning_rate=1e-3, steps=STEPS)
-    elif feature in ("reasoning", "audio", "audio_omni"):
+    elif feature in ("reasoning", *HEARING):
         assert_adam_weights_close(AutoModelForImageTextToText.from_pretrained(output_dir).state_dict(),
                                   AutoModelForImageTextToText.from_pretrained(reference_dir).state_dict(),
                                   learning_rate=1e-3, steps=STEPS)

@@ -47,7 +47,8 @@ EXTRA_INPUTS = {"llava": set(), "llava_next": {"image_sizes"}, "qwen2_vl": {"ima
                 "gemma4": {"image_position_ids", "mm_token_type_ids", "input_features", "input_features_mask",
                            "dummy_audio"},
                 "gemma4_moe": {"image_position_ids", "mm_token_type_ids"},
-                "qwen2_5_omni": {"image_grid_thw", "input_features", "feature_attention_mask", "dummy_audio"}}
+                **dict.fromkeys(("qwen2_5_omni", "qwen3_omni_moe"),
+                                {"image_grid_thw", "input_features", "feature_attention_mask", "dummy_audio"})}
 TWO_TURNS = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
              {"role": "user", "content": [{"type": "text", "text": "How many shapes are there?"}]},
@@ -348,7 +349,7 @@ def test_a_two_image_llava_row_brings_both_images_to_the_loss(tiny_vlms, tmp_pat
 # The families whose image processors give their own floats from uint8 finished on the device (the others pad after
 # normalising, or return floats: their images cross the loader as float32)
 UINT8_IMAGES = {"llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl3", "gemma3", "qwen3_5",
-                "qwen3_vl_moe", "qwen3_5_moe", "qwen2_5_omni"}
+                "qwen3_vl_moe", "qwen3_5_moe", "qwen2_5_omni", "qwen3_omni_moe"}
 
 
 def test_images_cross_the_loader_as_uint8_where_the_processor_gives_its_own_floats(tiny_vlms):

@@ -41,7 +41,8 @@ from tiny_vlm import save_family
 pytestmark = pytest.mark.launch
 
 # Llava: test_vlm_recipe.py; Qwen3-VL-MoE: test_moe_engines.py, test_hsdp.py
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision", "qwen3_5", "gemma4", "qwen2_5_omni"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision", "qwen3_5", "gemma4", "qwen2_5_omni",
+            "qwen3_omni_moe"]
 MATRIX = "qwen2_5_vl"
 VIDEO_FAMILIES = [MATRIX, "llava_onevision"]  # one of each video path that launches (test_video_training.py)
 SHARDED = [(MATRIX, "fsdp2.yaml"), ("llava_onevision", "zero3.yaml"), ("qwen3_5", "fsdp2.yaml")]
@@ -56,9 +57,10 @@ RUN = ["--max_steps", STEPS, "--logging_steps", 4, "--per_device_train_batch_siz
 WITH_VIDEO = ["--dataset_name", ",".join(str(VLM_SHAPES / name) for name in ("image_chat", "text_chat", "video_chat")),
               "--dataset_weights", "0.5,0.25,0.25"]
 VIDEO_COUNTS = r"\| video 0 \| no_frames 0 \| video_too_long 0 \| video_mismatch 0 "  # every video row trained
-# Gemma 4 E2B and the Qwen2.5-Omni thinker hear: a quarter of their rows are the embedded audio questions (ranks and
+# Gemma 4 E2B and the Omni thinkers hear: a quarter of their rows are the embedded audio questions (ranks and
 # micro-batches with and without a clip meet)
-AUDIO_FAMILIES = ["gemma4", "qwen2_5_omni"]
+AUDIO_FAMILIES = ["gemma4", "qwen2_5_omni", "qwen3_omni_moe"]
+ROWS_A_SECOND = {"gemma4": 25, "qwen2_5_omni": 25, "qwen3_omni_moe": 13}  # a 1 s clip's placeholders
 WITH_AUDIO = ["--dataset_name", ",".join(str(VLM_SHAPES / name) for name in ("image_chat", "text_chat", "audio_chat")),
               "--dataset_weights", "0.5,0.25,0.25"]
 AUDIO_COUNTS = r"\| audio 0 \| .*\| audio_undecodable 0 \| audio_empty 0 \| audio_too_long 0 \| audio_mismatch 0$"
@@ -147,28 +149,33 @@ def test_output_loads_as_the_input_checkpoint_and_answers_through_the_pipeline(t
         inputs = saved_processor(text=saved_processor.apply_chat_template(chat, add_generation_prompt=True),
                                  audio=[clip], audio_kwargs={"truncation": False}, return_tensors="pt")
         assert int((inputs["input_ids"] == saved_processor.tokenizer.convert_tokens_to_ids(
-            saved_processor.audio_token)).sum()) == 25
+            saved_processor.audio_token)).sum()) == ROWS_A_SECOND[family]
         generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)[0, inputs["input_ids"].shape[1]:]
         answered = pipeline("any-to-any", model=str(output_dir))(text=chat, max_new_tokens=4, return_full_text=False,
                                                                  generate_kwargs={"do_sample": False})
         assert answered[0]["generated_text"] == saved_processor.decode(generated, skip_special_tokens=True)
 
 
-def test_a_full_omni_checkpoint_trains_its_thinker_and_saves_one_the_auto_class_loads(tiny_vlms, tmp_path):
-    """Given the whole Qwen2.5-Omni checkpoint (a talker beside the thinker), the recipe says it trains the thinker,
-    trains it on the audio mixture, and saves a thinker that AutoModelForImageTextToText loads."""
-    full = save_family(tiny_vlm_2026.WHOLE, "qwen2_5_omni_full", tmp_path / "full")
+@pytest.mark.parametrize("family, projector, thinker_class", [
+    ("qwen2_5_omni", "proj", "Qwen2_5OmniThinkerForConditionalGeneration"),
+    ("qwen3_omni_moe", "proj2", "Qwen3OmniMoeThinkerForConditionalGeneration")])
+def test_a_full_omni_checkpoint_trains_its_thinker_and_saves_one_the_auto_class_loads(tiny_vlms, tmp_path, family,
+                                                                                      projector, thinker_class):
+    """Given the whole Omni checkpoint (a talker beside the thinker), the recipe says it trains the thinker, trains it
+    on the audio mixture, and saves a thinker that AutoModelForImageTextToText loads."""
+    full = save_family(tiny_vlm_2026.WHOLE, f"{family}_full", tmp_path / "full")
     result = run_recipe("--model_name_or_path", full, "--max_steps", 4, "--logging_steps", 2, "--eval_dataset_name", "",
                         *WITH_AUDIO, "--output_dir", tmp_path / "run", recipe=VLM_RECIPE)
     assert result.returncode == 0, result.log[-3000:]
-    assert ("is a full qwen2_5_omni checkpoint: training its thinker (Qwen2_5OmniThinkerForConditionalGeneration), "
+    assert (f"is a full {family} checkpoint: training its thinker ({thinker_class}), "
             "saved as a model of its own that loads with AutoModelForImageTextToText") in result.log
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "run")
-    thinker = AutoModelForImageTextToText.from_pretrained(tiny_vlms["qwen2_5_omni"])  # the checkpoint's, untrained
-    assert type(model) is type(thinker) and model.config.model_type == "qwen2_5_omni_thinker"
+    thinker = AutoModelForImageTextToText.from_pretrained(tiny_vlms[family])  # the checkpoint's, untrained
+    assert type(model) is type(thinker) and model.config.model_type == f"{family}_thinker"
     before, after = thinker.state_dict(), model.state_dict()
     assert before.keys() == after.keys()
-    assert not torch.equal(before["model.audio_tower.proj.weight"], after["model.audio_tower.proj.weight"])
+    weight = f"model.audio_tower.{projector}.weight"
+    assert not torch.equal(before[weight], after[weight])
 
 
 @pytest.mark.parametrize("family, config", SHARDED)

@@ -15,6 +15,8 @@ are not the encoder's valid rows per clip, before any loss or gradient comes of 
 """
 
 import contextlib
+import inspect
+import sys
 
 import torch
 
@@ -59,13 +61,12 @@ class AudioRows:
     def encoder_rows(self, output, inputs: dict) -> list[int]:
         """The rows the audio tower gives each clip: its output's mask where it gives one (Gemma 4:
         True, a row of the clip); else the tower's own length formula over each clip's frames (the
-        Qwen2.5-Omni thinker's output is its clips' rows end to end, split by that formula), its
-        total checked against the output's rows."""
+        Omni thinkers' output is their clips' rows end to end, split by that formula), its total
+        checked against the output's rows."""
         mask = getattr(output, "attention_mask", None)
         if mask is not None:
             return mask.sum(-1).tolist()
-        tower = getattr(self.base_model, "audio_tower", None)
-        lengths = getattr(tower, "_get_feat_extract_output_lengths", None)
+        lengths = self.length_formula()
         frames = feature_mask(inputs)
         if lengths is None or frames is None:
             raise ValueError(
@@ -79,6 +80,21 @@ class AudioRows:
             raise ValueError(f"the audio encoder gives {len(output.last_hidden_state)} rows for "
                              f"clips of {rows} rows")
         return rows
+
+    def length_formula(self):
+        """Frames -> rows of the audio tower: its method (Qwen2.5-Omni's), else its module's function of
+        that name at the tower's window (Qwen3-Omni's `n_window`); None where there is neither."""
+        tower = getattr(self.base_model, "audio_tower", None)
+        name = "_get_feat_extract_output_lengths"
+        if (method := getattr(tower, name, None)) is not None:
+            return method
+        # the module of the tower's own class (FSDP2 wraps it in a class of its own module)
+        modules = [sys.modules.get(cls.__module__) for cls in type(tower).__mro__] if tower is not None else []
+        function = next((found for module in modules if (found := getattr(module, name, None))), None)
+        if function is None:
+            return None
+        window = {"n_window": tower.n_window} if "n_window" in inspect.signature(function).parameters else {}
+        return lambda frames: function(frames, **window)
 
     @contextlib.contextmanager
     def given(self, output):

@@ -45,6 +45,7 @@ PROJECTORS = {
     "qwen3_5_moe": ("model.visual.merger",),
     "gemma4": ("model.embed_vision", "model.embed_audio"),  # E2B and E4B hear
     "qwen2_5_omni_thinker": ("model.visual.merger", "model.audio_tower.proj"),
+    "qwen3_omni_moe_thinker": ("model.visual.merger", "model.visual.merger_list", "model.audio_tower.proj2"),
     "internvl": ("model.multi_modal_projector",),
     "idefics2": ("model.connector",),
     "idefics3": ("model.connector",),
@@ -241,10 +242,12 @@ def placeholder_token_ids(model, processor) -> list[int]:
     image tokens do not match"; or than a clip's encoder rows: `AudioRows` refuses the batch). The
     model's config names the ones its forward counts (Gemma 3's processor calls `<start_of_image>`
     its image token; the placeholder is `<image_soft_token>`); the processor's are added (InternVL's
-    config names no video token)."""
+    config names no video token). The tokens that open a span, where the config names them, too: a
+    sequence that ends in one fails the Qwen families' 3-D positions (they read the token after it)."""
     config = model.config
     ids = {getattr(config, f"{kind}_token_{suffix}", None) for kind in ("image", "video", "audio")
            for suffix in ("id", "index")}
+    ids |= {getattr(config, f"{kind}_start_token_id", None) for kind in ("vision", "audio")}
     ids |= {processor.tokenizer.convert_tokens_to_ids(getattr(processor, f"{kind}_token"))
             for kind in ("image", "video", "audio") if getattr(processor, f"{kind}_token", None) is not None}
     return sorted(token for token in ids if isinstance(token, int) and token >= 0)

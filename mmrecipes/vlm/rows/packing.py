@@ -22,7 +22,7 @@ def packed_position_ids(model, input_ids, sample_lengths, media_per_sample, medi
     each segment's image, video and audio clip counts, a row each.
 
     A model whose base has `get_rope_index` (Qwen2/2.5/3-VL: 3-D mRoPE over text, image and video
-    grids, a video's temporal axis in its own seconds; the Qwen2.5-Omni thinker: audio as text)
+    grids, a video's temporal axis in its own seconds; the Omni thinkers: audio from its frames)
     gets each sample's own 3-D positions, computed as if the sample were alone, with plain text
     positions stacked in front (`[4, sequences, L]`: transformers builds the packed mask from those);
     any other model gets `[sequences, L]` plain positions.
@@ -46,7 +46,11 @@ def packed_position_ids(model, input_ids, sample_lengths, media_per_sample, medi
             kwargs |= {key: value[firsts[kind]:firsts[kind] + count] for key, value in media[kind].items() if count}
             firsts[kind] += count
         if any(sample_counts[:2]):
-            positions.append(rope_index(flat[:, start:start + length], **_audio_lengths(kwargs))[0])
+            sample = flat[:, start:start + length]
+            # every token of a sample alone is real (Qwen3-Omni's positions index a mask it needs given)
+            if "attention_mask" in inspect.signature(rope_index).parameters:
+                kwargs["attention_mask"] = torch.ones_like(sample)
+            positions.append(rope_index(sample, **_audio_lengths(kwargs))[0])
         else:  # text (audio's positions are text's), or a sequence's padding: one plain position on all three axes
             positions.append(torch.arange(length, device=flat.device).expand(3, 1, -1))
         start += length
