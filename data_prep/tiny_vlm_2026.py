@@ -173,14 +173,20 @@ def qwen2_5_omni():
         audio_token_index=ids("<|AUDIO|>"), image_token_index=ids("<|IMAGE|>"), video_token_index=ids("<|VIDEO|>"),
         audio_start_token_id=ids("<|audio_bos|>"), audio_end_token_id=ids("<|audio_eos|>"),
         vision_start_token_id=ids("<|vision_bos|>"), vision_end_token_id=ids("<|vision_eos|>"))
+    return _omni(config, tokenizer, Qwen2_5OmniProcessor, Qwen2_5OmniThinkerForConditionalGeneration, "qwen2_5_omni")
+
+
+def _omni(config, tokenizer, processor_class, model_class, template_name):
+    """An Omni thinker and its processor: Qwen2-VL's image and video processors on a 4-px patch grid merged 2 x 2,
+    the Whisper feature extractor with 128 mel bins, the family's official template."""
     pixels = dict(patch_size=4, merge_size=2, temporal_patch_size=2,
                   size={"shortest_edge": 8 * 8, "longest_edge": 64 * 64})
-    processor = Qwen2_5OmniProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
-                                     video_processor=Qwen2VLVideoProcessor(**pixels),
-                                     feature_extractor=WhisperFeatureExtractor(feature_size=128),
-                                     chat_template=template("qwen2_5_omni"))
-    model = Qwen2_5OmniThinkerForConditionalGeneration(config)
-    _stop_on(model, ids("<|im_end|>"), ids("<|endoftext|>"))
+    processor = processor_class(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
+                                video_processor=Qwen2VLVideoProcessor(**pixels),
+                                feature_extractor=WhisperFeatureExtractor(feature_size=128),
+                                chat_template=template(template_name))
+    model = model_class(config)
+    _stop_on(model, *tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
     return model, processor
 
 
@@ -209,15 +215,8 @@ def qwen3_omni_moe():
         audio_start_token_id=ids("<|audio_start|>"), user_token_id=ids("<|im_start|>"))
     config.vision_start_token_id, config.vision_end_token_id = ids("<|vision_start|>"), ids("<|vision_end|>")
     config.audio_end_token_id = ids("<|audio_end|>")
-    pixels = dict(patch_size=4, merge_size=2, temporal_patch_size=2,
-                  size={"shortest_edge": 8 * 8, "longest_edge": 64 * 64})
-    processor = Qwen3OmniMoeProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
-                                      video_processor=Qwen2VLVideoProcessor(**pixels),
-                                      feature_extractor=WhisperFeatureExtractor(feature_size=128),
-                                      chat_template=template("qwen3_omni_thinking"))
-    model = Qwen3OmniMoeThinkerForConditionalGeneration(config)
-    _stop_on(model, ids("<|im_end|>"), ids("<|endoftext|>"))
-    return model, processor
+    return _omni(config, tokenizer, Qwen3OmniMoeProcessor, Qwen3OmniMoeThinkerForConditionalGeneration,
+                 "qwen3_omni_thinking")
 
 
 # the speaking parts of a full Qwen2.5-Omni checkpoint at toy size
@@ -233,14 +232,18 @@ TOKEN2WAV = dict(dit_config=dict(hidden_size=32, num_hidden_layers=1, num_attent
                                      upsample_kernel_sizes=[4]))
 
 
-def qwen2_5_omni_full():
-    """The thinker of `qwen2_5_omni` (the same weights) inside a whole Qwen2.5-Omni checkpoint."""
-    thinker, processor = qwen2_5_omni()
-    model = Qwen2_5OmniForConditionalGeneration(Qwen2_5OmniConfig(
-        thinker_config=thinker.config.to_dict(), talker_config=TALKER, token2wav_config=TOKEN2WAV))
+def _whole(family, model_class, config_class, **speaking):
+    """The thinker of `family` (the same weights) inside a whole checkpoint with the `speaking` parts' configs."""
+    thinker, processor = family()
+    model = model_class(config_class(thinker_config=thinker.config.to_dict(), **speaking))
     model.thinker = thinker
     model.generation_config.eos_token_id = thinker.generation_config.eos_token_id
     return model, processor
+
+
+def qwen2_5_omni_full():
+    return _whole(qwen2_5_omni, Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniConfig, talker_config=TALKER,
+                  token2wav_config=TOKEN2WAV)
 
 
 # the speaking parts of a full Qwen3-Omni checkpoint at toy size: the talker (a sparse decoder and its code
@@ -261,13 +264,8 @@ CODE2WAV = dict(codebook_size=64, hidden_size=32, num_hidden_layers=1, num_atten
 
 
 def qwen3_omni_moe_full():
-    """The thinker of `qwen3_omni_moe` (the same weights) inside a whole Qwen3-Omni-30B-A3B checkpoint."""
-    thinker, processor = qwen3_omni_moe()
-    model = Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig(
-        thinker_config=thinker.config.to_dict(), talker_config=QWEN3_TALKER, code2wav_config=CODE2WAV))
-    model.thinker = thinker
-    model.generation_config.eos_token_id = thinker.generation_config.eos_token_id
-    return model, processor
+    return _whole(qwen3_omni_moe, Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeConfig,
+                  talker_config=QWEN3_TALKER, code2wav_config=CODE2WAV)
 
 
 FAMILIES = {"qwen3_5": qwen3_5, "qwen3_5_think": qwen3_5_think, "qwen3_vl_moe": qwen3_vl_moe,
