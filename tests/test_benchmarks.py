@@ -395,8 +395,8 @@ def test_lmms_evals_librispeech_hears_the_clips_the_harness_decodes(monkeypatch,
                                   task_manager=TaskManager(), bootstrap_iters=0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lmms_eval") is None, reason="lmms-eval is not installed here (it pins "
-                    "av<16; its llava_hf model needs decord too)")
+@pytest.mark.skipif(None in (importlib.util.find_spec("lmms_eval"), importlib.util.find_spec("decord")),
+                    reason="lmms-eval is not installed here, or decord, which its llava_hf model needs (it pins av<16)")
 def test_our_answers_are_lmms_evals_own_models_answers(tmp_path):
     """bench/lmms_eval_agreement.py: lmms-eval's own Llava model class (its chat template rendering, `generate`,
     decoding) and ours answer the same text on every document, MMMU's interleaved turns included."""
