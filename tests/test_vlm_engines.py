@@ -20,6 +20,7 @@ Features across engines, not every feature under every engine (tests/README.md):
 | Gemma 4 E2B on rows that show an image and play a clip, and text-only rows = one process | yes | yes | yes | yes |
 | the Qwen2.5-Omni thinker on the same rows = one process | yes | yes | yes | yes |
 | the Qwen3-Omni-MoE thinker on the same rows = one process | yes | yes | yes | yes |
+| LoRA on every tower of the Qwen2.5-Omni thinker (its audio tower too), those rows = one process | | yes | yes | |
 
 The reasoning runs (the tiny `qwen3_5_think`, its official template) read image rows whose answers carry
 `reasoning_content` and text-only rows that answer at once: one rank's window all reasoned, the other's all plain;
@@ -78,8 +79,11 @@ FEATURES = {"full": BENCHMARKS, "lora": LORA, "lora_qwen": LORA,
             "reasoning": [],
             # image-and-audio rows and text-only ones on a model that hears (its own data): Gemma 4 E2B, and the
             # Qwen2.5-Omni and Qwen3-Omni-MoE thinkers (their encoder rows checked by their length formulas, no mask)
-            "audio": [], "audio_omni": [], "audio_qwen3_omni": []}
-HEARING = {"audio": "gemma4", "audio_omni": "qwen2_5_omni", "audio_qwen3_omni": "qwen3_omni_moe"}
+            "audio": [], "audio_omni": [], "audio_qwen3_omni": [],
+            # LoRA under --train_modules all: adapters in the audio tower too
+            "audio_lora": [*LORA, "--train_modules", "all"]}
+HEARING = {"audio": "gemma4", "audio_omni": "qwen2_5_omni", "audio_qwen3_omni": "qwen3_omni_moe",
+           "audio_lora": "qwen2_5_omni"}
 RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("ddp.yaml", "full"): [],
     ("fsdp2.yaml", "full"): [],  # with the divergence guard switched on by its environment variable
@@ -95,7 +99,9 @@ RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("fsdp2.yaml", "reasoning"): [],
     ("zero3.yaml", "reasoning"): [],
     **{(config, feature): [] for config in ("ddp.yaml", "fsdp2.yaml", "zero2.yaml", "zero3.yaml")
-       for feature in HEARING},
+       for feature in HEARING if feature != "audio_lora"},
+    ("fsdp2.yaml", "audio_lora"): [],
+    ("zero2.yaml", "audio_lora"): [],
 }
 
 
@@ -205,13 +211,19 @@ def test_mixed_ranks_match_one_process(runs, truth, config, feature):
         assert_adam_weights_close(LlavaForConditionalGeneration.from_pretrained(output_dir).state_dict(),
                                   LlavaForConditionalGeneration.from_pretrained(reference_dir).state_dict(),
                                   learning_rate=1e-3, steps=STEPS)
-    elif feature in ("reasoning", *HEARING):
+    elif feature in ("reasoning", *HEARING) and feature != "audio_lora":
         assert_adam_weights_close(AutoModelForImageTextToText.from_pretrained(output_dir).state_dict(),
                                   AutoModelForImageTextToText.from_pretrained(reference_dir).state_dict(),
                                   learning_rate=1e-3, steps=STEPS)
         # the plain rows' empty think block was context, the reasoning a target; every clip trained
         assert ("an empty think block: context, not a target" if feature == "reasoning" else
                 "| audio 0 | video 0 |") in result.log
+    elif feature == "audio_lora":  # the adapters, the audio tower's among them, are one process's; every clip trained
+        adapter, reference_adapter = (load_file(folder / "adapter" / "adapter_model.safetensors")
+                                      for folder in (output_dir, reference_dir))
+        assert any("audio_tower" in name and "lora_" in name for name in adapter)
+        assert_adam_weights_close(adapter, reference_adapter, learning_rate=1e-3, steps=STEPS)
+        assert "| audio 0 | video 0 |" in result.log
     else:
         assert "trainable parameters" in result.log and "frozen" in result.log
     if config == "fsdp2.yaml" and feature == "full":  # the guard was on, found nothing, changed no number
