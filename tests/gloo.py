@@ -6,6 +6,7 @@ instead of importing them again (seconds each on 2 cores).
 """
 
 import os
+import random
 import signal
 import socket
 import tempfile
@@ -21,9 +22,21 @@ from mmrecipes.loader import GROUP_SIGNALS, start_worker_server
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port below the kernel's ephemeral range. A port bound to 0 comes from that range, where every
+    connection's local port comes from too: another worker's gloo ranks took one before rank 0 listened on it
+    (EADDRINUSE in a launch, once in a suite run)."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    for port in random.SystemRandom().sample(range(max(1024, ephemeral - 12_000), ephemeral), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # in use
+                continue
+            return port
+    raise RuntimeError(f"no free port below {ephemeral}")
 
 
 def settle_forked_process():
