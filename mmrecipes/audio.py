@@ -122,3 +122,8 @@ def hears(model, processor=None) -> bool:
         return False
     return processor is None or (getattr(processor, "feature_extractor", None) is not None
                                  and getattr(processor, "audio_token", None) is not None)
+
+
+def heard_rate(model, processor) -> int | None:
+    """The rate a model that hears (`hears`) reads its clips at; None where it does not hear."""
+    return processor.feature_extractor.sampling_rate if hears(model, processor) else None

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from ..audio import audio_kwargs, hears
+from ..audio import audio_kwargs, heard_rate
 from ..config import CheckedArgs, parse_args
 from ..paths import resolve_name
 from ..saved_models import model_config, pretrained
@@ -52,8 +52,7 @@ class GeneratedAnswers:
     def __init__(self, model, processor, device, template_kwargs=None):
         self.model, self.processor, self.device = model, processor, device
         self.template_kwargs = template_kwargs or {}
-        heard = hears(model, processor)
-        self.sampling_rate = processor.feature_extractor.sampling_rate if heard else None
+        self.sampling_rate = heard_rate(model, processor)
         self.rendered = (None, None)
 
     def inputs(self, request):

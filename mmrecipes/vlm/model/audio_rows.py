@@ -33,6 +33,8 @@ class AudioRows:
         self.features = input_names[0]
         self.token_id = next(value for name in ("audio_token_id", "audio_token_index")
                              if isinstance(value := getattr(model.config, name, None), int))
+        # frames -> rows of the tower, found once (not on every batch)
+        self.lengths = length_formula(getattr(self.base_model, "audio_tower", None))
 
     def encode(self, input_ids: torch.Tensor, media_inputs: dict, dummy: bool):
         """The audio tower's output for the batch's clips (or the dummy sound), each clip's rows
@@ -66,35 +68,19 @@ class AudioRows:
         mask = getattr(output, "attention_mask", None)
         if mask is not None:
             return mask.sum(-1).tolist()
-        lengths = self.length_formula()
         frames = feature_mask(inputs)
-        if lengths is None or frames is None:
+        if self.lengths is None or frames is None:
             raise ValueError(
                 f"{type(output).__name__} gives no attention_mask, and the audio tower no length "
                 "formula over a feature mask: the rows of each clip cannot be checked against its "
                 "placeholders, so this family's audio is not trained here")
-        rows = lengths(frames.sum(-1))
+        rows = self.lengths(frames.sum(-1))
         # Qwen2.5-Omni's: (after the convolutions, out)
         rows = (rows[-1] if isinstance(rows, tuple) else rows).tolist()
         if sum(rows) != len(output.last_hidden_state):
             raise ValueError(f"the audio encoder gives {len(output.last_hidden_state)} rows for "
                              f"clips of {rows} rows")
         return rows
-
-    def length_formula(self):
-        """Frames -> rows of the audio tower: its method (Qwen2.5-Omni's), else its module's function of
-        that name at the tower's window (Qwen3-Omni's `n_window`); None where there is neither."""
-        tower = getattr(self.base_model, "audio_tower", None)
-        name = "_get_feat_extract_output_lengths"
-        if (method := getattr(tower, name, None)) is not None:
-            return method
-        # the module of the tower's own class (FSDP2 wraps it in a class of its own module)
-        modules = [sys.modules.get(cls.__module__) for cls in type(tower).__mro__] if tower is not None else []
-        function = next((found for module in modules if (found := getattr(module, name, None))), None)
-        if function is None:
-            return None
-        window = {"n_window": tower.n_window} if "n_window" in inspect.signature(function).parameters else {}
-        return lambda frames: function(frames, **window)
 
     @contextlib.contextmanager
     def given(self, output):
@@ -105,6 +91,21 @@ class AudioRows:
             yield
         finally:
             del self.base_model.get_audio_features
+
+
+def length_formula(tower):
+    """Frames -> rows of an audio `tower`: its method (Qwen2.5-Omni's), else its module's function of that
+    name at the tower's window (Qwen3-Omni's `n_window`); None where there is neither."""
+    name = "_get_feat_extract_output_lengths"
+    if (method := getattr(tower, name, None)) is not None:
+        return method
+    # the module of the tower's own class (FSDP2 wraps it in a class of its own module)
+    modules = [sys.modules.get(cls.__module__) for cls in type(tower).__mro__] if tower is not None else []
+    function = next((found for module in modules if (found := getattr(module, name, None))), None)
+    if function is None:
+        return None
+    window = {"n_window": tower.n_window} if "n_window" in inspect.signature(function).parameters else {}
+    return lambda frames: function(frames, **window)
 
 
 def placeholder_runs(input_ids: torch.Tensor, token_id: int) -> list[int]:

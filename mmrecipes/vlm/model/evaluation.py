@@ -4,7 +4,7 @@ often as every other."""
 
 import torch
 
-from ...audio import hears
+from ...audio import heard_rate
 from ...benchmarks.harness import too_long
 from ...benchmarks.scoring import reasoning_of, without_reasoning
 from ...distributed import batches_in_step, max_over_ranks, sum_over_ranks
@@ -118,8 +118,7 @@ class BenchmarkAnswers:
     def __init__(self, model, vlm, device, template_kwargs=None):
         self.model, self.vlm, self.device = model, vlm, device
         self.template_kwargs = template_kwargs  # --chat_template_kwargs
-        heard = hears(vlm.model, vlm.processor)
-        self.sampling_rate = vlm.processor.feature_extractor.sampling_rate if heard else None
+        self.sampling_rate = heard_rate(vlm.model, vlm.processor)
         self.collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)
         # the last request and its row: refusal renders what answering reads next
         self.rendered = (None, None)
