@@ -28,6 +28,8 @@
   `qwen3_omni_thinking.jinja`): Qwen3-VL's vision tower (deepstack), every decoder MLP a sparse block of 4 experts,
   2 per token (the checkpoint: 128, 8), and an audio encoder of three stride-2 convolutions, attention in windows of
   100 frames (12.5 soft tokens a second of 16 kHz audio) fed by the Whisper feature extractor (128 mel bins).
+- `qwen2_audio`: Qwen2-Audio (Qwen/Qwen2-Audio-7B-Instruct): a Whisper-style encoder and a projector before Qwen2,
+  no vision tower (it loads with `AutoModelForMultimodalLM`); the template of its processor class.
 - `qwen2_5_omni_full`: the whole Qwen2.5-Omni checkpoint (as Qwen/Qwen2.5-Omni-7B ships): `qwen2_5_omni`'s thinker
   beside a talker and a token-to-waveform model at toy size, which speak; the recipes train its thinker (not in
   FAMILIES, the image-text-to-text checkpoints: it is not one); `qwen3_omni_moe_full` likewise around
@@ -47,6 +49,9 @@ from transformers import (
     Qwen2_5OmniProcessor,
     Qwen2_5OmniThinkerConfig,
     Qwen2_5OmniThinkerForConditionalGeneration,
+    Qwen2AudioConfig,
+    Qwen2AudioForConditionalGeneration,
+    Qwen2AudioProcessor,
     Qwen2VLImageProcessor,
     Qwen2VLVideoProcessor,
     Qwen3_5Config,
@@ -219,6 +224,26 @@ def qwen3_omni_moe():
                  "qwen3_omni_thinking")
 
 
+def qwen2_audio():
+    """Qwen2-Audio (Qwen/Qwen2-Audio-7B-Instruct) at toy size: a Whisper encoder (two convolutions, attention over its
+    fixed window of 3000 frames, 30 s, then pooled 2:1: 25 soft tokens a second of 16 kHz audio) and a projector
+    before Qwen2; no vision tower. Its audio token lives on the processor, not the tokenizer (as the checkpoint's);
+    the template is the processor class's own (`qwen2_audio.jinja`)."""
+    tokenizer = train_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>",
+                                 "<|audio_eos|>"], eos="<|im_end|>", pad="<|endoftext|>")
+    config = Qwen2AudioConfig(
+        audio_config=dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
+                          d_model=32),
+        text_config=dict(model_type="qwen2", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **TEXT),
+        audio_token_id=tokenizer.convert_tokens_to_ids("<|AUDIO|>"))
+    processor = Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=128), tokenizer=tokenizer,
+                                    chat_template=template("qwen2_audio"))
+    model = Qwen2AudioForConditionalGeneration(config)
+    _stop_on(model, *tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+    return model, processor
+
+
 # the speaking parts of a full Qwen2.5-Omni checkpoint at toy size
 TALKER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
               num_key_value_heads=1, head_dim=16, embedding_size=TEXT["hidden_size"],
@@ -270,7 +295,7 @@ def qwen3_omni_moe_full():
 
 FAMILIES = {"qwen3_5": qwen3_5, "qwen3_5_think": qwen3_5_think, "qwen3_vl_moe": qwen3_vl_moe,
             "qwen3_5_moe": qwen3_5_moe, "gemma4": gemma4, "gemma4_moe": gemma4_moe,
-            "qwen2_5_omni": qwen2_5_omni, "qwen3_omni_moe": qwen3_omni_moe}
+            "qwen2_5_omni": qwen2_5_omni, "qwen3_omni_moe": qwen3_omni_moe, "qwen2_audio": qwen2_audio}
 WHOLE = {"qwen2_5_omni_full": qwen2_5_omni_full, "qwen3_omni_moe_full": qwen3_omni_moe_full}
 
 

@@ -20,6 +20,7 @@ import math
 
 import av
 import numpy
+import torch
 
 from .images import readable_source
 
@@ -115,13 +116,22 @@ def audio_kwargs(processor, clips=()) -> dict:
 
 
 def hears(model, processor=None) -> bool:
-    """Whether a model hears: its config holds an audio tower, its base model a
-    `get_audio_features` and (given) its processor a feature extractor and an audio token."""
-    if getattr(model.base_model, "get_audio_features", None) is None or getattr(
-            model.config, "audio_config", None) is None:
+    """Whether a model hears: its config holds an audio tower, its base model a `get_audio_features` (or encodes its
+    clips inline: `encodes_audio_inline`) and (given) its processor a feature extractor and an audio token."""
+    base_model = model.base_model
+    if getattr(model.config, "audio_config", None) is None or (
+            getattr(base_model, "get_audio_features", None) is None and not encodes_audio_inline(base_model)):
         return False
     return processor is None or (getattr(processor, "feature_extractor", None) is not None
                                  and getattr(processor, "audio_token", None) is not None)
+
+
+def encodes_audio_inline(base_model) -> bool:
+    """A base model with no `get_audio_features` whose forward runs its `audio_tower` and `multi_modal_projector`
+    inline (Qwen2-Audio)."""
+    parts = (getattr(base_model, name, None) for name in ("audio_tower", "multi_modal_projector"))
+    return getattr(base_model, "get_audio_features", None) is None and all(
+        isinstance(part, torch.nn.Module) for part in parts)
 
 
 def heard_rate(model, processor) -> int | None:

@@ -8,6 +8,7 @@ import pickle
 from pathlib import Path
 
 from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, MODEL_FOR_MULTIMODAL_LM_MAPPING
 from transformers.utils import CONFIG_NAME
 
 from .checkpointing import MARKER
@@ -52,3 +53,18 @@ def pretrained(auto_class, name_or_path: str, flag: str):
         raise ValueError(f"{flag} {name_or_path}: {files} is a pickle holding more than tensors, which torch's "
                          "weights-only loading refuses (nothing in it ran): save the model as safetensors "
                          "(save_pretrained writes model.safetensors) and give that folder") from error
+
+
+def only_hears(config) -> bool:
+    """A model with an audio tower and no vision one (Qwen2-Audio, Voxtral, Granite Speech)."""
+    return getattr(config, "audio_config", None) is not None and getattr(config, "vision_config", None) is None
+
+
+def trained_class(config):
+    """The class the recipes train for `config`: its AutoModelForImageTextToText class, or AutoModelForMultimodalLM's
+    for a model that only hears; None for any other."""
+    if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+    if only_hears(config) and type(config) in MODEL_FOR_MULTIMODAL_LM_MAPPING:
+        return MODEL_FOR_MULTIMODAL_LM_MAPPING[type(config)]
+    return None

@@ -85,6 +85,8 @@ def main(argv=None):
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2)
+    # clips no longer than the audio tower reads (Qwen2-Audio: 30 s)
+    data_args.audio_max_seconds = vlm.clip_seconds(data_args.audio_max_seconds)
     model, processor = vlm.model, vlm.processor
     # The teacher, checked now against the student's vocabulary and chat template (logits compared
     # entry by entry); it reads rows of its own where its processor writes images otherwise

@@ -100,6 +100,8 @@ def main(argv=None):
                               empty_think=data_args.empty_think_block,
                               template_kwargs=data_args.chat_template_kwargs)
     template_line = check_template(labeller, model_args.template_source(), data_args.max_length)
+    # clips no longer than the audio tower reads (Qwen2-Audio: 30 s)
+    data_args.audio_max_seconds = vlm.clip_seconds(data_args.audio_max_seconds)
 
     # shared: accelerator
     accelerator = accelerator_from_args(args)

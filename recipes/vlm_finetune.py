@@ -83,6 +83,8 @@ def main(argv=None):
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
     vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2)  # what trains, FLOPs
+    # clips no longer than the audio tower reads (Qwen2-Audio: 30 s)
+    data_args.audio_max_seconds = vlm.clip_seconds(data_args.audio_max_seconds)
     model, processor = vlm.model, vlm.processor
     # The answer tokens of the checkpoint's own chat template, checked on a probe conversation now
     # (a template whose turns no rule finds would otherwise drop every row as no_target).

@@ -89,6 +89,8 @@ def main(argv=None):
     # The KL's reference (--beta): the policy with its LoRA adapters disabled, or a frozen copy.
     vlm = vlm_parts(model_args, lora_args, seq_len=data_args.max_length // 2,
                     frozen_copy=grpo_args.beta > 0)
+    # clips no longer than the audio tower reads (Qwen2-Audio: 30 s)
+    data_args.audio_max_seconds = vlm.clip_seconds(data_args.audio_max_seconds)
     model, processor = vlm.model, vlm.processor
     # the prompts go through its template; a model that hears plays their clips (the audio columns)
     labeller = AnswerLabeller(processor, vlm.stops, audio=vlm.hears,

@@ -179,6 +179,6 @@ def test_every_recipes_reader_counts_audio_rows_and_without_the_count_they_train
     assert len(out["input_ids"]) == 1 and out[SKIPPED][0]["audio"] == len(AUDIO_ROWS)
     # the old failure: without the count every row trains, its answer learnt from the question alone (no audio
     # reaches the model: its inputs are the text's)
-    monkeypatch.setattr(chat_data, "media_not_taken", lambda *args: None)
+    monkeypatch.setattr(chat_data, "media_not_taken", lambda *args, **kwargs: None)
     out = preprocessed(ChatPreprocessor(args, labeller, 256), list(AUDIO_ROWS.values()))
     assert len(out["input_ids"]) == len(AUDIO_ROWS) and not any(out["media_inputs"])

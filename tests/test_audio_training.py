@@ -14,12 +14,13 @@ import numpy
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoProcessor
+from transformers import AutoConfig, AutoProcessor, pipeline
 
-from mmrecipes.audio import audio_kwargs
+from mmrecipes.audio import audio_kwargs, decode_audio
 from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
 from mmrecipes.paths import VLM_SHAPES
+from mmrecipes.saved_models import trained_class
 from mmrecipes.skips import SKIPPED
 from mmrecipes.vlm.algorithms.preference import PreferenceCollator, PreferencePreprocessor
 from mmrecipes.vlm.algorithms.sampling import generate_group, sample_group
@@ -29,7 +30,7 @@ from mmrecipes.vlm.model import audio_rows
 from mmrecipes.vlm.model.module_groups import apply_train_modules
 from mmrecipes.vlm.model.outputs import Hidden, Logits, LossSum, SequenceLogps
 from mmrecipes.vlm.model.parts import vlm_parts
-from mmrecipes.vlm.model.step import VLMForTraining
+from mmrecipes.vlm.model.step import VLMForTraining, without_call_settings
 from mmrecipes.vlm.rows import labels
 from mmrecipes.vlm.rows.chat_data import ChatPreprocessor
 from mmrecipes.vlm.rows.collate import AUDIO_KEYS, ChatCollator
@@ -75,7 +76,11 @@ HEARING = {"gemma4": dict(end="<turn|>", rows={0.5: 13, 1: 25, 30: 750, 45: 1125
            "qwen3_omni_moe": dict(end="<|im_end|>", rows={0.5: 7, 1: 13, 30: 390, 45: 585}, tower_params=23_552,
                                   projector="model.audio_tower.proj2.", unreached=[], checks_total=False,
                                   # its experts are 3-D parameters, no linear layers
-                                  mlp_refused="no linear layer is called gate_proj, up_proj, down_proj")}
+                                  mlp_refused="no linear layer is called gate_proj, up_proj, down_proj"),
+           # no vision tower; its encoder reads 30 s at most (a 45 s clip: counted audio_too_long, never cut)
+           "qwen2_audio": dict(end="<|im_end|>", rows={0.5: 12, 1: 25, 30: 750, 45: None}, tower_params=80_512,
+                               projector="model.multi_modal_projector.", unreached=[], checks_total=True,
+                               mlp_refused="reaches no linear layer of the audio tower")}
 
 
 @pytest.fixture(scope="module", params=list(HEARING))
@@ -100,7 +105,7 @@ def audio_features(vlm, media_inputs):
     """The audio tower's output and its rows per clip (`AudioRows`)."""
     rows = VLMForTraining(vlm.model).audio_rows
     inputs = {name: media_inputs[name] for name in rows.input_names if name in media_inputs}
-    output = vlm.model.base_model.get_audio_features(**inputs, return_dict=True)
+    output = rows.step(**inputs, return_dict=True)
     return output, rows.encoder_rows(output, inputs)
 
 
@@ -120,6 +125,12 @@ def rows_of(labeller, rows, max_length=2048, **args):
 def test_a_45_second_clip_is_as_many_placeholders_as_encoder_rows_none_of_them_a_target(hearing):
     vlm, labeller, _, family = hearing
     clip = wav_bytes(tone(45.0, 44100, channels=2), 44100)  # resampled to the extractor's 16 kHz
+    if family["rows"][45] is None:  # an encoder of a fixed window: the clip counted, from its header
+        assert vlm.audio_window == 30.0
+        assert rows_of(labeller, [audio_row(clip)], audio_max_seconds=vlm.clip_seconds(600.0)) == (
+            [], {"audio_too_long": 1})
+        return
+    assert vlm.audio_window is None
     (row,), _ = rows_of(labeller, [audio_row(clip)])
     token = labeller.audio_token_id
     placeholders = int((row["input_ids"] == token).sum())
@@ -227,7 +238,7 @@ def test_the_presets_and_lora_reach_the_audio_tower_by_module_structure(hearing,
     vlm, _, _, family = hearing
     groups = vlm.groups
     assert {name.split(".")[1] for name, _ in groups.audio_tower} == {"audio_tower"}
-    assert {name for name, _ in groups.projector if "audio" in name} == {
+    assert {name for name, _ in groups.projector if "audio" in name or name.startswith(family["projector"])} == {
         name for name, _ in vlm.model.named_parameters() if name.startswith(family["projector"])}
     # every parameter reached, but the Qwen2.5-Omni tower's token embedding that its forward never calls
     assert groups.unreached == family["unreached"]
@@ -406,6 +417,7 @@ def test_librispeech_is_answered_in_the_loop_as_by_generate_on_the_saved_model(h
 
     vlm, labeller, step, _ = hearing
     vlm.model.save_pretrained(tmp_path)
+    without_call_settings(vlm.processor.tokenizer)  # as save_vlm saves it
     vlm.processor.save_pretrained(tmp_path)
     args = BenchmarkArgs(benchmarks="librispeech_test_clean", benchmark_data_dir="embedded:benchmarks",
                          benchmark_limit=3, benchmark_max_new_tokens=4)
@@ -417,3 +429,15 @@ def test_librispeech_is_answered_in_the_loop_as_by_generate_on_the_saved_model(h
                   "embedded:benchmarks", "--benchmark_limit", "3", "--benchmark_max_new_tokens", "4"])
     assert saved == in_the_loop and saved["bench/librispeech_test_clean/documents"] == 3
     assert saved["bench/librispeech_test_clean/wer"] > 0  # an untrained model's transcripts
+    # the saved model loads with its Auto class (Qwen2-Audio: AutoModelForMultimodalLM) and answers a clip through
+    # the any-to-any pipeline as its own generate does
+    model = trained_class(AutoConfig.from_pretrained(tmp_path)).from_pretrained(tmp_path)
+    processor = AutoProcessor.from_pretrained(tmp_path)
+    clip, _ = decode_audio(wav_bytes(tone(1.0, RATE), RATE), RATE, 30.0)
+    chat = [{"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": QUESTION}]}]
+    inputs = processor(text=processor.apply_chat_template(chat, add_generation_prompt=True), audio=[clip],
+                       audio_kwargs=audio_kwargs(processor, [clip]), return_tensors="pt")
+    generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    answered = pipeline("any-to-any", model=str(tmp_path))(text=chat, max_new_tokens=4, return_full_text=False,
+                                                           generate_kwargs={"do_sample": False})
+    assert answered[0]["generated_text"] == processor.decode(generated, skip_special_tokens=True)

@@ -66,7 +66,7 @@ def test_llava_json_labels_only_assistant_turns_and_skips_are_counted(tmp_path, 
     (batch,) = load_all(args, tiny)
     assert dict(zip(CHAT_COUNTED, batch["data_counts"].tolist())) == {
         "converted": 0, "undecodable": 2, "too_large": 0, "outside_folder": 0, "image_mismatch": 1, "too_long": 1,
-        "no_target": 1, "unaligned": 0, "bad_text": 0, "bad_row": 0, "bad_shard": 0, "audio": 0, "video": 0,
+        "no_target": 1, "unaligned": 0, "bad_text": 0, "bad_row": 0, "bad_shard": 0, "image": 0, "audio": 0, "video": 0,
         "no_frames": 0, "video_too_long": 0, "video_mismatch": 0, "audio_undecodable": 0, "audio_empty": 0,
         "audio_too_long": 0, "audio_mismatch": 0}
     assert answers(batch, processor.tokenizer) == ["red<|end|>one<|end|>", "below<|end|>"]

@@ -22,7 +22,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from ..audio import audio_kwargs, heard_rate
 from ..config import CheckedArgs, parse_args
 from ..paths import resolve_name
-from ..saved_models import model_config, pretrained
+from ..saved_models import model_config, pretrained, trained_class
 from ..template_kwargs import check_template_kwargs, parse_template_kwargs
 from .arguments import BenchmarkArgs
 from .harness import Benchmarks, too_long
@@ -89,8 +89,10 @@ def main(argv=None):
     if not benchmarks:
         raise SystemExit("--benchmarks: name at least one task")
     # a checkpoint-N, a folder without a model: named before loading
-    model_config(model_args.model, "--model")
-    model = pretrained(AutoModelForImageTextToText, model_args.model, "--model").to(device).eval()
+    config = model_config(model_args.model, "--model")
+    # AutoModelForMultimodalLM's class for a model that only hears
+    model_class = trained_class(config) or AutoModelForImageTextToText
+    model = pretrained(model_class, model_args.model, "--model").to(device).eval()
     processor = AutoProcessor.from_pretrained(model_args.model)
     check_template_kwargs(model_args.chat_template_kwargs, processor.chat_template,
                           processor.tokenizer.special_tokens_map)

@@ -70,12 +70,14 @@ class LiveModel(lmms):
         # its collectives' tensors
         self.device = device or (accelerator.device if accelerator is not None else "cpu")
         if answer is None:
-            from transformers import AutoModelForImageTextToText, AutoProcessor
+            from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
+            from ..saved_models import trained_class
             from .__main__ import GeneratedAnswers
 
             device = self.device
-            model = AutoModelForImageTextToText.from_pretrained(pretrained).to(device).eval()
+            model_class = trained_class(AutoConfig.from_pretrained(pretrained)) or AutoModelForImageTextToText
+            model = model_class.from_pretrained(pretrained).to(device).eval()
             answer = GeneratedAnswers(model, AutoProcessor.from_pretrained(pretrained), device)
         # lmms-eval waits on its accelerator between requests
         self.answer, self.accelerator = answer, accelerator

@@ -18,17 +18,24 @@ import contextlib
 import inspect
 import sys
 
+import numpy
 import torch
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from ...audio import audio_kwargs, encodes_audio_inline
 from ..rows.labels import feature_mask
 
 
 class AudioRows:
-    """The audio step of a model that hears (its base model's `get_audio_features`) and its
-    placeholder token."""
+    """The audio step of a model that hears (`audio_step`: its base model's `get_audio_features`, or the same
+    computation for a family that encodes its clips inline) and its placeholder token."""
 
     def __init__(self, model, input_names: tuple):
         self.base_model, self.input_names = model.base_model, input_names
+        self.step = audio_step(self.base_model)
+        # the family's forward takes the merged embeddings (`embedded`), not features
+        self.inline = isinstance(self.step, InlineAudioFeatures)
         # a batch holds clips (or the dummy sound) when it holds these
         self.features = input_names[0]
         self.token_id = next(value for name in ("audio_token_id", "audio_token_index")
@@ -40,7 +47,7 @@ class AudioRows:
         """The audio tower's output for the batch's clips (or the dummy sound), each clip's rows
         checked against its run of placeholders in `input_ids` (not the dummy's: it has none)."""
         inputs = {name: media_inputs[name] for name in self.input_names if name in media_inputs}
-        output = self.base_model.get_audio_features(**inputs, return_dict=True)
+        output = self.step(**inputs, return_dict=True)
         if not dummy:
             expected = placeholder_runs(input_ids, self.token_id)
             rows = self.encoder_rows(output, inputs)
@@ -58,7 +65,25 @@ class AudioRows:
         """Refuse, before the first step, a family whose clips' encoder rows cannot be told
         (`encoder_rows` on the dummy sound in `dummy_inputs`)."""
         inputs = {name: dummy_inputs[name] for name in self.input_names if name in dummy_inputs}
-        self.encoder_rows(self.base_model.get_audio_features(**inputs, return_dict=True), inputs)
+        self.encoder_rows(self.step(**inputs, return_dict=True), inputs)
+
+    @torch.no_grad()
+    def window_seconds(self, processor) -> float | None:
+        """The longest clip, in seconds, the audio tower reads: its feature extractor's window (Whisper's 30 s) where
+        it refuses a clip a second longer (Qwen2-Audio's encoder takes exactly the window's 3000 frames); None where it
+        reads that clip, or the extractor has no window."""
+        extractor = processor.feature_extractor
+        window = getattr(extractor, "n_samples", None)
+        if window is None:
+            return None
+        clip = numpy.random.default_rng(0).uniform(-0.5, 0.5, window + extractor.sampling_rate).astype(numpy.float32)
+        made = processor(text=processor.audio_token, audio=[clip], audio_kwargs=audio_kwargs(processor, [clip]),
+                         return_tensors="pt")
+        try:
+            self.step(**{name: made[name] for name in self.input_names if name in made}, return_dict=True)
+        except (ValueError, RuntimeError):
+            return window / extractor.sampling_rate
+        return None
 
     def encoder_rows(self, output, inputs: dict) -> list[int]:
         """The rows the audio tower gives each clip: its output's mask where it gives one (Gemma 4:
@@ -82,6 +107,18 @@ class AudioRows:
                              f"clips of {rows} rows")
         return rows
 
+    def embedded(self, inputs: dict, output, embeddings) -> dict:
+        """The language model's `inputs` for a family that encodes its clips inline: the token embeddings, each clip's
+        rows of `output` scattered into its placeholders (None: the dummy sound's, which enter none), in place of
+        the ids and the clips, which its forward would encode a second time."""
+        inputs = {name: value for name, value in inputs.items() if name not in self.input_names}
+        input_ids = inputs.pop("input_ids")
+        embeds = embeddings(input_ids)
+        if output is not None:
+            placeholders = (input_ids == self.token_id).unsqueeze(-1)
+            embeds = embeds.masked_scatter(placeholders, output.pooler_output.to(embeds.dtype))
+        return inputs | {"inputs_embeds": embeds}
+
     @contextlib.contextmanager
     def given(self, output):
         """While the body runs, the family's forward gets `output` from its own
@@ -91,6 +128,33 @@ class AudioRows:
             yield
         finally:
             del self.base_model.get_audio_features
+
+
+def audio_step(base_model):
+    """What encodes a batch's clips: the base model's `get_audio_features`, else `InlineAudioFeatures`."""
+    return InlineAudioFeatures(base_model) if encodes_audio_inline(base_model) else base_model.get_audio_features
+
+
+class InlineAudioFeatures:
+    """`get_audio_features` for a family whose forward encodes its clips inline and has none (Qwen2-Audio): what that
+    forward scatters into the placeholders, computed as it computes it. The audio tower over the clips' frames, each
+    clip attending to its own frames after the convolutions (the feature mask), then the projector; each clip's rows
+    by the tower's length formula, end to end."""
+
+    def __init__(self, base_model):
+        self.tower, self.projector = base_model.audio_tower, base_model.multi_modal_projector
+        self.lengths = length_formula(self.tower)
+
+    def __call__(self, input_features, feature_attention_mask, **kwargs):
+        after_convolutions, rows = self.lengths(feature_attention_mask.sum(-1))
+        length = int(self.lengths(torch.tensor(input_features.shape[-1]))[0])
+        frames = torch.arange(length, device=input_features.device)
+        mask = create_bidirectional_mask(config=self.tower.config, attention_mask=frames < after_convolutions[:, None],
+                                         inputs_embeds=input_features.new_zeros(len(input_features), length, 1,
+                                                                                dtype=self.tower.dtype))
+        projected = self.projector(self.tower(input_features, attention_mask=mask).last_hidden_state)
+        kept = projected[frames[:projected.shape[1]] < rows[:, None]]
+        return BaseModelOutputWithPooling(last_hidden_state=kept, pooler_output=kept)
 
 
 def length_formula(tower):

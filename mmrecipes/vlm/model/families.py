@@ -28,6 +28,7 @@ from PIL import Image
 from transformers.video_utils import VideoMetadata
 
 from ...audio import audio_kwargs, hears
+from .audio_rows import audio_step
 
 # Outputs of a vision encoder that the language model never reads.
 ENCODER_ONLY_OUTPUTS = ("last_hidden_state", "hidden_states", "attentions")
@@ -73,6 +74,13 @@ def lm_features(output) -> list[torch.Tensor]:
     return tensors
 
 
+def vision_inputs(model) -> set[str]:
+    """The inputs of the model's vision step (`get_image_features`' signature); none for a model that only hears
+    (Qwen2-Audio)."""
+    step = getattr(model, "get_image_features", None)
+    return set(inspect.signature(step).parameters) - {"self", "kwargs"} if step is not None else set()
+
+
 def dummy_image_inputs(model, processor=None) -> dict:
     """The smallest image input the model's vision step accepts, as `get_image_features` kwargs,
     and, given the processor, a one-frame clip for a model whose clips take a path of their own
@@ -84,7 +92,7 @@ def dummy_image_inputs(model, processor=None) -> dict:
     patch_size pixels; a tower that takes pixels alone (CLIP, SigLIP: Llava, Gemma 3) one image of
     its image_size. Filled with ones: some towers drop an all-zero image as padding. Any other
     signature (LLaVA-OneVision's `image_sizes`) gets what the processor makes of one small white
-    image, with every extra input the tower needs.
+    image, with every extra input the tower needs. A model that only hears: no image, its dummy sound alone.
     """
     if processor is None:
         return _dummy_image(model, processor)
@@ -92,7 +100,9 @@ def dummy_image_inputs(model, processor=None) -> dict:
 
 
 def _dummy_image(model, processor) -> dict:
-    names = set(inspect.signature(model.get_image_features).parameters) - {"self", "kwargs"}
+    names = vision_inputs(model)
+    if not names:  # a model that only hears
+        return {}
     vision = model.config.vision_config
     channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
     if "image_grid_thw" in names:
@@ -191,13 +201,13 @@ def _probe_clip(frames: int) -> dict:
 
 
 def audio_inputs(model, processor=None) -> tuple[str, ...]:
-    """The inputs of the model's audio step, from `get_audio_features`' signature (Gemma 4: input_features and
-    input_features_mask; the Qwen2.5-Omni thinker: input_features, feature_attention_mask, audio_feature_lengths; the
-    features first), where the model hears (`audio.hears`). () otherwise: audio rows are skipped and
-    counted."""
+    """The inputs of the model's audio step, from `get_audio_features`' signature (`audio_rows.audio_step`; Gemma 4:
+    input_features and input_features_mask; the Qwen2.5-Omni thinker: input_features, feature_attention_mask,
+    audio_feature_lengths; Qwen2-Audio: input_features, feature_attention_mask; the features first), where the model
+    hears (`audio.hears`). () otherwise: audio rows are skipped and counted."""
     if not hears(model, processor):
         return ()
-    step = model.base_model.get_audio_features
+    step = audio_step(model.base_model)
     return tuple(name for name in inspect.signature(step).parameters if name not in ("self", "kwargs"))
 
 

@@ -17,7 +17,8 @@ class VLMFlops:
     before `prepare` (ZeRO-3 partitioned parameters report numel 0)."""
 
     def __init__(self, model, vision_tower_params: int, *, seq_len: int, lm_weights_train: bool, vision_trains: bool):
-        text, self.vision_config = model.config.text_config, model.config.vision_config
+        # no vision config: a model that only hears (its audio tower is not counted, as no family's is)
+        text, self.vision_config = model.config.text_config, getattr(model.config, "vision_config", None)
         decoder = model.get_decoder()
         lm_params = sum(p.numel() for p in decoder.parameters()) - decoder.get_input_embeddings().weight.numel()
         lm_params += model.get_output_embeddings().weight.numel()
@@ -29,7 +30,8 @@ class VLMFlops:
         self.per_patch = (6 if vision_trains else 2) * vision_tower_params
 
     def __call__(self, batch) -> float:
-        return batch["num_tokens"] * self.per_token + image_patches(batch, self.vision_config) * self.per_patch
+        patches = image_patches(batch, self.vision_config) if self.vision_config is not None else 0
+        return batch["num_tokens"] * self.per_token + patches * self.per_patch
 
 
 def image_patches(batch: dict, vision_config) -> int:

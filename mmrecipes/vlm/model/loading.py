@@ -8,10 +8,11 @@ that speaks) trains its thinker, which saves as an image-text-to-text model of i
 import inspect
 import logging
 
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoProcessor
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-from ...saved_models import model_config, pretrained
+from ...audio import hears
+from ...saved_models import model_config, only_hears, pretrained, trained_class
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +31,16 @@ def check_trainable(name_or_path: str, flag: str = "--model_name_or_path"):
     saved = model_config(name_or_path, flag)
     config = trained_config(saved)
     model_type = config.model_type
-    if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+    model_class = trained_class(config)
+    if model_class is None:
         raise ValueError(f"{flag} {name_or_path}: model type {model_type!r} is not an image-text-to-text model "
-                         "(AutoModelForImageTextToText has no class for it); give a VLM checkpoint")
-    model_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+                         "(AutoModelForImageTextToText has no class for it) nor an audio-text one "
+                         "(AutoModelForMultimodalLM's, with an audio tower and no vision one); give a VLM checkpoint")
     reason = None
     if getattr(config, "is_encoder_decoder", False):
         reason = "it is an encoder-decoder model; the recipe trains decoder-only language models"
+    elif only_hears(config):
+        pass  # its audio step is checked on the loaded model (`load_pretrained`)
     elif not hasattr(model_class, "get_image_features"):
         reason = f"{model_class.__name__} has no get_image_features, so a text-only batch cannot run the vision step"
     elif "mm_encoder_outputs" not in inspect.signature(model_class.forward).parameters:
@@ -51,10 +55,14 @@ def load_pretrained(name_or_path: str, flag: str = "--model_name_or_path"):
     (`check_trainable`). Weights in a pickle that holds more than tensors are refused by torch's
     weights-only loading (nothing in it runs); the error names the file and the fix."""
     config = check_trainable(name_or_path, flag)
-    model_class = AutoModelForImageTextToText
-    if trained_config(config) is not config:  # a full omni checkpoint: its thinker
-        model_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config.thinker_config)]
-    return pretrained(model_class, name_or_path, flag), AutoProcessor.from_pretrained(name_or_path)
+    model = pretrained(trained_class(trained_config(config)), name_or_path, flag)
+    processor = AutoProcessor.from_pretrained(name_or_path)
+    if only_hears(model.config) and not hears(model, processor):
+        raise ValueError(f"{flag} {name_or_path}: model type {model.config.model_type!r} has an audio tower but no "
+                         "audio step the recipe can run (no get_audio_features, nor an audio_tower and a "
+                         "multi_modal_projector its forward runs inline), or its processor no feature extractor and "
+                         "audio token: it can be trained on neither images nor audio here")
+    return model, processor
 
 
 def thinker_note(name_or_path: str | None, model) -> str | None:

@@ -7,7 +7,8 @@ from functools import partial
 
 import torch
 
-from .families import PROJECTORS, audio_inputs, lm_features
+from .audio_rows import audio_step
+from .families import PROJECTORS, audio_inputs, lm_features, vision_inputs
 
 
 @dataclass
@@ -63,10 +64,12 @@ def module_groups(model, dummy_inputs: dict) -> ModuleGroups:
     language_model = {id(p) for p in [*model.get_decoder().parameters(), *model.get_output_embeddings().parameters()]}
     not_image = {"pixel_values_videos", *audio_inputs(model)}
     image_inputs = {name: value for name, value in dummy_inputs.items() if name not in not_image}
-    widths, reached = _step_of(model, model.get_image_features, image_inputs)
     modules = dict(model.named_modules())
-    vision_blocks, towers = _vision_towers(model, modules, widths, language_model)
-    projector_prefixes, projector_by = _projector_prefixes(model, modules, widths, vision_blocks, towers)
+    reached, towers, projector_prefixes, projector_by = set(), set(), [], "rule"  # a model that only hears
+    if vision_inputs(model):
+        widths, reached = _step_of(model, model.get_image_features, image_inputs)
+        vision_blocks, towers = _vision_towers(model, modules, widths, language_model)
+        projector_prefixes, projector_by = _projector_prefixes(model, modules, widths, vision_blocks, towers)
     audio_towers, audio_projectors, heard = _audio_towers(model, modules, dummy_inputs, language_model)
     groups = ModuleGroups(projector_by=projector_by)
     for name, param in model.named_parameters():
@@ -99,7 +102,7 @@ def _audio_towers(model, modules: dict, dummy_inputs: dict, language_model: set)
     names = [name for name in audio_inputs(model) if name in dummy_inputs]
     if not names:
         return set(), [], set()
-    widths, reached = _step_of(model, model.base_model.get_audio_features,
+    widths, reached = _step_of(model, audio_step(model.base_model),
                                {name: dummy_inputs[name] for name in names})
     blocks, towers = _vision_towers(model, modules, widths, language_model)
     heard = reached - language_model

@@ -6,6 +6,7 @@ and the log lines that say so; `load_vlm`: a saved checkpoint (`loading`), a Lla
 parts (`compose`) or the tiny Llava. The recipe keeps the Accelerate skeleton."""
 
 import copy
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ from .moe import sparse_block_classes
 from .outputs import Logits
 from .segments import SegmentAwareMixers, apply_segment_aware_mixers
 from .step import VLMForTraining
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,6 +51,8 @@ class VLMParts:
     notes: tuple[str, ...] = ()
     # linear attention's mixers, made to keep packed samples apart (None: the model has none)
     segments: SegmentAwareMixers | None = None
+    # the longest clip (s) its audio tower reads (None: any length; `AudioRows.window_seconds`)
+    audio_window: float | None = None
 
     @property
     def hears(self) -> bool:
@@ -65,6 +70,16 @@ class VLMParts:
         return optimizer_groups(self.trainable, learning_rate=args.learning_rate, weight_decay=args.weight_decay,
                                 own_rates={"vision_tower": (args.vision_tower_learning_rate,
                                                             args.vision_tower_weight_decay)})
+
+    def clip_seconds(self, asked: float) -> float:
+        """--audio_max_seconds (`asked`) at most `audio_window`, said in the log where it is lowered: a longer clip is
+        counted audio_too_long, never cut."""
+        if self.audio_window is None or asked <= self.audio_window:
+            return asked
+        logger.warning("%s's audio tower reads clips of at most %g s (its feature extractor's window): "
+                       "--audio_max_seconds %g lowered to %g, longer clips are counted audio_too_long",
+                       type(self.model).__name__, self.audio_window, asked, self.audio_window)
+        return self.audio_window
 
     def check_packing(self, labeller):
         """`check_packing` of this model (--packing), before the first step."""
@@ -118,8 +133,11 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
     model, processor = load_vlm(model_args)
     segments = apply_segment_aware_mixers(model)  # process-wide, in transformers' modules: listed in describe
     dummy_inputs = dummy_image_inputs(model, processor)
+    window = None
     if hears := audio_inputs(model, processor):
-        AudioRows(model, hears).check_family(dummy_inputs)
+        audio = AudioRows(model, hears)
+        audio.check_family(dummy_inputs)
+        window = audio.window_seconds(processor)
     groups = module_groups(model, dummy_inputs)
     trainable = apply_train_modules(groups, model_args.train_modules)
     peft_model, notes = None, [thinker_note(model_args.model_name_or_path, model)]
@@ -150,7 +168,7 @@ def vlm_parts(model_args: VLMModelArgs, lora_args: LoraArgs, *, seq_len: int, fr
                     placeholders=placeholder_token_ids(model, processor), dummy_inputs=dummy_inputs, groups=groups,
                     trainable=trainable, peft_model=peft_model, flops=flops, frozen_copy=copied,
                     sparse_blocks=tuple(sorted(block.__name__ for block in blocks)), notes=tuple(filter(None, notes)),
-                    segments=segments)
+                    segments=segments, audio_window=window)
 
 
 def load_vlm(args: VLMModelArgs):

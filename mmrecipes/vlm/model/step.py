@@ -26,6 +26,7 @@ from .families import (
     split_items,
     stateful_mixer_classes,
     video_as_image_names,
+    vision_inputs,
 )
 from .lora import save_lora
 from .outputs import Forward, StepOutput
@@ -47,7 +48,7 @@ class VLMForTraining(torch.nn.Module):
         super().__init__()
         self.model = model
         self.sequence_parallel = sequence_parallel  # training splits each sequence over its ranks
-        self.vision_input_names = set(inspect.signature(model.get_image_features).parameters) - {"kwargs"}
+        self.vision_input_names = vision_inputs(model)
         self.video_as_image = video_as_image_names(model)
         # a model that hears: its audio step's inputs, and each clip's placeholders checked against its encoder rows
         names = audio_inputs(model)
@@ -107,7 +108,11 @@ class VLMForTraining(torch.nn.Module):
                                 media_per_sample)
         if output_router_logits:
             inputs["output_router_logits"] = True
-        with self.audio_rows.given(heard) if heard is not None and not dummy_audio else contextlib.nullcontext():
+        inline = self.audio_rows is not None and self.audio_rows.inline
+        if inline:
+            inputs = self.audio_rows.embedded(inputs, None if dummy_audio else heard, self.model.get_input_embeddings())
+        given = heard is not None and not dummy_audio and not inline
+        with self.audio_rows.given(heard) if given else contextlib.nullcontext():
             # No KV cache: training needs none, and transformers reads packed positions only without one.
             outputs = self.model.base_model(use_cache=False, **inputs)
         return outputs[0], dummies, outputs.router_logits if output_router_logits else None
@@ -122,7 +127,9 @@ class VLMForTraining(torch.nn.Module):
         """({"image": features, "video": features} of what the batch holds, [the dummies'
         features]): one vision call for the images, the clips where the family takes them as images,
         or the dummy image (split, each rank of a sequence-parallel group encodes a share:
-        `VisionShare`); a video path of the model's own after it."""
+        `VisionShare`); a video path of the model's own after it. A model that only hears: nothing."""
+        if not self.vision_input_names:
+            return {}, []
         vision_inputs = {name: value for name, value in media_inputs.items() if name in self.vision_input_names}
         videos = {name: value for name, value in media_inputs.items() if name in self.video_as_image}
         # Videos go through the tower in the same call as the images (or the dummy), after them: one call a step.

@@ -41,7 +41,7 @@ from torch.distributed import _functional_collectives as collectives  # differen
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..model.families import stateful_mixer_classes, stateful_mixers
+from ..model.families import stateful_mixer_classes, stateful_mixers, vision_inputs
 from ..rows.labels import IGNORE_INDEX
 from .linear_attention import head_parallel_forward, heads_refusal, parallel_layer
 from .vision import VisionShare
@@ -58,6 +58,9 @@ def refusal(model, size: int) -> str | None:
     (`needs_masks`), the others attend causally over the gathered sequence."""
     text = model.config.get_text_config()
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    if not vision_inputs(model):
+        return ("it only hears (no vision tower: its clips enter as merged embeddings), a path whose shards are not "
+                "checked against the whole sequence yet: train it without --sequence_parallel_size")
     if heads % size or (kv_heads % size and size % kv_heads):
         return (f"its language model's {heads} attention heads ({kv_heads} key/value heads) do not split over "
                 f"{size} ranks: give a size that divides the heads (and divides or is a multiple of the key/value "

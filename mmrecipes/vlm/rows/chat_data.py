@@ -35,12 +35,12 @@ logger = logging.getLogger(__name__)
 # not match the images; the row is over max_length or has no answer token; its answer tokens are not found
 # exactly in the processor's ids (labels.UnalignedAnswer); its text is not UTF-8; it is not
 # a well-formed conversation (or the chat template refuses it); its file is empty, unreadable or truncated; or
-# it holds audio where the checkpoint does not hear, or a video where it takes none; a clip yields no frame or is too
-# long; the video placeholders do not match the clips; an audio clip does not decode, is empty or too long; the audio
-# placeholders do not match the clips.
+# it holds audio where the checkpoint does not hear, an image where it only hears, or a video where it takes none; a
+# clip yields no frame or is too long; the video placeholders do not match the clips; an audio clip does not decode,
+# is empty or too long; the audio placeholders do not match the clips.
 CHAT_COUNTED = ("converted", "undecodable", "too_large", "outside_folder", "image_mismatch", "too_long", "no_target",
-                "unaligned", "bad_text", "bad_row", "bad_shard", "audio", "video", *VIDEO_COUNTED, "video_mismatch",
-                *AUDIO_COUNTED, "audio_mismatch")
+                "unaligned", "bad_text", "bad_row", "bad_shard", "image", "audio", "video", *VIDEO_COUNTED,
+                "video_mismatch", *AUDIO_COUNTED, "audio_mismatch")
 CAPTIONS = ("caption", "text")  # image-caption rows: a conversation of the image and its caption
 CHAT_COLUMNS = ["messages", "images", "conversations", "image", "videos", "video", *AUDIO_COLUMNS, "id", "tools",
                 *CAPTIONS]
@@ -249,7 +249,8 @@ class ChatPreprocessor:
         try:
             messages, raw_images, raw_videos = to_chat(row)
             hears = self.labeller.audio_token_id is not None
-            if kind := media_not_taken(row, messages, self.labeller.video_token_id is not None, hears):
+            if kind := media_not_taken(row, messages, self.labeller.video_token_id is not None, hears,
+                                       takes_images=self.labeller.image_token_id is not None):
                 why = NOT_TAKEN[kind]
                 if kind not in self.logged:  # said once, not only counted
                     self.logged.add(kind)

@@ -8,6 +8,7 @@ what the loop needs (rows, tokens, target tokens, data counts: `images.HOST_KEYS
 training (`models.check_packing`).
 """
 
+import numpy
 import torch
 from PIL import Image
 
@@ -73,7 +74,8 @@ class ChatCollator:
         """The dummy image where the batch holds none (`dummy_image`), the dummy clip where the
         model has a video path of its own and the batch holds no clip (`dummy_video`), and the dummy
         sound where the model hears and the batch holds no audio (`dummy_audio`)."""
-        dummies = {"dummy_image": "pixel_values" not in batch}
+        # a model that only hears has no dummy image
+        dummies = {"dummy_image": "pixel_values" not in batch and "pixel_values" in self.dummy_inputs}
         if dummies["dummy_image"]:
             dummies |= {key: value for key, value in self.dummy_inputs.items()
                         if key not in ("pixel_values_videos", *AUDIO_KEYS)}
@@ -185,15 +187,23 @@ def _pad(sequences, length, value):
 
 
 def probe_rows(labeller) -> list[dict]:
-    """Two collator rows made with the labeller: a question about a white 32 px image and a
-    text-only one (checks before the first step)."""
-    image = Image.new("RGB", (32, 32), (255, 255, 255))
+    """Two collator rows made with the labeller: a question about a white 32 px image (a model that only hears: about
+    a second of noise) and a text-only one (checks before the first step)."""
+    if labeller.image_token_id is not None:
+        image = Image.new("RGB", (32, 32), (255, 255, 255))
+        media, question, answer = {"images": [image]}, "What colour is it?", "white"
+    else:
+        rate = labeller.processor.feature_extractor.sampling_rate
+        noise = numpy.random.default_rng(0).uniform(-0.5, 0.5, rate).astype(numpy.float32)
+        media, question, answer = {"audios": [noise]}, "What is it?", "noise"
+    kind = "image" if "images" in media else "audio"
     rows = []
-    for images, question, answer in (([image], "What colour is it?", "white"), ([], "What comes after one?", "two")):
-        content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
+    for given, question, answer in ((media, question, answer), ({}, "What comes after one?", "two")):
+        content = [{"type": kind}] * bool(given) + [{"type": "text", "text": question}]
         messages = [{"role": "user", "content": content},
                     {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
-        input_ids, labels, media_inputs = encode_row(labeller, messages, images)
+        input_ids, labels, media_inputs = encode_row(labeller, messages, given.get("images", []),
+                                                     audios=given.get("audios", ()))
         rows.append({"input_ids": input_ids, "labels": labels, "media_inputs": media_inputs})
     return rows
 

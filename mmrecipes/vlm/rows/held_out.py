@@ -57,7 +57,8 @@ def _held_out_prompt(args: ChatDataArgs, processor, row, hears: bool):
     if row.get(PROBLEM):
         raise Skip(row[PROBLEM])
     messages, raw_images, _ = to_chat(row)
-    if kind := media_not_taken(row, messages, takes_video=False, takes_audio=hears):
+    sees = getattr(processor, "image_token", None) is not None
+    if kind := media_not_taken(row, messages, takes_video=False, takes_audio=hears, takes_images=sees):
         raise Skip(kind)  # image (and audio) questions only, for now
     answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
     if not answers:

@@ -87,14 +87,16 @@ class AnswerLabeller:
         self.has_markers = bool(GENERATION_MARKER.search(self.template))
         self.stop_strings = sorted({self.tokenizer.convert_ids_to_tokens(int(i)) for i in stop_token_ids}, key=len,
                                    reverse=True)
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids(processor.image_token)
+        # None: a model that only hears (its processor has no image token)
+        sees = getattr(processor, "image_token", None) is not None
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids(processor.image_token) if sees else None
         self.video_token_id = self.tokenizer.convert_tokens_to_ids(processor.video_token) if videos else None
         self.audio_token_id = self.tokenizer.convert_tokens_to_ids(processor.audio_token) if audio else None
         if audio:
             check_audio_features(processor)
         as_clips = videos is not None and videos != "as images"  # not frames among the image tiles
         # {pixel key: the constants that finish its uint8 values on the device, or None: floats from the processor}
-        self.normalization = {"pixel_values": uint8_normalization(processor.image_processor),
+        self.normalization = {"pixel_values": uint8_normalization(processor.image_processor) if sees else None,
                               "pixel_values_videos": fused_normalization(processor.video_processor) if as_clips
                               else None}
         self.rule = "generation markers" if self.has_markers else "prefix renderings"

@@ -13,9 +13,11 @@ from ..arguments import ChatDataArgs
 from .videos import decode_video
 
 AUDIO_COLUMNS = ("audios", "audio")  # LLaMA-Factory's and ms-swift's, and one clip's
-MEDIA_COLUMNS = {"video": ("videos", "video"), "audio": AUDIO_COLUMNS}  # LLaVA-Video's one clip: `video`
+# LLaVA-Video's one clip: `video`
+MEDIA_COLUMNS = {"image": ("images", "image"), "video": ("videos", "video"), "audio": AUDIO_COLUMNS}
 # why a row of that media is skipped (`media_not_taken`)
-NOT_TAKEN = {"video": "this model's processor takes no video",
+NOT_TAKEN = {"image": "this model has no vision tower (it only hears)",
+             "video": "this model's processor takes no video",
              "audio": "this model has no audio tower (or its processor no feature extractor), or this recipe does not "
                       "train on audio yet"}
 
@@ -39,16 +41,18 @@ def _resolved_folder(path: str, parent: bool = False) -> str:
 
 
 def holds(row, messages, kind: str) -> bool:
-    """A `kind` ("video", "audio") part or placeholder in `messages`, or a column of that kind with something in it."""
+    """A `kind` ("image", "video", "audio") part or placeholder in `messages`, or a column of that kind with something
+    in it."""
     return count_parts(messages, kind) > 0 or any(row.get(column) for column in MEDIA_COLUMNS[kind])
 
 
-def media_not_taken(row, messages, takes_video: bool, takes_audio: bool = False) -> str | None:
+def media_not_taken(row, messages, takes_video: bool, takes_audio: bool = False, takes_images: bool = True):
     """The kind of media a row holds that is not trained here, for the row to be skipped and counted as it: "audio"
-    where not `takes_audio`, "video" where not `takes_video`; else None."""
-    if not takes_audio and holds(row, messages, "audio"):
-        return "audio"
-    return "video" if not takes_video and holds(row, messages, "video") else None
+    where not `takes_audio`, "image" where not `takes_images`, "video" where not `takes_video`; else None."""
+    for kind, taken in (("audio", takes_audio), ("image", takes_images), ("video", takes_video)):
+        if not taken and holds(row, messages, kind):
+            return kind
+    return None
 
 
 def count_parts(messages, kind) -> int:

@@ -102,8 +102,9 @@ class PromptPreprocessor(ChatPreprocessor):
         """Skip a row holding what prompts are not sampled with: video, and audio where the labeller does not
         hear."""
         hears = self.labeller.audio_token_id is not None
-        if kind := media_not_taken(row, messages, takes_video=False, takes_audio=hears):
-            raise Skip(kind, "prompts are sampled with images, text and (a model that hears) audio")
+        sees = self.labeller.image_token_id is not None
+        if kind := media_not_taken(row, messages, takes_video=False, takes_audio=hears, takes_images=sees):
+            raise Skip(kind, "prompts are sampled with text, images (a model that sees) and audio (one that hears)")
 
     def row_clips(self, row, messages) -> list:
         """The row's clips, decoded (`clips`; paths resolved as images'), where the labeller hears."""
