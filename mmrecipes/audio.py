@@ -134,6 +134,26 @@ def encodes_audio_inline(base_model) -> bool:
         isinstance(part, torch.nn.Module) for part in parts)
 
 
+@torch.no_grad()
+def window_seconds(encode, processor) -> float | None:
+    """The longest clip, in seconds, that `encode` (a callable of the processor's outputs: a model's audio step, or
+    its forward) reads: the feature extractor's window (Whisper's 30 s) where a clip a second longer is refused
+    (Qwen2-Audio's encoder takes exactly the window's 3000 frames); None where it reads that clip, or the extractor
+    has no window."""
+    extractor = processor.feature_extractor
+    window = getattr(extractor, "n_samples", None)
+    if window is None:
+        return None
+    clip = numpy.random.default_rng(0).uniform(-0.5, 0.5, window + extractor.sampling_rate).astype(numpy.float32)
+    made = processor(text=processor.audio_token, audio=[clip], audio_kwargs=audio_kwargs(processor, [clip]),
+                     return_tensors="pt")
+    try:
+        encode(made)
+    except (ValueError, RuntimeError):
+        return window / extractor.sampling_rate
+    return None
+
+
 def heard_rate(model, processor) -> int | None:
     """The rate a model that hears (`hears`) reads its clips at; None where it does not hear."""
     return processor.feature_extractor.sampling_rate if hears(model, processor) else None

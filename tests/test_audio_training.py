@@ -21,7 +21,7 @@ from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
 from mmrecipes.paths import VLM_SHAPES
 from mmrecipes.saved_models import trained_class
-from mmrecipes.skips import SKIPPED
+from mmrecipes.skips import SKIPPED, Skip
 from mmrecipes.vlm.algorithms.preference import PreferenceCollator, PreferencePreprocessor
 from mmrecipes.vlm.algorithms.sampling import generate_group, sample_group
 from mmrecipes.vlm.algorithms.teacher import Teacher
@@ -409,7 +409,7 @@ def test_librispeech_is_answered_in_the_loop_as_by_generate_on_the_saved_model(h
     """The WER task (lmms-eval's librispeech_test_clean, on the embedded clips): the recipes' answerer in step over
     the ranks and `python -m mmrecipes.benchmarks` (generate, a KV cache) on the saved model hear the same clip (its
     placeholders in the prompt) and give the same greedy transcripts, so the same WER."""
-    from mmrecipes.benchmarks.__main__ import main
+    from mmrecipes.benchmarks.__main__ import GeneratedAnswers, main
     from mmrecipes.benchmarks.arguments import BenchmarkArgs
     from mmrecipes.benchmarks.harness import Benchmark, Benchmarks
     from mmrecipes.benchmarks.tasks import TASKS
@@ -422,8 +422,14 @@ def test_librispeech_is_answered_in_the_loop_as_by_generate_on_the_saved_model(h
     args = BenchmarkArgs(benchmarks="librispeech_test_clean", benchmark_data_dir="embedded:benchmarks",
                          benchmark_limit=3, benchmark_max_new_tokens=4)
     answers = BenchmarkAnswers(step, vlm, "cpu")
-    _, request = Benchmark.load(TASKS["librispeech_test_clean"], args, 0, 1).request(0, answers.sampling_rate)
+    benchmark = Benchmark.load(TASKS["librispeech_test_clean"], args, 0, 1)
+    _, request = benchmark.request(0, answers.sampling_rate)
     assert (answers.row(request)["input_ids"] == labeller.audio_token_id).sum() > 0
+    # a clip over the longest the answerer reads (Qwen2-Audio's 30 s window) is counted, never cut
+    assert answers.clip_seconds == vlm.audio_window
+    with pytest.raises(Skip) as skipped:
+        benchmark.request(0, answers.sampling_rate, clip_seconds=0.5)
+    assert skipped.value.reason == "audio_too_long"
     in_the_loop = Benchmarks(args).run(answers)
     saved = main(["--model", str(tmp_path), "--benchmarks", "librispeech_test_clean", "--benchmark_data_dir",
                   "embedded:benchmarks", "--benchmark_limit", "3", "--benchmark_max_new_tokens", "4"])
@@ -433,6 +439,7 @@ def test_librispeech_is_answered_in_the_loop_as_by_generate_on_the_saved_model(h
     # the any-to-any pipeline as its own generate does
     model = trained_class(AutoConfig.from_pretrained(tmp_path)).from_pretrained(tmp_path)
     processor = AutoProcessor.from_pretrained(tmp_path)
+    assert GeneratedAnswers(model, processor, "cpu").clip_seconds == vlm.audio_window  # found by its own forward
     clip, _ = decode_audio(wav_bytes(tone(1.0, RATE), RATE), RATE, 30.0)
     chat = [{"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": QUESTION}]}]
     inputs = processor(text=processor.apply_chat_template(chat, add_generation_prompt=True), audio=[clip],

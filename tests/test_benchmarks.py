@@ -286,7 +286,8 @@ def test_a_saved_model_scores_by_generate_as_in_the_loop(tmp_path):
              "--benchmark_max_new_tokens", "6"]
     saved = main(["--model", str(tmp_path / "model"), "--output", str(tmp_path / "scores.json"), *flags])
     vlm = SimpleNamespace(model=model, processor=processor, dummy_inputs=dummy_image_inputs(model, processor),
-                          stops=stop_token_ids(model, processor), placeholders=placeholder_token_ids(model, processor))
+                          stops=stop_token_ids(model, processor), placeholders=placeholder_token_ids(model, processor),
+                          audio_window=None)
     args = BenchmarkArgs(benchmarks="docvqa_val,mmmu_val", benchmark_data_dir="embedded:benchmarks", benchmark_limit=4,
                          benchmark_max_new_tokens=6)
     in_the_loop = Benchmarks(args).run(BenchmarkAnswers(VLMForTraining(model), vlm, "cpu"))
@@ -320,7 +321,8 @@ def _lmms_eval_on_ranks(rank, world_size, data, saved=None):
     evaluator._enable_reentrant_filelocks = lambda: None  # reads filelock 3's private module (filelock 4 here)
     model, processor, _ = tiny()
     vlm = SimpleNamespace(model=model, processor=processor, dummy_inputs=dummy_image_inputs(model, processor),
-                          stops=stop_token_ids(model, processor), placeholders=placeholder_token_ids(model, processor))
+                          stops=stop_token_ids(model, processor), placeholders=placeholder_token_ids(model, processor),
+                          audio_window=None)
     live = LiveModel(BenchmarkAnswers(VLMForTraining(model), vlm, "cpu"))
     if saved is not None:
         from lmms_eval.models import MODEL_REGISTRY_V2

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from ..audio import audio_kwargs, heard_rate
+from ..audio import audio_kwargs, heard_rate, window_seconds
 from ..config import CheckedArgs, parse_args
 from ..paths import resolve_name
 from ..saved_models import model_config, pretrained, trained_class
@@ -47,12 +47,15 @@ class ModelArgs(CheckedArgs):
 class GeneratedAnswers:
     """`answer(request, max_new_tokens)` by `generate`, greedy: the new tokens' text, special tokens
     left out; `refusal`: a prompt longer than the model's positions; `sampling_rate`: its clips'
-    rate (None: the model does not hear)."""
+    rate (None: the model does not hear); `clip_seconds`: the longest clip it reads (None: any)."""
 
     def __init__(self, model, processor, device, template_kwargs=None):
         self.model, self.processor, self.device = model, processor, device
         self.template_kwargs = template_kwargs or {}
         self.sampling_rate = heard_rate(model, processor)
+        # the longest clip its forward reads (None: any): a longer one is counted, never cut
+        self.clip_seconds = window_seconds(lambda made: model(**made.to(device)), processor) if (
+            self.sampling_rate) else None
         self.rendered = (None, None)
 
     def inputs(self, request):

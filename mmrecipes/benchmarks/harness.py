@@ -106,8 +106,9 @@ class Benchmark:
         """How many answers every rank gives: the most any rank has."""
         return -(-len(self.docs) // self.world)
 
-    def request(self, index: int, sampling_rate: int | None = None) -> tuple[dict, Request]:
-        """(the document's row, what to answer, its clips at `sampling_rate`), or `Skip`."""
+    def request(self, index: int, sampling_rate: int | None = None, clip_seconds: float | None = None):
+        """(the document's row, what to answer, its clips at `sampling_rate`), or `Skip` (a clip over
+        `clip_seconds`, the longest the answerer reads, or over `MAX_CLIP_SECONDS`: audio_too_long)."""
         doc = self.docs[index]
         if missing := [column for column in self.task.columns if doc[column] is None]:
             raise Skip(f"missing_{missing[0]}")
@@ -118,7 +119,8 @@ class Benchmark:
         # the project's decoders: a FIFO or device is refused, never opened
         for column in visuals:
             if column in self.task.audio_columns:
-                clip, problem = decode_audio(doc[column], sampling_rate, MAX_CLIP_SECONDS)
+                clip, problem = decode_audio(doc[column], sampling_rate, min(MAX_CLIP_SECONDS,
+                                                                             clip_seconds or MAX_CLIP_SECONDS))
                 if clip is None:
                     raise Skip(problem)
                 clips.append(clip)
@@ -133,7 +135,8 @@ class Benchmark:
     def answerable(self, index: int, answer) -> tuple[dict, Request]:
         """(the document's row, what to answer), or `Skip`: as `request`, and not refused by the
         answerer."""
-        doc, request = self.request(index, getattr(answer, "sampling_rate", None))
+        doc, request = self.request(index, getattr(answer, "sampling_rate", None),
+                                    getattr(answer, "clip_seconds", None))
         refusal = getattr(answer, "refusal", None)
         if refusal is not None and (reason := refusal(request)):
             raise Skip(reason)

@@ -18,12 +18,11 @@ import contextlib
 import inspect
 import sys
 
-import numpy
 import torch
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from ...audio import audio_kwargs, encodes_audio_inline
+from ...audio import encodes_audio_inline, window_seconds
 from ..rows.labels import feature_mask
 
 
@@ -67,23 +66,10 @@ class AudioRows:
         inputs = {name: dummy_inputs[name] for name in self.input_names if name in dummy_inputs}
         self.encoder_rows(self.step(**inputs, return_dict=True), inputs)
 
-    @torch.no_grad()
     def window_seconds(self, processor) -> float | None:
-        """The longest clip, in seconds, the audio tower reads: its feature extractor's window (Whisper's 30 s) where
-        it refuses a clip a second longer (Qwen2-Audio's encoder takes exactly the window's 3000 frames); None where it
-        reads that clip, or the extractor has no window."""
-        extractor = processor.feature_extractor
-        window = getattr(extractor, "n_samples", None)
-        if window is None:
-            return None
-        clip = numpy.random.default_rng(0).uniform(-0.5, 0.5, window + extractor.sampling_rate).astype(numpy.float32)
-        made = processor(text=processor.audio_token, audio=[clip], audio_kwargs=audio_kwargs(processor, [clip]),
-                         return_tensors="pt")
-        try:
-            self.step(**{name: made[name] for name in self.input_names if name in made}, return_dict=True)
-        except (ValueError, RuntimeError):
-            return window / extractor.sampling_rate
-        return None
+        """The longest clip, in seconds, the audio tower reads (`audio.window_seconds`; None: any)."""
+        return window_seconds(lambda made: self.step(**{name: made[name] for name in self.input_names if name in made},
+                                                     return_dict=True), processor)
 
     def encoder_rows(self, output, inputs: dict) -> list[int]:
         """The rows the audio tower gives each clip: its output's mask where it gives one (Gemma 4:

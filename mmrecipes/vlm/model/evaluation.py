@@ -113,12 +113,13 @@ class BenchmarkAnswers:
     counts as stopped), the text up to the first stop token, special tokens left out (what
     lmms-eval's Hugging Face models decode). `refusal`: a request whose prompt alone runs past the
     language model's positions is refused before any forward. `sampling_rate`: the rate a model
-    that hears reads its clips at (None: it does not hear)."""
+    that hears reads its clips at (None: it does not hear); `clip_seconds`: the longest clip it reads (None: any)."""
 
     def __init__(self, model, vlm, device, template_kwargs=None):
         self.model, self.vlm, self.device = model, vlm, device
         self.template_kwargs = template_kwargs  # --chat_template_kwargs
         self.sampling_rate = heard_rate(vlm.model, vlm.processor)
+        self.clip_seconds = vlm.audio_window  # a longer clip is counted, never cut
         self.collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)
         # the last request and its row: refusal renders what answering reads next
         self.rendered = (None, None)
