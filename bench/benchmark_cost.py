@@ -53,7 +53,8 @@ def main():
     benchmarks = Benchmarks(bench_args)
     documents = sum(len(bench.docs) for bench in benchmarks.tasks)
     vlm = SimpleNamespace(model=model, processor=processor, dummy_inputs=dummy_image_inputs(model, processor),
-                          stops=stop_token_ids(model, processor), placeholders=placeholder_token_ids(model, processor))
+                          stops=stop_token_ids(model, processor), placeholders=placeholder_token_ids(model, processor),
+                          audio_window=None)
     with torch.no_grad():
         in_step, loop_scores = timed(benchmarks, BenchmarkAnswers(VLMForTraining(model), vlm, "cpu"))
         cached, generate_scores = timed(benchmarks, GeneratedAnswers(model, processor, "cpu"))

@@ -81,7 +81,8 @@ def test_a_fifo_image_and_a_question_longer_than_the_model_are_skipped_not_waite
     write_task(tmp_path, "chartqa", chartqa[:4])
     model, processor, _ = tiny()
     vlm = SimpleNamespace(model=model, processor=processor, dummy_inputs=dummy_image_inputs(model, processor),
-                          stops=stop_token_ids(model, processor), placeholders=placeholder_token_ids(model, processor))
+                          stops=stop_token_ids(model, processor), placeholders=placeholder_token_ids(model, processor),
+                          audio_window=None)
     started = time.monotonic()
     args = BenchmarkArgs(benchmarks="chartqa", benchmark_data_dir=str(tmp_path), benchmark_max_new_tokens=2)
     scores = Benchmarks(args).run(BenchmarkAnswers(VLMForTraining(model), vlm, "cpu"))
