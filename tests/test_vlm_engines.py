@@ -18,7 +18,7 @@ Features across engines, not every feature under every engine (tests/README.md):
 | a Llava composed from a CLIP tower and Gemma 3 text = one process | stage 2 | stage 1 (projector only) | | stage 2 |
 | a thinking Qwen3.5 on reasoning and plain rows = one process | yes | yes | | yes |
 | Gemma 4 E2B on rows that show an image and play a clip, and text-only rows = one process | yes | yes | yes | yes |
-| the Qwen2.5-Omni thinker on the same rows = one process | yes | yes | yes | yes |
+| the Qwen2.5-Omni thinker on the same rows = one process | yes | LoRA, below | LoRA, below | yes |
 | the Qwen3-Omni-MoE thinker on the same rows = one process | yes | yes | yes | yes |
 | Qwen2-Audio (no vision tower) on rows that play a clip, and text-only rows = one process | yes | yes | yes | yes |
 | LoRA on every tower of the Qwen2.5-Omni thinker (its audio tower too), those rows = one process | | yes | yes | |
@@ -110,7 +110,10 @@ RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("fsdp2.yaml", "reasoning"): [],
     ("zero3.yaml", "reasoning"): [],
     **{(config, feature): [] for config in ("ddp.yaml", "fsdp2.yaml", "zero2.yaml", "zero3.yaml")
-       for feature in HEARING if feature != "audio_lora"},
+       for feature in HEARING if feature not in ("audio_lora", "audio_omni")},
+    # the Qwen2.5-Omni thinker: fully under DDP and ZeRO-3, LoRA on every tower under FSDP2 and ZeRO-2
+    ("ddp.yaml", "audio_omni"): [],
+    ("zero3.yaml", "audio_omni"): [],
     ("fsdp2.yaml", "audio_lora"): [],
     ("zero2.yaml", "audio_lora"): [],
 }
