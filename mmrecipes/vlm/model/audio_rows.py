@@ -33,8 +33,6 @@ class AudioRows:
     def __init__(self, model, input_names: tuple):
         self.base_model, self.input_names = model.base_model, input_names
         self.step = audio_step(self.base_model)
-        # the family's forward takes the merged embeddings (`embedded`), not features
-        self.inline = isinstance(self.step, InlineAudioFeatures)
         # a batch holds clips (or the dummy sound) when it holds these
         self.features = input_names[0]
         self.token_id = next(value for name in ("audio_token_id", "audio_token_index")
@@ -93,10 +91,27 @@ class AudioRows:
                              f"clips of {rows} rows")
         return rows
 
+    @contextlib.contextmanager
+    def given(self, output, inputs: dict, embeddings):
+        """The family's forward is given `output`, the batch's clips encoded (None: the dummy sound's, which it never
+        takes), not encoding them again: while the body runs, from its own `get_audio_features` call; where it
+        encodes its clips inline (`InlineAudioFeatures`), as the embeddings of the language model `inputs` it
+        yields (`embedded`)."""
+        if isinstance(self.step, InlineAudioFeatures):
+            yield self.embedded(inputs, output, embeddings)
+            return
+        if output is None:
+            yield inputs
+            return
+        self.base_model.get_audio_features = lambda *args, **kwargs: output
+        try:
+            yield inputs
+        finally:
+            del self.base_model.get_audio_features
+
     def embedded(self, inputs: dict, output, embeddings) -> dict:
-        """The language model's `inputs` for a family that encodes its clips inline: the token embeddings, each clip's
-        rows of `output` scattered into its placeholders (None: the dummy sound's, which enter none), in place of
-        the ids and the clips, which its forward would encode a second time."""
+        """The language model's `inputs` with the token embeddings, each clip's rows of `output` scattered into its
+        placeholders (None: none), in place of the ids and the clips."""
         inputs = {name: value for name, value in inputs.items() if name not in self.input_names}
         input_ids = inputs.pop("input_ids")
         embeds = embeddings(input_ids)
@@ -104,16 +119,6 @@ class AudioRows:
             placeholders = (input_ids == self.token_id).unsqueeze(-1)
             embeds = embeds.masked_scatter(placeholders, output.pooler_output.to(embeds.dtype))
         return inputs | {"inputs_embeds": embeds}
-
-    @contextlib.contextmanager
-    def given(self, output):
-        """While the body runs, the family's forward gets `output` from its own
-        `get_audio_features` call."""
-        self.base_model.get_audio_features = lambda *args, **kwargs: output
-        try:
-            yield
-        finally:
-            del self.base_model.get_audio_features
 
 
 def audio_step(base_model):

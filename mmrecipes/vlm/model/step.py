@@ -108,11 +108,9 @@ class VLMForTraining(torch.nn.Module):
                                 media_per_sample)
         if output_router_logits:
             inputs["output_router_logits"] = True
-        inline = self.audio_rows is not None and self.audio_rows.inline
-        if inline:
-            inputs = self.audio_rows.embedded(inputs, None if dummy_audio else heard, self.model.get_input_embeddings())
-        given = heard is not None and not dummy_audio and not inline
-        with self.audio_rows.given(heard) if given else contextlib.nullcontext():
+        hearing = contextlib.nullcontext(inputs) if self.audio_rows is None else self.audio_rows.given(
+            None if dummy_audio else heard, inputs, self.model.get_input_embeddings())
+        with hearing as inputs:
             # No KV cache: training needs none, and transformers reads packed positions only without one.
             outputs = self.model.base_model(use_cache=False, **inputs)
         return outputs[0], dummies, outputs.router_logits if output_router_logits else None
