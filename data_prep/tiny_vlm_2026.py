@@ -30,11 +30,21 @@
   100 frames (12.5 soft tokens a second of 16 kHz audio) fed by the Whisper feature extractor (128 mel bins).
 - `qwen2_audio`: Qwen2-Audio (Qwen/Qwen2-Audio-7B-Instruct): a Whisper-style encoder and a projector before Qwen2,
   no vision tower (it loads with `AutoModelForMultimodalLM`); the template of its processor class.
+- `voxtral`: Voxtral (mistralai/Voxtral-Mini-3B-2507): a Whisper-style encoder over 30 s windows (1500 positions
+  after its convolutions, 4 to a soft token: 375 a window) and a projector before Llama; no vision tower (it loads
+  with `AutoModelForMultimodalLM`). Its tokenizer is a Tekken file (`tekken.json`, as the checkpoint ships it: a
+  byte-level vocabulary here, Tekken's special tokens at their ids, the audio settings mistral_common reads) that
+  transformers converts; the template is the one mistral_common writes for it (`voxtral.jinja`).
 - `qwen2_5_omni_full`: the whole Qwen2.5-Omni checkpoint (as Qwen/Qwen2.5-Omni-7B ships): `qwen2_5_omni`'s thinker
   beside a talker and a token-to-waveform model at toy size, which speak; the recipes train its thinker (not in
   FAMILIES, the image-text-to-text checkpoints: it is not one); `qwen3_omni_moe_full` likewise around
   `qwen3_omni_moe`'s thinker (a talker with its code predictor, and a code-to-waveform model).
 """
+
+import base64
+import json
+import tempfile
+from pathlib import Path
 
 from transformers import (
     Gemma4AudioConfig,
@@ -67,8 +77,12 @@ from transformers import (
     Qwen3VLMoeForConditionalGeneration,
     Qwen3VLProcessor,
     Qwen3VLVideoProcessor,
+    VoxtralConfig,
+    VoxtralForConditionalGeneration,
+    VoxtralProcessor,
     WhisperFeatureExtractor,
 )
+from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
 
 from tiny_vlm import (
     QWEN_TOKENS,
@@ -244,6 +258,52 @@ def qwen2_audio():
     return model, processor
 
 
+# Tekken's special tokens at their ids (mistral_common's SpecialTokens); the others are fillers, <SPECIAL_i>
+TEKKEN_SPECIALS = {**dict(enumerate(["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]",
+                                     "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]",
+                                     "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]", "[SUFFIX]",
+                                     "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]", "[ARGS]", "[CALL_ID]"])),
+                   24: "[AUDIO]", 25: "[BEGIN_AUDIO]", 34: "[TRANSCRIBE]"}
+TEKKEN_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+                  r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def tekken_file(path, num_special=1000):
+    """A Tekken tokenizer file (v7, as Voxtral's) of the 256 bytes (no merges) after `num_special` special tokens,
+    with the audio settings mistral_common reads (16 kHz, 12.5 tokens a second, 30 s windows, 128 mel bins)."""
+    vocab = [{"rank": byte, "token_bytes": base64.b64encode(bytes([byte])).decode(),
+              "token_str": chr(byte) if 32 <= byte < 127 else None} for byte in range(256)]
+    specials = [{"rank": i, "token_str": TEKKEN_SPECIALS.get(i, f"<SPECIAL_{i}>"), "is_control": True}
+                for i in range(max(TEKKEN_SPECIALS) + 1)]
+    Path(path).write_text(json.dumps({
+        "config": {"pattern": TEKKEN_PATTERN, "num_vocab_tokens": 256, "default_vocab_size": num_special + 256,
+                   "default_num_special_tokens": num_special, "version": "v7"},
+        "vocab": vocab, "special_tokens": specials,
+        "audio": {"sampling_rate": 16000, "frame_rate": 12.5, "chunk_length_s": 30.0,
+                  "audio_encoding_config": {"num_mel_bins": 128, "hop_length": 160, "window_size": 400}}}))
+    return path
+
+
+def voxtral():
+    """Voxtral (mistralai/Voxtral-Mini-3B-2507) at toy size: its encoder keeps the checkpoint's window (3000 frames,
+    1500 positions, 375 soft tokens); Llama with room for clips of a few windows."""
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = convert_tekken_tokenizer(tekken_file(Path(folder) / "tekken.json"),
+                                             chat_template=template("voxtral"))
+    config = VoxtralConfig(
+        audio_config=dict(num_mel_bins=128, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2),
+        text_config=dict(model_type="llama", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         **TEXT | {"max_position_embeddings": 4096}),
+        audio_token_id=tokenizer.convert_tokens_to_ids("[AUDIO]"))
+    processor = VoxtralProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=128), tokenizer=tokenizer)
+    model = VoxtralForConditionalGeneration(config)
+    _stop_on(model, tokenizer.eos_token_id)
+    return model, processor
+
+
 # the speaking parts of a full Qwen2.5-Omni checkpoint at toy size
 TALKER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
               num_key_value_heads=1, head_dim=16, embedding_size=TEXT["hidden_size"],
@@ -295,7 +355,8 @@ def qwen3_omni_moe_full():
 
 FAMILIES = {"qwen3_5": qwen3_5, "qwen3_5_think": qwen3_5_think, "qwen3_vl_moe": qwen3_vl_moe,
             "qwen3_5_moe": qwen3_5_moe, "gemma4": gemma4, "gemma4_moe": gemma4_moe,
-            "qwen2_5_omni": qwen2_5_omni, "qwen3_omni_moe": qwen3_omni_moe, "qwen2_audio": qwen2_audio}
+            "qwen2_5_omni": qwen2_5_omni, "qwen3_omni_moe": qwen3_omni_moe, "qwen2_audio": qwen2_audio,
+            "voxtral": voxtral}
 WHOLE = {"qwen2_5_omni_full": qwen2_5_omni_full, "qwen3_omni_moe_full": qwen3_omni_moe_full}
 
 

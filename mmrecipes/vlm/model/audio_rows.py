@@ -23,6 +23,7 @@ from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ...audio import encodes_audio_inline, window_seconds
+from ...audio_windows import WINDOWS
 from ..rows.labels import feature_mask
 
 
@@ -47,7 +48,7 @@ class AudioRows:
         output = self.step(**inputs, return_dict=True)
         if not dummy:
             expected = placeholder_runs(input_ids, self.token_id)
-            rows = self.encoder_rows(output, inputs)
+            rows = self.encoder_rows(output, inputs, media_inputs.get(WINDOWS))
             if rows != expected:
                 raise ValueError(
                     f"audio placeholders per clip {expected}, the audio encoder's rows per clip "
@@ -62,18 +63,25 @@ class AudioRows:
         """Refuse, before the first step, a family whose clips' encoder rows cannot be told
         (`encoder_rows` on the dummy sound in `dummy_inputs`)."""
         inputs = {name: dummy_inputs[name] for name in self.input_names if name in dummy_inputs}
-        self.encoder_rows(self.step(**inputs, return_dict=True), inputs)
+        self.encoder_rows(self.step(**inputs, return_dict=True), inputs, dummy_inputs.get(WINDOWS))
 
     def window_seconds(self, processor) -> float | None:
         """The longest clip, in seconds, the audio tower reads (`audio.window_seconds`; None: any)."""
         return window_seconds(lambda made: self.step(**{name: made[name] for name in self.input_names if name in made},
                                                      return_dict=True), processor)
 
-    def encoder_rows(self, output, inputs: dict) -> list[int]:
+    def encoder_rows(self, output, inputs: dict, windows=None) -> list[int]:
         """The rows the audio tower gives each clip: its output's mask where it gives one (Gemma 4:
-        True, a row of the clip); else the tower's own length formula over each clip's frames (the
-        Omni thinkers' output is their clips' rows end to end, split by that formula), its total
+        True, a row of the clip); for clips in whole windows (`windows` a clip: Voxtral's), a window's
+        rows of the output times the clip's windows; else the tower's own length formula over each clip's
+        frames (the Omni thinkers' output is their clips' rows end to end, split by that formula), its total
         checked against the output's rows."""
+        if windows is not None:
+            rows, given = len(output.pooler_output), len(inputs[self.features])
+            if given != int(windows.sum()) or rows % given:
+                raise ValueError(f"{given} windows of features for clips of {windows.tolist()} windows, "
+                                 f"{rows} encoder rows")
+            return (windows * (rows // given)).tolist()
         mask = getattr(output, "attention_mask", None)
         if mask is not None:
             return mask.sum(-1).tolist()

@@ -28,6 +28,7 @@ from PIL import Image
 from transformers.video_utils import VideoMetadata
 
 from ...audio import audio_kwargs, hears
+from ...audio_windows import WINDOWS
 from .audio_rows import audio_step
 
 # Outputs of a vision encoder that the language model never reads.
@@ -222,7 +223,7 @@ def dummy_audio_inputs(model, processor) -> dict:
     noise = numpy.random.default_rng(0).uniform(-0.5, 0.5, rate // 10).astype(numpy.float32)
     made = processor(text=processor.audio_token, audio=[noise], audio_kwargs=audio_kwargs(processor),
                      return_tensors="pt")
-    return {name: made[name] for name in names if name in made}
+    return {name: made[name] for name in (*names, WINDOWS) if name in made}
 
 
 def split_items(features, count: int) -> tuple:

@@ -12,6 +12,7 @@ from transformers import AutoProcessor
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
 from ...audio import hears
+from ...audio_windows import windowed_audio
 from ...saved_models import model_config, only_hears, pretrained, trained_class
 
 logger = logging.getLogger(__name__)
@@ -53,10 +54,11 @@ def check_trainable(name_or_path: str, flag: str = "--model_name_or_path"):
 def load_pretrained(name_or_path: str, flag: str = "--model_name_or_path"):
     """(model, processor) of a saved image-text-to-text checkpoint, checked first
     (`check_trainable`). Weights in a pickle that holds more than tensors are refused by torch's
-    weights-only loading (nothing in it runs); the error names the file and the fix."""
+    weights-only loading (nothing in it runs); the error names the file and the fix. A processor whose call takes
+    no audio (Voxtral's) is given one (`audio_windows.WindowedAudio`)."""
     config = check_trainable(name_or_path, flag)
     model = pretrained(trained_class(trained_config(config)), name_or_path, flag)
-    processor = AutoProcessor.from_pretrained(name_or_path)
+    processor = windowed_audio(model, AutoProcessor.from_pretrained(name_or_path))
     if only_hears(model.config) and not hears(model, processor):
         raise ValueError(f"{flag} {name_or_path}: model type {model.config.model_type!r} has an audio tower but no "
                          "audio step the recipe can run (no get_audio_features, nor an audio_tower and a "

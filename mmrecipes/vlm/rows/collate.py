@@ -12,6 +12,7 @@ import numpy
 import torch
 from PIL import Image
 
+from ...audio_windows import WINDOWS
 from ...images import NORMALIZED_BY
 from ...skips import data_counts
 from .chat_data import CHAT_COUNTED, TOKEN_ALIGNED, encode_row
@@ -160,12 +161,12 @@ def _next_fit(lengths, capacity):
 
 
 def _media_counts(row) -> tuple[int, int, int]:
-    """(images, videos, audio clips) of a row: its grid rows (Qwen), else its pixel values' (or
-    features') first dimension."""
+    """(images, videos, audio clips) of a row: its grid rows (Qwen; a clip's windows: Voxtral), else its pixel
+    values' (or features') first dimension."""
     inputs = row["media_inputs"]
     return tuple(len(inputs[grid]) if grid in inputs else len(inputs[pixels]) if pixels in inputs else 0
                  for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"),
-                                      ("input_features", None)))
+                                      ("input_features", WINDOWS)))
 
 
 def _cat_padded(tensors):

@@ -23,6 +23,7 @@ import torch
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from ...audio import audio_kwargs
+from ...audio_windows import WINDOWS
 from ...images import NORMALIZED_BY, UINT8_PIXELS, fused_normalization, uint8_normalization
 from ...template_kwargs import check_template_kwargs
 
@@ -275,6 +276,10 @@ def check_audio_features(processor):
     clips = [noise, noise[:extractor.sampling_rate]]
     made = processor(text=processor.audio_token * 2, audio=clips, audio_kwargs=audio_kwargs(processor, clips),
                      return_tensors="pt")
+    if WINDOWS in made:  # clips padded to whole windows (`WindowedAudio`): the windows must hold the clip
+        if made[WINDOWS][0] * extractor.n_samples < samples:
+            raise ValueError(f"{made[WINDOWS][0]} windows of {extractor.n_samples} samples for a clip of {samples}")
+        return
     mask = feature_mask(made)
     if mask is None:
         raise ValueError(f"{type(processor).__name__} gives none of {FEATURE_MASKS}: which feature frames are a "

@@ -78,16 +78,18 @@ def _probe_targets(labeller: AnswerLabeller, source: str) -> tuple[list[str], li
     """(the target texts the labeller finds in the probe, the answers that should be targets, those
     the template makes context): the 2-turn probe, or its first turn where the template refuses two."""
     probe, answers = copy.deepcopy(PROBE), PROBE_ANSWERS
-    image = Image.new("RGB", (64, 64), (220, 40, 40))
+    images = [Image.new("RGB", (64, 64), (220, 40, 40))]
+    if labeller.image_token_id is None:  # a model that only hears: a template may refuse an image part
+        probe[0]["content"], images = probe[0]["content"][1:], []
     try:
         try:
-            encoded, target = labeller(probe, [image])
+            encoded, target = labeller(probe, images)
         except TemplateError as error:
             if not str(error).startswith(REFUSED):
                 raise
             # a one-turn template (LLaVA's plain): its one answer
             probe, answers = probe[:2], answers[:1]
-            encoded, target = labeller(probe, [image])
+            encoded, target = labeller(probe, images)
     except TemplateError as error:
         raise _unusable(source, str(error)) from None
     spans = labeller.answer_spans(probe)[1]
