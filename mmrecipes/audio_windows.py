@@ -117,7 +117,12 @@ class WindowedAudio:
     def features(self, clip, windows: int, rate: int) -> torch.Tensor:
         """The extractor's features of `clip` padded with silence to `windows` windows: (windows, mel bins, frames a
         window)."""
+        extractor = self.feature_extractor
         padded = numpy.pad(numpy.asarray(clip, numpy.float32), (0, windows * self.window - len(clip)))
-        frames = self.feature_extractor(padded, sampling_rate=rate, padding="longest", truncation=False,
-                                        return_tensors="pt")["input_features"][0]
+        frames = extractor(padded, sampling_rate=rate, padding="longest", truncation=False,
+                           return_tensors="pt")["input_features"][0]
+        if frames.shape[-1] != windows * self.window_frames:
+            kept = frames.shape[-1] * extractor.hop_length / extractor.sampling_rate
+            raise ValueError(f"{type(extractor).__name__} keeps {kept:.1f} s of a {len(padded) / rate:.0f} s clip "
+                             f"({windows} windows): it truncates (its settings force truncation or a max_length)")
         return frames.reshape(len(frames), windows, self.window_frames).transpose(0, 1)

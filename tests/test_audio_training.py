@@ -10,6 +10,7 @@ import functools
 import io
 import json
 
+import jinja2
 import numpy
 import pytest
 import torch
@@ -17,6 +18,7 @@ from PIL import Image
 from transformers import AutoConfig, AutoProcessor, pipeline
 
 from mmrecipes.audio import audio_kwargs, decode_audio
+from mmrecipes.audio_windows import WINDOWS, WindowedAudio, windowed_audio
 from mmrecipes.distributed import Ranks
 from mmrecipes.images import to_device
 from mmrecipes.paths import VLM_SHAPES
@@ -80,7 +82,12 @@ HEARING = {"gemma4": dict(end="<turn|>", rows={0.5: 13, 1: 25, 30: 750, 45: 1125
            # no vision tower; its encoder reads 30 s at most (a 45 s clip: counted audio_too_long, never cut)
            "qwen2_audio": dict(end="<|im_end|>", rows={0.5: 12, 1: 25, 30: 750, 45: None}, tower_params=80_512,
                                projector="model.multi_modal_projector.", unreached=[], checks_total=True,
-                               mlp_refused="reaches no linear layer of the audio tower")}
+                               mlp_refused="reaches no linear layer of the audio tower"),
+           # no vision tower; each clip padded to whole 30 s windows of 375 rows (`WindowedAudio`): two clips whose
+           # placeholders differ are a second and 45 s long
+           "voxtral": dict(end="</s>", rows={0.5: 375, 1: 375, 30: 375, 45: 750}, tower_params=88_832,
+                           projector="model.multi_modal_projector.", unreached=[], checks_total=True,
+                           mlp_refused="reaches no linear layer of the audio tower", pair=(45.0, 1.0))}
 
 
 @pytest.fixture(scope="module", params=list(HEARING))
@@ -106,7 +113,7 @@ def audio_features(vlm, media_inputs):
     rows = VLMForTraining(vlm.model).audio_rows
     inputs = {name: media_inputs[name] for name in rows.input_names if name in media_inputs}
     output = rows.step(**inputs, return_dict=True)
-    return output, rows.encoder_rows(output, inputs)
+    return output, rows.encoder_rows(output, inputs, media_inputs.get(WINDOWS))
 
 
 def feature_mask(media_inputs):
@@ -145,15 +152,22 @@ def test_a_45_second_clip_is_as_many_placeholders_as_encoder_rows_none_of_them_a
 def test_an_extractor_that_truncates_or_pads_on_the_left_is_refused_before_the_first_step(hearing, tiny_vlms,
                                                                                           monkeypatch):
     vlm, _, _, family = hearing
-    processor = AutoProcessor.from_pretrained(tiny_vlms[family["family"]])
+    processor = windowed_audio(vlm.model, AutoProcessor.from_pretrained(tiny_vlms[family["family"]]))
     extractor_call = type(processor.feature_extractor).__call__
 
     def truncating(self, raw_speech, **kwargs):  # a processor that forces Whisper's 30 s window
         return extractor_call(self, raw_speech, **kwargs | {"truncation": True, "max_length": 30 * RATE})
 
     monkeypatch.setattr(type(processor.feature_extractor), "__call__", truncating)
-    with pytest.raises(ValueError, match="keeps 30.0 s of a 45 s clip: it truncates"):
+    with pytest.raises(ValueError, match=r"keeps 30.0 s of a (45|60) s clip.*: it truncates"):
         AnswerLabeller(processor, vlm.stops, audio=True)
+    if isinstance(processor, WindowedAudio):
+        # a clip in whole windows (Voxtral's) is never silent: its windows are its features' length; the extractor
+        # pads nothing, on either side
+        monkeypatch.undo()
+        processor.feature_extractor.padding_side = "left"
+        AnswerLabeller(processor, vlm.stops, audio=True)
+        return
     # the old failure is silent: placeholders and encoder rows agree at 30 s's, the last 15 s never heard
     clip = numpy.zeros(45 * RATE, numpy.float32)
     made = processor(text=processor.audio_token, audio=[clip], audio_kwargs=audio_kwargs(processor, [clip]),
@@ -187,10 +201,10 @@ def test_a_family_whose_clips_rows_cannot_be_told_is_refused_before_the_first_st
 
 def test_placeholders_that_disagree_with_a_clips_encoder_rows_are_refused_clip_by_clip(hearing, monkeypatch):
     vlm, labeller, step, family = hearing
-    clips = [wav_bytes(tone(seconds, RATE), RATE) for seconds in (1.0, 0.5)]
-    rows, _ = rows_of(labeller, [audio_row(clip) for clip in clips])
+    longer, shorter = family.get("pair", (1.0, 0.5))  # clips whose encoder rows differ
+    rows, _ = rows_of(labeller, [audio_row(wav_bytes(tone(seconds, RATE), RATE)) for seconds in (longer, shorter)])
     collator = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)
-    token, half, second = labeller.audio_token_id, family["rows"][0.5], family["rows"][1]
+    token, half, second = labeller.audio_token_id, family["rows"][shorter], family["rows"][longer]
     # each row with the other's clip: `second` and `half` placeholders for clips of `half` and `second` rows
     swapped = [rows[0] | {"media_inputs": rows[1]["media_inputs"]}, rows[1] | {"media_inputs": rows[0]["media_inputs"]}]
     fewer = rows[0]["input_ids"].clone()
@@ -209,7 +223,7 @@ def test_placeholders_that_disagree_with_a_clips_encoder_rows_are_refused_clip_b
     for batch_rows in [swapped] + ([] if family["checks_total"] else [one_fewer]):
         batch = collator(batch_rows)
         runs = audio_rows.placeholder_runs(batch["input_ids"], token)
-        monkeypatch.setattr(audio_rows.AudioRows, "encoder_rows", lambda self, output, inputs: runs)
+        monkeypatch.setattr(audio_rows.AudioRows, "encoder_rows", lambda self, output, inputs, windows=None: runs)
         assert torch.isfinite(step(to_device(batch, "cpu"), LossSum()).summed)
 
 
@@ -217,7 +231,9 @@ def test_a_batch_without_audio_runs_the_tower_on_the_dummy_sound_and_keeps_the_t
     vlm, labeller, step, _ = hearing
     (text_row,), _ = rows_of(labeller, [TEXT_ROW])
     batch = ChatCollator(vlm.processor.tokenizer.pad_token_id, vlm.dummy_inputs)([text_row])
-    assert batch["dummy_audio"] and 0 < feature_mask(batch).sum() <= 10  # a tenth of a second: 10 ms hops
+    # a tenth of a second: 10 ms hops (Voxtral's: padded to a window, 3000 frames)
+    assert batch["dummy_audio"] and (batch["input_features"].shape[-1] == 3000 if WINDOWS in vlm.dummy_inputs
+                                     else 0 < feature_mask(batch).sum() <= 10)
     tower = vlm.model.model.audio_tower
     trained = {name: p.requires_grad for name, p in tower.named_parameters()}  # the preset's (Omni: its `proj`)
     tower.requires_grad_(True)
@@ -321,7 +337,8 @@ def test_dpo_reads_both_sides_clips_through_the_same_path(hearing):
     vlm, labeller, step, family = hearing
     clip = wav_bytes(tone(1.0, RATE), RATE)
     pair = {"prompt": f"<audio>{QUESTION}", "chosen": "three", "rejected": "four", "audios": [clip]}
-    out = preprocessed(PreferencePreprocessor(ChatDataArgs(max_length=256), labeller, 256), [pair])
+    # Voxtral's clip: 376 tokens, a 30 s window's
+    out = preprocessed(PreferencePreprocessor(ChatDataArgs(max_length=1024), labeller, 1024), [pair])
     chosen, rejected = out["chosen"][0], out["rejected"][0]
     token = labeller.audio_token_id
     assert [int((side["input_ids"] == token).sum()) for side in (chosen, rejected)] == [family["rows"][1]] * 2
@@ -346,7 +363,7 @@ def test_grpo_prompts_play_their_clips_and_sample_alike_by_generate_and_by_the_s
     clip encoded and checked before the language model)."""
     vlm, labeller, step, family = hearing
     row = {"prompt": f"<audio>{QUESTION}", "audios": [wav_bytes(tone(1.0, RATE), RATE)], "solution": "three"}
-    out = preprocessed(PromptPreprocessor(PromptDataArgs(), labeller, 256), [row])
+    out = preprocessed(PromptPreprocessor(PromptDataArgs(), labeller, 1024), [row])
     prompt = {"input_ids": torch.as_tensor(out["input_ids"][0]), "media_inputs": out["media_inputs"][0]}
     assert int((prompt["input_ids"] == labeller.audio_token_id).sum()) == family["rows"][1]
     assert "input_features" in prompt["media_inputs"] and json.loads(out["reward_columns"][0]) == {"solution": "three"}
@@ -438,13 +455,20 @@ def test_librispeech_is_answered_in_the_loop_as_by_generate_on_the_saved_model(h
     # the saved model loads with its Auto class (Qwen2-Audio: AutoModelForMultimodalLM) and answers a clip through
     # the any-to-any pipeline as its own generate does
     model = trained_class(AutoConfig.from_pretrained(tmp_path)).from_pretrained(tmp_path)
-    processor = AutoProcessor.from_pretrained(tmp_path)
+    processor = windowed_audio(model, AutoProcessor.from_pretrained(tmp_path))
     assert GeneratedAnswers(model, processor, "cpu").clip_seconds == vlm.audio_window  # found by its own forward
     clip, _ = decode_audio(wav_bytes(tone(1.0, RATE), RATE), RATE, 30.0)
     chat = [{"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": QUESTION}]}]
     inputs = processor(text=processor.apply_chat_template(chat, add_generation_prompt=True), audio=[clip],
                        audio_kwargs=audio_kwargs(processor, [clip]), return_tensors="pt")
+    inputs.pop(WINDOWS, None)
     generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)[0, inputs["input_ids"].shape[1]:]
-    answered = pipeline("any-to-any", model=str(tmp_path))(text=chat, max_new_tokens=4, return_full_text=False,
-                                                           generate_kwargs={"do_sample": False})
+    answer = pipeline("any-to-any", model=str(tmp_path))
+    if isinstance(processor, WindowedAudio):
+        # the pipeline renders the checkpoint's template, which names no {"type": "audio"} part (mistral_common's
+        # `input_audio`), then calls the processor with the clips, which Voxtral's refuses: only generate answers
+        with pytest.raises(jinja2.TemplateError, match="Only text, input_audio and audio_url chunks"):
+            answer(text=chat, max_new_tokens=4)
+        return
+    answered = answer(text=chat, max_new_tokens=4, return_full_text=False, generate_kwargs={"do_sample": False})
     assert answered[0]["generated_text"] == processor.decode(generated, skip_special_tokens=True)

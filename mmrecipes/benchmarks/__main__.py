@@ -20,6 +20,7 @@ import torch.distributed as dist
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from ..audio import audio_kwargs, heard_rate, window_seconds
+from ..audio_windows import WINDOWS, windowed_audio
 from ..config import CheckedArgs, parse_args
 from ..paths import resolve_name
 from ..saved_models import model_config, pretrained, trained_class
@@ -50,11 +51,12 @@ class GeneratedAnswers:
     rate (None: the model does not hear); `clip_seconds`: the longest clip it reads (None: any)."""
 
     def __init__(self, model, processor, device, template_kwargs=None):
-        self.model, self.processor, self.device = model, processor, device
+        # a processor whose call takes no audio (Voxtral's) given one
+        self.model, self.processor, self.device = model, windowed_audio(model, processor), device
         self.template_kwargs = template_kwargs or {}
-        self.sampling_rate = heard_rate(model, processor)
+        self.sampling_rate = heard_rate(model, self.processor)
         # the longest clip its forward reads (None: any): a longer one is counted, never cut
-        self.clip_seconds = window_seconds(lambda made: model(**made.to(device)), processor) if (
+        self.clip_seconds = window_seconds(lambda made: model(**made.to(device)), self.processor) if (
             self.sampling_rate) else None
         self.rendered = (None, None)
 
@@ -66,6 +68,7 @@ class GeneratedAnswers:
             heard = dict(audio=clips, audio_kwargs=audio_kwargs(self.processor, clips)) if clips else {}
             inputs = self.processor(text=[text], images=[request.images] if request.images else None,
                                     return_tensors="pt", **heard)
+            inputs.pop(WINDOWS, None)  # each clip's windows (`WindowedAudio`): the recipes' check, not an input
             self.rendered = request, inputs
         return self.rendered[1]
 
