@@ -1,19 +1,21 @@
 """Clips in whole windows, for a processor whose own call takes no audio (Voxtral's).
 
-`VoxtralProcessor` leaves a conversation's audio to mistral_common: its `apply_chat_template` hands the messages to
-mistral_common's tokenizer, which writes each clip as `[BEGIN_AUDIO]` and one `[AUDIO]` a 1280 samples after padding
-the clip with silence to whole 30 s windows, and its `__call__` refuses text with an audio token in it. The recipes
-render a checkpoint's chat template and give the processor the text with one placeholder a clip, as for every other
-family. `WindowedAudio` is that call for such a processor: each placeholder becomes the opening token and the rows
-its encoder gives the clip's windows (375 a 30 s window for Voxtral: 1500 positions after its convolutions, 4 to a
-row), and the clip's features are the feature extractor's over the clip padded to whole windows, one window a row of
-`input_features`, as mistral_common and the processor's own feature path cut them. Nothing is truncated: a 45 s
-clip is two windows. `audio_windows` says how many windows each clip has, for the placeholders of each clip to be
-checked against its encoder rows (`mmrecipes.vlm.model.audio_rows`).
+`VoxtralProcessor` leaves a conversation's audio to mistral_common: its `apply_chat_template` hands
+the messages to mistral_common's tokenizer, which pads each clip with silence to whole 30 s windows
+and writes it as `[BEGIN_AUDIO]` and one `[AUDIO]` a 1280 samples; its `__call__` refuses text
+with an audio token in it. The recipes render a checkpoint's chat template and give the processor
+the text with one placeholder a clip, as for every other family. `WindowedAudio` is that call for
+such a processor: each placeholder becomes the opening token and the rows its encoder gives the
+clip's windows (375 a 30 s window for Voxtral: 1500 positions after its convolutions, 4 to a row),
+and the clip's features are the extractor's over the clip padded to whole windows, a window a row
+of `input_features`, as mistral_common and the processor's own feature path cut them. Nothing is
+truncated: a 45 s clip is two windows. `audio_windows` (WINDOWS) says how many windows each clip
+has, for each clip's placeholders to be checked against its encoder rows
+(`mmrecipes.vlm.model.audio_rows`); it is no model input.
 
-The template mistral_common writes for such a tokenizer names an audio part as OpenAI does (`input_audio`); the
-rows name it as transformers does (`{"type": "audio"}`): the processor's chat template here renders the one as the
-other (`AUDIO_PARTS`); the checkpoint is saved with its own.
+The template mistral_common writes for such a tokenizer names an audio part as OpenAI does
+(`input_audio`); the rows name it as transformers does (`{"type": "audio"}`): the processor's chat
+template here renders the one as the other (`AUDIO_PARTS`); the checkpoint is saved with its own.
 """
 
 import inspect
@@ -28,7 +30,7 @@ from transformers import ProcessorMixin
 WINDOWS = "audio_windows"
 # mistral_common's token that opens each clip's run of placeholders
 BEGIN_AUDIO = "[BEGIN_AUDIO]"
-# a prelude to the template: each {"type": "audio"} part of a message handed on as {"type": "input_audio"}
+# a prelude to the template: each {"type": "audio"} part handed on as {"type": "input_audio"}
 AUDIO_PARTS = (
     "{%- set renamed = namespace(messages=[]) -%}"
     "{%- for message in messages -%}"
@@ -36,7 +38,8 @@ AUDIO_PARTS = (
     "{%- set renamed.messages = renamed.messages + [message] -%}"
     "{%- else -%}{%- set parts = namespace(items=[]) -%}"
     "{%- for part in message.content -%}"
-    "{%- set parts.items = parts.items + [dict(part, type='input_audio') if part.type == 'audio' else part] -%}"
+    "{%- set parts.items = parts.items + [dict(part, type='input_audio') if part.type == 'audio'"
+    " else part] -%}"
     "{%- endfor -%}"
     "{%- set renamed.messages = renamed.messages + [dict(message, content=parts.items)] -%}"
     "{%- endif -%}{%- endfor -%}"
@@ -45,10 +48,11 @@ AUDIO_PARTS = (
 
 
 def windowed_audio(model, processor):
-    """`processor` as `WindowedAudio` where the model has an audio tower and the processor's call takes no audio
-    (Voxtral's); else `processor` as it is."""
-    if getattr(model.config, "audio_config", None) is None or takes_audio(processor) or getattr(
-            processor, "feature_extractor", None) is None or getattr(processor, "audio_token", None) is None:
+    """`processor` as `WindowedAudio` where the model has an audio tower and the processor's call
+    takes no audio (Voxtral's); else `processor` as it is."""
+    needs = ("feature_extractor", "audio_token")
+    if getattr(model.config, "audio_config", None) is None or takes_audio(processor) or any(
+            getattr(processor, name, None) is None for name in needs):
         return processor
     return WindowedAudio(processor, window_rows(model.config.audio_config))
 
@@ -58,22 +62,26 @@ def takes_audio(processor) -> bool:
 
 
 def window_rows(audio_config) -> int:
-    """The rows a window gives: the encoder's positions after its convolutions, their values joined a projector
-    input at a time (Voxtral's `get_audio_features`)."""
-    return audio_config.max_source_positions * audio_config.hidden_size // audio_config.intermediate_size
+    """The rows a window gives: the encoder's positions after its convolutions, their values joined
+    a projector input at a time (Voxtral's `get_audio_features`)."""
+    positions, width = audio_config.max_source_positions, audio_config.hidden_size
+    return positions * width // audio_config.intermediate_size
 
 
 class WindowedAudio:
-    """`processor(text=..., audio=clips, audio_kwargs=...)` for a processor that takes no audio (the module
-    docstring); everything else is the processor's own (saving included: the checkpoint keeps its template)."""
+    """`processor(text=..., audio=clips, audio_kwargs=...)` for a processor that takes no audio (the
+    module docstring); everything else is the processor's own (saving too: the checkpoint keeps its
+    template)."""
 
     def __init__(self, processor, rows_per_window: int):
         self.processor, self.rows_per_window = processor, rows_per_window
-        if processor.tokenizer.convert_tokens_to_ids(BEGIN_AUDIO) in (None, processor.tokenizer.unk_token_id):
-            raise ValueError(f"{type(processor).__name__} takes no audio and its tokenizer has no {BEGIN_AUDIO}: how "
-                             "its clips are written in the text is not known here, so its audio is not trained")
-        extractor = processor.feature_extractor
+        tokenizer = processor.tokenizer
+        if tokenizer.convert_tokens_to_ids(BEGIN_AUDIO) in (None, tokenizer.unk_token_id):
+            raise ValueError(f"{type(processor).__name__} takes no audio and its tokenizer has no "
+                             f"{BEGIN_AUDIO}: how its clips are written in the text is not known "
+                             "here, so its audio is not trained")
         # a window: the extractor's 30 s, its frames the encoder's input
+        extractor = processor.feature_extractor
         self.window, self.window_frames = extractor.n_samples, extractor.nb_max_frames
 
     def __getattr__(self, name):
@@ -92,19 +100,24 @@ class WindowedAudio:
 
     def apply_chat_template(self, conversation, chat_template=None, **kwargs):
         template = self.chat_template if chat_template is None else AUDIO_PARTS + chat_template
-        return ProcessorMixin.apply_chat_template(self.processor, conversation, chat_template=template, **kwargs)
+        return ProcessorMixin.apply_chat_template(self.processor, conversation,
+                                                  chat_template=template, **kwargs)
 
     def __call__(self, text=None, images=None, audio=None, audio_kwargs=None, **kwargs):
         if images:
             raise ValueError(f"{type(self.processor).__name__} takes no images")
         texts, clips = [text] if isinstance(text, str) else list(text), list(audio or ())
         token = self.processor.audio_token
-        if sum(piece.count(token) for piece in texts) != len(clips):
-            raise ValueError(f"{sum(piece.count(token) for piece in texts)} audio placeholders, {len(clips)} clips")
+        placeholders = sum(piece.count(token) for piece in texts)
+        if placeholders != len(clips):
+            raise ValueError(f"{placeholders} audio placeholders, {len(clips)} clips")
         windows = [max(1, math.ceil(len(clip) / self.window)) for clip in clips]
         runs = iter(windows)
-        texts = [re.sub(re.escape(token), lambda _: BEGIN_AUDIO + token * self.rows_per_window * next(runs), piece)
-                 for piece in texts]
+
+        def written(_):  # a clip's placeholder: its opening token and its windows' rows
+            return BEGIN_AUDIO + token * self.rows_per_window * next(runs)
+
+        texts = [re.sub(re.escape(token), written, piece) for piece in texts]
         kwargs = {name: value for name, value in kwargs.items() if not name.endswith("_kwargs")}
         encoded = self.processor.tokenizer(texts, **kwargs)
         if clips:
@@ -115,14 +128,16 @@ class WindowedAudio:
         return encoded
 
     def features(self, clip, windows: int, rate: int) -> torch.Tensor:
-        """The extractor's features of `clip` padded with silence to `windows` windows: (windows, mel bins, frames a
-        window)."""
+        """The extractor's features of `clip` padded with silence to `windows` windows: (windows,
+        mel bins, frames a window)."""
         extractor = self.feature_extractor
-        padded = numpy.pad(numpy.asarray(clip, numpy.float32), (0, windows * self.window - len(clip)))
+        clip = numpy.asarray(clip, numpy.float32)
+        padded = numpy.pad(clip, (0, windows * self.window - len(clip)))
         frames = extractor(padded, sampling_rate=rate, padding="longest", truncation=False,
                            return_tensors="pt")["input_features"][0]
         if frames.shape[-1] != windows * self.window_frames:
             kept = frames.shape[-1] * extractor.hop_length / extractor.sampling_rate
-            raise ValueError(f"{type(extractor).__name__} keeps {kept:.1f} s of a {len(padded) / rate:.0f} s clip "
-                             f"({windows} windows): it truncates (its settings force truncation or a max_length)")
+            raise ValueError(f"{type(extractor).__name__} keeps {kept:.1f} s of a "
+                             f"{len(padded) / rate:.0f} s clip ({windows} windows): it truncates "
+                             "(its settings force truncation or a max_length)")
         return frames.reshape(len(frames), windows, self.window_frames).transpose(0, 1)

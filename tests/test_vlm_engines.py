@@ -21,6 +21,7 @@ Features across engines, not every feature under every engine (tests/README.md):
 | the Qwen2.5-Omni thinker on the same rows = one process | yes | LoRA, below | LoRA, below | yes |
 | the Qwen3-Omni-MoE thinker on the same rows = one process | yes | yes | yes | yes |
 | Qwen2-Audio (no vision tower) on rows that play a clip, and text-only rows = one process | yes | yes | yes | yes |
+| Voxtral (no vision tower, clips in 30 s windows) on the same rows = one process | yes | yes | yes | yes |
 | LoRA on every tower of the Qwen2.5-Omni thinker (its audio tower too), those rows = one process | | yes | yes | |
 
 The reasoning runs (the tiny `qwen3_5_think`, its official template) read image rows whose answers carry
@@ -28,7 +29,8 @@ The reasoning runs (the tiny `qwen3_5_think`, its official template) read image 
 the reasoning trained, the plain rows' empty think block context. The audio runs (the tiny `gemma4`, `qwen2_5_omni`
 and `qwen3_omni_moe`, which hear) read rows holding an image and a one-second clip of beeps where the others read image
 rows: a text-only micro-batch carries the dummy image and the dummy sound together. Qwen2-Audio, which only hears,
-reads rows holding the clip alone: its text-only micro-batches carry the dummy sound, its ranks of text alone none.
+reads rows holding the clip alone: its text-only micro-batches carry the dummy sound, its ranks of text alone none;
+so does Voxtral, whose processor gets its clips from the recipes in whole windows (`WindowedAudio`).
 
 The full fine-tuning runs end with two benchmarks (`--benchmarks`, 5 embedded documents each, uneven over the 2
 ranks): every engine's scores equal one process's.
@@ -88,13 +90,14 @@ FEATURES = {"full": BENCHMARKS, "lora": LORA, "lora_qwen": LORA,
             # image-and-audio rows and text-only ones on a model that hears (its own data): Gemma 4 E2B, and the
             # Qwen2.5-Omni and Qwen3-Omni-MoE thinkers (their encoder rows checked by their length formulas, no mask)
             "audio": [], "audio_omni": [], "audio_qwen3_omni": [],
-            # clip-only rows and text-only ones on a model that only hears (no vision tower): Qwen2-Audio
-            "audio_qwen2_audio": [],
+            # clip-only rows and text-only ones on a model that only hears (no vision tower): Qwen2-Audio, and
+            # Voxtral (each clip in whole 30 s windows, its rows checked by its windows: 376 tokens a clip)
+            "audio_qwen2_audio": [], "audio_voxtral": ["--max_length", 512],
             # LoRA under --train_modules all: adapters in the audio tower too
             "audio_lora": [*LORA, "--train_modules", "all"]}
 HEARING = {"audio": "gemma4", "audio_omni": "qwen2_5_omni", "audio_qwen3_omni": "qwen3_omni_moe",
-           "audio_lora": "qwen2_5_omni", "audio_qwen2_audio": "qwen2_audio"}
-ONLY_HEARS = {"audio_qwen2_audio"}  # read the clip-only rows
+           "audio_lora": "qwen2_5_omni", "audio_qwen2_audio": "qwen2_audio", "audio_voxtral": "voxtral"}
+ONLY_HEARS = {"audio_qwen2_audio", "audio_voxtral"}  # read the clip-only rows
 RUNS = {  # (engine, feature): extra flags of the 2-process run
     ("ddp.yaml", "full"): [],
     ("fsdp2.yaml", "full"): [],  # with the divergence guard switched on by its environment variable

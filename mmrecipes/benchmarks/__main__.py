@@ -56,8 +56,8 @@ class GeneratedAnswers:
         self.template_kwargs = template_kwargs or {}
         self.sampling_rate = heard_rate(model, self.processor)
         # the longest clip its forward reads (None: any): a longer one is counted, never cut
-        self.clip_seconds = window_seconds(lambda made: model(**made.to(device)), self.processor) if (
-            self.sampling_rate) else None
+        self.clip_seconds = window_seconds(lambda made: model(**made.to(device)),
+                                           self.processor) if self.sampling_rate else None
         self.rendered = (None, None)
 
     def inputs(self, request):
@@ -68,7 +68,7 @@ class GeneratedAnswers:
             heard = dict(audio=clips, audio_kwargs=audio_kwargs(self.processor, clips)) if clips else {}
             inputs = self.processor(text=[text], images=[request.images] if request.images else None,
                                     return_tensors="pt", **heard)
-            inputs.pop(WINDOWS, None)  # each clip's windows (`WindowedAudio`): the recipes' check, not an input
+            inputs.pop(WINDOWS, None)  # each clip's windows (`WindowedAudio`): no model input
             self.rendered = request, inputs
         return self.rendered[1]
 

@@ -72,15 +72,15 @@ class AudioRows:
 
     def encoder_rows(self, output, inputs: dict, windows=None) -> list[int]:
         """The rows the audio tower gives each clip: its output's mask where it gives one (Gemma 4:
-        True, a row of the clip); for clips in whole windows (`windows` a clip: Voxtral's), a window's
-        rows of the output times the clip's windows; else the tower's own length formula over each clip's
-        frames (the Omni thinkers' output is their clips' rows end to end, split by that formula), its total
-        checked against the output's rows."""
+        True, a row of the clip); for clips in whole windows (`windows` a clip: Voxtral's), a
+        window's rows of the output times the clip's windows; else the tower's own length formula
+        over each clip's frames (the Omni thinkers' output is their clips' rows end to end, split by
+        that formula), its total checked against the output's rows."""
         if windows is not None:
             rows, given = len(output.pooler_output), len(inputs[self.features])
             if given != int(windows.sum()) or rows % given:
-                raise ValueError(f"{given} windows of features for clips of {windows.tolist()} windows, "
-                                 f"{rows} encoder rows")
+                raise ValueError(f"{given} windows of features for clips of {windows.tolist()} "
+                                 f"windows, {rows} encoder rows")
             return (windows * (rows // given)).tolist()
         mask = getattr(output, "attention_mask", None)
         if mask is not None:

@@ -54,8 +54,8 @@ def check_trainable(name_or_path: str, flag: str = "--model_name_or_path"):
 def load_pretrained(name_or_path: str, flag: str = "--model_name_or_path"):
     """(model, processor) of a saved image-text-to-text checkpoint, checked first
     (`check_trainable`). Weights in a pickle that holds more than tensors are refused by torch's
-    weights-only loading (nothing in it runs); the error names the file and the fix. A processor whose call takes
-    no audio (Voxtral's) is given one (`audio_windows.WindowedAudio`)."""
+    weights-only loading (nothing in it runs); the error names the file and the fix. A processor
+    whose call takes no audio (Voxtral's) is given one (`audio_windows.WindowedAudio`)."""
     config = check_trainable(name_or_path, flag)
     model = pretrained(trained_class(trained_config(config)), name_or_path, flag)
     processor = windowed_audio(model, AutoProcessor.from_pretrained(name_or_path))

@@ -161,8 +161,8 @@ def _next_fit(lengths, capacity):
 
 
 def _media_counts(row) -> tuple[int, int, int]:
-    """(images, videos, audio clips) of a row: its grid rows (Qwen; a clip's windows: Voxtral), else its pixel
-    values' (or features') first dimension."""
+    """(images, videos, audio clips) of a row: its grid rows (Qwen; its clips' windows: Voxtral),
+    else its pixel values' (or features') first dimension."""
     inputs = row["media_inputs"]
     return tuple(len(inputs[grid]) if grid in inputs else len(inputs[pixels]) if pixels in inputs else 0
                  for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"),

@@ -79,7 +79,7 @@ def _probe_targets(labeller: AnswerLabeller, source: str) -> tuple[list[str], li
     the template makes context): the 2-turn probe, or its first turn where the template refuses two."""
     probe, answers = copy.deepcopy(PROBE), PROBE_ANSWERS
     images = [Image.new("RGB", (64, 64), (220, 40, 40))]
-    if labeller.image_token_id is None:  # a model that only hears: a template may refuse an image part
+    if labeller.image_token_id is None:  # a model that only hears: its template may refuse images
         probe[0]["content"], images = probe[0]["content"][1:], []
     try:
         try:
