@@ -76,10 +76,16 @@ class WindowedAudio:
     def __init__(self, processor, rows_per_window: int):
         self.processor, self.rows_per_window = processor, rows_per_window
         tokenizer = processor.tokenizer
-        if tokenizer.convert_tokens_to_ids(BEGIN_AUDIO) in (None, tokenizer.unk_token_id):
+        opening = tokenizer.convert_tokens_to_ids(BEGIN_AUDIO)
+        if opening in (None, tokenizer.unk_token_id):
             raise ValueError(f"{type(processor).__name__} takes no audio and its tokenizer has no "
                              f"{BEGIN_AUDIO}: how its clips are written in the text is not known "
                              "here, so its audio is not trained")
+        # mistral_common's own backend reads "[BEGIN_AUDIO]" in text as letters, not the token
+        if tokenizer(BEGIN_AUDIO, add_special_tokens=False)["input_ids"] != [opening]:
+            raise ValueError(f"{type(tokenizer).__name__} reads the special tokens a chat template "
+                             "writes as plain text: load transformers' tokenizer converted from "
+                             "tekken.json instead (mistral_format=False, or without mistral_common)")
         # a window: the extractor's 30 s, its frames the encoder's input
         extractor = processor.feature_extractor
         self.window, self.window_frames = extractor.n_samples, extractor.nb_max_frames
