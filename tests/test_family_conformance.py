@@ -33,8 +33,10 @@ from mmrecipes.vlm.rows.labels import AnswerLabeller
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 40)}
 QUESTION = "What colour is the shape?"
 STEPS = 60  # 40 left Idefics2 one colour short on one of 4 random initialisations; 60: none of 40 runs
-# Gemma 4 26B-A4B's layout (4 experts, image tokens attending both ways): 60 steps answered red as green, 90 all four
-FAMILY_STEPS = {"gemma4_moe": 90}
+# Gemma 4 26B-A4B's layout (4 experts, image tokens attending both ways) at 3e-3: 60 steps answered red as green; 90
+# passed with 2 threads a process and failed with 1 (README's `-n 3`: red and green answered yellow, the loss rising
+# again from step 50 on an EPYC without AVX-512). At 1e-3, 60 and 90 steps taught all four with 1 thread and 2
+FAMILY_STEPS, FAMILY_RATES = {"gemma4_moe": 90}, {"gemma4_moe": 1e-3}
 # Mistral 3.1's template adds its 500-token default system prompt where a conversation has none, and Pixtral makes
 # the 32 px square one image token: attending to 1 token in 527, 60 steps taught red and blue but answered green
 # and yellow alike, and 120 steps passed or failed with the thread count. A short system message of its own: 60.
@@ -68,7 +70,7 @@ def train(model, processor, parameters, steps, shown=square, family=None) -> lis
     collator = ChatCollator(processor.tokenizer.pad_token_id, dummy_image_inputs(model, processor))
     rows = [collator_row(labeller, colour_conversation(colour, family), [shown(colour)]) for colour in COLOURS]
     wrapper = VLMForTraining(model)
-    optimizer = torch.optim.AdamW(parameters, lr=3e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(parameters, lr=FAMILY_RATES.get(family, 3e-3), weight_decay=0.0)
     shuffle, losses = random.Random(0), []
     for _ in range(steps):
         batch = collator(shuffle.sample(rows * 2, 8))
