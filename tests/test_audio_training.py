@@ -1,5 +1,6 @@
-"""Audio training on a model that hears, in process: the tiny Gemma 4 E2B with its audio tower and the tiny
-Qwen2.5-Omni thinker (data_prep/tiny_vlm_2026.py), each with its real processor. A clip's placeholders are its
+"""Audio training on a model that hears, in process: the tiny Gemma 4 E2B with its audio tower, the Qwen2.5-Omni and
+Qwen3-Omni-MoE thinkers, Qwen2-Audio and Voxtral (data_prep/tiny_vlm_2026.py: HEARING), each with its real processor
+(Voxtral's given the clips by `WindowedAudio`, as the recipes load it). A clip's placeholders are its
 encoder's rows, never targets, and its features never cut; a batch whose placeholders disagree with its clips is
 refused clip by clip (shown silent without the check); a batch without audio runs the tower on the dummy sound at
 zero weight; the presets and LoRA reach the audio tower by module structure; packed clips keep their own positions;

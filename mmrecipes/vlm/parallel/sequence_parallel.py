@@ -59,8 +59,9 @@ def refusal(model, size: int) -> str | None:
     text = model.config.get_text_config()
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     if not vision_inputs(model):
-        return ("it only hears (no vision tower: its clips enter as merged embeddings), a path whose shards are not "
-                "checked against the whole sequence yet: train it without --sequence_parallel_size")
+        return ("it only hears (no vision tower: Qwen2-Audio's clips enter as merged embeddings, Voxtral's through "
+                "its own forward), paths whose shards are not checked against the whole sequence yet: train it "
+                "without --sequence_parallel_size")
     if heads % size or (kv_heads % size and size % kv_heads):
         return (f"its language model's {heads} attention heads ({kv_heads} key/value heads) do not split over "
                 f"{size} ranks: give a size that divides the heads (and divides or is a multiple of the key/value "
