@@ -26,6 +26,8 @@ import numpy
 import torch
 from transformers import ProcessorMixin
 
+from .audio import hears
+
 # how many windows each clip has, beside its features
 WINDOWS = "audio_windows"
 # mistral_common's token that opens each clip's run of placeholders
@@ -48,11 +50,9 @@ AUDIO_PARTS = (
 
 
 def windowed_audio(model, processor):
-    """`processor` as `WindowedAudio` where the model has an audio tower and the processor's call
+    """`processor` as `WindowedAudio` where the model hears (`audio.hears`) and the processor's call
     takes no audio (Voxtral's); else `processor` as it is."""
-    needs = ("feature_extractor", "audio_token")
-    if getattr(model.config, "audio_config", None) is None or takes_audio(processor) or any(
-            getattr(processor, name, None) is None for name in needs):
+    if not hears(model, processor) or takes_audio(processor):
         return processor
     return WindowedAudio(processor, window_rows(model.config.audio_config))
 
