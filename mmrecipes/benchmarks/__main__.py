@@ -99,10 +99,11 @@ def main(argv=None):
     # AutoModelForMultimodalLM's class for a model that only hears
     model_class = trained_class(config) or AutoModelForImageTextToText
     model = pretrained(model_class, model_args.model, "--model").to(device).eval()
-    processor = AutoProcessor.from_pretrained(model_args.model)
-    check_template_kwargs(model_args.chat_template_kwargs, processor.chat_template,
-                          processor.tokenizer.special_tokens_map)
-    answer = GeneratedAnswers(model, processor, device, model_args.chat_template_kwargs)
+    answer = GeneratedAnswers(model, AutoProcessor.from_pretrained(model_args.model), device,
+                              model_args.chat_template_kwargs)
+    # the template the answers are rendered with (Voxtral's lives on its tokenizer: `WindowedAudio`)
+    check_template_kwargs(model_args.chat_template_kwargs, answer.processor.chat_template,
+                          answer.processor.tokenizer.special_tokens_map)
     benchmarks.check_answerer(answer)
     benchmarks.rendered_with(answer)
     if rank == 0:
