@@ -53,13 +53,16 @@ def two_tones(first: float, second: float) -> numpy.ndarray:
     return numpy.pad(clip, (0, int(SECONDS * RATE) - len(clip)))
 
 
-def encode_flac(samples: numpy.ndarray) -> bytes:
-    """Mono float samples -> FLAC bytes (16-bit)."""
+def encode_flac(samples: numpy.ndarray, padding: int = 8192, bits: int = 16) -> bytes:
+    """Mono float samples -> FLAC bytes (16-bit), with FFmpeg's `padding` bytes of room for tags; with
+    fewer `bits` of resolution the low ones are zero, which FLAC stores for nothing (half the bytes
+    at 8)."""
+    samples = numpy.clip(samples, -1, 1)
+    values = (samples * 32767 if bits == 16 else numpy.rint(samples * (2 ** (bits - 1) - 1)) * 2 ** (16 - bits))
     buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="flac") as container:
+    with av.open(buffer, mode="w", format="flac", options={"metadata_header_padding": str(padding)}) as container:
         stream = container.add_stream("flac", rate=RATE, layout="mono")
-        frame = av.AudioFrame.from_ndarray((numpy.clip(samples, -1, 1) * 32767).astype(numpy.int16)[None],
-                                           format="s16", layout="mono")
+        frame = av.AudioFrame.from_ndarray(values.astype(numpy.int16)[None], format="s16", layout="mono")
         frame.sample_rate = RATE
         for packet in [*stream.encode(frame), *stream.encode(None)]:
             container.mux(packet)

@@ -65,6 +65,9 @@ LOAD_EXAMPLES = {
     "zero-shot-image-classification": """from transformers import pipeline
 classify = pipeline("zero-shot-image-classification", model="{output_dir}")
 classify(image, candidate_labels=["a red circle", "a blue square"])""",
+    "zero-shot-audio-classification": """from transformers import pipeline
+classify = pipeline("zero-shot-audio-classification", model="{output_dir}")
+classify(clip, candidate_labels=["beeps", "noise"])  # clip: samples at classify.feature_extractor.sampling_rate""",
     "image-text-to-text": """from transformers import pipeline
 answer = pipeline("image-text-to-text", model="{output_dir}")
 answer(text=[{{"role": "user", "content": [{{"type": "image", "image": image}},

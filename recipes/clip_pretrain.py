@@ -1,7 +1,8 @@
-"""Contrastive image-text pre-training (CLIP or SigLIP) with Hugging Face Accelerate.
+"""Contrastive image-text (CLIP, SigLIP) or audio-text (CLAP) pre-training with Accelerate.
 
     accelerate launch recipes/clip_pretrain.py
     accelerate launch recipes/clip_pretrain.py --loss siglip
+    accelerate launch recipes/clip_pretrain.py recipes/configs/clap_tiny.yaml
     accelerate launch recipes/clip_pretrain.py --loss siglip --max_num_patches 16 \
         --max_patches_per_batch 512
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/clip_pretrain.py \
@@ -11,7 +12,9 @@ With no arguments it trains a tiny CLIP on the embedded shapes data in well unde
 and writes a directory that `CLIPModel.from_pretrained` and
 `pipeline("zero-shot-image-classification", model=...)` load; `--loss siglip` does the same for a
 `SiglipModel` trained with the sigmoid loss, and `--max_num_patches N` for a SigLIP 2 NaFlex
-`Siglip2Model` (each image at its own aspect ratio). The same file runs under every engine in
+`Siglip2Model` (each image at its own aspect ratio). Audio-caption data (an --audio_column, no
+--image_column) trains a `ClapModel` with either loss, retrieval and "This is a sound of {}."
+zero-shot in the loop. The same file runs under every engine in
 accelerate_configs/ (DDP, FSDP2, ZeRO-2, ZeRO-3, multi-node) and on real data:
 `--model_name_or_path`, `--dataset_name`/`--data_files`, `--image_column`/`--caption_column`.
 Tested on a 2-core CPU (1 and 2 processes, gloo).
@@ -58,7 +61,13 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from mmrecipes.checkpointing import Checkpointer, checkpoint_weights, data_layout
-from mmrecipes.contrastive.data import build_dataloader, caption_length, evaluation_off_reason
+from mmrecipes.contrastive.audio_pairs import window_rule
+from mmrecipes.contrastive.data import (
+    build_dataloader,
+    caption_length,
+    data_modality,
+    evaluation_off_reason,
+)
 from mmrecipes.contrastive.evaluation import evaluate_retrieval
 from mmrecipes.contrastive.flops import ContrastiveFlops
 from mmrecipes.contrastive.grad_cache import grad_cache_backward
@@ -87,7 +96,9 @@ def main(argv=None):
     model_args, lock_args, data_args, zeroshot_args, args = parse_args(ARGUMENTS, argv)
     set_seed(args.seed)
     # Before Accelerator(): under ZeRO-3 a model built afterwards is partitioned and re-initialised.
-    model, tokenizer, image_processor = build_contrastive(model_args)
+    # The data's column says image or audio; the tiny default follows it, a checkpoint must match.
+    modality = data_modality(data_args)
+    model, tokenizer, processor = build_contrastive(model_args, modality)
     # Counted now: after prepare, ZeRO-3 parameters are partitioned and report numel() == 0.
     # SigLIP pads captions to a fixed length: a different --max_caption_length is rejected here.
     captions = caption_length(data_args, tokenizer, model.pads_text_to_max_length)
@@ -124,11 +135,13 @@ def main(argv=None):
     model, optimizer = accelerator.prepare(model, optimizer)
     engine = engine_line(accelerator, model)
     accelerator.print(engine)
+    if modality == "audio":
+        accelerator.print(window_rule(processor))
 
     # Each data rank reads its own rows, so the loaders are not passed to accelerator.prepare
     # (it would split a datasets stream a second time). SigLIP pads to the tokenizer's length.
     pad_to_max_length = accelerator.unwrap_model(model).pads_text_to_max_length
-    loader_kwargs = dict(tokenizer=tokenizer, image_processor=image_processor, ranks=ranks,
+    loader_kwargs = dict(tokenizer=tokenizer, processor=processor, ranks=ranks,
                          pad_to_max_length=pad_to_max_length)
     train_loader = build_dataloader(data_args, data_args.train_split, data_args.data_files,
                                     batch_size=batch_size, shuffle_seed=args.seed, **loader_kwargs)
@@ -139,23 +152,24 @@ def main(argv=None):
         eval_loader = build_dataloader(data_args, split, data_args.eval_data_files,
                                        batch_size=args.per_device_eval_batch_size, **loader_kwargs)
         check_held_out(eval_loader, accelerator.device, split)  # no usable pair: stop now
-        held_out.append(partial(evaluate_retrieval, model, eval_loader, device=accelerator.device))
+        held_out.append(partial(evaluate_retrieval, model, eval_loader, device=accelerator.device,
+                                media=modality))
     # Zero-shot classification next to retrieval (open_clip's ImageNet top-1): the embedded shape
     # and colour classes beside the embedded data; any image folder, hub id or labelled builder.
     zeroshot_args.zeroshot_dataset, zeroshot_line = evaluation_source(
         "zeroshot_dataset", zeroshot_args.zeroshot_dataset, None, data_args.dataset_name,
-        zeroshot_args.EMBEDDED_SET)
+        zeroshot_args.EMBEDDED_SETS[modality])
     evaluated.append(zeroshot_line)
     accelerator.print("evaluation: " + "; ".join(evaluated))
     if zeroshot_args.zeroshot_dataset:
-        zeroshot = ZeroShotSet(zeroshot_args, tokenizer, image_processor, **ranks.reads(),
-                               caption_length=captions,
-                               pad_to_max_length=pad_to_max_length)
+        zeroshot = ZeroShotSet(zeroshot_args, tokenizer, processor, **ranks.reads(),
+                               caption_length=captions, pad_to_max_length=pad_to_max_length,
+                               audio_max_seconds=data_args.audio_max_seconds)
         held_out.append(lambda _: evaluate_zeroshot(model, zeroshot, accelerator.device))
 
     # A checkpoint also holds the config and image processor: compose takes it as a VLM's tower.
     layout = data_layout(data_args, args, ranks, batch_size=batch_size)
-    saved_with = (accelerator.unwrap_model(model).config, image_processor)
+    saved_with = (accelerator.unwrap_model(model).config, processor)
     checkpoints = Checkpointer(accelerator, args, scheduler, accelerator.unwrap_model(model),
                                layout, ranks, saved_with=saved_with)
     # shared: run state
@@ -171,11 +185,13 @@ def main(argv=None):
     config = tracker_config(model_args, data_args, args)
     accelerator.init_trackers(f"{model_args.loss}_pretrain", config)
     # The data counters: bad rows by kind, and the rows of each source where there are several
-    curves = ["image_to_text_R@1", "text_to_image_R@1", "zeroshot_top1"]  # in the model card
-    report = Report(accelerator, args, batches, data_args.counted(), guard=guard, flops=batch_flops,
+    # in the model card
+    curves = [f"{modality}_to_text_R@1", f"text_to_{modality}_R@1", "zeroshot_top1"]
+    report = Report(accelerator, args, batches, data_args.counted(modality), guard=guard,
+                    flops=batch_flops,
                     total=checkpoints.resumed_totals, ranks=ranks,
                     evaluations=[Evaluation(held_out, curves=curves)])
-    # Both take (image_embeds, text_embeds, *the model's other outputs: scale, SigLIP's bias)
+    # Both take (image or audio embeds, text embeds, *the model's other outputs: scale, a bias)
     loss_fn = (siglip_loss if model_args.loss == "siglip"
                else partial(clip_loss, tile_size=args.loss_tile_size))
     # shared: loop head
@@ -220,17 +236,17 @@ def main(argv=None):
         # shared: save
         checkpoints.save_if_due(done, batches.epoch, guard, report)
 
-    save_contrastive(accelerator, model, tokenizer, image_processor, args.output_dir)
+    save_contrastive(accelerator, model, tokenizer, processor, args.output_dir)
     # shared: last evaluations
     # after the save: whatever they do, the trained model is kept
     report.evaluate_last(filler_batch)
 
     if accelerator.is_main_process:
         write_model_card(
-            args.output_dir, report, pipeline_tag="zero-shot-image-classification",
+            args.output_dir, report, pipeline_tag=f"zero-shot-{modality}-classification",
             base_model=model_args.model_name_or_path, datasets=[data_args.dataset_name],
             evaluated="; ".join(evaluated), tags=[model_args.loss, "contrastive"], engine=engine,
-            seen=f"{report.total['samples']:,.0f} image-text pairs", resumed_at=start_step)
+            seen=f"{report.total['samples']:,.0f} {modality}-text pairs", resumed_at=start_step)
     # shared: the end
     # Every rank leaves together: a rank that tore down its process group while rank 0 still wrote
     # the card aborted once under ZeRO-3 ("terminate called without an active exception").

@@ -16,7 +16,7 @@ from PIL import Image
 
 from gloo import run_on_ranks
 from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
-from mmrecipes.contrastive.data import COUNTED, ImageTextCollator, ImageTextPreprocessor, build_dataloader
+from mmrecipes.contrastive.data import COUNTED, ImageTextPreprocessor, PairCollator, build_dataloader
 from mmrecipes.contrastive.evaluation import evaluate_retrieval, retrieval_recall_at_1
 from mmrecipes.contrastive.models import build_contrastive
 from mmrecipes.distributed import Ranks
@@ -90,7 +90,7 @@ def test_batched_pixels_equal_the_image_processor(loss):
     assert torch.equal(processed_pixels(image_processor, images), expected)
     # What the loader ships: uint8, which model_inputs finishes (on the device) to the same floats.
     pixels = processed_pixels(image_processor, images, normalize=False)
-    collated = ImageTextCollator(build_contrastive(ModelArgs(loss=loss))[1], image_processor)(
+    collated = PairCollator(build_contrastive(ModelArgs(loss=loss))[1], image_processor)(
         [{"pixel_values": row, "input_ids": [5, 6]} for row in pixels])
     assert collated["pixel_values"].dtype == torch.uint8
     assert torch.equal(to_device(collated, torch.device("cpu"))["pixel_values"], expected)
@@ -103,7 +103,7 @@ def test_collator_pads_as_the_tokenizer_does(tiny):
     for side in ("right", "left"):
         tokenizer.padding_side = side
         for length in (None, 32):
-            batch = ImageTextCollator(tokenizer, image_processor, pad_to_length=length)(rows)
+            batch = PairCollator(tokenizer, image_processor, pad_to_length=length)(rows)
             expected = tokenizer.pad({"input_ids": ids}, padding="max_length" if length else True, max_length=length,
                                      return_tensors="pt")
             assert torch.equal(batch["input_ids"], expected["input_ids"])
@@ -112,7 +112,7 @@ def test_collator_pads_as_the_tokenizer_does(tiny):
     pad_token = tokenizer.pad_token
     tokenizer.pad_token = None
     with pytest.raises(ValueError, match="has no pad token"):
-        ImageTextCollator(tokenizer, image_processor)
+        PairCollator(tokenizer, image_processor)
     tokenizer.pad_token = pad_token
 
 

@@ -12,7 +12,7 @@ from transformers import Siglip2ImageProcessor, Siglip2Model, Siglip2Tokenizer, 
 
 from launch import REPO, assert_engine, assert_same_curves, losses, run_engine, run_recipe
 from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
-from mmrecipes.contrastive.data import build_dataloader, check_image_batching
+from mmrecipes.contrastive.data import build_dataloader, check_media_flags
 from mmrecipes.contrastive.flops import ContrastiveFlops, clip_train_flops_per_sample
 from mmrecipes.contrastive.models import build_contrastive
 from mmrecipes.contrastive.patch_dropout import add_patch_dropout
@@ -119,11 +119,11 @@ def test_what_naflex_cannot_serve_is_refused_before_the_first_step(tiny, tmp_pat
     with pytest.raises(ValueError, match="--patch_dropout .* SigLIP 2 NaFlex"):
         add_patch_dropout(model, 0.5)
     with pytest.raises(ValueError, match="--train_augment .* drop --train_augment"):
-        check_image_batching(DataArgs(train_augment=True), image_processor)
+        check_media_flags(DataArgs(train_augment=True), image_processor)
     with pytest.raises(ValueError, match="--max_patches_per_batch 8 is below one image's 16 patches"):
-        check_image_batching(DataArgs(max_patches_per_batch=8), image_processor)
+        check_media_flags(DataArgs(max_patches_per_batch=8), image_processor)
     with pytest.raises(ValueError, match="--max_patches_per_batch batches SigLIP 2 NaFlex images"):
-        check_image_batching(DataArgs(max_patches_per_batch=256), SiglipImageProcessor())
+        check_media_flags(DataArgs(max_patches_per_batch=256), SiglipImageProcessor())
     with pytest.raises(ValueError, match="--max_num_patches sizes SigLIP 2 NaFlex images; this clip model"):
         build_contrastive(ModelArgs(loss="clip", max_num_patches=16))
     model.save_pretrained(tmp_path)

@@ -20,7 +20,7 @@ from launch import (
     run_recipe,
 )
 from mmrecipes.contrastive.arguments import DataArgs, ModelArgs
-from mmrecipes.contrastive.data import ImageTextCollator, ImageTextPreprocessor
+from mmrecipes.contrastive.data import ImageTextPreprocessor, PairCollator
 from mmrecipes.contrastive.models import build_contrastive
 from mmrecipes.images import to_device
 
@@ -137,7 +137,7 @@ def test_pipeline_scores_what_training_computed(default_run):
     captions = [row["text"], "a large green star", "a small blue circle left of a large red square"]
     preprocess = ImageTextPreprocessor(DataArgs(), tokenizer, image_processor, max_length=64)
     out = preprocess({"image": [row["image"]] * 3, "text": captions})
-    batch = ImageTextCollator(tokenizer, image_processor, pad_to_length=64)(
+    batch = PairCollator(tokenizer, image_processor, pad_to_length=64)(
         [dict(zip(out, values)) for values in zip(*out.values())])
     assert batch["input_ids"].shape == (3, 64)
     with torch.no_grad():

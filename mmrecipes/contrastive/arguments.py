@@ -13,6 +13,10 @@ from ..paths import resolve_name
 # regular file), is too large or too elongated, their caption is missing or not UTF-8, or their file is empty,
 # unreadable or truncated (mmrecipes.sources)
 COUNTED = ("converted", "undecodable", "too_large", "no_caption", "bad_text", "bad_row", "bad_shard")
+# Audio-caption rows (CLAP, mmrecipes.contrastive.audio_pairs): skips, then rows noted ("audio_cropped": longer than
+# the feature extractor's window)
+AUDIO_PAIR_COUNTED = ("no_caption", "bad_text", "bad_row", "bad_shard", "no_audio", "audio_undecodable",
+                      "audio_empty", "audio_too_long", "audio_silent", "audio_cropped")
 
 
 @dataclass
@@ -40,8 +44,9 @@ class ModelArgs(CheckedArgs):
     logit_scale_init_value: float | None = None
     logit_bias_init_value: float = -10.0  # SigLIP only (paper)
     # sdpa: PyTorch's fused attention (flash/memory-efficient kernels on CUDA); eager: the reference
-    # math; flash_attention_2 needs the flash-attn package. Checked when the model is built.
-    attn_implementation: str = "sdpa"
+    # math; flash_attention_2 needs the flash-attn package. Checked when the model is built. None:
+    # sdpa where the model has it (CLIP, SigLIP), else eager (CLAP has only eager)
+    attn_implementation: str | None = None
     # recompute activations in backward: less memory, ~1/3 more compute
     gradient_checkpointing: bool = False
     # FLIP's patch dropout: training keeps a random 1 - p of each image's patches (mmrecipes.patch_dropout)
@@ -57,7 +62,12 @@ class DataArgs(SourceArgs):
     own."""
 
     image_column: str = "image"
+    # CLAP's clips (bytes, a path or a {"bytes", "path"} dict; webdataset: flac, wav or mp3); read where the
+    # data has no --image_column. The caption column may hold LAION's audio .json (its "text")
+    audio_column: str = "audio"
     caption_column: str = "text"
+    # longer clips are skipped and counted (audio_too_long), from the header where it says
+    audio_max_seconds: float = checked(600.0, "positive")
     # tokens; default the tokenizer's model_max_length
     max_caption_length: int | None = checked(None, "count_or_none")
     # open_clip's training crop (its --aug-cfg defaults): a random 90-100% of each image's area at an aspect
@@ -69,24 +79,28 @@ class DataArgs(SourceArgs):
     # preprocessed at a time. Ranks may hold different row counts: siglip_loss stays exact.
     max_patches_per_batch: int | None = checked(None, "count_or_none")
 
-    def counted(self) -> tuple[str, ...]:
-        """What a batch's `data_counts` holds: `COUNTED`, then the rows of each source where there
-        are several."""
+    def counted(self, modality: str = "image") -> tuple[str, ...]:
+        """What a batch's `data_counts` holds: `COUNTED` (audio: `AUDIO_PAIR_COUNTED`), then the rows
+        of each source where there are several."""
+        counted = AUDIO_PAIR_COUNTED if modality == "audio" else COUNTED
         sources = self.training_sources()
         if len(sources) == 1:
-            return COUNTED
+            return counted
         labels = [Path(resolve_name(name).rstrip("/")).name or name for name, *_ in sources]
         labels = labels if len(set(labels)) == len(labels) else [str(index) for index in range(len(sources))]
-        return COUNTED + tuple(f"rows_{label}" for label in labels)
+        return counted + tuple(f"rows_{label}" for label in labels)
 
 
+# CLAP's evaluations (LAION-CLAP, MS-CLAP)
+AUDIO_TEMPLATES = "This is a sound of {}."
 DEFAULT_TEMPLATES = ("a photo of a {}.|a photo of the {}.|a rendering of a {}.|a {}.|a picture of a small {}.|"
                      "a picture of a large {}.")
 
 
 @dataclass
 class ZeroShotArgs(CheckedArgs):
-    EMBEDDED_SET: ClassVar[str] = "embedded:shapes_zeroshot"
+    # beside the embedded training data, by what it pairs captions with
+    EMBEDDED_SETS: ClassVar[dict] = {"image": "embedded:shapes_zeroshot", "audio": "embedded:audio_zeroshot"}
     # A hub id, a builder with --zeroshot_data_files, or a local directory (an image folder with one
     # sub-folder per class is read as imagefolder); auto: the embedded shapes beside the embedded
     # training data only; None turns zero-shot evaluation off.
@@ -94,11 +108,13 @@ class ZeroShotArgs(CheckedArgs):
     zeroshot_data_files: str | None = None
     zeroshot_split: str | None = None  # default: test, or the only split there is
     zeroshot_image_column: str = "image"
+    zeroshot_audio_column: str = "audio"  # a model that hears (CLAP) reads its clips from here
     zeroshot_label_column: str = "label"
     # comma-separated; default: the label column's ClassLabel names
     zeroshot_class_names: str | None = None
-    # "|"-separated, each with one {} for the class name
-    zeroshot_templates: str = DEFAULT_TEMPLATES
+    # "|"-separated, each with one {} for the class name; default: open_clip's image prompts, or for a model that
+    # hears "This is a sound of {}."
+    zeroshot_templates: str | None = None
     per_device_zeroshot_batch_size: int = checked(64, "count")
 
     def __post_init__(self):

@@ -9,19 +9,20 @@ from ..images import to_device
 from .losses import all_gather_with_grad, gather_sizes
 
 
-def retrieval_recall_at_1(image_embeds: torch.Tensor, text_embeds: torch.Tensor) -> dict:
-    """Image->text and text->image R@1 where row i of each is a pair (features L2-normalised)."""
+def retrieval_recall_at_1(image_embeds: torch.Tensor, text_embeds: torch.Tensor, media: str = "image") -> dict:
+    """Image->text and text->image R@1 (`media` "audio": audio->text, text->audio) where row i of
+    each is a pair (features L2-normalised)."""
     similarity = image_embeds @ text_embeds.T
     targets = torch.arange(len(similarity), device=similarity.device)
     return {
-        "image_to_text_R@1": (similarity.argmax(dim=1) == targets).float().mean().item(),
-        "text_to_image_R@1": (similarity.argmax(dim=0) == targets).float().mean().item(),
+        f"{media}_to_text_R@1": (similarity.argmax(dim=1) == targets).float().mean().item(),
+        f"text_to_{media}_R@1": (similarity.argmax(dim=0) == targets).float().mean().item(),
         "eval_pairs": len(similarity),
     }
 
 
 @torch.no_grad()
-def evaluate_retrieval(model, eval_loader, filler_batch, device) -> dict:
+def evaluate_retrieval(model, eval_loader, filler_batch, device, media: str = "image") -> dict:
     """Embed this rank's share of the eval set, gather every rank's, score R@1 ({} if no rows).
     Every rank forwards equally often (`batches_in_step`)."""
     model.eval()
@@ -41,4 +42,4 @@ def evaluate_retrieval(model, eval_loader, filler_batch, device) -> dict:
         sizes = gather_sizes(len(images), images.device, dist.group.WORLD)
         images = all_gather_with_grad(images, sizes, dist.group.WORLD)
         texts = all_gather_with_grad(texts, sizes, dist.group.WORLD)
-    return retrieval_recall_at_1(images, texts)
+    return retrieval_recall_at_1(images, texts, media)

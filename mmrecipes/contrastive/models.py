@@ -1,5 +1,5 @@
-"""The two-tower models (CLIP, SigLIP): a tiny default built from a config (nothing downloaded),
-or a saved directory, and what every engine needs of them."""
+"""The two-tower models (CLIP, SigLIP; CLAP, which hears): a tiny default built from a config
+(nothing downloaded), or a saved directory, and what every engine needs of them."""
 
 import math
 
@@ -10,6 +10,9 @@ from transformers import (
     AutoConfig,
     AutoImageProcessor,
     AutoTokenizer,
+    ClapConfig,
+    ClapFeatureExtractor,
+    ClapModel,
     CLIPConfig,
     CLIPImageProcessor,
     CLIPModel,
@@ -25,6 +28,7 @@ from ..distributed import fsdp_block_classes
 from ..images import takes_patch_grids
 from ..paths import TINY_SIGLIP2_TOKENIZER, TINY_TOKENIZER
 from .arguments import ModelArgs
+from .batch_norm import globalise_batch_norms
 
 MAX_LOGIT_SCALE = math.log(100)  # CLIP clamps the temperature at 100
 
@@ -42,6 +46,7 @@ class CLIPForContrastiveTraining(CLIPModel):
 
     hf_architecture = "CLIPModel"
     loss = "clip"
+    scale_name = "logit_scale"  # the parameter the loss's scale is, clamped after every step
     max_logit_scale = MAX_LOGIT_SCALE  # CLIP clamps the temperature at 100 after every step
     pads_text_to_max_length = False  # it pools the EOS position, so any padding works
 
@@ -68,6 +73,7 @@ class SigmoidContrastive:
     """
 
     loss = "siglip"
+    scale_name = "logit_scale"
     max_logit_scale = None  # SigLIP learns its temperature unclamped
     pads_text_to_max_length = True
 
@@ -87,6 +93,52 @@ class Siglip2ForContrastiveTraining(SigmoidContrastive, Siglip2Model):
     hf_architecture = "Siglip2Model"
 
 
+class ClapForContrastiveTraining(ClapModel):
+    """HF `ClapModel` (same weights and keys) trained as LAION-CLAP trains it without its MLP loss:
+    one temperature, `logit_scale_a`, in both directions. Its forward returns (audio_embeds,
+    text_embeds, logit_scale_a.exp()), what `clip_loss` takes. `logit_scale_t` (ClapModel's
+    text-to-audio scale) is frozen and saved equal to the trained one. The audio inputs are the
+    feature extractor's `input_features` and `is_longer` (its fusion flag). The text tower pools its
+    first token, so captions pad to the batch's longest. The audio tower's BatchNorm normalises with
+    the statistics of every rank's rows (`batch_norm.GlobalBatchNorm2d`)."""
+
+    hf_architecture = "ClapModel"
+    loss = "clip"
+    scale_name = "logit_scale_a"
+    max_logit_scale = MAX_LOGIT_SCALE  # LAION-CLAP clamps it at ln 100 too
+    pads_text_to_max_length = False
+    _no_split_modules = ["ClapTextLayer", "ClapAudioLayer"]  # ClapModel names none
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.logit_scale_t.requires_grad_(False)
+        globalise_batch_norms(self.audio_model)  # its mel input's BatchNorm: global batch statistics
+
+    def forward(self, input_ids, attention_mask, input_features, is_longer=None):
+        audio_embeds = self.get_audio_features(input_features=input_features, is_longer=is_longer).pooler_output
+        text_embeds = self.get_text_features(input_ids=input_ids, attention_mask=attention_mask).pooler_output
+        return audio_embeds, text_embeds, self.logit_scale_a.exp()
+
+    def get_input_embeddings(self):
+        return self.text_model.embeddings.word_embeddings
+
+
+class ClapForSigmoidTraining(ClapForContrastiveTraining):
+    """`ClapModel` with the sigmoid loss: `logit_scale_a` unclamped and a learned `logit_bias`
+    ([1], what `siglip_loss` takes last). ClapModel has no bias, so the saved model leaves it out:
+    its softmax over the candidate labels (the zero-shot pipeline) does not depend on it."""
+
+    loss = "siglip"
+    max_logit_scale = None
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.logit_bias = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask, input_features, is_longer=None):
+        return (*super().forward(input_ids, attention_mask, input_features, is_longer), self.logit_bias)
+
+
 def text_attention_mask(model, attention_mask, causal: bool):
     """The text tower's attention mask as SDPA takes it, `[batch, 1, query or 1, key]` booleans,
     made on the device. From a 2D padding mask, transformers' `create_causal_mask` /
@@ -103,14 +155,16 @@ def text_attention_mask(model, attention_mask, causal: bool):
     return mask
 
 
-# By the saved config's model_type; each class names the loss it trains with.
-TRAINING_CLASSES = {"clip": CLIPForContrastiveTraining, "siglip": SiglipForContrastiveTraining,
-                    "siglip2": Siglip2ForContrastiveTraining}
+# By the saved config's model_type and --loss
+TRAINING_CLASSES = {("clip", "clip"): CLIPForContrastiveTraining, ("siglip", "siglip"): SiglipForContrastiveTraining,
+                    ("siglip2", "siglip"): Siglip2ForContrastiveTraining, ("clap", "clip"): ClapForContrastiveTraining,
+                    ("clap", "siglip"): ClapForSigmoidTraining}
 
 
-def build_contrastive(args: ModelArgs):
-    """(model, tokenizer, image_processor) for `args.loss`: loaded from `model_name_or_path`, or
-    the tiny default.
+def build_contrastive(args: ModelArgs, modality: str = "image"):
+    """(model, tokenizer, media processor) for `args.loss`: loaded from `model_name_or_path`, or
+    the tiny default for `modality` ("image": CLIP or SigLIP; "audio": CLAP). The media processor is
+    the image processor, or CLAP's feature extractor.
 
     Build it *before* `Accelerator()`: under ZeRO-3 accelerate registers the DeepSpeed config
     with transformers, and a model constructed afterwards is partitioned at construction with a
@@ -118,27 +172,42 @@ def build_contrastive(args: ModelArgs):
     """
     if args.model_name_or_path:
         model_type = AutoConfig.from_pretrained(args.model_name_or_path).model_type
-        model_class = TRAINING_CLASSES.get(model_type)
-        if model_class is None or model_class.loss != args.loss:
-            trains = f"set --loss {model_class.loss}" if model_class else f"it trains {', '.join(TRAINING_CLASSES)}"
+        model_class = TRAINING_CLASSES.get((model_type, args.loss))
+        if model_class is None:
+            losses = [loss for kind, loss in TRAINING_CLASSES if kind == model_type]
+            trains = (f"set --loss {' or '.join(losses)}" if losses
+                      else f"it trains {', '.join(sorted({kind for kind, _ in TRAINING_CLASSES}))}")
             raise ValueError(f"{args.model_name_or_path} is a {model_type!r} model, not {args.loss}: {trains}")
         model = model_class.from_pretrained(args.model_name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-        image_processor = AutoImageProcessor.from_pretrained(args.model_name_or_path)
+        processor_class = ClapFeatureExtractor if model_type == "clap" else AutoImageProcessor
+        image_processor = processor_class.from_pretrained(args.model_name_or_path)
+        if isinstance(model, ClapForSigmoidTraining):  # a saved ClapModel holds no bias
+            with torch.no_grad():
+                model.logit_bias.fill_(args.logit_bias_init_value)
+    elif modality == "audio":
+        model, tokenizer, image_processor = _tiny_clap(args)
     elif args.loss == "clip":
         model, tokenizer, image_processor = _tiny_clip(args)
     else:
         model, tokenizer, image_processor = _tiny_siglip(args)
+    if modality != model_modality(model):
+        raise ValueError(f"the data holds {modality}, and this {model.config.model_type} model takes "
+                         f"{model_modality(model)}: give a model that takes {modality}, or other data")
     if args.max_num_patches:
         if not takes_patch_grids(image_processor):
             raise ValueError(f"--max_num_patches sizes SigLIP 2 NaFlex images; this {model.config.model_type} model "
                              "takes fixed-size images: drop the flag")
         image_processor.max_num_patches = args.max_num_patches
-    # After loading: CLIP's logit_scale is 0-dim, which FSDP and DeepSpeed reject (saved back as it was).
-    model.saved_logit_scale_shape = model.logit_scale.shape
-    model.logit_scale = torch.nn.Parameter(model.logit_scale.detach().reshape(1))
+    # After loading: CLIP's logit_scale (CLAP's two) is 0-dim, which FSDP and DeepSpeed reject (saved
+    # back as it was).
+    model.saved_scalar_shapes = {}
+    for name, param in list(model.named_parameters(recurse=False)):
+        if param.dim() == 0:
+            model.saved_scalar_shapes[name] = param.shape
+            setattr(model, name, torch.nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
     model._no_split_modules = fsdp_block_classes(model)  # what fsdp2.yaml wraps
-    model.set_attn_implementation(args.attn_implementation)
+    model.set_attn_implementation(args.attn_implementation or ("sdpa" if model._supports_sdpa else "eager"))
     if args.gradient_checkpointing:
         # Non-reentrant: works when a layer's inputs need no grad, and under DDP's no_sync and FSDP2.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -178,6 +247,42 @@ def _tiny_siglip(args: ModelArgs):
     return model, tokenizer, image_processor
 
 
+def model_modality(model) -> str:
+    """What the model's first tower takes: "audio" (CLAP) or "image"."""
+    return "audio" if hasattr(model, "audio_model") else "image"
+
+
+def _tiny_clap(args: ModelArgs):
+    """A tiny ClapModel: the text tower of `_tower`, an HTSAT audio tower of `num_layers` Swin
+    stages over 16x16 patches of the 256x256 mel image, and CLAP's feature extractor (48 kHz, 64 mel
+    bins, a random crop of longer clips: `rand_trunc`, what LAION-CLAP's unfused checkpoints ship)
+    reading 2 s windows (the checkpoints' 10 s cost five times the CPU per clip)."""
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or TINY_TOKENIZER)
+    # RoBERTa positions start after the pad id: room for pad_token_id + 1 + the longest caption
+    # no dropout, as the tiny CLIP and SigLIP: each rank would draw its own masks (ClapConfig's text default: 0.1)
+    text_config = dict(_tower(args), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       max_position_embeddings=tokenizer.model_max_length + tokenizer.pad_token_id + 1)
+    width = max(32, args.hidden_size // 2 ** (args.num_layers - 1))  # Swin doubles it each stage
+    stages = args.num_layers
+    audio_config = dict(depths=[1] * stages, num_attention_heads=[max(1, width // 32)] * stages,
+                        patch_embeds_hidden_size=width, hidden_size=width * 2 ** (stages - 1),
+                        enable_fusion=False, hidden_dropout_prob=0.0, spec_size=256, num_mel_bins=64,
+                        window_size=8, patch_size=16, patch_stride=[16, 16])
+    config = ClapConfig(text_config=text_config, audio_config=audio_config, projection_dim=args.projection_dim)
+    model = ClapForContrastiveTraining(config) if args.loss == "clip" else ClapForSigmoidTraining(config)
+    with torch.no_grad():
+        if args.loss == "clip":
+            model.logit_scale_a.fill_(2.6592 if args.logit_scale_init_value is None else args.logit_scale_init_value)
+        else:  # SigLIP's paper init, as _tiny_siglip
+            model.logit_scale_a.fill_(math.log(10) if args.logit_scale_init_value is None
+                                      else args.logit_scale_init_value)
+            model.logit_bias.fill_(args.logit_bias_init_value)
+        model.logit_scale_t.copy_(model.logit_scale_a)
+    return model, tokenizer, ClapFeatureExtractor(truncation="rand_trunc", max_length_s=2)
+
+
 def _tiny_clip(args: ModelArgs):
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or TINY_TOKENIZER)
     tower = _tower(args)
@@ -211,7 +316,7 @@ def clamp_logit_scale_(accelerator, model):
     Call it on every rank: under ZeRO-1/2 it runs collectives.
     """
     unwrapped = accelerator.unwrap_model(model)
-    param, max_value = unwrapped.logit_scale, unwrapped.max_logit_scale
+    param, max_value = getattr(unwrapped, unwrapped.scale_name), unwrapped.max_logit_scale
     if max_value is None:
         return
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
@@ -235,15 +340,19 @@ def clamp_logit_scale_(accelerator, model):
 
 
 def save_contrastive(accelerator, model, tokenizer, image_processor, output_dir):
-    """`save_pretrained` a directory that `CLIPModel`/`SiglipModel.from_pretrained` and the
-    zero-shot pipeline load (model + tokenizer + image processor).
+    """`save_pretrained` a directory that `CLIPModel`/`SiglipModel`/`ClapModel.from_pretrained` and
+    the zero-shot pipeline load (model + tokenizer + image processor or feature extractor).
 
     `get_state_dict` gathers full weights under FSDP2/ZeRO-3, so every rank must call this.
     """
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
-        state_dict["logit_scale"] = state_dict["logit_scale"].reshape(unwrapped.saved_logit_scale_shape)
+        for name, shape in unwrapped.saved_scalar_shapes.items():
+            state_dict[name] = state_dict[name].reshape(shape)
+        if isinstance(unwrapped, ClapForContrastiveTraining):  # ClapModel's keys: one scale, no bias
+            state_dict["logit_scale_t"] = state_dict["logit_scale_a"].clone()
+            state_dict.pop("logit_bias", None)
         unwrapped.save_pretrained(output_dir, state_dict=state_dict, save_function=accelerator.save)
         # a plain checkpoint: loads without mmrecipes
         unwrapped.config.architectures = [unwrapped.hf_architecture]

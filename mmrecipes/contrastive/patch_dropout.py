@@ -32,6 +32,9 @@ class PatchDropout:
 def add_patch_dropout(model, p: float) -> str:
     """Hook patch dropout `p` (0 < p < 1) onto a CLIP or SigLIP model's vision embeddings; returns
     the log line."""
+    if not hasattr(model, "vision_model"):
+        raise ValueError(f"--patch_dropout drops image patches; this {model.config.model_type} model has no image "
+                         "tower: drop it")
     embeddings = model.vision_model.embeddings
     if "spatial_shapes" in inspect.signature(embeddings.forward).parameters:
         raise ValueError("--patch_dropout keeps a share of a fixed grid's tokens; SigLIP 2 NaFlex pads each image's "

@@ -40,7 +40,10 @@ def lock_towers(model, args: LockArgs) -> list[str]:
     for name, (body_name, projection_name) in TOWERS.items():
         if not getattr(args, f"lock_{name}"):
             continue
-        body, layers = getattr(model, body_name), getattr(model, body_name).encoder.layers
+        body = getattr(model, body_name, None)
+        if body is None:
+            raise ValueError(f"--lock_{name}: this {model.config.model_type} model has no {name} tower: drop it")
+        layers = getattr(body.encoder, "layers", None) or body.encoder.layer  # CLAP's RoBERTa text: layer
         unlocked = getattr(args, f"lock_{name}_unlocked_layers")
         if unlocked > len(layers):
             raise ValueError(f"--lock_{name}_unlocked_layers {unlocked}: the {name} tower has {len(layers)} layers")

@@ -1,8 +1,9 @@
-"""Zero-shot classification during contrastive training, as open_clip users watch ImageNet top-1.
+"""Zero-shot classification during contrastive training, as open_clip users watch ImageNet top-1
+(CLAP's: ESC-50 clips against "This is a sound of {}.").
 
 Each class is embedded as the mean of its prompts' normalised text embeddings (one prompt per
-template, "a photo of a {}." ...), renormalised; each image is classified by its scores against
-them. SigLIP's sigmoid of the same scaled score (plus its bias) orders the classes identically,
+template, "a photo of a {}." ...), renormalised; each image (or clip) is classified by its scores
+against them. SigLIP's sigmoid of the same scaled score (plus its bias) orders the classes identically,
 so top-k is the same as with its sigmoid scores. The class embeddings are computed once per
 evaluation. Every rank embeds every class (the same forward on every rank, as FSDP2 and ZeRO-3
 need) and its own share of the images; correct counts are summed over ranks, so every rank logs
@@ -17,7 +18,8 @@ from ..distributed import batches_in_step, sum_over_ranks
 from ..images import image_inputs, to_device
 from ..paths import resolve_name
 from ..sources import split_by_data_rank
-from .arguments import ZeroShotArgs
+from .arguments import AUDIO_TEMPLATES, DEFAULT_TEMPLATES, ZeroShotArgs
+from .audio_pairs import clip_features, decoded_clip, stacked_clips, takes_audio
 
 
 class ZeroShotSet:
@@ -25,7 +27,7 @@ class ZeroShotSet:
     prompts."""
 
     def __init__(self, args: ZeroShotArgs, tokenizer, image_processor, *, caption_length: int, pad_to_max_length: bool,
-                 data_rank: int, data_world: int):
+                 data_rank: int, data_world: int, audio_max_seconds: float = 600.0):
         files = {"test": args.zeroshot_data_files} if args.zeroshot_data_files else None
         loaded = datasets.load_dataset(resolve_name(args.zeroshot_dataset), data_files=files)
         only = next(iter(loaded)) if len(loaded) == 1 else None
@@ -34,10 +36,15 @@ class ZeroShotSet:
             raise ValueError(f"--zeroshot_dataset {args.zeroshot_dataset} has splits {sorted(loaded)}: name one with "
                              "--zeroshot_split")
         rows = loaded[split]
-        for column in (args.zeroshot_image_column, args.zeroshot_label_column):
+        self.audio = takes_audio(image_processor)
+        self.column = args.zeroshot_audio_column if self.audio else args.zeroshot_image_column
+        if isinstance(rows.features.get(self.column), datasets.Audio):  # decoded by us (PyAV), as training clips
+            rows = rows.cast_column(self.column, datasets.Audio(decode=False))
+        for column in (self.column, args.zeroshot_label_column):
             if column not in rows.column_names:
                 raise ValueError(f"--zeroshot_dataset {args.zeroshot_dataset}: no column {column!r} (it has "
-                                 f"{rows.column_names}); set --zeroshot_image_column / --zeroshot_label_column")
+                                 f"{rows.column_names}); set --zeroshot_{'audio' if self.audio else 'image'}_column / "
+                                 "--zeroshot_label_column")
         label_feature = rows.features[args.zeroshot_label_column]
         if args.zeroshot_class_names:
             self.class_names = [name.strip() for name in args.zeroshot_class_names.split(",")]
@@ -47,12 +54,12 @@ class ZeroShotSet:
             raise ValueError(f"--zeroshot_dataset {args.zeroshot_dataset}: the label column "
                              f"{args.zeroshot_label_column!r} is not a ClassLabel: give the names with "
                              "--zeroshot_class_names")
-        templates = [template for template in args.zeroshot_templates.split("|") if template.strip()]
+        given = args.zeroshot_templates or (AUDIO_TEMPLATES if self.audio else DEFAULT_TEMPLATES)
+        templates = [template for template in given.split("|") if template.strip()]
         if not templates or any("{}" not in template for template in templates):
-            raise ValueError(f"--zeroshot_templates {args.zeroshot_templates!r}: each template needs one {{}} for the "
-                             "class")
-        self.args, self.image_processor = args, image_processor
-        self.filler = image_inputs(image_processor, [rows[0][args.zeroshot_image_column].convert("RGB")])
+            raise ValueError(f"--zeroshot_templates {given!r}: each template needs one {{}} for the class")
+        self.args, self.image_processor, self.audio_max_seconds = args, image_processor, audio_max_seconds
+        self.filler = self.inputs([rows[0]])
         self.rows = split_by_data_rank(rows.to_iterable_dataset(num_shards=data_world), args.zeroshot_dataset,
                                        data_rank, data_world)
         prompts = [template.format(name) for name in self.class_names for template in templates]
@@ -75,16 +82,31 @@ class ZeroShotSet:
             yield self._collate(batch)
 
     def _collate(self, rows):
-        images = [row[self.args.zeroshot_image_column].convert("RGB") for row in rows]
-        return image_inputs(self.image_processor, images), torch.tensor([row[self.args.zeroshot_label_column]
-                                                                         for row in rows])
+        return self.inputs(rows), torch.tensor([row[self.args.zeroshot_label_column] for row in rows])
+
+    def inputs(self, rows) -> dict:
+        """The model's media inputs for `rows`: images as the eval transform gives them, clips as
+        evaluation's (`AudioTextPreprocessor`: a clip's crop drawn from its own length). A clip that
+        cannot be used stops the run: a zero-shot set is curated, and leaving one out would change
+        what its score means."""
+        if not self.audio:
+            return image_inputs(self.image_processor, [row[self.column].convert("RGB") for row in rows])
+        clips = []
+        for row in rows:
+            samples, problem = decoded_clip(row[self.column], self.image_processor, self.audio_max_seconds)
+            if problem is not None:
+                raise ValueError(f"--zeroshot_dataset {self.args.zeroshot_dataset}: a clip of class "
+                                 f"{self.class_names[row[self.args.zeroshot_label_column]]!r} is {problem}: leave it "
+                                 "out of the set, or fix it")
+            clips.append(clip_features(self.image_processor, samples, len(samples)) | {"clip_seed": len(samples)})
+        return stacked_clips(clips, self.image_processor.truncation == "fusion")
 
 
 @torch.no_grad()
 def evaluate_zeroshot(model, zeroshot: ZeroShotSet, device) -> dict:
     """{zeroshot_top1, zeroshot_top5, zeroshot_images}: the same numbers on every rank.
 
-    The model's forward takes an image batch and a text batch of any sizes and returns their
+    The model's forward takes an image (or clip) batch and a text batch of any sizes and returns their
     normalised embeddings first: the class prompts go with one image, each image batch with one
     prompt. A rank with fewer image batches forwards the filler image until every rank is done
     (discarded: `batches_in_step`).
