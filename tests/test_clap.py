@@ -27,9 +27,11 @@ from launch import (
     accelerate_launch,
     assert_adam_weights_close,
     assert_engine,
+    assert_resume_repeats,
     assert_same_curves,
     losses,
     run_engine,
+    run_recipe,
 )
 from mmrecipes.audio import decode_audio
 from mmrecipes.contrastive import losses as contrastive_losses
@@ -37,10 +39,11 @@ from mmrecipes.contrastive.arguments import AUDIO_PAIR_COUNTED, DataArgs, ModelA
 from mmrecipes.contrastive.audio_pairs import clip_features, stacked_clips, window_rule
 from mmrecipes.contrastive.data import AudioTextPreprocessor, PairCollator, build_dataloader, data_modality
 from mmrecipes.contrastive.flops import ContrastiveFlops
+from mmrecipes.contrastive.grad_cache import grad_cache_backward
 from mmrecipes.contrastive.models import build_contrastive
 from mmrecipes.contrastive.patch_dropout import add_patch_dropout
 from mmrecipes.contrastive.tower_locking import LockArgs, lock_towers
-from mmrecipes.distributed import Ranks
+from mmrecipes.distributed import Ranks, make_accelerator
 from mmrecipes.images import to_device
 from mmrecipes.paths import EMBEDDED
 
@@ -92,6 +95,34 @@ def test_two_uneven_ranks_step_as_one_process(loss):
     (global_loss, global_grads), (per_rank_loss, per_rank_grads) = run_on_ranks(_split_step, 2, loss)[0]
     assert global_loss < 1e-6 and global_grads < 1e-5
     assert per_rank_grads > 1e-3
+
+
+def _feature_cache_and_tiles(rank, world_size):
+    torch.manual_seed(0)
+    model, tokenizer, extractor = build_contrastive(ModelArgs(), "audio")
+    model = model.double()
+    model.audio_model.audio_encoder.batch_norm.eval()  # at fixed statistics: a function of each row alone
+    batch = to_device(collated(tokenizer, extractor, embedded_rows(8)), "cpu")
+    batch["input_features"] = batch["input_features"].double()
+    whole = contrastive_losses.clip_loss(*model(**batch))
+    whole.backward()
+    truth = taken_gradients(model)
+    tiled = contrastive_losses.clip_loss(*model(**batch), tile_size=3).item()
+    micro_batches = [{key: value[rows] for key, value in batch.items()} for rows in (slice(0, 5), slice(5, 8))]
+    accelerator = make_accelerator(gradient_accumulation_steps=2)
+    cached = grad_cache_backward(accelerator, model, micro_batches, contrastive_losses.clip_loss).item()
+    scale = max(grad.abs().max() for grad in truth.values())  # relative to the largest (a key bias's is 0)
+    worst = max((param.grad - truth[name]).abs().max() for name, param in model.named_parameters() if name in truth)
+    return whole.item(), tiled, cached, (worst / scale).item()
+
+
+def test_feature_cache_and_tiled_loss_take_clap_batches():
+    """--contrastive_accumulation feature_cache over micro-batches of 5 and 3 rows gives the loss and gradients of one
+    batch of the 8, and --loss_tile_size 3 the loss of the whole matrix (float64). The BatchNorm is held at fixed
+    statistics here: in training each micro-batch is normalised with its own (docs/clip.md, CLAP)."""
+    whole, tiled, cached, worst = run_on_ranks(_feature_cache_and_tiles, 1)[0]
+    assert tiled == pytest.approx(whole, rel=1e-12) and cached == pytest.approx(whole, rel=1e-12)
+    assert worst < 1e-9
 
 
 def test_tiny_clap_follows_the_data_and_a_checkpoint_must_match(tmp_path):
@@ -226,10 +257,13 @@ def test_crops_follow_the_row_seed_and_fusion_flags_as_the_extractor():
 
 
 STEPS = 3
-# 101 training rows: rank 0 reads 51, rank 1 50, so step 3's batches are 17 and 16 rows (uneven)
+# 101 training rows in file order (a shuffle block of one row): rank 0 reads rows 0, 2, ..., 100 and rank 1 rows 1,
+# 3, ..., 99, 17 a step, so step 3's batches are 17 and 16 rows (uneven), and one process of 34 a step reads the
+# same rows each step. None is longer than the 2 s window: a crop is drawn from the row's place in its rank's stream
+# (as --train_augment's), which differs between 1 and 2 ranks.
 RUN_ARGS = ["--dataset_name", "parquet", "--eval_data_files", str(PAIRS / "test-00000-of-00001.parquet"),
             "--zeroshot_dataset", "embedded:audio_zeroshot", "--max_steps", STEPS, "--logging_steps", 1,
-            "--eval_steps", STEPS, "--per_device_train_batch_size", 17, "--save_steps", STEPS]
+            "--eval_steps", STEPS, "--shuffle_buffer_size", 1, "--save_steps", 2]
 # (engine, loss): each engine with one loss, each loss on several engines, DDP with both (the references)
 RUNS = [("ddp.yaml", "clip"), ("ddp.yaml", "siglip"), ("fsdp2.yaml", "siglip"), ("zero2.yaml", "clip"),
         ("zero3.yaml", "siglip")]
@@ -238,20 +272,49 @@ RUNS = [("ddp.yaml", "clip"), ("ddp.yaml", "siglip"), ("fsdp2.yaml", "siglip"), 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     results, rows = {}, tmp_path_factory.mktemp("clap_rows") / "train.parquet"
-    datasets.load_dataset(str(PAIRS), split="train").select(range(101)).to_parquet(rows)
-    for config, loss in RUNS:
+    pairs = datasets.load_dataset(str(PAIRS), split="train")
+    short = [index for index, clip in enumerate(pairs["audio"]) if len(decode_audio(clip, 8000, 60.0)[0]) <= 16000]
+    pairs.select(short[:101]).to_parquet(rows)
+    for config, loss in [*RUNS, ("one process", "clip"), ("one process", "siglip")]:
         output_dir = tmp_path_factory.mktemp(f"clap_{config.split('.')[0]}_{loss}")
         args = [*RUN_ARGS, "--data_files", rows, "--loss", loss, "--output_dir", output_dir]
-        if (config, loss) == RUNS[0]:  # as a user launches it, from another directory
-            result = accelerate_launch(config, *args, cwd=output_dir)
+        if config == "one process":
+            result = run_recipe(*args, "--per_device_train_batch_size", 34)
+        elif (config, loss) == RUNS[0]:  # as a user launches it, from another directory
+            result = accelerate_launch(config, *args, "--per_device_train_batch_size", 17, cwd=output_dir)
         else:
-            result = run_engine(config, *args)
+            result = run_engine(config, *args, "--per_device_train_batch_size", 17)
         results[config, loss] = (result, output_dir)
+    # ZeRO-3's run again from its step-2 checkpoint
+    config, loss = RUNS[-1]
+    output_dir = tmp_path_factory.mktemp("clap_resumed")
+    results["resumed"] = (run_engine(config, *RUN_ARGS, "--data_files", rows, "--loss", loss, "--output_dir",
+                                     output_dir, "--per_device_train_batch_size", 17, "--resume_from_checkpoint",
+                                     results[RUNS[-1]][1] / "checkpoints" / "checkpoint-2"), output_dir)
     return results
 
 
 def zeroshot(log):
     return re.findall(r"zeroshot_top1 [\d.]+ \| zeroshot_top5 [\d.]+ \| zeroshot_images \d+", log)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+def test_two_ranks_train_as_one_process(runs, loss):
+    """DDP on 2 ranks of 17 rows a step (the last 17 and 16) against one process of 34 (the last 33), the same rows:
+    the same losses, retrieval and zero-shot scores, and weights. With the engines' agreement
+    with DDP below, 2 ranks = one process under each."""
+    (single, single_dir), (ddp, ddp_dir) = runs["one process", loss], runs["ddp.yaml", loss]
+    assert single.returncode == 0 and ddp.returncode == 0, single.log[-3000:]
+    assert_same_curves(ddp.log, single.log, range(1, STEPS + 1))
+    assert zeroshot(ddp.log) == zeroshot(single.log)
+    assert retrieval(ddp.log) == retrieval(single.log) and len(retrieval(ddp.log)) == 2
+    assert_adam_weights_close(ClapModel.from_pretrained(ddp_dir).state_dict(),
+                              ClapModel.from_pretrained(single_dir).state_dict(), learning_rate=2e-3, steps=STEPS)
+
+
+def retrieval(log) -> list[float]:
+    return [float(value) for value in re.findall(r"_R@1 ([\d.]+)", log)]
 
 
 @pytest.mark.launch
@@ -269,6 +332,15 @@ def test_engines_train_clap_as_ddp(runs, config, loss):
     assert "eval_pairs 96" in result.log and "audio_to_text_R@1" in result.log
     assert_adam_weights_close(ClapModel.from_pretrained(output_dir).state_dict(),
                               ClapModel.from_pretrained(reference_dir).state_dict(), learning_rate=2e-3, steps=STEPS)
+
+
+@pytest.mark.launch
+def test_resume_repeats_the_straight_run(runs):
+    """Step 3 and its evaluation, resumed from step 2's checkpoint under ZeRO-3 (the sigmoid loss's bias partitioned
+    with the rest), are the straight run's to the last printed digit: the data continues where it stood."""
+    (straight, _), (resumed, _) = runs[RUNS[-1]], runs["resumed"]
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert_resume_repeats(resumed.log, straight.log, [3])
 
 
 @pytest.mark.launch
