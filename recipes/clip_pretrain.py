@@ -184,12 +184,10 @@ def main(argv=None):
 
     config = tracker_config(model_args, data_args, args)
     accelerator.init_trackers(f"{model_args.loss}_pretrain", config)
+    curves = [f"{modality}_to_text_R@1", f"text_to_{modality}_R@1", "zeroshot_top1"]  # model card
     # The data counters: bad rows by kind, and the rows of each source where there are several
-    # in the model card
-    curves = [f"{modality}_to_text_R@1", f"text_to_{modality}_R@1", "zeroshot_top1"]
     report = Report(accelerator, args, batches, data_args.counted(modality), guard=guard,
-                    flops=batch_flops,
-                    total=checkpoints.resumed_totals, ranks=ranks,
+                    flops=batch_flops, total=checkpoints.resumed_totals, ranks=ranks,
                     evaluations=[Evaluation(held_out, curves=curves)])
     # Both take (image or audio embeds, text embeds, *the model's other outputs: scale, a bias)
     loss_fn = (siglip_loss if model_args.loss == "siglip"

@@ -247,12 +247,12 @@ def test_crops_follow_the_row_seed_and_fusion_flags_as_the_extractor():
     assert not torch.equal(clip_features(crop, long_clip, 8)["input_features"], expected)
     fusion = ClapFeatureExtractor(truncation="fusion", max_length_s=2)
     short = [rng.uniform(-0.5, 0.5, 48_000).astype(numpy.float32) for _ in range(3)]
-    rows = [clip_features(fusion, clip, seed) | {"clip_seed": seed} for seed, clip in enumerate(short)]
-    batch = stacked_clips(rows, fusion=True)
+    rows = [clip_features(fusion, clip, seed) for seed, clip in enumerate(short)]
+    batch = stacked_clips(rows, fusion)
     reference = fusion(short, sampling_rate=48000, return_tensors="pt")
     assert torch.equal(batch["input_features"], reference["input_features"])
     assert batch["is_longer"].sum() == reference["is_longer"].sum() == 1
-    with_long = stacked_clips(rows + [clip_features(fusion, long_clip, 3) | {"clip_seed": 3}], fusion=True)
+    with_long = stacked_clips(rows + [clip_features(fusion, long_clip, 3)], fusion)
     assert with_long["is_longer"].flatten().tolist() == [False, False, False, True]
 
 

@@ -23,14 +23,15 @@ from ..audio import decode_audio
 SILENCE = 2.0 ** -15  # below one step of 16-bit audio: every sample of a silent clip
 
 
-def takes_audio(processor) -> bool:
-    """Whether the model's media processor is an audio feature extractor (CLAP's)."""
+def is_audio_extractor(processor) -> bool:
+    """Whether the model's media processor is an audio feature extractor (CLAP's; not
+    `audio_windows.takes_audio`, which asks whether a VLM processor's call takes clips)."""
     return isinstance(processor, SequenceFeatureExtractor)
 
 
 def decoded_clip(raw, extractor, max_seconds: float):
     """(samples at the extractor's rate, None) or (None, why it is skipped)."""
-    if raw is None or raw == {} or (isinstance(raw, dict) and not (raw.get("bytes") or raw.get("path"))):
+    if raw is None or (isinstance(raw, dict) and not (raw.get("bytes") or raw.get("path"))):
         return None, "no_audio"
     samples, problem = decode_audio(raw, extractor.sampling_rate, max_seconds)
     if problem is None and numpy.abs(samples).max() < SILENCE:
@@ -40,7 +41,8 @@ def decoded_clip(raw, extractor, max_seconds: float):
 
 def clip_features(extractor, samples: numpy.ndarray, seed: int) -> dict:
     """One clip's `input_features` and `is_longer` as the extractor makes them, its random crops
-    drawn from `seed` (the extractor draws from numpy's global generator: restored afterwards)."""
+    drawn from `seed` (the extractor draws from numpy's global generator: restored afterwards), and
+    the seed (`clip_seed`: `stacked_clips` draws the batch's fusion flag from it)."""
     state = numpy.random.get_state()
     numpy.random.seed(seed % 2 ** 32)
     try:
@@ -48,7 +50,8 @@ def clip_features(extractor, samples: numpy.ndarray, seed: int) -> dict:
     finally:
         numpy.random.set_state(state)
     # a batch of one that is not longer gets the fusion rule's flag; the collator applies that rule to its batch
-    return {"input_features": made["input_features"][0], "is_longer": torch.tensor([is_longer(extractor, samples)])}
+    return {"input_features": made["input_features"][0], "is_longer": torch.tensor([is_longer(extractor, samples)]),
+            "clip_seed": seed}
 
 
 def is_longer(extractor, samples) -> bool:
@@ -60,11 +63,12 @@ def is_longer(extractor, samples) -> bool:
     return len(samples) > window
 
 
-def stacked_clips(rows: list[dict], fusion: bool) -> dict:
-    """The rows' features as one batch; with the `fusion` rule, a batch with no longer clip gets one
-    row flagged (the extractor's batch step), drawn from the first row's seed."""
+def stacked_clips(rows: list[dict], extractor) -> dict:
+    """The rows' features (`clip_features`) as one batch; under the extractor's `fusion` rule, a
+    batch with no longer clip gets one row flagged (the extractor's batch step), drawn from the
+    first row's seed."""
     flags = torch.stack([row["is_longer"] for row in rows])
-    if fusion and not flags.any():
+    if extractor.truncation == "fusion" and not flags.any():
         flags[numpy.random.default_rng(rows[0]["clip_seed"] % 2 ** 32).integers(len(rows))] = True
     return {"input_features": torch.stack([row["input_features"] for row in rows]), "is_longer": flags}
 

@@ -28,7 +28,7 @@ from ..loader import ROW_SEED, rank_loader
 from ..skips import SKIPPED, DropCounter, Skip, data_counts
 from ..sources import DATA_FILE, PROBLEM, SOURCE, load_stream, mixed_stream, split_sources
 from .arguments import AUDIO_PAIR_COUNTED, COUNTED, DataArgs
-from .audio_pairs import clip_features, decoded_clip, stacked_clips, takes_audio
+from .audio_pairs import clip_features, decoded_clip, is_audio_extractor, stacked_clips
 
 
 def evaluation_off_reason(args: DataArgs) -> str | None:
@@ -156,8 +156,7 @@ class AudioTextPreprocessor(PairPreprocessor):
         seeds = [seed if seed is not None else zlib.crc32(caption.encode()) + len(clip)
                  for clip, seed, caption in zip(clips, seeds, captions)]
         rows = [clip_features(self.extractor, clip, seed) for clip, seed in zip(clips, seeds)]
-        return {"input_features": [row["input_features"] for row in rows],
-                "is_longer": [row["is_longer"] for row in rows], "clip_seed": seeds}
+        return {key: [row[key] for row in rows] for key in ("input_features", "is_longer", "clip_seed")}
 
 
 class PairCollator:
@@ -175,8 +174,7 @@ class PairCollator:
                              "tokenizer.pad_token (e.g. to its eos_token) and save it with the model")
         self.pad_token_id, self.padding_side = tokenizer.pad_token_id, tokenizer.padding_side
         self.pad_to_length, self.sources = pad_to_length, sources
-        self.audio = takes_audio(processor)
-        self.fusion = self.audio and processor.truncation == "fusion"
+        self.processor, self.audio = processor, is_audio_extractor(processor)
         self.normalization = None if self.audio else device_normalization(processor)
         self.counted = AUDIO_PAIR_COUNTED if self.audio else COUNTED
 
@@ -203,7 +201,7 @@ class PairCollator:
 
     def media(self, rows) -> dict:
         if self.audio:
-            return stacked_clips(rows, self.fusion)
+            return stacked_clips(rows, self.processor)
         pixels = [row["pixel_values"] for row in rows]
         media = (padded_patches(pixels, [row["spatial_shapes"] for row in rows]) if "spatial_shapes" in rows[0]
                  else {"pixel_values": torch.stack(pixels)})
@@ -223,7 +221,7 @@ def build_dataloader(args: DataArgs, split, data_files, tokenizer, processor, *,
     data rank, and accelerate would shard a datasets stream a second time. `processor`: the image
     processor, or CLAP's feature extractor (audio-caption rows). `pad_to_max_length`: pad every
     caption to `caption_length` (SigLIP), not to the batch max."""
-    audio = takes_audio(processor)
+    audio = is_audio_extractor(processor)
     columns = [args.audio_column if audio else args.image_column, args.caption_column]
 
     def check_columns(name, available):
@@ -270,7 +268,7 @@ def image_patches(row) -> int:
 
 def check_media_flags(args: DataArgs, image_processor):
     """Refuse, before the first step, image flags this processor cannot serve."""
-    if takes_audio(image_processor) and (args.max_patches_per_batch or args.train_augment):
+    if is_audio_extractor(image_processor) and (args.max_patches_per_batch or args.train_augment):
         raise ValueError("--max_patches_per_batch and --train_augment are image flags; this model hears (CLAP): drop "
                          "them")
     if args.max_patches_per_batch and not takes_patch_grids(image_processor):

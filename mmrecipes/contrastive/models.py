@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from accelerate.utils import DistributedType
 from transformers import (
     AutoConfig,
+    AutoFeatureExtractor,
     AutoImageProcessor,
     AutoTokenizer,
     ClapConfig,
@@ -180,7 +181,8 @@ def build_contrastive(args: ModelArgs, modality: str = "image"):
             raise ValueError(f"{args.model_name_or_path} is a {model_type!r} model, not {args.loss}: {trains}")
         model = model_class.from_pretrained(args.model_name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-        processor_class = ClapFeatureExtractor if model_type == "clap" else AutoImageProcessor
+        # by what the model's tower takes: CLAP saves a feature extractor, not an image processor
+        processor_class = AutoFeatureExtractor if model_modality(model) == "audio" else AutoImageProcessor
         image_processor = processor_class.from_pretrained(args.model_name_or_path)
         if isinstance(model, ClapForSigmoidTraining):  # a saved ClapModel holds no bias
             with torch.no_grad():
@@ -242,9 +244,17 @@ def _tiny_siglip(args: ModelArgs):
         image_processor = SiglipImageProcessor(size={"height": args.image_size, "width": args.image_size})
     # Both initialise them to 0, which leaves a small model at chance: the paper's log(10) and -10.
     with torch.no_grad():
-        model.logit_scale.fill_(math.log(10) if args.logit_scale_init_value is None else args.logit_scale_init_value)
+        model.logit_scale.fill_(initial_logit_scale(args))
         model.logit_bias.fill_(args.logit_bias_init_value)
     return model, tokenizer, image_processor
+
+
+def initial_logit_scale(args: ModelArgs) -> float:
+    """A tiny model's starting logit scale: --logit_scale_init_value, else CLIP's ln(1/0.07) for the
+    softmax loss and the SigLIP paper's ln 10 for the sigmoid loss."""
+    if args.logit_scale_init_value is not None:
+        return args.logit_scale_init_value
+    return 2.6592 if args.loss == "clip" else math.log(10)
 
 
 def model_modality(model) -> str:
@@ -273,13 +283,10 @@ def _tiny_clap(args: ModelArgs):
     config = ClapConfig(text_config=text_config, audio_config=audio_config, projection_dim=args.projection_dim)
     model = ClapForContrastiveTraining(config) if args.loss == "clip" else ClapForSigmoidTraining(config)
     with torch.no_grad():
-        if args.loss == "clip":
-            model.logit_scale_a.fill_(2.6592 if args.logit_scale_init_value is None else args.logit_scale_init_value)
-        else:  # SigLIP's paper init, as _tiny_siglip
-            model.logit_scale_a.fill_(math.log(10) if args.logit_scale_init_value is None
-                                      else args.logit_scale_init_value)
-            model.logit_bias.fill_(args.logit_bias_init_value)
+        model.logit_scale_a.fill_(initial_logit_scale(args))
         model.logit_scale_t.copy_(model.logit_scale_a)
+        if args.loss == "siglip":
+            model.logit_bias.fill_(args.logit_bias_init_value)
     return model, tokenizer, ClapFeatureExtractor(truncation="rand_trunc", max_length_s=2)
 
 
@@ -296,7 +303,7 @@ def _tiny_clip(args: ModelArgs):
         ),
         vision_config=dict(tower, image_size=args.image_size, patch_size=args.patch_size),
         projection_dim=args.projection_dim,
-        logit_scale_init_value=2.6592 if args.logit_scale_init_value is None else args.logit_scale_init_value,
+        logit_scale_init_value=initial_logit_scale(args),
     )
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": args.image_size}, crop_size={"height": args.image_size, "width": args.image_size}

@@ -19,7 +19,7 @@ from ..images import image_inputs, to_device
 from ..paths import resolve_name
 from ..sources import split_by_data_rank
 from .arguments import AUDIO_TEMPLATES, DEFAULT_TEMPLATES, ZeroShotArgs
-from .audio_pairs import clip_features, decoded_clip, stacked_clips, takes_audio
+from .audio_pairs import clip_features, decoded_clip, is_audio_extractor, stacked_clips
 
 
 class ZeroShotSet:
@@ -36,7 +36,7 @@ class ZeroShotSet:
             raise ValueError(f"--zeroshot_dataset {args.zeroshot_dataset} has splits {sorted(loaded)}: name one with "
                              "--zeroshot_split")
         rows = loaded[split]
-        self.audio = takes_audio(image_processor)
+        self.audio = is_audio_extractor(image_processor)
         self.column = args.zeroshot_audio_column if self.audio else args.zeroshot_image_column
         if isinstance(rows.features.get(self.column), datasets.Audio):  # decoded by us (PyAV), as training clips
             rows = rows.cast_column(self.column, datasets.Audio(decode=False))
@@ -86,9 +86,9 @@ class ZeroShotSet:
 
     def inputs(self, rows) -> dict:
         """The model's media inputs for `rows`: images as the eval transform gives them, clips as
-        evaluation's (`AudioTextPreprocessor`: a clip's crop drawn from its own length). A clip that
-        cannot be used stops the run: a zero-shot set is curated, and leaving one out would change
-        what its score means."""
+        `audio_pairs` makes them, a longer clip's crop drawn from its own length (the same on any
+        number of ranks). A clip that cannot be used stops the run: a zero-shot set is curated, and
+        leaving one out would change what its score means."""
         if not self.audio:
             return image_inputs(self.image_processor, [row[self.column].convert("RGB") for row in rows])
         clips = []
@@ -98,8 +98,8 @@ class ZeroShotSet:
                 raise ValueError(f"--zeroshot_dataset {self.args.zeroshot_dataset}: a clip of class "
                                  f"{self.class_names[row[self.args.zeroshot_label_column]]!r} is {problem}: leave it "
                                  "out of the set, or fix it")
-            clips.append(clip_features(self.image_processor, samples, len(samples)) | {"clip_seed": len(samples)})
-        return stacked_clips(clips, self.image_processor.truncation == "fusion")
+            clips.append(clip_features(self.image_processor, samples, len(samples)))
+        return stacked_clips(clips, self.image_processor)
 
 
 @torch.no_grad()
