@@ -6,7 +6,8 @@ running the whole batch.
   (Qwen3-VL), a Gated DeltaNet one (Qwen3.5), and one image a row (Llava; LLaVA-NeXT's anyres patches, Mistral 3's
   padded pixels, Gemma 4's patch sequences, each with its sizes or positions): the loss and every gradient as one
   process gives them, each rank encoding its share of the pixels (a rank without an image encodes one again,
-  unused).
+  unused). Qwen3.5's head-parallel layers are split so even when their forward was dropped after the split was
+  built, as transformers 5.25's `kernels` drop it on train().
 - README's table of packing, sequence parallelism and the tower's share per family against the checks on each tiny
   family; the balance; a tower that gives other than one item an image stopping every rank at once.
 """
@@ -80,6 +81,8 @@ def _shared_against_whole(rank, world_size, directories, clip):
             rows.append([_row(labeller, videos=[_clip(clip)], answer="right")])  # 8 frames, one clip
         split = SequenceParallel(model, 2, processor)
         assert split.vision is not None, split.vision_line
+        for layer, _ in split.head_parallel:  # as transformers 5.25's `kernels` do on train(): each split puts it back
+            del layer.forward
         whole_step, split_step = VLMForTraining(model), VLMForTraining(model, split)
         encoded = []
         encoder = model.get_image_features

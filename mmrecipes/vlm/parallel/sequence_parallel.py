@@ -215,8 +215,10 @@ class SequenceParallel:
         self.masked = needs_masks(model)  # its layers get the whole sequence's masks, padded
         decoder, mixers = model.get_decoder(), mixer_layers(model)
         decoder.register_forward_pre_hook(self._split, with_kwargs=True)
-        for layer in mixers:  # linear attention: head-parallel around the whole block
-            layer.forward = self._head_parallel(layer, layer.forward)
+        # linear attention: head-parallel around the whole block
+        self.head_parallel = [(layer, self._head_parallel(layer, layer.forward)) for layer in mixers]
+        for layer, forward in self.head_parallel:
+            layer.forward = forward
         self.patched = [f"attention {ATTENTION!r} registered in transformers and set as the language model's",
                         f"a pre-hook on {type(decoder).__name__} that splits its inputs"]
         if mixers:
@@ -268,6 +270,11 @@ class SequenceParallel:
         self.running = forward = self.asked
         if not forward.split:
             return None
+        # transformers 5.25's `kernels` drop a layer's own forward on train() and eval(): each shard would run the
+        # recurrence from a zero state, silently; the head-parallel forwards go back before every split forward
+        for layer, head_parallel in self.head_parallel:
+            if vars(layer).get("forward") is not head_parallel:
+                layer.forward = head_parallel
         embeds = kwargs.get("inputs_embeds")
         if args or embeds is None:
             raise RuntimeError(f"sequence parallel: {type(module).__name__} was called without inputs_embeds as a "
